@@ -1,0 +1,45 @@
+# The README's two commands are `make demo` and `make check`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: venv demo check lint types test test-fast openapi bench clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## demo: start a daemon, submit a 2-worker gloo job whose rank 1 crashes once, show the restart and the success
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+## check: what CI runs — lint, types, the whole test suite
+check: lint types test
+
+lint: $(STAMP)
+	$(BIN)/ruff check elasticd api tests bench examples
+	$(BIN)/ruff format --check elasticd api tests bench examples
+
+types: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow"
+
+## openapi: regenerate openapi.json from the app
+openapi: $(STAMP)
+	$(BIN)/python -m api.openapi > openapi.json
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,98 @@
+"""Errors as RFC 9457 problem details (``application/problem+json``).
+
+One table maps elasticd's exception tree to HTTP status codes; routes never
+format errors themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from elasticd import errors
+
+PROBLEM_JSON = "application/problem+json"
+
+#: Most specific class first; the first match wins.
+STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
+    (errors.JobNotFound, 404, "Job not found"),
+    (errors.LogNotFound, 404, "Log not found"),
+    (errors.JobConflict, 409, "Conflict"),
+    (errors.LeaseNotFound, 404, "Lease not found"),
+    (errors.ValueTooLarge, 413, "Value too large"),
+    (errors.InvalidKey, 422, "Invalid store key"),
+    (errors.StoreCompacted, 410, "Store history compacted"),
+    (errors.StoreUnavailable, 503, "Store unavailable"),
+    (errors.ShuttingDown, 503, "Daemon shutting down"),
+    (errors.ConfigError, 400, "Bad configuration"),
+    (errors.ElasticdError, 500, "Internal error"),
+]
+
+
+def problem(
+    status: int,
+    title: str,
+    detail: str,
+    *,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> JSONResponse:
+    """A problem+json response with a message a person can act on."""
+    body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status}
+    body["detail"] = detail
+    body.update(extra)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON, headers=headers)
+
+
+def status_for(exc: errors.ElasticdError) -> tuple[int, str]:
+    for cls, status, title in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return status, title
+    return 500, "Internal error"  # pragma: no cover - ElasticdError is the last row
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the one error-handler table on ``app``."""
+
+    async def on_elasticd_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, errors.ElasticdError)
+        status, title = status_for(exc)
+        extra: dict[str, Any] = {}
+        if isinstance(exc, errors.StoreCompacted):
+            extra["revision"] = exc.revision
+        return problem(status, title, str(exc) or title, **extra)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        invalid = []
+        for err in exc.errors():
+            invalid.append(
+                {"field": _field_path(err.get("loc", ())), "message": err.get("msg", "")}
+            )
+        detail = "; ".join(f"{e['field']}: {e['message']}" for e in invalid)
+        return problem(422, "Invalid request", detail, errors=invalid)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        headers = dict(exc.headers) if exc.headers else None
+        title = {
+            401: "Unauthorized",
+            403: "Forbidden",
+            404: "Not found",
+            405: "Method not allowed",
+            413: "Request too large",
+        }.get(exc.status_code, "HTTP error")
+        return problem(exc.status_code, title, str(exc.detail), headers=headers)
+
+    app.add_exception_handler(errors.ElasticdError, on_elasticd_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -1,0 +1,105 @@
+"""The exception tree of elasticd.
+
+Every IO boundary translates what it catches into one of these, so callers
+above it handle a small, documented set::
+
+    ElasticdError
+    ├── ConfigError              bad configuration; the daemon refuses to start
+    ├── InvalidTransition        a state machine refused an illegal transition
+    ├── ShuttingDown             the daemon no longer accepts work
+    ├── StoreError               anything the cluster store raises
+    │   ├── StoreUnavailable     the store could not be reached (names the URL)
+    │   ├── StoreCompacted       a watch asked for history the store no longer has
+    │   ├── LeaseNotFound        the lease expired or was revoked
+    │   ├── ValueTooLarge        a value over the store's size limit
+    │   └── InvalidKey           a key the store refuses (empty, '..', control chars)
+    ├── JobError
+    │   ├── JobNotFound          no job with that id
+    │   ├── JobConflict          same id, different spec; or cancel of a finished job
+    │   └── LogNotFound          no such log file for that job/rank/attempt
+    ├── RendezvousError          the rendezvous could not complete
+    │   ├── RendezvousClosed     the job's rendezvous was closed (job is over)
+    │   └── RendezvousTimeout    not enough nodes within the join timeout
+    └── WorkerSpawnError         a worker process could not be started
+"""
+
+from __future__ import annotations
+
+
+class ElasticdError(Exception):
+    """Base of every error elasticd raises on purpose."""
+
+
+class ConfigError(ElasticdError):
+    """The configuration is invalid; the message says which setting and why."""
+
+
+class InvalidTransition(ElasticdError):
+    """A state machine was asked for a transition it does not allow."""
+
+
+class ShuttingDown(ElasticdError):
+    """The daemon is stopping and accepts no new work."""
+
+
+class StoreError(ElasticdError):
+    """Base of cluster-store errors."""
+
+
+class StoreUnavailable(StoreError):
+    """The store could not be reached or answered with a server error."""
+
+
+class StoreCompacted(StoreError):
+    """A watch asked for changes older than the history the store keeps.
+
+    The caller must re-read the current value and watch from its version.
+    """
+
+    def __init__(self, message: str, revision: int) -> None:
+        super().__init__(message)
+        self.revision = revision
+
+
+class LeaseNotFound(StoreError):
+    """The lease does not exist: it expired or was revoked."""
+
+
+class ValueTooLarge(StoreError):
+    """The value is larger than the store accepts."""
+
+
+class InvalidKey(StoreError):
+    """The key is not acceptable to the store."""
+
+
+class JobError(ElasticdError):
+    """Base of errors about a job."""
+
+
+class JobNotFound(JobError):
+    """No job has that id."""
+
+
+class JobConflict(JobError):
+    """The request conflicts with the job's current spec or state."""
+
+
+class LogNotFound(JobError):
+    """The requested log does not exist."""
+
+
+class RendezvousError(ElasticdError):
+    """The rendezvous could not complete."""
+
+
+class RendezvousClosed(RendezvousError):
+    """The rendezvous is closed; no further rounds happen."""
+
+
+class RendezvousTimeout(RendezvousError):
+    """The rendezvous did not gather enough nodes in time."""
+
+
+class WorkerSpawnError(ElasticdError):
+    """A worker process could not be started (bad entrypoint, cwd, permissions)."""

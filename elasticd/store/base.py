@@ -1,0 +1,159 @@
+"""The store interface every backend implements (in-memory, embedded HTTP, etcd).
+
+Semantics, shared with etcd v3 so that every backend can honour them:
+
+* A store-wide **revision** starts at 0 and grows by one with every change
+  (put, delete, lease expiry deleting a key). It orders all changes.
+* An entry's ``version`` is the revision of its last write (etcd's
+  ``mod_revision``); ``created`` is the revision that created it
+  (``create_revision``). Versions are the fencing tokens of compare-and-set.
+* ``compare_and_set`` is the one write primitive for shared state: it writes
+  only when the key's current version equals ``expected_version``
+  (``None`` means "the key must be absent"). A lost race is not an exception:
+  the result carries the winner's entry.
+* Keys bound to a lease are deleted when the lease expires or is revoked.
+* ``watch`` answers as soon as a change under the key (or prefix) with a
+  revision above ``after_version`` exists, or with an empty list at the
+  timeout. It never sleeps-and-polls.
+
+Values are bytes; callers encode JSON. Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, Self
+
+#: Default largest value a store accepts (bytes); configurable per backend.
+DEFAULT_MAX_VALUE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One key's current value."""
+
+    key: str
+    value: bytes
+    version: int  # revision of the last write (etcd mod_revision)
+    created: int  # revision that created the key (etcd create_revision)
+    lease: int | None = None
+
+
+@dataclass(frozen=True)
+class CasResult:
+    """The outcome of a compare-and-set.
+
+    ``ok`` tells whether this call's write won. ``entry`` is the key's entry
+    after the call: the new one on success, the winner's (or ``None`` when the
+    key is absent) on a lost race.
+    """
+
+    ok: bool
+    entry: Entry | None
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One change seen by a watch."""
+
+    kind: Literal["put", "delete"]
+    key: str
+    value: bytes | None  # None for a delete
+    revision: int  # store revision of this change
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The entries under a prefix, and the store revision they were read at.
+
+    Watching the prefix from ``revision`` misses nothing that happened after
+    the read.
+    """
+
+    entries: Sequence[Entry]
+    revision: int
+
+
+class Store(abc.ABC):
+    """An async versioned key-value store with CAS, leases and watch.
+
+    Stores are async context managers; ``close`` releases clients and tasks.
+    """
+
+    @abc.abstractmethod
+    async def get(self, key: str) -> Entry | None:
+        """The key's entry, or ``None`` when absent."""
+
+    @abc.abstractmethod
+    async def compare_and_set(
+        self,
+        key: str,
+        value: bytes,
+        expected_version: int | None,
+        *,
+        lease: int | None = None,
+    ) -> CasResult:
+        """Write ``value`` if the key's version is ``expected_version``.
+
+        ``expected_version=None`` creates the key only if it is absent.
+        """
+
+    @abc.abstractmethod
+    async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
+        """Write unconditionally (for data with a single writer, e.g. a node's own record)."""
+
+    @abc.abstractmethod
+    async def add(self, key: str, delta: int = 1) -> int:
+        """Atomically add ``delta`` to an integer counter (absent = 0); return the new value."""
+
+    @abc.abstractmethod
+    async def delete(self, key: str, expected_version: int | None = None) -> bool:
+        """Delete the key; with ``expected_version`` only if it matches. True if deleted."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str) -> Listing:
+        """All entries whose key starts with ``prefix``, sorted by key."""
+
+    @abc.abstractmethod
+    async def grant(self, ttl: float) -> int:
+        """Create a lease that expires ``ttl`` seconds from now unless kept alive."""
+
+    @abc.abstractmethod
+    async def keep_alive(self, lease: int) -> None:
+        """Renew the lease for another full TTL. Raises ``LeaseNotFound`` if it is gone."""
+
+    @abc.abstractmethod
+    async def revoke(self, lease: int) -> None:
+        """End the lease now, deleting its keys. Revoking an unknown lease is not an error."""
+
+    @abc.abstractmethod
+    async def watch(
+        self,
+        key: str,
+        after_version: int,
+        timeout: float,
+        *,
+        prefix: bool = False,
+    ) -> list[WatchEvent]:
+        """Changes to ``key`` (or under it, with ``prefix``) with revision > ``after_version``.
+
+        Returns as soon as there is at least one; returns ``[]`` at the timeout.
+        Raises ``StoreCompacted`` if that history is gone.
+        """
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, default does nothing
+        """Release clients, connections and background tasks."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,20 @@
+"""How routes reach the daemon: through ``app.state``, set by ``create_app``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+if TYPE_CHECKING:
+    from elasticd.daemon import Daemon
+    from elasticd.jobs import JobService
+
+
+def daemon_of(request: Request) -> Daemon:
+    daemon: Daemon = request.app.state.daemon
+    return daemon
+
+
+def jobs_of(request: Request) -> JobService:
+    return daemon_of(request).jobs

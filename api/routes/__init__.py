@@ -1,0 +1,1 @@
+"""Route modules; each builds an APIRouter over the daemon's service object."""

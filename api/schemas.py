@@ -1,0 +1,50 @@
+"""Wire models of the REST API.
+
+The daemon's records are served as they are stored, so most models live in
+:mod:`elasticd.models` and are re-exported here; API-only shapes are below.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from elasticd.models import (
+    Event,
+    GroupView,
+    Job,
+    JobList,
+    JobSpec,
+    RootCause,
+    WorkersView,
+    WorkerView,
+)
+
+__all__ = [
+    "Event",
+    "GroupView",
+    "Health",
+    "Job",
+    "JobList",
+    "JobSpec",
+    "Problem",
+    "RootCause",
+    "WorkerView",
+    "WorkersView",
+]
+
+
+class Health(BaseModel):
+    """Liveness / readiness answer."""
+
+    status: str
+    node: str
+    version: str
+
+
+class Problem(BaseModel):
+    """An error, as RFC 9457 problem details."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str

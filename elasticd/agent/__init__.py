@@ -1,0 +1,12 @@
+"""The per-job agent: torch.distributed.elastic's agent state machine, async.
+
+One agent runs per job on each node that takes part. Its loop is::
+
+    rendezvous → assign ranks → start workers → monitor
+        → restart (a worker failed, budget left)
+        → succeed (every worker exited 0) → exit barrier
+        → fail (budget spent) | cancel
+
+It decides in pure functions (:mod:`elasticd.agent.policy`) and applies the
+decisions in :mod:`elasticd.agent.agent`. Exits are awaited, never polled.
+"""

@@ -1,0 +1,183 @@
+"""Daemon configuration: the only place environment variables and the config file are read.
+
+Precedence, highest first: command-line flags, ``ELASTICD_*`` environment
+variables, the TOML file named by ``--config`` / ``ELASTICD_CONFIG``,
+built-in defaults. Every problem is a ``ConfigError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import stat
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from elasticd.errors import ConfigError
+
+ENV_PREFIX = "ELASTICD_"
+DEFAULT_PORT = 7070
+
+
+def _default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/var/lib/elasticd")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "elasticd"
+
+
+def parse_labels(value: str | Mapping[str, str]) -> dict[str, str]:
+    """``"gpu=a100,zone=b"`` or a mapping → dict."""
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    labels: dict[str, str] = {}
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"labels: {item!r} is not key=value")
+        labels[key.strip()] = val.strip()
+    return labels
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Config(BaseModel):
+    """The settings of one daemon."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    advertise_addr: str | None = None
+    state_dir: Path = Field(default_factory=_default_state_dir)
+    log_dir: Path | None = None
+    slots: int | None = Field(default=None, ge=1, le=4096)
+    labels: dict[str, str] = Field(default_factory=dict)
+    token_file: Path | None = None
+    store_url: str | None = None
+    store_only: bool = False
+    shutdown_timeout: float = Field(default=60.0, gt=0)
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _labels(cls, value: Any) -> Any:
+        return parse_labels(value) if isinstance(value, str | Mapping) else value
+
+    @property
+    def logs(self) -> Path:
+        return self.log_dir or self.state_dir / "logs"
+
+    @property
+    def advertise(self) -> str:
+        """The address peers and workers use to reach this node."""
+        if self.advertise_addr:
+            return self.advertise_addr
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.getfqdn()
+        return self.host
+
+    @property
+    def url(self) -> str:
+        host = self.advertise
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+
+_ENV_FIELDS = {
+    "HOST": "host",
+    "PORT": "port",
+    "NODE_NAME": "node_name",
+    "ADVERTISE_ADDR": "advertise_addr",
+    "STATE_DIR": "state_dir",
+    "LOG_DIR": "log_dir",
+    "SLOTS": "slots",
+    "LABELS": "labels",
+    "TOKEN_FILE": "token_file",
+    "STORE_URL": "store_url",
+}
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge flags, environment and the config file into a validated ``Config``."""
+    environ = os.environ if environ is None else environ
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    config_file = flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    merged: dict[str, Any] = {}
+    if config_file:
+        merged.update(_read_toml(Path(config_file)))
+    for suffix, field in _ENV_FIELDS.items():
+        if ENV_PREFIX + suffix in environ:
+            merged[field] = environ[ENV_PREFIX + suffix]
+    merged.update(flags)
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
+    section = data.get("elasticd", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [elasticd] must be a table")
+    return {k.replace("-", "_"): v for k, v in section.items()}
+
+
+def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
+    """The bearer token, from ``token_file`` (must not be readable by group/others) or env."""
+    environ = os.environ if environ is None else environ
+    if config.token_file is None:
+        token = environ.get(ENV_PREFIX + "TOKEN")
+        return token.strip() or None if token else None
+    path = config.token_file
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"token file {path} cannot be read: {exc.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"token file {path} is readable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+        )
+    token = path.read_text().strip()
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def check_bind(config: Config, token: str | None) -> None:
+    """Refuse to expose an unauthenticated control plane beyond loopback."""
+    if token is None and not is_loopback(config.host):
+        raise ConfigError(
+            f"refusing to listen on {config.host} without a token: anyone who can reach it "
+            "could run programs on this node. Set --token-file (a 0600 file with a secret) "
+            "or bind to 127.0.0.1."
+        )

@@ -1,0 +1,230 @@
+"""The daemon: composition root that owns the loop's signals, tasks and shutdown order.
+
+Start-up: open the database, open the store, fail jobs a previous run left
+active (never lose them), start the HTTP server inside this event loop,
+tell systemd ``READY=1``.
+
+Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
+stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
+process group, the job's grace, SIGKILL, awaited) → events are already on
+disk, checkpoint the database → stop the HTTP server → close the store.
+
+Signal handlers only set an event; uvicorn's own handlers are switched off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Generator
+from types import TracebackType
+from typing import Self
+
+import uvicorn
+
+from elasticd import systemd
+from elasticd.agent.agent import ConsoleSink
+from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.config import Config, check_bind, read_token
+from elasticd.db import Database
+from elasticd.errors import ConfigError
+from elasticd.events import EventLog
+from elasticd.jobs import JobService
+from elasticd.store import (
+    Store,
+    open_store,  # type: ignore[attr-defined]
+)
+
+log = logging.getLogger("elasticd.daemon")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def detect_gpus() -> list[str] | None:
+    """GPU indices from ``nvidia-smi -L``, or None on a node without NVIDIA GPUs."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            exe, "-L", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        async with asyncio.timeout(10):
+            out, _ = await proc.communicate()
+    except (OSError, TimeoutError):
+        return None
+    ids = [
+        line.split(":", 1)[0].removeprefix("GPU ").strip()
+        for line in out.decode(errors="replace").splitlines()
+        if line.startswith("GPU ")
+    ]
+    return ids or None
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket, bound before the server starts so that errors are clear."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class Daemon:
+    """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        store: Store | None = None,
+        serve_http: bool = True,
+        console: ConsoleSink | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self._environ = dict(os.environ if environ is None else environ)
+        self.token = read_token(config, self._environ)
+        check_bind(config, self.token)
+        self._injected_store = store
+        self._serve_http = serve_http
+        self._console = console
+        self._stop = asyncio.Event()
+        self._server: _Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._state = "new"
+        self.db = Database(config.state_dir / "elasticd.sqlite3")
+        self.store: Store
+        self.events: EventLog
+        self.jobs: JobService
+
+    @property
+    def ready(self) -> bool:
+        return self._state == "running" and self.jobs.accepting
+
+    # lifecycle
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise RuntimeError(f"daemon cannot start from state {self._state}")
+        self._state = "starting"
+        self.config.state_dir.mkdir(parents=True, exist_ok=True)
+        self.config.logs.mkdir(parents=True, exist_ok=True)
+        self.db.open()
+        self.events = EventLog(self.db, self.config.node_name, self.clock)
+        self.store = self._injected_store or open_store(
+            self.config.store_url, token=self.token, state_dir=self.config.state_dir
+        )
+        gpus = await detect_gpus()
+        slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
+        token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
+        self.jobs = JobService(
+            self.config,
+            self.db,
+            self.events,
+            self.store,
+            token_file=token_file,
+            slots=slots,
+            gpu_ids=gpus,
+            console=self._console,
+            clock=self.clock,
+            base_env=self._environ,
+        )
+        self.jobs.recover()
+        if self._serve_http:
+            await self._start_http()
+        self._state = "running"
+        systemd.notify(
+            f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
+        )
+        log.info(
+            "elasticd %s ready on %s:%s (%d slots, state in %s)",
+            self.config.node_name,
+            self.config.host,
+            self.config.port,
+            slots,
+            self.config.state_dir,
+        )
+        self.jobs._schedule()
+
+    async def _start_http(self) -> None:
+        from api.app import create_app  # the API depends on the daemon, not the reverse
+
+        app = create_app(self)
+        uv_config = uvicorn.Config(
+            app,
+            host=self.config.host,
+            port=self.config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=3,
+        )
+        self._server = _Server(uv_config)
+        sock = bind_socket(self.config.host, self.config.port)
+        self.config.port = sock.getsockname()[1]
+        self._server_task = asyncio.create_task(self._server.serve([sock]), name="http")
+
+    def request_stop(self) -> None:
+        """Ask the daemon to shut down (what SIGTERM/SIGINT do)."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    async def serve(self) -> None:
+        """Run until asked to stop, then shut down in order."""
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if self._state in ("stopping", "closed"):
+            return
+        self._state = "stopping"
+        systemd.notify("STOPPING=1\nSTATUS=stopping workers", self._environ)
+        log.info("shutting down: stop accepting jobs, stop workers, flush, exit")
+        self.jobs.stop_accepting()
+        await self.jobs.stop_agents()
+        with contextlib.suppress(Exception):
+            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if self._server is not None and self._server_task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._server_task
+        await self.store.close()
+        self.db.close()
+        self._state = "closed"
+        log.info("elasticd stopped")
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.shutdown()

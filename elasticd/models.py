@@ -1,0 +1,287 @@
+"""The data elasticd keeps and serves: job specs, jobs, events, worker views.
+
+These pydantic models are both the daemon's records and the API's wire
+format (``api.schemas`` re-exports them), so what is stored is exactly what
+is served. Everything is parsed from JSON into these; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from elasticd.states import JobState, WorkerState
+
+MAX_ARGS = 4096
+MAX_ENV = 1024
+MAX_STRING = 65536
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+Std = Literal["none", "out", "err", "all"]
+_STD_BY_NUMBER: dict[str, Std] = {"0": "none", "1": "out", "2": "err", "3": "all"}
+
+EventSource = Literal["daemon", "agent", "worker", "rendezvous"]
+
+
+def parse_std_map(value: Any, field: str) -> str:
+    """Normalise torchrun's ``--redirects`` / ``--tee`` syntax.
+
+    Accepts ``3``, ``"3"``, ``"all"`` (every rank), ``"0:3,1:2"`` (per local
+    rank) or ``{"0": "all"}``; returns a canonical string such as ``"all"`` or
+    ``"0:all,1:err"``.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{field} must be 0-3, none/out/err/all, or 'rank:value,...'")
+    if isinstance(value, int):
+        value = str(value)
+    if isinstance(value, dict):
+        value = ",".join(f"{k}:{v}" for k, v in value.items())
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be 0-3, none/out/err/all, or 'rank:value,...'")
+
+    def one(token: str) -> Std:
+        token = token.strip().lower()
+        if token in _STD_BY_NUMBER:
+            return _STD_BY_NUMBER[token]
+        if token in ("none", "out", "err", "all"):
+            return token  # type: ignore[return-value]
+        raise ValueError(f"{field}: {token!r} is not one of 0,1,2,3,none,out,err,all")
+
+    value = value.strip()
+    if ":" not in value:
+        return one(value or "none")
+    parts = []
+    for item in value.split(","):
+        rank, sep, std = item.partition(":")
+        if not sep or not rank.strip().isdigit():
+            raise ValueError(f"{field}: {item!r} is not 'local_rank:value'")
+        parts.append(f"{int(rank)}:{one(std)}")
+    return ",".join(parts)
+
+
+def std_for_rank(canonical: str, local_rank: int) -> Std:
+    """The stream setting a canonical redirects/tee string gives one local rank."""
+    if ":" not in canonical:
+        return canonical  # type: ignore[return-value]
+    for item in canonical.split(","):
+        rank, _, std = item.partition(":")
+        if int(rank) == local_rank:
+            return std  # type: ignore[return-value]
+    return "none"
+
+
+class JobSpec(BaseModel):
+    """What a user submits: a torchrun-style job.
+
+    Field names follow torchrun's flags. Unknown fields are refused so that a
+    typo is an error, not a silently ignored setting.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Annotated[str | None, Field(pattern=JOB_ID_PATTERN)] = Field(
+        default=None,
+        description="Client-chosen id; makes the submission idempotent.",
+    )
+    entrypoint: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="Program to run, e.g. 'python' or '/opt/venv/bin/python'.",
+    )
+    args: list[Annotated[str, Field(max_length=MAX_STRING)]] = Field(
+        default_factory=list, max_length=MAX_ARGS
+    )
+    env: dict[
+        Annotated[str, Field(min_length=1, max_length=256)],
+        Annotated[StrictStr, Field(max_length=MAX_STRING)],
+    ] = Field(default_factory=dict, max_length=MAX_ENV)
+    cwd: str | None = Field(default=None, max_length=4096)
+    nproc_per_node: int = Field(default=1, ge=1, le=1024)
+    min_nodes: int = Field(default=1, ge=1, le=100_000)
+    max_nodes: int | None = Field(default=None, ge=1, le=100_000)
+    max_restarts: int = Field(default=3, ge=0, le=1_000_000)
+    role: str = Field(default="default", min_length=1, max_length=128)
+    redirects: str = Field(
+        default="none", description="torchrun --redirects: 0-3/none/out/err/all or 'rank:v,...'"
+    )
+    tee: str = Field(
+        default="none", description="torchrun --tee: 0-3/none/out/err/all or 'rank:v,...'"
+    )
+    local_ranks_filter: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None, description="Only these local ranks' output reaches the console."
+    )
+    termination_grace: float = Field(
+        default=30.0, ge=0, le=3600, description="Seconds between SIGTERM and SIGKILL."
+    )
+    exit_barrier_timeout: float = Field(default=300.0, ge=0, le=86_400)
+    node_selector: dict[str, StrictStr] = Field(default_factory=dict, max_length=64)
+    master_addr: str | None = Field(default=None, min_length=1, max_length=255)
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("entrypoint must name a program, not be blank")
+        if "\x00" in value:
+            raise ValueError("entrypoint must not contain NUL")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, val in value.items():
+            if "=" in name or "\x00" in name or "\x00" in val:
+                raise ValueError(f"env name {name!r} must not contain '=' or NUL")
+        return value
+
+    @field_validator("redirects", "tee", mode="before")
+    @classmethod
+    def _std(cls, value: Any, info: Any) -> str:
+        return parse_std_map(value, info.field_name)
+
+    @field_validator("local_ranks_filter", mode="before")
+    @classmethod
+    def _ranks_filter(cls, value: Any) -> Any:
+        if isinstance(value, str):  # torchrun's "0,1" form
+            try:
+                return [int(v) for v in value.split(",") if v.strip()]
+            except ValueError as exc:
+                raise ValueError("local_ranks_filter must be a list of ranks or '0,1,...'") from exc
+        return value
+
+    @model_validator(mode="after")
+    def _nodes(self) -> JobSpec:
+        if self.max_nodes is None:
+            self.max_nodes = self.min_nodes
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})"
+            )
+        return self
+
+    def without_id(self) -> dict[str, Any]:
+        """The spec as compared for idempotent submission (the id itself excluded)."""
+        return self.model_dump(exclude={"id"})
+
+
+class RootCause(BaseModel):
+    """The first failure of a job attempt: which worker, and what it said."""
+
+    message: str
+    node: str | None = None
+    local_rank: int | None = None
+    rank: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    signal_name: str | None = None
+    traceback: str | None = None
+    timestamp: float | None = None
+    attempt: int | None = None
+    log_dir: str | None = None
+
+
+class Job(BaseModel):
+    """A submitted job and where it stands."""
+
+    id: str
+    spec: JobSpec
+    state: JobState
+    restart_count: int = 0
+    max_restarts: int
+    round: int = 0
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: RootCause | None = None
+    reason: str | None = Field(default=None, description="Why the job ended, in words.")
+
+
+class JobList(BaseModel):
+    """One page of jobs, newest first."""
+
+    jobs: list[Job]
+    total: int
+    next_offset: int | None = None
+
+
+class Event(BaseModel):
+    """One persisted, ordered thing that happened to a job."""
+
+    seq: int
+    time: float
+    job_id: str
+    node: str
+    source: EventSource
+    kind: str
+    state: str | None = None
+    attempt: int | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    error: RootCause | None = None
+    message: str = ""
+    duration_s: float | None = None
+
+
+class WorkerView(BaseModel):
+    """One worker process of a group."""
+
+    local_rank: int
+    rank: int
+    role_rank: int
+    world_size: int
+    role_world_size: int
+    local_world_size: int
+    pid: int | None = None
+    state: WorkerState
+    exit_code: int | None = None
+    signal: int | None = None
+    started_at: float | None = None
+    exited_at: float | None = None
+    last_progress_at: float | None = None
+
+
+class GroupView(BaseModel):
+    """The worker group of one job on one node."""
+
+    node: str
+    state: WorkerState
+    role: str
+    group_rank: int
+    group_world_size: int
+    attempt: int
+    round: int
+    restart_count: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    log_dir: str | None = None
+    updated_at: float
+    workers: list[WorkerView] = Field(default_factory=list)
+
+
+class WorkersView(BaseModel):
+    """The cluster view of a job's workers (``GET /jobs/{id}/workers``)."""
+
+    job_id: str
+    state: JobState
+    restart_count: int
+    max_restarts: int
+    remaining_restarts: int
+    round: int
+    groups: list[GroupView]
+
+
+def valid_job_id(value: str) -> bool:
+    return re.fullmatch(JOB_ID_PATTERN, value) is not None

@@ -1,0 +1,84 @@
+"""The environment a worker starts with: torchrun's contract, so scripts run unchanged.
+
+Precedence, lowest first: the daemon's own environment (minus what must not
+leak: ``NOTIFY_SOCKET``, elasticd's secrets), then the job's ``env``, then
+the contract variables, which always win. ``OMP_NUM_THREADS`` and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` are defaults only: an inherited value is
+kept, as torchrun keeps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elasticd.agent.ranks import WorkerRanks
+
+#: Never passed on to workers: systemd's socket would let a worker speak for
+#: the daemon; the token must only reach workers as a file path.
+WITHHELD = frozenset({"NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "ELASTICD_TOKEN"})
+
+
+@dataclass(frozen=True)
+class AttemptInfo:
+    """What every worker of one attempt on one node shares."""
+
+    job_id: str
+    run_id: str
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    daemon_url: str
+    token_file: str | None = None
+    cuda_visible_devices: str | None = None
+
+
+def worker_env(
+    base: Mapping[str, str],
+    job_env: Mapping[str, str],
+    ranks: WorkerRanks,
+    attempt: AttemptInfo,
+    *,
+    error_file: str,
+    heartbeat_file: str | None = None,
+) -> dict[str, str]:
+    """The complete environment of one worker."""
+    env = {k: v for k, v in base.items() if k not in WITHHELD}
+    env.update(job_env)
+    for name in WITHHELD:
+        env.pop(name, None)
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if ranks.local_world_size > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(
+        {
+            "LOCAL_RANK": str(ranks.local_rank),
+            "RANK": str(ranks.rank),
+            "GROUP_RANK": str(ranks.group_rank),
+            "ROLE_RANK": str(ranks.role_rank),
+            "ROLE_NAME": ranks.role_name,
+            "LOCAL_WORLD_SIZE": str(ranks.local_world_size),
+            "WORLD_SIZE": str(ranks.world_size),
+            "GROUP_WORLD_SIZE": str(ranks.group_world_size),
+            "ROLE_WORLD_SIZE": str(ranks.role_world_size),
+            "MASTER_ADDR": attempt.master_addr,
+            "MASTER_PORT": str(attempt.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt.restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(attempt.max_restarts),
+            "TORCHELASTIC_RUN_ID": attempt.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "ELASTICD_JOB_ID": attempt.job_id,
+            "ELASTICD_URL": attempt.daemon_url,
+        }
+    )
+    if attempt.token_file:
+        env["ELASTICD_TOKEN_FILE"] = attempt.token_file
+    else:
+        env.pop("ELASTICD_TOKEN_FILE", None)
+    if heartbeat_file:
+        env["ELASTICD_HEARTBEAT_FILE"] = heartbeat_file
+    if attempt.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = attempt.cuda_visible_devices
+    return env

@@ -1,0 +1,87 @@
+"""Shared fixtures: a daemon in a temp dir, an HTTP client over ASGI, tiny worker scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from api.app import create_app
+from elasticd.config import load_config
+from elasticd.daemon import Daemon
+from elasticd.testing import MemoryStore
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    """Write a small worker script and return its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def make_daemon(tmp_path: Path, *, token: str | None = None, **overrides: Any) -> Daemon:
+    flags: dict[str, Any] = {
+        "state_dir": str(tmp_path / "state"),
+        "node_name": "node-a",
+        "slots": 8,
+        "port": 0,
+        **overrides,
+    }
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    if token is not None:
+        environ["ELASTICD_TOKEN"] = token
+    return Daemon(
+        load_config(flags, environ={}), store=MemoryStore(), serve_http=False, environ=environ
+    )
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
+    d = make_daemon(tmp_path)
+    async with asyncio.timeout(30):
+        await d.start()
+    try:
+        yield d
+    finally:
+        async with asyncio.timeout(60):
+            await d.shutdown()
+
+
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=create_app(daemon))
+    async with httpx.AsyncClient(transport=transport, base_url="http://elasticd") as c:
+        yield c
+
+
+async def wait_job(
+    client: httpx.AsyncClient, job_id: str, states: set[str] = TERMINAL, timeout: float = 60
+) -> dict[str, Any]:
+    """Follow the job's events (long-poll) until it reaches one of ``states``."""
+    after = 0
+    async with asyncio.timeout(timeout):
+        while True:
+            job = (await client.get(f"/jobs/{job_id}")).json()
+            if job["state"] in states:
+                return job
+            r = await client.get(f"/jobs/{job_id}/events", params={"after": after, "wait": 10})
+            events = r.json()
+            if events:
+                after = events[-1]["seq"]
+
+
+async def events_of(client: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    r = await client.get(f"/jobs/{job_id}/events")
+    assert r.status_code == 200
+    return list(r.json())

@@ -1,0 +1,76 @@
+"""Bearer auth on every endpoint but /healthz; jobs and events survive a daemon restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from api.app import create_app
+from tests.conftest import PY, make_daemon, script, wait_job
+
+
+async def test_token_required_everywhere_but_healthz(tmp_path):
+    """Without the token every endpoint but /healthz is 401 problem+json; with it, 2xx."""
+    d = make_daemon(tmp_path, token="s3cret")
+    async with asyncio.timeout(60):
+        await d.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(d))
+            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+                assert (await c.get("/healthz")).status_code == 200
+                for method, path in [
+                    ("GET", "/jobs"),
+                    ("POST", "/jobs"),
+                    ("GET", "/readyz"),
+                    ("GET", "/jobs/x/workers"),
+                    ("GET", "/jobs/x/events"),
+                    ("POST", "/jobs/x/cancel"),
+                    ("GET", "/store/kv/a"),
+                ]:
+                    r = await c.request(method, path, json={"entrypoint": PY})
+                    assert r.status_code == 401, path
+                    assert r.headers["content-type"].startswith("application/problem+json")
+                    assert "Bearer" in r.json()["detail"]
+                wrong = await c.get("/jobs", headers={"Authorization": "Bearer nope"})
+                assert wrong.status_code == 401 and "not valid" in wrong.json()["detail"]
+                ok = await c.get("/jobs", headers={"Authorization": "Bearer s3cret"})
+                assert ok.status_code == 200
+        finally:
+            await d.shutdown()
+
+
+async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
+    """After a restart finished jobs and events read back identically; a running job is FAILED."""
+    sleeper = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    d = make_daemon(tmp_path)
+    async with asyncio.timeout(90):
+        await d.start()
+        transport = httpx.ASGITransport(app=create_app(d))
+        async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            r = await c.post("/jobs", json={"id": "done", "entrypoint": PY, "args": ["-c", "pass"]})
+            await wait_job(c, "done")
+            before_job = (await c.get("/jobs/done")).json()
+            before_events = (await c.get("/jobs/done/events")).json()
+            before_workers = (await c.get("/jobs/done/workers")).json()
+            r = await c.post(
+                "/jobs",
+                json={"id": "live", "entrypoint": PY, "args": [sleeper], "termination_grace": 1},
+            )
+            assert r.status_code == 201
+            await wait_job(c, "live", {"RUNNING"})
+        await d.shutdown()
+
+        d2 = make_daemon(tmp_path)
+        await d2.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(d2))
+            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+                assert (await c.get("/jobs/done")).json() == before_job
+                assert (await c.get("/jobs/done/events")).json() == before_events
+                assert (await c.get("/jobs/done/workers")).json() == before_workers
+                live = (await c.get("/jobs/live")).json()
+                assert live["state"] == "FAILED"
+                assert "daemon stopped" in live["reason"]
+        finally:
+            await d2.shutdown()

@@ -1,0 +1,270 @@
+"""The job API end to end over ASGI, with real worker subprocesses (tiny Python scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from tests.conftest import PY, events_of, script, wait_job
+
+CRASH_ONCE = """
+import os, sys
+print("rank", os.environ["RANK"], "attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    print("crashing", file=sys.stderr, flush=True)
+    sys.exit(3)
+"""
+
+
+async def test_submit_returns_201_location_and_job(client, tmp_path):
+    """POST /jobs answers 201 with Location and the job; the job then succeeds."""
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": ["-c", "pass"]})
+    assert r.status_code == 201
+    job = r.json()
+    assert r.headers["location"] == f"/jobs/{job['id']}"
+    assert job["state"] == "PENDING" and job["max_restarts"] == 3
+    done = await wait_job(client, job["id"])
+    assert done["state"] == "SUCCEEDED"
+    assert done["started_at"] and done["finished_at"] >= done["started_at"]
+
+
+async def test_idempotent_submission(client):
+    """Same id + same spec → 200 and the same job; different spec → 409."""
+    spec = {"id": "same", "entrypoint": PY, "args": ["-c", "pass"]}
+    first = await client.post("/jobs", json=spec)
+    again = await client.post("/jobs", json=spec)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["created_at"] == first.json()["created_at"]
+    other = await client.post("/jobs", json={**spec, "args": ["-c", "print(1)"]})
+    assert other.status_code == 409
+    assert other.headers["content-type"].startswith("application/problem+json")
+    assert "different spec" in other.json()["detail"]
+
+
+async def test_crash_once_restarts_the_group_and_succeeds(client, daemon, tmp_path):
+    """Rank 1 failing on attempt 0 restarts the whole group once; the job then succeeds."""
+    path = script(tmp_path, "crash.py", CRASH_ONCE)
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "nproc_per_node": 2})
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED"
+    assert job["restart_count"] == 1
+    kinds = [e["kind"] for e in await events_of(client, job["id"])]
+    assert kinds.count("workers.started") == 2
+    assert "group.restarting" in kinds
+    exits = [
+        e
+        for e in await events_of(client, job["id"])
+        if e["kind"] == "worker.exited" and e["exit_code"]
+    ]
+    assert exits[0]["exit_code"] == 3 and exits[0]["rank"] == 1 and exits[0]["attempt"] == 0
+    view = (await client.get(f"/jobs/{job['id']}/workers")).json()
+    assert view["restart_count"] == 1 and view["remaining_restarts"] == 2
+    (group,) = view["groups"]
+    assert group["state"] == "SUCCEEDED" and group["attempt"] == 1
+    assert group["master_addr"] == "127.0.0.1" and group["master_port"] > 0
+    assert [w["rank"] for w in group["workers"]] == [0, 1]
+    assert all(w["exit_code"] == 0 and w["pid"] for w in group["workers"])
+
+
+async def test_budget_spent_fails_with_root_cause(client, tmp_path):
+    """When restarts run out the job is FAILED and names the failing rank and exit code."""
+    path = script(
+        tmp_path,
+        "fail.py",
+        """
+        import os, sys, time
+        if os.environ["LOCAL_RANK"] == "1":
+            sys.exit(7)
+        time.sleep(60)
+    """,
+    )
+    r = await client.post(
+        "/jobs", json={"entrypoint": PY, "args": [path], "nproc_per_node": 2, "max_restarts": 1}
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    assert job["restart_count"] == 1
+    assert job["error"]["rank"] == 1 and job["error"]["exit_code"] == 7
+    assert "exited with code 7" in job["error"]["message"]
+    assert "restart budget spent" in job["reason"]
+
+
+async def test_signal_death_is_reported(client, tmp_path):
+    """A worker killed by a signal is reported with the signal, not an exit code."""
+    path = script(tmp_path, "seg.py", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "max_restarts": 0})
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    assert job["error"]["signal"] == signal.SIGKILL and job["error"]["signal_name"] == "SIGKILL"
+
+
+async def test_cancel_stops_workers(client, tmp_path):
+    """Cancel kills the workers' process groups and ends the job CANCELLED; a second cancel is 409."""
+    path = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    r = await client.post(
+        "/jobs",
+        json={"entrypoint": PY, "args": [path], "nproc_per_node": 2, "termination_grace": 2},
+    )
+    job_id = r.json()["id"]
+    await wait_job(client, job_id, {"RUNNING"})
+    pids = [
+        w["pid"]
+        for w in (await client.get(f"/jobs/{job_id}/workers")).json()["groups"][0]["workers"]
+    ]
+    assert (await client.post(f"/jobs/{job_id}/cancel")).status_code == 200
+    job = await wait_job(client, job_id)
+    assert job["state"] == "CANCELLED"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    again = await client.post(f"/jobs/{job_id}/cancel")
+    assert again.status_code == 409 and "already ended" in again.json()["detail"]
+
+
+async def test_worker_environment_contract(client, tmp_path):
+    """Workers get torchrun's variables with consistent ranks and a fresh master port per attempt."""
+    out = tmp_path / "env"
+    out.mkdir()
+    path = script(
+        tmp_path,
+        "env.py",
+        f"""
+        import json, os, sys
+        d = dict(os.environ)
+        name = d["TORCHELASTIC_RESTART_COUNT"] + "-" + d["LOCAL_RANK"]
+        open({str(out)!r} + "/" + name + ".json", "w").write(json.dumps(d))
+        if d["TORCHELASTIC_RESTART_COUNT"] == "0" and d["LOCAL_RANK"] == "0":
+            import time  # fail only once rank 1 has written its environment
+            deadline = time.monotonic() + 30
+            while not os.path.exists({str(out)!r} + "/0-1.json") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sys.exit(1)
+    """,
+    )
+    r = await client.post(
+        "/jobs",
+        json={"entrypoint": PY, "args": [path], "nproc_per_node": 2, "env": {"MY_SETTING": "x"}},
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED"
+    envs = {p.stem: json.loads(p.read_text()) for p in out.iterdir()}
+    assert set(envs) == {"0-0", "0-1", "1-0", "1-1"}
+    for name, env in envs.items():
+        attempt, local = name.split("-")
+        assert env["LOCAL_RANK"] == env["RANK"] == env["ROLE_RANK"] == local
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "2"
+        assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1"
+        assert env["ROLE_NAME"] == "default" and env["TORCHELASTIC_RUN_ID"] == job["id"]
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "3"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_{attempt}/{local}/error.json")
+        assert env["OMP_NUM_THREADS"] == "1" and env["MY_SETTING"] == "x"
+        assert env["ELASTICD_JOB_ID"] == job["id"] and "NOTIFY_SOCKET" not in env
+    assert envs["0-0"]["MASTER_PORT"] == envs["0-1"]["MASTER_PORT"]
+    assert envs["0-0"]["MASTER_PORT"] != envs["1-0"]["MASTER_PORT"]
+
+
+async def test_logs_are_served_per_rank_attempt_and_stream(client, tmp_path):
+    """stdout/stderr land per attempt and rank; tail and attempt select; traversal is refused."""
+    path = script(tmp_path, "crash.py", CRASH_ONCE)
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "nproc_per_node": 2})
+    job_id = r.json()["id"]
+    await wait_job(client, job_id)
+    latest = await client.get(f"/jobs/{job_id}/logs", params={"local_rank": 1})
+    assert latest.status_code == 200 and latest.text == "rank 1 attempt 1\n"
+    first = await client.get(
+        f"/jobs/{job_id}/logs", params={"local_rank": 1, "attempt": 0, "stream": "stderr"}
+    )
+    assert first.text == "crashing\n"
+    assert (
+        await client.get(f"/jobs/{job_id}/logs", params={"local_rank": 1, "tail": 0})
+    ).text == ""
+    for params in ({"local_rank": 5}, {"attempt": 9}):
+        missing = await client.get(f"/jobs/{job_id}/logs", params=params)
+        assert missing.status_code == 404
+    for params in ({"stream": "../../etc/passwd"}, {"local_rank": "../../x"}, {"attempt": "-1"}):
+        bad = await client.get(f"/jobs/{job_id}/logs", params=params)
+        assert bad.status_code == 422
+
+
+async def test_unknown_ids_are_404_problems(client):
+    """Every per-job endpoint answers 404 problem+json for an unknown id."""
+    for method, path in [
+        ("GET", "/jobs/nope"),
+        ("GET", "/jobs/nope/workers"),
+        ("GET", "/jobs/nope/events"),
+        ("GET", "/jobs/nope/logs"),
+        ("POST", "/jobs/nope/cancel"),
+    ]:
+        r = await client.request(method, path)
+        assert r.status_code == 404, path
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert "nope" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"entrypoint": ""}, "entrypoint"),
+        ({"entrypoint": "x", "nproc_per_node": -2}, "nproc_per_node"),
+        ({"entrypoint": "x", "min_nodes": 4, "max_nodes": 2}, "min_nodes"),
+        ({"entrypoint": "x", "env": {"A": 5}}, "env.A"),
+        ({"entrypoint": "x", "surprise": True}, "surprise"),
+        ({"args": ["x"]}, "entrypoint"),
+    ],
+)
+async def test_malformed_specs_get_422_naming_the_field(client, body, field):
+    """A bad spec is a 422 problem whose detail names the offending field."""
+    r = await client.post("/jobs", json=body)
+    assert r.status_code == 422
+    assert field in r.json()["detail"]
+
+
+async def test_non_json_body_is_422(client):
+    """A body that is not JSON is refused with 422, and the daemon keeps serving."""
+    r = await client.post(
+        "/jobs", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 422
+    assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_list_filters_and_paginates(client, tmp_path):
+    """GET /jobs filters by state and pages with limit/offset, newest first."""
+    ids = []
+    for i in range(3):
+        r = await client.post(
+            "/jobs", json={"id": f"j{i}", "entrypoint": PY, "args": ["-c", "pass"]}
+        )
+        ids.append(r.json()["id"])
+        await wait_job(client, ids[-1])
+    page = (await client.get("/jobs", params={"limit": 2})).json()
+    assert [j["id"] for j in page["jobs"]] == ["j2", "j1"] and page["total"] == 3
+    assert page["next_offset"] == 2
+    rest = (await client.get("/jobs", params={"limit": 2, "offset": 2})).json()
+    assert [j["id"] for j in rest["jobs"]] == ["j0"] and rest["next_offset"] is None
+    assert (await client.get("/jobs", params={"state": "FAILED"})).json()["total"] == 0
+    assert (await client.get("/jobs", params={"state": "SUCCEEDED"})).json()["total"] == 3
+    assert (await client.get("/jobs", params={"state": "BOGUS"})).status_code == 422
+
+
+async def test_bad_entrypoint_fails_the_job_clearly(client):
+    """A program that does not exist fails the job with a message naming it."""
+    r = await client.post("/jobs", json={"entrypoint": "/no/such/program"})
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    assert "/no/such/program" in job["reason"]
+
+
+async def test_events_after_filters(client):
+    """?after=SEQ returns only later events, in order."""
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": ["-c", "pass"]})
+    job = await wait_job(client, r.json()["id"])
+    events = await events_of(client, job["id"])
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs) and len(seqs) >= 4
+    later = (await client.get(f"/jobs/{job['id']}/events", params={"after": seqs[1]})).json()
+    assert [e["seq"] for e in later] == seqs[2:]

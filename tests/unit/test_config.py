@@ -1,0 +1,47 @@
+"""Configuration precedence, TOML files, token-file permissions and the loopback rule."""
+
+import pytest
+
+from elasticd.config import check_bind, load_config, read_token
+from elasticd.errors import ConfigError
+
+
+def test_flags_beat_env_beat_file(tmp_path):
+    """A flag overrides ELASTICD_*, which overrides the TOML file."""
+    cfg = tmp_path / "elasticd.toml"
+    cfg.write_text('[elasticd]\nport = 9000\nnode-name = "from-file"\nlabels = "a=1"\nslots = 3\n')
+    env = {"ELASTICD_PORT": "9100", "ELASTICD_NODE_NAME": "from-env"}
+    c = load_config({"config": str(cfg), "node_name": "from-flag"}, environ=env)
+    assert (c.port, c.node_name, c.labels, c.slots) == (9100, "from-flag", {"a": "1"}, 3)
+
+
+def test_bad_values_are_config_errors(tmp_path):
+    """A bad port or an unknown key is a ConfigError that names it."""
+    with pytest.raises(ConfigError, match="port"):
+        load_config({"port": 99999}, environ={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("nonsense = 1\n")
+    with pytest.raises(ConfigError, match="nonsense"):
+        load_config({"config": str(bad)}, environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({"config": str(tmp_path / "missing.toml")}, environ={})
+
+
+def test_token_file_must_be_private(tmp_path):
+    """A token file readable by group/others is refused with the chmod to run."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o644)
+    config = load_config({"token_file": str(token)}, environ={})
+    with pytest.raises(ConfigError, match="chmod 600"):
+        read_token(config, environ={})
+    token.chmod(0o600)
+    assert read_token(config, environ={}) == "s3cret"
+
+
+def test_no_token_means_loopback_only():
+    """Binding beyond loopback without a token is refused; loopback is fine."""
+    check_bind(load_config({"host": "127.0.0.1"}, environ={}), None)
+    with pytest.raises(ConfigError, match="without a token"):
+        check_bind(load_config({"host": "0.0.0.0"}, environ={}), None)
+    check_bind(load_config({"host": "0.0.0.0"}, environ={}), "tok")

@@ -1,0 +1,60 @@
+"""Job spec validation: torchrun's syntaxes accepted, bad specs refused with the field named."""
+
+import pytest
+from pydantic import ValidationError
+
+from elasticd.models import JobSpec, std_for_rank
+
+
+def test_defaults_follow_torchrun():
+    """max_restarts defaults to 3, max_nodes to min_nodes, one worker per node."""
+    spec = JobSpec(entrypoint="python")
+    assert (spec.max_restarts, spec.nproc_per_node, spec.min_nodes, spec.max_nodes) == (3, 1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "canonical"),
+    [(3, "all"), ("1", "out"), ("err", "err"), ("0:3,1:2", "0:all,1:err"), ({"1": "out"}, "1:out")],
+)
+def test_redirects_and_tee_take_torchrun_syntax(value, canonical):
+    """--redirects/--tee accept 0-3, names, and per-rank maps."""
+    spec = JobSpec(entrypoint="python", redirects=value, tee=value)
+    assert spec.redirects == canonical
+    assert spec.tee == canonical
+
+
+def test_std_for_rank_reads_per_rank_maps():
+    """A per-rank map applies to the named ranks only."""
+    assert std_for_rank("0:all,1:err", 1) == "err"
+    assert std_for_rank("0:all,1:err", 2) == "none"
+    assert std_for_rank("out", 7) == "out"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"entrypoint": ""}, "entrypoint"),
+        ({"entrypoint": "   "}, "entrypoint"),
+        ({"entrypoint": "x", "nproc_per_node": -1}, "nproc_per_node"),
+        ({"entrypoint": "x", "max_restarts": -1}, "max_restarts"),
+        ({"entrypoint": "x", "min_nodes": 3, "max_nodes": 2}, "min_nodes"),
+        ({"entrypoint": "x", "env": {"A": 1}}, "env"),
+        ({"entrypoint": "x", "bogus": 1}, "bogus"),
+        ({"entrypoint": "x", "termination_grace": -1}, "termination_grace"),
+        ({"entrypoint": "x", "redirects": "7"}, "redirects"),
+        ({"entrypoint": "x", "id": "../etc"}, "id"),
+        ({"entrypoint": "x", "master_port": 70000}, "master_port"),
+    ],
+)
+def test_bad_specs_name_the_field(body, field):
+    """Each malformed spec fails validation with a message that names the field."""
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(body)
+    assert field in str(info.value)
+
+
+def test_idempotency_compares_specs_without_id():
+    """Two submissions that differ only by id compare equal for idempotency."""
+    a = JobSpec(id="a", entrypoint="python", args=["t.py"])
+    b = JobSpec(id="b", entrypoint="python", args=["t.py"])
+    assert a.without_id() == b.without_id()

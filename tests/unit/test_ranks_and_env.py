@@ -1,0 +1,107 @@
+"""Rank assignment across nodes and roles, and the exact torchrun worker environment."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticd.agent.policy import Outcome, after_attempt
+from elasticd.agent.ranks import NodeSlot, assign_ranks
+from elasticd.workers.env import AttemptInfo, worker_env
+
+TORCHRUN_VARS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+}
+
+
+def test_ranks_two_roles():
+    """Global ranks run node by node; role ranks count within each role."""
+    nodes = [NodeSlot(0, "trainer", 2), NodeSlot(1, "ps", 1), NodeSlot(2, "trainer", 2)]
+    third = assign_ranks(nodes, 2)
+    assert [w.rank for w in third] == [3, 4]
+    assert [w.role_rank for w in third] == [2, 3]
+    assert {w.world_size for w in third} == {5}
+    assert {w.role_world_size for w in third} == {4}
+    ps = assign_ranks(nodes, 1)
+    assert (ps[0].rank, ps[0].role_rank, ps[0].role_world_size) == (2, 0, 1)
+
+
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.integers(1, 4)), min_size=1, max_size=6))
+def test_ranks_are_unique_and_contiguous(spec):
+    """For any mix of nodes and roles, global ranks are exactly 0..world-1, role ranks too."""
+    nodes = [NodeSlot(i, role, n) for i, (role, n) in enumerate(spec)]
+    workers = [w for i in range(len(nodes)) for w in assign_ranks(nodes, i)]
+    assert sorted(w.rank for w in workers) == list(range(len(workers)))
+    for role in "ab":
+        mine = sorted(w.role_rank for w in workers if w.role_name == role)
+        assert mine == list(range(len(mine)))
+
+
+def _env(base=None, job=None, nproc=2):
+    ranks = assign_ranks([NodeSlot(0, "default", nproc)], 0)[1 if nproc > 1 else 0]
+    info = AttemptInfo(
+        job_id="j1",
+        run_id="j1",
+        master_addr="127.0.0.1",
+        master_port=29500,
+        restart_count=2,
+        max_restarts=3,
+        daemon_url="http://127.0.0.1:7070",
+        token_file="/etc/elasticd/token",
+    )
+    return worker_env(base or {}, job or {}, ranks, info, error_file="/logs/e.json")
+
+
+def test_env_has_the_torchrun_contract():
+    """Every variable torchrun gives a worker is present with torchrun's meaning."""
+    env = _env()
+    assert env.keys() >= TORCHRUN_VARS
+    assert env["RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert env["ELASTICD_TOKEN_FILE"] == "/etc/elasticd/token"
+
+
+def test_env_precedence_and_withheld_variables():
+    """Inherited OMP/NCCL settings are kept, contract vars win, NOTIFY_SOCKET and tokens never leak."""
+    env = _env(
+        base={
+            "NOTIFY_SOCKET": "/run/x",
+            "ELASTICD_TOKEN": "secret",
+            "OMP_NUM_THREADS": "8",
+            "PATH": "/bin",
+        },
+        job={"RANK": "99", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "NOTIFY_SOCKET": "/y"},
+    )
+    assert "NOTIFY_SOCKET" not in env and "ELASTICD_TOKEN" not in env
+    assert "secret" not in env.values()
+    assert env["RANK"] == "1" and env["OMP_NUM_THREADS"] == "8" and env["PATH"] == "/bin"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_single_worker_gets_no_omp_default():
+    """OMP_NUM_THREADS is only defaulted when a node runs several workers."""
+    assert "OMP_NUM_THREADS" not in _env(nproc=1)
+
+
+def test_restart_policy_is_torchruns():
+    """A failure restarts while restarts remain; the budget spent means FAILED."""
+    assert after_attempt(succeeded=True, restart_count=9, max_restarts=0) is Outcome.SUCCEEDED
+    assert after_attempt(succeeded=False, restart_count=0, max_restarts=1) is Outcome.RESTART
+    assert after_attempt(succeeded=False, restart_count=1, max_restarts=1) is Outcome.FAILED
+    assert after_attempt(succeeded=False, restart_count=0, max_restarts=0) is Outcome.FAILED

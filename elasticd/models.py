@@ -79,6 +79,24 @@ def std_for_rank(canonical: str, local_rank: int) -> Std:
     return "none"
 
 
+def console_streams(spec: JobSpec, local_rank: int) -> tuple[bool, bool]:
+    """Whether a worker's (stdout, stderr) reach the console, by torchrun's rules.
+
+    Only ranks in ``local_ranks_filter`` (all when unset) are shown; a stream
+    that is redirected is hidden from the console unless it is also teed. Log
+    files are written either way.
+    """
+    if spec.local_ranks_filter is not None and local_rank not in spec.local_ranks_filter:
+        return False, False
+    redirect = std_for_rank(spec.redirects, local_rank)
+    tee = std_for_rank(spec.tee, local_rank)
+
+    def shown(stream: Std) -> bool:
+        return tee in (stream, "all") or redirect not in (stream, "all")
+
+    return shown("out"), shown("err")
+
+
 class JobSpec(BaseModel):
     """What a user submits: a torchrun-style job.
 

@@ -10,6 +10,7 @@ function; this module only applies them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal as signals
@@ -20,9 +21,9 @@ from pathlib import Path
 from elasticd.agent.policy import Outcome, after_attempt
 from elasticd.agent.ranks import WorkerRanks, assign_ranks
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.errors import ElasticdError, WorkerSpawnError
+from elasticd.errors import ElasticdError, InvalidTransition, WorkerSpawnError
 from elasticd.events import EventLog
-from elasticd.models import GroupView, Job, JobSpec, RootCause, WorkerView, std_for_rank
+from elasticd.models import GroupView, Job, JobSpec, RootCause, WorkerView, console_streams
 from elasticd.rendezvous import Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
@@ -141,11 +142,13 @@ class JobAgent:
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
-            self._set_state(WorkerState.UNKNOWN)
+            if not self.state.is_terminal:
+                self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
             await self._stop_workers(WorkerState.FAILED)
             reason = f"internal error in the agent: {type(exc).__name__}: {exc}"
             self.ctx.events.emit(self.job_id, "agent", "agent.error", reason, state="FAILED")
-            self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+            with contextlib.suppress(InvalidTransition):  # the job may already be terminal
+                self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
         finally:
             await self._flush_publisher(publisher)
 
@@ -250,20 +253,6 @@ class JobAgent:
 
     # workers
 
-    def _console_flags(self, local_rank: int) -> tuple[bool, bool]:
-        wanted = self.spec.local_ranks_filter
-        if wanted is not None and local_rank not in wanted:
-            return False, False
-        redirect = std_for_rank(self.spec.redirects, local_rank)
-        tee = std_for_rank(self.spec.tee, local_rank)
-
-        def shown(stream: str) -> bool:
-            redirected = redirect in (stream, "all")
-            teed = tee in (stream, "all")
-            return teed or not redirected
-
-        return shown("out"), shown("err")
-
     async def _start_workers(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
         self.attempt += 1
         ranks = assign_ranks(round_.nodes, round_.group_rank)
@@ -286,7 +275,7 @@ class JobAgent:
         launches = []
         for r in ranks:
             log_dir = attempt_dir / str(r.local_rank)
-            out, err = self._console_flags(r.local_rank)
+            out, err = console_streams(self.spec, r.local_rank)
             env = worker_env(
                 self.ctx.base_env,
                 self.spec.env,

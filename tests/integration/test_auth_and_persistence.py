@@ -74,3 +74,12 @@ async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
                 assert "daemon stopped" in live["reason"]
         finally:
             await d2.shutdown()
+
+
+async def test_readyz_reflects_accepting_jobs(daemon, client):
+    """/readyz is 200 while the daemon accepts jobs and 503 once it stops accepting; POST /jobs too."""
+    assert (await client.get("/readyz")).status_code == 200
+    daemon.jobs.stop_accepting()
+    assert (await client.get("/readyz")).status_code == 503
+    r = await client.post("/jobs", json={"entrypoint": PY})
+    assert r.status_code == 503 and "shutting down" in r.json()["detail"]

@@ -67,3 +67,13 @@ def test_termination_grace_fits_in_timeout_stop_sec():
     text = (ROOT / "systemd" / "elasticd.service").read_text()
     stop = int(text.split("TimeoutStopSec=")[1].split()[0])
     assert stop > JobSpec(entrypoint="x").termination_grace + 10
+
+
+def test_daemon_side_never_imports_torch():
+    """Importing the daemon, the API and the CLI pulls in no torch (start-up time, memory)."""
+    code = (
+        "import sys, elasticd.daemon, elasticd.cli, elasticd.jobs, api.app, api.openapi\n"
+        "api.app.create_app(None)\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -58,3 +58,22 @@ def test_idempotency_compares_specs_without_id():
     a = JobSpec(id="a", entrypoint="python", args=["t.py"])
     b = JobSpec(id="b", entrypoint="python", args=["t.py"])
     assert a.without_id() == b.without_id()
+
+
+@pytest.mark.parametrize(
+    ("fields", "rank", "expected"),
+    [
+        ({}, 0, (True, True)),
+        ({"redirects": "all"}, 0, (False, False)),
+        ({"redirects": "all", "tee": "err"}, 0, (False, True)),
+        ({"redirects": "0:out"}, 1, (True, True)),
+        ({"redirects": "0:out"}, 0, (False, True)),
+        ({"local_ranks_filter": [1]}, 0, (False, False)),
+        ({"local_ranks_filter": "1", "tee": "all"}, 1, (True, True)),
+    ],
+)
+def test_console_streams_follow_torchrun(fields, rank, expected):
+    """redirects hide a stream from the console, tee shows it again, the filter picks ranks."""
+    from elasticd.models import console_streams
+
+    assert console_streams(JobSpec(entrypoint="x", **fields), rank) == expected

@@ -354,27 +354,26 @@ class JobAgent:
     def _on_exit(self, exit_: WorkerExit) -> None:
         """Called the moment a worker process exits."""
         ranks = self._ranks[exit_.local_rank]
+        if exit_.stopped:
+            state = WorkerState.STOPPED  # we stopped it; not a failure of its own
+        elif exit_.failed:
+            state = WorkerState.FAILED
+        else:
+            state = WorkerState.SUCCEEDED
         if self._view is not None:
             for w in self._view.workers:
                 if w.local_rank == exit_.local_rank:
                     w.exit_code = exit_.exit_code
                     w.signal = exit_.signal
                     w.exited_at = exit_.exited_at
-                    w.state = WorkerState.FAILED if exit_.failed else WorkerState.SUCCEEDED
-        if exit_.failed:
-            how = (
-                f"killed by signal {exit_.signal}"
-                if exit_.signal is not None
-                else f"exited with code {exit_.exit_code}"
-            )
-        else:
-            how = "exited with code 0"
+                    w.state = state
+        suffix = ", stopped by the agent" if exit_.stopped else ""
         self.ctx.events.emit(
             self.job_id,
             "worker",
             "worker.exited",
-            f"rank {ranks.rank} (local {exit_.local_rank}, pid {exit_.pid}) {how}",
-            state="FAILED" if exit_.failed else "SUCCEEDED",
+            f"rank {ranks.rank}: {exit_.describe()}{suffix}",
+            state=state.value,
             attempt=self.attempt,
             rank=ranks.rank,
             local_rank=exit_.local_rank,
@@ -382,7 +381,9 @@ class JobAgent:
             exit_code=exit_.exit_code,
             signal=exit_.signal,
             error=(
-                root_cause_of(exit_, ranks, self.ctx.node, self.attempt, Path())
+                root_cause_of(
+                    exit_, ranks, self.ctx.node, self.attempt, self._log_dir(exit_.local_rank)
+                )
                 if exit_.error is not None
                 else None
             ),
@@ -422,14 +423,16 @@ class JobAgent:
         if target is not None and self.state is not target and not self.state.is_terminal:
             self._set_state(target)
 
+    def _log_dir(self, local_rank: int) -> Path:
+        return self.ctx.log_root / self.job_id / f"attempt_{self.attempt}" / str(local_rank)
+
     def _root_cause(self, result: GroupResult) -> RootCause:
         failure = result.root_cause
         assert failure is not None, "a failed attempt has a failed worker"
         ranks = self._ranks[failure.local_rank]
-        log_dir = (
-            self.ctx.log_root / self.job_id / f"attempt_{self.attempt}" / str(failure.local_rank)
+        return root_cause_of(
+            failure, ranks, self.ctx.node, self.attempt, self._log_dir(failure.local_rank)
         )
-        return root_cause_of(failure, ranks, self.ctx.node, self.attempt, log_dir)
 
     def _finish_cancelled(self) -> None:
         if not self.state.is_terminal and self.state is not WorkerState.STOPPED:

@@ -1,0 +1,224 @@
+"""A worker's output stream: a pipe the daemon's event loop reads into a log file.
+
+Each stream (stdout, stderr) of each worker gets its own pipe. The write end
+becomes the worker's fd 1 or 2; the read end is registered with the event
+loop, and every chunk the kernel hands over is appended to the log file at
+once, with one unbuffered ``write`` (so ``tail -f`` and the logs API see it
+immediately and nothing sits in a buffer when the daemon stops), and, when
+console forwarding is on for that stream, split into lines for the sink.
+
+Nothing here ever waits on the worker: reading is driven by readiness, the
+pipe buffer is raised to 256 KiB where the kernel allows, so a worker that
+prints a burst keeps running even if the loop is busy for a moment, and a
+full disk drops output (logged once) rather than blocking the pipe.
+
+The pipe is owned here and not by :mod:`asyncio.subprocess` on purpose: with
+asyncio's own pipes, ``Process.wait()`` on Python 3.11 returns only once the
+pipes are closed, and a grandchild that inherited stdout keeps them open
+after the worker itself has died. Keeping the pipes out of the subprocess
+transport makes exit detection independent of EOF; EOF is awaited separately
+(:meth:`OutputPipe.wait_eof`), so output written up to the exit is drained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+__all__ = ["MAX_LINE_BYTES", "PIPE_BUFFER_BYTES", "OutputPipe", "OutputSink", "Stream"]
+
+log = logging.getLogger(__name__)
+
+Stream = Literal["stdout", "stderr"]
+
+#: Receives one line (with its trailing newline) of a worker's output:
+#: ``(local_rank, stream, line)``. Called on the event loop; it must not block.
+OutputSink = Callable[[int, Stream, bytes], None]
+
+#: Asked of the kernel for each pipe: what the loop reads in one go, so a
+#: burst fits while the loop is busy elsewhere. Not more, because pipe memory
+#: counts against the daemon user's pipe-user-pages-soft (64 MiB by default),
+#: past which Linux gives new pipes a single page. A refusal keeps the 64 KiB default.
+PIPE_BUFFER_BYTES = 1 << 18
+
+#: Output with no newline for this long is forwarded to the sink in pieces,
+#: so a worker that never prints a newline cannot grow the daemon's memory.
+MAX_LINE_BYTES = 1 << 16
+
+
+class OutputPipe:
+    """One stream of one worker: pipe -> log file (appended), and lines -> sink when forwarded.
+
+    Life: :meth:`open` (file and pipe exist, the loop reads), hand
+    :attr:`write_fd` to the child, :meth:`close_write_end` once it is spawned,
+    :meth:`wait_eof` until every holder of the write end is gone, :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        local_rank: int,
+        stream: Stream,
+        log_path: Path,
+        file: BinaryIO,
+        write_fd: int,
+        sink: OutputSink | None,
+    ) -> None:
+        self.local_rank = local_rank
+        self.stream: Stream = stream
+        self.log_path = log_path
+        self._file: BinaryIO | None = file
+        self._write_fd: int | None = write_fd
+        self._sink = sink
+        self._partial = b""
+        self._transport: asyncio.ReadTransport | None = None
+        self._eof = asyncio.Event()
+        self._write_failed = False
+        self._sink_failed = False
+        self.bytes_read = 0
+
+    @classmethod
+    async def open(
+        cls, local_rank: int, stream: Stream, log_path: Path, sink: OutputSink | None
+    ) -> OutputPipe:
+        """Open `log_path` for appending and a pipe whose read end the loop watches.
+
+        Raises OSError when the file cannot be opened; nothing is left open then.
+        """
+        file = log_path.open("ab", buffering=0)
+        try:
+            read_fd, write_fd = os.pipe()
+        except OSError:
+            file.close()
+            raise
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
+        pipe = cls(local_rank, stream, log_path, file, write_fd, sink)
+        try:
+            reader = os.fdopen(read_fd, "rb", buffering=0)
+        except BaseException:
+            os.close(read_fd)
+            pipe.close()
+            raise
+        try:
+            loop = asyncio.get_running_loop()
+            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(pipe), reader)
+        except BaseException:
+            reader.close()
+            pipe.close()
+            raise
+        pipe._transport = transport
+        return pipe
+
+    @property
+    def write_fd(self) -> int:
+        """The write end, for the child's stdout or stderr."""
+        if self._write_fd is None:
+            raise RuntimeError("the write end of this pipe is already closed")
+        return self._write_fd
+
+    @property
+    def at_eof(self) -> bool:
+        """True once every process holding the write end has closed it (or the pipe was closed)."""
+        return self._eof.is_set()
+
+    def close_write_end(self) -> None:
+        """Drop the daemon's copy of the write end; EOF then comes when the worker's copies go."""
+        if self._write_fd is not None:
+            fd, self._write_fd = self._write_fd, None
+            os.close(fd)
+
+    async def wait_eof(self) -> None:
+        """Return when the pipe has reached EOF and everything before it is in the log."""
+        await self._eof.wait()
+
+    def close(self) -> None:
+        """Stop reading, forward a last unterminated line, close the pipe and the file.
+
+        Idempotent. Output still buffered in the pipe of a process that escaped
+        the worker's process group is given up here.
+        """
+        self.close_write_end()
+        if self._transport is not None:
+            transport, self._transport = self._transport, None
+            transport.close()
+        self._finish()
+
+    # Called by the protocol, on the event loop.
+
+    def _on_data(self, data: bytes) -> None:
+        self.bytes_read += len(data)
+        file = self._file
+        if file is not None and not self._write_failed:
+            try:
+                file.write(data)
+            except OSError as exc:
+                # Keep reading (the worker must not block on a full pipe), but stop writing.
+                self._write_failed = True
+                log.error(
+                    "local rank %d: cannot write %s to %s (%s); further output is dropped",
+                    self.local_rank,
+                    self.stream,
+                    self.log_path,
+                    exc,
+                )
+        if self._sink is not None:
+            self._forward(data)
+
+    def _on_eof(self) -> None:
+        self._transport = None
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._partial:
+            rest, self._partial = self._partial, b""
+            self._emit(rest)
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.close()
+        self._eof.set()
+
+    def _forward(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._emit(line + b"\n")
+        while len(self._partial) > MAX_LINE_BYTES:
+            piece, self._partial = self._partial[:MAX_LINE_BYTES], self._partial[MAX_LINE_BYTES:]
+            self._emit(piece)
+
+    def _emit(self, line: bytes) -> None:
+        if self._sink is None:
+            return
+        try:
+            self._sink(self.local_rank, self.stream, line)
+        except Exception:
+            # A broken sink must not stop the log file or the pipe; say so once.
+            if not self._sink_failed:
+                self._sink_failed = True
+                log.exception(
+                    "local rank %d: the %s output sink failed; continuing without it",
+                    self.local_rank,
+                    self.stream,
+                )
+
+
+class _PipeProtocol(asyncio.Protocol):
+    """Hands the read transport's callbacks to its :class:`OutputPipe`."""
+
+    def __init__(self, pipe: OutputPipe) -> None:
+        self._pipe = pipe
+
+    def data_received(self, data: bytes) -> None:
+        self._pipe._on_data(data)
+
+    def eof_received(self) -> bool | None:
+        return None  # let the transport close; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._pipe._on_eof()

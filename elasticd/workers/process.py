@@ -1,0 +1,550 @@
+"""The processes of one job attempt on one node: spawn, watch, stop.
+
+:class:`WorkerGroupProcesses` starts every worker in its own session (and so
+its own process group), learns of each exit the moment it happens, and ends
+them all through one routine, :meth:`WorkerGroupProcesses.stop`. What the
+workers *mean* (ranks, states, restarts) is the agent's business; this
+module only knows processes, their output and their error files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.errors import WorkerSpawnError
+from elasticd.workers.errorfile import WorkerError, read_error_file
+from elasticd.workers.output import OutputPipe, OutputSink, Stream
+
+__all__ = [
+    "DEFAULT_STOP_GRACE",
+    "GroupResult",
+    "OutputSink",
+    "Stream",
+    "WorkerError",
+    "WorkerExit",
+    "WorkerGroupProcesses",
+    "WorkerLaunch",
+]
+
+log = logging.getLogger(__name__)
+
+#: Grace used by ``async with`` when the group is still running at exit (torch's default too).
+DEFAULT_STOP_GRACE = 30.0
+
+#: Once every worker is gone, how long the output of processes that left the
+#: worker's process group (and so escaped the kill) is still awaited.
+DRAIN_TIMEOUT = 2.0
+
+#: describe() quotes at most this much of the worker's message (its first line).
+_DESCRIBE_MESSAGE_CHARS = 300
+
+#: After SIGKILL, how often to complain about a worker that is still there
+#: (uninterruptible sleep in a driver); the wait itself never gives up.
+_KILL_WARN_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """How to start one worker."""
+
+    local_rank: int
+    argv: Sequence[str]
+    """``[entrypoint, *args]``; an entrypoint without a slash is looked up on ``env["PATH"]``."""
+    env: Mapping[str, str]
+    """The complete environment of the worker; nothing is inherited from the daemon."""
+    cwd: str | None
+    log_dir: Path
+    """Gets ``stdout.log`` and ``stderr.log`` (appended); created if missing."""
+    console_stdout: bool = False
+    """Also pass this worker's stdout lines to the group's output sink (torchrun's tee)."""
+    console_stderr: bool = False
+
+    @property
+    def error_file(self) -> Path | None:
+        """Where the worker writes its error file: ``$TORCHELASTIC_ERROR_FILE``, if set."""
+        path = self.env.get("TORCHELASTIC_ERROR_FILE")
+        return Path(path) if path else None
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one worker ended."""
+
+    local_rank: int
+    pid: int
+    exit_code: int | None
+    """None when the worker was killed by a signal."""
+    signal: int | None
+    """The signal that killed the worker, if one did."""
+    exited_at: float
+    """Wall-clock time the daemon saw the exit."""
+    error: WorkerError | None
+    """The worker's error file, read when the exit is a failure and the file exists."""
+    stopped: bool = False
+    """The worker was still running when :meth:`WorkerGroupProcesses.stop` signalled it."""
+
+    @property
+    def failed(self) -> bool:
+        """True unless the worker exited with code 0."""
+        return self.exit_code != 0 or self.signal is not None
+
+    @property
+    def failed_at(self) -> float:
+        """When the failure happened, for ordering: the error file's time, else the exit's."""
+        return self.error.timestamp if self.error is not None else self.exited_at
+
+    def describe(self) -> str:
+        """One line for people: who exited, how, and the worker's own message if it left one."""
+        who = f"local rank {self.local_rank} (pid {self.pid})"
+        if self.signal is not None:
+            how = f"was killed by {_signal_name(self.signal)}"
+        else:
+            how = f"exited with code {self.exit_code}"
+        if self.error is None:
+            return f"{who} {how}"
+        message = self.error.message.strip().splitlines()[0] if self.error.message.strip() else ""
+        if len(message) > _DESCRIBE_MESSAGE_CHARS:
+            message = message[:_DESCRIBE_MESSAGE_CHARS] + "..."
+        return f"{who} {how}: {message}"
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """The outcome of a worker group so far."""
+
+    succeeded: bool
+    """Every worker of the group exited with code 0."""
+    exits: Mapping[int, WorkerExit]
+    """The exits seen so far, by local rank."""
+    failures: Sequence[WorkerExit]
+    """The failed exits, in local-rank order, including those caused by ``stop()``."""
+
+    @property
+    def root_cause(self) -> WorkerExit | None:
+        """The first failure (torch's ordering: error-file timestamp, else exit time).
+
+        Exits caused by ``stop()`` are consequences, not causes, and are not
+        considered; None when there is no other failure.
+        """
+        causes = [exit_ for exit_ in self.failures if not exit_.stopped]
+        if not causes:
+            return None
+        return min(causes, key=lambda exit_: (exit_.failed_at, exit_.exited_at, exit_.local_rank))
+
+
+class _Phase(enum.Enum):
+    """The lifecycle of a group; it only moves forward."""
+
+    STARTING = "starting"
+    """start() is spawning the workers."""
+    RUNNING = "running"
+    """Every worker was spawned; exits are being watched."""
+    STOPPING = "stopping"
+    """The termination routine runs."""
+    CLOSED = "closed"
+    """Every worker has exited and the pipes and log files are closed."""
+
+
+class _Worker:
+    """One spawned worker: its process, its pipes, its exit."""
+
+    def __init__(
+        self,
+        launch: WorkerLaunch,
+        process: asyncio.subprocess.Process,
+        pipes: tuple[OutputPipe, OutputPipe],
+    ) -> None:
+        self.launch = launch
+        self.process = process
+        self.pid = process.pid
+        self.pipes = pipes
+        self.exit: WorkerExit | None = None
+        self.exited = asyncio.Event()
+        self.signalled = False
+        self.watch: asyncio.Task[None] | None = None
+
+
+class WorkerGroupProcesses:
+    """The worker processes of one job attempt on this node.
+
+    Create with :meth:`start`; use as ``async with`` so the workers are
+    stopped however the block is left. :meth:`wait` returns as soon as the
+    outcome is known; :meth:`stop` is the only way workers are ended.
+    """
+
+    def __init__(
+        self,
+        *,
+        on_output: OutputSink | None = None,
+        on_exit: Callable[[WorkerExit], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        """Internal: use :meth:`start`, which returns a group whose workers run."""
+        self.pids: dict[int, int] = {}
+        self.started_at: dict[int, float] = {}
+        self._on_output = on_output
+        self._on_exit = on_exit
+        self._clock = clock
+        self._workers: dict[int, _Worker] = {}
+        self._expected = 0
+        self._phase = _Phase.STARTING
+        self._decided = asyncio.Event()
+        self._stop_task: asyncio.Task[GroupResult] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        launches: Sequence[WorkerLaunch],
+        *,
+        on_output: OutputSink | None = None,
+        on_exit: Callable[[WorkerExit], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> WorkerGroupProcesses:
+        """Spawn every worker and start watching them.
+
+        If one cannot be spawned, the ones already started are stopped and
+        :class:`~elasticd.errors.WorkerSpawnError` is raised naming its local
+        rank, entrypoint and the OS error. A cancelled start leaves no process either.
+        """
+        _check_launches(launches)
+        group = cls(on_output=on_output, on_exit=on_exit, clock=clock)
+        group._expected = len(launches)
+        try:
+            for launch in launches:
+                await group._spawn(launch)
+        except BaseException:
+            await group.stop(0.0)
+            raise
+        group._phase = _Phase.RUNNING
+        return group
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`stop` has finished: every worker exited, logs closed."""
+        return self._phase is _Phase.CLOSED
+
+    def snapshot(self) -> GroupResult:
+        """The exits seen so far, without waiting."""
+        exits = {
+            rank: worker.exit
+            for rank, worker in sorted(self._workers.items())
+            if worker.exit is not None
+        }
+        failures = [exit_ for exit_ in exits.values() if exit_.failed]
+        return GroupResult(
+            succeeded=len(exits) == self._expected and not failures,
+            exits=exits,
+            failures=failures,
+        )
+
+    async def wait(self) -> GroupResult:
+        """Return as soon as the outcome is known, without stopping anyone.
+
+        That is: every worker exited 0, or one failed (the others may still
+        run), or :meth:`stop` finished. Exits caused by a concurrent
+        :meth:`stop` do not count as the first failure; then this returns
+        with the final result when the stop is over.
+        """
+        if self._phase is _Phase.STARTING:
+            raise RuntimeError("the worker group is still starting")
+        await self._decided.wait()
+        return self.snapshot()
+
+    async def stop(self, grace: float = DEFAULT_STOP_GRACE) -> GroupResult:
+        """End every worker and return the final result: the one termination routine.
+
+        SIGTERM goes to the process group of every worker (so grandchildren
+        get it too); after all workers have exited and their output pipes
+        are closed, or after `grace` seconds, whatever is left of the groups
+        gets SIGKILL, and every exit is awaited. Then the output is drained
+        and the log files closed.
+
+        Idempotent and safe alongside :meth:`wait`: a second call, concurrent
+        or later, waits for the same routine (the first call's `grace` holds).
+        If the caller is cancelled, the routine still runs to its end before
+        the cancellation is raised, so no worker outlives a cancelled stop.
+        """
+        if grace < 0:
+            raise ValueError(f"grace must be >= 0, got {grace}")
+        if self._stop_task is None:
+            if self._phase is not _Phase.CLOSED:
+                self._phase = _Phase.STOPPING
+            self._stop_task = asyncio.get_running_loop().create_task(
+                self._terminate(grace), name="elasticd-workers-stop"
+            )
+        task = self._stop_task
+        interrupted: asyncio.CancelledError | None = None
+        while True:
+            try:
+                result = await asyncio.shield(task)
+                break
+            except asyncio.CancelledError as exc:
+                if task.done():
+                    raise  # the routine itself was cancelled (loop teardown): nothing to wait for
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+        return result
+
+    async def __aenter__(self) -> WorkerGroupProcesses:
+        if self._phase is not _Phase.RUNNING:
+            raise RuntimeError(f"cannot enter a worker group that is {self._phase.value}")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop(DEFAULT_STOP_GRACE)
+
+    # Spawning.
+
+    async def _spawn(self, launch: WorkerLaunch) -> None:
+        rank = launch.local_rank
+        argv = [str(arg) for arg in launch.argv]
+        executable = _resolve_entrypoint(launch)
+        try:
+            launch.log_dir.mkdir(parents=True, exist_ok=True)
+            _remove_stale_error_file(launch)
+            stdout = await self._open_pipe(launch, "stdout", launch.console_stdout)
+            try:
+                stderr = await self._open_pipe(launch, "stderr", launch.console_stderr)
+            except BaseException:
+                stdout.close()
+                raise
+        except OSError as exc:
+            raise WorkerSpawnError(
+                f"local rank {rank}: cannot set up the logs of {argv[0]!r} in "
+                f"{launch.log_dir}: {exc}"
+            ) from exc
+        try:
+            process = await asyncio.create_subprocess_exec(
+                argv[0],
+                *argv[1:],
+                executable=executable,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout.write_fd,
+                stderr=stderr.write_fd,
+                env=dict(launch.env),
+                cwd=launch.cwd,
+                # Own session, so own process group: signals reach the worker's
+                # children too, and a terminal's Ctrl-C on the daemon does not.
+                start_new_session=True,
+            )
+        except BaseException as exc:
+            stdout.close()
+            stderr.close()
+            if isinstance(exc, OSError):
+                raise WorkerSpawnError(
+                    f"local rank {rank}: cannot start {argv[0]!r} (cwd {launch.cwd!r}): {exc}"
+                ) from exc
+            raise
+        finally:
+            # The worker has its own copies now; the daemon's would keep EOF from ever coming.
+            stdout.close_write_end()
+            stderr.close_write_end()
+        worker = _Worker(launch, process, (stdout, stderr))
+        self._workers[rank] = worker
+        self.pids[rank] = process.pid
+        self.started_at[rank] = self._clock.time()
+        worker.watch = asyncio.get_running_loop().create_task(
+            self._watch(worker), name=f"elasticd-worker-{rank}-exit"
+        )
+        log.info("local rank %d started: pid %d, %s", rank, process.pid, argv[0])
+
+    async def _open_pipe(self, launch: WorkerLaunch, stream: Stream, console: bool) -> OutputPipe:
+        sink = self._on_output if console else None
+        return await OutputPipe.open(
+            launch.local_rank, stream, launch.log_dir / f"{stream}.log", sink
+        )
+
+    # Watching.
+
+    async def _watch(self, worker: _Worker) -> None:
+        # The subprocess transport holds no pipe of ours, so this returns when the
+        # child watcher reaps the worker, not when its output closes.
+        returncode = await worker.process.wait()
+        self._record_exit(worker, returncode)
+
+    def _record_exit(self, worker: _Worker, returncode: int) -> None:
+        exited_at = self._clock.time()
+        exit_code, signal_number = (None, -returncode) if returncode < 0 else (returncode, None)
+        failed = exit_code != 0
+        error_file = worker.launch.error_file
+        error = (
+            read_error_file(error_file, default_timestamp=exited_at)
+            if failed and error_file is not None
+            else None
+        )
+        exit_ = WorkerExit(
+            local_rank=worker.launch.local_rank,
+            pid=worker.pid,
+            exit_code=exit_code,
+            signal=signal_number,
+            exited_at=exited_at,
+            error=error,
+            stopped=worker.signalled,
+        )
+        worker.exit = exit_
+        worker.exited.set()
+        if failed and not exit_.stopped:
+            log.warning("%s", exit_.describe())
+        else:
+            log.info("%s", exit_.describe())
+        if self._on_exit is not None:
+            try:
+                self._on_exit(exit_)
+            except Exception:
+                log.exception("the on_exit callback failed for local rank %d", exit_.local_rank)
+        if (failed and not exit_.stopped) or self.snapshot().succeeded:
+            self._decided.set()
+
+    # Stopping.
+
+    async def _terminate(self, grace: float) -> GroupResult:
+        workers = list(self._workers.values())
+        pipes = [pipe for worker in workers for pipe in worker.pipes]
+        for worker in workers:
+            if worker.exit is None:
+                worker.signalled = True
+            _signal_group(worker, signal.SIGTERM)
+        if grace > 0:
+            # Exited and EOF together: a child of the worker that still holds its
+            # stdout is still shutting down, and gets the same grace.
+            await _all_done([w.exited.wait for w in workers] + [p.wait_eof for p in pipes], grace)
+        # Whatever is left of the groups: workers that ignored SIGTERM, and
+        # their children, with or without the pipes. A no-op for empty groups.
+        for worker in workers:
+            _signal_group(worker, signal.SIGKILL)
+            if worker.exit is None:
+                # Also by pid, in case the worker moved itself out of its group.
+                _kill_pid(worker, signal.SIGKILL)
+        while not await _all_done([w.exited.wait for w in workers], _KILL_WARN_INTERVAL):
+            alive = [w.launch.local_rank for w in workers if w.exit is None]
+            log.warning("local ranks %s still there after SIGKILL; waiting", alive)
+        if not await _all_done([p.wait_eof for p in pipes], DRAIN_TIMEOUT):
+            open_ = sorted({p.local_rank for p in pipes if not p.at_eof})
+            log.warning(
+                "output of local ranks %s is still held open by a process outside the "
+                "worker's process group; giving it up",
+                open_,
+            )
+        for pipe in pipes:
+            pipe.close()
+        for worker in workers:
+            if worker.watch is not None:
+                await worker.watch
+        self._phase = _Phase.CLOSED
+        self._decided.set()
+        return self.snapshot()
+
+
+def _check_launches(launches: Sequence[WorkerLaunch]) -> None:
+    if not launches:
+        raise ValueError("a worker group needs at least one worker")
+    ranks = [launch.local_rank for launch in launches]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"local ranks must be unique, got {ranks}")
+    for launch in launches:
+        if not launch.argv:
+            raise ValueError(f"local rank {launch.local_rank}: argv is empty")
+
+
+def _resolve_entrypoint(launch: WorkerLaunch) -> str:
+    entrypoint = str(launch.argv[0])
+    if os.sep in entrypoint:
+        return entrypoint  # a path; exec resolves a relative one against the worker's cwd
+    search_path = launch.env.get("PATH", os.defpath)
+    found = shutil.which(entrypoint, path=search_path)
+    if found is None:
+        raise WorkerSpawnError(
+            f"local rank {launch.local_rank}: cannot start {entrypoint!r}: "
+            f"no executable of that name on the worker's PATH ({search_path})"
+        )
+    return found
+
+
+def _remove_stale_error_file(launch: WorkerLaunch) -> None:
+    # A file left by an earlier run at the same path would be read as this
+    # worker's error (torch empties the attempt folder for the same reason).
+    path = launch.error_file
+    if path is None:
+        return
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning(
+            "local rank %d: cannot remove old error file %s: %s", launch.local_rank, path, exc
+        )
+
+
+def _signal_group(worker: _Worker, sig: signal.Signals) -> None:
+    """Send `sig` to the worker's process group, if that group can still be ours."""
+    pgid = worker.pid  # a session leader's group id is its pid
+    if worker.exit is not None and _pid_in_use(pgid):
+        # The worker was reaped, so its pid is free: a process that has it now
+        # is someone else, who may lead a group with this id. Linux keeps a pid
+        # reserved while it names a live group, so no process with this pid
+        # means the id still names only the worker's leftovers, or nothing.
+        return
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # the group is empty
+    except PermissionError as exc:
+        log.warning(
+            "local rank %d: cannot send %s to process group %d: %s",
+            worker.launch.local_rank,
+            sig.name,
+            pgid,
+            exc,
+        )
+
+
+def _kill_pid(worker: _Worker, sig: signal.Signals) -> None:
+    try:
+        os.kill(worker.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _pid_in_use(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _all_done(waits: Iterable[Callable[[], Awaitable[object]]], timeout: float) -> bool:
+    """Await every one of `waits`; False if `timeout` seconds pass first."""
+    try:
+        async with asyncio.timeout(timeout):
+            for wait in waits:
+                await wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+@functools.cache
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,1 @@
+"""Tests of elasticd.workers, mirroring the package."""

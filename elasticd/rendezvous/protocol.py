@@ -1,0 +1,330 @@
+"""The dynamic rendezvous protocol, as pure decisions over a JSON state document.
+
+Semantics follow torch.distributed.elastic's dynamic rendezvous: a job's
+nodes gather in numbered **rounds**; a round completes with between
+``min_nodes`` and ``max_nodes`` **participants** (ranks assigned on
+completion, sorted by node name); a node arriving at a complete round waits
+in the **wait list** (which makes the participants re-rendezvous to include
+it), or, when the round is full, in the **redundancy list** as a hot spare;
+the **last call** holds a round open for stragglers once ``min_nodes`` have
+joined; the rendezvous can be **closed** for good when the job ends.
+
+Two deliberate differences from torch:
+
+* **Liveness comes from store leases, not heartbeats inside the document.**
+  Each node keeps a lease-bound key alive; a node whose key is gone is dead
+  and is removed by whichever node decides next ("sanitize"). Heartbeats in
+  the shared document would make every node CAS the same key every few
+  seconds and wake every watcher; leases expire inside the store, and the
+  expiry itself wakes the watchers, so a lost node is noticed at once.
+* **A re-rendezvous completes as soon as every live candidate has joined**
+  (round > 0): the last call exists for stragglers, and after a failure the
+  live set is known, so waiting out the last call would only delay recovery.
+
+Every function here is pure: ``decide_*(state, me, settings, now, alive)``
+returns an :class:`Action`; the handler applies it with compare-and-set and
+watches the key instead of sleeping. ``now`` is wall-clock seconds, shared
+by the nodes of a cluster (as torch's ``datetime.utcnow`` is).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from elasticd.agent.ranks import NodeSlot
+from elasticd.errors import RendezvousError
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Rendezvous settings of one job."""
+
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 1.0
+    close_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.min_nodes < 1:
+            raise ValueError(f"min_nodes ({self.min_nodes}) must be at least 1")
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(
+                f"max_nodes ({self.max_nodes}) must be at least min_nodes ({self.min_nodes})"
+            )
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node tells the others when it joins."""
+
+    addr: str
+    role: str
+    local_world_size: int
+    port: int  # a port free on this node when it joined; used if it becomes group rank 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "addr": self.addr,
+            "role": self.role,
+            "lws": self.local_world_size,
+            "port": self.port,
+        }
+
+    @staticmethod
+    def from_json(raw: Any) -> NodeInfo:
+        return NodeInfo(
+            addr=str(raw["addr"]),
+            role=str(raw["role"]),
+            local_world_size=int(raw["lws"]),
+            port=int(raw["port"]),
+        )
+
+
+@dataclass(frozen=True)
+class State:
+    """The rendezvous document of one job (stored as JSON, written only by CAS)."""
+
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline: float | None = None
+    participants: dict[str, int] = field(default_factory=dict)
+    wait_list: frozenset[str] = frozenset()
+    redundancy_list: frozenset[str] = frozenset()
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "round": self.round,
+                "complete": self.complete,
+                "closed": self.closed,
+                "deadline": self.deadline,
+                "participants": self.participants,
+                "wait_list": sorted(self.wait_list),
+                "redundancy_list": sorted(self.redundancy_list),
+                "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
+            },
+            sort_keys=True,
+        ).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> State:
+        """Parse a stored document; anything malformed is a RendezvousError, never a crash."""
+        try:
+            doc = json.loads(raw)
+            state = State(
+                round=int(doc["round"]),
+                complete=bool(doc["complete"]),
+                closed=bool(doc["closed"]),
+                deadline=None if doc.get("deadline") is None else float(doc["deadline"]),
+                participants={str(k): int(v) for k, v in doc["participants"].items()},
+                wait_list=frozenset(str(n) for n in doc["wait_list"]),
+                redundancy_list=frozenset(str(n) for n in doc["redundancy_list"]),
+                nodes={str(k): NodeInfo.from_json(v) for k, v in doc["nodes"].items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise RendezvousError(f"the rendezvous document is malformed: {exc}") from None
+        return state
+
+    # derived views
+
+    def members(self) -> frozenset[str]:
+        return frozenset(self.participants) | self.wait_list | self.redundancy_list
+
+    def master(self) -> tuple[str, int] | None:
+        """Group rank 0's advertise address and port, once the round is complete."""
+        if not self.complete:
+            return None
+        for node, rank in self.participants.items():
+            if rank == 0:
+                info = self.nodes[node]
+                return info.addr, info.port
+        return None  # pragma: no cover - a complete round always has rank 0
+
+    def slots(self) -> list[NodeSlot]:
+        return [
+            NodeSlot(rank, self.nodes[node].role, self.nodes[node].local_world_size)
+            for node, rank in sorted(self.participants.items(), key=lambda kv: kv[1])
+        ]
+
+
+class Kind(Enum):
+    """What the executor must do next."""
+
+    WRITE = "write"  # CAS the new state, then decide again
+    WAIT = "wait"  # watch the document until it changes (or until `until`)
+    FINISH = "finish"  # this node is a participant of a complete round
+    CLOSED = "closed"  # the rendezvous is closed: the job is over
+    TIMEOUT = "timeout"  # the join did not complete in time
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    state: State | None = None  # the state to write (WRITE)
+    until: float | None = None  # wall time to wake up at if nothing changes (WAIT)
+    why: str = ""
+
+
+# state edits (pure: each returns a new State)
+
+
+def _without(state: State, node: str) -> State:
+    """Remove ``node`` from every list, with torch's epilogue for participants."""
+    participants = dict(state.participants)
+    was_participant = participants.pop(node, None) is not None
+    nodes = {k: v for k, v in state.nodes.items() if k != node}
+    new = replace(
+        state,
+        participants=participants,
+        wait_list=state.wait_list - {node},
+        redundancy_list=state.redundancy_list - {node},
+        nodes=nodes,
+    )
+    if not was_participant:
+        return new
+    if new.complete and not new.participants:  # the last one out opens the next round
+        new = replace(new, complete=False, round=new.round + 1, deadline=None)
+    return new
+
+
+def sanitize(state: State, alive: frozenset[str], settings: Settings) -> State:
+    """Drop every member whose keep-alive lease is gone."""
+    for node in sorted(state.members() - alive):
+        state = _without(state, node)
+    if not state.complete and len(state.participants) < settings.min_nodes:
+        state = replace(state, deadline=None)
+    return state
+
+
+def _complete(state: State) -> State:
+    ranks = {node: rank for rank, node in enumerate(sorted(state.participants))}
+    return replace(state, complete=True, deadline=None, participants=ranks)
+
+
+def _add_participant(
+    state: State, me: str, info: NodeInfo, settings: Settings, now: float
+) -> State:
+    participants = {**state.participants, me: 0}
+    new = replace(
+        state,
+        participants=participants,
+        wait_list=state.wait_list - {me},
+        redundancy_list=state.redundancy_list - {me},
+        nodes={**state.nodes, me: info},
+    )
+    if len(participants) == settings.min_nodes and new.deadline is None:
+        new = replace(new, deadline=now + settings.last_call_timeout)
+    if len(participants) >= settings.max_nodes:
+        new = _complete(new)
+    return new
+
+
+def _everyone_joined(state: State, alive: frozenset[str]) -> bool:
+    """After a failure the live set is known: no straggler is worth a last call."""
+    return state.round > 0 and alive <= frozenset(state.participants)
+
+
+# decisions
+
+
+def decide_join(
+    state: State,
+    me: str,
+    info: NodeInfo,
+    settings: Settings,
+    now: float,
+    alive: frozenset[str],
+    join_deadline: float,
+) -> Action:
+    """One step of joining the next complete round."""
+    clean = sanitize(state, alive | {me}, settings)
+    if clean != state:
+        return Action(Kind.WRITE, clean, why="removed nodes whose lease expired")
+    if state.closed:
+        return Action(Kind.CLOSED, why="the rendezvous is closed")
+    n = len(state.participants)
+    if me in state.redundancy_list:
+        if n >= settings.max_nodes:
+            return Action(Kind.WAIT, why="hot spare: the round is full")
+        new = replace(
+            state,
+            redundancy_list=state.redundancy_list - {me},
+            wait_list=state.wait_list | {me},
+            nodes={**state.nodes, me: info},
+        )
+        return Action(Kind.WRITE, new, why="a participant is gone: the spare steps in")
+    if state.complete and me in state.participants:
+        return Action(Kind.FINISH)
+    if now > join_deadline:
+        return Action(Kind.TIMEOUT, why=f"fewer than {settings.min_nodes} nodes joined in time")
+    if state.complete:
+        if n < settings.max_nodes:
+            if me in state.wait_list:
+                return Action(Kind.WAIT, why="waiting for the participants to re-rendezvous")
+            new = replace(state, wait_list=state.wait_list | {me}, nodes={**state.nodes, me: info})
+            return Action(Kind.WRITE, new, why="joining the wait list")
+        if me in state.wait_list:
+            return Action(Kind.WAIT, why="waiting for the next round")
+        new = replace(
+            state, redundancy_list=state.redundancy_list | {me}, nodes={**state.nodes, me: info}
+        )
+        return Action(Kind.WRITE, new, why="the round is full: joining as a hot spare")
+    if me in state.participants:
+        if n >= settings.min_nodes and (
+            (state.deadline is not None and now >= state.deadline)
+            or _everyone_joined(state, alive | {me})
+        ):
+            return Action(Kind.WRITE, _complete(state), why=f"completing the round with {n} nodes")
+        until = state.deadline if n >= settings.min_nodes else join_deadline
+        return Action(Kind.WAIT, until=min(until or join_deadline, join_deadline))
+    new = _add_participant(state, me, info, settings, now)
+    return Action(Kind.WRITE, new, why="joining the round")
+
+
+def decide_exit(state: State, me: str, settings: Settings) -> Action:
+    """Leave the current round (before joining the next one, or for good)."""
+    if me in state.members():
+        new = _without(state, me)
+        if not new.complete and len(new.participants) < settings.min_nodes:
+            new = replace(new, deadline=None)
+        return Action(Kind.WRITE, new, why="leaving the rendezvous")
+    return Action(Kind.FINISH)
+
+
+def decide_close(state: State) -> Action:
+    if state.closed:
+        return Action(Kind.FINISH)
+    return Action(Kind.WRITE, replace(state, closed=True), why="closing the rendezvous")
+
+
+class Change(Enum):
+    """Why a running node must re-rendezvous (``None`` from :func:`watch_reason`: it need not)."""
+
+    CLOSED = "the rendezvous was closed"
+    NEW_ROUND = "the other nodes moved to a new round"
+    FENCED = "this node is no longer a participant of the round"
+    ARRIVAL = "a node is waiting to join"
+    LOSS = "a participant's lease expired"
+
+
+def watch_reason(
+    state: State, me: str, my_round: int, alive: frozenset[str], settings: Settings
+) -> Change | None:
+    """While workers run: does anything in the shared state call for a new round?"""
+    if state.closed:
+        return Change.CLOSED
+    if state.round != my_round:
+        return Change.NEW_ROUND
+    if me not in state.participants:
+        return Change.FENCED
+    if state.wait_list and len(state.participants) < settings.max_nodes:
+        return Change.ARRIVAL
+    if not frozenset(state.participants) <= alive | {me}:
+        return Change.LOSS
+    return None

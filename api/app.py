@@ -12,7 +12,8 @@ from fastapi import Depends, FastAPI
 
 from api.auth import bearer_auth
 from api.problems import install_error_handlers
-from api.routes import health, jobs
+from api.routes import health, jobs, ui
+from api.routes.metrics import metrics_router
 from elasticd import __version__
 
 if TYPE_CHECKING:
@@ -35,8 +36,15 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.include_router(health.public)
     app.include_router(health.private, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
+    app.include_router(metrics_router(token, metrics_public=_metrics_public(daemon)))
+    app.include_router(ui.router)  # static page, no data: served without the token
     _include_store(app, daemon, auth)
     return app
+
+
+def _metrics_public(daemon: Daemon | None) -> bool:
+    """Whether loopback scrapers may read /metrics without the token (config option)."""
+    return daemon is not None and bool(getattr(daemon.config, "metrics_open_on_loopback", False))
 
 
 def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> None:

@@ -6,6 +6,13 @@ TOML config file (``--config``); see :mod:`elasticd.config`.
 ``elasticd run [options] -- python train.py ...`` starts an embedded daemon in
 this process, submits the job, streams the workers' output with rank
 prefixes, and exits with the job's result (0 on success, 1 on failure).
+
+The client commands talk to a running daemon over its REST API
+(:mod:`elasticd.client`): ``submit``, ``jobs``, ``status``, ``workers``,
+``events [-f]``, ``logs [-f]``, ``cancel``. Each takes ``--url`` and
+``--token-file`` (defaults: ``$ELASTICD_URL``, ``$ELASTICD_TOKEN_FILE``, else
+http://127.0.0.1:7070 and no token), prints tables for people or ``--json``
+for scripts, and exits 1 with the server's problem message on an error.
 """
 
 from __future__ import annotations
@@ -13,14 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from elasticd import __version__
+from elasticd.client import DEFAULT_URL
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.errors import ConfigError
 from elasticd.models import JobSpec
@@ -81,15 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
+    _client_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    client_command = args.command in CLIENT_COMMANDS
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG
+        if args.verbose
+        else logging.WARNING
+        if client_command
+        else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if client_command:
+        return _client_main(args)
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
@@ -193,7 +212,7 @@ async def _run(args: argparse.Namespace) -> int:
         daemon = Daemon(config, console=_console)
         daemon.install_signal_handlers()
         async with daemon:
-            job, _ = daemon.jobs.submit(spec)
+            job, _ = await daemon.jobs.submit(spec)
             _note(f"job {job.id} submitted; API at {config.url}, logs in {config.logs / job.id}")
             follower = asyncio.create_task(_print_events(daemon, job.id))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
@@ -207,9 +226,9 @@ async def _run(args: argparse.Namespace) -> int:
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
-            final = daemon.db.get_job(job.id) if daemon.db._conn else None
-            if final is None:
+            if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
                 return 130
+            final = waiter.result()
         return _report(final.model_dump())
 
 
@@ -244,6 +263,369 @@ def _report(job: dict[str, Any]) -> int:
     if error.get("traceback"):
         print(error["traceback"], file=sys.stderr)
     return 1
+
+
+# client commands: talk to a running daemon
+
+CLIENT_COMMANDS = frozenset({"submit", "jobs", "status", "workers", "events", "logs", "cancel"})
+
+
+def _client_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", help=f"the daemon's URL (default: $ELASTICD_URL, else {DEFAULT_URL})"
+    )
+    common.add_argument(
+        "--token-file", help="file holding the bearer token (default: $ELASTICD_TOKEN_FILE)"
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    submit = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="submit a job to a daemon",
+        description="Submit a job: a JSON spec file (or - for stdin), or flags and "
+        "-- program args. Example: elasticd submit --nproc-per-node 2 -- python train.py",
+    )
+    submit.add_argument("--id", "--run-id", dest="job_id", help="job id (makes it idempotent)")
+    submit.add_argument("--nproc-per-node", "--nproc_per_node", type=int)
+    submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
+    submit.add_argument("--max-restarts", "--max_restarts", type=int)
+    submit.add_argument("--role")
+    submit.add_argument("--redirects", "-r")
+    submit.add_argument("--tee", "-t")
+    submit.add_argument("--local-ranks-filter", "--local_ranks_filter")
+    submit.add_argument("--termination-grace", type=float)
+    submit.add_argument("--master-addr", "--master_addr")
+    submit.add_argument("--master-port", "--master_port", type=int)
+    submit.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="worker env (repeatable)"
+    )
+    submit.add_argument("--cwd", help="workers' directory (default: this one, for a command)")
+    submit.add_argument(
+        "--selector", action="append", default=[], metavar="K=V", help="node label to require"
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="follow the job; exit 0 if it succeeds, 1 if not"
+    )
+    submit.add_argument("program", nargs=argparse.REMAINDER, help="SPEC.json | - | -- program args")
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
+    jobs.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
+    jobs.add_argument("--limit", type=int, default=50)
+
+    for name, text in (
+        ("status", "one job: state, restarts, root cause"),
+        ("workers", "a job's worker groups and workers"),
+        ("cancel", "stop a job's workers and end it as CANCELLED"),
+    ):
+        p = sub.add_parser(name, parents=[common], help=text)
+        p.add_argument("job_id")
+
+    events = sub.add_parser("events", parents=[common], help="a job's events")
+    events.add_argument("job_id")
+    events.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
+    events.add_argument("--after", type=int, default=0, help="only events after this seq")
+
+    logs = sub.add_parser("logs", parents=[common], help="a worker's log")
+    logs.add_argument("job_id")
+    logs.add_argument("--local-rank", "--rank", type=int, default=0)
+    logs.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
+    logs.add_argument("--attempt", type=int, help="default: the latest (and, with -f, the next)")
+    logs.add_argument("--tail", type=int, help="only the last N lines")
+    logs.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
+
+
+def _client_main(args: argparse.Namespace) -> int:
+    from elasticd.client import Client, ClientError
+
+    url = args.url or os.environ.get("ELASTICD_URL") or DEFAULT_URL
+    token_file = args.token_file or os.environ.get("ELASTICD_TOKEN_FILE") or None
+    try:
+        with Client(url, token_file=token_file) as client:
+            handler = _HANDLERS[args.command]
+            return handler(client, args)
+    except ClientError as exc:
+        status = f" ({exc.status})" if exc.status else ""
+        print(f"elasticd: {exc}{status}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `elasticd events -f | head`
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the exit-time flush
+        return 0
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True), flush=True)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The job spec from a file/stdin or from the flags and the command."""
+    words = list(args.program)
+    spec: dict[str, Any] = {}
+    if (
+        words
+        and words[0] != "--"
+        and len(words) == 1
+        and (words[0] == "-" or words[0].endswith(".json"))
+    ):
+        source = words[0]
+        try:
+            text = sys.stdin.read() if source == "-" else Path(source).read_text()
+            loaded = json.loads(text)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {source}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{source} is not JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source} must hold a JSON object (a job spec)")
+        spec = loaded
+    else:
+        if words and words[0] == "--":
+            words = words[1:]
+        if not words:
+            raise ConfigError(
+                "elasticd submit needs a spec file, '-' for stdin, or a command: "
+                "elasticd submit [options] -- python train.py"
+            )
+        spec = {"entrypoint": words[0], "args": words[1:], "cwd": os.getcwd()}
+    flags = {
+        "id": args.job_id,
+        "nproc_per_node": args.nproc_per_node,
+        "max_restarts": args.max_restarts,
+        "role": args.role,
+        "redirects": args.redirects,
+        "tee": args.tee,
+        "local_ranks_filter": args.local_ranks_filter,
+        "termination_grace": args.termination_grace,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "cwd": args.cwd,
+    }
+    spec.update({k: v for k, v in flags.items() if v is not None})
+    if args.nnodes:
+        low, _, high = str(args.nnodes).partition(":")
+        try:
+            spec["min_nodes"] = int(low)
+            spec["max_nodes"] = int(high or low)
+        except ValueError:
+            raise ConfigError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX") from None
+    if args.env:
+        spec["env"] = {**spec.get("env", {}), **_pairs(args.env, "--env")}
+    if args.selector:
+        spec["node_selector"] = {
+            **spec.get("node_selector", {}),
+            **_pairs(args.selector, "--selector"),
+        }
+    return spec
+
+
+def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
+    job = client.submit(_submit_spec(args))
+    if not args.wait:
+        if args.json:
+            _print_json(job.model_dump(mode="json"))
+        else:
+            print(f"job {job.id} submitted ({job.state.value})")
+        return 0
+    if not args.json:
+        _note(f"job {job.id} submitted; following it (Ctrl-C stops following, not the job)")
+        for event in client.follow_events(job.id):
+            _note(f"{event.kind}: {event.message}")
+    final = client.wait(job.id)
+    if args.json:
+        _print_json(final.model_dump(mode="json"))
+        return 0 if final.state is JobState.SUCCEEDED else 1
+    return _report(final.model_dump())
+
+
+def _cmd_jobs(client: Any, args: argparse.Namespace) -> int:
+    page = client.list_jobs(state=args.state, limit=args.limit)
+    if args.json:
+        _print_json(page.model_dump(mode="json"))
+        return 0
+    if not page.jobs:
+        print("no jobs")
+        return 0
+    rows = [
+        [
+            j.id,
+            j.state.value,
+            f"{j.restart_count}/{j.max_restarts}",
+            f"{j.spec.min_nodes}x{j.spec.nproc_per_node}",
+            _age(j.created_at),
+            _shorten(" ".join([j.spec.entrypoint, *j.spec.args]), 50),
+        ]
+        for j in page.jobs
+    ]
+    print(_table(rows, ["ID", "STATE", "RESTARTS", "NODESxPROCS", "AGE", "COMMAND"]))
+    if page.next_offset is not None:
+        print(f"... {page.total - len(page.jobs)} more (use --limit)")
+    return 0
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _cmd_status(client: Any, args: argparse.Namespace) -> int:
+    job = client.get(args.job_id)
+    if args.json:
+        _print_json(job.model_dump(mode="json"))
+        return 0
+    spec = job.spec
+    lines = [
+        ("job", job.id),
+        ("state", job.state.value),
+        ("restarts", f"{job.restart_count} of {job.max_restarts}"),
+        ("round", str(job.round)),
+        ("command", " ".join([spec.entrypoint, *spec.args])),
+        ("workers", f"{spec.nproc_per_node} per node, {spec.min_nodes}-{spec.max_nodes} nodes"),
+        ("created", _when(job.created_at)),
+        ("started", _when(job.started_at)),
+        ("finished", _when(job.finished_at)),
+    ]
+    if job.reason:
+        lines.append(("reason", job.reason))
+    if job.error:
+        e = job.error
+        lines.append(
+            (
+                "root cause",
+                f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
+                f"attempt {e.attempt}): {e.message}",
+            )
+        )
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        print(f"{key.ljust(width)}  {value}")
+    if job.error and job.error.traceback:
+        print()
+        print(job.error.traceback.rstrip())
+    return 0
+
+
+def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
+    view = client.workers(args.job_id)
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return 0
+    print(
+        f"job {view.job_id}: {view.state.value}, restarts {view.restart_count} of "
+        f"{view.max_restarts} ({view.remaining_restarts} left), round {view.round}"
+    )
+    if not view.groups:
+        print("no worker groups yet")
+        return 0
+    for g in view.groups:
+        print()
+        master = f", master {g.master_addr}:{g.master_port}" if g.master_addr else ""
+        print(
+            f"node {g.node}: group {g.group_rank}/{g.group_world_size} {g.state.value}, "
+            f"attempt {g.attempt}, round {g.round}{master}"
+        )
+        rows = []
+        for w in g.workers:
+            end = "-"
+            if w.signal is not None:
+                end = f"signal {w.signal}"
+            elif w.exit_code is not None:
+                end = f"exit {w.exit_code}"
+            rows.append([str(w.rank), str(w.local_rank), str(w.pid or "-"), w.state.value, end])
+        print(_table(rows, ["RANK", "LOCAL", "PID", "STATE", "EXIT"]))
+    return 0
+
+
+def _event_line(event: Any) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+    extra = f" [{event.duration_s:.3f}s]" if event.duration_s is not None else ""
+    return f"{event.seq:>6}  {stamp}  {event.node}  {event.kind:<20} {event.message}{extra}"
+
+
+def _cmd_events(client: Any, args: argparse.Namespace) -> int:
+    if args.follow:
+        events = client.follow_events(args.job_id, after=args.after)
+    else:
+        events = client.events(args.job_id, after=args.after, limit=10_000)
+        if args.json:
+            _print_json([e.model_dump(mode="json") for e in events])
+            return 0
+    for event in events:  # with -f, one JSON object per line (NDJSON) for scripts
+        print(event.model_dump_json() if args.json else _event_line(event), flush=True)
+    return 0
+
+
+def _cmd_logs(client: Any, args: argparse.Namespace) -> int:
+    kwargs = {"attempt": args.attempt, "tail": args.tail}
+    if args.follow:
+        for text in client.follow_logs(args.job_id, args.local_rank, args.stream, **kwargs):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        return 0
+    text = client.logs(args.job_id, args.local_rank, args.stream, **kwargs)
+    if args.json:
+        _print_json({"job_id": args.job_id, "local_rank": args.local_rank, "text": text})
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_cancel(client: Any, args: argparse.Namespace) -> int:
+    job = client.cancel(args.job_id)
+    if args.json:
+        _print_json(job.model_dump(mode="json"))
+    else:
+        print(f"job {job.id}: cancel requested ({job.state.value})")
+    return 0
+
+
+_HANDLERS = {
+    "submit": _cmd_submit,
+    "jobs": _cmd_jobs,
+    "status": _cmd_status,
+    "workers": _cmd_workers,
+    "events": _cmd_events,
+    "logs": _cmd_logs,
+    "cancel": _cmd_cancel,
+}
 
 
 def entry() -> None:  # pragma: no cover

@@ -72,6 +72,9 @@ class Config(BaseModel):
     store_url: str | None = None
     store_only: bool = False
     shutdown_timeout: float = Field(default=60.0, gt=0)
+    lease_ttl: float = Field(
+        default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
+    )
 
     @field_validator("labels", mode="before")
     @classmethod

@@ -28,13 +28,17 @@ from typing import Self
 import uvicorn
 
 from elasticd import systemd
+from elasticd import __version__
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.cluster import Cluster, NodeRecord
 from elasticd.config import Config, check_bind, read_token
 from elasticd.db import Database
 from elasticd.errors import ConfigError
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
+from elasticd.models import Job
+from elasticd.metrics import Metrics
 from elasticd.store import (
     Store,
     open_store,  # type: ignore[attr-defined]
@@ -109,6 +113,9 @@ class Daemon:
         self._serve_http = serve_http
         self._console = console
         self._stop = asyncio.Event()
+        #: Set once the agents are stopped, just before the HTTP server stops: open
+        #: streams (SSE, log follow) end on it so that they never hold up shutdown.
+        self.closing_streams = asyncio.Event()
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._state = "new"
@@ -116,6 +123,8 @@ class Daemon:
         self.store: Store
         self.events: EventLog
         self.jobs: JobService
+        self.cluster: Cluster
+        self.metrics: Metrics
 
     @property
     def ready(self) -> bool:
@@ -130,18 +139,38 @@ class Daemon:
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self.config.logs.mkdir(parents=True, exist_ok=True)
         self.db.open()
-        self.events = EventLog(self.db, self.config.node_name, self.clock)
         self.store = self._injected_store or open_store(
             self.config.store_url, token=self.token, state_dir=self.config.state_dir
         )
+        self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
         gpus = await detect_gpus()
         slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
         token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
+        if self._serve_http:
+            await self._start_http()  # binds first: the port is part of this node's record
+        record = NodeRecord(
+            name=self.config.node_name,
+            url=self.config.url,
+            addr=self.config.advertise,
+            labels=self.config.labels,
+            slots=slots,
+            free_slots=slots,
+            gpus=gpus,
+            version=__version__,
+            started_at=self.clock.time(),
+        )
+        self.cluster = Cluster(
+            self.store,
+            record,
+            on_jobs=self._on_jobs,
+            lease_ttl=self.config.lease_ttl,
+            clock=self.clock,
+        )
         self.jobs = JobService(
             self.config,
-            self.db,
             self.events,
             self.store,
+            self.cluster,
             token_file=token_file,
             slots=slots,
             gpu_ids=gpus,
@@ -149,9 +178,10 @@ class Daemon:
             clock=self.clock,
             base_env=self._environ,
         )
-        self.jobs.recover()
-        if self._serve_http:
-            await self._start_http()
+        await self.events.start()
+        await self.jobs.recover()
+        if not self.config.store_only:
+            await self.cluster.start()
         self._state = "running"
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
@@ -164,7 +194,6 @@ class Daemon:
             slots,
             self.config.state_dir,
         )
-        self.jobs._schedule()
 
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse
@@ -183,6 +212,10 @@ class Daemon:
         sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
         self._server_task = asyncio.create_task(self._server.serve([sock]), name="http")
+
+    def _on_jobs(self, jobs: list[Job]) -> None:
+        if self._state in ("running", "starting"):
+            self.jobs.on_jobs(jobs)
 
     def request_stop(self) -> None:
         """Ask the daemon to shut down (what SIGTERM/SIGINT do)."""
@@ -208,6 +241,7 @@ class Daemon:
         await self.jobs.stop_agents()
         with contextlib.suppress(Exception):
             self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.closing_streams.set()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):

@@ -1,32 +1,60 @@
-"""The event log: every thing that happens to a job, persisted and ordered.
+"""The event log: every thing that happens to a job, persisted, ordered, shared.
 
-``emit`` writes the event to SQLite (which assigns ``seq``) before it
-returns, so an event that an API call acknowledged is on disk. Readers that
-follow a job (the SSE stream, ``elasticd run``) wait on a notification, not
-on a timer.
+``emit`` writes the event to this daemon's SQLite before it returns (so an
+event that an API call acknowledged is on disk), then a publisher task puts
+it into the cluster store under ``ev/<job>/<node>/<local seq>``. The merged
+view that the API serves reads the store: an event's ``seq`` there is the
+store revision of its publication, one order for all nodes' events.
+Unpublished events (the store was unreachable, the daemon was killed) are
+published again when the daemon starts, under the same key, so nothing is
+lost and nothing is duplicated.
+
+Followers wait on the store's watch (cluster view) or on a local
+notification (``elasticd run``), never on a timer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
+from pydantic import ValidationError
+
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.db import Database
+from elasticd.errors import StoreCompacted, StoreError
 from elasticd.models import Event, EventSource
+from elasticd.store import Store
 
 log = logging.getLogger("elasticd.events")
+
+
+def event_prefix(job_id: str) -> str:
+    return f"ev/{job_id}/"
 
 
 class EventLog:
     """Append-only, per-job ordered events with wake-ups for followers."""
 
-    def __init__(self, db: Database, node: str, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self, db: Database, node: str, clock: Clock = SYSTEM_CLOCK, store: Store | None = None
+    ) -> None:
         self._db = db
         self._node = node
         self._clock = clock
+        self._store = store
         self._changed = asyncio.Event()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._publisher: asyncio.Task[None] | None = None
+        self._listeners: list[Any] = []
+
+    def add_listener(self, listener: Any) -> None:
+        """Call ``listener(event)`` synchronously after every emit (metrics)."""
+        self._listeners.append(listener)
+
+    # writing
 
     def emit(
         self,
@@ -36,7 +64,7 @@ class EventLog:
         message: str = "",
         **fields: Any,
     ) -> Event:
-        """Record one event now and wake everyone following the log."""
+        """Record one event now, wake local followers, and queue it for the store."""
         event = Event(
             seq=0,
             time=fields.pop("time", None) or self._clock.time(),
@@ -51,7 +79,62 @@ class EventLog:
         log.info("job %s: %s %s", job_id, kind, message)
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+        if self._store is not None:
+            self._queue.put_nowait(stored)
+        for listener in self._listeners:
+            try:
+                listener(stored)
+            except Exception:  # a listener must never break event recording
+                log.exception("event listener failed")
         return stored
+
+    async def start(self) -> None:
+        """Publish what a previous run left unpublished, then keep publishing."""
+        if self._store is None:
+            return
+        for event in self._db.unpublished_events():
+            self._queue.put_nowait(event)
+        self._publisher = asyncio.create_task(self._publish(), name="event-publisher")
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Publish what is queued (bounded by ``timeout``), then stop."""
+        if self._publisher is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._queue.join()
+        self._publisher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._publisher
+        self._publisher = None
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Wait until every event emitted so far is in the store (bounded by ``timeout``)."""
+        if self._publisher is None:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._queue.join()
+
+    async def _publish(self) -> None:
+        assert self._store is not None
+        backoff = 0.05
+        while True:
+            event = await self._queue.get()
+            while True:
+                try:
+                    key = f"{event_prefix(event.job_id)}{event.node}/{event.seq:012d}"
+                    await self._store.put(key, event.model_dump_json().encode())
+                    self._db.mark_published([event.seq])
+                    backoff = 0.05
+                    break
+                except StoreError as exc:
+                    log.warning("cannot publish event %s yet: %s", event.seq, exc)
+                    await asyncio.sleep(backoff)  # retry with backoff while the store is away
+                    backoff = min(backoff * 2, 5.0)
+            self._queue.task_done()
+
+    # reading: this node's own events
 
     def read(self, job_id: str, after: int = 0, limit: int = 1000) -> list[Event]:
         return self._db.list_events(job_id, after, limit)
@@ -59,7 +142,7 @@ class EventLog:
     async def follow(
         self, job_id: str, after: int, timeout: float, limit: int = 1000
     ) -> list[Event]:
-        """Events after ``after``; waits up to ``timeout`` for the first one."""
+        """This node's events after ``after``; waits up to ``timeout`` for the first one."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -73,3 +156,39 @@ class EventLog:
                     await changed.wait()
             except TimeoutError:
                 return []
+
+    # reading: every node's events, merged through the store
+
+    async def cluster_events(self, job_id: str, after: int = 0) -> list[Event]:
+        return (await self._cluster_events(job_id, after))[0]
+
+    async def _cluster_events(self, job_id: str, after: int) -> tuple[list[Event], int]:
+        if self._store is None:
+            return self.read(job_id, after), 0
+        listing = await self._store.list(event_prefix(job_id))
+        events = []
+        for entry in listing.entries:
+            if entry.created <= after:
+                continue
+            try:
+                event = Event.model_validate_json(entry.value)
+            except ValidationError:
+                log.warning("ignoring malformed event %s", entry.key)
+                continue
+            events.append(event.model_copy(update={"seq": entry.created}))
+        events.sort(key=lambda e: e.seq)
+        return events, listing.revision
+
+    async def follow_cluster(self, job_id: str, after: int, timeout: float) -> list[Event]:
+        """Merged events after ``after``, waiting up to ``timeout`` for the first one."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            events, revision = await self._cluster_events(job_id, after)
+            remaining = deadline - loop.time()
+            if events or remaining <= 0 or self._store is None:
+                return events
+            # Watch from what was just read: a re-published event (same key, same
+            # created revision) must not wake this loop over and over.
+            with contextlib.suppress(StoreCompacted):
+                await self._store.watch(event_prefix(job_id), revision, remaining, prefix=True)

@@ -1,14 +1,23 @@
 """The job service: what the REST routes call, and the local scheduler of agents.
 
-It keeps jobs in SQLite, turns submissions into agents when this node has
-room, and answers every read. Job state changes go through
-:func:`elasticd.states.job_transition`, so an illegal one is refused and a
-terminal state is final.
+Jobs live in the cluster store, one JSON document per job (``job/<id>``),
+written once by the daemon that took the POST and then updated only by
+compare-and-set, so every daemon serves the same answer and concurrent
+updates from several nodes never lose each other. Every daemon watches the
+job prefix and starts an agent for each active job whose ``node_selector``
+matches its labels and that fits its free slots; the rendezvous decides which
+of those agents actually run workers.
+
+Events are recorded in this daemon's SQLite first (so an acknowledged event
+is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
+merged, cluster-wide view; the store revision of an event is its ``seq`` in
+the API, which gives all nodes' events one order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
@@ -16,11 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group, group_key
+from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.cluster import JOB_PREFIX, Cluster
 from elasticd.config import Config
-from elasticd.db import Database
 from elasticd.errors import (
+    InvalidTransition,
     JobConflict,
     JobNotFound,
     LogNotFound,
@@ -29,8 +39,8 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
-from elasticd.rendezvous import SoloRendezvous
-from elasticd.states import JobState, job_transition
+from elasticd.rendezvous import Settings, StoreRendezvous, rendezvous_prefix
+from elasticd.states import JOB_ACTIVE, JobState, job_transition
 from elasticd.store import Store
 
 log = logging.getLogger("elasticd.jobs")
@@ -40,6 +50,15 @@ DAEMON_CRASHED = (
     "the elasticd daemon was not running (it crashed or was killed) while the job was running"
 )
 MAX_LOG_BYTES = 8 * 1024 * 1024
+CAS_ATTEMPTS = 100
+
+
+def job_key(job_id: str) -> str:
+    return JOB_PREFIX + job_id
+
+
+def group_prefix(job_id: str) -> str:
+    return f"group/{job_id}/"
 
 
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -47,14 +66,14 @@ def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 class JobService:
-    """Jobs of this daemon: submit, read, cancel, and the agents that run them."""
+    """Jobs of the cluster as this daemon sees them, and the agents it runs."""
 
     def __init__(
         self,
         config: Config,
-        db: Database,
         events: EventLog,
         store: Store,
+        cluster: Cluster,
         *,
         token_file: str | None = None,
         slots: int,
@@ -64,9 +83,9 @@ class JobService:
         base_env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
-        self.db = db
         self.events = events
         self.store = store
+        self.cluster = cluster
         self.clock = clock
         self.console = console
         self._token_file = token_file
@@ -76,17 +95,36 @@ class JobService:
         self._allocated: dict[str, list[int]] = {}
         self._agents: dict[str, JobAgent] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._done_here: set[str] = set()
         self._accepting = True
         self._base_env = dict(os.environ if base_env is None else base_env)
-        self._job_finished: dict[str, asyncio.Event] = {}
+        self._known: dict[str, Job] = {}
+
+    @property
+    def node(self) -> str:
+        return self.config.node_name
 
     # lifecycle
 
-    def recover(self) -> None:
-        """After a start: a job the last run left active is failed, never silently lost."""
-        for job in self.db.active_jobs():
+    async def recover(self) -> None:
+        """After a start: a single-node job this node was running is failed, never lost.
+
+        A job with other live members carries on without us; this node will
+        rejoin it through the normal scheduling path (as an arriving node).
+        """
+        for job in await self._all_jobs():
+            if job.state not in JOB_ACTIVE:
+                continue
+            ours = await self.store.get(group_prefix(job.id) + self.node)
+            if ours is None:
+                continue
+            others = await self._live_members(job.id)
+            if others - {self.node}:
+                continue
             self.events.emit(job.id, "daemon", "job.orphaned", DAEMON_CRASHED, state="FAILED")
-            self._update(job, state=JobState.FAILED, reason=DAEMON_CRASHED)
+            with contextlib.suppress(InvalidTransition):
+                await self.update_job(job.id, state=JobState.FAILED, reason=DAEMON_CRASHED)
+            self._done_here.add(job.id)
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -96,31 +134,37 @@ class JobService:
         return self._accepting
 
     async def stop_agents(self) -> None:
-        """Stop every agent (each stops its workers, shielded) and fail their jobs."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
+        """Stop every agent: each stops its workers (shielded) and leaves the rendezvous.
+
+        A job no other live node is part of is then failed with the reason.
+        """
+        self._accepting = False
+        tasks = list(self._tasks.items())
+        for _, task in tasks:
             task.cancel()
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for job in self.db.active_jobs():
-            self.events.emit(job.id, "daemon", "daemon.stopped", DAEMON_STOPPED, state="FAILED")
-            self._update(job, state=JobState.FAILED, reason=DAEMON_STOPPED)
+            await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        for job_id, _ in tasks:
+            try:
+                job = await self.get(job_id)
+                if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
+                    continue
+                self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED, state="FAILED")
+                await self.update_job(job_id, state=JobState.FAILED, reason=DAEMON_STOPPED)
+            except (StoreError, InvalidTransition, JobNotFound) as exc:
+                log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
+
+    async def _live_members(self, job_id: str) -> set[str]:
+        listing = await self.store.list(rendezvous_prefix(job_id) + "alive/")
+        prefix = rendezvous_prefix(job_id) + "alive/"
+        return {e.key[len(prefix) :] for e in listing.entries}
 
     # writes
 
-    def submit(self, spec: JobSpec) -> tuple[Job, bool]:
+    async def submit(self, spec: JobSpec) -> tuple[Job, bool]:
         """Accept a job. Returns (job, created); same id + same spec returns the existing one."""
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
-        if spec.id is not None:
-            existing = self.db.get_job(spec.id)
-            if existing is not None:
-                if existing.spec.without_id() == spec.without_id():
-                    return existing, False
-                raise JobConflict(
-                    f"job {spec.id!r} exists with a different spec; choose another id "
-                    "or submit the identical spec to get the existing job"
-                )
         job_id = spec.id or uuid.uuid4().hex[:12]
         spec = spec.model_copy(update={"id": job_id})
         job = Job(
@@ -129,64 +173,134 @@ class JobService:
             state=JobState.PENDING,
             max_restarts=spec.max_restarts,
             created_at=self.clock.time(),
+            submitted_to=self.node,
         )
-        if not self.db.insert_job(job):  # lost a race with an identical id
-            return self.submit(spec)
+        result = await self.store.compare_and_set(
+            job_key(job_id), job.model_dump_json().encode(), None
+        )
+        if not result.ok:
+            assert result.entry is not None
+            existing = Job.model_validate_json(result.entry.value)
+            if existing.spec.without_id() == spec.without_id():
+                return existing, False
+            raise JobConflict(
+                f"job {job_id!r} exists with a different spec; choose another id "
+                "or submit the identical spec to get the existing job"
+            )
         self.events.emit(
             job_id,
             "daemon",
             "job.submitted",
-            f"job accepted: {spec.nproc_per_node} x {spec.entrypoint} "
+            f"job accepted by {self.node}: {spec.nproc_per_node} x {spec.entrypoint} "
             f"{' '.join(spec.args)}".rstrip(),
             state=JobState.PENDING.value,
         )
-        self._schedule()
         return job, True
 
-    def cancel(self, job_id: str) -> Job:
-        job = self.get(job_id)
+    async def cancel(self, job_id: str) -> Job:
+        job = await self.get(job_id)
         if job.state.is_terminal:
             raise JobConflict(
                 f"job {job_id!r} already ended as {job.state.value}; nothing to cancel"
             )
-        agent = self._agents.get(job_id)
-        self.events.emit(job_id, "daemon", "job.cancel_requested", "cancel requested by user")
-        if agent is not None:
-            agent.cancel()
-            return self.get(job_id)
-        return self._update(job, state=JobState.CANCELLED, reason="cancelled by user")
+        self.events.emit(
+            job_id, "daemon", "job.cancel_requested", f"cancel requested on {self.node}"
+        )
+        job = await self.update_job(job_id, state=JobState.CANCELLED, reason="cancelled by user")
+        # Closing the rendezvous tells every node's agent to stop its workers.
+        await self._close_rendezvous(job_id)
+        return job
+
+    async def _close_rendezvous(self, job_id: str) -> None:
+        rdzv = self._rendezvous(await self.get(job_id))
+        with contextlib.suppress(StoreError):
+            await rdzv.close()
+
+    async def update_job(self, job_id: str, **changes: Any) -> Job:
+        """Change the job document by compare-and-set; state changes are checked and evented.
+
+        A ``state`` that is already the job's state is not a change. Terminal
+        states are final: asking to leave one raises ``InvalidTransition``.
+        """
+        for _ in range(CAS_ATTEMPTS):
+            entry = await self.store.get(job_key(job_id))
+            if entry is None:
+                raise JobNotFound(f"no job with id {job_id!r}")
+            job = Job.model_validate_json(entry.value)
+            new = self._apply(job, dict(changes))
+            if new == job:
+                return job
+            if new.state is not job.state:
+                # Whoever sees the new state must also see every event that led to it.
+                await self.events.flush()
+            result = await self.store.compare_and_set(
+                job_key(job_id), new.model_dump_json().encode(), entry.version
+            )
+            if result.ok:
+                if new.state is not job.state:
+                    self.events.emit(
+                        job_id,
+                        "daemon",
+                        "job.state",
+                        f"job {job.state.value} -> {new.state.value}"
+                        + (f": {new.reason}" if new.reason else ""),
+                        state=new.state.value,
+                        error=new.error if new.state is JobState.FAILED else None,
+                    )
+                    await self.events.flush()
+                return new
+        raise StoreError(f"job {job_id}: too many concurrent updates")  # pragma: no cover
+
+    def _apply(self, job: Job, changes: dict[str, Any]) -> Job:
+        target: JobState | None = changes.pop("state", None)
+        mutate: Callable[[Job], dict[str, Any]] | None = changes.pop("mutate", None)
+        if mutate is not None:
+            changes.update(mutate(job))
+            target = changes.pop("state", target)
+        now = self.clock.time()
+        updates: dict[str, Any] = {k: v for k, v in changes.items() if getattr(job, k) != v}
+        if target is not None and target is not job.state:
+            job_transition(job.state, target)
+            updates["state"] = target
+            if target is JobState.RUNNING and job.started_at is None:
+                updates["started_at"] = now
+            if target.is_terminal:
+                updates["finished_at"] = now
+        elif job.state.is_terminal and updates:
+            raise InvalidTransition(f"job {job.id} already ended as {job.state.value}")
+        return job.model_copy(update=updates) if updates else job
 
     # reads
 
-    def get(self, job_id: str) -> Job:
-        job = self.db.get_job(job_id)
-        if job is None:
+    async def get(self, job_id: str) -> Job:
+        entry = await self.store.get(job_key(job_id))
+        if entry is None:
             raise JobNotFound(f"no job with id {job_id!r}")
-        return job
+        return Job.model_validate_json(entry.value)
 
-    def list_jobs(self, state: list[JobState] | None, limit: int, offset: int) -> JobList:
-        jobs, total = self.db.list_jobs(state, limit, offset)
-        next_offset = offset + len(jobs) if offset + len(jobs) < total else None
-        return JobList(jobs=jobs, total=total, next_offset=next_offset)
+    async def _all_jobs(self) -> list[Job]:
+        from elasticd.cluster import parse_jobs
+
+        return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
+
+    async def list_jobs(self, state: list[JobState] | None, limit: int, offset: int) -> JobList:
+        jobs = await self._all_jobs()
+        if state is not None:
+            wanted = set(state)
+            jobs = [j for j in jobs if j.state in wanted]
+        jobs.sort(key=lambda j: (-j.created_at, j.id))
+        page = jobs[offset : offset + limit]
+        next_offset = offset + len(page) if offset + len(page) < len(jobs) else None
+        return JobList(jobs=page, total=len(jobs), next_offset=next_offset)
 
     async def workers(self, job_id: str) -> WorkersView:
-        job = self.get(job_id)
-        groups: list[GroupView] = []
-        try:
-            listing = await self.store.list(group_key(job_id, ""))
-            groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
-        except StoreError as exc:
-            log.warning("job %s: store unavailable for workers view: %s", job_id, exc)
-        if not groups:
-            saved = self.db.get_workers(job_id)
-            if saved is not None:
-                groups = saved.groups
+        job = await self.get(job_id)
+        listing = await self.store.list(group_prefix(job_id))
+        groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
         agent = self._agents.get(job_id)
         if agent is not None and agent.view is not None:  # our own group: freshest copy
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
-        return self._workers_view(job, groups)
-
-    def _workers_view(self, job: Job, groups: list[GroupView]) -> WorkersView:
+        current = [g for g in groups if g.round == job.round] or groups
         return WorkersView(
             job_id=job.id,
             state=job.state,
@@ -194,28 +308,29 @@ class JobService:
             max_restarts=job.max_restarts,
             remaining_restarts=max(0, job.max_restarts - job.restart_count),
             round=job.round,
-            groups=sorted(groups, key=lambda g: g.group_rank),
+            groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
         )
 
-    def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
-        self.get(job_id)
-        return self.events.read(job_id, after, limit)
+    async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
+        await self.get(job_id)
+        return (await self.events.cluster_events(job_id, after))[:limit]
 
     async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
-        self.get(job_id)
-        return await self.events.follow(job_id, after, timeout)
+        await self.get(job_id)
+        return await self.events.follow_cluster(job_id, after, timeout)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Wait until the job is terminal (for ``elasticd run`` and tests)."""
-        job = self.get(job_id)
-        after = 0
         async with asyncio.timeout(timeout):
-            while not job.state.is_terminal:
-                events = await self.events.follow(job_id, after, 30)
-                if events:
-                    after = events[-1].seq
-                job = self.get(job_id)
-        return job
+            while True:
+                entry = await self.store.get(job_key(job_id))
+                if entry is None:
+                    raise JobNotFound(f"no job with id {job_id!r}")
+                job = Job.model_validate_json(entry.value)
+                if job.state.is_terminal:
+                    return job
+                with contextlib.suppress(StoreError):
+                    await self.store.watch(job_key(job_id), entry.version, 30.0)
 
     def log_file(
         self,
@@ -224,26 +339,24 @@ class JobService:
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
     ) -> Path:
-        """The path of one worker log, refusing anything outside the job's log folder."""
-        self.get(job_id)
+        """The path of one worker log here, refusing anything outside the job's log folder."""
         job_dir = (self.config.logs / job_id).resolve()
         if attempt is None:
             attempts = sorted(
-                (
-                    int(p.name.removeprefix("attempt_"))
-                    for p in job_dir.glob("attempt_*")
-                    if p.name.removeprefix("attempt_").isdigit()
-                ),
+                int(p.name.removeprefix("attempt_"))
+                for p in job_dir.glob("attempt_*")
+                if p.name.removeprefix("attempt_").isdigit()
             )
             if not attempts:
-                raise LogNotFound(f"job {job_id!r} has no logs yet")
+                raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
             attempt = attempts[-1]
         path = (job_dir / f"attempt_{attempt}" / str(local_rank) / f"{stream}.log").resolve()
         if not path.is_relative_to(job_dir):
             raise LogNotFound("log parameters point outside the job's log folder")
         if not path.is_file():
             raise LogNotFound(
-                f"no {stream} log for job {job_id!r}, attempt {attempt}, local rank {local_rank}"
+                f"no {stream} log for job {job_id!r}, attempt {attempt}, local rank {local_rank} "
+                f"on node {self.node}"
             )
         return path
 
@@ -259,30 +372,65 @@ class JobService:
             text = "".join(lines[-tail:]) if tail > 0 else ""
         return text
 
+    async def node_url(self, node: str) -> str:
+        """The API address of another node, for proxying its logs."""
+        record = await self.cluster.node(node)
+        if record is None:
+            raise LogNotFound(f"node {node!r} is not a live member of the cluster")
+        return record.url
+
     # scheduling
 
-    def _schedule(self) -> None:
-        """Start an agent for every pending job this node can run now, oldest first."""
+    def on_jobs(self, jobs: list[Job]) -> None:
+        """Called with every job document whenever one changes: start agents we should run."""
+        self._known = {j.id: j for j in jobs}
         if not self._accepting:
             return
-        pending, _ = self.db.list_jobs([JobState.PENDING], limit=10_000, offset=0)
-        for job in reversed(pending):
-            if job.id in self._agents:
+        for job in sorted(jobs, key=lambda j: j.created_at):
+            if job.state not in JOB_ACTIVE or job.id in self._agents or job.id in self._done_here:
                 continue
             spec = job.spec
             if not selector_matches(spec.node_selector, self.config.labels):
                 continue
             if spec.nproc_per_node > self._slots:
-                reason = (
-                    f"this node has {self._slots} slots; the job needs {spec.nproc_per_node} "
-                    "per node (set --slots, or lower nproc_per_node)"
-                )
-                self.events.emit(job.id, "daemon", "job.unschedulable", reason, state="FAILED")
-                self._update(job, state=JobState.FAILED, reason=reason)
+                if spec.max_nodes == 1:  # no other node could take it either way
+                    asyncio.get_running_loop().create_task(self._unschedulable(job))
                 continue
             if spec.nproc_per_node > len(self._free):
                 continue
             self._start_agent(job)
+
+    async def _unschedulable(self, job: Job) -> None:
+        reason = (
+            f"node {self.node} has {self._slots} slots; the job needs {job.spec.nproc_per_node} "
+            "per node (set --slots, or lower nproc_per_node)"
+        )
+        self._done_here.add(job.id)
+        self.events.emit(job.id, "daemon", "job.unschedulable", reason, state="FAILED")
+        with contextlib.suppress(InvalidTransition, StoreError):
+            await self.update_job(job.id, state=JobState.FAILED, reason=reason)
+
+    def _rendezvous(self, job: Job) -> StoreRendezvous:
+        spec = job.spec
+        assert spec.max_nodes is not None
+        return StoreRendezvous(
+            self.store,
+            job.id,
+            node=self.node,
+            role=spec.role,
+            local_world_size=spec.nproc_per_node,
+            advertise_addr=self.config.advertise,
+            settings=Settings(
+                min_nodes=spec.min_nodes,
+                max_nodes=spec.max_nodes,
+                join_timeout=spec.join_timeout,
+                last_call_timeout=spec.last_call_timeout,
+            ),
+            lease=self.cluster.lease,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            clock=self.clock,
+        )
 
     def _start_agent(self, job: Job) -> None:
         slots = self._free[: job.spec.nproc_per_node]
@@ -292,23 +440,14 @@ class JobService:
         if self._gpu_ids is not None:
             cuda = ",".join(self._gpu_ids[s] for s in slots)
         ctx = AgentContext(
-            node=self.config.node_name,
+            node=self.node,
             advertise_addr=self.config.advertise,
             daemon_url=self.config.url,
             log_root=self.config.logs,
             store=self.store,
             events=self.events,
             update_job=self.update_job,
-            rendezvous=SoloRendezvous(
-                self.store,
-                job.id,
-                node=self.config.node_name,
-                role=job.spec.role,
-                local_world_size=job.spec.nproc_per_node,
-                advertise_addr=self.config.advertise,
-                master_addr=job.spec.master_addr,
-                master_port=job.spec.master_port,
-            ),
+            rendezvous=self._rendezvous(job),
             base_env=self._base_env,
             token_file=self._token_file,
             cuda_visible_devices=cuda,
@@ -320,50 +459,25 @@ class JobService:
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self._tasks[job.id] = task
         task.add_done_callback(self._agent_done(job.id))
+        self._publish_slots()
 
     def _agent_done(self, job_id: str) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
-            agent = self._agents.pop(job_id, None)
+            self._agents.pop(job_id, None)
             self._tasks.pop(job_id, None)
             self._free.extend(self._allocated.pop(job_id, []))
             self._free.sort()
-            if agent is not None and agent.view is not None:
-                job = self.db.get_job(job_id)
-                if job is not None:
-                    self.db.save_workers(job_id, self._workers_view(job, [agent.view]))
+            self._publish_slots()
             if not task.cancelled():
-                self._schedule()
+                self._done_here.add(job_id)
+                self.on_jobs(list(self._known.values()))
 
         return done
 
-    # state changes
+    def _publish_slots(self) -> None:
+        if self._accepting:
+            asyncio.get_running_loop().create_task(self.cluster.publish(free_slots=len(self._free)))
 
-    def update_job(self, job_id: str, **changes: Any) -> Job:
-        return self._update(self.get(job_id), **changes)
-
-    def _update(self, job: Job, **changes: Any) -> Job:
-        target: JobState | None = changes.pop("state", None)
-        now = self.clock.time()
-        updates: dict[str, Any] = dict(changes)
-        if target is not None and target is not job.state:
-            job_transition(job.state, target)
-            updates["state"] = target
-            if target is JobState.RUNNING and job.started_at is None:
-                updates["started_at"] = now
-            if target.is_terminal:
-                updates["finished_at"] = now
-        if not updates:
-            return job
-        new = job.model_copy(update=updates)
-        self.db.save_job(new)
-        if "state" in updates:
-            self.events.emit(
-                job.id,
-                "daemon",
-                "job.state",
-                f"job {job.state.value} -> {target.value if target else ''}"
-                + (f": {changes['reason']}" if changes.get("reason") else ""),
-                state=new.state.value,
-                error=new.error if new.state is JobState.FAILED else None,
-            )
-        return new
+    def view_of(self, job_id: str) -> GroupView | None:
+        agent = self._agents.get(job_id)
+        return agent.view if agent else None

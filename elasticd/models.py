@@ -144,6 +144,15 @@ class JobSpec(BaseModel):
     node_selector: dict[str, StrictStr] = Field(default_factory=dict, max_length=64)
     master_addr: str | None = Field(default=None, min_length=1, max_length=255)
     master_port: int | None = Field(default=None, ge=1, le=65535)
+    join_timeout: float = Field(
+        default=600.0, gt=0, le=86_400, description="Seconds to gather min_nodes."
+    )
+    last_call_timeout: float = Field(
+        default=1.0,
+        ge=0,
+        le=3600,
+        description="Seconds a round stays open for stragglers once min_nodes have joined.",
+    )
 
     @field_validator("entrypoint")
     @classmethod
@@ -205,7 +214,21 @@ class RootCause(BaseModel):
     traceback: str | None = None
     timestamp: float | None = None
     attempt: int | None = None
+    round: int | None = None
+    exited_at: float | None = None
     log_dir: str | None = None
+
+    def sort_key(self) -> tuple[float, float]:
+        """Earliest failure first: the error file's time, then the exit time."""
+        return (self.timestamp or float("inf"), self.exited_at or float("inf"))
+
+
+class PendingFailure(BaseModel):
+    """A failure in a round, charged to the budget once the next round shows who came back."""
+
+    round: int
+    participants: list[str]
+    error: RootCause
 
 
 class Job(BaseModel):
@@ -222,6 +245,9 @@ class Job(BaseModel):
     finished_at: float | None = None
     error: RootCause | None = None
     reason: str | None = Field(default=None, description="Why the job ended, in words.")
+    submitted_to: str | None = Field(default=None, description="The node that took the POST.")
+    pending_failure: PendingFailure | None = None
+    charged_round: int = -1
 
 
 class JobList(BaseModel):

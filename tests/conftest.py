@@ -30,7 +30,10 @@ def script(tmp_path: Path, name: str, body: str) -> str:
     return str(path)
 
 
-def make_daemon(tmp_path: Path, *, token: str | None = None, **overrides: Any) -> Daemon:
+def make_daemon(
+    tmp_path: Path, *, token: str | None = None, persistent: bool = False, **overrides: Any
+) -> Daemon:
+    """A daemon in ``tmp_path``: an in-memory store, or with ``persistent`` its embedded one."""
     flags: dict[str, Any] = {
         "state_dir": str(tmp_path / "state"),
         "node_name": "node-a",
@@ -42,7 +45,10 @@ def make_daemon(tmp_path: Path, *, token: str | None = None, **overrides: Any) -
     if token is not None:
         environ["ELASTICD_TOKEN"] = token
     return Daemon(
-        load_config(flags, environ={}), store=MemoryStore(), serve_http=False, environ=environ
+        load_config(flags, environ={}),
+        store=None if persistent else MemoryStore(),
+        serve_http=False,
+        environ=environ,
     )
 
 
@@ -68,20 +74,35 @@ async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
 async def wait_job(
     client: httpx.AsyncClient, job_id: str, states: set[str] = TERMINAL, timeout: float = 60
 ) -> dict[str, Any]:
-    """Follow the job's events (long-poll) until it reaches one of ``states``."""
+    """Follow the job's events (long-poll) until a ``job.state`` event names one of ``states``."""
     after = 0
     async with asyncio.timeout(timeout):
         while True:
-            job = (await client.get(f"/jobs/{job_id}")).json()
-            if job["state"] in states:
-                return job
             r = await client.get(f"/jobs/{job_id}/events", params={"after": after, "wait": 10})
             events = r.json()
-            if events:
-                after = events[-1]["seq"]
+            for event in events:
+                after = event["seq"]
+                if event["kind"] == "job.state" and event["state"] in states:
+                    return dict((await client.get(f"/jobs/{job_id}")).json())
 
 
 async def events_of(client: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
     r = await client.get(f"/jobs/{job_id}/events")
     assert r.status_code == 200
     return list(r.json())
+
+
+async def wait_group(
+    client: httpx.AsyncClient, job_id: str, states: set[str], timeout: float = 60
+) -> dict[str, Any]:
+    """Follow the job's events until every published group is in one of ``states``."""
+    after = 0
+    async with asyncio.timeout(timeout):
+        while True:
+            view = (await client.get(f"/jobs/{job_id}/workers")).json()
+            if view["groups"] and all(g["state"] in states for g in view["groups"]):
+                return dict(view)
+            r = await client.get(f"/jobs/{job_id}/events", params={"after": after, "wait": 10})
+            events = r.json()
+            if events:
+                after = events[-1]["seq"]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from api.deps import jobs_of
+from api import proxy, streams
+from api.deps import daemon_of, jobs_of
 from api.problems import PROBLEM_JSON
 from api.schemas import Event, Job, JobList, JobSpec, Problem, WorkersView
+from elasticd.errors import LogNotFound
 from elasticd.states import JobState
 
 router = APIRouter(tags=["jobs"])
@@ -18,6 +20,8 @@ _problem: dict[str, Any] = {"model": Problem, "content": {PROBLEM_JSON: {}}}
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"description": "No job with that id", **_problem}
 }
+#: Headers of a long-lived response: no caching, no proxy buffering (nginx).
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @router.post(
@@ -33,7 +37,7 @@ NOT_FOUND: dict[int | str, dict[str, Any]] = {
 )
 async def submit_job(spec: JobSpec, request: Request, response: Response) -> Job:
     """Submit a job. A client-chosen ``id`` makes the call idempotent."""
-    job, created = jobs_of(request).submit(spec)
+    job, created = await jobs_of(request).submit(spec)
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/jobs/{job.id}"
     return job
@@ -47,13 +51,13 @@ async def list_jobs(
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> JobList:
     """Jobs, newest first, a page at a time."""
-    return jobs_of(request).list_jobs(state, limit, offset)
+    return await jobs_of(request).list_jobs(state, limit, offset)
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=NOT_FOUND)
 async def get_job(job_id: str, request: Request) -> Job:
     """One job: state, restarts, times, and the root cause of a failure."""
-    return jobs_of(request).get(job_id)
+    return await jobs_of(request).get(job_id)
 
 
 @router.post(
@@ -63,7 +67,7 @@ async def get_job(job_id: str, request: Request) -> Job:
 )
 async def cancel_job(job_id: str, request: Request) -> Job:
     """Stop the job's workers and end it as CANCELLED."""
-    return jobs_of(request).cancel(job_id)
+    return await jobs_of(request).cancel(job_id)
 
 
 @router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=NOT_FOUND)
@@ -72,7 +76,19 @@ async def get_workers(job_id: str, request: Request) -> WorkersView:
     return await jobs_of(request).workers(job_id)
 
 
-@router.get("/jobs/{job_id}/events", response_model=list[Event], responses=NOT_FOUND)
+@router.get(
+    "/jobs/{job_id}/events",
+    response_model=list[Event],
+    responses={
+        **NOT_FOUND,
+        200: {
+            "description": "The events (JSON), or with `Accept: text/event-stream` a live "
+            "stream of them: `id:` is the seq, `event:` the kind, `data:` the event; "
+            "`Last-Event-ID` resumes; the last message is `event: end`.",
+            "content": {"text/event-stream": {}},
+        },
+    },
+)
 async def get_events(
     job_id: str,
     request: Request,
@@ -81,12 +97,23 @@ async def get_events(
     wait: Annotated[
         float, Query(ge=0, le=60, description="Long-poll: wait up to this many seconds")
     ] = 0,
-) -> list[Event]:
-    """The job's events in order."""
+    last_event_id: Annotated[
+        str | None, Header(description="SSE reconnect: resume after this seq")
+    ] = None,
+) -> list[Event] | StreamingResponse:
+    """The job's events in order; as Server-Sent Events with ``Accept: text/event-stream``."""
     jobs = jobs_of(request)
+    if "text/event-stream" in request.headers.get("accept", ""):
+        await jobs.get(job_id)  # 404 before the stream starts
+        start = streams.resume_point(after, last_event_id)
+        return StreamingResponse(
+            streams.event_stream(daemon_of(request), job_id, start, streams.HEARTBEAT_S),
+            media_type="text/event-stream",
+            headers=STREAM_HEADERS,
+        )
     if wait > 0:
         return await jobs.follow_events(job_id, after, wait)
-    return jobs.list_events(job_id, after, limit)
+    return await jobs.list_events(job_id, after, limit)
 
 
 @router.get(
@@ -101,8 +128,38 @@ async def get_logs(
     stream: Literal["stdout", "stderr"] = "stdout",
     attempt: Annotated[int | None, Query(ge=0, description="Default: the latest")] = None,
     tail: Annotated[int | None, Query(ge=0, le=1_000_000, description="Last N lines")] = None,
-) -> PlainTextResponse:
-    """One worker's log text (the last 8 MiB at most)."""
+    node: Annotated[
+        str | None,
+        Query(max_length=253, description="The node that holds the log (default: this one)"),
+    ] = None,
+    follow: Annotated[
+        bool,
+        Query(
+            description="Stream the log as it grows until the job ends; without `attempt`, "
+            "go on to each new attempt after a `==> attempt N <==` line"
+        ),
+    ] = False,
+) -> Response:
+    """One worker's log text (the last 8 MiB at most), or followed live.
+
+    With ``node`` naming another daemon, the request is proxied to it.
+    """
     jobs = jobs_of(request)
+    if node is not None and node != jobs.node:
+        return await proxy.forward(request, await jobs.node_url(node), drop=("node",))
+    if follow:
+        job = await jobs.get(job_id)
+        if local_rank >= job.spec.nproc_per_node:
+            raise LogNotFound(
+                f"job {job_id!r} has local ranks 0-{job.spec.nproc_per_node - 1}, not {local_rank}"
+            )
+        if attempt is not None or job.state.is_terminal:
+            jobs.log_file(job_id, local_rank, stream, attempt)  # 404 if it will never appear
+        return StreamingResponse(
+            streams.follow_log(daemon_of(request), job_id, local_rank, stream, attempt, tail),
+            media_type="text/plain; charset=utf-8",
+            headers=STREAM_HEADERS,
+        )
+    await jobs.get(job_id)
     path = jobs.log_file(job_id, local_rank, stream, attempt)
     return PlainTextResponse(jobs.read_log(path, tail))

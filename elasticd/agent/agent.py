@@ -1,10 +1,22 @@
 """The per-job agent loop: rendezvous → ranks → spawn → monitor → restart | succeed | fail.
 
-The agent owns the local worker group of one job on this node. It reports
-every change as an event and publishes its group view to the store, so any
-daemon can answer ``GET /jobs/{id}/workers``. Decisions about the outcome of
-an attempt are made by :func:`elasticd.agent.policy.after_attempt`, a pure
-function; this module only applies them.
+The agent owns the local worker group of one job on this node. While the
+workers run it races three things, none of them polled: a worker's exit
+(awaited), a change of the shared rendezvous (watched: a node waiting to
+join, a participant's lease gone, a new round, the rendezvous closed), and
+the end of the job.
+
+Failures are charged to the job-wide budget lazily and exactly once per
+round: the failing node records a *pending failure* (the earliest root cause
+of the round) in the job document; when the next round completes, the
+nodes compare its participants with the failed round's. If every one came
+back, it was a real failure and one restart is spent (or the job fails when
+none is left). If one is missing, a node was lost (its survivors' workers
+fail too, from the lost peer) and nothing is spent: a membership change is
+free, as is a spare taking over.
+
+Every change is an event, and the group view is published to the store so
+that any daemon can answer ``GET /jobs/{id}/workers``.
 """
 
 from __future__ import annotations
@@ -14,17 +26,32 @@ import contextlib
 import json
 import logging
 import signal as signals
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from elasticd.agent.policy import Outcome, after_attempt
 from elasticd.agent.ranks import WorkerRanks, assign_ranks
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.errors import ElasticdError, InvalidTransition, WorkerSpawnError
+from elasticd.errors import (
+    ElasticdError,
+    InvalidTransition,
+    RendezvousClosed,
+    RendezvousError,
+    StoreError,
+    WorkerSpawnError,
+)
 from elasticd.events import EventLog
-from elasticd.models import GroupView, Job, JobSpec, RootCause, WorkerView, console_streams
-from elasticd.rendezvous import Rendezvous, RoundInfo
+from elasticd.models import (
+    GroupView,
+    Job,
+    JobSpec,
+    PendingFailure,
+    RootCause,
+    WorkerView,
+    console_streams,
+)
+from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
 from elasticd.workers.env import AttemptInfo, worker_env
@@ -39,16 +66,18 @@ log = logging.getLogger("elasticd.agent")
 
 #: (job_id, rank, stream, line) for output that reaches the console.
 ConsoleSink = Callable[[str, int, str, bytes], None]
-#: Called with the job id and the fields to change; returns the updated job.
-JobUpdater = Callable[..., Job]
-
-
-def restarts_key(job_id: str) -> str:
-    return f"jobs/{job_id}/restarts"
+#: ``update_job(job_id, state=..., mutate=..., **fields)``: CAS update of the job document.
+JobUpdater = Callable[..., Awaitable[Job]]
+#: Bound on the rendezvous steps of a stopping agent.
+LEAVE_TIMEOUT = 5.0
 
 
 def group_key(job_id: str, node: str) -> str:
-    return f"jobs/{job_id}/groups/{node}"
+    return f"group/{job_id}/{node}"
+
+
+def barrier_prefix(job_id: str, round_: int) -> str:
+    return f"barrier/{job_id}/{round_}/"
 
 
 @dataclass
@@ -71,7 +100,7 @@ class AgentContext:
 
 
 def root_cause_of(
-    failure: WorkerExit, ranks: WorkerRanks, node: str, attempt: int, log_dir: Path
+    failure: WorkerExit, ranks: WorkerRanks, node: str, attempt: int, round_: int, log_dir: Path
 ) -> RootCause:
     """What the job reports about one failed worker."""
     sig_name = None
@@ -97,8 +126,71 @@ def root_cause_of(
         traceback=failure.error.traceback if failure.error else None,
         timestamp=failure.error.timestamp if failure.error else failure.exited_at,
         attempt=attempt,
+        round=round_,
+        exited_at=failure.exited_at,
         log_dir=str(log_dir),
     )
+
+
+def record_failure(round_: RoundInfo, root: RootCause) -> Callable[[Job], dict[str, Any]]:
+    """Job-document edit: remember the round's earliest failure until the next round forms."""
+
+    def edit(job: Job) -> dict[str, Any]:
+        if job.state.is_terminal:
+            return {}
+        pending = job.pending_failure
+        if (
+            pending is not None
+            and pending.round == round_.round
+            and root.sort_key() >= pending.error.sort_key()
+        ):
+            return {}  # an earlier failure of this round is already recorded
+        changes: dict[str, Any] = {
+            "pending_failure": PendingFailure(
+                round=round_.round, participants=sorted(round_.participants), error=root
+            ),
+            "error": root,
+        }
+        if job.state is JobState.RUNNING:
+            changes["state"] = JobState.RESTARTING
+            changes["reason"] = (
+                f"rank {root.rank} on {root.node} failed: {root.message}; restarting the group"
+            )
+        return changes
+
+    return edit
+
+
+def settle_failure(round_: RoundInfo) -> Callable[[Job], dict[str, Any]]:
+    """Job-document edit run when a round completes: charge the previous round's failure once."""
+
+    def edit(job: Job) -> dict[str, Any]:
+        pending = job.pending_failure
+        if job.state.is_terminal or pending is None or pending.round >= round_.round:
+            return {}
+        if pending.round <= job.charged_round:
+            return {"pending_failure": None}
+        lost = sorted(set(pending.participants) - set(round_.participants))
+        if lost:  # a participant did not come back: a membership change, free
+            return {"pending_failure": None, "charged_round": pending.round}
+        if job.restart_count >= job.max_restarts:
+            err = pending.error
+            return {
+                "pending_failure": None,
+                "charged_round": pending.round,
+                "state": JobState.FAILED,
+                "reason": (
+                    f"restart budget spent ({job.max_restarts} restarts); root cause: "
+                    f"rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+                ),
+            }
+        return {
+            "pending_failure": None,
+            "charged_round": pending.round,
+            "restart_count": job.restart_count + 1,
+        }
+
+    return edit
 
 
 class JobAgent:
@@ -110,20 +202,13 @@ class JobAgent:
         self.ctx = ctx
         self.attempt = -1
         self.state = WorkerState.INIT
-        self._cancel = asyncio.Event()
-        self._cancel_reason = ""
         self._group: WorkerGroupProcesses | None = None
         self._view: GroupView | None = None
         self._ranks: list[WorkerRanks] = []
+        self._round: RoundInfo | None = None
         self._publish_wanted = asyncio.Event()
-        self._published = asyncio.Event()
-
-    # control
-
-    def cancel(self, reason: str = "cancelled by user") -> None:
-        """Ask the agent to stop the workers and end the job as CANCELLED."""
-        self._cancel_reason = reason
-        self._cancel.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def view(self) -> GroupView | None:
@@ -132,47 +217,70 @@ class JobAgent:
     # the loop
 
     async def run(self) -> None:
-        """The agent's whole life; returns when the job is terminal on this node."""
+        """The agent's whole life; returns when the job is over for this node."""
         publisher = asyncio.create_task(self._publisher(), name=f"publish-{self.job_id}")
         try:
             await self._run()
         except asyncio.CancelledError:
-            # The daemon is stopping: stop the workers (shielded), then let it go on.
+            # The daemon is stopping: stop the workers (shielded), leave the rendezvous
+            # so the other nodes re-form at once, then let the cancellation go on.
             await self._stop_workers(WorkerState.STOPPED)
+            with contextlib.suppress(ElasticdError, TimeoutError):
+                async with asyncio.timeout(LEAVE_TIMEOUT):
+                    await asyncio.shield(self.ctx.rendezvous.leave())
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
             if not self.state.is_terminal:
                 self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
             await self._stop_workers(WorkerState.FAILED)
-            reason = f"internal error in the agent: {type(exc).__name__}: {exc}"
+            reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
             self.ctx.events.emit(self.job_id, "agent", "agent.error", reason, state="FAILED")
-            with contextlib.suppress(InvalidTransition):  # the job may already be terminal
-                self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+            with contextlib.suppress(ElasticdError):
+                await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+                await self.ctx.rendezvous.close()
         finally:
             await self._flush_publisher(publisher)
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
         while True:
-            if self._cancel.is_set():
-                self._finish_cancelled()
+            started = self.ctx.clock.monotonic()
+            try:
+                round_ = await self.ctx.rendezvous.next_round()
+            except RendezvousClosed:
+                await self._finish_closed()
                 return
-            rdzv_started = self.ctx.clock.monotonic()
-            round_ = await self.ctx.rendezvous.next_round()
+            except RendezvousError as exc:  # the join timed out
+                reason = f"rendezvous failed on {self.ctx.node}: {exc}"
+                self.ctx.events.emit(
+                    self.job_id, "rendezvous", "rendezvous.failed", reason, state="FAILED"
+                )
+                with contextlib.suppress(InvalidTransition):
+                    await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+                await self.ctx.rendezvous.close()
+                return
             self.ctx.events.emit(
                 self.job_id,
                 "rendezvous",
                 "rendezvous.complete",
-                f"round {round_.round}: group rank {round_.group_rank} of "
-                f"{round_.group_world_size}, master {round_.master_addr}:{round_.master_port}",
-                duration_s=self.ctx.clock.monotonic() - rdzv_started,
+                f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
+                f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
+                f"master {round_.master_addr}:{round_.master_port}",
+                duration_s=self.ctx.clock.monotonic() - started,
             )
-            restart_count = await self._restart_count()
+            job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
+            if job.state.is_terminal:
+                await self.ctx.rendezvous.close()
+                await self._finish_closed()
+                return
             try:
-                group = await self._start_workers(round_, restart_count)
+                group = await self._start_workers(round_, job.restart_count)
             except WorkerSpawnError as exc:
                 self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-                reason = f"workers could not be started: {exc}"
+                reason = f"workers could not be started on {self.ctx.node}: {exc}"
                 self.ctx.events.emit(
                     self.job_id,
                     "agent",
@@ -181,57 +289,41 @@ class JobAgent:
                     state="FAILED",
                     attempt=self.attempt,
                 )
-                self.ctx.update_job(
-                    self.job_id,
-                    state=JobState.FAILED,
-                    reason=reason,
-                    error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                )
+                with contextlib.suppress(InvalidTransition):
+                    await self.ctx.update_job(
+                        self.job_id,
+                        state=JobState.FAILED,
+                        reason=reason,
+                        error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
+                    )
+                await self.ctx.rendezvous.close()
                 return
-            result = await self._monitor(group)
-            if result is None:
+            with contextlib.suppress(InvalidTransition):
+                await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
+            outcome = await self._monitor(group, round_)
+            if isinstance(outcome, Change):
                 await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-                self._finish_cancelled()
-                return
-            if not result.succeeded:
-                await self._stop_workers(None)  # stop the survivors; state decided below
-            outcome = after_attempt(
-                succeeded=result.succeeded,
-                restart_count=restart_count,
-                max_restarts=self.spec.max_restarts,
-            )
-            if outcome is Outcome.SUCCEEDED:
-                self._set_state(WorkerState.SUCCEEDED)  # HEALTHY -> SUCCEEDED
-                await self.ctx.rendezvous.close()
-                self.ctx.update_job(
-                    self.job_id, state=JobState.SUCCEEDED, reason="every worker exited 0"
-                )
-                return
-            root = self._root_cause(result)
-            if outcome is Outcome.FAILED:
-                self._set_state(WorkerState.FAILED)  # HEALTHY -> FAILED
-                await self.ctx.rendezvous.close()
-                reason = (
-                    f"restart budget spent ({self.spec.max_restarts} restarts); "
-                    f"root cause: rank {root.rank} (local {root.local_rank}): {root.message}"
-                )
-                self.ctx.update_job(self.job_id, state=JobState.FAILED, error=root, reason=reason)
-                return
-            # Outcome.RESTART: spend one unit of the job-wide budget and go again.
-            count = await self.ctx.store.add(restarts_key(self.job_id), 1)
-            self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-            self.ctx.update_job(
-                self.job_id,
-                state=JobState.RESTARTING,
-                restart_count=count,
-                error=root,
-                reason=f"restarting after rank {root.rank} failed: {root.message}",
-            )
+                if outcome is Change.CLOSED:
+                    await self._finish_closed()
+                    return
+                await self._membership_change(outcome)
+                continue
+            if outcome.succeeded:
+                change = await self._exit_barrier(round_)
+                if change is None or change is Change.CLOSED:
+                    await self._finish_succeeded(round_)
+                    return
+                self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
+                await self._membership_change(change)
+                continue
+            await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
+            root = self._root_cause(outcome)
+            await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
                 "group.restarting",
-                f"restart {count} of {self.spec.max_restarts}: rank {root.rank} failed",
+                f"rank {root.rank} failed on {self.ctx.node}: {root.message}; re-forming the group",
                 state=WorkerState.STOPPED.value,
                 attempt=self.attempt,
                 rank=root.rank,
@@ -242,23 +334,116 @@ class JobAgent:
             )
             self._set_state(WorkerState.INIT)  # STOPPED -> INIT
 
-    async def _restart_count(self) -> int:
-        entry = await self.ctx.store.get(restarts_key(self.job_id))
+    async def _membership_change(self, change: Change) -> None:
+        self.ctx.events.emit(
+            self.job_id,
+            "rendezvous",
+            "rendezvous.change",
+            f"re-forming the group: {change.value} (no restart spent)",
+            attempt=self.attempt,
+        )
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(
+                self.job_id,
+                mutate=lambda job: (
+                    {"state": JobState.RESTARTING, "reason": change.value}
+                    if job.state is JobState.RUNNING
+                    else {}
+                ),
+            )
+        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+
+    async def _finish_closed(self) -> None:
+        """The rendezvous is closed: the job ended (cancelled, failed or succeeded elsewhere)."""
+        with contextlib.suppress(ElasticdError):
+            job = await self._job()
+            if job.state is JobState.SUCCEEDED and self.state in (
+                WorkerState.HEALTHY,
+                WorkerState.UNHEALTHY,
+            ):
+                self._set_state(WorkerState.SUCCEEDED)
+            elif job.state is JobState.FAILED and not self.state.is_terminal:
+                if self.state is WorkerState.INIT:
+                    self._set_state(WorkerState.STOPPED)
+                self._set_state(WorkerState.FAILED)
+            elif not self.state.is_terminal and self.state is not WorkerState.STOPPED:
+                self._set_state(WorkerState.STOPPED)
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "agent.finished",
+                f"the job is {job.state.value}; agent on {self.ctx.node} done",
+                state=self.state.value,
+            )
+
+    async def _finish_succeeded(self, round_: RoundInfo) -> None:
+        self._set_state(WorkerState.SUCCEEDED)  # HEALTHY -> SUCCEEDED
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(
+                self.job_id,
+                mutate=lambda job: (
+                    {"state": JobState.SUCCEEDED, "reason": "every worker exited 0"}
+                    if job.round == round_.round and not job.state.is_terminal
+                    else {}
+                ),
+            )
+        await self.ctx.rendezvous.close()
+
+    async def _job(self) -> Job:
+        entry = await self.ctx.store.get(f"job/{self.job_id}")
         if entry is None:
-            return 0
+            raise ElasticdError(f"job {self.job_id} vanished from the store")
+        return Job.model_validate_json(entry.value)
+
+    async def _exit_barrier(self, round_: RoundInfo) -> Change | None:
+        """Wait for every participant of the round to finish too (up to exit_barrier_timeout)."""
+        started = self.ctx.clock.monotonic()
+        prefix = barrier_prefix(self.job_id, round_.round)
+        await self.ctx.store.put(prefix + self.ctx.node, b"done")
+        wanted = set(round_.participants)
+        change_task = asyncio.create_task(self.ctx.rendezvous.wait_for_change(round_.round))
         try:
-            return int(entry.value)
-        except ValueError:
-            return 0
+            async with asyncio.timeout(self.spec.exit_barrier_timeout):
+                while True:
+                    listing = await self.ctx.store.list(prefix)
+                    done = {e.key[len(prefix) :] for e in listing.entries}
+                    if wanted <= done:
+                        break
+                    watch = asyncio.create_task(
+                        self.ctx.store.watch(prefix, listing.revision, 30.0, prefix=True)
+                    )
+                    finished, _ = await asyncio.wait(
+                        {watch, change_task}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if change_task in finished:
+                        watch.cancel()
+                        return change_task.result()
+                    watch.result()
+        except TimeoutError:
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "exit_barrier.timeout",
+                f"not every node finished within {self.spec.exit_barrier_timeout}s; "
+                "finishing anyway",
+            )
+        finally:
+            change_task.cancel()
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "exit_barrier.done",
+            "every node of the round finished",
+            duration_s=self.ctx.clock.monotonic() - started,
+        )
+        return None
 
     # workers
 
     async def _start_workers(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
         self.attempt += 1
+        self._round = round_
         ranks = assign_ranks(round_.nodes, round_.group_rank)
-        for node in round_.nodes:
-            if node.group_rank == round_.group_rank and node.local_world_size != len(ranks):
-                raise ElasticdError("rank assignment disagrees with the round")  # pragma: no cover
         self._ranks = ranks
         attempt_dir = self.ctx.log_root / self.job_id / f"attempt_{self.attempt}"
         info = AttemptInfo(
@@ -294,7 +479,6 @@ class JobAgent:
                     console_stderr=err,
                 )
             )
-        now = self.ctx.clock.time()
         self._view = GroupView(
             node=self.ctx.node,
             state=self.state,
@@ -307,7 +491,7 @@ class JobAgent:
             master_addr=round_.master_addr,
             master_port=round_.master_port,
             log_dir=str(attempt_dir),
-            updated_at=now,
+            updated_at=self.ctx.clock.time(),
             workers=[
                 WorkerView(
                     local_rank=r.local_rank,
@@ -331,14 +515,11 @@ class JobAgent:
             w.started_at = group.started_at.get(w.local_rank)
             w.state = WorkerState.HEALTHY
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY
-        self.ctx.update_job(
-            self.job_id, state=JobState.RUNNING, round=round_.round, restart_count=restart_count
-        )
         self.ctx.events.emit(
             self.job_id,
             "agent",
             "workers.started",
-            f"attempt {self.attempt}: {len(ranks)} workers started "
+            f"attempt {self.attempt} on {self.ctx.node}: {len(ranks)} workers started "
             f"(ranks {ranks[0].rank}-{ranks[-1].rank} of {ranks[0].world_size}), "
             f"pids {', '.join(str(p) for p in group.pids.values())}",
             state=WorkerState.HEALTHY.value,
@@ -368,11 +549,12 @@ class JobAgent:
                     w.exited_at = exit_.exited_at
                     w.state = state
         suffix = ", stopped by the agent" if exit_.stopped else ""
+        round_no = self._round.round if self._round else 0
         self.ctx.events.emit(
             self.job_id,
             "worker",
             "worker.exited",
-            f"rank {ranks.rank}: {exit_.describe()}{suffix}",
+            f"rank {ranks.rank} on {self.ctx.node}: {exit_.describe()}{suffix}",
             state=state.value,
             attempt=self.attempt,
             rank=ranks.rank,
@@ -382,7 +564,12 @@ class JobAgent:
             signal=exit_.signal,
             error=(
                 root_cause_of(
-                    exit_, ranks, self.ctx.node, self.attempt, self._log_dir(exit_.local_rank)
+                    exit_,
+                    ranks,
+                    self.ctx.node,
+                    self.attempt,
+                    round_no,
+                    self._log_dir(exit_.local_rank),
                 )
                 if exit_.error is not None
                 else None
@@ -390,18 +577,31 @@ class JobAgent:
         )
         self._request_publish()
 
-    async def _monitor(self, group: WorkerGroupProcesses) -> GroupResult | None:
-        """The attempt's result, or None if the job was cancelled first."""
+    async def _monitor(
+        self, group: WorkerGroupProcesses, round_: RoundInfo
+    ) -> GroupResult | Change:
+        """The attempt's result, or the rendezvous change that interrupts it."""
         waiter = asyncio.create_task(group.wait())
-        cancelled = asyncio.create_task(self._cancel.wait())
+        change = asyncio.create_task(self._watch_round(round_.round))
         try:
-            done, _ = await asyncio.wait({waiter, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({waiter, change}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            cancelled.cancel()
+            change.cancel()
         if waiter in done:
             return waiter.result()
         waiter.cancel()
-        return None
+        return change.result()
+
+    async def _watch_round(self, my_round: int) -> Change:
+        """The rendezvous change that ends this round; store outages are retried."""
+        backoff = 0.1
+        while True:
+            try:
+                return await self.ctx.rendezvous.wait_for_change(my_round)
+            except StoreError as exc:
+                log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
+                await asyncio.sleep(backoff)  # back off while the store is unreachable
+                backoff = min(backoff * 2, 2.0)
 
     async def _stop_workers(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
@@ -416,12 +616,13 @@ class JobAgent:
                 self.job_id,
                 "agent",
                 "workers.stopped",
-                f"attempt {self.attempt}: workers stopped",
+                f"attempt {self.attempt} on {self.ctx.node}: workers stopped",
                 attempt=self.attempt,
                 duration_s=self.ctx.clock.monotonic() - started,
             )
         if target is not None and self.state is not target and not self.state.is_terminal:
-            self._set_state(target)
+            with contextlib.suppress(InvalidTransition):
+                self._set_state(target)
 
     def _log_dir(self, local_rank: int) -> Path:
         return self.ctx.log_root / self.job_id / f"attempt_{self.attempt}" / str(local_rank)
@@ -430,14 +631,15 @@ class JobAgent:
         failure = result.root_cause
         assert failure is not None, "a failed attempt has a failed worker"
         ranks = self._ranks[failure.local_rank]
+        round_no = self._round.round if self._round else 0
         return root_cause_of(
-            failure, ranks, self.ctx.node, self.attempt, self._log_dir(failure.local_rank)
+            failure,
+            ranks,
+            self.ctx.node,
+            self.attempt,
+            round_no,
+            self._log_dir(failure.local_rank),
         )
-
-    def _finish_cancelled(self) -> None:
-        if not self.state.is_terminal and self.state is not WorkerState.STOPPED:
-            self._set_state(WorkerState.STOPPED)
-        self.ctx.update_job(self.job_id, state=JobState.CANCELLED, reason=self._cancel_reason)
 
     # state and publication
 
@@ -451,14 +653,14 @@ class JobAgent:
             self.job_id,
             "agent",
             "group.state",
-            f"worker group {previous.value} -> {target.value}",
+            f"worker group on {self.ctx.node}: {previous.value} -> {target.value}",
             state=target.value,
             attempt=self.attempt,
         )
         self._request_publish()
 
     def _request_publish(self) -> None:
-        self._published.clear()
+        self._idle.clear()
         self._publish_wanted.set()
 
     async def _publisher(self) -> None:
@@ -467,28 +669,21 @@ class JobAgent:
         while True:
             await self._publish_wanted.wait()
             self._publish_wanted.clear()
-            if self._view is None:
-                self._published.set()
-                continue
-            try:
-                await self.ctx.store.put(key, self._view.model_dump_json().encode())
-            except ElasticdError as exc:
-                log.warning("job %s: cannot publish group view: %s", self.job_id, exc)
+            if self._view is not None:
+                try:
+                    await self.ctx.store.put(key, self._view.model_dump_json().encode())
+                except ElasticdError as exc:
+                    log.warning("job %s: cannot publish group view: %s", self.job_id, exc)
             if not self._publish_wanted.is_set():
-                self._published.set()
+                self._idle.set()
 
     async def _flush_publisher(self, publisher: asyncio.Task[None]) -> None:
-        if self._publish_wanted.is_set() or not self._published.is_set():
-            try:
-                async with asyncio.timeout(5):
-                    await self._published.wait()
-            except TimeoutError:
-                log.warning("job %s: last group view not published", self.job_id)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self._idle.wait()
         publisher.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await publisher
-        except asyncio.CancelledError:
-            pass
 
 
 def decode_group(raw: bytes) -> GroupView | None:

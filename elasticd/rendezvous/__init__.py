@@ -1,16 +1,32 @@
 """Rendezvous: how the nodes of a job agree on a round, their group ranks and the master.
 
-Every round is one JSON document per job in the store, written only by
+The protocol (:mod:`.protocol`) is pure: ``decide_*(state, node, settings,
+now, alive)`` returns what to do. The executor (:mod:`.handler`) applies
+it over the store: the state is one JSON document per job, written only by
 compare-and-set, so racing nodes never need a lock: the loser re-reads the
-winner's document and decides again. Each round gets a fresh master port,
-so no worker of a new round ever dials an address left over from the last
-one (torchrun's "connectFullMesh ... Connection refused" after a restart).
+winner's document and decides again. Nodes watch the document (and each
+other's lease-bound ``alive`` keys) instead of sleeping.
 
-This module holds the single-node rendezvous that the agent uses until the
-dynamic multi-node protocol (min/max nodes, wait and redundancy lists,
-keep-alives) fills the same interface.
+Each round gets a fresh master port, picked by group rank 0's node when it
+joined, so no worker of a new round ever dials an address left over from the
+last one (torchrun's "connectFullMesh ... Connection refused" after a restart).
 """
 
-from elasticd.rendezvous.handler import Rendezvous, RoundInfo, SoloRendezvous, free_port
+from elasticd.rendezvous.handler import (
+    Rendezvous,
+    RoundInfo,
+    StoreRendezvous,
+    free_port,
+    rendezvous_prefix,
+)
+from elasticd.rendezvous.protocol import Change, Settings
 
-__all__ = ["Rendezvous", "RoundInfo", "SoloRendezvous", "free_port"]
+__all__ = [
+    "Change",
+    "Rendezvous",
+    "RoundInfo",
+    "Settings",
+    "StoreRendezvous",
+    "free_port",
+    "rendezvous_prefix",
+]

@@ -321,10 +321,10 @@ def watch_reason(
         return Change.CLOSED
     if state.round != my_round:
         return Change.NEW_ROUND
-    if me not in state.participants:
+    if me not in state.participants or me not in alive:
         return Change.FENCED
     if state.wait_list and len(state.participants) < settings.max_nodes:
         return Change.ARRIVAL
-    if not frozenset(state.participants) <= alive | {me}:
+    if not frozenset(state.participants) <= alive:
         return Change.LOSS
     return None

@@ -22,6 +22,7 @@ Values are bytes; callers encode JSON. Nothing here ever unpickles.
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -137,7 +138,7 @@ class Store(abc.ABC):
         timeout: float,
         *,
         prefix: bool = False,
-    ) -> list[WatchEvent]:
+    ) -> builtins.list[WatchEvent]:
         """Changes to ``key`` (or under it, with ``prefix``) with revision > ``after_version``.
 
         Returns as soon as there is at least one; returns ``[]`` at the timeout.

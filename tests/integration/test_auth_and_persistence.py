@@ -26,7 +26,7 @@ async def test_token_required_everywhere_but_healthz(tmp_path):
                     ("GET", "/jobs/x/workers"),
                     ("GET", "/jobs/x/events"),
                     ("POST", "/jobs/x/cancel"),
-                    ("GET", "/store/kv/a"),
+                    ("GET", "/store/kv?key=a"),
                 ]:
                     r = await c.request(method, path, json={"entrypoint": PY})
                     assert r.status_code == 401, path
@@ -43,7 +43,7 @@ async def test_token_required_everywhere_but_healthz(tmp_path):
 async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
     """After a restart finished jobs and events read back identically; a running job is FAILED."""
     sleeper = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
-    d = make_daemon(tmp_path)
+    d = make_daemon(tmp_path, persistent=True)
     async with asyncio.timeout(90):
         await d.start()
         transport = httpx.ASGITransport(app=create_app(d))
@@ -61,7 +61,7 @@ async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
             await wait_job(c, "live", {"RUNNING"})
         await d.shutdown()
 
-        d2 = make_daemon(tmp_path)
+        d2 = make_daemon(tmp_path, persistent=True)
         await d2.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d2))

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from tests.conftest import PY, events_of, script, wait_job
+from tests.conftest import PY, events_of, script, wait_group, wait_job
 
 CRASH_ONCE = """
 import os, sys
@@ -117,6 +117,7 @@ async def test_cancel_stops_workers(client, tmp_path):
     assert (await client.post(f"/jobs/{job_id}/cancel")).status_code == 200
     job = await wait_job(client, job_id)
     assert job["state"] == "CANCELLED"
+    await wait_group(client, job_id, {"STOPPED"})
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

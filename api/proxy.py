@@ -1,0 +1,51 @@
+"""Forwarding a request to the daemon of another node (logs live where they were written)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+
+import httpx
+from fastapi import Request
+from starlette.background import BackgroundTask
+from starlette.responses import StreamingResponse
+
+from elasticd.errors import StoreUnavailable
+
+#: Response headers that describe the hop, not the content.
+_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+async def forward(
+    request: Request, base_url: str, *, drop: Iterable[str] = ()
+) -> StreamingResponse:
+    """Send ``request`` (same method, path, query less ``drop``, auth) to ``base_url``; stream back."""
+    dropped = set(drop)
+    params = [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
+    headers = {}
+    for name in ("authorization", "accept", "last-event-id"):
+        if name in request.headers:
+            headers[name] = request.headers[name]
+    client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(10.0, read=None))
+    try:
+        upstream = await client.send(
+            client.build_request(request.method, request.url.path, params=params, headers=headers),
+            stream=True,
+        )
+    except httpx.HTTPError as exc:
+        await client.aclose()
+        raise StoreUnavailable(f"the daemon at {base_url} is unreachable: {exc}") from None
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+
+    async def close() -> None:
+        await upstream.aclose()
+        await client.aclose()
+
+    return StreamingResponse(
+        body(),
+        status_code=upstream.status_code,
+        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP},
+        background=BackgroundTask(close),
+    )

@@ -1,0 +1,354 @@
+"""``/store/...``: the cluster store over HTTP, for daemons that share an embedded store.
+
+The wire shape (JSON only; values are standard base64 with padding):
+
+=======  ==========================================  =================================
+GET      ``/store/kv?key=K``                         ``{"entry": Entry | null}``
+PUT      ``/store/kv`` ``{key, value, lease}``       ``{"entry": Entry}``
+DELETE   ``/store/kv?key=K&expected_version=V``      ``{"deleted": bool}``
+POST     ``/store/cas``                              ``{"ok": bool, "entry": Entry | null}``
+         ``{key, value, expected_version, lease}``
+POST     ``/store/add`` ``{key, delta}``             ``{"value": int}``
+GET      ``/store/list?prefix=P``                    ``{"entries": [Entry], "revision"}``
+POST     ``/store/leases`` ``{ttl}``                 ``201 {"lease": id, "ttl"}``
+POST     ``/store/leases/{id}/keepalive``            ``{"lease": id, "ttl"}``
+DELETE   ``/store/leases/{id}``                      ``204``
+GET      ``/store/watch?key=&after=&timeout=&prefix=``  ``{"events": [WatchEvent]}``
+=======  ==========================================  =================================
+
+Keys travel in the query string or the body, never in the path: clients and
+proxies normalise paths (``/./``, ``//``, ``%2F``), and a store key must
+arrive byte for byte. A lost CAS race is a ``200`` with ``ok: false`` and the
+winner's entry, not an error. A missing key is ``{"entry": null}``, not a 404,
+so that a wrong base URL can never read as "absent".
+
+Errors come from the store's exception tree through the one table in
+:mod:`api.problems` (``LeaseNotFound`` 404, ``ValueTooLarge`` 413,
+``InvalidKey`` 422, ``StoreCompacted`` 410, ``StoreUnavailable`` 503). A body
+larger than a maximal value could need is refused with 413 before it is
+read: on its ``Content-Length``, or while streaming when it has none.
+
+``/store/watch`` is a long-poll. It answers when a change exists, at its
+timeout, or drops the watch when the client goes away, so a restarted peer
+leaves no watch behind.
+
+Authentication is not done here: the app adds the bearer-token dependency to
+every route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Entry, Store, WatchEvent
+
+#: Longest long-poll a client may ask for, in seconds.
+MAX_WATCH_SECONDS = 600.0
+
+#: Room in a request body for everything but the value (key, JSON, numbers).
+_BODY_OVERHEAD = 64 * 1024
+
+
+def body_limit(max_value_bytes: int) -> int:
+    """Largest request body a store with this value limit needs (base64 + overhead)."""
+    return (max_value_bytes + 2) // 3 * 4 + _BODY_OVERHEAD
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(
+        413, f"the request body is over {limit} bytes; store values are limited in size"
+    )
+
+
+def _decode_b64(value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(
+            "value must be standard base64 (A-Z a-z 0-9 + /, with = padding)"
+        ) from None
+
+
+def _encode_b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+# -- wire models -------------------------------------------------------------
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EntryOut(_Wire):
+    """One key's current value."""
+
+    key: str
+    value: str = Field(description="The value, base64")
+    version: int = Field(description="Revision of the key's last write: the CAS fencing token")
+    created: int = Field(description="Revision that created the key")
+    lease: int | None = Field(default=None, description="Lease the key is bound to, if any")
+
+    @classmethod
+    def of(cls, entry: Entry) -> EntryOut:
+        return cls(
+            key=entry.key,
+            value=_encode_b64(entry.value),
+            version=entry.version,
+            created=entry.created,
+            lease=entry.lease,
+        )
+
+
+def _entry_or_none(entry: Entry | None) -> EntryOut | None:
+    return EntryOut.of(entry) if entry is not None else None
+
+
+class GetResponse(_Wire):
+    """The key's entry, or null when the key is absent."""
+
+    entry: EntryOut | None
+
+
+class PutRequest(_Wire):
+    """Write a value unconditionally."""
+
+    key: str = Field(min_length=1)
+    value: str = Field(description="The value, base64")
+    lease: int | None = Field(default=None, description="Bind the key to this lease")
+
+    @field_validator("value")
+    @classmethod
+    def _check_b64(cls, value: str) -> str:
+        _decode_b64(value)
+        return value
+
+
+class PutResponse(_Wire):
+    """The entry as written."""
+
+    entry: EntryOut
+
+
+class CasRequest(PutRequest):
+    """Write only if the key's version is ``expected_version`` (null: only if absent)."""
+
+    expected_version: int | None = Field(
+        description="The version the key must have now; null to create it only if absent"
+    )
+
+
+class CasResponse(_Wire):
+    """Whether this write won, and the key's entry after the call (the winner's on a loss)."""
+
+    ok: bool
+    entry: EntryOut | None
+
+
+class AddRequest(_Wire):
+    """Add ``delta`` to the integer counter at ``key`` (absent counts as 0)."""
+
+    key: str = Field(min_length=1)
+    delta: int = 1
+
+
+class AddResponse(_Wire):
+    """The counter's value after the add."""
+
+    value: int
+
+
+class DeleteResponse(_Wire):
+    """Whether the key was deleted."""
+
+    deleted: bool
+
+
+class ListResponse(_Wire):
+    """The entries under the prefix, sorted by key, and the revision they were read at."""
+
+    entries: list[EntryOut]
+    revision: int
+
+
+class GrantRequest(_Wire):
+    """Create a lease."""
+
+    ttl: float = Field(gt=0, le=86_400, description="Seconds until it expires unless kept alive")
+
+
+class LeaseResponse(_Wire):
+    """A live lease."""
+
+    lease: int
+    ttl: float | None = None
+
+
+class WatchEventOut(_Wire):
+    """One change."""
+
+    kind: str = Field(description="put or delete")
+    key: str
+    value: str | None = Field(description="The new value, base64; null for a delete")
+    revision: int
+
+    @classmethod
+    def of(cls, event: WatchEvent) -> WatchEventOut:
+        value = _encode_b64(event.value) if event.value is not None else None
+        return cls(kind=event.kind, key=event.key, value=value, revision=event.revision)
+
+
+class WatchResponse(_Wire):
+    """The changes after ``after``, oldest first; empty when the timeout passed first."""
+
+    events: list[WatchEventOut]
+
+
+# -- size limit ----------------------------------------------------------------
+
+
+class _LimitedRequest(Request):
+    """A request whose body stream stops with 413 past ``limit`` bytes."""
+
+    limit: int = body_limit(DEFAULT_MAX_VALUE_BYTES)
+
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        seen = 0
+        async for chunk in super().stream():
+            seen += len(chunk)
+            if seen > self.limit:
+                raise _too_large(self.limit)
+            yield chunk
+
+
+def _limited_route(limit: int) -> type[APIRoute]:
+    class LimitedRoute(APIRoute):
+        """Refuse over-large bodies before the body is parsed."""
+
+        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+            handler = super().get_route_handler()
+
+            async def limited(request: Request) -> Response:
+                length = request.headers.get("content-length")
+                if length is not None and length.isdigit() and int(length) > limit:
+                    raise _too_large(limit)
+                wrapped = _LimitedRequest(request.scope, request.receive)
+                wrapped.limit = limit
+                return await handler(wrapped)
+
+            return limited
+
+    return LimitedRoute
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away (the ASGI ``http.disconnect`` message)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- routes --------------------------------------------------------------------
+
+
+def store_router(
+    get_store: Callable[[], Store],
+    *,
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+) -> APIRouter:
+    """The ``/store`` routes over the store that ``get_store()`` returns at each request."""
+    router = APIRouter(
+        prefix="/store", tags=["store"], route_class=_limited_route(body_limit(max_value_bytes))
+    )
+
+    @router.get("/kv", response_model=GetResponse)
+    async def get_key(key: Annotated[str, Query(min_length=1)]) -> GetResponse:
+        """Read one key."""
+        return GetResponse(entry=_entry_or_none(await get_store().get(key)))
+
+    @router.put("/kv", response_model=PutResponse)
+    async def put_key(body: PutRequest) -> PutResponse:
+        """Write a key unconditionally."""
+        entry = await get_store().put(body.key, _decode_b64(body.value), lease=body.lease)
+        return PutResponse(entry=EntryOut.of(entry))
+
+    @router.delete("/kv", response_model=DeleteResponse)
+    async def delete_key(
+        key: Annotated[str, Query(min_length=1)],
+        expected_version: int | None = None,
+    ) -> DeleteResponse:
+        """Delete a key; with ``expected_version`` only if it still has that version."""
+        return DeleteResponse(deleted=await get_store().delete(key, expected_version))
+
+    @router.post("/cas", response_model=CasResponse)
+    async def compare_and_set(body: CasRequest) -> CasResponse:
+        """Compare-and-set on the key's version; a lost race is ``ok: false``, not an error."""
+        result = await get_store().compare_and_set(
+            body.key, _decode_b64(body.value), body.expected_version, lease=body.lease
+        )
+        return CasResponse(ok=result.ok, entry=_entry_or_none(result.entry))
+
+    @router.post("/add", response_model=AddResponse)
+    async def add(body: AddRequest) -> AddResponse:
+        """Atomically add to an integer counter."""
+        return AddResponse(value=await get_store().add(body.key, body.delta))
+
+    @router.get("/list", response_model=ListResponse)
+    async def list_prefix(prefix: str = "") -> ListResponse:
+        """Every entry whose key starts with ``prefix``."""
+        listing = await get_store().list(prefix)
+        return ListResponse(
+            entries=[EntryOut.of(e) for e in listing.entries], revision=listing.revision
+        )
+
+    @router.post("/leases", response_model=LeaseResponse, status_code=201)
+    async def grant(body: GrantRequest) -> LeaseResponse:
+        """Create a lease with a TTL."""
+        return LeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
+
+    @router.post("/leases/{lease}/keepalive", response_model=LeaseResponse)
+    async def keep_alive(lease: int) -> LeaseResponse:
+        """Renew a lease for another TTL (404 when it expired or was revoked)."""
+        await get_store().keep_alive(lease)
+        return LeaseResponse(lease=lease)
+
+    @router.delete("/leases/{lease}", status_code=204, response_class=Response)
+    async def revoke(lease: int) -> Response:
+        """End a lease now, deleting its keys."""
+        await get_store().revoke(lease)
+        return Response(status_code=204)
+
+    @router.get("/watch", response_model=WatchResponse)
+    async def watch(
+        request: Request,
+        key: str,
+        after: Annotated[int, Query(description="Answer with changes above this revision")],
+        timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_SECONDS)] = 30.0,
+        prefix: bool = False,
+    ) -> WatchResponse:
+        """Long-poll until a change to the key (or under the prefix) above ``after`` exists."""
+        store = get_store()
+        watching = asyncio.ensure_future(store.watch(key, after, timeout, prefix=prefix))
+        if not watching.done():
+            gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                await asyncio.wait((watching, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not watching.done():
+                    watching.cancel()  # the client went away, or this request was cancelled
+            if not watching.done():
+                return WatchResponse(events=[])
+        events = watching.result()
+        return WatchResponse(events=[WatchEventOut.of(e) for e in events])
+
+    return router

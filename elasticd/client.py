@@ -1,0 +1,567 @@
+"""Python clients of the REST API: :class:`Client` (sync) and :class:`AsyncClient`, over httpx.
+
+Both return the same pydantic models the daemon stores and serves
+(:mod:`elasticd.models`), and raise :class:`ClientError` with the HTTP status
+and the server's problem detail (RFC 9457) when a call fails, or
+:class:`DaemonUnreachable` when there is no daemon to answer::
+
+    from elasticd.client import Client
+
+    with Client("http://127.0.0.1:7070", token_file="/etc/elasticd/token") as c:
+        job = c.submit({"entrypoint": "python", "args": ["train.py"], "nproc_per_node": 2})
+        for event in c.follow_events(job.id):      # Server-Sent Events, resumed on reconnect
+            print(event.seq, event.kind, event.message)
+        print(c.get(job.id).state)
+
+Workers get ``ELASTICD_URL`` and ``ELASTICD_TOKEN_FILE`` in their environment,
+so code inside a job can talk to its daemon with
+``Client(os.environ["ELASTICD_URL"], token_file=os.environ.get("ELASTICD_TOKEN_FILE"))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from elasticd.errors import ElasticdError
+from elasticd.models import Event, Job, JobList, JobSpec, WorkersView
+from elasticd.states import JobState
+
+__all__ = [
+    "DEFAULT_URL",
+    "AsyncClient",
+    "Client",
+    "ClientError",
+    "DaemonUnreachable",
+    "SSEParser",
+    "ServerSentEvent",
+    "read_token_file",
+]
+
+DEFAULT_URL = "http://127.0.0.1:7070"
+#: Consecutive failed reconnects after which following a stream gives up.
+MAX_RECONNECTS = 5
+#: A stream with no byte for this long (four server heartbeats) is taken as dropped.
+STREAM_READ_TIMEOUT = 60.0
+
+_M = TypeVar("_M", bound=BaseModel)
+_EVENTS = TypeAdapter(list[Event])
+Stream = Literal["stdout", "stderr"]
+SpecLike = JobSpec | Mapping[str, Any]
+
+
+class ClientError(ElasticdError):
+    """A call to the daemon failed: ``status`` and the server's problem ``detail``.
+
+    ``str(error)`` is the server's message, ready to show to a person.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        title: str | None = None,
+        problem: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.title = title
+        self.detail = message
+        self.problem: dict[str, Any] = dict(problem or {})
+
+
+class DaemonUnreachable(ClientError):
+    """No daemon answered at the URL (refused, unresolvable, timed out, dropped)."""
+
+
+def read_token_file(path: str | Path) -> str:
+    """The bearer token in ``path`` (surrounding whitespace removed)."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ClientError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ClientError(f"the token file {path} is empty")
+    return token
+
+
+@dataclass(frozen=True)
+class ServerSentEvent:
+    """One SSE message: ``id``, ``event`` (the type, "message" by default) and ``data``."""
+
+    event: str
+    data: str
+    id: str | None = None
+    retry: int | None = None
+
+
+class SSEParser:
+    """Incremental Server-Sent Events parser: ``feed(text)`` returns the complete messages."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self.last_id: str | None = None
+        self.retry: int | None = None
+
+    def feed(self, text: str) -> list[ServerSentEvent]:
+        self._buffer += text.replace("\r\n", "\n").replace("\r", "\n")
+        out: list[ServerSentEvent] = []
+        while "\n\n" in self._buffer:
+            block, self._buffer = self._buffer.split("\n\n", 1)
+            kind, data, has_data, retry = "message", [], False, None
+            for line in block.split("\n"):
+                if not line or line.startswith(":"):
+                    continue  # a comment: the heartbeat
+                field, _, value = line.partition(":")
+                value = value.removeprefix(" ")
+                if field == "event":
+                    kind = value
+                elif field == "data":
+                    data.append(value)
+                    has_data = True
+                elif field == "id" and "\x00" not in value:
+                    self.last_id = value
+                elif field == "retry" and value.isdigit():
+                    retry = self.retry = int(value)
+            if has_data:
+                out.append(ServerSentEvent(kind, "\n".join(data), self.last_id, retry))
+        return out
+
+
+def _problem_error(response: httpx.Response) -> ClientError:
+    problem: dict[str, Any] = {}
+    try:
+        body = json.loads(response.content or b"null")
+        if isinstance(body, dict):
+            problem = body
+    except ValueError:
+        pass
+    detail = problem.get("detail") or response.text.strip() or response.reason_phrase
+    if not isinstance(detail, str):
+        detail = json.dumps(detail)
+    return ClientError(
+        detail, status=response.status_code, title=problem.get("title"), problem=problem
+    )
+
+
+def _transport_error(url: str, exc: httpx.HTTPError) -> ClientError:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.RemoteProtocolError):
+        reason = str(exc) or type(exc).__name__
+        return DaemonUnreachable(
+            f"cannot reach the elasticd daemon at {url} ({reason}); is it running? "
+            "(set --url or ELASTICD_URL)"
+        )
+    if isinstance(exc, httpx.TimeoutException):
+        return DaemonUnreachable(f"the elasticd daemon at {url} did not answer in time")
+    return ClientError(f"request to the elasticd daemon at {url} failed: {exc}")
+
+
+def _parse(model: type[_M], response: httpx.Response) -> _M:
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise ClientError(
+            f"unexpected answer from the daemon for {response.request.url.path}: {exc}",
+            status=response.status_code,
+        ) from None
+
+
+def _spec_body(spec: SpecLike) -> dict[str, Any]:
+    if isinstance(spec, JobSpec):
+        return spec.model_dump(mode="json", exclude_none=True)
+    return dict(spec)
+
+
+def _states(state: Iterable[JobState | str] | None) -> list[str] | None:
+    if state is None:
+        return None
+    return [s.value if isinstance(s, JobState) else str(s) for s in state]
+
+
+def _log_params(
+    local_rank: int, stream: Stream, attempt: int | None, tail: int | None, follow: bool = False
+) -> dict[str, Any]:
+    params: dict[str, Any] = {"local_rank": local_rank, "stream": stream}
+    if attempt is not None:
+        params["attempt"] = attempt
+    if tail is not None:
+        params["tail"] = tail
+    if follow:
+        params["follow"] = "true"
+    return params
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    headers = {"User-Agent": "elasticd-client", "Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _resolve_token(token: str | None, token_file: str | Path | None) -> str | None:
+    if token is None and token_file:
+        return read_token_file(token_file)
+    return token
+
+
+def _stream_timeout(timeout: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout, read=STREAM_READ_TIMEOUT)
+
+
+class _Follow:
+    """Reconnect bookkeeping shared by both clients' ``follow_events``."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.failures = 0
+        self.ended = False
+        self.parser = SSEParser()
+
+    def request_headers(self) -> dict[str, str]:
+        headers = {"Accept": "text/event-stream"}
+        if self.after:
+            headers["Last-Event-ID"] = str(self.after)
+        return headers
+
+    def events(self, text: str) -> list[Event]:
+        out = []
+        for message in self.parser.feed(text):
+            if message.event == "end":
+                self.ended = True
+                continue
+            event = Event.model_validate_json(message.data)
+            if event.seq <= self.after:
+                continue  # never repeat one
+            self.after = event.seq
+            self.failures = 0
+            out.append(event)
+        return out
+
+    def dropped(self, url: str, exc: ClientError | None) -> float:
+        """Seconds to wait before reconnecting; raises once reconnecting seems hopeless."""
+        self.failures += 1
+        if self.failures > MAX_RECONNECTS:
+            raise exc or DaemonUnreachable(f"the event stream from {url} keeps dropping")
+        retry_ms = self.parser.retry if self.parser.retry is not None else 1000
+        return min(retry_ms / 1000, 0.25 * 2**self.failures)
+
+
+class Client:
+    """Synchronous client. Use as a context manager, or call :meth:`close`."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers=_headers(_resolve_token(token, token_file)),
+            timeout=timeout,
+            transport=transport,
+        )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, exc) from None
+        if response.status_code >= 400:
+            raise _problem_error(response)
+        return response
+
+    # jobs
+
+    def submit(self, spec: SpecLike) -> Job:
+        """Submit a job (a :class:`JobSpec` or the same as a dict); returns it."""
+        return _parse(Job, self._request("POST", "/jobs", json=_spec_body(spec)))
+
+    def get(self, job_id: str) -> Job:
+        return _parse(Job, self._request("GET", f"/jobs/{job_id}"))
+
+    def list_jobs(
+        self, state: Iterable[JobState | str] | None = None, limit: int = 100, offset: int = 0
+    ) -> JobList:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if (states := _states(state)) is not None:
+            params["state"] = states
+        return _parse(JobList, self._request("GET", "/jobs", params=params))
+
+    def cancel(self, job_id: str) -> Job:
+        return _parse(Job, self._request("POST", f"/jobs/{job_id}/cancel"))
+
+    def workers(self, job_id: str) -> WorkersView:
+        return _parse(WorkersView, self._request("GET", f"/jobs/{job_id}/workers"))
+
+    def events(
+        self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0
+    ) -> list[Event]:
+        """Events after ``after``; with ``wait`` the daemon holds the call up to that long."""
+        params = {"after": after, "limit": limit, "wait": wait}
+        timeout = self.timeout + wait
+        response = self._request("GET", f"/jobs/{job_id}/events", params=params, timeout=timeout)
+        return _EVENTS.validate_json(response.content)
+
+    def follow_events(self, job_id: str, after: int = 0) -> Iterator[Event]:
+        """Every event after ``after``, live, until the job ends (SSE, resumed on reconnect)."""
+        state = _Follow(after)
+        path = f"/jobs/{job_id}/events"
+        while not state.ended:
+            error: ClientError | None = None
+            try:
+                with self._http.stream(
+                    "GET",
+                    path,
+                    params={"after": state.after},
+                    headers=state.request_headers(),
+                    timeout=_stream_timeout(self.timeout),
+                ) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise _problem_error(response)
+                    for text in response.iter_text():
+                        yield from state.events(text)
+            except httpx.HTTPError as exc:
+                error = _transport_error(self.url, exc)
+            if not state.ended:
+                time.sleep(state.dropped(self.url, error))
+
+    def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        """Wait until the job is terminal and return it (``TimeoutError`` after ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        after = 0
+        while True:
+            job = self.get(job_id)
+            if job.state.is_terminal:
+                return job
+            remaining = 30.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"job {job_id!r} is still {job.state.value}")
+            events = self.events(job_id, after, wait=min(30.0, max(0.05, remaining)))
+            if events:
+                after = events[-1].seq
+
+    # logs
+
+    def logs(
+        self,
+        job_id: str,
+        local_rank: int = 0,
+        stream: Stream = "stdout",
+        *,
+        attempt: int | None = None,
+        tail: int | None = None,
+    ) -> str:
+        params = _log_params(local_rank, stream, attempt, tail)
+        return self._request("GET", f"/jobs/{job_id}/logs", params=params).text
+
+    def follow_logs(
+        self,
+        job_id: str,
+        local_rank: int = 0,
+        stream: Stream = "stdout",
+        *,
+        attempt: int | None = None,
+        tail: int | None = None,
+    ) -> Iterator[str]:
+        """The log as it grows, until the job ends (across restarts unless ``attempt``)."""
+        params = _log_params(local_rank, stream, attempt, tail, follow=True)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            with self._http.stream(
+                "GET",
+                f"/jobs/{job_id}/logs",
+                params=params,
+                timeout=httpx.Timeout(self.timeout, read=None),  # a quiet log is not an error
+            ) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _problem_error(response)
+                for chunk in response.iter_bytes():
+                    if text := decoder.decode(chunk):
+                        yield text
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, exc) from None
+        if rest := decoder.decode(b"", final=True):
+            yield rest
+
+
+class AsyncClient:
+    """The asyncio client; the same methods as :class:`Client`, awaited."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        token_file: str | Path | None = None,
+        timeout: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            base_url=self.url,
+            headers=_headers(_resolve_token(token, token_file)),
+            timeout=timeout,
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, exc) from None
+        if response.status_code >= 400:
+            raise _problem_error(response)
+        return response
+
+    async def submit(self, spec: SpecLike) -> Job:
+        return _parse(Job, await self._request("POST", "/jobs", json=_spec_body(spec)))
+
+    async def get(self, job_id: str) -> Job:
+        return _parse(Job, await self._request("GET", f"/jobs/{job_id}"))
+
+    async def list_jobs(
+        self, state: Iterable[JobState | str] | None = None, limit: int = 100, offset: int = 0
+    ) -> JobList:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if (states := _states(state)) is not None:
+            params["state"] = states
+        return _parse(JobList, await self._request("GET", "/jobs", params=params))
+
+    async def cancel(self, job_id: str) -> Job:
+        return _parse(Job, await self._request("POST", f"/jobs/{job_id}/cancel"))
+
+    async def workers(self, job_id: str) -> WorkersView:
+        return _parse(WorkersView, await self._request("GET", f"/jobs/{job_id}/workers"))
+
+    async def events(
+        self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0
+    ) -> list[Event]:
+        params = {"after": after, "limit": limit, "wait": wait}
+        response = await self._request(
+            "GET", f"/jobs/{job_id}/events", params=params, timeout=self.timeout + wait
+        )
+        return _EVENTS.validate_json(response.content)
+
+    async def follow_events(self, job_id: str, after: int = 0) -> AsyncIterator[Event]:
+        state = _Follow(after)
+        path = f"/jobs/{job_id}/events"
+        while not state.ended:
+            error: ClientError | None = None
+            try:
+                async with self._http.stream(
+                    "GET",
+                    path,
+                    params={"after": state.after},
+                    headers=state.request_headers(),
+                    timeout=_stream_timeout(self.timeout),
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise _problem_error(response)
+                    async for text in response.aiter_text():
+                        for event in state.events(text):
+                            yield event
+            except httpx.HTTPError as exc:
+                error = _transport_error(self.url, exc)
+            if not state.ended:
+                await asyncio.sleep(state.dropped(self.url, error))
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        async with asyncio.timeout(timeout):
+            after = 0
+            while True:
+                job = await self.get(job_id)
+                if job.state.is_terminal:
+                    return job
+                events = await self.events(job_id, after, wait=30.0)
+                if events:
+                    after = events[-1].seq
+
+    async def logs(
+        self,
+        job_id: str,
+        local_rank: int = 0,
+        stream: Stream = "stdout",
+        *,
+        attempt: int | None = None,
+        tail: int | None = None,
+    ) -> str:
+        params = _log_params(local_rank, stream, attempt, tail)
+        return (await self._request("GET", f"/jobs/{job_id}/logs", params=params)).text
+
+    async def follow_logs(
+        self,
+        job_id: str,
+        local_rank: int = 0,
+        stream: Stream = "stdout",
+        *,
+        attempt: int | None = None,
+        tail: int | None = None,
+    ) -> AsyncIterator[str]:
+        params = _log_params(local_rank, stream, attempt, tail, follow=True)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            async with self._http.stream(
+                "GET",
+                f"/jobs/{job_id}/logs",
+                params=params,
+                timeout=httpx.Timeout(self.timeout, read=None),
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _problem_error(response)
+                async for chunk in response.aiter_bytes():
+                    if text := decoder.decode(chunk):
+                        yield text
+        except httpx.HTTPError as exc:
+            raise _transport_error(self.url, exc) from None
+        if rest := decoder.decode(b"", final=True):
+            yield rest

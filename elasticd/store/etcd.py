@@ -1,0 +1,539 @@
+"""The etcd backend: etcd v3 through its JSON gateway (grpc-gateway), with httpx.
+
+``store_url = "etcd://h1:2379,h2:2379"`` puts the cluster store in etcd, so
+that it has no single point of failure. No etcd client library is needed:
+the gateway speaks JSON over plain HTTP POSTs (``/v3/kv/range``,
+``/v3/kv/txn``, ``/v3/kv/deleterange``, ``/v3/lease/...``, ``/v3/watch``).
+etcd 3.4 serves the gateway at both ``/v3/`` and ``/v3beta/``, 3.5+ only at
+``/v3/`` (the default here), 3.3 only at ``/v3beta/`` (pass
+``api_prefix="/v3beta"``).
+
+How the store contract maps onto etcd:
+
+* ``version``/``created``/``revision`` are etcd's ``mod_revision``,
+  ``create_revision`` and header ``revision``, unchanged.
+* ``compare_and_set`` is one txn: compare ``mod_revision == expected`` (or
+  ``create_revision == 0`` for create-if-absent), put on success (with
+  ``prev_kv`` to learn ``created``), range on failure so a lost race returns
+  the winner's entry in the same round trip.
+* ``add`` is a CAS loop that starts from the failure branch's entry, with a
+  short randomised back-off between lost rounds.
+* ``watch`` opens a streamed ``/v3/watch`` with ``start_revision =
+  after_version + 1`` and returns the first batch of events (or ``[]`` at the
+  timeout, when it drops the stream). A watch cancelled for compaction raises
+  ``StoreCompacted`` with ``revision = compact_revision - 1``: the lowest
+  ``after_version`` still watchable, as for the other backends.
+* Lease TTLs are whole seconds in etcd; a TTL is rounded up.
+
+The gateway's quirks handled here: int64 fields are JSON strings; fields at
+their default value are omitted (a failed txn has no ``succeeded``, a PUT event
+has no ``type``, an empty value has no ``value``, an unknown lease's keep-alive
+answer has no ``TTL``); keys and values are base64.
+
+Fail-over: requests go to the endpoint that last answered. When it cannot be
+connected to, the next one is tried. Reads also move on after a broken
+response; writes do not, because their outcome is unknown: they raise
+``StoreUnavailable`` saying so, and the caller re-reads. Every transport
+error is translated here into ``StoreUnavailable`` naming the endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import builtins
+import json
+import math
+import random
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import httpx
+
+from elasticd.errors import (
+    ConfigError,
+    LeaseNotFound,
+    StoreCompacted,
+    StoreError,
+    StoreUnavailable,
+    ValueTooLarge,
+)
+from elasticd.store.base import (
+    DEFAULT_MAX_VALUE_BYTES,
+    CasResult,
+    Entry,
+    Listing,
+    Store,
+    WatchEvent,
+)
+from elasticd.store.http import transport_reason
+from elasticd.store.memory import check_value, parse_counter, validate_key
+
+# gRPC status codes the gateway reports in {"code": N}.
+_NOT_FOUND = 5
+_RESOURCE_EXHAUSTED = 8
+_OUT_OF_RANGE = 11
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _key64(key: str) -> str:
+    return _b64(key.encode("utf-8"))
+
+
+def _int(data: dict[str, Any], name: str) -> int:
+    """An int64 field: a JSON string, or absent when 0."""
+    return int(data.get(name, 0))
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The ``range_end`` that selects every key starting with ``prefix`` (etcd's rule)."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # empty prefix (or all 0xff): every key
+
+
+def _range_of(key: str, prefix: bool) -> dict[str, str]:
+    raw = key.encode("utf-8")
+    if not prefix:
+        return {"key": _b64(raw)}
+    if not raw:
+        return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+    return {"key": _b64(raw), "range_end": _b64(prefix_end(raw))}
+
+
+def _entry(kv: dict[str, Any]) -> Entry:
+    lease = _int(kv, "lease")
+    return Entry(
+        key=base64.b64decode(kv["key"]).decode("utf-8"),
+        value=base64.b64decode(kv.get("value", "")),
+        version=_int(kv, "mod_revision"),
+        created=_int(kv, "create_revision"),
+        lease=lease or None,
+    )
+
+
+def _normalise(endpoint: str) -> str:
+    endpoint = endpoint.strip().rstrip("/")
+    if not endpoint:
+        raise ConfigError("an etcd endpoint is empty")
+    if "://" not in endpoint:
+        endpoint = "http://" + endpoint
+    try:
+        url = httpx.URL(endpoint)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ConfigError(f"etcd endpoint {endpoint!r} is not a valid URL: {exc}") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ConfigError(f"etcd endpoint {endpoint!r} must be host:port or http(s)://host:port")
+    return endpoint
+
+
+class EtcdStore(Store):
+    """A :class:`Store` in an etcd v3 cluster, reached at ``endpoints`` (``host:port`` or URLs)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        api_prefix: str = "/v3",
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if isinstance(endpoints, str) or not endpoints:
+            raise ConfigError("EtcdStore needs a list of one or more endpoints")
+        self.endpoints = [_normalise(e) for e in endpoints]
+        self.max_value_bytes = max_value_bytes
+        self._prefix = "/" + api_prefix.strip("/")
+        self._timeout = timeout
+        self._current = 0
+        self._client = httpx.AsyncClient(
+            transport=transport,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._adds: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
+        self._add_runners: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"EtcdStore({self.endpoints!r})"
+
+    # -- transport, fail-over and error translation --------------------------
+
+    def _where(self) -> str:
+        return "etcd at " + ", ".join(self.endpoints)
+
+    def _order(self) -> list[int]:
+        n = len(self.endpoints)
+        return [(self._current + i) % n for i in range(n)]
+
+    async def _post(self, path: str, body: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
+        """POST to the gateway, failing over; the decoded JSON answer."""
+        if self._closed:
+            raise StoreUnavailable(f"the client of {self._where()} is closed")
+        failures: list[str] = []
+        for index in self._order():
+            endpoint = self.endpoints[index]
+            try:
+                response = await self._client.post(endpoint + self._prefix + path, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failures.append(f"{endpoint}: {transport_reason(exc)}")
+                continue
+            except httpx.RequestError as exc:
+                if idempotent:
+                    failures.append(f"{endpoint}: {transport_reason(exc)}")
+                    continue
+                raise StoreUnavailable(
+                    f"etcd at {endpoint} failed during {path} ({transport_reason(exc)}); "
+                    "the write may or may not have been applied, re-read before retrying"
+                ) from exc
+            self._current = index
+            return self._decode(response, endpoint, path)
+        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+
+    def _decode(self, response: httpx.Response, endpoint: str, path: str) -> dict[str, Any]:
+        try:
+            data = response.json()
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) and response.status_code == 404:
+            raise StoreUnavailable(
+                f"etcd at {endpoint} has no {self._prefix}{path} (404); is this an etcd v3 "
+                "client URL? For etcd 3.3 use api_prefix='/v3beta'"
+            )
+        if not isinstance(data, dict):
+            raise StoreUnavailable(
+                f"etcd at {endpoint} answered {path} with {response.status_code} and a body "
+                "that is not JSON; is this an etcd v3 client URL?"
+            )
+        if "error" in data or response.status_code >= 300:
+            self._raise_error(data, endpoint, path, response.status_code)
+        return data
+
+    def _raise_error(self, data: dict[str, Any], endpoint: str, path: str, status: int) -> None:
+        error = data.get("error")
+        if isinstance(error, dict):  # streamed endpoints nest the error
+            data = error
+        message = str(data.get("message") or data.get("error") or f"HTTP {status}")
+        code = int(data.get("code", data.get("grpc_code", 0)))
+        if "lease not found" in message:
+            raise LeaseNotFound(f"etcd: {message}")
+        if "too large" in message or code == _RESOURCE_EXHAUSTED:
+            raise ValueTooLarge(
+                f"etcd at {endpoint} refused the request as too large ({message}); "
+                "raise etcd's --max-request-bytes or store less"
+            )
+        if code == _OUT_OF_RANGE and "compacted" in message:
+            raise StoreCompacted(f"etcd: {message}", 0)
+        if status == 404 and code == 0:
+            raise StoreUnavailable(
+                f"etcd at {endpoint} has no {self._prefix}{path}; for etcd 3.3 use "
+                "api_prefix='/v3beta'"
+            )
+        if code == _NOT_FOUND:
+            raise StoreError(f"etcd at {endpoint}: {message}")
+        raise StoreUnavailable(f"etcd at {endpoint} failed {path}: {message}")
+
+    @asynccontextmanager
+    async def _stream(
+        self, path: str, body: dict[str, Any], read_timeout: float
+    ) -> AsyncIterator[AsyncIterator[str]]:
+        """A streamed POST's lines, failing over when an endpoint cannot be connected to."""
+        if self._closed:
+            raise StoreUnavailable(f"the client of {self._where()} is closed")
+        failures: list[str] = []
+        timeout = httpx.Timeout(self._timeout, read=read_timeout)
+        for index in self._order():
+            endpoint = self.endpoints[index]
+            request = self._client.build_request(
+                "POST", endpoint + self._prefix + path, json=body, timeout=timeout
+            )
+            try:
+                response = await self._client.send(request, stream=True)
+            except httpx.RequestError as exc:
+                failures.append(f"{endpoint}: {transport_reason(exc)}")
+                continue
+            try:
+                if response.status_code >= 300:
+                    await response.aread()
+                    self._decode(response, endpoint, path)
+                self._current = index
+                async with aclosing(self._lines(response, endpoint)) as lines:
+                    yield lines
+                return
+            finally:
+                await response.aclose()
+        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+
+    async def _lines(self, response: httpx.Response, endpoint: str) -> AsyncGenerator[str, None]:
+        try:
+            async for line in response.aiter_lines():
+                if line.strip():
+                    yield line
+        except httpx.TimeoutException as exc:
+            raise StoreUnavailable(f"etcd at {endpoint} stopped answering a watch") from exc
+        except httpx.RequestError as exc:
+            raise StoreUnavailable(
+                f"etcd at {endpoint} broke off a watch: {transport_reason(exc)}"
+            ) from exc
+
+    # -- Store -----------------------------------------------------------------
+
+    async def get(self, key: str) -> Entry | None:
+        validate_key(key)
+        data = await self._post("/kv/range", _range_of(key, False), idempotent=True)
+        kvs = data.get("kvs", [])
+        return _entry(kvs[0]) if kvs else None
+
+    async def compare_and_set(
+        self,
+        key: str,
+        value: bytes,
+        expected_version: int | None,
+        *,
+        lease: int | None = None,
+    ) -> CasResult:
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        if expected_version is not None and expected_version <= 0:
+            # No written key has version 0; etcd would read it as "absent".
+            return CasResult(ok=False, entry=await self.get(key))
+        return await self._cas(key, value, expected_version, lease)
+
+    async def _cas(
+        self, key: str, value: bytes, expected_version: int | None, lease: int | None
+    ) -> CasResult:
+        key64 = _key64(key)
+        if expected_version is None:
+            compare = {"key": key64, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        else:
+            compare = {
+                "key": key64,
+                "target": "MOD",
+                "result": "EQUAL",
+                "mod_revision": str(expected_version),
+            }
+        put: dict[str, Any] = {"key": key64, "value": _b64(value), "prev_kv": True}
+        if lease is not None:
+            put["lease"] = str(lease)
+        body = {
+            "compare": [compare],
+            "success": [{"request_put": put}],
+            "failure": [{"request_range": {"key": key64}}],
+        }
+        data = await self._post("/kv/txn", body, idempotent=False)
+        responses = data.get("responses", [{}])
+        if not data.get("succeeded", False):
+            kvs = responses[0].get("response_range", {}).get("kvs", [])
+            return CasResult(ok=False, entry=_entry(kvs[0]) if kvs else None)
+        revision = _int(data["header"], "revision")
+        prev = responses[0].get("response_put", {}).get("prev_kv")
+        created = _int(prev, "create_revision") if prev else revision
+        entry = Entry(key=key, value=value, version=revision, created=created, lease=lease)
+        return CasResult(ok=True, entry=entry)
+
+    async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        body: dict[str, Any] = {"key": _key64(key), "value": _b64(value), "prev_kv": True}
+        if lease is not None:
+            body["lease"] = str(lease)
+        data = await self._post("/kv/put", body, idempotent=False)
+        revision = _int(data["header"], "revision")
+        prev = data.get("prev_kv")
+        created = _int(prev, "create_revision") if prev else revision
+        return Entry(key=key, value=value, version=revision, created=created, lease=lease)
+
+    async def add(self, key: str, delta: int = 1) -> int:
+        validate_key(key)
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        queue = self._adds.get(key)
+        if queue is not None:  # a CAS loop for this key is running: ride along
+            queue.append((delta, done))
+            return await done
+        self._adds[key] = [(delta, done)]
+        runner = asyncio.create_task(self._run_adds(key))
+        self._add_runners.add(runner)
+        runner.add_done_callback(self._add_runners.discard)
+        return await done
+
+    async def _run_adds(self, key: str) -> None:
+        """Apply the queued adds to ``key`` by CAS, as many per round trip as are waiting.
+
+        Adds from this client are combined: one CAS writes their sum, and each
+        caller gets the running total at its place in the batch, exactly as if
+        they had been applied one after the other. Only adds from other clients
+        contend, and a lost round backs off a little so contenders spread out.
+        """
+        queue = self._adds[key]
+        current: Entry | None = None
+        fetched = False
+        backoff = 0.0005
+        try:
+            while True:
+                queue[:] = [(d, f) for d, f in queue if not f.done()]  # drop cancelled callers
+                if not queue:
+                    return
+                if not fetched:
+                    current = await self.get(key)
+                    fetched = True
+                batch = list(queue)
+                base = parse_counter(key, current.value if current else None)
+                total = base + sum(d for d, _ in batch)
+                result = await self._cas(
+                    key,
+                    str(total).encode("ascii"),
+                    current.version if current else None,
+                    current.lease if current else None,  # a counter keeps its lease
+                )
+                if not result.ok:
+                    current = result.entry
+                    await asyncio.sleep(random.uniform(0, backoff))
+                    backoff = min(backoff * 2, 0.02)
+                    continue
+                current = result.entry
+                running = base
+                for d, waiter in batch:
+                    running += d
+                    if not waiter.done():
+                        waiter.set_result(running)
+                del queue[: len(batch)]
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else StoreUnavailable("add was cancelled")
+            for _, waiter in queue:
+                if not waiter.done():
+                    waiter.set_exception(failure)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            del self._adds[key]
+
+    async def delete(self, key: str, expected_version: int | None = None) -> bool:
+        validate_key(key)
+        key64 = _key64(key)
+        if expected_version is None:
+            data = await self._post("/kv/deleterange", {"key": key64}, idempotent=False)
+            return _int(data, "deleted") > 0
+        body = {
+            "compare": [
+                {
+                    "key": key64,
+                    "target": "MOD",
+                    "result": "EQUAL",
+                    "mod_revision": str(expected_version),
+                }
+            ],
+            "success": [{"request_delete_range": {"key": key64}}],
+            "failure": [],
+        }
+        data = await self._post("/kv/txn", body, idempotent=False)
+        if not data.get("succeeded", False):
+            return False
+        responses = data.get("responses", [{}])
+        return _int(responses[0].get("response_delete_range", {}), "deleted") > 0
+
+    async def list(self, prefix: str) -> Listing:
+        validate_key(prefix, prefix=True)
+        data = await self._post("/kv/range", _range_of(prefix, True), idempotent=True)
+        entries = [_entry(kv) for kv in data.get("kvs", [])]
+        return Listing(entries=entries, revision=_int(data["header"], "revision"))
+
+    async def grant(self, ttl: float) -> int:
+        if not ttl > 0:
+            raise ValueError(f"a lease TTL must be positive, not {ttl!r}")
+        seconds = max(1, math.ceil(ttl))
+        data = await self._post("/lease/grant", {"TTL": str(seconds)}, idempotent=False)
+        return _int(data, "ID")
+
+    async def keep_alive(self, lease: int) -> None:
+        data = await self._post("/lease/keepalive", {"ID": str(lease)}, idempotent=True)
+        result = data.get("result", data)
+        if _int(result, "TTL") <= 0:
+            raise LeaseNotFound(f"lease {lease} expired or was revoked")
+
+    async def revoke(self, lease: int) -> None:
+        try:
+            await self._post("/lease/revoke", {"ID": str(lease)}, idempotent=True)
+        except LeaseNotFound:
+            pass  # revoking an unknown lease is not an error
+
+    async def watch(
+        self,
+        key: str,
+        after_version: int,
+        timeout: float,
+        *,
+        prefix: bool = False,
+    ) -> builtins.list[WatchEvent]:
+        validate_key(key, prefix=prefix)
+        create = _range_of(key, prefix)
+        create["start_revision"] = str(max(after_version + 1, 1))
+        body = {"create_request": create}
+        try:
+            async with (
+                asyncio.timeout(max(timeout, 0.0)),
+                self._stream("/watch", body, timeout + self._timeout) as lines,
+            ):
+                async for line in lines:
+                    events = self._watch_message(line, key, after_version)
+                    if events:
+                        return events
+        except TimeoutError:
+            return []
+        raise StoreUnavailable(f"{self._where()} ended a watch of {key!r} without an answer")
+
+    def _watch_message(self, line: str, key: str, after: int) -> builtins.list[WatchEvent]:
+        try:
+            message = json.loads(line)
+        except ValueError as exc:
+            raise StoreUnavailable(f"{self._where()} sent a watch line that is not JSON") from exc
+        if "error" in message:
+            self._raise_error(message, self.endpoints[self._current], "/watch", 200)
+        result = message.get("result", {})
+        if result.get("canceled"):
+            compacted = _int(result, "compact_revision")
+            if compacted:
+                raise StoreCompacted(
+                    f"etcd compacted its history up to revision {compacted}; re-read "
+                    f"{key!r} and watch from revision {compacted - 1} or later",
+                    compacted - 1,
+                )
+            reason = result.get("cancel_reason", "no reason given")
+            raise StoreUnavailable(f"{self._where()} cancelled a watch of {key!r}: {reason}")
+        events = []
+        for event in result.get("events", []):
+            kv = event["kv"]
+            revision = _int(kv, "mod_revision")
+            if revision <= after:
+                continue
+            deleted = event.get("type") == "DELETE"
+            events.append(
+                WatchEvent(
+                    kind="delete" if deleted else "put",
+                    key=base64.b64decode(kv["key"]).decode("utf-8"),
+                    value=None if deleted else base64.b64decode(kv.get("value", "")),
+                    revision=revision,
+                )
+            )
+        return events
+
+    async def compact(self, revision: int) -> None:
+        """Compact etcd's history up to ``revision`` (an admin operation, used by tests)."""
+        await self._post("/kv/compaction", {"revision": str(revision)}, idempotent=True)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for runner in list(self._add_runners):
+            runner.cancel()
+        await asyncio.gather(*self._add_runners, return_exceptions=True)
+        await self._client.aclose()

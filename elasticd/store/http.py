@@ -1,0 +1,352 @@
+"""A client of a store served over HTTP (``/store/...``, see :mod:`api.routes.store`).
+
+``HttpStore`` speaks the JSON API with one pooled ``httpx.AsyncClient``.
+Tests inject ``httpx.ASGITransport(app)`` and need no socket.
+
+This module is the IO boundary for the HTTP store, so every failure is
+translated here, once:
+
+* any transport error (refused, reset, DNS, timeout) becomes
+  ``StoreUnavailable`` naming the URL: ``store at http://10.0.0.5:7070 is
+  unreachable: connection refused``;
+* a 401/403 becomes ``StoreUnavailable`` saying the token was refused (the
+  daemon logs it and keeps retrying, so fixing the token file heals it);
+* problem+json statuses map back to the exception they came from (404 "Lease
+  not found" → ``LeaseNotFound``, 410 → ``StoreCompacted`` with its revision,
+  413 → ``ValueTooLarge``, 422 "Invalid store key" → ``InvalidKey``, 503 →
+  ``StoreUnavailable``); any other 404 means the URL is not a store.
+
+Keys and values are checked locally first, so a bad key never costs a round
+trip. ``watch`` is a long-poll whose HTTP timeout is the watch timeout plus the
+client's timeout; watches longer than the server allows are split into
+several polls.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import builtins
+import importlib.util
+import os
+import sys
+from typing import Any, NoReturn
+
+import httpx
+
+from elasticd.errors import (
+    ConfigError,
+    InvalidKey,
+    LeaseNotFound,
+    StoreCompacted,
+    StoreError,
+    StoreUnavailable,
+    ValueTooLarge,
+)
+from elasticd.store.base import (
+    DEFAULT_MAX_VALUE_BYTES,
+    CasResult,
+    Entry,
+    Listing,
+    Store,
+    WatchEvent,
+)
+from elasticd.store.memory import check_value, validate_key
+
+#: Longest single long-poll; a longer watch is split into several.
+MAX_POLL_SECONDS = 300.0
+
+# httpcore runs ``import sniffio`` each time it sets up a lock or an event,
+# several times per request. When sniffio is not installed (newer anyio no
+# longer needs it), each of those failed imports searches all of sys.path:
+# that was half the client's CPU per request. Recording the module as absent
+# makes the failure instant; httpcore then assumes asyncio, which is right here.
+if importlib.util.find_spec("sniffio") is None:
+    sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
+
+
+def _b64(value: bytes) -> str:
+    return base64.b64encode(value).decode("ascii")
+
+
+def _unb64(value: str) -> bytes:
+    return base64.b64decode(value, validate=True)
+
+
+def _entry(data: dict[str, Any]) -> Entry:
+    lease = data.get("lease")
+    return Entry(
+        key=str(data["key"]),
+        value=_unb64(data["value"]),
+        version=int(data["version"]),
+        created=int(data["created"]),
+        lease=int(lease) if lease is not None else None,
+    )
+
+
+def _entry_or_none(data: dict[str, Any] | None) -> Entry | None:
+    return _entry(data) if data is not None else None
+
+
+def transport_reason(exc: BaseException) -> str:
+    """A short human reason for a transport error ("connection refused", "timed out")."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return os.strerror(seen.errno).lower()  # "connection refused", not asyncio's text
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror.lower()
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip()
+    if text.startswith("[Errno"):
+        text = text.split("]", 1)[-1].strip()
+    return text.lower() if text else type(exc).__name__
+
+
+class HttpStore(Store):
+    """A :class:`Store` at ``base_url`` (e.g. ``http://node1:7070``), over HTTP.
+
+    ``timeout`` bounds every request but a watch, whose bound is its own
+    timeout plus this one.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout: float = 10.0,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_value_bytes = max_value_bytes
+        self._timeout = timeout
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                transport=transport,
+                timeout=timeout,
+                # Watches hold a connection each for their whole long-poll.
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise ConfigError(f"store URL {base_url!r} is not a valid URL: {exc}") from exc
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"HttpStore({self.base_url!r})"
+
+    # -- the one request path ----------------------------------------------
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        if self._closed:
+            raise StoreUnavailable(f"the client of the store at {self.base_url} is closed")
+        limit = self._timeout if timeout is None else timeout
+        try:
+            response = await self._client.request(
+                method, path, params=params, json=body, timeout=limit
+            )
+        except httpx.TimeoutException as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} did not answer {method} {path} within {limit:g}s"
+            ) from exc
+        except httpx.RequestError as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} is unreachable: {transport_reason(exc)}"
+            ) from exc
+        if response.status_code >= 300:
+            self._raise_for(response, f"{method} {path}")
+        if response.status_code == 204:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} answered {method} {path} with something "
+                "that is not JSON; is this the address of an elasticd store?"
+            ) from exc
+
+    def _raise_for(self, response: httpx.Response, what: str) -> NoReturn:
+        status = response.status_code
+        body: dict[str, Any] = {}
+        try:
+            parsed = response.json()
+            if isinstance(parsed, dict):
+                body = parsed
+        except ValueError:
+            pass
+        title = str(body.get("title", ""))
+        detail = str(body.get("detail") or response.text[:200] or response.reason_phrase)
+        where = f"store at {self.base_url}"
+        if status in (401, 403):
+            raise StoreUnavailable(
+                f"{where} refused our credentials ({status}): {detail}; "
+                "check that this daemon uses the cluster's token"
+            )
+        if status == 404 and title == "Lease not found":
+            raise LeaseNotFound(detail)
+        if status == 404:
+            raise StoreUnavailable(
+                f"{where} has no store API ({what} → 404); is the store URL right?"
+            )
+        if status == 410:
+            raise StoreCompacted(detail, int(body.get("revision", 0)))
+        if status == 413:
+            raise ValueTooLarge(detail)
+        if status == 422 and title == "Invalid store key":
+            raise InvalidKey(detail)
+        if status in (400, 422):
+            raise StoreError(f"{where} rejected {what}: {detail}")
+        raise StoreUnavailable(f"{where} answered {what} with {status}: {detail}")
+
+    def _parsed(self, what: str, parse: Any, data: Any) -> Any:
+        """Run ``parse(data)``; a body of the wrong shape means the peer is not our store."""
+        try:
+            return parse(data)
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} answered {what} with an unexpected body ({exc!r})"
+            ) from exc
+
+    # -- Store -------------------------------------------------------------
+
+    async def get(self, key: str) -> Entry | None:
+        validate_key(key)
+        data = await self._call("GET", "/store/kv", params={"key": key})
+        result: Entry | None = self._parsed("GET", lambda d: _entry_or_none(d["entry"]), data)
+        return result
+
+    async def compare_and_set(
+        self,
+        key: str,
+        value: bytes,
+        expected_version: int | None,
+        *,
+        lease: int | None = None,
+    ) -> CasResult:
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        body = {
+            "key": key,
+            "value": _b64(value),
+            "expected_version": expected_version,
+            "lease": lease,
+        }
+        data = await self._call("POST", "/store/cas", body=body)
+        result: CasResult = self._parsed(
+            "CAS",
+            lambda d: CasResult(ok=bool(d["ok"]), entry=_entry_or_none(d["entry"])),
+            data,
+        )
+        return result
+
+    async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        body = {"key": key, "value": _b64(value), "lease": lease}
+        data = await self._call("PUT", "/store/kv", body=body)
+        result: Entry = self._parsed("PUT", lambda d: _entry(d["entry"]), data)
+        return result
+
+    async def add(self, key: str, delta: int = 1) -> int:
+        validate_key(key)
+        data = await self._call("POST", "/store/add", body={"key": key, "delta": delta})
+        result: int = self._parsed("add", lambda d: int(d["value"]), data)
+        return result
+
+    async def delete(self, key: str, expected_version: int | None = None) -> bool:
+        validate_key(key)
+        params: dict[str, Any] = {"key": key}
+        if expected_version is not None:
+            params["expected_version"] = expected_version
+        data = await self._call("DELETE", "/store/kv", params=params)
+        result: bool = self._parsed("DELETE", lambda d: bool(d["deleted"]), data)
+        return result
+
+    async def list(self, prefix: str) -> Listing:
+        validate_key(prefix, prefix=True)
+        data = await self._call("GET", "/store/list", params={"prefix": prefix})
+        result: Listing = self._parsed(
+            "list",
+            lambda d: Listing(
+                entries=[_entry(e) for e in d["entries"]], revision=int(d["revision"])
+            ),
+            data,
+        )
+        return result
+
+    async def grant(self, ttl: float) -> int:
+        if not ttl > 0:
+            raise ValueError(f"a lease TTL must be positive, not {ttl!r}")
+        data = await self._call("POST", "/store/leases", body={"ttl": ttl})
+        result: int = self._parsed("grant", lambda d: int(d["lease"]), data)
+        return result
+
+    async def keep_alive(self, lease: int) -> None:
+        await self._call("POST", f"/store/leases/{int(lease)}/keepalive")
+
+    async def revoke(self, lease: int) -> None:
+        await self._call("DELETE", f"/store/leases/{int(lease)}")
+
+    async def watch(
+        self,
+        key: str,
+        after_version: int,
+        timeout: float,
+        *,
+        prefix: bool = False,
+    ) -> builtins.list[WatchEvent]:
+        validate_key(key, prefix=prefix)
+        remaining = max(timeout, 0.0)
+        while True:
+            poll = min(remaining, MAX_POLL_SECONDS)
+            params = {
+                "key": key,
+                "after": after_version,
+                "timeout": poll,
+                "prefix": "true" if prefix else "false",
+            }
+            data = await self._call(
+                "GET", "/store/watch", params=params, timeout=poll + self._timeout
+            )
+            events: builtins.list[WatchEvent] = self._parsed("watch", _events, data)
+            remaining -= poll
+            if events or remaining <= 0:
+                return events
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._client.aclose()
+
+
+def _events(data: dict[str, Any]) -> builtins.list[WatchEvent]:
+    events = []
+    for item in data["events"]:
+        kind = item["kind"]
+        if kind not in ("put", "delete"):
+            raise ValueError(f"unknown event kind {kind!r}")
+        value = item.get("value")
+        events.append(
+            WatchEvent(
+                kind=kind,
+                key=str(item["key"]),
+                value=_unb64(value) if value is not None else None,
+                revision=int(item["revision"]),
+            )
+        )
+    return events

@@ -1,0 +1,444 @@
+"""An in-memory store: the reference implementation of :class:`~elasticd.store.base.Store`.
+
+Everything runs on the event loop, so every operation is atomic by
+construction: an operation decides and applies its change without an
+``await`` in between. The design, in the order a change flows:
+
+* **One change, one revision.** ``_put``/``_delete`` bump the store-wide
+  revision, update the entry table and the lease's key set, and append a
+  :class:`WatchEvent` to a bounded history (a ``deque``; its oldest event
+  falls off when it is full, which is how this store "compacts").
+* **Visibility.** Watchers see changes up to ``_visible``. Here a change is
+  visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
+  :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
+  change becomes visible (and a call returns) only once it is on disk.
+* **Watch** answers from history when it can. Otherwise it parks one future
+  in a waiter table (per key, or in the prefix list) and awaits it under the
+  timeout. A change wakes exactly the waiters whose key or prefix it touches,
+  so an idle watch costs no CPU and a wake-up is never spurious.
+* **Leases** expire through ``loop.call_later`` timers, rescheduled by
+  ``keep_alive``; there is no polling loop. Expiry and ``revoke`` delete the
+  lease's keys one change at a time, so watchers see each delete. Tests that
+  drive time themselves call :meth:`MemoryStore.expire` instead of waiting.
+
+Lease ids are random 52-bit integers (exact in JSON everywhere), so an id a
+client still holds from an earlier process never names a new lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import itertools
+import re
+import secrets
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from elasticd.errors import (
+    InvalidKey,
+    LeaseNotFound,
+    StoreCompacted,
+    StoreUnavailable,
+    ValueTooLarge,
+)
+from elasticd.store.base import (
+    DEFAULT_MAX_VALUE_BYTES,
+    CasResult,
+    Entry,
+    Listing,
+    Store,
+    WatchEvent,
+)
+
+#: Longest key (UTF-8 bytes) any backend accepts.
+MAX_KEY_BYTES = 4096
+
+#: How many changes the in-memory history keeps for watches.
+DEFAULT_HISTORY = 10_000
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def validate_key(key: str, *, prefix: bool = False) -> None:
+    """Raise :class:`InvalidKey` unless ``key`` is acceptable to every backend.
+
+    A key is non-empty, valid UTF-8, at most :data:`MAX_KEY_BYTES` long, has no
+    control character and no ``..`` path segment. A prefix may be empty, and
+    its last segment may be a partial ``..`` (``"/a/.."`` matches ``"/a/..b"``).
+    """
+    if not isinstance(key, str):
+        raise InvalidKey(f"a store key must be a string, not {type(key).__name__}")
+    if not key and not prefix:
+        raise InvalidKey("a store key must not be empty")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidKey(f"store key {key!r} is not valid UTF-8: {exc.reason}") from None
+    if size > MAX_KEY_BYTES:
+        raise InvalidKey(f"store key of {size} bytes is longer than the {MAX_KEY_BYTES} allowed")
+    if _CONTROL.search(key):
+        raise InvalidKey(f"store key {key!r} contains a control character")
+    if ".." in key:
+        segments = key.split("/")
+        if prefix:
+            segments = segments[:-1]
+        if ".." in segments:
+            raise InvalidKey(f"store key {key!r} has a '..' path segment")
+
+
+def check_value(value: bytes, limit: int) -> bytes:
+    """Return ``value`` as ``bytes``; raise :class:`ValueTooLarge` over ``limit``."""
+    if not isinstance(value, bytes):
+        if not isinstance(value, bytearray | memoryview):
+            raise TypeError(f"a store value must be bytes, not {type(value).__name__}")
+        value = bytes(value)
+    if len(value) > limit:
+        raise ValueTooLarge(f"a value of {len(value)} bytes is over the store's limit of {limit}")
+    return value
+
+
+def parse_counter(key: str, value: bytes | None) -> int:
+    """The integer a counter key holds (absent = 0); :class:`InvalidKey` if it is not one."""
+    if value is None:
+        return 0
+    try:
+        text = value.decode("ascii")
+        if text.strip() != text or not text:
+            raise ValueError(text)
+        return int(text)
+    except (UnicodeDecodeError, ValueError):
+        raise InvalidKey(
+            f"store key {key!r} holds {value[:40]!r}, not an ASCII decimal counter"
+        ) from None
+
+
+def new_lease_id(taken: Iterable[int] = ()) -> int:
+    """A random positive lease id that fits exactly in a JSON number (52 bits)."""
+    used = set(taken)
+    while True:
+        lease = secrets.randbits(52)
+        if lease and lease not in used:
+            return lease
+
+
+@dataclass
+class _Lease:
+    id: int
+    ttl: float
+    keys: set[str] = field(default_factory=set)
+    timer: asyncio.TimerHandle | None = None
+
+
+class MemoryStore(Store):
+    """An in-memory :class:`Store` for one event loop; the fake to use in tests.
+
+    ``history`` bounds how many changes a watch can look back over; a watch
+    from before them raises :class:`StoreCompacted`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        history: int = DEFAULT_HISTORY,
+    ) -> None:
+        if history < 1:
+            raise ValueError("history must keep at least one change")
+        self.max_value_bytes = max_value_bytes
+        self._entries: dict[str, Entry] = {}
+        self._revision = 0
+        self._visible = 0  # highest revision watchers may see
+        self._compacted = 0  # every change with a higher revision is in _history
+        self._history: deque[WatchEvent] = deque(maxlen=history)
+        self._leases: dict[int, _Lease] = {}
+        self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._prefix_waiters: dict[asyncio.Future[None], str] = {}
+        self._closed = False
+
+    # -- public API --------------------------------------------------------
+
+    @property
+    def revision(self) -> int:
+        """The store's current revision (the revision of its latest change)."""
+        return self._revision
+
+    async def get(self, key: str) -> Entry | None:
+        self._check_open()
+        validate_key(key)
+        entry = self._entries.get(key)
+        await self._settle()
+        return entry
+
+    async def compare_and_set(
+        self,
+        key: str,
+        value: bytes,
+        expected_version: int | None,
+        *,
+        lease: int | None = None,
+    ) -> CasResult:
+        self._check_open()
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        current = self._entries.get(key)
+        current_version = current.version if current is not None else None
+        if current_version != expected_version:
+            await self._settle()
+            return CasResult(ok=False, entry=current)
+        entry = self._put(key, value, self._lease_for_write(lease))
+        await self._settle()
+        return CasResult(ok=True, entry=entry)
+
+    async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
+        self._check_open()
+        validate_key(key)
+        value = check_value(value, self.max_value_bytes)
+        entry = self._put(key, value, self._lease_for_write(lease))
+        await self._settle()
+        return entry
+
+    async def add(self, key: str, delta: int = 1) -> int:
+        self._check_open()
+        validate_key(key)
+        current = self._entries.get(key)
+        total = parse_counter(key, current.value if current else None) + delta
+        # A counter keeps the lease it was created with.
+        lease = current.lease if current is not None else None
+        self._put(key, str(total).encode("ascii"), lease)
+        await self._settle()
+        return total
+
+    async def delete(self, key: str, expected_version: int | None = None) -> bool:
+        self._check_open()
+        validate_key(key)
+        current = self._entries.get(key)
+        if current is None or (
+            expected_version is not None and current.version != expected_version
+        ):
+            await self._settle()
+            return False
+        self._delete(key)
+        await self._settle()
+        return True
+
+    async def list(self, prefix: str) -> Listing:
+        self._check_open()
+        validate_key(prefix, prefix=True)
+        entries = sorted(
+            (e for k, e in self._entries.items() if k.startswith(prefix)), key=lambda e: e.key
+        )
+        revision = self._revision
+        await self._settle()
+        return Listing(entries=entries, revision=revision)
+
+    async def grant(self, ttl: float) -> int:
+        self._check_open()
+        if not ttl > 0:
+            raise ValueError(f"a lease TTL must be positive, not {ttl!r}")
+        lease = _Lease(id=new_lease_id(self._leases), ttl=float(ttl))
+        self._leases[lease.id] = lease
+        self._arm(lease)
+        return lease.id
+
+    async def keep_alive(self, lease: int) -> None:
+        self._check_open()
+        found = self._leases.get(lease)
+        if found is None:
+            raise LeaseNotFound(f"lease {lease} expired or was revoked")
+        self._arm(found)
+
+    async def revoke(self, lease: int) -> None:
+        self._check_open()
+        self._end_lease(lease)
+        await self._settle()
+
+    async def expire(self, lease: int) -> None:
+        """Expire ``lease`` now, as if its TTL had run out (for tests that drive time)."""
+        self._check_open()
+        self._end_lease(lease)
+        await self._settle()
+
+    def compact(self, revision: int | None = None) -> None:
+        """Forget the history of changes up to ``revision`` (default: all of it).
+
+        Afterwards a watch with ``after_version`` below ``revision`` raises
+        :class:`StoreCompacted`, as after an etcd compaction.
+        """
+        target = self._revision if revision is None else min(revision, self._revision)
+        history = self._history
+        while history and history[0].revision <= target:
+            history.popleft()
+        self._compacted = max(self._compacted, target)
+
+    async def watch(
+        self,
+        key: str,
+        after_version: int,
+        timeout: float,
+        *,
+        prefix: bool = False,
+    ) -> builtins.list[WatchEvent]:
+        self._check_open()
+        validate_key(key, prefix=prefix)
+        events = self._events_after(key, after_version, prefix)
+        if events or timeout <= 0:
+            return events
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                # Loops only when woken by a change at or below ``after_version``
+                # (a watch from a revision the store has not reached yet).
+                while not events:
+                    waiter: asyncio.Future[None] = loop.create_future()
+                    if prefix:
+                        self._prefix_waiters[waiter] = key
+                    else:
+                        self._key_waiters.setdefault(key, set()).add(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        self._forget_waiter(waiter, key, prefix)
+                    events = self._events_after(key, after_version, prefix)
+        except TimeoutError:
+            return []
+        return events
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for lease in self._leases.values():
+            if lease.timer is not None:
+                lease.timer.cancel()
+        gone = StoreUnavailable("the store was closed")
+        for waiters in self._key_waiters.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(gone)
+        for waiter in self._prefix_waiters:
+            if not waiter.done():
+                waiter.set_exception(gone)
+
+    # -- hooks for a persistent subclass ----------------------------------
+
+    def _changed(self, event: WatchEvent, entry: Entry | None) -> None:
+        """Called once per applied change; here it becomes visible at once."""
+        self._visible = event.revision
+        self._wake((event,))
+
+    async def _settle(self) -> None:
+        """Return once every change applied so far is durable (here: at once)."""
+
+    # -- the state machine -------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreUnavailable("the store was closed")
+
+    def _lease_for_write(self, lease: int | None) -> int | None:
+        if lease is not None and lease not in self._leases:
+            raise LeaseNotFound(f"lease {lease} expired or was revoked")
+        return lease
+
+    def _put(self, key: str, value: bytes, lease: int | None) -> Entry:
+        self._revision += 1
+        revision = self._revision
+        previous = self._entries.get(key)
+        if previous is not None and previous.lease is not None and previous.lease != lease:
+            old = self._leases.get(previous.lease)
+            if old is not None:
+                old.keys.discard(key)
+        if lease is not None:
+            self._leases[lease].keys.add(key)
+        entry = Entry(
+            key=key,
+            value=value,
+            version=revision,
+            created=previous.created if previous is not None else revision,
+            lease=lease,
+        )
+        self._entries[key] = entry
+        self._record(WatchEvent(kind="put", key=key, value=value, revision=revision), entry)
+        return entry
+
+    def _delete(self, key: str) -> None:
+        previous = self._entries.pop(key)
+        if previous.lease is not None:
+            lease = self._leases.get(previous.lease)
+            if lease is not None:
+                lease.keys.discard(key)
+        self._revision += 1
+        self._record(WatchEvent(kind="delete", key=key, value=None, revision=self._revision), None)
+
+    def _record(self, event: WatchEvent, entry: Entry | None) -> None:
+        history = self._history
+        if len(history) == history.maxlen:
+            self._compacted = history[0].revision
+        history.append(event)
+        self._changed(event, entry)
+
+    def _arm(self, lease: _Lease) -> None:
+        if lease.timer is not None:
+            lease.timer.cancel()
+        loop = asyncio.get_running_loop()
+        lease.timer = loop.call_later(lease.ttl, self._end_lease, lease.id)
+
+    def _end_lease(self, lease_id: int) -> None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return
+        if lease.timer is not None:
+            lease.timer.cancel()
+        for key in sorted(lease.keys):
+            entry = self._entries.get(key)
+            if entry is not None and entry.lease == lease_id:
+                self._delete(key)
+
+    # -- watch plumbing ----------------------------------------------------
+
+    def _events_after(self, key: str, after: int, prefix: bool) -> builtins.list[WatchEvent]:
+        if after < self._compacted:
+            raise StoreCompacted(
+                f"changes up to revision {self._compacted} are compacted; watch from "
+                f"revision {self._compacted} or later after re-reading {key!r}",
+                self._compacted,
+            )
+        visible = self._visible
+        if after >= visible or not self._history:
+            return []
+        history = self._history
+        first = history[0].revision  # history is contiguous: event i has revision first + i
+        start = max(after + 1 - first, 0)
+        stop = visible - first + 1
+        size = len(history)
+        recent = itertools.islice(reversed(history), size - stop, size - start)
+        if prefix:
+            found = [e for e in recent if e.key.startswith(key)]
+        else:
+            found = [e for e in recent if e.key == key]
+        found.reverse()
+        return found
+
+    def _wake(self, events: Iterable[WatchEvent]) -> None:
+        for event in events:
+            waiters = self._key_waiters.pop(event.key, None)
+            if waiters:
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+            if self._prefix_waiters:
+                for waiter, prefix in self._prefix_waiters.items():
+                    if not waiter.done() and event.key.startswith(prefix):
+                        waiter.set_result(None)
+
+    def _forget_waiter(self, waiter: asyncio.Future[None], key: str, prefix: bool) -> None:
+        if prefix:
+            self._prefix_waiters.pop(waiter, None)
+            return
+        waiters = self._key_waiters.get(key)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._key_waiters[key]

@@ -1,0 +1,211 @@
+"""Serve a store over HTTP: the app factory, and a store-only process.
+
+``create_store_app(store, token)`` is the ``/store`` API alone, behind the
+bearer token, with the problem+json error table. The daemon mounts the same
+router in its own app; ``elasticd serve --store-only`` and this module's
+entry point serve just this::
+
+    python -m elasticd.store.server --host 127.0.0.1 --port 7070 \\
+        --state-dir /var/lib/elasticd [--token-file /etc/elasticd/token]
+
+The process keeps the embedded SQLite store at ``<state-dir>/store.sqlite3``,
+prints ``listening on http://HOST:PORT`` (flushed) once it accepts
+connections (``--port 0`` picks a free port and prints it), and exits 0 on
+SIGTERM or SIGINT after finishing the writes in flight. uvicorn's own signal
+handlers are switched off: the handler here only sets an event, and the
+shutdown runs in order (close the store, which answers pending watches and
+flushes pending commits → stop uvicorn, bounded by a grace period).
+
+Without a token the server refuses to bind anything but loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import uvicorn
+from fastapi import Depends, FastAPI
+
+from api.auth import bearer_auth
+from api.problems import install_error_handlers
+from api.routes.store import store_router
+from elasticd import __version__
+from elasticd.errors import ConfigError, ElasticdError
+from elasticd.store.base import Store
+
+#: Seconds uvicorn waits for in-flight requests at shutdown.
+SHUTDOWN_GRACE = 5.0
+
+
+def create_store_app(store: Store, token: str | None) -> FastAPI:
+    """A FastAPI app serving ``store`` at ``/store/...``; every route needs ``token``."""
+    app = FastAPI(
+        title="elasticd store",
+        version=__version__,
+        dependencies=[Depends(bearer_auth(token))],
+    )
+    install_error_handlers(app)
+    limit = getattr(store, "max_value_bytes", None)
+    if isinstance(limit, int):
+        app.include_router(store_router(lambda: store, max_value_bytes=limit))
+    else:
+        app.include_router(store_router(lambda: store))
+    return app
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); ConfigError if unusable."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--token-file {path}: cannot read it: {exc}") from exc
+    if not token:
+        raise ConfigError(f"--token-file {path} is empty")
+    return token
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers, announcing its address once it listens."""
+
+    def __init__(self, config: uvicorn.Config, listening: asyncio.Event) -> None:
+        super().__init__(config)
+        self._listening = listening
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # signals belong to the process owner (see serve_store)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.should_exit:
+            self._listening.set()
+
+
+async def serve_store(
+    store: Store,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    stop: asyncio.Event,
+    on_listening: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``store`` until ``stop`` is set, then close it and stop serving, in that order.
+
+    ``on_listening(url)`` is called once connections are accepted; by default
+    it prints ``listening on URL`` to stdout, flushed.
+    """
+    if token is None and not _is_loopback(host):
+        raise ConfigError(
+            f"refusing to serve the store on {host} without a token: "
+            "pass --token-file, or bind 127.0.0.1"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets
+    # whose proto says TCP, and without it every response waits ~40 ms (Nagle
+    # against delayed ACKs). Linux also copies TCP_NODELAY from the listener.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        create_store_app(store, token),
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE),
+        http="auto",  # httptools when installed (faster), else h11
+    )
+    listening = asyncio.Event()
+    server = _Server(config, listening)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    announced = asyncio.create_task(listening.wait())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait((serving, announced), return_when=asyncio.FIRST_COMPLETED)
+        if listening.is_set():
+            shown = f"[{host}]" if ":" in host else host
+            url = f"http://{shown}:{bound_port}"
+            if on_listening is None:
+                print(f"listening on {url}", flush=True)
+            else:
+                on_listening(url)
+        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        announced.cancel()
+        stopping.cancel()
+        await store.close()  # answers pending watches (503) and flushes pending commits
+        server.should_exit = True
+        await serving
+        sock.close()
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m elasticd.store.server",
+        description="Serve the embedded elasticd cluster store (no agent) over HTTP.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7070, help="port (0 picks a free one)")
+    parser.add_argument("--state-dir", type=Path, required=True, help="directory of store.sqlite3")
+    parser.add_argument("--token-file", type=Path, help="file holding the bearer token")
+    parser.add_argument(
+        "--synchronous",
+        choices=["FULL", "NORMAL"],
+        default="FULL",
+        help="SQLite fsync policy (FULL: survives power loss; NORMAL: survives process crashes)",
+    )
+    return parser.parse_args(argv)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from elasticd.store.embedded import EmbeddedStore
+
+    token = read_token_file(args.token_file) if args.token_file else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    store = EmbeddedStore(args.state_dir / "store.sqlite3", synchronous=args.synchronous)
+    try:
+        await serve_store(store, host=args.host, port=args.port, token=token, stop=stop)
+    finally:
+        await store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 after a signal, 2 on a configuration error)."""
+    args = _parse(argv)
+    try:
+        asyncio.run(_main(args))
+    except ElasticdError as exc:
+        print(f"elasticd store: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

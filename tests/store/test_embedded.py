@@ -1,0 +1,144 @@
+"""The embedded store's durability: restarts, leases across restarts, disk failures."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from elasticd.errors import StoreCompacted, StoreUnavailable
+from elasticd.store.embedded import SCHEMA_VERSION, EmbeddedStore
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_restart_keeps_keys_and_revision(tmp_path: Path) -> None:
+    """Keys without a lease, their versions and the revision survive a close and reopen."""
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path) as store:
+        a = await store.put("/a", b"1")
+        await store.put("/b", b"2")
+        await store.delete("/b")
+        counter = await store.add("/n", 41)
+        last = store.revision
+    async with EmbeddedStore(path) as store:
+        assert await store.get("/a") == a
+        assert await store.get("/b") is None
+        assert await store.add("/n") == counter + 1
+        assert store.revision == last + 1  # the add above; nothing reused
+
+
+async def test_leased_keys_do_not_survive_a_restart(tmp_path: Path) -> None:
+    """Keys bound to a lease are deleted when the store reopens, and the revision still grows."""
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path) as store:
+        lease = await store.grant(3600)
+        await store.put("/nodes/a", b"alive", lease=lease)
+        kept = await store.put("/jobs/x", b"spec")
+        before = store.revision
+    async with EmbeddedStore(path) as store:
+        assert await store.get("/nodes/a") is None
+        assert await store.get("/jobs/x") == kept
+        assert store.revision == before + 1  # the delete of /nodes/a is a change
+        with pytest.raises(StoreCompacted):
+            await store.watch("/jobs/x", kept.version, 1)  # history does not survive
+        created = await store.put("/nodes/a", b"back")
+        assert created.version > before
+
+
+async def test_acknowledged_writes_are_on_disk_before_close(tmp_path: Path) -> None:
+    """Every acknowledged write is readable by a second opener while the first never closed."""
+    path = tmp_path / "store.sqlite3"
+    first = EmbeddedStore(path)
+    written = await asyncio.gather(*(first.put(f"/k/{i}", str(i).encode()) for i in range(200)))
+    second = EmbeddedStore(path)  # as a restarted process would see the file
+    try:
+        for entry in written:
+            assert await second.get(entry.key) == entry
+    finally:
+        await second.close()
+        await first.close()
+
+
+async def test_group_commit_batches_concurrent_writes(tmp_path: Path) -> None:
+    """Concurrent writes share commits: far fewer transactions than writes."""
+    store = EmbeddedStore(tmp_path / "store.sqlite3")
+    commits = 0
+    original = store._commit
+
+    def counting(*args: object) -> None:
+        nonlocal commits
+        commits += 1
+        original(*args)  # type: ignore[arg-type]
+
+    store._commit = counting  # type: ignore[method-assign]
+    try:
+        await asyncio.gather(*(store.add("/n") for _ in range(500)))
+        assert await store.add("/n") == 501
+        assert commits < 250
+    finally:
+        await store.close()
+
+
+async def test_watchers_wake_only_after_commit(tmp_path: Path) -> None:
+    """A watcher is woken by a change only once that change is durable."""
+    async with EmbeddedStore(tmp_path / "store.sqlite3") as store:
+        base = await store.put("/k", b"0")
+        task = asyncio.create_task(store.watch("/k", base.version, 5))
+        await asyncio.sleep(0)
+        written = await store.put("/k", b"1")
+        events = await task
+        assert store._durable >= written.version
+        assert [e.revision for e in events] == [written.version]
+
+
+async def test_disk_failure_stops_the_store(tmp_path: Path) -> None:
+    """When a commit fails, the write and every later call raise StoreUnavailable naming the file."""
+    path = tmp_path / "store.sqlite3"
+    store = EmbeddedStore(path)
+    await store.put("/a", b"1")
+    store._db.close()  # every later statement fails, as a dying disk would
+    with pytest.raises(StoreUnavailable, match=str(path)):
+        await store.put("/b", b"2")
+    with pytest.raises(StoreUnavailable, match="state file"):
+        await store.get("/a")
+    await store.close()
+
+
+async def test_normal_synchronous_mode(tmp_path: Path) -> None:
+    """synchronous=NORMAL is accepted and the data still survives a reopen."""
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path, synchronous="NORMAL") as store:
+        entry = await store.put("/a", b"1")
+    async with EmbeddedStore(path) as store:
+        assert await store.get("/a") == entry
+
+
+def test_file_from_a_newer_version_is_refused(tmp_path: Path) -> None:
+    """A state file with a newer schema version is refused with a clear error."""
+    path = tmp_path / "store.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    with pytest.raises(StoreUnavailable, match="newer elasticd"):
+        EmbeddedStore(path)
+
+
+def test_garbage_file_is_refused(tmp_path: Path) -> None:
+    """A file that is not SQLite is refused with an error naming it."""
+    path = tmp_path / "store.sqlite3"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreUnavailable, match=str(path)):
+        EmbeddedStore(path)
+
+
+def test_wal_mode_is_used(tmp_path: Path) -> None:
+    """The state file is in WAL mode, so a crash never leaves it half-written."""
+    path = tmp_path / "store.sqlite3"
+    store = EmbeddedStore(path)
+    try:
+        with sqlite3.connect(path) as db:
+            assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        asyncio.run(store.close())

@@ -12,7 +12,7 @@ from fastapi import Depends, FastAPI
 
 from api.auth import bearer_auth
 from api.problems import install_error_handlers
-from api.routes import health, jobs, ui
+from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
 from elasticd import __version__
 
@@ -36,6 +36,7 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.include_router(health.public)
     app.include_router(health.private, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
+    app.include_router(nodes.router, dependencies=auth)
     app.include_router(metrics_router(token, metrics_public=_metrics_public(daemon)))
     app.include_router(ui.router)  # static page, no data: served without the token
     _include_store(app, daemon, auth)

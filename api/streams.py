@@ -18,19 +18,25 @@ the stream ended on purpose and need not reconnect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
-from elasticd.errors import LogNotFound
+from elasticd.errors import JobNotFound, LogNotFound, StoreError
 from elasticd.models import Event
+from elasticd.states import JobState
 
 if TYPE_CHECKING:
     from elasticd.daemon import Daemon
 
 #: Seconds between SSE heartbeat comments (tests lower it).
 HEARTBEAT_S = 15.0
+#: Seconds a stream waits for the final job.state event once the job document is terminal.
+FINAL_EVENT_GRACE_S = 5.0
+#: Pause after a failed read of the cluster store before trying again.
+ERROR_PAUSE_S = 1.0
 #: What SSE clients are told to wait before reconnecting, in milliseconds.
 RETRY_MS = 2000
 #: Seconds between checks of a followed log file for new bytes (see follow_log).
@@ -55,7 +61,11 @@ def resume_point(after: int, last_event_id: str | None) -> int:
 async def _wait_or_close(
     follow: Coroutine[Any, Any, list[Event]], closing: asyncio.Event
 ) -> list[Event] | None:
-    """The follow's result, or None when the daemon closes streams first."""
+    """The follow's result, or None when the daemon closes streams first.
+
+    A follow that fails (the cluster store is away) counts as "nothing new",
+    after a pause, so that a lasting outage is not a busy loop.
+    """
     follower = asyncio.ensure_future(follow)
     stopper = asyncio.ensure_future(closing.wait())
     try:
@@ -64,9 +74,20 @@ async def _wait_or_close(
         for task in (follower, stopper):
             task.cancel()
         await asyncio.gather(follower, stopper, return_exceptions=True)
-    if follower.cancelled() or follower.exception() is not None:
+    if closing.is_set() or follower.cancelled():
         return None
+    if follower.exception() is not None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ERROR_PAUSE_S):
+                await closing.wait()
+        return None if closing.is_set() else []
     return follower.result()
+
+
+async def _final_event_seen(daemon: Daemon, job_id: str, state: str) -> bool:
+    """Whether the ``job.state`` event of the job's final state is in the log yet."""
+    events = await daemon.jobs.list_events(job_id, 0, 1_000_000)
+    return any(e.kind == "job.state" and e.state == state for e in events)
 
 
 async def event_stream(
@@ -74,29 +95,61 @@ async def event_stream(
 ) -> AsyncIterator[str]:
     """The job's events after ``after`` as SSE, until the job is terminal."""
     jobs = daemon.jobs
+    loop = asyncio.get_running_loop()
+    final_seen = False
+    give_up_at: float | None = None
     yield f"retry: {RETRY_MS}\n\n"
     while True:
-        events = jobs.list_events(job_id, after, 1000)
-        if events:
-            after = events[-1].seq
-            yield "".join(sse_message(e) for e in events)
+        try:
+            events = await jobs.list_events(job_id, after, 1000)
+            if events:
+                after = events[-1].seq
+                final_seen = final_seen or any(
+                    e.kind == "job.state" and _terminal(e.state) for e in events
+                )
+                yield "".join(sse_message(e) for e in events)
+                continue
+            job = await jobs.get(job_id)
+        except JobNotFound:
+            return
+        except StoreError:  # the cluster store is away for a moment: say so, try again
+            yield ": store unavailable, retrying\n\n"
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ERROR_PAUSE_S):
+                    await daemon.closing_streams.wait()
+            if daemon.closing_streams.is_set():
+                return
             continue
-        # Nothing unread. The read and this check run without an await in between,
-        # so a job that is terminal here has had its final events read above.
-        job = jobs.get(job_id)
         if job.state.is_terminal:
-            end = json.dumps({"job_id": job.id, "state": job.state.value, "last_seq": after})
-            yield f"event: end\ndata: {end}\n\n"
+            # The job document turns terminal a moment before its job.state event is
+            # in the log; end once that event is delivered (or after a grace period,
+            # should its writer have died in between).
+            if give_up_at is None:
+                give_up_at = loop.time() + FINAL_EVENT_GRACE_S
+                final_seen = final_seen or await _final_event_seen(daemon, job_id, job.state.value)
+            if final_seen or loop.time() >= give_up_at:
+                end = json.dumps({"job_id": job.id, "state": job.state.value, "last_seq": after})
+                yield f"event: end\ndata: {end}\n\n"
+                return
+        got: list[Event] | None = None
+        if not daemon.closing_streams.is_set():
+            timeout = heartbeat if give_up_at is None else max(0.0, give_up_at - loop.time())
+            got = await _wait_or_close(
+                jobs.follow_events(job_id, after, min(heartbeat, timeout)), daemon.closing_streams
+            )
+        if got is None:  # the daemon is stopping: deliver what its stop recorded, then end
+            with contextlib.suppress(StoreError, TimeoutError):
+                async with asyncio.timeout(ERROR_PAUSE_S):
+                    events = await jobs.list_events(job_id, after, 10_000)
+                    if events:
+                        yield "".join(sse_message(e) for e in events)
             return
-        if daemon.closing_streams.is_set():
-            return
-        got = await _wait_or_close(
-            jobs.follow_events(job_id, after, heartbeat), daemon.closing_streams
-        )
-        if got is None:
-            return
-        if not got:
+        if not got and give_up_at is None:
             yield ": heartbeat\n\n"
+
+
+def _terminal(state: str | None) -> bool:
+    return state in {s.value for s in JobState if s.is_terminal}
 
 
 def _attempts(job_dir: Path) -> list[int]:
@@ -183,17 +236,22 @@ async def follow_log(
                     continue
             if final:
                 return
-            job = jobs.get(job_id)
-            if job.state.is_terminal:
+            try:
+                job = await jobs.get(job_id)
+            except StoreError:
+                job = None  # the store is away for a moment: keep following the file
+            if job is not None and job.state.is_terminal:
                 final = True  # one more pass reads what was written up to the end
                 continue
             if daemon.closing_streams.is_set():
-                return
+                final = True  # the daemon is stopping: read to the end once more, then end
+                continue
             got = await _wait_or_close(
                 jobs.follow_events(job_id, after, LOG_POLL_S), daemon.closing_streams
             )
             if got is None:
-                return
+                final = True
+                continue
             if got:
                 after = got[-1].seq
     finally:

@@ -236,6 +236,20 @@ def proc_rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def proc_wakeups(pid: int) -> int:
+    """Context switches of every thread of a process so far (each one is a wake-up or a preemption)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        for line in text.splitlines():
+            if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                total += int(line.split()[1])
+    return total
+
+
 def torchrun_path() -> str:
     """The torchrun next to this interpreter (the venv's), else the one on PATH."""
     local = Path(PYTHON).parent / "torchrun"

@@ -10,3 +10,14 @@ worker-side library (`elasticd.worker`).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["LaunchError", "__version__", "launch"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: `import elasticd` (in every worker) must not import the daemon.
+    if name in ("launch", "LaunchError"):
+        from elasticd import launcher
+
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'elasticd' has no attribute {name!r}")

@@ -254,7 +254,7 @@ class _Follow:
         if self.failures > MAX_RECONNECTS:
             raise exc or DaemonUnreachable(f"the event stream from {url} keeps dropping")
         retry_ms = self.parser.retry if self.parser.retry is not None else 1000
-        return min(retry_ms / 1000, 0.25 * 2**self.failures)
+        return float(min(retry_ms / 1000, 0.25 * 2.0**self.failures))
 
 
 class Client:

@@ -113,6 +113,7 @@ _ENV_FIELDS = {
     "LABELS": "labels",
     "TOKEN_FILE": "token_file",
     "STORE_URL": "store_url",
+    "LEASE_TTL": "lease_ttl",
 }
 
 

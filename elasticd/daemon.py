@@ -37,8 +37,8 @@ from elasticd.db import Database
 from elasticd.errors import ConfigError
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
-from elasticd.models import Job
 from elasticd.metrics import Metrics
+from elasticd.models import Job
 from elasticd.store import (
     Store,
     open_store,  # type: ignore[attr-defined]
@@ -143,6 +143,8 @@ class Daemon:
             self.config.store_url, token=self.token, state_dir=self.config.state_dir
         )
         self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
+        self.metrics = Metrics()
+        self.events.add_listener(self.metrics.on_event)
         gpus = await detect_gpus()
         slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
         token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
@@ -214,6 +216,7 @@ class Daemon:
         self._server_task = asyncio.create_task(self._server.serve([sock]), name="http")
 
     def _on_jobs(self, jobs: list[Job]) -> None:
+        self.metrics.on_jobs(jobs)
         if self._state in ("running", "starting"):
             self.jobs.on_jobs(jobs)
 

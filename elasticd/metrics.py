@@ -1,47 +1,45 @@
-"""Prometheus metrics, derived from the event log so that they never disagree with it.
+"""Prometheus metrics, derived from events and job documents so that they never disagree.
 
-A :class:`Metrics` sink is subscribed to the daemon's :class:`~elasticd.events.EventLog`
-(``events.add_listener(metrics.on_event)``) and turns each event into counter,
-gauge and histogram updates; the only other input is the job table, read at
-scrape time for the job counts and on a job's state change for its restart
-budget. The names are listed in ``docs/observability.md``.
+A :class:`Metrics` sink has two inputs, both pushed to it by the daemon:
 
-Per-job series (worker group state, remaining restarts, ...) are kept while
-the job is active and for the last :data:`KEEP_FINISHED_JOBS` finished jobs,
-so that a scrape after a job ended still shows how it ended, while a daemon
-that runs thousands of jobs does not grow its ``/metrics`` page forever.
+* every event this node emits (``events.add_listener(metrics.on_event)``),
+  for what happens here: worker exits, restarts, rendezvous rounds, phase
+  durations, the state of this node's worker groups;
+* every job document, each time the cluster's job watch sees a change
+  (``metrics.on_jobs(jobs)``), for the job counts, restart budgets, rounds,
+  and the seed's run metrics once a job this node ran has ended.
 
-Two tables say which events feed what, so new event kinds from the agent need
-one line here, not a new code path:
+The per-job series (group state, restarts, remaining restarts, round,
+flakiness) are built at scrape time for the active jobs and the
+:data:`KEEP_FINISHED_JOBS` most recently finished ones, so a scrape after a
+job ended still shows how it ended while a daemon that runs thousands of
+jobs does not grow its ``/metrics`` page forever. The names are listed in
+``docs/observability.md``.
+
+Two tables say which events feed what, so a new event kind from the agent
+needs one line here, not a new code path:
 
 * :data:`PHASE_BY_KIND`: events carrying ``duration_s`` whose duration is a
   recovery phase (``recovery.<phase>`` kinds are taken as they come);
 * :data:`EXIT_REASON_BY_KIND`: events that count as a worker exit of a given
   reason besides ``worker.exited`` (hangs, failed health checks).
 
-Store clients report their requests with :func:`observe_store_request`; those
-series are process-wide (one daemon is one process in production) and every
-daemon's ``/metrics`` includes them.
+Store clients report their requests with :func:`observe_store_request`;
+those series are process-wide (one daemon is one process in production) and
+every daemon's ``/metrics`` includes them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sqlite3
-from collections import OrderedDict
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from elasticd.models import Event, Job
 from elasticd.states import JobState, WorkerState
-
-if TYPE_CHECKING:
-    from elasticd.db import Database
 
 __all__ = [
     "CONTENT_TYPE",
@@ -158,27 +156,6 @@ def recovery_phase(kind: str) -> str | None:
     return None
 
 
-class _JobCounts(Collector):
-    """``elasticd_jobs{state}``, counted in the job table at scrape time."""
-
-    def __init__(self, db: Database) -> None:
-        self._db = db
-
-    def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "elasticd_jobs", "Jobs this daemon knows, by state.", labels=["state"]
-        )
-        counts = dict.fromkeys((s.value for s in JobState), 0)
-        with contextlib.suppress(RuntimeError, sqlite3.Error):  # closed at shutdown
-            for state, count in self._db.conn.execute(
-                "SELECT state, count(*) FROM jobs GROUP BY state"
-            ):
-                counts[str(state)] = int(count)
-        for state, count in counts.items():
-            family.add_metric([state], count)
-        yield family
-
-
 class _StoreSeries(Collector):
     """Shows the process-wide store series on every daemon's registry."""
 
@@ -186,51 +163,102 @@ class _StoreSeries(Collector):
         yield from _STORE_REGISTRY.collect()
 
 
-class Metrics:
-    """One daemon's metrics: feed it events with :meth:`on_event`, scrape :meth:`render`."""
+class _JobSeries(Collector):
+    """The per-job and per-state series, built from the latest job documents at scrape time."""
 
-    def __init__(self, db: Database, *, keep_finished: int = KEEP_FINISHED_JOBS) -> None:
-        self._db = db
-        self._keep_finished = keep_finished
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        r.register(_JobCounts(db))
-        r.register(_StoreSeries())
-        self.group_state = Gauge(
-            "elasticd_worker_group_state",
-            "The worker group of a job on a node: 1 for its current state, 0 for the others.",
-            ["job_id", "node", "state"],
-            registry=r,
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        counts = GaugeMetricFamily(
+            "elasticd_jobs", "Jobs in the cluster, by state.", labels=["state"]
         )
-        self.restarts = Counter(
-            "elasticd_restarts", "Worker group restarts (spent restart budget).", registry=r
+        by_state = dict.fromkeys((s.value for s in JobState), 0)
+        for job in m.jobs.values():
+            by_state[job.state.value] += 1
+        for state, count in by_state.items():
+            counts.add_metric([state], count)
+        yield counts
+
+        shown = m.shown_jobs()
+        restarts = GaugeMetricFamily(
+            "elasticd_job_restarts", "Restarts a job has spent.", labels=["job_id"]
         )
-        self.job_restarts = Gauge(
-            "elasticd_job_restarts", "Restarts a job has spent.", ["job_id"], registry=r
-        )
-        self.remaining_restarts = Gauge(
+        remaining = GaugeMetricFamily(
             "elasticd_job_remaining_restarts",
             "Restarts a job has left (max_restarts - restarts).",
-            ["job_id"],
+            labels=["job_id"],
+        )
+        rounds = GaugeMetricFamily(
+            "elasticd_job_rendezvous_round", "The rendezvous round a job is in.", labels=["job_id"]
+        )
+        for job in shown:
+            restarts.add_metric([job.id], job.restart_count)
+            remaining.add_metric([job.id], max(0, job.max_restarts - job.restart_count))
+            rounds.add_metric([job.id], job.round)
+        yield from (restarts, remaining, rounds)
+
+        ids = {job.id for job in shown}
+        groups = GaugeMetricFamily(
+            "elasticd_worker_group_state",
+            "This node's worker group of a job: 1 for its current state, 0 for the others.",
+            labels=["job_id", "node", "state"],
+        )
+        for (job_id, node), current in sorted(m.group_states.items()):
+            if job_id in ids:
+                for state in WorkerState:
+                    groups.add_metric([job_id, node, state.value], int(state.value == current))
+        yield groups
+
+        flaky = GaugeMetricFamily(
+            "elasticd_flakiness",
+            "Per finished job this node ran, torch's flakiness in percent: 100 when it "
+            "failed, else 100 - 100 * (remaining_restarts + 1) / (max_restarts + 1).",
+            labels=["job_id", "role"],
+        )
+        for job_id, (role, value) in sorted(m.flakiness.items()):
+            if job_id in ids:
+                flaky.add_metric([job_id, role], value)
+        yield flaky
+
+
+class Metrics:
+    """One daemon's metrics: feed it with :meth:`on_event` and :meth:`on_jobs`, scrape
+    :meth:`render`."""
+
+    def __init__(self, *, keep_finished: int = KEEP_FINISHED_JOBS) -> None:
+        self.keep_finished = keep_finished
+        #: The latest job documents, by id.
+        self.jobs: dict[str, Job] = {}
+        #: (job, node) -> the current state of a worker group this node runs or ran.
+        self.group_states: dict[tuple[str, str], str] = {}
+        #: job -> (role, flakiness) of the finished jobs this node ran.
+        self.flakiness: dict[str, tuple[str, float]] = {}
+        self._ran_here: set[str] = set()  # jobs this node has had a worker group for
+        self._recorded: set[str] = set()  # jobs whose run metrics are recorded
+        self._failure_at: dict[str, float] = {}  # job -> first failed exit of its attempt
+        self._recovering: set[str] = set()  # jobs between a failure and running again
+
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        r.register(_JobSeries(self))
+        r.register(_StoreSeries())
+        self.restarts = Counter(
+            "elasticd_restarts",
+            "Worker group restarts on this node (group.restarting events).",
             registry=r,
         )
         self.worker_exits = Counter(
             "elasticd_worker_exits",
-            "Worker exits by reason: success, exit_code, signal, hang, health_check, "
-            "stopped (by the agent).",
+            "Worker exits on this node by reason: success, exit_code, signal, hang, "
+            "health_check, stopped (by the agent).",
             ["reason"],
             registry=r,
         )
         for reason in EXIT_REASONS:
             self.worker_exits.labels(reason)
         self.rendezvous_rounds = Counter(
-            "elasticd_rendezvous_rounds", "Completed rendezvous rounds.", registry=r
-        )
-        self.job_round = Gauge(
-            "elasticd_job_rendezvous_round",
-            "The rendezvous round a job is in.",
-            ["job_id"],
-            registry=r,
+            "elasticd_rendezvous_rounds", "Rendezvous rounds this node completed.", registry=r
         )
         self.rendezvous_duration = Histogram(
             "elasticd_rendezvous_duration_seconds",
@@ -240,42 +268,50 @@ class Metrics:
         )
         self.phase_duration = Histogram(
             "elasticd_recovery_phase_duration_seconds",
-            "Duration of each phase of stopping and restarting a worker group "
-            "(stop_workers, rendezvous, ...; total: first failure seen to workers running).",
+            "Duration of each phase of a recovery (stop_workers, rendezvous, ...; "
+            "total: from the first failure, or the membership change, to workers running again).",
             ["phase"],
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
         self.runs: dict[str, Counter] = {}
         for name, text in (
-            ("run_total", "Runs of jobs that ended (succeeded or failed) on this node."),
+            ("run", "Runs of jobs that ended (succeeded or failed) with a group on this node."),
             ("run_success_with_retries", "Runs that succeeded after at least one restart."),
             ("run_success_no_retries", "Runs that succeeded without a restart."),
             ("run_failed_with_retries", "Runs that failed after at least one restart."),
             ("run_failed_no_retries", "Runs that failed without a restart."),
         ):
             self.runs[name] = Counter(f"elasticd_{name}", text, ["role"], registry=r)
-        self.flakiness = Gauge(
-            "elasticd_flakiness",
-            "Per finished job, torch's flakiness: 100 when it failed, else "
-            "100 - 100 * (remaining_restarts + 1) / (max_restarts + 1).",
-            ["job_id", "role"],
-            registry=r,
-        )
-        self._groups: dict[str, set[str]] = {}  # job -> nodes with a group_state series
-        self._roles: dict[str, str] = {}  # job -> role of its flakiness series
-        self._failure_at: dict[str, float] = {}  # job -> first failed exit of its attempt
-        self._restarting: set[str] = set()  # jobs between a failure and running again
-        self._finished: OrderedDict[str, None] = OrderedDict()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)
 
-    # the sink
+    def shown_jobs(self) -> list[Job]:
+        """The jobs with per-job series: every active one and the latest finished ones."""
+        active = [j for j in self.jobs.values() if not j.state.is_terminal]
+        finished = sorted(
+            (j for j in self.jobs.values() if j.state.is_terminal),
+            key=lambda j: (j.finished_at or j.created_at, j.id),
+        )
+        return active + finished[len(finished) - self.keep_finished :] if finished else active
+
+    # inputs
+
+    def on_jobs(self, jobs: Iterable[Job]) -> None:
+        """Take the cluster's current job documents (all of them)."""
+        self.jobs = {job.id: job for job in jobs}
+        for job in self.jobs.values():
+            if job.id in self._ran_here and job.id not in self._recorded:
+                if job.state in (JobState.SUCCEEDED, JobState.FAILED):
+                    self._record_run(job)  # a cancelled run is no result (torch records none)
+                elif job.state is JobState.CANCELLED:
+                    self._recorded.add(job.id)
+        self._forget_old()
 
     def on_event(self, event: Event) -> None:
-        """Update the series an event feeds (called by the event log after each emit)."""
+        """Update the series an event of this node feeds (called after each emit)."""
         kind, job_id = event.kind, event.job_id
         reason = exit_reason(event)
         if reason is not None:
@@ -286,77 +322,58 @@ class Metrics:
             if kind == "rendezvous.complete":
                 self.rendezvous_duration.observe(event.duration_s)
             phase = recovery_phase(kind)
-            # The first rendezvous of a job is not a recovery; a later one is.
-            if phase is not None and (phase != "rendezvous" or job_id in self._restarting):
+            # A job's first rendezvous is not a recovery; one after a failure or change is.
+            if phase is not None and (phase != "rendezvous" or job_id in self._recovering):
                 self.phase_duration.labels(phase).observe(event.duration_s)
         if kind == "rendezvous.complete":
             self.rendezvous_rounds.inc()
         elif kind == "group.restarting":
             self.restarts.inc()
-            self._restarting.add(job_id)
+            self._recovering.add(job_id)
+        elif kind == "rendezvous.change":
+            self._recovering.add(job_id)
+            self._failure_at.setdefault(job_id, event.time)
         elif kind == "workers.started":
-            failed_at = self._failure_at.pop(job_id, None)
-            if job_id in self._restarting and failed_at is not None:
-                self.phase_duration.labels("total").observe(max(0.0, event.time - failed_at))
-            self._restarting.discard(job_id)
+            began = self._failure_at.pop(job_id, None)
+            if job_id in self._recovering and began is not None:
+                self.phase_duration.labels("total").observe(max(0.0, event.time - began))
+            self._recovering.discard(job_id)
         elif kind == "group.state" and event.state is not None:
-            self._set_group_state(job_id, event.node, event.state)
-        elif kind in ("job.state", "job.submitted"):
-            self._job_changed(job_id)
+            self._ran_here.add(job_id)
+            self.group_states[(job_id, event.node)] = event.state
 
-    def _set_group_state(self, job_id: str, node: str, current: str) -> None:
-        self._groups.setdefault(job_id, set()).add(node)
-        for state in WorkerState:
-            self.group_state.labels(job_id, node, state.value).set(
-                1 if state.value == current else 0
-            )
-
-    def _job_changed(self, job_id: str) -> None:
-        job = self._db.get_job(job_id)
-        if job is None:  # pragma: no cover - events follow the job's row
-            return
-        self.job_restarts.labels(job_id).set(job.restart_count)
-        self.remaining_restarts.labels(job_id).set(max(0, job.max_restarts - job.restart_count))
-        self.job_round.labels(job_id).set(job.round)
-        if job.state in (JobState.SUCCEEDED, JobState.FAILED):
-            self._record_run(job)  # a cancelled run is not a result (torch records none either)
-        if job.state.is_terminal:
-            self._finish(job_id)
+    # the seed's run metrics
 
     def _record_run(self, job: Job) -> None:
-        """The seed's ``SimpleElasticAgent._record_metrics``, once per finished run."""
+        """``SimpleElasticAgent._record_metrics``, once per finished job this node ran."""
+        self._recorded.add(job.id)
         role = job.spec.role
         failed = job.state is JobState.FAILED
         retried = job.restart_count > 0
-        self.runs["run_total"].labels(role).inc()
+        for name in self.runs:  # every series exists from the first run, as torch's zeros do
+            self.runs[name].labels(role)
+        self.runs["run"].labels(role).inc()
         outcome = "failed" if failed else "success"
         self.runs[f"run_{outcome}_{'with' if retried else 'no'}_retries"].labels(role).inc()
-        for name in self.runs:  # all four appear from the first run on, as torch's zeros do
-            self.runs[name].labels(role)
-        self._roles[job.id] = role
-        self.flakiness.labels(job.id, role).set(
-            flakiness(failed=failed, restart_count=job.restart_count, max_restarts=job.max_restarts)
+        self.flakiness[job.id] = (
+            role,
+            flakiness(
+                failed=failed, restart_count=job.restart_count, max_restarts=job.max_restarts
+            ),
         )
 
-    def _finish(self, job_id: str) -> None:
-        self._failure_at.pop(job_id, None)
-        self._restarting.discard(job_id)
-        self._finished[job_id] = None
-        self._finished.move_to_end(job_id)
-        while len(self._finished) > self._keep_finished:
-            old, _ = self._finished.popitem(last=False)
-            self._forget(old)
-
-    def _forget(self, job_id: str) -> None:
-        """Drop a long-finished job's series."""
-        for node in self._groups.pop(job_id, set()):
-            for state in WorkerState:
-                with contextlib.suppress(KeyError):
-                    self.group_state.remove(job_id, node, state.value)
-        for gauge in (self.job_restarts, self.remaining_restarts, self.job_round):
-            with contextlib.suppress(KeyError):
-                gauge.remove(job_id)
-        role = self._roles.pop(job_id, None)
-        if role is not None:
-            with contextlib.suppress(KeyError):
-                self.flakiness.remove(job_id, role)
+    def _forget_old(self) -> None:
+        """Drop what is kept about jobs that no longer get per-job series."""
+        if len(self._ran_here) <= 2 * self.keep_finished:
+            return
+        keep = {job.id for job in self.shown_jobs()}
+        for job_id in list(self._ran_here):
+            if job_id in keep:
+                continue
+            self._ran_here.discard(job_id)
+            self._recorded.discard(job_id)
+            self.flakiness.pop(job_id, None)
+            self._failure_at.pop(job_id, None)
+            self._recovering.discard(job_id)
+        for key in [k for k in self.group_states if k[0] not in keep]:
+            del self.group_states[key]

@@ -178,6 +178,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="FULL",
         help="SQLite fsync policy (FULL: survives power loss; NORMAL: survives process crashes)",
     )
+    parser.add_argument(
+        "--loop",
+        choices=["auto", "asyncio", "uvloop"],
+        default="auto",
+        help="event loop (auto: uvloop when installed, about twice the throughput)",
+    )
     return parser.parse_args(argv)
 
 
@@ -196,11 +202,26 @@ async def _main(args: argparse.Namespace) -> None:
         await store.close()
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop when asked for (or, with ``auto``, when installed)."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ConfigError("--loop uvloop: uvloop is not installed") from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 after a signal, 2 on a configuration error)."""
     args = _parse(argv)
     try:
-        asyncio.run(_main(args))
+        with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
+            runner.run(_main(args))
     except ElasticdError as exc:
         print(f"elasticd store: {exc}", file=sys.stderr, flush=True)
         return 2

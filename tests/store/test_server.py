@@ -6,7 +6,9 @@ import asyncio
 import os
 import signal
 import sqlite3
+import statistics
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,8 +17,9 @@ import pytest
 
 from elasticd.errors import StoreUnavailable
 from elasticd.store.http import HttpStore
+from elasticd.store.memory import MemoryStore
 
-from .conftest import TOKEN
+from .conftest import TOKEN, serving
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -180,3 +183,17 @@ async def test_kill_9_mid_write_loses_no_acknowledged_write(tmp_path: Path) -> N
 
     with sqlite3.connect(tmp_path / "store.sqlite3") as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_responses_are_not_delayed_by_nagle() -> None:
+    """Over real sockets a request takes about a millisecond, not Nagle's ~40 ms."""
+    store = MemoryStore()
+    async with serving(store) as url, HttpStore(url, TOKEN) as client:
+        await client.put("/warm", b"x")
+        timings = []
+        for i in range(15):
+            started = time.perf_counter()
+            await client.put("/k", str(i).encode())
+            timings.append(time.perf_counter() - started)
+    await store.close()
+    assert statistics.median(timings) < 0.02, f"median {statistics.median(timings) * 1000:.1f} ms"

@@ -1,0 +1,247 @@
+"""Health checks run before every (re)start of a worker group.
+
+Two kinds, run concurrently by :func:`run_health_checks`:
+
+* :class:`CommandCheck` — a job's or a node's own command (``argv``, no
+  shell). Exit 0 passes; anything else, or passing its timeout, fails. The
+  command runs in its own session and, on timeout, its whole process group
+  is killed. The last few KiB of its output become the result's message.
+* :class:`GpuCheck` — built in: ``nvidia-smi --query-gpu=...`` over the GPUs
+  of the job (``-i $CUDA_VISIBLE_DEVICES`` when that lists them). It fails
+  on a non-zero exit, on a GPU reported lost, in error or needing a reset
+  (``[GPU is lost]``, ``[Unknown Error]``, ``ERR!``, ``[GPU requires
+  reset]``), on uncorrected volatile ECC errors, on retired pages pending a
+  reset, and when no GPU is listed. ``[N/A]`` and ``[Not Supported]`` (no
+  ECC on this board) are fine. Without ``nvidia-smi`` on the check's PATH,
+  or with ``CUDA_VISIBLE_DEVICES`` set empty (a job without GPUs), it is
+  *skipped*: ``ok`` and ``skipped`` are both true, and the message says why.
+
+Every result carries its duration. Nothing here raises for a failing or
+missing check: a check that cannot run is a failed (or skipped) result.
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "GPU_QUERY_FIELDS",
+    "CommandCheck",
+    "GpuCheck",
+    "HealthCheck",
+    "HealthResult",
+    "checks_for_job",
+    "parse_gpu_query",
+    "run_health_checks",
+]
+
+#: What the GPU check asks nvidia-smi for, in this order.
+GPU_QUERY_FIELDS = (
+    "index",
+    "pci.bus_id",
+    "name",
+    "ecc.errors.uncorrected.volatile.total",
+    "retired_pages.pending",
+)
+
+#: Cells (or output) that mean a GPU is unusable.
+_BAD_MARKERS = ("[GPU is lost]", "[Unknown Error]", "ERR!", "[GPU requires reset]", "GPU is lost")
+
+#: Kept from a check's output for its message.
+_OUTPUT_TAIL = 4096
+
+
+@dataclass(frozen=True)
+class HealthResult:
+    """The outcome of one check."""
+
+    name: str
+    ok: bool
+    skipped: bool
+    message: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class CommandCheck:
+    """Run ``argv``; exit 0 within ``timeout`` seconds is healthy."""
+
+    argv: Sequence[str]
+    name: str = "health_check"
+    timeout: float | None = None
+    """Seconds; None uses the timeout given to :func:`run_health_checks`."""
+
+
+@dataclass(frozen=True)
+class GpuCheck:
+    """The built-in ``nvidia-smi`` check."""
+
+    name: str = "gpu"
+    nvidia_smi: str = "nvidia-smi"
+    timeout: float | None = None
+
+
+HealthCheck = CommandCheck | GpuCheck
+
+
+def checks_for_job(
+    command: Sequence[str] | None, *, gpu: bool = True, node_command: Sequence[str] | None = None
+) -> list[HealthCheck]:
+    """The checks a job runs: the node's command, the job's command, then the GPU check."""
+    checks: list[HealthCheck] = []
+    if node_command:
+        checks.append(CommandCheck(list(node_command), name="node_health_check"))
+    if command:
+        checks.append(CommandCheck(list(command), name="health_check"))
+    if gpu:
+        checks.append(GpuCheck())
+    return checks
+
+
+async def run_health_checks(
+    checks: Sequence[HealthCheck], env: Mapping[str, str], timeout: float = 60.0
+) -> list[HealthResult]:
+    """Run every check concurrently; results in the order of ``checks``.
+
+    ``env`` is the complete environment of the commands (its ``PATH`` finds
+    them); ``timeout`` applies to each check that has none of its own.
+    """
+    return list(await asyncio.gather(*(_run_one(check, env, timeout) for check in checks)))
+
+
+async def _run_one(check: HealthCheck, env: Mapping[str, str], timeout: float) -> HealthResult:
+    started = time.monotonic()
+    limit = check.timeout if check.timeout is not None else timeout
+    if isinstance(check, GpuCheck):
+        ok, skipped, message = await _gpu(check, env, limit)
+    else:
+        ok, skipped, message = await _command(check, env, limit)
+    return HealthResult(check.name, ok, skipped, message, time.monotonic() - started)
+
+
+async def _command(
+    check: CommandCheck, env: Mapping[str, str], timeout: float
+) -> tuple[bool, bool, str]:
+    argv = list(check.argv)
+    if not argv:
+        return False, False, "the health check command is empty"
+    code, output, timed_out = await _execute(argv, env, timeout)
+    shown = " ".join(argv)
+    if timed_out:
+        return False, False, f"{shown!r} did not finish within {timeout:g} s{_tail(output)}"
+    if code is None:
+        return False, False, f"{shown!r} could not be started: {output}"
+    if code != 0:
+        return False, False, f"{shown!r} exited with {_status(code)}{_tail(output)}"
+    return True, False, f"{shown!r} passed{_tail(output)}"
+
+
+async def _gpu(check: GpuCheck, env: Mapping[str, str], timeout: float) -> tuple[bool, bool, str]:
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return True, True, f"skipped: the job has no GPUs (CUDA_VISIBLE_DEVICES={visible!r})"
+    exe = shutil.which(check.nvidia_smi, path=env.get("PATH", os.defpath))
+    if exe is None:
+        return True, True, f"skipped: {check.nvidia_smi} is not on PATH (no NVIDIA driver here)"
+    argv = [exe, f"--query-gpu={','.join(GPU_QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
+    if visible and not visible.startswith("MIG-"):
+        argv += ["-i", visible.strip()]
+    code, output, timed_out = await _execute(argv, env, timeout)
+    if timed_out:
+        return False, False, f"nvidia-smi did not answer within {timeout:g} s{_tail(output)}"
+    if code is None:
+        return False, False, f"nvidia-smi could not be started: {output}"
+    if code != 0:
+        return False, False, f"nvidia-smi exited with {_status(code)}{_tail(output)}"
+    problems, gpus = parse_gpu_query(output)
+    if problems:
+        return False, False, "; ".join(problems)
+    return True, False, f"{len(gpus)} GPU(s) healthy: " + ", ".join(gpus)
+
+
+def parse_gpu_query(output: str) -> tuple[list[str], list[str]]:
+    """``(problems, gpus)`` from the CSV of :data:`GPU_QUERY_FIELDS`; no problems = healthy."""
+    problems: list[str] = []
+    gpus: list[str] = []
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    if not lines:
+        return ["nvidia-smi listed no GPU"], gpus
+    for line in lines:
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(GPU_QUERY_FIELDS):
+            if any(marker in line for marker in _BAD_MARKERS):
+                problems.append(f"nvidia-smi: {line}")
+            else:
+                problems.append(f"nvidia-smi printed an unexpected line: {line!r}")
+            continue
+        index, bus, name, ecc, pending = cells
+        label = f"GPU {index} ({name}, {bus})"
+        bad = [cell for cell in cells if any(marker in cell for marker in _BAD_MARKERS)]
+        if bad:
+            problems.append(f"{label} is unusable: {', '.join(bad)}")
+            continue
+        gpus.append(f"GPU {index} {name}")
+        if ecc.isdigit() and int(ecc) > 0:
+            problems.append(f"{label} has {ecc} uncorrected ECC error(s) since the driver loaded")
+        if pending.lower() == "yes":
+            problems.append(f"{label} has retired memory pages pending: it needs a reset")
+    return problems, gpus
+
+
+async def _execute(
+    argv: Sequence[str], env: Mapping[str, str], timeout: float
+) -> tuple[int | None, str, bool]:
+    """Run ``argv``; ``(returncode, output tail, timed_out)``; returncode None if not started."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return None, exc.strerror or str(exc), False
+    assert proc.stdout is not None
+    tail = bytearray()
+    timed_out = False
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await proc.stdout.read(65536):
+                tail += chunk
+                del tail[:-_OUTPUT_TAIL]
+            await proc.wait()
+    except TimeoutError:
+        # Past the timeout: a failure, unless the command itself had exited and
+        # only a process it left behind still held the output open.
+        timed_out = proc.returncode is None
+    finally:
+        # The check runs in its own session: end it whole, leftovers included.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            await asyncio.shield(proc.wait())
+    return proc.returncode, tail.decode("utf-8", "replace"), timed_out
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+def _tail(output: str) -> str:
+    text = output.strip()
+    return f": {text}" if text else ""

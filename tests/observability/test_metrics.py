@@ -1,0 +1,194 @@
+"""/metrics: the Prometheus series, fed by events and job documents, behind the bearer token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.routes.metrics import metrics_router
+from elasticd import metrics as m
+from elasticd.metrics import Metrics, exit_reason, flakiness, recovery_phase
+from elasticd.models import Event, Job, JobSpec
+from elasticd.states import JobState
+from tests.conftest import PY, make_daemon, script, wait_job
+from tests.observability.support import CRASH_ONCE
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape, keyed by (name, sorted labels)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(scrape: dict, name: str, **labels: str) -> float:
+    return scrape[(name, tuple(sorted(labels.items())))]
+
+
+def event(kind: str, job_id: str = "j", **fields) -> Event:
+    base = {"seq": 1, "time": 100.0, "job_id": job_id, "node": "n1", "source": "agent"}
+    return Event(**{**base, "kind": kind, **fields})
+
+
+def job(job_id: str, state: JobState, restarts: int = 0, max_restarts: int = 3, **kw) -> Job:
+    return Job(
+        id=job_id,
+        spec=JobSpec(entrypoint="x", max_restarts=max_restarts),
+        state=state,
+        restart_count=restarts,
+        max_restarts=max_restarts,
+        created_at=kw.pop("created_at", 1.0),
+        **kw,
+    )
+
+
+def test_flakiness_matches_the_seed():
+    """torch's formula: 100 when failed, else 100 - 100*(remaining+1)/(max+1)."""
+    assert flakiness(failed=True, restart_count=0, max_restarts=3) == 100.0
+    assert flakiness(failed=False, restart_count=0, max_restarts=3) == 0.0
+    assert flakiness(failed=False, restart_count=1, max_restarts=3) == 25.0
+    assert flakiness(failed=False, restart_count=3, max_restarts=3) == 75.0
+    assert flakiness(failed=False, restart_count=0, max_restarts=0) == 0.0
+
+
+def test_exit_reasons_and_phases_come_from_the_tables():
+    """worker.exited is classified by its fields; hang/health-check and recovery.* come by kind."""
+    assert exit_reason(event("worker.exited", state="FAILED", exit_code=3)) == "exit_code"
+    assert exit_reason(event("worker.exited", state="FAILED", signal=9)) == "signal"
+    assert exit_reason(event("worker.exited", state="SUCCEEDED", exit_code=0)) == "success"
+    assert exit_reason(event("worker.exited", state="STOPPED", signal=15)) == "stopped"
+    assert exit_reason(event("worker.hang")) == "hang"
+    assert exit_reason(event("worker.health_check_failed")) == "health_check"
+    assert exit_reason(event("group.state")) is None
+    assert recovery_phase("workers.stopped") == "stop_workers"
+    assert recovery_phase("recovery.first_progress") == "first_progress"
+    assert recovery_phase("exit_barrier.done") is None
+
+
+def test_sink_counts_a_restart_and_records_the_run_once():
+    """A failure, a restart and a success become counters, a phase timeline and run metrics."""
+    sink = Metrics()
+    sink.on_jobs([job("j", JobState.RUNNING)])
+    sink.on_event(event("group.state", state="HEALTHY"))
+    sink.on_event(event("worker.exited", state="FAILED", exit_code=3, time=100.0))
+    sink.on_event(event("workers.stopped", duration_s=0.5, time=100.5))
+    sink.on_event(event("group.restarting", time=100.6))
+    sink.on_event(event("rendezvous.complete", duration_s=0.25, time=101.0))
+    sink.on_event(event("workers.started", time=101.5))
+    sink.on_event(event("recovery.first_progress", duration_s=2.0, time=103.5))
+    sink.on_event(event("group.state", state="SUCCEEDED"))
+    done = job("j", JobState.SUCCEEDED, restarts=1, finished_at=104.0)
+    sink.on_jobs([done])
+    sink.on_jobs([done])  # a later snapshot does not count the run again
+    scrape = samples(sink.render().decode())
+    assert value(scrape, "elasticd_restarts_total") == 1
+    assert value(scrape, "elasticd_worker_exits_total", reason="exit_code") == 1
+    assert value(scrape, "elasticd_worker_exits_total", reason="hang") == 0
+    assert value(scrape, "elasticd_rendezvous_rounds_total") == 1
+    phase = "elasticd_recovery_phase_duration_seconds"
+    assert value(scrape, f"{phase}_sum", phase="stop_workers") == 0.5
+    assert value(scrape, f"{phase}_sum", phase="rendezvous") == 0.25
+    assert value(scrape, f"{phase}_sum", phase="first_progress") == 2.0
+    assert value(scrape, f"{phase}_sum", phase="total") == 1.5
+    assert value(scrape, "elasticd_run_total", role="default") == 1
+    assert value(scrape, "elasticd_run_success_with_retries_total", role="default") == 1
+    assert value(scrape, "elasticd_run_failed_no_retries_total", role="default") == 0
+    assert value(scrape, "elasticd_flakiness", job_id="j", role="default") == 25
+    assert value(scrape, "elasticd_jobs", state="SUCCEEDED") == 1
+    assert value(scrape, "elasticd_job_remaining_restarts", job_id="j") == 2
+    assert value(scrape, "elasticd_worker_group_state", job_id="j", node="n1", state="SUCCEEDED")
+    assert not value(scrape, "elasticd_worker_group_state", job_id="j", node="n1", state="HEALTHY")
+
+
+def test_first_rendezvous_is_not_a_recovery_and_cancel_is_not_a_run():
+    """Only a rendezvous after a failure is a recovery phase; a cancelled job records no run."""
+    sink = Metrics()
+    sink.on_event(event("rendezvous.complete", duration_s=0.3))
+    sink.on_event(event("group.state", state="HEALTHY"))
+    sink.on_jobs([job("j", JobState.CANCELLED, finished_at=5.0)])
+    scrape = samples(sink.render().decode())
+    assert value(scrape, "elasticd_rendezvous_duration_seconds_count") == 1
+    assert ("elasticd_recovery_phase_duration_seconds_count", (("phase", "rendezvous"),)) not in (
+        scrape
+    )
+    assert not any(name.startswith("elasticd_run_") for name, _ in scrape)
+
+
+def test_per_job_series_keep_only_recent_finished_jobs():
+    """Active jobs and the newest finished ones have per-job series; older ones drop off."""
+    sink = Metrics(keep_finished=2)
+    finished = [job(f"f{i}", JobState.SUCCEEDED, finished_at=float(i)) for i in range(5)]
+    sink.on_jobs([job("live", JobState.RUNNING), *finished])
+    scrape = samples(sink.render().decode())
+    shown = {dict(labels)["job_id"] for name, labels in scrape if name == "elasticd_job_restarts"}
+    assert shown == {"live", "f3", "f4"}
+    assert value(scrape, "elasticd_jobs", state="SUCCEEDED") == 5
+
+
+def test_store_requests_are_observed():
+    """observe_store_request feeds the latency histogram and the error counter."""
+    m.observe_store_request("get_test", 0.002)
+    m.observe_store_request("get_test", 0.5, error=True)
+    scrape = samples(Metrics().render().decode())
+    assert value(scrape, "elasticd_store_request_duration_seconds_count", op="get_test") == 2
+    assert value(scrape, "elasticd_store_request_errors_total", op="get_test") == 1
+
+
+async def test_scrape_after_a_crash_once_job(client, tmp_path):
+    """A scrape after a job that crashed once parses and tells the story of that job."""
+    path = script(tmp_path, "crash.py", CRASH_ONCE)
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "nproc_per_node": 2})
+    job_id = r.json()["id"]
+    assert (await wait_job(client, job_id))["state"] == "SUCCEEDED"
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    scrape = samples(r.text)
+    assert value(scrape, "elasticd_jobs", state="SUCCEEDED") == 1
+    assert value(scrape, "elasticd_jobs", state="RUNNING") == 0
+    assert value(scrape, "elasticd_restarts_total") == 1
+    assert value(scrape, "elasticd_job_restarts", job_id=job_id) == 1
+    assert value(scrape, "elasticd_job_remaining_restarts", job_id=job_id) == 2
+    assert value(scrape, "elasticd_worker_exits_total", reason="exit_code") == 1
+    assert value(scrape, "elasticd_worker_exits_total", reason="success") == 3
+    assert value(scrape, "elasticd_rendezvous_rounds_total") == 2
+    assert value(scrape, "elasticd_rendezvous_duration_seconds_count") == 2
+    phase = "elasticd_recovery_phase_duration_seconds_count"
+    assert value(scrape, phase, phase="rendezvous") == 1
+    assert value(scrape, phase, phase="stop_workers") >= 1
+    assert value(scrape, phase, phase="total") == 1
+    assert value(scrape, "elasticd_run_success_with_retries_total", role="default") == 1
+    assert value(scrape, "elasticd_run_success_no_retries_total", role="default") == 0
+    assert value(scrape, "elasticd_flakiness", job_id=job_id, role="default") == 25
+    group = {"job_id": job_id, "node": "node-a"}
+    assert value(scrape, "elasticd_worker_group_state", **group, state="SUCCEEDED") == 1
+    assert value(scrape, "elasticd_worker_group_state", **group, state="HEALTHY") == 0
+
+
+@pytest.mark.parametrize(
+    ("public", "client_host", "expected"),
+    [(False, "127.0.0.1", 401), (True, "127.0.0.1", 200), (True, "10.1.2.3", 401)],
+)
+async def test_metrics_need_the_token_unless_public_on_loopback(
+    tmp_path, public, client_host, expected
+):
+    """/metrics is bearer-protected; metrics_public lets only loopback scrapers in without it."""
+    d = make_daemon(tmp_path, token="s3cret")
+    async with asyncio.timeout(30):
+        await d.start()
+        try:
+            app = FastAPI()
+            app.state.daemon = d
+            app.include_router(metrics_router(d.token, metrics_public=public))
+            transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
+            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+                assert (await c.get("/metrics")).status_code == expected
+                ok = await c.get("/metrics", headers={"Authorization": "Bearer s3cret"})
+                assert ok.status_code == 200 and "elasticd_jobs" in ok.text
+        finally:
+            await d.shutdown()

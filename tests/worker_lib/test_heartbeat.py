@@ -1,0 +1,145 @@
+"""elasticd.worker.ping(): the mmap'd heartbeat file, written by workers and read by the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from elasticd.worker import heartbeat
+from elasticd.worker.heartbeat import (
+    ENV_VAR,
+    FILE_SIZE,
+    create_heartbeat_file,
+    ping,
+    read_heartbeat,
+)
+
+from .support import child_env, finish, read_line, spawn
+
+
+@pytest.fixture(autouse=True)
+def fresh_mapping(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test starts with an unmapped heartbeat and no heartbeat variable."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    heartbeat._reset_for_tests()
+    yield
+    heartbeat._reset_for_tests()
+
+
+def test_a_new_file_reads_as_never_pinged(tmp_path: Path) -> None:
+    """The daemon's fresh file is a valid heartbeat with no ping."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 0 and value.last is None
+    assert path.stat().st_size == FILE_SIZE
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_ping_writes_count_and_monotonic_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ping bumps the count and stamps CLOCK_MONOTONIC, readable by the daemon."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    before = time.monotonic()
+    ping()
+    ping()
+    ping()
+    after = time.monotonic()
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 3 and value.pid == os.getpid()
+    assert value.last is not None and before <= value.last <= after
+
+
+def test_ping_without_the_variable_is_a_no_op() -> None:
+    """Outside elasticd, ping does nothing and does not raise."""
+    for _ in range(3):
+        ping()
+    assert heartbeat._HB.map is None and heartbeat._HB.tried
+
+
+def test_ping_with_a_missing_or_foreign_file_is_a_no_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing file, a short file and a file without the magic all leave ping disabled."""
+    for content in (None, b"short", b"X" * FILE_SIZE):
+        heartbeat._reset_for_tests()
+        path = tmp_path / f"hb-{content!r:.8}"
+        if content is not None:
+            path.write_bytes(content)
+        monkeypatch.setenv(ENV_VAR, str(path))
+        ping()
+        assert heartbeat._HB.map is None
+        if content is not None:
+            assert path.read_bytes() == content
+
+
+def test_replacing_or_deleting_the_file_never_breaks_ping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon replaces files by rename, so a worker mapping the old inode keeps pinging safely."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    ping()
+    create_heartbeat_file(path)  # the next attempt's file
+    ping()
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 0  # the old worker writes to the old inode
+    path.unlink()
+    ping()
+
+
+def test_torn_or_garbage_files_read_as_none(tmp_path: Path) -> None:
+    """The reader refuses files that are not heartbeats, instead of raising."""
+    assert read_heartbeat(tmp_path / "absent") is None
+    (tmp_path / "junk").write_bytes(b"\x00" * FILE_SIZE)
+    assert read_heartbeat(tmp_path / "junk") is None
+
+
+def test_a_ping_costs_microseconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapped ping stays far below the 20 µs goal (generous bound for a loaded CI machine)."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    ping()
+    n = 20_000
+    started = time.perf_counter()
+    for _ in range(n):
+        ping()
+    per_call = (time.perf_counter() - started) / n
+    assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per ping"
+
+
+async def test_a_forked_child_does_not_ping_for_its_parent(tmp_path: Path) -> None:
+    """After fork (a DataLoader worker) the child's ping is a no-op; the parent's still counts."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    code = """
+        import os, sys
+        from elasticd.worker import ping
+        ping()
+        pid = os.fork()
+        if pid == 0:
+            for _ in range(100):
+                ping()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("done", flush=True)
+    """
+    proc = await spawn(code, child_env({ENV_VAR: str(path)}))
+    try:
+        async with asyncio.timeout(20):
+            await read_line(proc, b"done")
+            await proc.wait()
+    finally:
+        await finish(proc)
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 1

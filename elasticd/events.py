@@ -131,7 +131,7 @@ class EventLog:
                 except StoreError as exc:
                     log.warning("cannot publish event %s yet: %s", event.seq, exc)
                     await asyncio.sleep(backoff)  # retry with backoff while the store is away
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, 1.0)
             self._queue.task_done()
 
     # reading: this node's own events

@@ -453,6 +453,7 @@ class JobService:
             cuda_visible_devices=cuda,
             console=self.console,
             clock=self.clock,
+            fence_after=self.config.lease_ttl,
         )
         agent = JobAgent(job, ctx)
         self._agents[job.id] = agent

@@ -42,7 +42,7 @@ import asyncio
 import base64
 import binascii
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.routing import APIRoute
@@ -88,7 +88,7 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EntryOut(_Wire):
+class StoreEntry(_Wire):
     """One key's current value."""
 
     key: str
@@ -98,7 +98,7 @@ class EntryOut(_Wire):
     lease: int | None = Field(default=None, description="Lease the key is bound to, if any")
 
     @classmethod
-    def of(cls, entry: Entry) -> EntryOut:
+    def of(cls, entry: Entry) -> StoreEntry:
         return cls(
             key=entry.key,
             value=_encode_b64(entry.value),
@@ -108,17 +108,17 @@ class EntryOut(_Wire):
         )
 
 
-def _entry_or_none(entry: Entry | None) -> EntryOut | None:
-    return EntryOut.of(entry) if entry is not None else None
+def _entry_or_none(entry: Entry | None) -> StoreEntry | None:
+    return StoreEntry.of(entry) if entry is not None else None
 
 
-class GetResponse(_Wire):
+class StoreGetResponse(_Wire):
     """The key's entry, or null when the key is absent."""
 
-    entry: EntryOut | None
+    entry: StoreEntry | None
 
 
-class PutRequest(_Wire):
+class StorePutRequest(_Wire):
     """Write a value unconditionally."""
 
     key: str = Field(min_length=1)
@@ -132,13 +132,13 @@ class PutRequest(_Wire):
         return value
 
 
-class PutResponse(_Wire):
+class StorePutResponse(_Wire):
     """The entry as written."""
 
-    entry: EntryOut
+    entry: StoreEntry
 
 
-class CasRequest(PutRequest):
+class StoreCasRequest(StorePutRequest):
     """Write only if the key's version is ``expected_version`` (null: only if absent)."""
 
     expected_version: int | None = Field(
@@ -146,70 +146,70 @@ class CasRequest(PutRequest):
     )
 
 
-class CasResponse(_Wire):
+class StoreCasResponse(_Wire):
     """Whether this write won, and the key's entry after the call (the winner's on a loss)."""
 
     ok: bool
-    entry: EntryOut | None
+    entry: StoreEntry | None
 
 
-class AddRequest(_Wire):
+class StoreAddRequest(_Wire):
     """Add ``delta`` to the integer counter at ``key`` (absent counts as 0)."""
 
     key: str = Field(min_length=1)
     delta: int = 1
 
 
-class AddResponse(_Wire):
+class StoreAddResponse(_Wire):
     """The counter's value after the add."""
 
     value: int
 
 
-class DeleteResponse(_Wire):
+class StoreDeleteResponse(_Wire):
     """Whether the key was deleted."""
 
     deleted: bool
 
 
-class ListResponse(_Wire):
+class StoreListResponse(_Wire):
     """The entries under the prefix, sorted by key, and the revision they were read at."""
 
-    entries: list[EntryOut]
+    entries: list[StoreEntry]
     revision: int
 
 
-class GrantRequest(_Wire):
+class StoreGrantRequest(_Wire):
     """Create a lease."""
 
     ttl: float = Field(gt=0, le=86_400, description="Seconds until it expires unless kept alive")
 
 
-class LeaseResponse(_Wire):
+class StoreLeaseResponse(_Wire):
     """A live lease."""
 
     lease: int
     ttl: float | None = None
 
 
-class WatchEventOut(_Wire):
+class StoreWatchEvent(_Wire):
     """One change."""
 
-    kind: str = Field(description="put or delete")
+    kind: Literal["put", "delete"]
     key: str
     value: str | None = Field(description="The new value, base64; null for a delete")
     revision: int
 
     @classmethod
-    def of(cls, event: WatchEvent) -> WatchEventOut:
+    def of(cls, event: WatchEvent) -> StoreWatchEvent:
         value = _encode_b64(event.value) if event.value is not None else None
         return cls(kind=event.kind, key=event.key, value=value, revision=event.revision)
 
 
-class WatchResponse(_Wire):
+class StoreWatchResponse(_Wire):
     """The changes after ``after``, oldest first; empty when the timeout passed first."""
 
-    events: list[WatchEventOut]
+    events: list[StoreWatchEvent]
 
 
 # -- size limit ----------------------------------------------------------------
@@ -270,56 +270,56 @@ def store_router(
         prefix="/store", tags=["store"], route_class=_limited_route(body_limit(max_value_bytes))
     )
 
-    @router.get("/kv", response_model=GetResponse)
-    async def get_key(key: Annotated[str, Query(min_length=1)]) -> GetResponse:
+    @router.get("/kv", response_model=StoreGetResponse)
+    async def get_key(key: Annotated[str, Query(min_length=1)]) -> StoreGetResponse:
         """Read one key."""
-        return GetResponse(entry=_entry_or_none(await get_store().get(key)))
+        return StoreGetResponse(entry=_entry_or_none(await get_store().get(key)))
 
-    @router.put("/kv", response_model=PutResponse)
-    async def put_key(body: PutRequest) -> PutResponse:
+    @router.put("/kv", response_model=StorePutResponse)
+    async def put_key(body: StorePutRequest) -> StorePutResponse:
         """Write a key unconditionally."""
         entry = await get_store().put(body.key, _decode_b64(body.value), lease=body.lease)
-        return PutResponse(entry=EntryOut.of(entry))
+        return StorePutResponse(entry=StoreEntry.of(entry))
 
-    @router.delete("/kv", response_model=DeleteResponse)
+    @router.delete("/kv", response_model=StoreDeleteResponse)
     async def delete_key(
         key: Annotated[str, Query(min_length=1)],
         expected_version: int | None = None,
-    ) -> DeleteResponse:
+    ) -> StoreDeleteResponse:
         """Delete a key; with ``expected_version`` only if it still has that version."""
-        return DeleteResponse(deleted=await get_store().delete(key, expected_version))
+        return StoreDeleteResponse(deleted=await get_store().delete(key, expected_version))
 
-    @router.post("/cas", response_model=CasResponse)
-    async def compare_and_set(body: CasRequest) -> CasResponse:
+    @router.post("/cas", response_model=StoreCasResponse)
+    async def compare_and_set(body: StoreCasRequest) -> StoreCasResponse:
         """Compare-and-set on the key's version; a lost race is ``ok: false``, not an error."""
         result = await get_store().compare_and_set(
             body.key, _decode_b64(body.value), body.expected_version, lease=body.lease
         )
-        return CasResponse(ok=result.ok, entry=_entry_or_none(result.entry))
+        return StoreCasResponse(ok=result.ok, entry=_entry_or_none(result.entry))
 
-    @router.post("/add", response_model=AddResponse)
-    async def add(body: AddRequest) -> AddResponse:
+    @router.post("/add", response_model=StoreAddResponse)
+    async def add(body: StoreAddRequest) -> StoreAddResponse:
         """Atomically add to an integer counter."""
-        return AddResponse(value=await get_store().add(body.key, body.delta))
+        return StoreAddResponse(value=await get_store().add(body.key, body.delta))
 
-    @router.get("/list", response_model=ListResponse)
-    async def list_prefix(prefix: str = "") -> ListResponse:
+    @router.get("/list", response_model=StoreListResponse)
+    async def list_prefix(prefix: str = "") -> StoreListResponse:
         """Every entry whose key starts with ``prefix``."""
         listing = await get_store().list(prefix)
-        return ListResponse(
-            entries=[EntryOut.of(e) for e in listing.entries], revision=listing.revision
+        return StoreListResponse(
+            entries=[StoreEntry.of(e) for e in listing.entries], revision=listing.revision
         )
 
-    @router.post("/leases", response_model=LeaseResponse, status_code=201)
-    async def grant(body: GrantRequest) -> LeaseResponse:
+    @router.post("/leases", response_model=StoreLeaseResponse, status_code=201)
+    async def grant(body: StoreGrantRequest) -> StoreLeaseResponse:
         """Create a lease with a TTL."""
-        return LeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
+        return StoreLeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
 
-    @router.post("/leases/{lease}/keepalive", response_model=LeaseResponse)
-    async def keep_alive(lease: int) -> LeaseResponse:
+    @router.post("/leases/{lease}/keepalive", response_model=StoreLeaseResponse)
+    async def keep_alive(lease: int) -> StoreLeaseResponse:
         """Renew a lease for another TTL (404 when it expired or was revoked)."""
         await get_store().keep_alive(lease)
-        return LeaseResponse(lease=lease)
+        return StoreLeaseResponse(lease=lease)
 
     @router.delete("/leases/{lease}", status_code=204, response_class=Response)
     async def revoke(lease: int) -> Response:
@@ -327,14 +327,14 @@ def store_router(
         await get_store().revoke(lease)
         return Response(status_code=204)
 
-    @router.get("/watch", response_model=WatchResponse)
+    @router.get("/watch", response_model=StoreWatchResponse)
     async def watch(
         request: Request,
         key: str,
         after: Annotated[int, Query(description="Answer with changes above this revision")],
         timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_SECONDS)] = 30.0,
         prefix: bool = False,
-    ) -> WatchResponse:
+    ) -> StoreWatchResponse:
         """Long-poll until a change to the key (or under the prefix) above ``after`` exists."""
         store = get_store()
         watching = asyncio.ensure_future(store.watch(key, after, timeout, prefix=prefix))
@@ -347,8 +347,8 @@ def store_router(
                 if not watching.done():
                     watching.cancel()  # the client went away, or this request was cancelled
             if not watching.done():
-                return WatchResponse(events=[])
+                return StoreWatchResponse(events=[])
         events = watching.result()
-        return WatchResponse(events=[WatchEventOut.of(e) for e in events])
+        return StoreWatchResponse(events=[StoreWatchEvent.of(e) for e in events])
 
     return router

@@ -97,6 +97,8 @@ class AgentContext:
     cuda_visible_devices: str | None = None
     console: ConsoleSink | None = None
     clock: Clock = field(default=SYSTEM_CLOCK)
+    #: Seconds without the store after which this node stops its workers (the lease TTL).
+    fence_after: float = 3.0
 
 
 def root_cause_of(
@@ -246,93 +248,111 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
+        backoff = 0.1
         while True:
-            started = self.ctx.clock.monotonic()
             try:
-                round_ = await self.ctx.rendezvous.next_round()
-            except RendezvousClosed:
-                await self._finish_closed()
-                return
-            except RendezvousError as exc:  # the join timed out
-                reason = f"rendezvous failed on {self.ctx.node}: {exc}"
-                self.ctx.events.emit(
-                    self.job_id, "rendezvous", "rendezvous.failed", reason, state="FAILED"
-                )
-                with contextlib.suppress(InvalidTransition):
-                    await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
-                await self.ctx.rendezvous.close()
-                return
+                if await self._round_once():
+                    return
+                backoff = 0.1
+            except StoreError as exc:
+                # The store is unreachable: nothing can be decided or recorded. Stop
+                # the workers (the others will re-form without us) and try again.
+                log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
+                await self._stop_workers(WorkerState.STOPPED)
+                if self.state is WorkerState.STOPPED:
+                    self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+                await asyncio.sleep(backoff)  # back off while the store is away
+                backoff = min(backoff * 2, 2.0)
+
+    async def _round_once(self) -> bool:
+        """One round: rendezvous, run, react. True when the job is over for this node."""
+        started = self.ctx.clock.monotonic()
+        try:
+            round_ = await self.ctx.rendezvous.next_round()
+        except RendezvousClosed:
+            await self._finish_closed()
+            return True
+        except RendezvousError as exc:  # the join timed out
+            reason = f"rendezvous failed on {self.ctx.node}: {exc}"
             self.ctx.events.emit(
-                self.job_id,
-                "rendezvous",
-                "rendezvous.complete",
-                f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
-                f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
-                f"master {round_.master_addr}:{round_.master_port}",
-                duration_s=self.ctx.clock.monotonic() - started,
+                self.job_id, "rendezvous", "rendezvous.failed", reason, state="FAILED"
             )
-            job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
-            if job.state.is_terminal:
-                await self.ctx.rendezvous.close()
-                await self._finish_closed()
-                return
-            try:
-                group = await self._start_workers(round_, job.restart_count)
-            except WorkerSpawnError as exc:
-                self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-                reason = f"workers could not be started on {self.ctx.node}: {exc}"
-                self.ctx.events.emit(
-                    self.job_id,
-                    "agent",
-                    "workers.spawn_failed",
-                    reason,
-                    state="FAILED",
-                    attempt=self.attempt,
-                )
-                with contextlib.suppress(InvalidTransition):
-                    await self.ctx.update_job(
-                        self.job_id,
-                        state=JobState.FAILED,
-                        reason=reason,
-                        error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                    )
-                await self.ctx.rendezvous.close()
-                return
             with contextlib.suppress(InvalidTransition):
-                await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
-            outcome = await self._monitor(group, round_)
-            if isinstance(outcome, Change):
-                await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-                if outcome is Change.CLOSED:
-                    await self._finish_closed()
-                    return
-                await self._membership_change(outcome)
-                continue
-            if outcome.succeeded:
-                change = await self._exit_barrier(round_)
-                if change is None or change is Change.CLOSED:
-                    await self._finish_succeeded(round_)
-                    return
-                self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
-                await self._membership_change(change)
-                continue
-            await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
-            root = self._root_cause(outcome)
-            await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
+                await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+            await self.ctx.rendezvous.close()
+            return True
+        self.ctx.events.emit(
+            self.job_id,
+            "rendezvous",
+            "rendezvous.complete",
+            f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
+            f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
+            f"master {round_.master_addr}:{round_.master_port}",
+            duration_s=self.ctx.clock.monotonic() - started,
+        )
+        job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
+        if job.state.is_terminal:
+            await self.ctx.rendezvous.close()
+            await self._finish_closed()
+            return True
+        try:
+            group = await self._start_workers(round_, job.restart_count)
+        except WorkerSpawnError as exc:
+            self._set_state(WorkerState.FAILED)  # INIT -> FAILED
+            reason = f"workers could not be started on {self.ctx.node}: {exc}"
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "group.restarting",
-                f"rank {root.rank} failed on {self.ctx.node}: {root.message}; re-forming the group",
-                state=WorkerState.STOPPED.value,
+                "workers.spawn_failed",
+                reason,
+                state="FAILED",
                 attempt=self.attempt,
-                rank=root.rank,
-                local_rank=root.local_rank,
-                exit_code=root.exit_code,
-                signal=root.signal,
-                error=root,
             )
-            self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+            with contextlib.suppress(InvalidTransition):
+                await self.ctx.update_job(
+                    self.job_id,
+                    state=JobState.FAILED,
+                    reason=reason,
+                    error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
+                )
+            await self.ctx.rendezvous.close()
+            return True
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
+        outcome = await self._monitor(group, round_)
+        if isinstance(outcome, Change):
+            await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
+            if outcome is Change.CLOSED:
+                await self._finish_closed()
+                return True
+            await self._membership_change(outcome)
+            return False
+        if outcome.succeeded:
+            change = await self._exit_barrier(round_)
+            if change is None or change is Change.CLOSED:
+                await self._finish_succeeded(round_)
+                return True
+            self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
+            await self._membership_change(change)
+            return False
+        await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
+        root = self._root_cause(outcome)
+        await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "group.restarting",
+            f"rank {root.rank} failed on {self.ctx.node}: {root.message}; re-forming the group",
+            state=WorkerState.STOPPED.value,
+            attempt=self.attempt,
+            rank=root.rank,
+            local_rank=root.local_rank,
+            exit_code=root.exit_code,
+            signal=root.signal,
+            error=root,
+        )
+        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+        return False
 
     async def _membership_change(self, change: Change) -> None:
         self.ctx.events.emit(
@@ -593,15 +613,33 @@ class JobAgent:
         return change.result()
 
     async def _watch_round(self, my_round: int) -> Change:
-        """The rendezvous change that ends this round; store outages are retried."""
+        """The rendezvous change that ends this round.
+
+        A store that stays unreachable for longer than the node's lease means
+        the other nodes have declared this one dead and re-formed without it:
+        the node fences itself (stops its workers) instead of letting them
+        hang in a collective with peers that are gone.
+        """
         backoff = 0.1
+        failing_since: float | None = None
         while True:
             try:
                 return await self.ctx.rendezvous.wait_for_change(my_round)
             except StoreError as exc:
+                now = self.ctx.clock.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since >= self.ctx.fence_after:
+                    self.ctx.events.emit(
+                        self.job_id,
+                        "agent",
+                        "agent.fenced",
+                        f"{self.ctx.node} lost the store for {now - failing_since:.1f}s "
+                        f"({exc}); stopping its workers",
+                    )
+                    return Change.FENCED
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
                 await asyncio.sleep(backoff)  # back off while the store is unreachable
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 1.0)
 
     async def _stop_workers(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None

@@ -24,6 +24,10 @@ How the store contract maps onto etcd:
   ``StoreCompacted`` with ``revision = compact_revision - 1``: the lowest
   ``after_version`` still watchable, as for the other backends.
 * Lease TTLs are whole seconds in etcd; a TTL is rounded up.
+* etcd hands past events to a new watch from a loop that runs every 100 ms,
+  so a watch from an old revision answers within ~100 ms, and a watch with
+  timeout 0 waits :data:`MIN_WATCH_SECONDS` for them. A watch from the
+  current revision wakes within milliseconds.
 
 The gateway's quirks handled here: int64 fields are JSON strings; fields at
 their default value are omitted (a failed txn has no ``succeeded``, a PUT event
@@ -69,6 +73,10 @@ from elasticd.store.base import (
 )
 from elasticd.store.http import transport_reason
 from elasticd.store.memory import check_value, parse_counter, validate_key
+
+#: Shortest wait for a watch's first events once its stream is open: etcd sends
+#: past events to a new watch from a loop that runs every 100 ms.
+MIN_WATCH_SECONDS = 0.25
 
 # gRPC status codes the gateway reports in {"code": N}.
 _NOT_FOUND = 5
@@ -195,8 +203,20 @@ class EtcdStore(Store):
                     f"etcd at {endpoint} failed during {path} ({transport_reason(exc)}); "
                     "the write may or may not have been applied, re-read before retrying"
                 ) from exc
+            try:
+                data = self._decode(response, endpoint, path)
+            except StoreUnavailable as exc:
+                if response.status_code < 500:
+                    raise
+                # This member cannot serve (no leader, partitioned, stopping):
+                # move on, now for reads and at the next call for writes.
+                self._current = (index + 1) % len(self.endpoints)
+                if not idempotent:
+                    raise
+                failures.append(str(exc))
+                continue
             self._current = index
-            return self._decode(response, endpoint, path)
+            return data
         raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
 
     def _decode(self, response: httpx.Response, endpoint: str, path: str) -> dict[str, Any]:
@@ -477,17 +497,18 @@ class EtcdStore(Store):
         create = _range_of(key, prefix)
         create["start_revision"] = str(max(after_version + 1, 1))
         body = {"create_request": create}
-        try:
-            async with (
-                asyncio.timeout(max(timeout, 0.0)),
-                self._stream("/watch", body, timeout + self._timeout) as lines,
-            ):
-                async for line in lines:
-                    events = self._watch_message(line, key, after_version)
-                    if events:
-                        return events
-        except TimeoutError:
-            return []
+        # The timeout runs from the moment the stream is open (connecting is
+        # bounded by the client's own timeout), with a floor so that a zero
+        # timeout still sees the past events etcd sends after creating it.
+        async with self._stream("/watch", body, timeout + self._timeout) as lines:
+            try:
+                async with asyncio.timeout(max(timeout, MIN_WATCH_SECONDS)):
+                    async for line in lines:
+                        events = self._watch_message(line, key, after_version)
+                        if events:
+                            return events
+            except TimeoutError:
+                return []
         raise StoreUnavailable(f"{self._where()} ended a watch of {key!r} without an answer")
 
     def _watch_message(self, line: str, key: str, after: int) -> builtins.list[WatchEvent]:

@@ -45,9 +45,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import httpx
+
+from elasticd.worker.names import attempt_tag, default_namespace, escape_key
 
 __all__ = [
     "ClusterStoreClient",
@@ -89,32 +90,6 @@ class WatchEvent:
     key: str
     value: bytes | None
     revision: int
-
-
-def attempt_tag(environ: Mapping[str, str] | None = None) -> str:
-    """A name for the current start of the worker group, the same on every rank."""
-    env = os.environ if environ is None else environ
-    explicit = env.get("ELASTICD_ATTEMPT")
-    if explicit:
-        return escape_key(explicit)
-    return f"restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def default_namespace(environ: Mapping[str, str] | None = None) -> str:
-    """``jobs/<job>/torch/<attempt>/``: where :func:`torch_store` keeps its keys."""
-    env = os.environ if environ is None else environ
-    job = env.get("ELASTICD_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local"
-    return f"jobs/{escape_key(job)}/torch/{attempt_tag(env)}/"
-
-
-def escape_key(key: str) -> str:
-    """Any string as a valid store key: %-quoted, ``/`` kept, ``.``/``..`` segments quoted."""
-    quoted = quote(key, safe="/")
-    if "." in quoted:
-        quoted = "/".join(
-            seg.replace(".", "%2E") if seg in (".", "..") else seg for seg in quoted.split("/")
-        )
-    return quoted
 
 
 def _b64(value: bytes) -> str:

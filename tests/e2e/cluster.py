@@ -55,23 +55,41 @@ class LocalCluster:
         self.token_file.write_text(TOKEN)
         self.token_file.chmod(0o600)
 
-    def start(self, name: str, *extra: str) -> Node:
+    def start(
+        self, name: str, *extra: str, env: dict[str, str] | None = None, netns: str | None = None
+    ) -> Node:
         port = free_port()
         state = self.root / name
         state.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
-        env["ELASTICD_LEASE_TTL"] = str(self.lease_ttl)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+        environ["ELASTICD_LEASE_TTL"] = str(self.lease_ttl)
+        environ.update(env or {})
         args = [
-            sys.executable, "-m", "elasticd", "serve", "--port", str(port),
-            "--node-name", name, "--state-dir", str(state), "--slots", "2",
-            "--token-file", str(self.token_file), *extra,
+            sys.executable,
+            "-m",
+            "elasticd",
+            "serve",
+            "--port",
+            str(port),
+            "--node-name",
+            name,
+            "--state-dir",
+            str(state),
+            "--slots",
+            "2",
+            "--token-file",
+            str(self.token_file),
+            *extra,
         ]
         if self.store_url is not None:
             args += ["--store-url", self.store_url]
+        if netns is not None:
+            args = ["ip", "netns", "exec", netns, *args]
         log = self.root / f"{name}.log"
         with log.open("ab") as out:
-            proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                args, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         node = Node(name, port, proc, log)
         self.nodes[name] = node
         if self.store_url is None:
@@ -85,15 +103,16 @@ class LocalCluster:
             timeout=70,
         )
 
-    async def wait_ready(self, name: str, timeout: float = 30) -> None:
+    async def wait_ready(self, name: str, timeout: float = 30, via: str | None = None) -> None:
+        """Until the node answers /readyz and is registered (asking ``via`` if it is unreachable)."""
         node = self.nodes[name]
         deadline = time.monotonic() + timeout
-        async with self.client(name) as c:
+        async with self.client(via or name) as c:
             while True:
                 if node.proc.poll() is not None:
                     raise AssertionError(f"{name} exited: {node.log.read_text()[-2000:]}")
                 with contextlib.suppress(httpx.TransportError):
-                    if (await c.get("/readyz")).status_code == 200:
+                    if via is not None or (await c.get("/readyz")).status_code == 200:
                         names = {n["name"] for n in (await c.get("/nodes")).json()}
                         if name in names:
                             return

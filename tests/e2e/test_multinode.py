@@ -46,8 +46,16 @@ async def test_worker_crash_restarts_every_node_and_spends_one_restart(cluster, 
     await cluster.start_all("n0", "n1", "n2")
     out = tmp_path / "notes.jsonl"
     async with cluster.client("n1") as c:
-        r = await c.post("/jobs", json=spec("crash", out, min_nodes=3, max_nodes=3,
-                                             extra=["--crash-rank", "1", "--crash-at", "0"]))
+        r = await c.post(
+            "/jobs",
+            json=spec(
+                "crash",
+                out,
+                min_nodes=3,
+                max_nodes=3,
+                extra=["--crash-rank", "1", "--crash-at", "0"],
+            ),
+        )
         assert r.status_code == 201
         await follow_until(c, "crash", job_ended, 150)
         job = (await c.get("/jobs/crash")).json()
@@ -69,8 +77,9 @@ async def test_worker_crash_restarts_every_node_and_spends_one_restart(cluster, 
         assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
         # Logs are served by the node that has them, through any daemon.
         crashed = next(g for g in view["groups"] if g["group_rank"] == 1)["node"]
-        log = await c.get("/jobs/crash/logs", params={"node": crashed, "stream": "stderr",
-                                                      "attempt": 0})
+        log = await c.get(
+            "/jobs/crash/logs", params={"node": crashed, "stream": "stderr", "attempt": 0}
+        )
         assert log.status_code == 200 and "crashes on purpose" in log.text
 
 
@@ -79,8 +88,9 @@ async def test_node_loss_survivors_reform_without_hanging(cluster, tmp_path):
     await cluster.start_all("n0", "n1", "n2")
     out, hold = tmp_path / "notes.jsonl", tmp_path / "hold"
     async with cluster.client("n0") as c:
-        await c.post("/jobs", json=spec("loss", out, min_nodes=2, max_nodes=3,
-                                         extra=["--hold", str(hold)]))
+        await c.post(
+            "/jobs", json=spec("loss", out, min_nodes=2, max_nodes=3, extra=["--hold", str(hold)])
+        )
         await follow_until(c, "loss", lambda ev: len(read_notes(out)) >= 3, 120)
         assert worlds(read_notes(out)) == [3]
         view = (await c.get("/jobs/loss/workers")).json()
@@ -101,8 +111,9 @@ async def test_node_arrival_grows_the_job_without_spending_a_restart(cluster, tm
     await cluster.start_all("n0", "n1")
     out, hold = tmp_path / "notes.jsonl", tmp_path / "hold"
     async with cluster.client("n0") as c:
-        await c.post("/jobs", json=spec("grow", out, min_nodes=2, max_nodes=3,
-                                         extra=["--hold", str(hold)]))
+        await c.post(
+            "/jobs", json=spec("grow", out, min_nodes=2, max_nodes=3, extra=["--hold", str(hold)])
+        )
         await follow_until(c, "grow", lambda ev: len(read_notes(out)) >= 2, 120)
         cluster.start("n2")
         await follow_until(c, "grow", lambda ev: 3 in worlds(read_notes(out)), 90)
@@ -119,8 +130,9 @@ async def test_hot_spare_replaces_a_lost_node(cluster, tmp_path):
     await cluster.start_all("n0", "n1", "n2")
     out, hold = tmp_path / "notes.jsonl", tmp_path / "hold"
     async with cluster.client("n0") as c:
-        await c.post("/jobs", json=spec("spare", out, min_nodes=2, max_nodes=2,
-                                         extra=["--hold", str(hold)]))
+        await c.post(
+            "/jobs", json=spec("spare", out, min_nodes=2, max_nodes=2, extra=["--hold", str(hold)])
+        )
         await follow_until(c, "spare", lambda ev: len(read_notes(out)) >= 2, 120)
         view = (await c.get("/jobs/spare/workers")).json()
         running = {g["node"] for g in view["groups"]}
@@ -143,8 +155,9 @@ async def test_cancel_on_any_daemon_stops_every_node(cluster, tmp_path):
     await cluster.start_all("n0", "n1", "n2")
     out, hold = tmp_path / "notes.jsonl", tmp_path / "hold"
     async with cluster.client("n2") as c:
-        await c.post("/jobs", json=spec("stop", out, min_nodes=3, max_nodes=3,
-                                         extra=["--hold", str(hold)]))
+        await c.post(
+            "/jobs", json=spec("stop", out, min_nodes=3, max_nodes=3, extra=["--hold", str(hold)])
+        )
         await follow_until(c, "stop", lambda ev: len(read_notes(out)) >= 3, 120)
         pids = [n["pid"] for n in read_notes(out)]
         async with cluster.client("n1") as c1:

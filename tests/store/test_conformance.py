@@ -312,6 +312,15 @@ async def test_watch_returns_past_changes_at_once(store: Store, ns: str) -> None
     assert events[0].revision < events[1].revision
 
 
+async def test_zero_timeout_watch_returns_history(store: Store, ns: str) -> None:
+    """A watch with timeout 0 returns the changes already made, or [] when there are none."""
+    first = await store.put(ns + "k", b"1")
+    second = await store.put(ns + "k", b"2")
+    events = await store.watch(ns + "k", first.version, 0)
+    assert [e.revision for e in events] == [second.version]
+    assert await store.watch(ns + "k", second.version, 0) == []
+
+
 async def test_watch_wakes_on_change(store: Store, ns: str) -> None:
     """A pending watch returns promptly with the change that was made."""
     entry = await store.put(ns + "k", b"1")

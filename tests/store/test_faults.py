@@ -310,3 +310,30 @@ async def test_etcd_not_a_gateway(own_etcd: EtcdProcess) -> None:
     async with EtcdStore([own_etcd.url], api_prefix="/v9") as store:
         with pytest.raises(StoreError, match="api_prefix"):
             await store.get("/a")
+
+
+async def test_etcd_moves_off_a_member_without_leader() -> None:
+    """A member answering 503 'no leader' is skipped: reads retry at once, writes at the next call."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        calls.append(f"{host}{request.url.path}")
+        if host == "sick":
+            return httpx.Response(503, json={"error": "etcdserver: no leader", "code": 14})
+        return httpx.Response(200, json={"header": {"revision": "7"}})  # empty range, or put
+
+    transport = httpx.MockTransport(handler)
+    async with EtcdStore(["sick:2379", "well:2379"], transport=transport) as store:
+        assert await store.get("/a") is None
+        assert calls == ["sick/v3/kv/range", "well/v3/kv/range"]
+        calls.clear()
+        assert (await store.put("/a", b"x")).version == 7  # sticks to the member that answered
+        assert calls == ["well/v3/kv/put"]
+
+    calls.clear()
+    async with EtcdStore(["sick:2379", "well:2379"], transport=transport) as store:
+        with pytest.raises(StoreUnavailable, match="no leader"):
+            await store.put("/a", b"x")  # the outcome of a write is never guessed
+        assert (await store.put("/a", b"x")).version == 7
+        assert calls == ["sick/v3/kv/put", "well/v3/kv/put"]

@@ -64,23 +64,21 @@ def test_compare_set_follows_torch(client: ClusterStoreClient) -> None:
 def test_compare_set_is_atomic_under_races(client: ClusterStoreClient) -> None:
     """Eight threads incrementing through compare_set lose no update."""
 
-    def bump() -> None:
-        for _ in range(10):
+    def bump(tag: int) -> None:
+        for i in range(10):
             while True:
-                current = client.get_now("ctr") or b"0"
-                if (
-                    client.compare_set("ctr", current, str(int(current) + 1).encode())
-                    == str(int(current) + 1).encode()
-                ):
+                current = client.get_now("ctr") or b"0|"
+                desired = f"{int(current.split(b'|')[0]) + 1}|{tag}.{i}".encode()
+                if client.compare_set("ctr", current, desired) == desired:
                     break
 
-    client.set("ctr", b"0")
-    threads = [threading.Thread(target=bump) for _ in range(8)]
+    client.set("ctr", b"0|")
+    threads = [threading.Thread(target=bump, args=(tag,)) for tag in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert client.get("ctr") == b"80"
+    assert client.get("ctr").split(b"|")[0] == b"80"
 
 
 def test_get_blocks_until_the_key_is_written_by_watching(client: ClusterStoreClient) -> None:

@@ -18,9 +18,11 @@ _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "cont
 async def forward(
     request: Request, base_url: str, *, drop: Iterable[str] = ()
 ) -> StreamingResponse:
-    """Send ``request`` (same method, path, query less ``drop``, auth) to ``base_url``; stream back."""
+    """Send ``request`` (same method, path, query less ``drop``, auth) to ``base_url``."""
     dropped = set(drop)
-    params = [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
+    params = httpx.QueryParams(
+        [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
+    )
     headers = {}
     for name in ("authorization", "accept", "last-event-id"):
         if name in request.headers:

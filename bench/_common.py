@@ -10,6 +10,7 @@ whatever a crashed supervisor left behind.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import importlib.metadata
@@ -410,7 +411,10 @@ class ElasticdServer:
             if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
                 return job
             if deadline.expired():
-                raise TimeoutError(f"job {job_id} still {job['state']} after {timeout:.0f} s")
+                raise TimeoutError(
+                    f"job {job_id} still {job['state']} after {timeout:.0f} s\n"
+                    + self.diagnose(job_id)
+                )
             wait = max(0.1, min(10.0, deadline.remaining()))
             r = self.client.get(
                 f"/jobs/{job_id}/events",
@@ -421,9 +425,98 @@ class ElasticdServer:
             for event in r.json():
                 after = max(after, int(event["seq"]))
 
+    def diagnose(self, job_id: str) -> str:
+        """The job's state, its last events and the daemon log's tail, for an error message."""
+        parts = []
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            job = self.job(job_id)
+            parts.append(f"job {job_id}: {job['state']} ({job.get('reason')})")
+            for e in self.events(job_id)[-8:]:
+                parts.append(f"  event {e['seq']} {e['kind']}: {e.get('message', '')}")
+        with contextlib.suppress(OSError):
+            parts.append("daemon log tail:\n" + self.log_path.read_text(errors="replace")[-2000:])
+        return "\n".join(parts)
+
     def cancel(self, job_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
             self.client.post(f"/jobs/{job_id}/cancel")
+
+
+# -- a lean HTTP/1.1 client for load ------------------------------------------------------
+
+
+class HttpError(Exception):
+    """A response this client cannot read, or a connection that failed."""
+
+
+class RawHttp:
+    """A minimal asyncio HTTP/1.1 GET client, so that the load generator costs little CPU.
+
+    With ``keepalive`` it keeps a pool of idle connections and opens a new one
+    only when all are busy (like any HTTP client library); without, each
+    request opens its own connection and sends ``Connection: close``. Only
+    ``Content-Length`` bodies are read (what uvicorn sends for JSON). asyncio
+    sets ``TCP_NODELAY`` on the connections it opens.
+    """
+
+    def __init__(self, host: str, port: int, keepalive: bool, timeout: float = 5.0) -> None:
+        self.host = host
+        self.port = port
+        self.keepalive = keepalive
+        self.timeout = timeout
+        self.opened = 0
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        connection = "keep-alive" if keepalive else "close"
+        self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n\r\n"
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError."""
+        if self._idle:
+            reader, writer = self._idle.pop()
+        else:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.timeout
+            )
+            self.opened += 1
+        try:
+            async with asyncio.timeout(self.timeout):
+                writer.write(f"GET {path} HTTP/1.1\r\n{self._head}".encode())
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                status = int(lines[0].split(b" ", 2)[1])
+                length, close = None, not self.keepalive
+                for line in lines[1:]:
+                    name, _, value = line.partition(b":")
+                    name = name.strip().lower()
+                    if name == b"content-length":
+                        length = int(value)
+                    elif name == b"connection" and value.strip().lower() == b"close":
+                        close = True
+                    elif name == b"transfer-encoding":
+                        raise HttpError(f"unsupported transfer-encoding {value.strip()!r}")
+                if length is None:
+                    raise HttpError("response without content-length")
+                body = await reader.readexactly(length)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            writer.close()
+            raise HttpError(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            writer.close()
+            raise
+        if close:
+            writer.close()
+        else:
+            self._idle.append((reader, writer))
+        return status, body
+
+    async def aclose(self) -> None:
+        """Close the idle connections."""
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+        for _, writer in idle:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
 
 # -- records of the tick worker ----------------------------------------------------------

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 from _common import (
     PYTHON,
     ROOT,
@@ -48,6 +47,8 @@ from _common import (
     Deadline,
     ElasticdServer,
     ExitRecord,
+    HttpError,
+    RawHttp,
     StartRecord,
     Stats,
     fmt,
@@ -104,7 +105,7 @@ FULL = Plan(
     api_rate=200.0,
     reliability_elasticd=20,
     reliability_torchrun=5,
-    reliability_timeout=60.0,
+    reliability_timeout=30.0,
 )
 QUICK = Plan(
     loop_runs=1,
@@ -116,7 +117,7 @@ QUICK = Plan(
     api_rate=200.0,
     reliability_elasticd=5,
     reliability_torchrun=2,
-    reliability_timeout=30.0,
+    reliability_timeout=20.0,
 )
 
 
@@ -158,12 +159,16 @@ class LoopSamples:
     """Both: crash -> replacement's /proc starttime (+ half a tick)."""
     crash_to_first_stmt: list[float] = field(default_factory=list)
     """Both: crash -> replacement's first Python statement (includes interpreter start-up)."""
+    milestones: dict[str, list[float]] = field(default_factory=dict)
+    """elasticd: crash -> each step of the restart path, from the events' times."""
     runs_ok: int = 0
     runs: int = 0
     wall_s: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"runs": self.runs, "runs_ok": self.runs_ok, "wall_s": self.wall_s}
+        if self.milestones:
+            out["restart_path"] = {k: ms(v) for k, v in self.milestones.items()}
         for name in (
             "exit_to_event",
             "any_exit_to_event",
@@ -222,7 +227,9 @@ def follow(server: ElasticdServer, job_id: str, timeout: float) -> dict[int, flo
             after = max(after, event["seq"])
         if any(e["kind"] == "job.state" and e.get("state") in TERMINAL for e in events):
             return received
-    raise TimeoutError(f"job {job_id} did not end within {timeout:.0f} s")
+    raise TimeoutError(
+        f"job {job_id} did not end within {timeout:.0f} s\n{server.diagnose(job_id)}"
+    )
 
 
 def elasticd_loops(root: Path, plan: Plan) -> LoopSamples:
@@ -283,7 +290,42 @@ def elasticd_loops(root: Path, plan: Plan) -> LoopSamples:
                 event = exited.get(record.pid)
                 if event is not None:
                     samples.any_exit_to_event.append(event["time"] - record.exit_time)
+            restart_path(events, exited, crashes, samples.milestones)
     return samples
+
+
+#: The steps of elasticd's restart path, as (label, event kind, required state or None).
+MILESTONES = (
+    ("worker.exited", "worker.exited", None),
+    ("workers.stopped", "workers.stopped", None),
+    ("job RESTARTING", "job.state", "RESTARTING"),
+    ("rendezvous.complete", "rendezvous.complete", None),
+    ("workers.started", "workers.started", None),
+)
+
+
+def restart_path(
+    events: list[dict[str, Any]],
+    exited: dict[int, dict[str, Any]],
+    crashes: dict[int, ExitRecord],
+    into: dict[str, list[float]],
+) -> None:
+    """Add crash -> each milestone of the restart that followed (event times), per crash."""
+    ordered = sorted(events, key=lambda e: (e["time"], e["seq"]))
+    for crash in crashes.values():
+        first = exited.get(crash.pid)
+        if first is None:
+            continue
+        later = [e for e in ordered if e["time"] >= first["time"]]
+        for label, kind, state in MILESTONES:
+            match = next(
+                (e for e in later if e["kind"] == kind and (state is None or e["state"] == state)),
+                None,
+            )
+            if match is None:
+                break
+            into.setdefault(label, []).append(match["time"] - crash.exit_time)
+            later = [e for e in later if e["time"] >= match["time"]]
 
 
 SENDING = re.compile(r"Sending process (\d+) closing signal SIGTERM")
@@ -465,39 +507,43 @@ def idle_cost(root: Path, plan: Plan) -> dict[str, Any]:
 
 
 async def open_loop(
-    url: str, path: str, rate: float, seconds: float, keepalive: bool, warmup: int = 50
+    host: str, port: int, path: str, rate: float, seconds: float, keepalive: bool
 ) -> dict[str, Any]:
     """Issue GET ``path`` every 1/``rate`` s for ``seconds`` s, not waiting for answers.
 
     Each latency is measured from the request's *scheduled* time to its
     answer (so a slow answer delays nobody's clock: no coordinated omission),
-    and also from the moment the request was actually handed to the client.
-    With ``keepalive`` the client reuses its connections (as any HTTP client
-    library does); without, every request opens and closes its own.
+    and also from the moment the request was actually written. With
+    ``keepalive`` the client reuses its connections (as HTTP client libraries
+    do; 50 warm-up requests open the first); without, every request opens and
+    closes its own. The client is :class:`RawHttp`, lean enough that its own
+    scheduling lag (reported) stays well under a millisecond on an idle machine.
     """
     interval = 1.0 / rate
     count = int(seconds * rate)
-    limits = httpx.Limits(max_connections=200, max_keepalive_connections=200 if keepalive else 0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=5.0) as client:
-        for _ in range(warmup):
-            (await client.get(path)).raise_for_status()
-        loop = asyncio.get_running_loop()
-        scheduled_lat: list[float] = []
-        service_lat: list[float] = []
-        lag: list[float] = []
-        failures: list[str] = []
+    client = RawHttp(host, port, keepalive)
+    loop = asyncio.get_running_loop()
+    scheduled_lat: list[float] = []
+    service_lat: list[float] = []
+    lag: list[float] = []
+    failures: list[str] = []
+    try:
+        for _ in range(50):
+            status, _ = await client.get(path)
+            if status != 200:
+                raise RuntimeError(f"warm-up GET {path} answered {status}")
 
         async def one(at: float) -> None:
             sent = loop.time()
             lag.append(sent - at)
             try:
-                r = await client.get(path)
-            except httpx.HTTPError as exc:
-                failures.append(type(exc).__name__)
+                status, _ = await client.get(path)
+            except (HttpError, TimeoutError) as exc:
+                failures.append(str(exc)[:80] or type(exc).__name__)
                 return
             done = loop.time()
-            if r.status_code != 200:
-                failures.append(str(r.status_code))
+            if status != 200:
+                failures.append(f"HTTP {status}")
                 return
             scheduled_lat.append(done - at)
             service_lat.append(done - sent)
@@ -510,17 +556,22 @@ async def open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(at)))
+        issued = loop.time() - start
         _, pending = await asyncio.wait(tasks, timeout=10.0)
         for task in pending:
             task.cancel()
-        achieved = count / max(1e-9, (loop.time() - start))
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+    finally:
+        await client.aclose()
     return {
         "requests": count,
         "ok": len(scheduled_lat),
         "failed": len(failures) + len(pending),
         "failures": sorted(set(failures))[:5],
+        "connections_opened": client.opened,
         "target_rate": rate,
-        "achieved_rate": achieved,
+        "achieved_rate": count / max(issued, 1e-9),
         "latency_from_schedule": ms(scheduled_lat),
         "latency_from_send": ms(service_lat),
         "client_lag": ms(lag),
@@ -531,9 +582,9 @@ def api_latency(root: Path, plan: Plan) -> dict[str, Any]:
     """``GET /jobs/{id}/workers`` under an open-loop load while a 2-worker sleeper job runs.
 
     The load is ``api_rate`` requests/s for ``api_seconds`` s from one asyncio
-    httpx client in this process, twice: with keep-alive connections (opened
-    during 50 warm-up requests; the headline figure), then with a new
-    connection per request. The daemon's CPU and RSS over each window are
+    client in this process (:func:`open_loop`), twice: with keep-alive
+    connections (the headline figure: what HTTP client libraries do), then
+    with a new connection per request. The daemon's CPU and RSS over each window are
     recorded too.
     """
     with ElasticdServer(root, "api") as server:
@@ -558,14 +609,22 @@ def api_latency(root: Path, plan: Plan) -> dict[str, Any]:
                 return dict(view)
             return None
 
-        view = poll_until(running, 30, "the sleeper's two workers")
+        try:
+            view = poll_until(running, 30, "the sleeper's two workers")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{server.diagnose('sleeper')}") from None
         body_bytes = len(json.dumps(view))
         result: dict[str, Any] = {"response_bytes": body_bytes}
         for mode, keepalive in (("keepalive", True), ("fresh_connections", False)):
             cpu0, t0 = proc_cpu_seconds(server.pid), time.monotonic()
             load = asyncio.run(
                 open_loop(
-                    server.url, "/jobs/sleeper/workers", plan.api_rate, plan.api_seconds, keepalive
+                    "127.0.0.1",
+                    server.port,
+                    "/jobs/sleeper/workers",
+                    plan.api_rate,
+                    plan.api_seconds,
+                    keepalive,
                 )
             )
             cpu = proc_cpu_seconds(server.pid) - cpu0
@@ -745,6 +804,15 @@ def build_table(res: Results) -> tuple[str, str, bool]:
         )
         if ed["runs_ok"] != ed["runs"]:
             all_ok = False
+    for label, stats in ((ed or {}).get("restart_path") or {}).items():
+        details.append(
+            [
+                f"elasticd restart path: crash → `{label}` event (ms)",
+                f"{fmt(stats['p50'])} / {fmt(stats['p99'])} (n={stats['n']})",
+                "",
+                "",
+            ]
+        )
     cal = f.get("loops", {}).get("fork_estimate_check")
     if cal:
         details.append(
@@ -862,7 +930,7 @@ def build_table(res: Results) -> tuple[str, str, bool]:
     for section, message in res.errors.items():
         all_ok = False
         rows.append(
-            [f"{section}: measurement failed", "", message.splitlines()[-1][:80], "", "", "❌ FAIL"]
+            [f"{section}: measurement failed", "", message.splitlines()[0][:100], "", "", "❌ FAIL"]
         )
     main = md_table(
         [
@@ -939,6 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         if "reliability" in wanted:
             run_section(res, "reliability", lambda: reliability(root, plan))
     res.figures["total_wall_s"] = time.monotonic() - started
+    res.machine["loadavg_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     main_table, detail_table, all_ok = build_table(res)
     mode = "quick" if args.quick else "full"
     print(f"\n## Supervisor benchmark ({mode}, {res.figures['total_wall_s']:.0f} s)\n")

@@ -9,6 +9,11 @@ The daemon process never imports torch; torch lives in the workers and in the
 worker-side library (`elasticd.worker`).
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers; at run time these load lazily (below)
+    from elasticd.launcher import LaunchError, launch
+
 __version__ = "0.1.0"
 
 __all__ = ["LaunchError", "__version__", "launch"]

@@ -529,7 +529,7 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         e = job.error
         lines.append(
             (
-                "root cause",
+                "root cause" if job.state is JobState.FAILED else "last failure",
                 f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
                 f"attempt {e.attempt}): {e.message}",
             )

@@ -155,8 +155,9 @@ class JobService:
                 log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
 
     async def _live_members(self, job_id: str) -> set[str]:
-        listing = await self.store.list(rendezvous_prefix(job_id) + "alive/")
-        prefix = rendezvous_prefix(job_id) + "alive/"
+        """Nodes whose presence key in the job's rendezvous is alive."""
+        prefix = rendezvous_prefix(job_id) + "node/"
+        listing = await self.store.list(prefix)
         return {e.key[len(prefix) :] for e in listing.entries}
 
     # writes

@@ -171,7 +171,11 @@ class ProgressMonitor:
     Use: ``prepare()`` before spawning (creates the files, passed to workers
     as ``ELASTICD_HEARTBEAT_FILE``), ``started()`` once they run,
     ``finished(local_rank)`` when one exits, and race ``wait_for_hang()``
-    against the group's exit.
+    against the group's exit. ``on_check(beats)`` is called each time the
+    files are read (at most once per deadline): a free moment to refresh
+    ``last_progress_at`` in the group view. The heartbeat holds
+    ``CLOCK_MONOTONIC``, so ``clock`` must be the system clock outside tests
+    of the pure parts.
     """
 
     def __init__(
@@ -182,8 +186,10 @@ class ProgressMonitor:
         clock: Clock = SYSTEM_CLOCK,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owner: tuple[int, int] | None = None,
+        on_check: Callable[[list[Beat]], None] | None = None,
     ) -> None:
         self.files = dict(files)
+        self._on_check = on_check
         self.settings = settings
         self._clock = clock
         self._sleep = sleep
@@ -245,7 +251,10 @@ class ProgressMonitor:
         """Return when a worker misses its deadline (see the module doc: no polling)."""
         while True:
             self._changed.clear()
-            deadline, hang = next_deadline(self.beats(), self._clock.monotonic(), self.settings)
+            beats = self.beats()
+            if self._on_check is not None:
+                self._on_check(beats)  # e.g. refresh last_progress_at in the published view
+            deadline, hang = next_deadline(beats, self._clock.monotonic(), self.settings)
             if hang is not None:
                 return hang
             changed = asyncio.ensure_future(self._changed.wait())

@@ -32,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from elasticd.inprocess.state import State
@@ -152,18 +154,16 @@ class AbortTorchDistributed:
         self.shutdown_sockets = shutdown_sockets
 
     def __call__(self, state: State) -> State:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # pragma: no cover - torch-free workers have nothing to abort
-            dist = None
-        initialized = dist is not None and dist.is_available() and dist.is_initialized()
-        if initialized and dist is not None:
+        dist = _torch_distributed()
+        initialized = dist is not None and bool(dist.is_available() and dist.is_initialized())
+        if initialized:
             for group in _groups(dist):
                 with contextlib.suppress(Exception):
                     group.abort()
         if self.shutdown_sockets:
             tracker.shutdown()
-        if initialized and dist is not None and threading.current_thread() is threading.main_thread():
+        in_main = threading.current_thread() is threading.main_thread()
+        if initialized and in_main:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         return state
@@ -172,7 +172,16 @@ class AbortTorchDistributed:
         return f"AbortTorchDistributed(shutdown_sockets={self.shutdown_sockets})"
 
 
-def _groups(dist: object) -> Iterable[object]:
+def _torch_distributed() -> Any:
+    """``torch.distributed`` if this process imported it; None otherwise (nothing to abort).
+
+    Never imports torch itself: a worker that did not import it has no
+    process group, and the import would cost seconds.
+    """
+    return sys.modules.get("torch.distributed")
+
+
+def _groups(dist: Any) -> Iterable[Any]:
     """Every process group torch knows in this process, the default one last."""
     c10d = getattr(dist, "distributed_c10d", None)
     world = getattr(getattr(c10d, "_world", None), "pg_map", None)

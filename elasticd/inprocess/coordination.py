@@ -46,6 +46,7 @@ class Completion:
 
     complete: bool
     reason: str = ""
+    timed_out: bool = False
 
 
 def _json(raw: bytes) -> dict[str, Any]:
@@ -100,9 +101,7 @@ class Coordinator:
     def mark_terminated(self, rank: int, reason: str, *, by: str | None = None) -> bool:
         """Record that ``rank`` is gone (first record wins); True if this call wrote it."""
         who = by if by is not None else f"rank {self.rank}"
-        return self.client.create(
-            self.layout.terminated(rank), terminated_record(reason, by=who)
-        )
+        return self.client.create(self.layout.terminated(rank), terminated_record(reason, by=who))
 
     def record_interrupted(self, iteration: int, kind: str, message: str) -> None:
         """Tell every rank that this one interrupted ``iteration`` (exception, timeout...)."""
@@ -175,12 +174,12 @@ class Coordinator:
         try:
             world = [int(r) for r in json.loads(raw)]
         except (ValueError, TypeError) as exc:
-            raise RuntimeError(f"the world of iteration {iteration} is not a list: {raw!r}") from exc
+            raise RuntimeError(
+                f"the world of iteration {iteration} is not a list: {raw!r}"
+            ) from exc
         return world, False
 
-    def wait_completion(
-        self, iteration: int, active: Sequence[int], timeout: float
-    ) -> Completion:
+    def wait_completion(self, iteration: int, active: Sequence[int], timeout: float) -> Completion:
         """Wait until every active rank finished ``iteration``, or a fault says restart."""
         prefix = self.layout.phase_prefix(self.call, iteration, "done")
         members = frozenset(active)
@@ -202,5 +201,5 @@ class Coordinator:
 
         result = self._wait(check, time.monotonic() + timeout)
         if result is None:
-            return Completion(False, f"not every rank finished within {timeout:g} s")
+            return Completion(False, f"not every rank finished within {timeout:g} s", True)
         return result

@@ -3,11 +3,12 @@
 Two sources of progress, NVIDIA's semantics:
 
 * **automatic** — every ``interval`` a small thread asks the interpreter to
-  run a callback *in the main thread* (``Py_AddPendingCall``). The callback
-  only runs when the main thread executes Python bytecode, so its timestamp
+  run a call *in the main thread* (``Py_AddPendingCall``). Pending calls only
+  run when the main thread executes Python bytecode, so the call having run
   says "the main thread is not stuck inside a C call" (a collective waiting
-  for a dead peer, a deadlocked kernel launch). Only available when the
-  wrapper runs in the main thread.
+  for a dead peer, a deadlocked kernel launch). The call is libc's
+  ``sem_post``, not Python code (see :class:`PendingCallProbe`). Only
+  available when the wrapper runs in the main thread, on POSIX.
 * **manual** — :meth:`Progress.ping` (``CallWrapper.ping()``), for loops
   that run Python but make no real progress. It counts only once the
   function pinged in the current iteration.
@@ -25,6 +26,7 @@ bytecode, which is how the monitor thread unwinds the training function.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import threading
 import time
 
@@ -36,6 +38,7 @@ _SetAsyncExc = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
     ("PyThreadState_SetAsyncExc", ctypes.pythonapi)
 )
 _PendingCall = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+# Called through pythonapi (GIL held), which Py_AddPendingCall allows.
 _AddPendingCall = ctypes.PYFUNCTYPE(ctypes.c_int, _PendingCall, ctypes.c_void_p)(
     ("Py_AddPendingCall", ctypes.pythonapi)
 )
@@ -104,30 +107,69 @@ class Progress:
             return min(sources)
 
 
+class _Semaphore:
+    """A POSIX semaphore in ctypes memory; ``post`` is a C function the interpreter can call."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        self._buf = ctypes.create_string_buffer(64)  # >= sizeof(sem_t) on every libc we know
+        self._init = libc.sem_init
+        self._timedwait = libc.sem_timedwait
+        self._destroy = libc.sem_destroy
+        if self._init(self._buf, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        # The pending call: sem_post(sem) takes one pointer and returns 0, runs no Python.
+        self.post = ctypes.cast(libc.sem_post, _PendingCall)
+        self.address = ctypes.cast(self._buf, ctypes.c_void_p)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait for a post up to ``timeout`` seconds (the GIL is released meanwhile)."""
+        deadline = time.time() + timeout
+        spec = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        return bool(self._timedwait(self._buf, ctypes.byref(spec)) == 0)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
 class PendingCallProbe(threading.Thread):
-    """Every ``interval`` seconds, ask the main thread to record automatic progress."""
+    """Every ``interval`` seconds, ask the main thread to show that it runs bytecode.
+
+    The pending call is libc's ``sem_post`` on a semaphore this thread waits
+    on: no Python code runs in the main thread for it, so an exception raised
+    asynchronously there can never land inside the probe. When the post
+    arrives, this thread records automatic progress.
+    """
 
     def __init__(self, progress: Progress, interval: float) -> None:
         super().__init__(name="elasticd-inprocess-probe", daemon=True)
         self.progress = progress
         self.interval = interval
         self._stop = threading.Event()
-        self._outstanding = threading.Event()
-        # Kept on the instance: the C callback must outlive every pending call.
-        self._callback = _PendingCall(self._ran)
+        self._sem = _Semaphore()
 
-    def _ran(self, _arg: object) -> int:
-        self.progress.automatic()
-        self._outstanding.clear()
-        return 0
+    @classmethod
+    def available(cls) -> bool:
+        """Whether this platform has what the probe needs (POSIX unnamed semaphores)."""
+        try:
+            _Semaphore()
+        except (OSError, AttributeError, TypeError):
+            return False
+        return True
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval):
-            if self.progress.running and not self._outstanding.is_set():
-                self._outstanding.set()
-                if _AddPendingCall(self._callback, None) != 0:
-                    self._outstanding.clear()  # queue full: try again next time
+        outstanding = False
+        while not self._stop.is_set():
+            if not outstanding and self.progress.running:
+                outstanding = _AddPendingCall(self._sem.post, self._sem.address) == 0
+            if not outstanding:
+                self._stop.wait(self.interval)
+            elif self._sem.wait(self.interval):
+                outstanding = False
+                self.progress.automatic()
+                self._stop.wait(self.interval)
 
     def stop(self) -> None:
-        """End the thread (a pending call already queued still runs, harmlessly)."""
+        """End the thread within ``interval``; a call already queued still runs, harmlessly."""
         self._stop.set()

@@ -1,16 +1,21 @@
 """The rendezvous executor: applies the pure decisions of :mod:`.protocol` over the store.
 
-Each step reads the job's rendezvous prefix in one request (the state
-document and every node's lease-bound ``alive`` key, at one revision),
-decides, and either writes with compare-and-set (a lost race just means
-deciding again on the winner's state) or watches the prefix from that
-revision. Nothing sleeps on a timer: a node wakes when the document changes,
-when a lease expires (its ``alive`` key is deleted), or at the one deadline
+A node first announces itself: one lease-bound *presence* key
+(``rdzv/<job>/node/<name>``) holding its join info. Each step then reads the
+job's rendezvous prefix in one request (the state document and every
+presence key, at one revision), decides, and either writes with
+compare-and-set (a lost race just means deciding again on the winner's
+state) or watches. A joining node watches the state key only, so a thousand
+announcements do not wake a thousand watchers each; a running node watches
+the whole prefix, so a lease expiry (its presence key deleted) wakes it at
+once. Nothing sleeps on a timer: the only timed wake-ups are the deadlines
 the protocol names (the last call, the join timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -115,7 +120,7 @@ class StoreRendezvous:
         self._store = store
         self._prefix = rendezvous_prefix(job_id)
         self._state_key = self._prefix + "state"
-        self._alive_prefix = self._prefix + "alive/"
+        self._node_prefix = self._prefix + "node/"
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -128,34 +133,51 @@ class StoreRendezvous:
 
     # reads
 
-    async def snapshot(self) -> tuple[State, int | None, frozenset[str], int]:
-        """(state, its version, live nodes, store revision) in one request."""
+    async def snapshot(self) -> tuple[State, int | None, dict[str, NodeInfo], int]:
+        """(state, its version, announced nodes, store revision) in one request."""
         listing = await self._store.list(self._prefix)
         state, version = State(), None
-        alive: set[str] = set()
+        present: dict[str, NodeInfo] = {}
         for entry in listing.entries:
             if entry.key == self._state_key:
                 state, version = State.decode(entry.value), entry.version
-            elif entry.key.startswith(self._alive_prefix):
-                alive.add(entry.key[len(self._alive_prefix) :])
-        return state, version, frozenset(alive), listing.revision
+            elif entry.key.startswith(self._node_prefix):
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    present[entry.key[len(self._node_prefix) :]] = NodeInfo.from_json(
+                        json.loads(entry.value)
+                    )
+        return state, version, present, listing.revision
 
-    async def _wait(self, revision: int, until: float | None) -> None:
+    async def _wait(self, key: str, prefix: bool, revision: int, until: float | None) -> None:
         timeout = MAX_WATCH
         if until is not None:
             timeout = max(0.0, min(MAX_WATCH, until - self._clock.time()))
         if timeout <= 0:
             return
         try:
-            await self._store.watch(self._prefix, revision, timeout, prefix=True)
+            await self._store.watch(key, revision, timeout, prefix=prefix)
         except StoreCompacted:
             return  # re-read from now
 
-    async def _execute(self, decide: Callable[[State, frozenset[str]], Action]) -> State:
-        """Apply decisions until one says FINISH; CLOSED and TIMEOUT raise."""
+    async def _execute(
+        self,
+        decide: Callable[[State, dict[str, NodeInfo]], Action],
+        info: NodeInfo | None,
+        *,
+        once: bool = False,
+    ) -> State:
+        """Apply decisions until one says FINISH (or, with ``once``, one write lands).
+
+        CLOSED and TIMEOUT raise. Leaving uses ``once``: another node may place
+        this one again right after (it is still announced), and that is the
+        point of leaving a round to join the next, not a reason to leave again.
+        """
         while True:
-            state, version, alive, revision = await self.snapshot()
-            action = decide(state, alive)
+            state, version, present, revision = await self.snapshot()
+            if info is not None and self._me not in present:
+                await self._announce(info)  # our lease was lost and renewed: announce again
+                continue
+            action = decide(state, present)
             if action.kind is Kind.WRITE:
                 assert action.state is not None
                 result = await self._store.compare_and_set(
@@ -163,9 +185,11 @@ class StoreRendezvous:
                 )
                 if result.ok:
                     log.debug("%s: %s", self._me, action.why)
+                    if once:
+                        return action.state
                 continue  # decide again on what is there now (ours or the winner's)
             if action.kind is Kind.WAIT:
-                await self._wait(revision, action.until)
+                await self._wait(self._state_key, False, revision, action.until)
                 continue
             if action.kind is Kind.FINISH:
                 return state
@@ -173,30 +197,33 @@ class StoreRendezvous:
                 raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
             raise RendezvousTimeout(action.why)
 
-    async def _announce(self) -> None:
-        """(Re)bind this node's alive key to its current lease."""
+    async def _announce(self, info: NodeInfo) -> None:
+        """(Re)write this node's presence key, bound to its current lease."""
         lease = await self._lease()
-        await self._store.put(self._alive_prefix + self._me, b"", lease=lease)
+        await self._store.put(
+            self._node_prefix + self._me, json.dumps(info.to_json()).encode(), lease=lease
+        )
 
     # the agent's interface
 
     async def next_round(self) -> RoundInfo:
-        await self._announce()
         me, settings = self._me, self._settings
-        await self._execute(lambda state, alive: decide_exit(state, me, settings))
-        addr = self._master_addr or self._addr
         info = NodeInfo(
-            addr=addr,
+            addr=self._master_addr or self._addr,
             role=self._role,
             local_world_size=self._lws,
-            port=self._master_port or free_port(self._addr),
+            port=self._master_port or free_port(self._addr),  # fresh for every round
         )
+        await self._execute(
+            lambda state, present: decide_exit(state, me, settings), None, once=True
+        )
+        await self._announce(info)  # after leaving: the next round sees this round's fresh port
         join_deadline = self._clock.time() + settings.join_timeout
 
-        def join(state: State, alive: frozenset[str]) -> Action:
-            return decide_join(state, me, info, settings, self._clock.time(), alive, join_deadline)
+        def join(state: State, present: dict[str, NodeInfo]) -> Action:
+            return decide_join(state, me, settings, self._clock.time(), present, join_deadline)
 
-        state = await self._execute(join)
+        state = await self._execute(join, info)
         master = state.master()
         if master is None:  # pragma: no cover - FINISH implies a complete round
             raise RendezvousError("the completed round has no rank 0")
@@ -212,16 +239,19 @@ class StoreRendezvous:
 
     async def wait_for_change(self, my_round: int) -> Change:
         while True:
-            state, _, alive, revision = await self.snapshot()
-            change = watch_reason(state, self._me, my_round, alive, self._settings)
+            state, _, present, revision = await self.snapshot()
+            change = watch_reason(state, self._me, my_round, frozenset(present), self._settings)
             if change is not None:
                 return change
-            await self._wait(revision, None)
+            await self._wait(self._prefix, True, revision, None)
 
     async def close(self) -> None:
-        await self._execute(lambda state, alive: decide_close(state))
+        await self._execute(lambda state, present: decide_close(state), None)
 
     async def leave(self) -> None:
+        """Withdraw the presence key first (so nobody re-places us), then leave every list."""
         me, settings = self._me, self._settings
-        await self._execute(lambda state, alive: decide_exit(state, me, settings))
-        await self._store.delete(self._alive_prefix + me)
+        await self._store.delete(self._node_prefix + me)
+        await self._execute(
+            lambda state, present: decide_exit(state, me, settings), None, once=True
+        )

@@ -12,11 +12,17 @@ joined; the rendezvous can be **closed** for good when the job ends.
 Two deliberate differences from torch:
 
 * **Liveness comes from store leases, not heartbeats inside the document.**
-  Each node keeps a lease-bound key alive; a node whose key is gone is dead
-  and is removed by whichever node decides next ("sanitize"). Heartbeats in
-  the shared document would make every node CAS the same key every few
-  seconds and wake every watcher; leases expire inside the store, and the
-  expiry itself wakes the watchers, so a lost node is noticed at once.
+  Each node announces itself with a lease-bound *presence* key holding its
+  join info; a node whose key is gone is dead and is removed by whichever
+  node decides next ("sanitize"). Heartbeats in the shared document would
+  make every node CAS the same key every few seconds and wake every watcher;
+  leases expire inside the store, and the expiry itself wakes the watchers,
+  so a lost node is noticed at once.
+* **Joining is batched.** A node never writes only itself into the
+  document: whoever writes next *absorbs* every announced node that is in no
+  list yet, in one compare-and-set. A thousand nodes arriving together cost
+  a handful of writes, not a thousand racing ones, so each node makes a
+  constant number of store requests.
 * **A re-rendezvous completes as soon as every live candidate has joined**
   (round > 0): the last call exists for stragglers, and after a failure the
   live set is known, so waiting out the last call would only delay recovery.
@@ -207,22 +213,42 @@ def _complete(state: State) -> State:
     return replace(state, complete=True, deadline=None, participants=ranks)
 
 
-def _add_participant(
-    state: State, me: str, info: NodeInfo, settings: Settings, now: float
-) -> State:
-    participants = {**state.participants, me: 0}
+def _place(state: State, node: str, info: NodeInfo, settings: Settings, now: float) -> State:
+    """Put one announced node where torch's join op would put it."""
+    nodes = {**state.nodes, node: info}
+    n = len(state.participants)
+    if state.complete:
+        if n < settings.max_nodes:
+            return replace(state, wait_list=state.wait_list | {node}, nodes=nodes)
+        return replace(state, redundancy_list=state.redundancy_list | {node}, nodes=nodes)
+    participants = {**state.participants, node: 0}
     new = replace(
         state,
         participants=participants,
-        wait_list=state.wait_list - {me},
-        redundancy_list=state.redundancy_list - {me},
-        nodes={**state.nodes, me: info},
+        wait_list=state.wait_list - {node},
+        redundancy_list=state.redundancy_list - {node},
+        nodes=nodes,
     )
     if len(participants) == settings.min_nodes and new.deadline is None:
         new = replace(new, deadline=now + settings.last_call_timeout)
     if len(participants) >= settings.max_nodes:
         new = _complete(new)
     return new
+
+
+def absorb(state: State, present: dict[str, NodeInfo], settings: Settings, now: float) -> State:
+    """Place every announced node that is in no list yet, in name order, in one edit.
+
+    While a round is open, nodes waiting from the last round join it too.
+    """
+    members = state.members()
+    for node in sorted(present):
+        if node in members and not (node in state.wait_list and not state.complete):
+            continue
+        if node in state.wait_list:
+            state = replace(state, wait_list=state.wait_list - {node})
+        state = _place(state, node, present[node], settings, now)
+    return state
 
 
 def _everyone_joined(state: State, alive: frozenset[str]) -> bool:
@@ -236,16 +262,20 @@ def _everyone_joined(state: State, alive: frozenset[str]) -> bool:
 def decide_join(
     state: State,
     me: str,
-    info: NodeInfo,
     settings: Settings,
     now: float,
-    alive: frozenset[str],
+    present: dict[str, NodeInfo],
     join_deadline: float,
 ) -> Action:
-    """One step of joining the next complete round."""
+    """One step of joining the next complete round.
+
+    ``present`` maps every node with a live presence key (``me`` included,
+    once announced) to its join info.
+    """
+    alive = frozenset(present)
     clean = sanitize(state, alive | {me}, settings)
     if clean != state:
-        return Action(Kind.WRITE, clean, why="removed nodes whose lease expired")
+        return Action(Kind.WRITE, absorb(clean, present, settings, now), why="removed dead nodes")
     if state.closed:
         return Action(Kind.CLOSED, why="the rendezvous is closed")
     n = len(state.participants)
@@ -256,25 +286,17 @@ def decide_join(
             state,
             redundancy_list=state.redundancy_list - {me},
             wait_list=state.wait_list | {me},
-            nodes={**state.nodes, me: info},
         )
         return Action(Kind.WRITE, new, why="a participant is gone: the spare steps in")
     if state.complete and me in state.participants:
         return Action(Kind.FINISH)
     if now > join_deadline:
         return Action(Kind.TIMEOUT, why=f"fewer than {settings.min_nodes} nodes joined in time")
+    new = absorb(state, present, settings, now)
+    if new != state:
+        return Action(Kind.WRITE, new, why="placing every announced node (this one included)")
     if state.complete:
-        if n < settings.max_nodes:
-            if me in state.wait_list:
-                return Action(Kind.WAIT, why="waiting for the participants to re-rendezvous")
-            new = replace(state, wait_list=state.wait_list | {me}, nodes={**state.nodes, me: info})
-            return Action(Kind.WRITE, new, why="joining the wait list")
-        if me in state.wait_list:
-            return Action(Kind.WAIT, why="waiting for the next round")
-        new = replace(
-            state, redundancy_list=state.redundancy_list | {me}, nodes={**state.nodes, me: info}
-        )
-        return Action(Kind.WRITE, new, why="the round is full: joining as a hot spare")
+        return Action(Kind.WAIT, why="waiting for the next round")
     if me in state.participants:
         if n >= settings.min_nodes and (
             (state.deadline is not None and now >= state.deadline)
@@ -283,8 +305,7 @@ def decide_join(
             return Action(Kind.WRITE, _complete(state), why=f"completing the round with {n} nodes")
         until = state.deadline if n >= settings.min_nodes else join_deadline
         return Action(Kind.WAIT, until=min(until or join_deadline, join_deadline))
-    new = _add_participant(state, me, info, settings, now)
-    return Action(Kind.WRITE, new, why="joining the round")
+    return Action(Kind.WAIT, why="announced; waiting to be placed")  # pragma: no cover
 
 
 def decide_exit(state: State, me: str, settings: Settings) -> Action:

@@ -49,6 +49,7 @@ class LocalCluster:
     lease_ttl: float = 2.0
     nodes: dict[str, Node] = field(default_factory=dict)
     store_url: str | None = None
+    daemon_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.token_file = self.root / "token"

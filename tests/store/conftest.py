@@ -34,7 +34,7 @@ class Backend:
     name: str
     make_client: Callable[[], Awaitable[Store]]
     compact: Callable[[int], Awaitable[None]]
-    lease_ttl: float = 0.3  # shortest TTL the backend honours
+    lease_ttl: float = 0.5  # shortest TTL the backend honours (room for a loaded CI box)
     counter_total: int = 10_000  # increments in the lost-update test
     clients: list[Store] = field(default_factory=list)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from elasticd.errors import RendezvousError
 from elasticd.rendezvous.protocol import (
     Action,
     Change,
@@ -30,10 +32,14 @@ def info(name: str) -> NodeInfo:
     )
 
 
-def join_until_blocked(state: State, me: str, s: Settings, now: float, alive: frozenset[str]):
-    """Apply a node's join decisions until it must wait or is done."""
+def present(names) -> dict[str, NodeInfo]:
+    return {n: info(n) for n in names}
+
+
+def join(state: State, me: str, s: Settings, now: float, names, deadline: float = FAR):
+    """Apply one node's join decisions until it must wait or is done."""
     for _ in range(10):
-        action = decide_join(state, me, info(me), s, now, alive, FAR)
+        action = decide_join(state, me, s, now, present(names), deadline)
         if action.kind is not Kind.WRITE:
             return state, action
         assert action.state is not None
@@ -41,79 +47,99 @@ def join_until_blocked(state: State, me: str, s: Settings, now: float, alive: fr
     raise AssertionError("join did not settle")
 
 
+def leave(state: State, me: str, s: Settings) -> State:
+    action = decide_exit(state, me, s)
+    return action.state if action.kind is Kind.WRITE else state
+
+
 def test_min_nodes_then_last_call_then_complete():
     """Two of 2..3 nodes join, the last call holds the round open, then it completes with ranks."""
     s = Settings(min_nodes=2, max_nodes=3, last_call_timeout=5)
-    alive = frozenset({"a", "b"})
-    st_, act = join_until_blocked(State(), "a", s, 100, alive)
+    st_, act = join(State(), "a", s, 100, "a")
     assert act.kind is Kind.WAIT and not st_.complete
-    st_, act = join_until_blocked(st_, "b", s, 101, alive)
+    st_, act = join(st_, "b", s, 101, "ab")
     assert act.kind is Kind.WAIT and act.until == 106  # deadline = min reached + last call
-    st_, act = join_until_blocked(st_, "a", s, 106.5, alive)
+    st_, act = join(st_, "a", s, 106.5, "ab")
     assert act.kind is Kind.FINISH and st_.complete
     assert st_.participants == {"a": 0, "b": 1}
     assert st_.master() == (info("a").addr, info("a").port)
 
 
+def test_one_write_places_every_announced_node():
+    """The first node to write absorbs everyone who announced: one CAS, not one per node."""
+    s = Settings(min_nodes=3, max_nodes=5, last_call_timeout=5)
+    names = [f"n{i}" for i in range(5)]
+    action = decide_join(State(), "n3", s, 0, present(names), FAR)
+    assert action.kind is Kind.WRITE and action.state is not None
+    assert action.state.complete and sorted(action.state.participants) == names
+    assert sorted(action.state.participants.values()) == [0, 1, 2, 3, 4]
+
+
 def test_max_nodes_completes_at_once_and_extra_node_is_a_spare():
     """Reaching max_nodes completes immediately; a further node waits in the redundancy list."""
     s = Settings(min_nodes=1, max_nodes=2, last_call_timeout=30)
-    alive = frozenset("abc")
-    st_, _ = join_until_blocked(State(), "a", s, 0, alive)
-    st_, act = join_until_blocked(st_, "b", s, 0, alive)
+    st_, _ = join(State(), "a", s, 0, "a")
+    st_, act = join(st_, "b", s, 0, "ab")
     assert act.kind is Kind.FINISH and st_.complete
-    st_, act = join_until_blocked(st_, "c", s, 0, alive)
+    st_, act = join(st_, "c", s, 0, "abc")
     assert act.kind is Kind.WAIT and st_.redundancy_list == {"c"}
-    assert watch_reason(st_, "a", st_.round, alive, s) is None  # a spare is no reason to restart
+    assert watch_reason(st_, "a", st_.round, frozenset("abc"), s) is None  # a spare is no reason
 
 
 def test_arrival_triggers_rerendezvous_and_new_round_includes_everyone():
     """A node arriving at a complete, non-full round waits; participants re-form to include it."""
     s = Settings(min_nodes=1, max_nodes=3, last_call_timeout=5)
-    alive = frozenset("abc")
-    st_, _ = join_until_blocked(State(), "a", s, 0, frozenset("ab"))
-    st_, _ = join_until_blocked(st_, "b", s, 0, frozenset("ab"))
-    st_, _ = join_until_blocked(st_, "a", s, 6, frozenset("ab"))
-    assert st_.complete and st_.round == 0
-    st_, act = join_until_blocked(st_, "c", s, 7, alive)
+    st_, _ = join(State(), "a", s, 0, "ab")
+    st_, _ = join(st_, "a", s, 6, "ab")
+    assert st_.complete and st_.round == 0 and sorted(st_.participants) == ["a", "b"]
+    st_, act = join(st_, "c", s, 7, "abc")
     assert st_.wait_list == {"c"} and act.kind is Kind.WAIT
-    assert watch_reason(st_, "a", 0, alive, s) is Change.ARRIVAL
+    assert watch_reason(st_, "a", 0, frozenset("abc"), s) is Change.ARRIVAL
     for node in "ab":
-        st_ = decide_exit(st_, node, s).state
+        st_ = leave(st_, node, s)
     assert st_.round == 1 and not st_.complete
-    for node in "cab":
-        st_, act = join_until_blocked(st_, node, s, 8, alive)
+    st_, act = join(st_, "c", s, 8, "abc")
     assert act.kind is Kind.FINISH and sorted(st_.participants) == ["a", "b", "c"]
+
+
+def test_failed_node_rejoins_through_the_wait_list():
+    """A node that leaves a complete round to restart lands in the wait list; the others follow."""
+    s = Settings(min_nodes=2, max_nodes=2)
+    st_, _ = join(State(), "a", s, 0, "ab")
+    assert st_.complete
+    st_ = leave(st_, "a", s)
+    st_, act = join(st_, "a", s, 1, "ab")
+    assert st_.wait_list == {"a"} and act.kind is Kind.WAIT
+    assert watch_reason(st_, "b", 0, frozenset("ab"), s) is Change.ARRIVAL
+    st_ = leave(st_, "b", s)
+    st_, act = join(st_, "b", s, 2, "ab")
+    assert act.kind is Kind.FINISH and st_.round == 1 and sorted(st_.participants) == ["a", "b"]
 
 
 def test_lost_node_is_removed_and_survivors_complete_without_last_call():
     """A participant whose lease expired is dropped; survivors re-form at once (no last call)."""
     s = Settings(min_nodes=2, max_nodes=3, last_call_timeout=30)
-    alive = frozenset("abc")
-    st_ = State()
-    for node in "abc":
-        st_, _ = join_until_blocked(st_, node, s, 0, alive)
+    st_, _ = join(State(), "a", s, 0, "abc")
     assert st_.complete
     survivors = frozenset("ab")
     assert watch_reason(st_, "a", 0, survivors, s) is Change.LOSS
+    st_, _ = join(st_, "a", s, 1, "ab")  # sanitizes c away
+    assert "c" not in st_.members()
     for node in "ab":
-        st_, _ = join_until_blocked(st_, node, s, 1, survivors)  # sanitize happens here
-        st_ = decide_exit(st_, node, s).state
-    assert st_.round == 1 and "c" not in st_.members()
-    st_, act = join_until_blocked(st_, "a", s, 2, survivors)
-    st_, act = join_until_blocked(st_, "b", s, 2, survivors)
+        st_ = leave(st_, node, s)
+    assert st_.round == 1
+    st_, act = join(st_, "a", s, 2, "ab")
     assert act.kind is Kind.FINISH and st_.participants == {"a": 0, "b": 1}
 
 
 def test_spare_replaces_lost_participant():
     """When a participant is lost, the hot spare steps into the wait list and the next round."""
     s = Settings(min_nodes=2, max_nodes=2)
-    st_ = State()
-    for node in "abs":
-        st_, _ = join_until_blocked(st_, node, s, 0, frozenset("abs"))
+    st_, _ = join(State(), "a", s, 0, "ab")
+    st_, _ = join(st_, "s", s, 0, "abs")
     assert st_.redundancy_list == {"s"}
     live = frozenset("as")
-    st_, act = join_until_blocked(st_, "s", s, 1, live)
+    st_, act = join(st_, "s", s, 1, live)
     assert st_.wait_list == {"s"} and "b" not in st_.members()
     assert watch_reason(st_, "a", 0, live, s) is Change.ARRIVAL
 
@@ -121,25 +147,22 @@ def test_spare_replaces_lost_participant():
 def test_fenced_node_and_closed_rendezvous():
     """A node removed from the round is fenced; a closed rendezvous refuses joins forever."""
     s = Settings(min_nodes=1, max_nodes=2)
-    st_, _ = join_until_blocked(State(), "a", s, 0, frozenset("ab"))
-    st_, _ = join_until_blocked(st_, "b", s, 0, frozenset("ab"))
-    gone = decide_exit(st_, "a", s).state
+    st_, _ = join(State(), "a", s, 0, "ab")
+    gone = leave(st_, "a", s)
     assert watch_reason(gone, "a", 0, frozenset("ab"), s) is Change.FENCED
+    assert watch_reason(st_, "a", 0, frozenset("b"), s) is Change.FENCED  # own lease lost
     closed = decide_close(st_).state
+    assert closed is not None
     assert watch_reason(closed, "b", 0, frozenset("ab"), s) is Change.CLOSED
-    assert decide_join(closed, "c", info("c"), s, 0, frozenset("abc"), FAR).kind is Kind.CLOSED
+    assert decide_join(closed, "c", s, 0, present("abc"), FAR).kind is Kind.CLOSED
     assert decide_close(closed).kind is Kind.FINISH
 
 
 def test_join_times_out_and_malformed_documents_are_errors():
     """Too few nodes by the join deadline is a TIMEOUT; a bad document is a RendezvousError."""
-    import pytest
-
-    from elasticd.errors import RendezvousError
-
     s = Settings(min_nodes=2, max_nodes=2)
-    st_, _ = join_until_blocked(State(), "a", s, 0, frozenset("a"))
-    assert decide_join(st_, "a", info("a"), s, 50, frozenset("a"), 10).kind is Kind.TIMEOUT
+    st_, _ = join(State(), "a", s, 0, "a")
+    assert decide_join(st_, "a", s, 50, present("a"), 10).kind is Kind.TIMEOUT
     for raw in (b"not json", b"{}", b'{"round": "x"}', b"[]"):
         with pytest.raises(RendezvousError):
             State.decode(raw)
@@ -148,8 +171,6 @@ def test_join_times_out_and_malformed_documents_are_errors():
 
 def test_settings_validate():
     """min_nodes must be positive and not above max_nodes."""
-    import pytest
-
     with pytest.raises(ValueError, match="min_nodes"):
         Settings(min_nodes=0, max_nodes=1)
     with pytest.raises(ValueError, match="max_nodes"):
@@ -175,7 +196,7 @@ def check_invariants(before: State, after: State, s: Settings) -> None:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["join", "exit", "die", "revive", "close", "tick"]),
+        st.sampled_from(["announce", "join", "exit", "die", "revive", "close", "tick"]),
         st.sampled_from("abcde"),
     ),
     max_size=60,
@@ -187,25 +208,26 @@ ops = st.lists(
 def test_invariants_hold_under_any_schedule(schedule, min_nodes, extra):
     """Ranks unique and contiguous, ≤ max participants, closed stays closed, one list per node."""
     s = Settings(min_nodes=min_nodes, max_nodes=min_nodes + extra, last_call_timeout=2)
-    state, now, alive = State(), 0.0, set("abcde")
+    state, now = State(), 0.0
+    announced: set[str] = set()
     for op, node in schedule:
         now += 1
         if op == "die":
-            alive.discard(node)
+            announced.discard(node)
             continue
-        if op == "revive":
-            alive.add(node)
+        if op in ("announce", "revive"):
+            announced.add(node)
             continue
-        if node not in alive:
+        if node not in announced:
             continue
         if op == "join":
-            action: Action = decide_join(state, node, info(node), s, now, frozenset(alive), FAR)
+            action: Action = decide_join(state, node, s, now, present(announced), FAR)
         elif op == "exit":
             action = decide_exit(state, node, s)
         elif op == "close":
             action = decide_close(state)
         else:
-            action = decide_join(state, node, info(node), s, now + 10, frozenset(alive), FAR)
+            action = decide_join(state, node, s, now + 10, present(announced), FAR)
         if action.kind is Kind.WRITE:
             assert action.state is not None
             check_invariants(state, action.state, s)

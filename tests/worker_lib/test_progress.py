@@ -186,9 +186,12 @@ async def test_a_worker_that_keeps_pinging_is_never_hung(tmp_path: Path) -> None
 
 
 async def test_a_finished_worker_is_no_longer_watched(tmp_path: Path) -> None:
-    """finished() wakes the waiter; with every worker finished nothing can hang."""
+    """finished() wakes the waiter; with every worker finished nothing can hang; on_check sees reads."""
+    checks: list[list[Beat]] = []
     monitor = ProgressMonitor(
-        {0: tmp_path / "hb0", 1: tmp_path / "hb1"}, ProgressSettings(startup_timeout=0.5)
+        {0: tmp_path / "hb0", 1: tmp_path / "hb1"},
+        ProgressSettings(startup_timeout=0.5),
+        on_check=checks.append,
     )
     monitor.prepare()
     monitor.started()
@@ -202,6 +205,7 @@ async def test_a_finished_worker_is_no_longer_watched(tmp_path: Path) -> None:
     async with asyncio.timeout(10):
         hang = await waiter
     assert hang.local_rank == 1 and hang.never_pinged
+    assert checks[0] == [] and [b.local_rank for b in checks[-1]] == [1]  # on_check saw each read
 
 
 # -- stack dumps -------------------------------------------------------------------------

@@ -284,6 +284,7 @@ def start_etcd(root: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def open_backend(name: str, root: Path, http_clients: int) -> Backend:
+    root.mkdir(parents=True, exist_ok=True)
     if name == "memory":
         from elasticd.store.memory import MemoryStore
 

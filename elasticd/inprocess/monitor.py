@@ -76,25 +76,25 @@ class Monitor(threading.Thread):
         self.soft_timeout = soft_timeout
         self.hard_timeout = hard_timeout
         self.grace = termination_grace_time
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._soft_fired_generation = -1
         self._latest_keys: list[str] = []
 
     def stop(self) -> None:
         """Ask the thread to end (at its next wake-up; closing its client wakes it now)."""
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
         try:
             self._loop()
         except StoreUnreachable as exc:
-            if not self._stop.is_set():
+            if not self._stopping.is_set():
                 log.warning("in-process monitor stopped: the store is unreachable: %s", exc)
 
     def _loop(self) -> None:
         layout = self.coordinator.layout
         client = self.coordinator.client
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             now = time.monotonic()
             wake = now + self.soft_timeout / 2
             last = self.progress.last()
@@ -120,7 +120,7 @@ class Monitor(threading.Thread):
                 reason = self.fault_in(view)
                 if reason is not None:
                     self.interrupt(reason, view.iteration)
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 return
             client.watch(layout.faults, revision, max(0.0, wake - time.monotonic()), prefix=True)
 

@@ -114,13 +114,17 @@ class _Semaphore:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         self._buf = ctypes.create_string_buffer(64)  # >= sizeof(sem_t) on every libc we know
         self._init = libc.sem_init
+        self._post = libc.sem_post
         self._timedwait = libc.sem_timedwait
-        self._destroy = libc.sem_destroy
         if self._init(self._buf, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "sem_init failed")
         # The pending call: sem_post(sem) takes one pointer and returns 0, runs no Python.
         self.post = ctypes.cast(libc.sem_post, _PendingCall)
         self.address = ctypes.cast(self._buf, ctypes.c_void_p)
+
+    def wake(self) -> None:
+        """Post from Python (to end a wait early)."""
+        self._post(self._buf)
 
     def wait(self, timeout: float) -> bool:
         """Wait for a post up to ``timeout`` seconds (the GIL is released meanwhile)."""
@@ -146,7 +150,7 @@ class PendingCallProbe(threading.Thread):
         super().__init__(name="elasticd-inprocess-probe", daemon=True)
         self.progress = progress
         self.interval = interval
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._sem = _Semaphore()
 
     @classmethod
@@ -160,16 +164,17 @@ class PendingCallProbe(threading.Thread):
 
     def run(self) -> None:
         outstanding = False
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             if not outstanding and self.progress.running:
                 outstanding = _AddPendingCall(self._sem.post, self._sem.address) == 0
             if not outstanding:
-                self._stop.wait(self.interval)
+                self._stopping.wait(self.interval)
             elif self._sem.wait(self.interval):
                 outstanding = False
                 self.progress.automatic()
-                self._stop.wait(self.interval)
+                self._stopping.wait(self.interval)
 
     def stop(self) -> None:
-        """End the thread within ``interval``; a call already queued still runs, harmlessly."""
-        self._stop.set()
+        """End the thread now; a pending call already queued still runs, harmlessly."""
+        self._stopping.set()
+        self._sem.wake()

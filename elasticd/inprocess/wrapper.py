@@ -338,6 +338,12 @@ class CallWrapper:
         self._client.close()
         if self._torch_store is not None:
             self._torch_store.client.close()
+        # The probe wakes at once (stop() posts its semaphore). The monitor is not
+        # joined: a closed client does not interrupt a long-poll already sent, so
+        # it ends at its next wake-up; it is a daemon thread and acts on nothing
+        # once stopped.
+        if self._probe is not None and self._probe.is_alive():
+            self._probe.join(timeout=5.0)
 
     # -- what the training function sees ------------------------------------------------
 

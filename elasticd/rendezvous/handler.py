@@ -5,10 +5,10 @@ A node first announces itself: one lease-bound *presence* key
 job's rendezvous prefix in one request (the state document and every
 presence key, at one revision), decides, and either writes with
 compare-and-set (a lost race just means deciding again on the winner's
-state) or watches. A joining node watches the state key only, so a thousand
-announcements do not wake a thousand watchers each; a running node watches
-the whole prefix, so a lease expiry (its presence key deleted) wakes it at
-once. Nothing sleeps on a timer: the only timed wake-ups are the deadlines
+state) or watches. A node waiting inside an open round watches the state key
+only, so a thousand announcements do not wake a thousand watchers each;
+every other wait (a running node, the wait list, a hot spare) watches the
+whole prefix, so a lease expiry (a presence key deleted) wakes it at once. Nothing sleeps on a timer: the only timed wake-ups are the deadlines
 the protocol names (the last call, the join timeout).
 """
 
@@ -189,7 +189,10 @@ class StoreRendezvous:
                         return action.state
                 continue  # decide again on what is there now (ours or the winner's)
             if action.kind is Kind.WAIT:
-                await self._wait(self._state_key, False, revision, action.until)
+                if action.presence:
+                    await self._wait(self._prefix, True, revision, action.until)
+                else:
+                    await self._wait(self._state_key, False, revision, action.until)
                 continue
             if action.kind is Kind.FINISH:
                 return state

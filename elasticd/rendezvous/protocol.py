@@ -175,6 +175,9 @@ class Action:
     state: State | None = None  # the state to write (WRITE)
     until: float | None = None  # wall time to wake up at if nothing changes (WAIT)
     why: str = ""
+    #: WAIT: also wake when a node's presence changes (a death is what we wait for).
+    #: False only inside an open round, where the next writer is another joiner.
+    presence: bool = True
 
 
 # state edits (pure: each returns a new State)
@@ -304,7 +307,12 @@ def decide_join(
         ):
             return Action(Kind.WRITE, _complete(state), why=f"completing the round with {n} nodes")
         until = state.deadline if n >= settings.min_nodes else join_deadline
-        return Action(Kind.WAIT, until=min(until or join_deadline, join_deadline))
+        return Action(
+            Kind.WAIT,
+            until=min(until or join_deadline, join_deadline),
+            presence=False,
+            why="in the open round, waiting for it to complete",
+        )
     return Action(Kind.WAIT, why="announced; waiting to be placed")  # pragma: no cover
 
 

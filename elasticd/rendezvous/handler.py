@@ -8,8 +8,9 @@ compare-and-set (a lost race just means deciding again on the winner's
 state) or watches. A node waiting inside an open round watches the state key
 only, so a thousand announcements do not wake a thousand watchers each;
 every other wait (a running node, the wait list, a hot spare) watches the
-whole prefix, so a lease expiry (a presence key deleted) wakes it at once. Nothing sleeps on a timer: the only timed wake-ups are the deadlines
-the protocol names (the last call, the join timeout).
+whole prefix, so a lease expiry (a presence key deleted) wakes it at once.
+Nothing sleeps on a timer: the only timed wake-ups are the deadlines the
+protocol names (the last call, the join timeout).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Issue #4's multi-node figures for elasticd, side by side with torchrun, in one run.
 
-Four measurements (``--only`` picks some; ``--quick`` runs reduced counts):
+Three measurements (``--only`` picks some; ``--quick`` runs reduced counts):
 
 ``rendezvous``  2 and 4 nodes (and 4 launched with the elastic ``2:4``): from
                 the job's POST (elasticd: the daemons already run; every agent

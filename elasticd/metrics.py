@@ -62,11 +62,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 KEEP_FINISHED_JOBS = 100
 
 #: Event kinds (with ``duration_s``) that time one phase of a recovery, and the
-#: phase label they feed. ``recovery.<phase>`` kinds need no entry.
-PHASE_BY_KIND: dict[str, str] = {
-    "workers.stopped": "stop_workers",
-    "rendezvous.complete": "rendezvous",
-}
+#: phase label they feed. The agent emits ``recovery.<phase>`` events (detected →
+#: stop_workers → rendezvous → spawn, and total), which need no entry.
+PHASE_BY_KIND: dict[str, str] = {}
 
 #: Event kinds that count as a worker exit of this reason (the agent's hang and
 #: health-check detection); ``worker.exited`` is classified by :func:`exit_reason`.
@@ -322,8 +320,7 @@ class Metrics:
             if kind == "rendezvous.complete":
                 self.rendezvous_duration.observe(event.duration_s)
             phase = recovery_phase(kind)
-            # A job's first rendezvous is not a recovery; one after a failure or change is.
-            if phase is not None and (phase != "rendezvous" or job_id in self._recovering):
+            if phase is not None:
                 self.phase_duration.labels(phase).observe(event.duration_s)
         if kind == "rendezvous.complete":
             self.rendezvous_rounds.inc()
@@ -334,9 +331,7 @@ class Metrics:
             self._recovering.add(job_id)
             self._failure_at.setdefault(job_id, event.time)
         elif kind == "workers.started":
-            began = self._failure_at.pop(job_id, None)
-            if job_id in self._recovering and began is not None:
-                self.phase_duration.labels("total").observe(max(0.0, event.time - began))
+            self._failure_at.pop(job_id, None)
             self._recovering.discard(job_id)
         elif kind == "group.state" and event.state is not None:
             self._ran_here.add(job_id)

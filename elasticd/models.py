@@ -223,6 +223,35 @@ class RootCause(BaseModel):
         return (self.timestamp or float("inf"), self.exited_at or float("inf"))
 
 
+class Recovery(BaseModel):
+    """Where the time of one recovery went (wall-clock seconds).
+
+    Phases: failure detected → workers stopped → rendezvous complete →
+    workers spawned (→ first progress ping, when the job pings). Across
+    nodes, the summary spans from the earliest detection to the last node's
+    spawn, and each phase is the slowest node's.
+    """
+
+    round: int = Field(description="The rendezvous round the recovery produced.")
+    cause: str
+    detected_at: float
+    stop_s: float | None = Field(default=None, description="Detected → workers stopped.")
+    rendezvous_s: float | None = Field(default=None, description="Stopped → round complete.")
+    spawn_s: float | None = Field(default=None, description="Round complete → workers spawned.")
+    first_progress_s: float | None = Field(
+        default=None, description="Workers spawned → first progress ping."
+    )
+    spawned_at: float | None = None
+    total_s: float | None = Field(default=None, description="Detected → workers spawned.")
+
+
+class RecoveryTotals(BaseModel):
+    """All recoveries of a job so far."""
+
+    count: int = 0
+    total_s: float = 0.0
+
+
 class PendingFailure(BaseModel):
     """A failure in a round, charged to the budget once the next round shows who came back."""
 
@@ -248,6 +277,10 @@ class Job(BaseModel):
     submitted_to: str | None = Field(default=None, description="The node that took the POST.")
     pending_failure: PendingFailure | None = None
     charged_round: int = -1
+    last_recovery: Recovery | None = Field(
+        default=None, description="Phase durations of the latest recovery."
+    )
+    recovery_totals: RecoveryTotals = Field(default_factory=RecoveryTotals)
 
 
 class JobList(BaseModel):

@@ -47,6 +47,8 @@ from elasticd.models import (
     Job,
     JobSpec,
     PendingFailure,
+    Recovery,
+    RecoveryTotals,
     RootCause,
     WorkerView,
     console_streams,
@@ -195,6 +197,47 @@ def settle_failure(round_: RoundInfo) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
+def merge_recovery(mine: Recovery) -> Callable[[Job], dict[str, Any]]:
+    """Job-document edit: fold this node's view of a recovery into the job's summary.
+
+    Nodes recover in parallel; the job's recovery spans from the earliest
+    detection to the last node's spawn, each phase the slowest node's.
+    """
+
+    def edit(job: Job) -> dict[str, Any]:
+        if job.state.is_terminal:
+            return {}
+        old = job.last_recovery
+        totals = job.recovery_totals
+        if old is not None and old.round == mine.round:
+            detected = min(old.detected_at, mine.detected_at)
+            spawned = max(old.spawned_at or 0.0, mine.spawned_at or 0.0)
+
+            def slowest(a: float | None, b: float | None) -> float | None:
+                return max(x for x in (a, b) if x is not None) if a or b else None
+
+            new = Recovery(
+                round=mine.round,
+                cause=old.cause,
+                detected_at=detected,
+                stop_s=slowest(old.stop_s, mine.stop_s),
+                rendezvous_s=slowest(old.rendezvous_s, mine.rendezvous_s),
+                spawn_s=slowest(old.spawn_s, mine.spawn_s),
+                spawned_at=spawned,
+                total_s=spawned - detected,
+            )
+            delta = (new.total_s or 0.0) - (old.total_s or 0.0)
+            totals = RecoveryTotals(count=totals.count, total_s=totals.total_s + delta)
+        else:
+            new = mine
+            totals = RecoveryTotals(
+                count=totals.count + 1, total_s=totals.total_s + (mine.total_s or 0.0)
+            )
+        return {"last_recovery": new, "recovery_totals": totals}
+
+    return edit
+
+
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
@@ -211,6 +254,8 @@ class JobAgent:
         self._publish_wanted = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        #: The recovery in progress: (cause, detected_at, stopped_at, rendezvous_started).
+        self._recovery: dict[str, Any] | None = None
 
     @property
     def view(self) -> GroupView | None:
@@ -290,6 +335,7 @@ class JobAgent:
             f"master {round_.master_addr}:{round_.master_port}",
             duration_s=self.ctx.clock.monotonic() - started,
         )
+        rendezvous_done = self.ctx.clock.time()
         job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
         if job.state.is_terminal:
             await self.ctx.rendezvous.close()
@@ -319,8 +365,10 @@ class JobAgent:
             return True
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
+        await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
         outcome = await self._monitor(group, round_)
         if isinstance(outcome, Change):
+            self._begin_recovery(outcome.value, self.ctx.clock.time())
             await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
             if outcome is Change.CLOSED:
                 await self._finish_closed()
@@ -332,9 +380,13 @@ class JobAgent:
             if change is None or change is Change.CLOSED:
                 await self._finish_succeeded(round_)
                 return True
+            self._begin_recovery(change.value, self.ctx.clock.time())
             self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
+            self._recovery_stopped()
             await self._membership_change(change)
             return False
+        first = min((f.exited_at for f in outcome.failures), default=self.ctx.clock.time())
+        self._begin_recovery("worker failure", first)
         await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
         root = self._root_cause(outcome)
         await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
@@ -658,9 +710,76 @@ class JobAgent:
                 attempt=self.attempt,
                 duration_s=self.ctx.clock.monotonic() - started,
             )
+            self._recovery_stopped()
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
+
+    # recovery timeline
+
+    def _begin_recovery(self, cause: str, detected_at: float) -> None:
+        if self._recovery is not None:
+            return  # already recovering (e.g. a failure while re-forming)
+        self._recovery = {"cause": cause, "detected_at": detected_at, "stopped_at": None}
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "recovery.detected",
+            f"recovery started on {self.ctx.node}: {cause}",
+            attempt=self.attempt,
+            time=detected_at,
+        )
+
+    def _recovery_stopped(self) -> None:
+        rec = self._recovery
+        if rec is not None and rec["stopped_at"] is None:
+            rec["stopped_at"] = self.ctx.clock.time()
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "recovery.stop_workers",
+                f"workers stopped on {self.ctx.node}",
+                attempt=self.attempt,
+                duration_s=rec["stopped_at"] - rec["detected_at"],
+            )
+
+    async def _finish_recovery(self, round_: RoundInfo, *, rendezvous_done: float) -> None:
+        rec, self._recovery = self._recovery, None
+        if rec is None:
+            return
+        spawned = self.ctx.clock.time()
+        stopped = rec["stopped_at"] or rec["detected_at"]
+        mine = Recovery(
+            round=round_.round,
+            cause=rec["cause"],
+            detected_at=rec["detected_at"],
+            stop_s=stopped - rec["detected_at"],
+            rendezvous_s=max(0.0, rendezvous_done - stopped),
+            spawn_s=max(0.0, spawned - rendezvous_done),
+            spawned_at=spawned,
+            total_s=spawned - rec["detected_at"],
+        )
+        for phase, seconds in (("rendezvous", mine.rendezvous_s), ("spawn", mine.spawn_s)):
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                f"recovery.{phase}",
+                f"recovery phase {phase} on {self.ctx.node}",
+                attempt=self.attempt,
+                duration_s=seconds,
+            )
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "recovery.total",
+            f"recovered on {self.ctx.node} in {mine.total_s:.3f}s ({mine.cause}): "
+            f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
+            f"spawn {mine.spawn_s:.3f}s",
+            attempt=self.attempt,
+            duration_s=mine.total_s,
+        )
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(self.job_id, mutate=merge_recovery(mine))
 
     def _log_dir(self, local_rank: int) -> Path:
         return self.ctx.log_root / self.job_id / f"attempt_{self.attempt}" / str(local_rank)

@@ -51,7 +51,14 @@ async def test_crash_once_restarts_the_group_and_succeeds(client, daemon, tmp_pa
     job = await wait_job(client, r.json()["id"])
     assert job["state"] == "SUCCEEDED"
     assert job["restart_count"] == 1
+    rec = job["last_recovery"]  # where the recovery's time went
+    assert rec["cause"] == "worker failure" and rec["round"] == 1
+    phases = rec["stop_s"] + rec["rendezvous_s"] + rec["spawn_s"]
+    assert 0 < rec["total_s"] < 10 and abs(phases - rec["total_s"]) < 1e-3
+    assert job["recovery_totals"] == {"count": 1, "total_s": rec["total_s"]}
     kinds = [e["kind"] for e in await events_of(client, job["id"])]
+    for phase in ("detected", "stop_workers", "rendezvous", "spawn", "total"):
+        assert f"recovery.{phase}" in kinds
     assert kinds.count("workers.started") == 2
     assert "group.restarting" in kinds
     exits = [

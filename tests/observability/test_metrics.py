@@ -66,7 +66,8 @@ def test_exit_reasons_and_phases_come_from_the_tables():
     assert exit_reason(event("worker.hang")) == "hang"
     assert exit_reason(event("worker.health_check_failed")) == "health_check"
     assert exit_reason(event("group.state")) is None
-    assert recovery_phase("workers.stopped") == "stop_workers"
+    assert recovery_phase("recovery.stop_workers") == "stop_workers"
+    assert recovery_phase("workers.stopped") is None  # a cancel stops workers too: no recovery
     assert recovery_phase("recovery.first_progress") == "first_progress"
     assert recovery_phase("exit_barrier.done") is None
 
@@ -77,10 +78,15 @@ def test_sink_counts_a_restart_and_records_the_run_once():
     sink.on_jobs([job("j", JobState.RUNNING)])
     sink.on_event(event("group.state", state="HEALTHY"))
     sink.on_event(event("worker.exited", state="FAILED", exit_code=3, time=100.0))
+    sink.on_event(event("recovery.detected", time=100.0))
     sink.on_event(event("workers.stopped", duration_s=0.5, time=100.5))
+    sink.on_event(event("recovery.stop_workers", duration_s=0.5, time=100.5))
     sink.on_event(event("group.restarting", time=100.6))
     sink.on_event(event("rendezvous.complete", duration_s=0.25, time=101.0))
     sink.on_event(event("workers.started", time=101.5))
+    sink.on_event(event("recovery.rendezvous", duration_s=0.25, time=101.5))
+    sink.on_event(event("recovery.spawn", duration_s=0.75, time=101.5))
+    sink.on_event(event("recovery.total", duration_s=1.5, time=101.5))
     sink.on_event(event("recovery.first_progress", duration_s=2.0, time=103.5))
     sink.on_event(event("group.state", state="SUCCEEDED"))
     done = job("j", JobState.SUCCEEDED, restarts=1, finished_at=104.0)

@@ -67,7 +67,7 @@ def _worker(argv: list[str]) -> None:
     until ``--hold FILE`` exists (or SIGTERM), then exit 0. ``--mode crash``:
     while fewer than ``--crashes`` crash files exist in ``--out``, the worker
     of global rank ``--crash-rank`` exits 1 after ``--crash-after`` s (having
-    written ``crash-<i>`` with the time just before its exit) and the others
+    just created ``crash-<i>`` holding the time of its exit) and the others
     wait for SIGTERM; once they all exist, every worker exits 0. Counting
     crash files instead of reading ``TORCHELASTIC_RESTART_COUNT`` works under
     torchrun too, where only the failing node's agent counts a restart. No
@@ -127,10 +127,11 @@ def _worker(argv: list[str]) -> None:
         time.sleep(args.done_after)
         os._exit(0)
     if rank == args.crash_rank:
+        # The file appears only now, when every worker of the round has counted.
+        time.sleep(args.crash_after)
         fd = os.open(
             os.path.join(args.out, f"crash-{crashes}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
         )
-        time.sleep(args.crash_after)
         os.write(fd, repr(time.time()).encode())
         os._exit(1)
     while time.monotonic() < deadline:

@@ -57,6 +57,16 @@ def _serve_flags(p: argparse.ArgumentParser, *, port_default: int | None) -> Non
     p.add_argument("--token-file", help="0600 file holding the bearer token")
     p.add_argument("--store-url", help="http://host:port of another daemon's store, or etcd://")
     p.add_argument("--config", help="TOML config file")
+    p.add_argument("--unix-socket", help="also listen on this unix socket (0660, in a 0750 dir)")
+    p.add_argument("--run-as", help="user jobs run as (root daemon; default: 'elasticd')")
+    p.add_argument("--allowed-users", help="users a job may ask to run as, comma-separated")
+    p.add_argument(
+        "--allow-root",
+        action="store_const",
+        const=True,
+        default=None,
+        help="allow running jobs as root",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,11 +149,17 @@ async def _serve(args: argparse.Namespace) -> int:
             "token_file",
             "store_url",
             "config",
+            "unix_socket",
+            "run_as",
+            "allowed_users",
+            "allow_root",
         )
     }
     config = load_config(flags)
     if args.store_only:
         config.store_only = True
+    if config.allow_root is None:
+        config.allow_root = False  # the service never runs jobs as root unless told to
     daemon = Daemon(config)
     daemon.install_signal_handlers()
     await daemon.start()

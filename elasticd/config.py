@@ -75,6 +75,28 @@ class Config(BaseModel):
     lease_ttl: float = Field(
         default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
     )
+    # Hardening (elasticd.security, api.limits).
+    run_as: str | None = Field(default=None, min_length=1, description="User jobs run as.")
+    allow_root: bool | None = Field(
+        default=None,
+        description="Allow jobs as root. Unset: `elasticd serve` refuses; an embedded daemon "
+        "(`elasticd run`) runs jobs as its caller.",
+    )
+    allowed_users: list[str] = Field(
+        default_factory=list, description="Users a job may ask to run as (`user` in the spec)."
+    )
+    unix_socket: Path | None = None
+    unix_socket_group: str | None = None
+    max_request_bytes: int = Field(
+        default=1 << 20, ge=1024, description="Largest request body (413 beyond); not /store."
+    )
+
+    @field_validator("allowed_users", mode="before")
+    @classmethod
+    def _users(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
 
     @field_validator("labels", mode="before")
     @classmethod
@@ -114,6 +136,12 @@ _ENV_FIELDS = {
     "TOKEN_FILE": "token_file",
     "STORE_URL": "store_url",
     "LEASE_TTL": "lease_ttl",
+    "RUN_AS": "run_as",
+    "ALLOW_ROOT": "allow_root",
+    "ALLOWED_USERS": "allowed_users",
+    "UNIX_SOCKET": "unix_socket",
+    "UNIX_SOCKET_GROUP": "unix_socket_group",
+    "MAX_REQUEST_BYTES": "max_request_bytes",
 }
 
 

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Self
 
 from elasticd.models import Event
+from elasticd.workers.spawn import WorkerRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -31,6 +32,16 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
 CREATE INDEX IF NOT EXISTS events_unpublished ON events (published) WHERE published = 0;
+-- Every worker process spawned and not yet stopped, for the start-up sweep of orphans.
+CREATE TABLE IF NOT EXISTS workers (
+    pid        INTEGER NOT NULL,
+    start_time INTEGER NOT NULL,
+    boot_id    TEXT NOT NULL,
+    job_id     TEXT NOT NULL,
+    attempt    INTEGER,
+    local_rank INTEGER NOT NULL,
+    PRIMARY KEY (pid, start_time)
+);
 """
 
 
@@ -105,3 +116,32 @@ class Database:
             self.conn.executemany(
                 "UPDATE events SET published = 1 WHERE seq = ?", [(s,) for s in seqs]
             )
+
+    # spawned workers (elasticd.workers.spawn: the start-up sweep of orphans)
+
+    def record_worker(self, record: WorkerRecord) -> None:
+        """Remember a spawned worker until its group is stopped."""
+        self.conn.execute(
+            "INSERT OR REPLACE INTO workers (pid, start_time, boot_id, job_id, attempt, local_rank)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (
+                record.pid,
+                record.start_time,
+                record.boot_id,
+                record.job_id,
+                record.attempt,
+                record.local_rank,
+            ),
+        )
+
+    def forget_workers(self, pids: Iterable[tuple[int, int]]) -> None:
+        """Forget workers by (pid, start time): their process groups are gone."""
+        self.conn.executemany(
+            "DELETE FROM workers WHERE pid = ? AND start_time = ?", [tuple(p) for p in pids]
+        )
+
+    def recorded_workers(self) -> list[WorkerRecord]:
+        rows = self.conn.execute(
+            "SELECT pid, start_time, boot_id, job_id, attempt, local_rank FROM workers"
+        ).fetchall()
+        return [WorkerRecord(*row) for row in rows]

@@ -117,22 +117,44 @@ class EventLog:
                 await self._queue.join()
 
     async def _publish(self) -> None:
+        """Publish in batches: everything queued goes out concurrently, one group commit."""
         assert self._store is not None
+        store = self._store
         backoff = 0.05
         while True:
-            event = await self._queue.get()
-            while True:
-                try:
-                    key = f"{event_prefix(event.job_id)}{event.node}/{event.seq:012d}"
-                    await self._store.put(key, event.model_dump_json().encode())
-                    self._db.mark_published([event.seq])
-                    backoff = 0.05
-                    break
-                except StoreError as exc:
-                    log.warning("cannot publish event %s yet: %s", event.seq, exc)
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            pending = batch
+            while pending:
+                results = await asyncio.gather(
+                    *(
+                        store.put(
+                            f"{event_prefix(e.job_id)}{e.node}/{e.seq:012d}",
+                            e.model_dump_json().encode(),
+                        )
+                        for e in pending
+                    ),
+                    return_exceptions=True,
+                )
+                done = [
+                    e
+                    for e, r in zip(pending, results, strict=True)
+                    if not isinstance(r, BaseException)
+                ]
+                self._db.mark_published(e.seq for e in done)
+                pending = [e for e in pending if e not in done]
+                if pending:
+                    errors = [r for r in results if isinstance(r, BaseException)]
+                    if any(not isinstance(r, StoreError) for r in errors):
+                        log.error("publishing events failed unexpectedly: %r", errors[0])
+                    log.warning("cannot publish %d events yet: %s", len(pending), errors[0])
                     await asyncio.sleep(backoff)  # retry with backoff while the store is away
                     backoff = min(backoff * 2, 1.0)
-            self._queue.task_done()
+                else:
+                    backoff = 0.05
+            for _ in batch:
+                self._queue.task_done()
 
     # reading: this node's own events
 

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -84,13 +86,22 @@ class OutputPipe:
 
     @classmethod
     async def open(
-        cls, local_rank: int, stream: Stream, log_path: Path, sink: OutputSink | None
+        cls,
+        local_rank: int,
+        stream: Stream,
+        log_path: Path,
+        sink: OutputSink | None,
+        *,
+        owner: tuple[int, int] | None = None,
     ) -> OutputPipe:
         """Open `log_path` for appending and a pipe whose read end the loop watches.
 
-        Raises OSError when the file cannot be opened; nothing is left open then.
+        The file is never reached through a symbolic link and must be a
+        regular file (a worker may own the folder it lies in). With `owner`
+        (uid, gid) the file is handed to the worker's user. Raises OSError
+        when the file cannot be opened; nothing is left open then.
         """
-        file = log_path.open("ab", buffering=0)
+        file = _open_log(log_path, owner)
         try:
             read_fd, write_fd = os.pipe()
         except OSError:
@@ -206,6 +217,23 @@ class OutputPipe:
                     self.local_rank,
                     self.stream,
                 )
+
+
+def _open_log(path: Path, owner: tuple[int, int] | None) -> BinaryIO:
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(path, flags, 0o644)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if owner is not None:
+            # By descriptor, so the file that is handed over is the one that was opened.
+            os.fchown(fd, *owner)
+            os.fchmod(fd, 0o640)
+        return os.fdopen(fd, "ab", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _PipeProtocol(asyncio.Protocol):

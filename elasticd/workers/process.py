@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import functools
 import logging
 import os
 import shutil
 import signal
+import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,17 @@ from types import TracebackType
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
+from elasticd.security import Identity, prepare_worker_dir
 from elasticd.workers.errorfile import WorkerError, read_error_file
 from elasticd.workers.output import OutputPipe, OutputSink, Stream
+from elasticd.workers.spawn import (
+    WorkerRecord,
+    WorkerRegistry,
+    boot_id,
+    current_policy,
+    process_start_time,
+    wrap_argv,
+)
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -69,6 +80,12 @@ class WorkerLaunch:
     console_stdout: bool = False
     """Also pass this worker's stdout lines to the group's output sink (torchrun's tee)."""
     console_stderr: bool = False
+    user: str | None = None
+    """The user the job asks to run as; the daemon's policy decides (:mod:`elasticd.security`)."""
+    job_id: str | None = None
+    """For the daemon's record of spawned workers; default: ``env["ELASTICD_JOB_ID"]``."""
+    attempt: int | None = None
+    """For the same record; default: from a ``log_dir`` of the form ``.../attempt_<n>/<rank>``."""
 
     @property
     def error_file(self) -> Path | None:
@@ -201,6 +218,8 @@ class WorkerGroupProcesses:
         self._phase = _Phase.STARTING
         self._decided = asyncio.Event()
         self._stop_task: asyncio.Task[GroupResult] | None = None
+        self._registry: WorkerRegistry | None = None
+        self._recorded: list[tuple[int, int]] = []
 
     @classmethod
     async def start(
@@ -316,12 +335,19 @@ class WorkerGroupProcesses:
         rank = launch.local_rank
         argv = [str(arg) for arg in launch.argv]
         executable = _resolve_entrypoint(launch)
+        policy = current_policy()
+        self._registry = policy.registry
         try:
-            launch.log_dir.mkdir(parents=True, exist_ok=True)
+            identity = policy.identity_for(launch.user)
+        except WorkerSpawnError as exc:
+            raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
+        _check_executable(launch, executable)
+        try:
+            prepare_worker_dir(launch.log_dir, identity)
             _remove_stale_error_file(launch)
-            stdout = await self._open_pipe(launch, "stdout", launch.console_stdout)
+            stdout = await self._open_pipe(launch, "stdout", launch.console_stdout, identity)
             try:
-                stderr = await self._open_pipe(launch, "stderr", launch.console_stderr)
+                stderr = await self._open_pipe(launch, "stderr", launch.console_stderr, identity)
             except BaseException:
                 stdout.close()
                 raise
@@ -330,19 +356,31 @@ class WorkerGroupProcesses:
                 f"local rank {rank}: cannot set up the logs of {argv[0]!r} in "
                 f"{launch.log_dir}: {exc}"
             ) from exc
+        env = dict(launch.env)
+        credentials: dict[str, object] = {}
+        if identity is not None:
+            env.update(identity.env())
+            # Switched in the child between fork and exec, in C: before the
+            # wrapper sets the parent-death signal (a credential change clears it).
+            credentials = {
+                "user": identity.uid,
+                "group": identity.gid,
+                "extra_groups": list(identity.groups),
+            }
+        command = wrap_argv(executable, argv, setpriv=policy.wrapper())
         try:
             process = await asyncio.create_subprocess_exec(
-                argv[0],
-                *argv[1:],
-                executable=executable,
+                command[0],
+                *command[1:],
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout.write_fd,
                 stderr=stderr.write_fd,
-                env=dict(launch.env),
+                env=env,
                 cwd=launch.cwd,
                 # Own session, so own process group: signals reach the worker's
                 # children too, and a terminal's Ctrl-C on the daemon does not.
                 start_new_session=True,
+                **credentials,  # type: ignore[arg-type]
             )
         except BaseException as exc:
             stdout.close()
@@ -360,16 +398,51 @@ class WorkerGroupProcesses:
         self._workers[rank] = worker
         self.pids[rank] = process.pid
         self.started_at[rank] = self._clock.time()
+        self._record(launch, process.pid)
         worker.watch = asyncio.get_running_loop().create_task(
             self._watch(worker), name=f"elasticd-worker-{rank}-exit"
         )
         log.info("local rank %d started: pid %d, %s", rank, process.pid, argv[0])
 
-    async def _open_pipe(self, launch: WorkerLaunch, stream: Stream, console: bool) -> OutputPipe:
+    async def _open_pipe(
+        self, launch: WorkerLaunch, stream: Stream, console: bool, identity: Identity | None
+    ) -> OutputPipe:
         sink = self._on_output if console else None
+        owner = (identity.uid, identity.gid) if identity is not None else None
         return await OutputPipe.open(
-            launch.local_rank, stream, launch.log_dir / f"{stream}.log", sink
+            launch.local_rank, stream, launch.log_dir / f"{stream}.log", sink, owner=owner
         )
+
+    def _record(self, launch: WorkerLaunch, pid: int) -> None:
+        """Remember the worker in the daemon's database, for the start-up sweep of orphans."""
+        if self._registry is None:
+            return
+        start_time = process_start_time(pid)
+        if start_time is None:
+            return  # already gone
+        try:
+            self._registry.record_worker(
+                WorkerRecord(
+                    pid=pid,
+                    start_time=start_time,
+                    boot_id=boot_id(),
+                    job_id=launch.job_id or launch.env.get("ELASTICD_JOB_ID", ""),
+                    attempt=launch.attempt if launch.attempt is not None else _attempt_of(launch),
+                    local_rank=launch.local_rank,
+                )
+            )
+            self._recorded.append((pid, start_time))
+        except Exception:  # the record is a safety net; never fail a spawn over it
+            log.exception("cannot record worker pid %d for the orphan sweep", pid)
+
+    def _forget(self) -> None:
+        if self._registry is None or not self._recorded:
+            return
+        try:
+            self._registry.forget_workers(self._recorded)
+            self._recorded = []
+        except Exception:
+            log.exception("cannot forget stopped workers in the daemon's database")
 
     # Watching.
 
@@ -447,6 +520,7 @@ class WorkerGroupProcesses:
         for worker in workers:
             if worker.watch is not None:
                 await worker.watch
+        self._forget()  # every group was SIGKILLed above: nothing of them is left to sweep
         self._phase = _Phase.CLOSED
         self._decided.set()
         return self.snapshot()
@@ -475,6 +549,33 @@ def _resolve_entrypoint(launch: WorkerLaunch) -> str:
             f"no executable of that name on the worker's PATH ({search_path})"
         )
     return found
+
+
+def _check_executable(launch: WorkerLaunch, executable: str) -> None:
+    """Refuse what exec would refuse, before the wrapper runs (it can only exit 127 then)."""
+    path = executable
+    if not os.path.isabs(path):
+        path = os.path.join(launch.cwd or os.getcwd(), path)
+    cause: OSError
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        cause = exc
+    else:
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
+            return
+        cause = PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+    raise WorkerSpawnError(
+        f"local rank {launch.local_rank}: cannot start {str(launch.argv[0])!r} "
+        f"(cwd {launch.cwd!r}): {cause}"
+    ) from cause
+
+
+def _attempt_of(launch: WorkerLaunch) -> int | None:
+    name = launch.log_dir.parent.name
+    if name.startswith("attempt_") and name[8:].isdigit():
+        return int(name[8:])
+    return None
 
 
 def _remove_stale_error_file(launch: WorkerLaunch) -> None:

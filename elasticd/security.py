@@ -1,0 +1,379 @@
+"""Who may do what on this node: the user jobs run as, and the daemon's own files and socket.
+
+Submitting a job is running a program, so the daemon decides the user it
+runs as and never leaves it to the request alone:
+
+Job users
+    :func:`resolve_job_users` turns the configuration into a
+    :class:`JobUsers` policy once, at start. A daemon that is not root runs
+    every job as itself (it could not do otherwise). A root daemon runs jobs
+    as ``run_as``; without it, ``elasticd serve`` picks the ``elasticd``
+    service user when it exists and otherwise refuses to run jobs as root
+    unless ``allow_root = true``. A job may ask for a ``user`` only from
+    ``allowed_users`` (the ``run_as`` user is always allowed), and root only
+    with ``allow_root``. An embedded daemon (``elasticd run``,
+    ``elasticd.launch``, tests) leaves ``allow_root`` unset and runs jobs as
+    the calling user, as torchrun does.
+
+    The switch itself happens in the worker spawn (:mod:`elasticd.workers.spawn`):
+    ``subprocess`` sets the groups, gid and uid between fork and exec in C
+    (no ``preexec_fn``, which is unsafe in a threaded process), and only
+    then the parent-death signal is set, because a credential change clears it.
+
+Files
+    The daemon's state (its SQLite event log and the embedded store, which
+    holds every job spec, ``env`` included) is readable by the daemon's user
+    only: :func:`secure_state_dir` makes the state folder 0700 and its files
+    0600. When jobs run as other users their logs must be reachable, so the
+    state folder and the log root become traverse-only (0711) and
+    :func:`prepare_worker_dir` hands each worker its own log folder
+    (``<job>/attempt_<n>/<local_rank>``): the folders above it stay the
+    daemon's, so a worker can never redirect the daemon's writes elsewhere
+    with a symbolic link, and the daemon opens log files with ``O_NOFOLLOW``.
+
+Unix socket
+    :func:`bind_unix_socket` creates ``--unix-socket`` 0660 inside a 0750
+    folder, binding it itself so that uvicorn's default of 0666 never applies.
+
+The token
+    Never logged, never put in an event, an API answer or a worker's
+    environment: workers get ``ELASTICD_TOKEN_FILE`` (a path) only, and the
+    file is 0600 or the daemon refuses to start (:func:`elasticd.config.read_token`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+import pwd
+import socket
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from elasticd.errors import ConfigError, WorkerSpawnError
+
+if TYPE_CHECKING:
+    from elasticd.config import Config
+
+log = logging.getLogger("elasticd.security")
+
+#: The service user a root ``elasticd serve`` runs jobs as when ``run_as`` is not set.
+SERVICE_USER = "elasticd"
+
+#: Modes of the daemon's own state: its folder and the files in it.
+STATE_DIR_MODE = 0o700
+STATE_DIR_MODE_SHARED = 0o711
+STATE_FILE_MODE = 0o600
+#: The log root when jobs run as other users: they may pass through, not list it.
+LOG_ROOT_MODE_SHARED = 0o711
+#: A job's log folder (owner: the daemon; group: the job user's) and a worker's own.
+JOB_DIR_MODE = 0o750
+WORKER_DIR_MODE = 0o750
+
+#: The unix socket and the folder it is created in.
+SOCKET_MODE = 0o660
+SOCKET_DIR_MODE = 0o750
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A user a worker can run as."""
+
+    user: str
+    uid: int
+    gid: int
+    home: str
+    groups: tuple[int, ...] = ()
+    """Supplementary groups (``initgroups``), the primary one included."""
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+    def env(self) -> dict[str, str]:
+        """``HOME``, ``USER`` and ``LOGNAME`` as a login of this user would have them."""
+        return {"HOME": self.home, "USER": self.user, "LOGNAME": self.user}
+
+
+def lookup_user(name: str) -> Identity:
+    """The identity of a user given by name or numeric uid; ``ConfigError`` if unknown."""
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+    except (KeyError, ValueError):
+        raise ConfigError(f"user {name!r} does not exist on this node") from None
+    try:
+        groups = tuple(os.getgrouplist(entry.pw_name, entry.pw_gid))
+    except OSError:  # pragma: no cover - NSS failure
+        groups = (entry.pw_gid,)
+    return Identity(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir, groups)
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class JobUsers:
+    """The users this daemon runs jobs as: decided once, applied to every worker spawn."""
+
+    default: Identity | None
+    """Who jobs run as when they name no user; None: as the daemon itself."""
+    allowed: dict[str, Identity] = field(default_factory=dict)
+    """Users a job may ask for, by name."""
+    refusal: str | None = None
+    """Set when jobs that name no user must not run at all, with the reason."""
+    daemon_uid: int = field(default_factory=os.geteuid)
+
+    def for_job(self, requested: str | None) -> Identity | None:
+        """The identity a job runs as (None: the daemon's own); ``WorkerSpawnError`` if refused."""
+        if requested is None:
+            if self.refusal is not None:
+                raise WorkerSpawnError(self.refusal)
+            return self.default
+        identity = self.allowed.get(requested)
+        if identity is None and requested.isdigit():
+            identity = next((i for i in self.allowed.values() if str(i.uid) == requested), None)
+        if identity is None:
+            names = ", ".join(sorted(self.allowed)) or "none"
+            raise WorkerSpawnError(
+                f"the job asks to run as {requested!r}, which this node does not allow "
+                f"(allowed_users: {names})"
+            )
+        return None if identity.uid == self.daemon_uid else identity
+
+    @property
+    def identities(self) -> list[Identity]:
+        """Every identity other than the daemon's own that a worker may get."""
+        found = {i.uid: i for i in self.allowed.values() if i.uid != self.daemon_uid}
+        if self.default is not None and self.default.uid != self.daemon_uid:
+            found[self.default.uid] = self.default
+        return list(found.values())
+
+
+def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
+    """The job-user policy of ``config`` for a daemon running as ``euid`` (default: this one).
+
+    Raises ``ConfigError`` for a setting that can never work: an unknown
+    user, root without ``allow_root``, or other users on a non-root daemon.
+    """
+    euid = os.geteuid() if euid is None else euid
+    run_as: str | None = getattr(config, "run_as", None)
+    allow_root: bool | None = getattr(config, "allow_root", None)
+    allowed_names: list[str] = list(getattr(config, "allowed_users", []) or [])
+
+    def checked(name: str, setting: str) -> Identity:
+        identity = lookup_user(name)
+        if identity.is_root and not allow_root:
+            raise ConfigError(
+                f"{setting}: refusing to run jobs as root ({name!r}); "
+                "set allow_root = true if that is really intended"
+            )
+        return identity
+
+    if euid != 0:
+        me = pwd.getpwuid(euid).pw_name if _uid_known(euid) else str(euid)
+        for name, setting in [(run_as, "run_as")] + [(n, "allowed_users") for n in allowed_names]:
+            if name is not None and lookup_user(name).uid != euid:
+                raise ConfigError(
+                    f"{setting}: only a daemon running as root can run jobs as another user "
+                    f"({name!r}); this daemon runs as {me!r}"
+                )
+        allowed = {me: _self_identity(euid)} if _uid_known(euid) else {}
+        return JobUsers(default=None, allowed=allowed, daemon_uid=euid)
+
+    allowed = {name: checked(name, "allowed_users") for name in allowed_names}
+    if run_as is not None:
+        default: Identity | None = checked(run_as, "run_as")
+    elif allow_root is None:
+        default = None  # embedded daemon: the calling user's jobs, as torchrun runs them
+    elif _user_exists(SERVICE_USER):
+        default = lookup_user(SERVICE_USER)
+    elif allow_root:
+        default = None
+    else:
+        reason = (
+            "refusing to run the job as root: this daemon runs as root and no run_as user is "
+            f'configured (and no {SERVICE_USER!r} user exists). Set run_as = "<user>" in the '
+            f"config, create the {SERVICE_USER!r} user, or set allow_root = true"
+        )
+        return JobUsers(default=None, allowed=allowed, refusal=reason, daemon_uid=euid)
+    if default is not None:
+        allowed.setdefault(default.user, default)
+    elif allow_root:
+        allowed.setdefault("root", _self_identity(0))
+    return JobUsers(
+        default=None if default is not None and default.uid == euid else default,
+        allowed=allowed,
+        daemon_uid=euid,
+    )
+
+
+def _uid_known(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def _self_identity(uid: int) -> Identity:
+    entry = pwd.getpwuid(uid)
+    return Identity(entry.pw_name, entry.pw_uid, entry.pw_gid, entry.pw_dir, (entry.pw_gid,))
+
+
+# -- the daemon's files --------------------------------------------------------------
+
+
+def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None) -> None:
+    """Make the daemon's state private: the folder 0700 (0711 when jobs run as others), files 0600.
+
+    When jobs run as other users and their log root lies under the state
+    folder, those users must be able to pass through it (never list it):
+    the folder and the log root become 0711. Only folders this process owns
+    are changed; a file in the state folder that it does not own is left alone.
+    """
+    shared = bool(users and users.identities)
+    state_dir = state_dir.resolve()
+    logs = logs.resolve()
+    _chmod_own(state_dir, STATE_DIR_MODE_SHARED if shared else STATE_DIR_MODE)
+    for entry in state_dir.iterdir():
+        with contextlib.suppress(OSError):
+            st = entry.lstat()
+            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not private:
+                entry.chmod(STATE_FILE_MODE)
+    if shared:
+        logs.mkdir(parents=True, exist_ok=True)
+        _chmod_own(logs, LOG_ROOT_MODE_SHARED)
+        for parent in logs.parents:
+            if parent == state_dir or state_dir in parent.parents:
+                _chmod_own(parent, STATE_DIR_MODE_SHARED)
+        for identity in users.identities if users else []:
+            blocked = _first_untraversable(logs, identity)
+            if blocked is not None:
+                log.warning(
+                    "user %s cannot reach the worker log folder %s: %s is not searchable "
+                    "for it; its jobs will fail to start (give it o+x or set log_dir)",
+                    identity.user,
+                    logs,
+                    blocked,
+                )
+
+
+def _chmod_own(path: Path, mode: int) -> None:
+    with contextlib.suppress(OSError):
+        st = path.stat()
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+            path.chmod(mode)
+
+
+def can_traverse(path: Path, identity: Identity) -> bool:
+    """Whether ``identity`` may search the folder ``path`` (root may always)."""
+    if identity.is_root:
+        return True
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if st.st_uid == identity.uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid in identity.groups or st.st_gid == identity.gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _first_untraversable(path: Path, identity: Identity) -> Path | None:
+    for folder in [*reversed(path.parents), path]:
+        if not can_traverse(folder, identity):
+            return folder
+    return None
+
+
+def prepare_worker_dir(log_dir: Path, identity: Identity | None) -> None:
+    """Create a worker's log folder; when it runs as ``identity``, make it that user's.
+
+    ``log_dir`` is ``<logs>/<job>/attempt_<n>/<local_rank>``. The job and
+    attempt folders stay the daemon's (0750, group: the user's group), so the
+    user cannot swap them for links; the worker's own folder becomes the
+    user's, for its error file and anything else it writes next to its logs.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if identity is None:
+        return
+    attempt_dir = log_dir.parent
+    job_dir = attempt_dir.parent
+    for folder in (job_dir, attempt_dir):
+        st = folder.lstat()
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
+            raise WorkerSpawnError(
+                f"log folder {folder} is not owned by the daemon; refusing to use it"
+            )
+        if st.st_gid != identity.gid:
+            os.chown(folder, -1, identity.gid, follow_symlinks=False)
+        if stat.S_IMODE(st.st_mode) != JOB_DIR_MODE:
+            folder.chmod(JOB_DIR_MODE)
+    st = log_dir.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        raise WorkerSpawnError(f"log folder {log_dir} is a symbolic link; refusing to use it")
+    os.chown(log_dir, identity.uid, identity.gid, follow_symlinks=False)
+    os.chmod(log_dir, WORKER_DIR_MODE, follow_symlinks=False)
+
+
+# -- the unix socket -----------------------------------------------------------------
+
+
+def bind_unix_socket(path: Path, *, group: str | None = None) -> socket.socket:
+    """A listening unix socket at ``path``: mode 0660, in a folder of mode 0750.
+
+    The folder is created if missing; an existing one must belong to this
+    user and is set to 0750. A stale socket at ``path`` is replaced; any
+    other file there is an error. With ``group``, the folder and the socket
+    belong to that group, whose members may then connect.
+    """
+    path = Path(path)
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True, mode=SOCKET_DIR_MODE)
+    st = folder.stat()
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"unix socket folder {folder} belongs to uid {st.st_uid}, not to this daemon; "
+            "use a folder of its own (e.g. /run/elasticd)"
+        )
+    gid = -1
+    if group is not None:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ConfigError(f"unix_socket_group: group {group!r} does not exist") from None
+        os.chown(folder, -1, gid)
+    folder.chmod(SOCKET_DIR_MODE)
+    try:
+        existing = path.lstat()
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISSOCK(existing.st_mode):
+            raise ConfigError(f"unix socket path {path} exists and is not a socket")
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        # bind() creates the node with the umask applied; set the mode explicitly,
+        # as uvicorn would otherwise (it makes its own sockets 0666).
+        os.chmod(path, SOCKET_MODE)
+        if gid != -1:
+            os.chown(path, -1, gid)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on unix socket {path}: {exc.strerror}") from None
+    sock.setblocking(False)
+    return sock

@@ -517,9 +517,9 @@ async def elasticd_loss(ed: Elasticd, root: Path, plan: Plan, gloo: bool = False
             spec = ed.spec(job, argv, min_nodes=2, max_nodes=3, group="g3", max_restarts=0)
             await ed.submit(c, spec)
 
-            def running() -> bool:
+            def running(notes: Path = notes, folder: Path = folder) -> bool:
                 if gloo:
-                    return sum(1 for _ in _notes(notes) if _["world"] == 3) >= 3
+                    return sum(1 for n in _notes(notes) if n["world"] == 3) >= 3
                 return len([r for r in starts(folder) if r.world == 3]) >= 3
 
             await await_for(running, 90 if gloo else 30, f"{job}: 3 workers running", 0.02)
@@ -531,12 +531,14 @@ async def elasticd_loss(ed: Elasticd, root: Path, plan: Plan, gloo: bool = False
             t_kill = time.time()
             ed.cluster.kill9(victim["node"], pids)
 
-            def reformed() -> list[float] | None:
+            def reformed(
+                notes: Path = notes, folder: Path = folder, t_kill: float = t_kill
+            ) -> list[float] | None:
                 if gloo:
-                    # the notes are written after init + all-reduce; the fork time is
-                    # what we want, so take the events (below) for gloo
+                    # notes are written after init + the first all-reduce; the forks
+                    # come from the events (below)
                     new = [n for n in _notes(notes) if n["world"] == 2]
-                    return [t_kill] if len(new) >= 2 else None
+                    return [time.time()] if len(new) >= 2 else None
                 new = [r.fork for r in starts(folder) if r.world == 2 and r.fork > t_kill]
                 return new if len(new) >= 2 else None
 
@@ -544,8 +546,7 @@ async def elasticd_loss(ed: Elasticd, root: Path, plan: Plan, gloo: bool = False
             ev = started_events(await ed.events(c, job), t_kill)
             if len(ev) >= 2:
                 events_.append(max(e["time"] for e in ev[:2]) - t_kill)
-            if not gloo:
-                samples.append(max(new[:2]) - t_kill)
+            samples.append((new[0] if gloo else max(new[:2])) - t_kill)
             hold.touch()
             state = await ed.until_ended(c, job, 60)
             if state != "SUCCEEDED":
@@ -556,7 +557,7 @@ async def elasticd_loss(ed: Elasticd, root: Path, plan: Plan, gloo: bool = False
             ed.start(name, "g3=1")
             await ed.cluster.wait_ready(name)
     if gloo:
-        return {"event": ms(events_)}
+        return {"event": ms(events_), "first_allreduce": ms(samples)}
     return {"fork": ms(samples), "event": ms(events_), "raw_fork_s": samples}
 
 
@@ -732,19 +733,23 @@ def torchrun_crash(root: Path, plan: Plan) -> dict[str, Any]:
 def torchrun_loss(root: Path, plan: Plan, gloo: bool = False) -> dict[str, Any]:
     """3 agents ``2:3 --max-restarts 3``; ``kill -9`` of a non-host agent and its worker.
 
-    Then watch for ``torchrun_loss_wait`` seconds (gloo: at least 60): do new
-    workers start (and when), are the survivors' workers and agents alive,
-    what do the agents log. Finally the hold file is created and everything
-    is killed.
+    The TCPStore of the c10d backend lives in one agent (the one listening on
+    the endpoint's port); the victim is another one, so the rendezvous
+    itself survives. Then the survivors are watched for
+    ``torchrun_loss_wait`` seconds (gloo: at least 90): when do their
+    workers fail (their log), when does a rendezvous complete again and with
+    what world size (their log), when are new workers forked (new child
+    processes of the surviving agents), and (gloo) when does a new worker
+    finish its first all-reduce (its notes). Then everything is killed.
     """
     name = f"tr-loss{'-gloo' if gloo else ''}"
     folder = root / name
     folder.mkdir()
     hold = folder / "hold"
     notes = folder / "notes.jsonl"
-    wait = max(plan.torchrun_loss_wait, 60.0) if gloo else plan.torchrun_loss_wait
+    wait = max(plan.torchrun_loss_wait, 90.0) if gloo else plan.torchrun_loss_wait
     if gloo:
-        argv = [TRAIN, "--out", str(notes), "--hold", str(hold), "--hold-limit", "180"]
+        argv = [TRAIN, "--out", str(notes), "--hold", str(hold), "--hold-limit", "240"]
     else:
         argv = worker_cmd(folder, "hold", hold=hold)[1:]
     with Torchruns(root, name, "2:3", 3, argv, max_restarts=3) as tr:
@@ -758,68 +763,87 @@ def torchrun_loss(root: Path, plan: Plan, gloo: bool = False) -> dict[str, Any]:
         time.sleep(1.0)
         host = tr.host()
         victim = next(p for p in tr.procs if p.pid != host)
-        by_parent = {}
-        if gloo:
-            by_parent = {n["pid"]: n for n in _notes(notes)}
-            victim_workers = [pid for pid in by_parent if _ppid(pid) == victim.pid]
-        else:
-            victim_workers = [r.pid for r in starts(folder) if r.ppid == victim.pid]
-        survivors_workers = (
-            [pid for pid in by_parent if pid not in victim_workers]
-            if gloo
-            else [r.pid for r in starts(folder) if r.pid not in victim_workers]
-        )
+        survivors = [p for p in tr.procs if p is not victim]
+        agent_pids = {p.pid for p in survivors}
+        before = _children(agent_pids)
+        victim_workers = _children({victim.pid})
         t_kill = time.time()
         signal_group(victim.pid, signal.SIGKILL)
         for pid in victim_workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         deadline = Deadline(wait)
-        first_new: float | None = None
-        new_world: int | None = None
-        exited_at: dict[int, float] = {}
+        spawned: dict[int, float] = {}
+        first_note: float | None = None
         while not deadline.expired():
+            for pid in _children(agent_pids) - before:
+                if pid not in spawned:
+                    spawned[pid] = _proc_start(pid) or time.time()
             if gloo:
-                fresh = [n for n in _notes(notes) if n["pid"] not in by_parent]
-                if len(fresh) >= 2 and first_new is None:
-                    first_new = time.time()
-                    new_world = fresh[0]["world"]
-            else:
-                fresh_s = [r for r in starts(folder) if r.fork > t_kill]
-                if len(fresh_s) >= 2 and first_new is None:
-                    first_new = max(r.fork for r in fresh_s[:2])
-                    new_world = fresh_s[0].world
-            for k, p in enumerate(tr.procs):
-                if p is not victim and p.poll() is not None and k not in exited_at:
-                    exited_at[k] = time.time()
-            if first_new is not None:
+                fresh = [n for n in _notes(notes) if n["restart"] > 0 or n["world"] != 3]
+                if len(fresh) >= 2:
+                    first_note = time.time()
+                    break
+            elif len(spawned) >= 2:
+                break
+            if all(p.poll() is not None for p in survivors):
                 break
             time.sleep(0.05)
         observed = time.time() - t_kill
-        survivors_alive = sum(1 for pid in survivors_workers if _alive(pid))
-        agents_alive = sum(1 for p in tr.procs if p is not victim and p.poll() is None)
-        tail = []
+        failed, reformed, world = None, None, None
         for k, p in enumerate(tr.procs):
             if p is victim:
                 continue
-            lines = [
-                ln
-                for ln in tr.logs[k].read_text(errors="replace").splitlines()
-                if ln[:1] in "IWE" and (glog_time(ln) or 0) > t_kill
-            ]
-            tail += [f"agent{k}: {ln[:220]}" for ln in lines[-3:]]
+            lines = tr.logs[k].read_text(errors="replace").splitlines()
+            for n, line in enumerate(lines):
+                at = glog_time(line)
+                if at is None or at <= t_kill:
+                    continue
+                if "failed (exitcode" in line and (failed is None or at < failed):
+                    failed = at
+                if "Rendezvous complete" in line and (reformed is None or at > reformed):
+                    reformed = at
+                    for follow in lines[n + 1 : n + 12]:
+                        if "group_world_size=" in follow:
+                            world = int(follow.rsplit("=", 1)[1])
+                            break
+        new_forks = sorted(spawned.values())
+        alive = [pid for pid in before if _alive(pid)]
+        agents_alive = sum(1 for p in survivors if p.poll() is None)
         hold.touch()
     return {
         "gloo": gloo,
         "watched_s": observed,
-        "new_workers_after_s": None if first_new is None else first_new - t_kill,
-        "new_world": new_world,
-        "survivor_workers_alive": survivors_alive,
-        "survivor_workers": len(survivors_workers),
+        "survivor_workers_failed_after_s": None if failed is None else failed - t_kill,
+        "rendezvous_complete_after_s": None if reformed is None else reformed - t_kill,
+        "new_world": world,
+        "new_workers_after_s": new_forks[1] - t_kill if len(new_forks) >= 2 else None,
+        "first_allreduce_after_s": None if first_note is None else first_note - t_kill,
+        "old_survivor_workers_alive": f"{len(alive)}/{len(before)}",
         "survivor_agents_alive": agents_alive,
-        "survivor_agents_exited_after_s": sorted(t - t_kill for t in exited_at.values()),
-        "log_tail": tail,
     }
+
+
+def _children(parents: set[int]) -> set[int]:
+    """Live processes whose parent is one of ``parents``."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            ppid = _ppid(int(entry.name))
+            if ppid in parents and _alive(int(entry.name)):
+                found.add(int(entry.name))
+    return found
+
+
+def _proc_start(pid: int) -> float | None:
+    """A process's creation time as wall-clock seconds (1/CLK_TCK resolution)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    ticks = int(stat[stat.rindex(")") + 2 :].split()[19])
+    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _ppid(pid: int) -> int | None:
@@ -884,7 +908,7 @@ def build_table(res: Results) -> tuple[str, bool]:
             r_ready = p50(t, "ready")
             rows.append(
                 [
-                    f"  same, torchrun from its last agent's first rendezvous log line (ms)",
+                    "  same, torchrun from its last agent's first rendezvous log line (ms)",
                     "(supporting)",
                     span(e, "fork"),
                     span(t, "ready"),
@@ -927,9 +951,9 @@ def build_table(res: Results) -> tuple[str, bool]:
     if lo.get("elasticd_gloo") or lo.get("torchrun_gloo"):
         rows.append(
             [
-                "  same with a gloo job (train_elastic.py --hold), 1 run (ms; elasticd: events)",
+                "  same with a gloo job (train_elastic.py --hold), 1 run",
                 "(supporting)",
-                span(lo.get("elasticd_gloo"), "event"),
+                elasticd_gloo_cell(lo.get("elasticd_gloo")),
                 torchrun_loss_cell(lo.get("torchrun_gloo")),
                 "—",
                 "",
@@ -938,7 +962,12 @@ def build_table(res: Results) -> tuple[str, bool]:
     headers = ["Figure", "Goal", "elasticd p50 (min–max, n)", "torchrun", "torchrun ÷ elasticd", ""]
     table = md_table(headers, rows)
     checks = []
-    for sec, label in (("rendezvous", "2:2"), ("rendezvous", "4:4"), ("crash", None), ("loss", None)):
+    for sec, label in (
+        ("rendezvous", "2:2"),
+        ("rendezvous", "4:4"),
+        ("crash", None),
+        ("loss", None),
+    ):
         d = f.get(sec, {}).get("elasticd")
         if d and label:
             d = d.get(label)
@@ -952,18 +981,40 @@ def build_table(res: Results) -> tuple[str, bool]:
     return table, all_ok
 
 
+def elasticd_gloo_cell(e: dict[str, Any] | None) -> str:
+    if not e:
+        return "—"
+    fork, first = p50(e, "event"), p50(e, "first_allreduce")
+    return (
+        f"new workers forked at +{fmt((fork or 0) / 1000, 1)} s (events); "
+        f"first all-reduce at +{fmt((first or 0) / 1000, 1)} s"
+    )
+
+
 def torchrun_loss_cell(t: dict[str, Any] | None) -> str:
     if not t:
         return "—"
+    parts = []
+    if t.get("survivor_workers_failed_after_s") is not None:
+        parts.append(f"survivors' workers failed at +{t['survivor_workers_failed_after_s']:.1f} s")
+    else:
+        parts.append(f"survivors' workers untouched ({t['old_survivor_workers_alive']} running)")
     if t.get("new_workers_after_s") is not None:
-        return (
-            f"new workers (world {t['new_world']}) after {t['new_workers_after_s'] * 1000:.0f} ms"
+        parts.append(
+            f"re-formed (world {t['new_world']}), new workers forked at "
+            f"+{t['new_workers_after_s']:.1f} s"
         )
-    return (
-        f"no new worker within {t['watched_s']:.0f} s; {t['survivor_workers_alive']}/"
-        f"{t['survivor_workers']} survivor workers still running, "
-        f"{t['survivor_agents_alive']}/2 agents alive"
-    )
+    else:
+        parts.append(f"no new worker within {t['watched_s']:.0f} s")
+    if t.get("gloo"):
+        first = t.get("first_allreduce_after_s")
+        parts.append(
+            f"first all-reduce at +{first:.1f} s"
+            if first
+            else f"no all-reduce completed within {t['watched_s']:.0f} s"
+        )
+    parts.append(f"{t['survivor_agents_alive']}/2 agents still running")
+    return "; ".join(parts)
 
 
 # -- main ---------------------------------------------------------------------------------------------------
@@ -1035,7 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("torchrun", "torchrun_gloo"):
         t = res.figures.get("loss", {}).get(key)
         if t:
-            print(f"\ntorchrun node loss ({'gloo' if t['gloo'] else 'same worker'}): {json.dumps(t)}")
+            print(
+                f"\ntorchrun node loss ({'gloo' if t['gloo'] else 'same worker'}): {json.dumps(t)}"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(res.__dict__, indent=2, default=str))
     if res.errors:

@@ -273,10 +273,12 @@ def start_etcd(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"etcd exited: {log.read_text()[-2000:]}")
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(url + "/health", timeout=1) as response:
-                if b'"true"' in response.read():
-                    return proc, url
+        with (
+            contextlib.suppress(urllib.error.URLError, OSError),
+            urllib.request.urlopen(url + "/health", timeout=1) as response,
+        ):
+            if b'"true"' in response.read():
+                return proc, url
         if time.monotonic() > deadline:
             stop_process(proc, grace=2)
             raise RuntimeError("etcd not healthy within 20 s")
@@ -284,7 +286,7 @@ def start_etcd(root: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 async def open_backend(name: str, root: Path, http_clients: int) -> Backend:
-    root.mkdir(parents=True, exist_ok=True)
+    os.makedirs(root, exist_ok=True)
     if name == "memory":
         from elasticd.store.memory import MemoryStore
 
@@ -529,7 +531,8 @@ def growth(results: dict[str, tuple[str, list[tuple[RoundResult, int]]]]) -> str
         good = [r for r, _ in rows if r.ok and r.seconds]
         steps = []
         for a, b in zip(good, good[1:], strict=False):
-            assert a.seconds is not None and b.seconds is not None
+            assert a.seconds is not None
+            assert b.seconds is not None
             steps.append(
                 f"N {a.nodes}→{b.nodes} (×{b.nodes / a.nodes:g}): time ×{b.seconds / a.seconds:.1f}"
                 f", req/node {a.requests_mean:.1f}→{b.requests_mean:.1f}"
@@ -577,7 +580,8 @@ async def amain(args: argparse.Namespace) -> int:
     print()
     print(growth(results))
     if args.json:
-        Path(args.json).write_text(
+        await asyncio.to_thread(
+            Path(args.json).write_text,
             json.dumps(
                 {
                     "machine": machine_info(),
@@ -589,7 +593,7 @@ async def amain(args: argparse.Namespace) -> int:
                     "errors": errors,
                 },
                 indent=2,
-            )
+            ),
         )
     return 2 if errors else 0
 
@@ -650,4 +654,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

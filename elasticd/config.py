@@ -72,6 +72,10 @@ class Config(BaseModel):
     store_url: str | None = None
     store_only: bool = False
     shutdown_timeout: float = Field(default=60.0, gt=0)
+    health_check: list[str] | None = Field(
+        default=None,
+        description="A node-wide health check command (argv) run before every group start.",
+    )
     lease_ttl: float = Field(
         default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
     )

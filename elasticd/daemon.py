@@ -1,13 +1,18 @@
 """The daemon: composition root that owns the loop's signals, tasks and shutdown order.
 
-Start-up: open the database, open the store, fail jobs a previous run left
-active (never lose them), start the HTTP server inside this event loop,
-tell systemd ``READY=1``.
+Start-up: open the database, open the store, kill the workers a previous
+run left behind (:func:`elasticd.workers.spawn.sweep_orphans`), fail jobs a
+previous run left active (never lose them), start the HTTP server inside
+this event loop, tell systemd ``READY=1``, and ping its watchdog when the
+unit has one.
 
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
-process group, the job's grace, SIGKILL, awaited) → events are already on
-disk, checkpoint the database → stop the HTTP server → close the store.
+process group, the job's grace, SIGKILL, awaited; each leaves its
+rendezvous) → events are already on disk, checkpoint the database → publish
+the queued events to the store (bounded) and leave the cluster (revoke the
+node's lease, so peers see it gone at once) → stop the HTTP server → close
+the store.
 
 Signal handlers only set an event; uvicorn's own handlers are switched off.
 """
@@ -21,7 +26,7 @@ import os
 import shutil
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Self
 
@@ -38,10 +43,12 @@ from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
 from elasticd.models import Job
+from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.store import (
     Store,
     open_store,
 )
+from elasticd.workers.spawn import SpawnPolicy, install_policy, sweep_orphans
 
 log = logging.getLogger("elasticd.daemon")
 
@@ -111,6 +118,9 @@ class Daemon:
         self._environ = dict(os.environ if environ is None else environ)
         self.token = read_token(config, self._environ)
         check_bind(config, self.token)
+        self.job_users = resolve_job_users(config)
+        self._uninstall_spawn_policy: Callable[[], None] | None = None
+        self._watchdog_task: asyncio.Task[None] | None = None
         self._injected_store = store
         self._serve_http = serve_http
         self._console = console
@@ -143,6 +153,12 @@ class Daemon:
         self.db.open()
         self.store = self._injected_store or open_store(
             self.config.store_url, token=self.token, state_dir=self.config.state_dir
+        )
+        secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
+        if self.job_users.refusal is not None and not self.config.store_only:
+            log.warning("%s; every job sent to this node will fail", self.job_users.refusal)
+        self._uninstall_spawn_policy = install_policy(
+            SpawnPolicy(users=self.job_users, registry=self.db)
         )
         self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
         self.metrics = Metrics()
@@ -183,6 +199,7 @@ class Daemon:
             base_env=self._environ,
         )
         await self.events.start()
+        self._sweep_orphans()
         await self.jobs.recover()
         if not self.config.store_only:
             await self.cluster.start()
@@ -190,6 +207,11 @@ class Daemon:
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
         )
+        interval = systemd.watchdog_interval(self._environ)
+        if interval is not None:
+            self._watchdog_task = asyncio.create_task(
+                systemd.watchdog(interval, self._environ), name="systemd-watchdog"
+            )
         log.info(
             "elasticd %s ready on %s:%s (%d slots, state in %s)",
             self.config.node_name,
@@ -215,7 +237,35 @@ class Daemon:
         self._server = _Server(uv_config)
         sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
-        self._server_task = asyncio.create_task(self._server.serve([sock]), name="http")
+        sockets = [sock]
+        if self.config.unix_socket is not None:
+            try:
+                sockets.append(
+                    bind_unix_socket(self.config.unix_socket, group=self.config.unix_socket_group)
+                )
+            except BaseException:
+                sock.close()
+                raise
+        self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
+
+    def _sweep_orphans(self) -> None:
+        """Kill the workers a previous run of this daemon left alive, and say so in their jobs."""
+        for orphan in sweep_orphans(self.db):
+            record = orphan.record
+            if not record.job_id:
+                continue
+            what = "worker" if orphan.leader_alive else "leftover processes of worker"
+            self.events.emit(
+                record.job_id,
+                "daemon",
+                "worker.orphan_killed",
+                f"killed {what} pid {record.pid} (local rank {record.local_rank}, attempt "
+                f"{record.attempt}) left running by a previous run of the daemon: "
+                f"{len(orphan.pids)} process(es)",
+                pid=record.pid,
+                local_rank=record.local_rank,
+                attempt=record.attempt,
+            )
 
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)
@@ -246,13 +296,26 @@ class Daemon:
         await self.jobs.stop_agents()
         with contextlib.suppress(Exception):
             self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with contextlib.suppress(Exception):
+            await self.events.stop()  # bounded: publish what is queued to the store
+        with contextlib.suppress(Exception):
+            await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
         self.closing_streams.set()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._server_task
+        if self.config.unix_socket is not None:
+            with contextlib.suppress(OSError):
+                self.config.unix_socket.unlink()
         await self.store.close()
+        if self._uninstall_spawn_policy is not None:
+            self._uninstall_spawn_policy()
         self.db.close()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog_task
         self._state = "closed"
         log.info("elasticd stopped")
 

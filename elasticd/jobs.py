@@ -299,6 +299,8 @@ class JobService:
         listing = await self.store.list(group_prefix(job_id))
         groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
         agent = self._agents.get(job_id)
+        if agent is not None:
+            agent.refresh_progress()
         if agent is not None and agent.view is not None:  # our own group: freshest copy
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
         current = [g for g in groups if g.round == job.round] or groups
@@ -455,6 +457,7 @@ class JobService:
             console=self.console,
             clock=self.clock,
             fence_after=self.config.lease_ttl,
+            node_health_check=self.config.health_check,
         )
         agent = JobAgent(job, ctx)
         self._agents[job.id] = agent

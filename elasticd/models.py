@@ -153,6 +153,34 @@ class JobSpec(BaseModel):
         le=3600,
         description="Seconds a round stays open for stragglers once min_nodes have joined.",
     )
+    progress_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400,
+        description="A worker that has pinged (elasticd.worker.ping) must ping again within "
+        "this many seconds, or the group is UNHEALTHY and restarted. Off by default.",
+    )
+    startup_timeout: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400,
+        description="Seconds a worker has for its first ping. Off by default.",
+    )
+    health_check: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        default=None,
+        max_length=256,
+        description="A command (argv) run before every (re)start of the group; "
+        "a non-zero exit means unhealthy.",
+    )
+    health_check_timeout: float = Field(default=60.0, gt=0, le=3600)
+    gpu_health_check: bool = Field(
+        default=True, description="Run the built-in nvidia-smi check (skipped without it)."
+    )
+    inprocess_restart: bool = Field(
+        default=False,
+        description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "
+        "the others, which restart in-process; the group fails only if every worker fails.",
+    )
 
     @field_validator("entrypoint")
     @classmethod

@@ -25,12 +25,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal as signals
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.agent.ranks import WorkerRanks, assign_ranks
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
@@ -42,6 +44,7 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
+from elasticd.health import checks_for_job, run_health_checks
 from elasticd.models import (
     GroupView,
     Job,
@@ -56,6 +59,7 @@ from elasticd.models import (
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
+from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import AttemptInfo, worker_env
 from elasticd.workers.process import (
     GroupResult,
@@ -101,6 +105,8 @@ class AgentContext:
     clock: Clock = field(default=SYSTEM_CLOCK)
     #: Seconds without the store after which this node stops its workers (the lease TTL).
     fence_after: float = 3.0
+    #: The node config's health check command, run before every (re)start of a group.
+    node_health_check: list[str] | None = None
 
 
 def root_cause_of(
@@ -161,6 +167,23 @@ def record_failure(round_: RoundInfo, root: RootCause) -> Callable[[Job], dict[s
                 f"rank {root.rank} on {root.node} failed: {root.message}; restarting the group"
             )
         return changes
+
+    return edit
+
+
+def charge_now(root: RootCause) -> Callable[[Job], dict[str, Any]]:
+    """Job-document edit: spend one restart now (a failed health check), or fail the job."""
+
+    def edit(job: Job) -> dict[str, Any]:
+        if job.state.is_terminal:
+            return {}
+        if job.restart_count >= job.max_restarts:
+            return {
+                "state": JobState.FAILED,
+                "error": root,
+                "reason": f"restart budget spent ({job.max_restarts} restarts); {root.message}",
+            }
+        return {"restart_count": job.restart_count + 1, "error": root}
 
     return edit
 
@@ -256,10 +279,24 @@ class JobAgent:
         self._idle.set()
         #: The recovery in progress: (cause, detected_at, stopped_at, rendezvous_started).
         self._recovery: dict[str, Any] | None = None
+        self._progress: ProgressMonitor | None = None
+        self._exited: set[int] = set()
+        self._all_exited = asyncio.Event()
+        #: Wall time the workers of a recovery were spawned, until their first ping.
+        self._awaiting_first_progress: float | None = None
+        self._attempt_tag = ""
 
     @property
     def view(self) -> GroupView | None:
         return self._view
+
+    def refresh_progress(self) -> None:
+        """Read the heartbeat files now (64 bytes each) so last_progress_at is current."""
+        if self._view is None or self._progress is None:
+            return
+        for w in self._view.workers:
+            if w.state is WorkerState.HEALTHY or w.state is WorkerState.UNHEALTHY:
+                w.last_progress_at = self._progress.last_progress_at(w.local_rank)
 
     # the loop
 
@@ -311,6 +348,9 @@ class JobAgent:
 
     async def _round_once(self) -> bool:
         """One round: rendezvous, run, react. True when the job is over for this node."""
+        verdict = await self._health_checks()
+        if verdict is not None:
+            return verdict
         started = self.ctx.clock.monotonic()
         try:
             round_ = await self.ctx.rendezvous.next_round()
@@ -367,6 +407,9 @@ class JobAgent:
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
         await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
         outcome = await self._monitor(group, round_)
+        if isinstance(outcome, Hang):
+            await self._on_hang(outcome, round_)
+            return False
         if isinstance(outcome, Change):
             self._begin_recovery(outcome.value, self.ctx.clock.time())
             await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
@@ -529,6 +572,16 @@ class JobAgent:
             token_file=self.ctx.token_file,
             cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
+        heartbeats = {r.local_rank: attempt_dir / str(r.local_rank) / "heartbeat" for r in ranks}
+        self._progress = ProgressMonitor(
+            heartbeats,
+            ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
+            on_check=self._on_progress,
+        )
+        self._progress.prepare()  # before the spawn: workers open the file at their first ping
+        self._attempt_tag = f"{round_.round}.{restart_count}"
+        self._exited = set()
+        self._all_exited = asyncio.Event()
         launches = []
         for r in ranks:
             log_dir = attempt_dir / str(r.local_rank)
@@ -539,7 +592,10 @@ class JobAgent:
                 r,
                 info,
                 error_file=str(log_dir / "error.json"),
+                heartbeat_file=str(heartbeats[r.local_rank]),
             )
+            # Unique per group start across the cluster (in-process restart keys).
+            env["ELASTICD_ATTEMPT"] = self._attempt_tag
             launches.append(
                 WorkerLaunch(
                     local_rank=r.local_rank,
@@ -582,6 +638,7 @@ class JobAgent:
             launches, on_output=on_output, on_exit=self._on_exit, clock=self.ctx.clock
         )
         self._group = group
+        self._progress.started()
         for w in self._view.workers:
             w.pid = group.pids.get(w.local_rank)
             w.started_at = group.started_at.get(w.local_rank)
@@ -607,6 +664,15 @@ class JobAgent:
     def _on_exit(self, exit_: WorkerExit) -> None:
         """Called the moment a worker process exits."""
         ranks = self._ranks[exit_.local_rank]
+        if self._progress is not None:
+            self._progress.finished(exit_.local_rank)
+        self._exited.add(exit_.local_rank)
+        if len(self._exited) >= len(self._ranks):
+            self._all_exited.set()
+        if self.spec.inprocess_restart and exit_.failed and not exit_.stopped:
+            # Tell the surviving ranks at once, so they restart in-process instead of
+            # waiting for a collective to time out.
+            asyncio.get_running_loop().create_task(self._report_terminated(exit_, ranks))
         if exit_.stopped:
             state = WorkerState.STOPPED  # we stopped it; not a failure of its own
         elif exit_.failed:
@@ -651,18 +717,40 @@ class JobAgent:
 
     async def _monitor(
         self, group: WorkerGroupProcesses, round_: RoundInfo
-    ) -> GroupResult | Change:
-        """The attempt's result, or the rendezvous change that interrupts it."""
-        waiter = asyncio.create_task(group.wait())
+    ) -> GroupResult | Change | Hang:
+        """The attempt's result, a hang, or the rendezvous change that interrupts it."""
+        waiter = asyncio.create_task(self._outcome(group))
         change = asyncio.create_task(self._watch_round(round_.round))
+        tasks: set[asyncio.Task[Any]] = {waiter, change}
+        hang: asyncio.Task[Hang] | None = None
+        if self._progress is not None and self._progress.settings.enabled:
+            hang = asyncio.create_task(self._progress.wait_for_hang())
+            tasks.add(hang)
         try:
-            done, _ = await asyncio.wait({waiter, change}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            change.cancel()
+            for task in tasks:
+                task.cancel()
         if waiter in done:
             return waiter.result()
-        waiter.cancel()
+        if hang is not None and hang in done:
+            return hang.result()
         return change.result()
+
+    async def _outcome(self, group: WorkerGroupProcesses) -> GroupResult:
+        """torchrun's rule: the first failure ends the attempt.
+
+        With in-process restart a failed rank is the wrapper's business: the
+        others carry on without it, so the group succeeded if any worker did,
+        and failed only when every worker failed.
+        """
+        if not self.spec.inprocess_restart:
+            return await group.wait()
+        await self._all_exited.wait()
+        result = group.snapshot()
+        if any(not e.failed for e in result.exits.values()):
+            return GroupResult(succeeded=True, exits=result.exits, failures=())
+        return result
 
     async def _watch_round(self, my_round: int) -> Change:
         """The rendezvous change that ends this round.
@@ -715,6 +803,167 @@ class JobAgent:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
 
+    # hangs, health checks, progress
+
+    async def _on_hang(self, hang: Hang, round_: RoundInfo) -> None:
+        """A worker stopped reporting progress: UNHEALTHY, stacks, restart (spends budget)."""
+        now = self.ctx.clock.time()
+        ranks = self._ranks[hang.local_rank]
+        pid = self._group.pids.get(hang.local_rank) if self._group is not None else None
+        self._set_state(WorkerState.UNHEALTHY)  # HEALTHY -> UNHEALTHY
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "worker.hang",
+            f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}",
+            state=WorkerState.UNHEALTHY.value,
+            attempt=self.attempt,
+            rank=ranks.rank,
+            local_rank=hang.local_rank,
+            pid=pid,
+            duration_s=hang.silent_for,
+        )
+        if pid is not None:
+            stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
+            size = file_size(stderr_log)
+            stacks = await dump_stacks(pid)
+            if "SIGUSR1" in stacks:
+                # faulthandler writes from the worker's signal handler into its stderr
+                # pipe; give it a moment to land before the stop kills the worker.
+                await wait_for_growth(stderr_log, size, timeout=2.0)
+            self.ctx.events.emit(
+                self.job_id,
+                "worker",
+                "worker.stacks",
+                f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
+                attempt=self.attempt,
+                rank=ranks.rank,
+                local_rank=hang.local_rank,
+                pid=pid,
+            )
+        self._begin_recovery("hang", now)
+        await self._stop_workers(WorkerState.STOPPED)  # UNHEALTHY -> STOPPED
+        root = RootCause(
+            message=f"rank {ranks.rank} hung: {hang.describe()}",
+            node=self.ctx.node,
+            local_rank=hang.local_rank,
+            rank=ranks.rank,
+            timestamp=now,
+            exited_at=now,
+            attempt=self.attempt,
+            round=round_.round,
+            log_dir=str(self._log_dir(hang.local_rank)),
+        )
+        await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "group.restarting",
+            f"rank {ranks.rank} hung on {self.ctx.node}; re-forming the group",
+            state=WorkerState.STOPPED.value,
+            attempt=self.attempt,
+            rank=ranks.rank,
+            local_rank=hang.local_rank,
+            error=root,
+        )
+        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+
+    async def _health_checks(self) -> bool | None:
+        """Run the health checks before a (re)start. None: healthy, go on.
+
+        A failure spends one restart. A single-node job then tries again (or
+        fails once the budget is spent); in a multi-node job this node leaves
+        the rendezvous so that a spare or the remaining nodes carry on.
+        """
+        checks = checks_for_job(
+            self.spec.health_check,
+            gpu=self.spec.gpu_health_check,
+            node_command=self.ctx.node_health_check,
+        )
+        if not checks:
+            return None
+        env = {**self.ctx.base_env, **self.spec.env, "ELASTICD_JOB_ID": self.job_id}
+        if self.ctx.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.ctx.cuda_visible_devices
+        results = await run_health_checks(checks, env, self.spec.health_check_timeout)
+        failed = [r for r in results if not r.ok and not r.skipped]
+        for r in results:
+            kind = "health.skipped" if r.skipped else "health.passed" if r.ok else "health.failed"
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                kind,
+                f"{r.name} on {self.ctx.node}: {r.message}",
+                duration_s=r.duration_s,
+            )
+        if not failed:
+            return None
+        reason = "; ".join(f"{r.name}: {r.message}" for r in failed)
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "worker.health_check_failed",
+            f"node {self.ctx.node} is unhealthy for this job: {reason}",
+            state="UNHEALTHY",
+        )
+        root = RootCause(
+            message=f"health check failed on {self.ctx.node}: {reason}",
+            node=self.ctx.node,
+            timestamp=self.ctx.clock.time(),
+        )
+        job = await self.ctx.update_job(self.job_id, mutate=charge_now(root))
+        if job.state.is_terminal:
+            with contextlib.suppress(ElasticdError):
+                await self.ctx.rendezvous.close()
+            await self._finish_closed()
+            return True
+        assert self.spec.max_nodes is not None
+        if self.spec.max_nodes > 1:
+            with contextlib.suppress(ElasticdError):
+                await self.ctx.rendezvous.leave()
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "agent.finished",
+                f"{self.ctx.node} left the job: it failed its health check",
+            )
+            return True
+        return False
+
+    def _on_progress(self, beats: list[Beat]) -> None:
+        """The heartbeat files were read: refresh last_progress_at; time the first ping."""
+        if self._view is None or self._progress is None:
+            return
+        for w in self._view.workers:
+            w.last_progress_at = self._progress.last_progress_at(w.local_rank)
+        pinged = [w.last_progress_at for w in self._view.workers if w.last_progress_at]
+        if self._awaiting_first_progress is not None and pinged:
+            spawned, self._awaiting_first_progress = self._awaiting_first_progress, None
+            first = min(pinged)
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "recovery.first_progress",
+                f"first progress ping on {self.ctx.node} after the recovery",
+                attempt=self.attempt,
+                duration_s=max(0.0, first - spawned),
+            )
+        self._request_publish()
+
+    async def _report_terminated(self, exit_: WorkerExit, ranks: WorkerRanks) -> None:
+        from elasticd.inprocess.keys import report_terminated  # worker-side key layout
+
+        with contextlib.suppress(ElasticdError):
+            await report_terminated(
+                self.ctx.store,
+                self.job_id,
+                attempt_tag({"ELASTICD_ATTEMPT": self._attempt_tag}),
+                ranks.rank,
+                exit_.describe(),
+                exit_code=exit_.exit_code,
+                signal=exit_.signal,
+            )
+
     # recovery timeline
 
     def _begin_recovery(self, cause: str, detected_at: float) -> None:
@@ -748,6 +997,7 @@ class JobAgent:
         if rec is None:
             return
         spawned = self.ctx.clock.time()
+        self._awaiting_first_progress = spawned
         stopped = rec["stopped_at"] or rec["detected_at"]
         mine = Recovery(
             round=round_.round,
@@ -841,6 +1091,26 @@ class JobAgent:
         publisher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await publisher
+
+
+def file_size(path: Path) -> int:
+    """Size of a local log file (a stat; never blocks for long), 0 when absent."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+async def wait_for_growth(path: Path, size: int, timeout: float) -> bool:
+    """Until ``path`` is larger than ``size`` (bounded; the pipe reader announces nothing)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if file_size(path) > size:
+            await asyncio.sleep(0.05)  # let the rest of the dump arrive
+            return True
+        await asyncio.sleep(0.02)
+    return False
 
 
 def decode_group(raw: bytes) -> GroupView | None:

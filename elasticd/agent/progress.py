@@ -259,6 +259,14 @@ class ProgressMonitor:
                 return hang
             changed = asyncio.ensure_future(self._changed.wait())
             waits: set[asyncio.Future[Any]] = {changed}
+            if (
+                deadline is None
+                and self.settings.progress_timeout is not None
+                and any(b.last_ping is None for b in beats)
+            ):
+                # A worker that has not pinged yet has no deadline (no startup_timeout),
+                # but its first ping starts one: look again one progress_timeout later.
+                deadline = self._clock.monotonic() + self.settings.progress_timeout
             if deadline is not None:
                 delay = max(0.0, deadline - self._clock.monotonic())
                 waits.add(asyncio.ensure_future(self._sleep(delay)))

@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import stat
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,14 +335,15 @@ class WorkerGroupProcesses:
     async def _spawn(self, launch: WorkerLaunch) -> None:
         rank = launch.local_rank
         argv = [str(arg) for arg in launch.argv]
-        executable = _resolve_entrypoint(launch)
         policy = current_policy()
         self._registry = policy.registry
         try:
             identity = policy.identity_for(launch.user)
         except WorkerSpawnError as exc:
             raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
+        executable = _resolve_entrypoint(launch)
         _check_executable(launch, executable)
+        _warn_if_not_main_thread()
         try:
             prepare_worker_dir(launch.log_dir, identity)
             _remove_stale_error_file(launch)
@@ -569,6 +571,17 @@ def _check_executable(launch: WorkerLaunch, executable: str) -> None:
         f"local rank {launch.local_rank}: cannot start {str(launch.argv[0])!r} "
         f"(cwd {launch.cwd!r}): {cause}"
     ) from cause
+
+
+def _warn_if_not_main_thread() -> None:
+    # The parent-death signal belongs to the forking thread: workers spawned from a
+    # loop in another thread die when that thread ends, not when the process does.
+    if threading.current_thread() is not threading.main_thread():
+        log.warning(
+            "workers are spawned from thread %r, not the main thread: they will be killed "
+            "when that thread exits (parent-death signal)",
+            threading.current_thread().name,
+        )
 
 
 def _attempt_of(launch: WorkerLaunch) -> int | None:

@@ -64,6 +64,7 @@ class LocalCluster:
         state.mkdir(parents=True, exist_ok=True)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
         environ["ELASTICD_LEASE_TTL"] = str(self.lease_ttl)
+        environ["ELASTICD_ALLOW_ROOT"] = "true"  # CI runs as root: jobs run as the test's user
         environ.update(env or {})
         args = [
             sys.executable,

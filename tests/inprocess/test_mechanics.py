@@ -208,8 +208,10 @@ async def test_max_iterations_stops_a_fault_that_always_comes_back(
     async with asyncio.timeout(40):
         codes = await group.wait()
     assert codes == [1, 1], group.dump()
+    assert [e["iteration"] for e in group.ranks[1].fields("enter")] == ["0", "1", "2"]
+    # Rank 0 may learn of a fault before its function starts: it then skips that entry.
+    assert {e["iteration"] for e in group.ranks[0].fields("enter")} <= {"0", "1", "2"}
     for rank in group.ranks:
-        assert [e["iteration"] for e in rank.fields("enter")] == ["0", "1", "2"]
         assert any("RestartError: giving up after 3 iteration(s)" in line for line in rank.err)
 
 

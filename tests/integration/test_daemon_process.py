@@ -45,6 +45,7 @@ def start_daemon(
     tmp_path: Path, port: int, env_extra: dict[str, str] | None = None, *extra: str
 ) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env["ELASTICD_ALLOW_ROOT"] = "true"  # CI runs as root: jobs run as the test's user
     env.update(env_extra or {})
     with (tmp_path / f"daemon-{port}.log").open("wb") as out:
         return subprocess.Popen(

@@ -1,0 +1,322 @@
+"""Bad input: schemathesis against the checked-in openapi.json on a live daemon, and a matrix
+of hand-written bad requests. Every one gets a clear 4xx and the daemon keeps serving.
+
+The fuzzed daemon runs jobs as nobody's business: as root it refuses root jobs (no
+``allow_root``) and its workers' PATH names no folder, so no generated job runs anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.hardening.support import PY, Served, make_token_file, serve
+
+schemathesis = pytest.importorskip("schemathesis")
+hypothesis = pytest.importorskip("hypothesis")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = 60
+PUBLIC = {"/healthz", "/ui"}
+#: Statuses routes answer but do not document, in code this suite does not own: the store
+#: routes' "Lease not found", and /store/watch's 410 (also for a negative `after`).
+#: Reported; drop an entry once the routes document it.
+KNOWN_UNDOCUMENTED = {
+    ("/store/", 404, "Lease not found"),
+    ("/store/watch", 410, "Store history compacted"),
+}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("fuzz")
+    token_file, _ = make_token_file(root)
+    daemon = serve(
+        root,
+        token_file=token_file,
+        env={"ELASTICD_ALLOW_ROOT": "false", "PATH": "/nonexistent-elasticd-fuzz"},
+    )
+    try:
+        asyncio.run(daemon.wait_ready())
+        yield daemon
+    finally:
+        daemon.stop()
+    assert daemon.proc.returncode == 0, daemon.output()[-3000:]
+    # No request ever reached an unhandled exception in the app (uvicorn logs those).
+    assert "Exception in ASGI application" not in daemon.output(), daemon.output()[-5000:]
+
+
+def _bounded(case: Any) -> None:
+    """Long-polls and streams answer within a fraction of a second."""
+    query = case.query if isinstance(case.query, dict) else None
+    if query is None:
+        return
+    for name in ("wait", "timeout"):
+        value = query.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            query[name] = min(value, 0.2)
+    if case.operation.path == "/store/watch" and "timeout" not in query:
+        query["timeout"] = 0.2
+    query.pop("follow", None)
+
+
+def _check(case: Any, response: Any, label: str) -> None:
+    from schemathesis.checks import positive_data_acceptance
+    from schemathesis.openapi.checks import UndefinedStatusCode
+
+    # positive_data_acceptance is left out: JSON Schema cannot say everything the
+    # validators check (standard base64, store-key characters, torchrun's redirects
+    # syntax), so schema-valid input may still get a clear 422.
+    try:
+        case.validate_response(response, excluded_checks=[positive_data_acceptance])
+    except BaseExceptionGroup as group:
+        title = _title(response)
+        rest = group.subgroup(
+            lambda exc: (
+                not isinstance(exc, BaseExceptionGroup)
+                and not (
+                    isinstance(exc, UndefinedStatusCode)
+                    and any(
+                        case.operation.path.startswith(prefix)
+                        and response.status_code == status
+                        and title == known_title
+                        for prefix, status, known_title in KNOWN_UNDOCUMENTED
+                    )
+                )
+            )
+        )
+        if rest is not None:
+            raise rest from None
+
+
+def _title(response: Any) -> str | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body.get("title") if isinstance(body, dict) else None
+
+
+def test_schemathesis_finds_no_500_no_schema_mismatch_and_no_way_past_the_token(
+    live: Served,
+) -> None:
+    """Every operation of openapi.json, EXAMPLES generated requests each (valid and invalid):
+    no 5xx, every response as documented, and the same request without the token is 401."""
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_path(ROOT / "openapi.json")
+    auth = {"Authorization": f"Bearer {live.token}", "Accept": "application/json"}
+    statuses: dict[int, int] = {}
+    started = time.monotonic()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit, Phase.generate],
+        )
+        @given(case=operation.as_strategy())
+        def fuzz(case: Any) -> None:
+            label = case.operation.label
+            _bounded(case)
+            response = case.call(base_url=live.url, headers=auth, timeout=10)
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert response.status_code < 500, (label, response.status_code, response.text)
+            _check(case, response, label)
+            if case.operation.path not in PUBLIC:
+                anonymous = case.call(
+                    base_url=live.url, headers={"Accept": "application/json"}, timeout=10
+                )
+                assert anonymous.status_code in (401, 413), (label, anonymous.status_code)
+                if anonymous.status_code == 413:  # refused for its size before anything else
+                    assert response.status_code == 413
+
+        fuzz()
+    assert time.monotonic() - started < 60
+    assert sum(statuses.values()) > 100
+    assert httpx.get(f"{live.url}/healthz", timeout=5).status_code == 200
+
+
+# -- the hand-written matrix -------------------------------------------------------------
+
+
+def _client(live: Served) -> httpx.Client:
+    return httpx.Client(base_url=live.url, headers=live.headers, timeout=10)
+
+
+def _problem(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"] == "application/problem+json", r.headers
+    body: dict[str, Any] = r.json()
+    assert body["status"] == status and body["detail"], body
+    return body
+
+
+GOOD = {"entrypoint": "/bin/true"}
+HUGE = 10**40
+
+
+@pytest.mark.parametrize(
+    ("name", "request_", "status"),
+    [
+        ("not json", ("POST", "/jobs", {"content": b"{nope", "json_ct": True}), 422),
+        ("json, wrong media type", ("POST", "/jobs", {"content": b"entrypoint=x"}), 422),
+        ("empty body", ("POST", "/jobs", {"content": b"", "json_ct": True}), 422),
+        ("a list, not an object", ("POST", "/jobs", {"json": [GOOD]}), 422),
+        ("wrong type", ("POST", "/jobs", {"json": {**GOOD, "nproc_per_node": "two"}}), 422),
+        ("args not a list", ("POST", "/jobs", {"json": {**GOOD, "args": "a b"}}), 422),
+        ("env values not strings", ("POST", "/jobs", {"json": {**GOOD, "env": {"A": 1}}}), 422),
+        ("huge integer", ("POST", "/jobs", {"json": {**GOOD, "max_restarts": HUGE}}), 422),
+        (
+            "huge float",
+            (
+                "POST",
+                "/jobs",
+                {"content": b'{"entrypoint": "x", "join_timeout": 1e999}', "json_ct": True},
+            ),
+            422,
+        ),
+        (
+            "NaN",
+            (
+                "POST",
+                "/jobs",
+                {"content": b'{"entrypoint": "x", "termination_grace": NaN}', "json_ct": True},
+            ),
+            422,
+        ),
+        ("negative grace", ("POST", "/jobs", {"json": {**GOOD, "termination_grace": -1}}), 422),
+        ("zero join timeout", ("POST", "/jobs", {"json": {**GOOD, "join_timeout": 0}}), 422),
+        ("negative wait", ("GET", "/jobs/x/events", {"params": {"wait": -1}}), 422),
+        ("huge limit", ("GET", "/jobs", {"params": {"limit": HUGE}}), 422),
+        ("negative offset", ("GET", "/jobs", {"params": {"offset": -1}}), 422),
+        (
+            "negative store watch timeout",
+            ("GET", "/store/watch", {"params": {"key": "a", "timeout": -1}}),
+            422,
+        ),
+        ("huge lease ttl", ("POST", "/store/leases", {"json": {"ttl": 1e300}}), 422),
+        ("unknown job", ("GET", "/jobs/no-such-job", {}), 404),
+        ("unknown job workers", ("GET", "/jobs/no-such-job/workers", {}), 404),
+        ("unknown job events", ("GET", "/jobs/no-such-job/events", {}), 404),
+        ("unknown job logs", ("GET", "/jobs/no-such-job/logs", {}), 404),
+        ("cancel unknown job", ("POST", "/jobs/no-such-job/cancel", {}), 404),
+        ("unknown lease", ("POST", "/store/leases/12345/keepalive", {}), 404),
+        ("unknown route", ("GET", "/nope", {}), 404),
+        ("wrong method", ("DELETE", "/jobs", {}), 405),
+        ("traversal in the job id", ("GET", "/jobs/..%2F..%2Fetc/logs", {}), 404),
+        (
+            "traversal in the stream",
+            ("GET", "/jobs/x/logs", {"params": {"stream": "../../etc/passwd"}}),
+            422,
+        ),
+        ("traversal in the rank", ("GET", "/jobs/x/logs", {"params": {"local_rank": "../0"}}), 422),
+        (
+            "traversal in the attempt",
+            ("GET", "/jobs/x/logs", {"params": {"attempt": "../../1"}}),
+            422,
+        ),
+        ("traversal in the node", ("GET", "/jobs/x/logs", {"params": {"node": "../../etc"}}), 422),
+        ("store key with ..", ("GET", "/store/kv", {"params": {"key": "job/../node/x"}}), 422),
+        (
+            "store put with ..",
+            ("PUT", "/store/kv", {"json": {"key": "../x", "value": "eA=="}}),
+            422,
+        ),
+        (
+            "store cas with ..",
+            (
+                "POST",
+                "/store/cas",
+                {"json": {"key": "a/../b", "value": "eA==", "expected_version": None}},
+            ),
+            422,
+        ),
+        ("store delete with ..", ("DELETE", "/store/kv", {"params": {"key": ".."}}), 422),
+        ("store add with ..", ("POST", "/store/add", {"json": {"key": "x/..", "delta": 1}}), 422),
+        (
+            "store value not base64",
+            ("PUT", "/store/kv", {"json": {"key": "k", "value": "not base64!"}}),
+            422,
+        ),
+        ("store key with NUL", ("GET", "/store/kv", {"params": {"key": "a\x00b"}}), 422),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx_and_the_daemon_keeps_serving(
+    live: Served, name: str, request_: tuple[str, str, dict[str, Any]], status: int
+) -> None:
+    """Each bad request: the stated 4xx as problem+json with a detail; /healthz still answers."""
+    method, path, kwargs = request_
+    kwargs = dict(kwargs)
+    headers = {"content-type": "application/json"} if kwargs.pop("json_ct", False) else {}
+    with _client(live) as c:
+        _problem(c.request(method, path, headers=headers, **kwargs), status)
+        assert c.get("/healthz").status_code == 200
+
+
+def _job(c: httpx.Client, job_id: str, **fields: Any) -> httpx.Response:
+    return c.post("/jobs", json={"id": job_id, "entrypoint": "/bin/true", **fields})
+
+
+def _wait_terminal(c: httpx.Client, job_id: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        job: dict[str, Any] = c.get(f"/jobs/{job_id}").json()
+        if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            return job
+        assert time.monotonic() < deadline, job
+        c.get(f"/jobs/{job_id}/events", params={"wait": 1, "after": 0})
+
+
+def test_duplicate_ids_and_cancel_of_a_finished_job(live: Served) -> None:
+    """Same id + same spec: 200 and the same job; different spec: 409; cancel after the end: 409."""
+    with _client(live) as c:
+        first = _job(c, "dup")
+        assert first.status_code == 201
+        again = _job(c, "dup")
+        assert again.status_code == 200 and again.json()["id"] == "dup"
+        assert "already" not in again.text
+        body = _problem(_job(c, "dup", args=["other"]), 409)
+        assert "different spec" in body["detail"]
+        job = _wait_terminal(c, "dup")  # refused as root: it FAILED, with the reason
+        assert job["state"] == "FAILED"
+        body = _problem(c.post("/jobs/dup/cancel"), 409)
+        assert "already ended as FAILED" in body["detail"]
+
+
+def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Served) -> None:
+    """Garbage written to rdzv/<job>/state (through the store API) while the job waits for a
+    second node: the job FAILS naming the malformed document; the daemon keeps serving."""
+    with _client(live) as c:
+        r = c.post(
+            "/jobs",
+            json={"id": "garbled", "entrypoint": PY, "min_nodes": 2, "join_timeout": 60},
+        )
+        assert r.status_code == 201
+        deadline = time.monotonic() + 20
+        while not c.get("/store/kv", params={"key": "rdzv/garbled/state"}).json()["entry"]:
+            assert time.monotonic() < deadline, "the job never joined its rendezvous"
+            time.sleep(0.02)
+        garbage = base64.b64encode(b"\x00{not json at all").decode()
+        r = c.put("/store/kv", json={"key": "rdzv/garbled/state", "value": garbage})
+        assert r.status_code == 200
+        job = _wait_terminal(c, "garbled")
+        assert job["state"] == "FAILED", job
+        assert "malformed" in json.dumps(job), job
+        assert c.get("/jobs/garbled/workers").status_code == 200
+        assert c.get("/jobs").status_code == 200
+        assert c.get("/healthz").status_code == 200

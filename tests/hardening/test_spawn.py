@@ -1,0 +1,230 @@
+"""Worker spawns: the parent-death signal (setpriv and the Python fallback), users, log folders."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticd.config import load_config
+from elasticd.errors import ConfigError, WorkerSpawnError
+from elasticd.security import JobUsers, lookup_user, resolve_job_users
+from elasticd.workers import WorkerGroupProcesses, WorkerLaunch
+from elasticd.workers.spawn import (
+    PY_WRAPPER,
+    SpawnPolicy,
+    find_setpriv,
+    install_policy,
+    wrap_argv,
+)
+from tests.hardening.support import eventually, pid_alive, proc_uid
+
+ROOT = Path(__file__).resolve().parents[2]
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+WRAPPERS = [
+    pytest.param(
+        "setpriv",
+        marks=pytest.mark.skipif(find_setpriv() is None, reason="no setpriv --pdeathsig"),
+    ),
+    "python",
+]
+
+# A stand-in daemon: spawns one worker through the real spawn path, waits until the
+# worker runs its own program (the wrapper is done), prints its pid and dies at once.
+PARENT = """
+import asyncio, os, sys, time
+from pathlib import Path
+from elasticd.security import JobUsers, lookup_user
+from elasticd.workers import WorkerGroupProcesses, WorkerLaunch
+from elasticd.workers.spawn import SpawnPolicy, install_policy
+
+wrapper, user, log_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+users = JobUsers(default=lookup_user(user)) if user != "-" else None
+install_policy(SpawnPolicy(users=users, setpriv=True if wrapper == "setpriv" else False))
+
+async def main():
+    # /bin/sh, not this Python: another user may not be able to run this one.
+    code = "exec sleep 600 # pdeathsig-test-worker"
+    launch = WorkerLaunch(0, ["/bin/sh", "-c", code], dict(os.environ), "/", log_dir)
+    group = await WorkerGroupProcesses.start([launch])
+    pid = group.pids[0]
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}/cmdline").read_bytes().split(bytes(1))[0] != b"sleep":
+        assert time.monotonic() < deadline, "the worker never ran its program"
+        await asyncio.sleep(0.005)
+    print(pid, flush=True)
+    os._exit(0)  # die like a SIGKILLed daemon: nothing is stopped
+
+asyncio.run(main())
+"""
+
+
+def _orphan_worker(wrapper: str, user: str, log_dir: Path) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", PARENT, wrapper, user, str(log_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+async def test_a_worker_dies_with_its_parent(tmp_path: Path, wrapper: str) -> None:
+    """The parent process exits without stopping its worker: the kernel kills the worker."""
+    pid = _orphan_worker(wrapper, "-", tmp_path / "logs" / "j" / "attempt_0" / "0")
+    took = await eventually(lambda: not pid_alive(pid), 2.0, f"worker {pid} to die")
+    assert took < 2.0
+
+
+@AS_ROOT
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+async def test_the_death_signal_survives_the_switch_to_another_user(
+    open_tmp: Path, wrapper: str
+) -> None:
+    """A worker switched to `nobody` still dies with its parent (the signal is set after setuid)."""
+    if wrapper == "python" and not _runs_as_nobody(sys.executable):
+        pytest.skip(
+            f"nobody cannot run {sys.executable} (the fallback wrapper runs as the job user)"
+        )
+    log_dir = open_tmp / "logs" / "j" / "attempt_0" / "0"
+    pid = _orphan_worker(wrapper, "nobody", log_dir)
+    try:
+        assert proc_uid(pid) == lookup_user("nobody").uid
+    except FileNotFoundError:
+        pass  # already gone: fine too
+    await eventually(lambda: not pid_alive(pid), 2.0, f"worker {pid} (nobody) to die")
+
+
+def _runs_as_nobody(program: str) -> bool:
+    nobody = lookup_user("nobody")
+    try:
+        subprocess.run(
+            [program, "-c", "pass"], user=nobody.uid, group=nobody.gid, check=True, timeout=30
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return False
+    return True
+
+
+def test_the_wrapper_argv() -> None:
+    """setpriv runs the resolved program; the fallback is an isolated Python that keeps argv[0]."""
+    assert wrap_argv("/usr/bin/python3", ["python", "x.py"], setpriv="/usr/bin/setpriv") == [
+        "/usr/bin/setpriv",
+        "--pdeathsig",
+        "KILL",
+        "--",
+        "/usr/bin/python3",
+        "x.py",
+    ]
+    fallback = wrap_argv("/usr/bin/python3", ["python", "x.py"], setpriv=None)
+    assert fallback[:5] == [sys.executable, "-I", "-S", "-c", PY_WRAPPER]
+    assert fallback[5:] == [str(os.getpid()), "/usr/bin/python3", "python", "x.py"]
+
+
+# -- users ---------------------------------------------------------------------------
+
+
+def _config(**settings: object):
+    return load_config(settings, environ={})
+
+
+def test_a_non_root_daemon_runs_jobs_as_itself() -> None:
+    """Not root: jobs run as the daemon; asking for any other user is a configuration error."""
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    users = resolve_job_users(_config(), euid=1000 if os.geteuid() == 0 else os.geteuid())
+    assert users.default is None and users.refusal is None
+    if os.geteuid() != 0:
+        assert users.for_job(me) is None
+    with pytest.raises(ConfigError, match="only a daemon running as root"):
+        resolve_job_users(_config(run_as="root"), euid=4242)
+
+
+@AS_ROOT
+def test_root_daemon_user_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root: run_as wins; else the service user; else refused unless allow_root; embedded: caller."""
+    nobody = lookup_user("nobody")
+    users = resolve_job_users(_config(run_as="nobody", allow_root=False))
+    assert users.for_job(None) == nobody
+    with pytest.raises(WorkerSpawnError, match="'root', which this node does not allow"):
+        users.for_job("root")
+    with pytest.raises(ConfigError, match="refusing to run jobs as root"):
+        resolve_job_users(_config(run_as="root", allow_root=False))
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_job_users(_config(run_as="no-such-user-here", allow_root=False))
+    # `elasticd serve` (allow_root False) with no service user: jobs are refused, with the fix.
+    monkeypatch.setattr("elasticd.security.SERVICE_USER", "no-such-service-user")
+    refused = resolve_job_users(_config(allow_root=False))
+    with pytest.raises(WorkerSpawnError, match="allow_root = true"):
+        refused.for_job(None)
+    assert resolve_job_users(_config(allow_root=True)).for_job(None) is None  # root, as told
+    assert resolve_job_users(_config()).for_job(None) is None  # embedded: the caller
+    # With the service user present, the service runs jobs as it.
+    monkeypatch.setattr("elasticd.security.SERVICE_USER", "nobody")
+    assert resolve_job_users(_config(allow_root=False)).for_job(None) == nobody
+    # A job may name a user only from allowed_users (and the run_as user).
+    listed = resolve_job_users(_config(run_as="nobody", allowed_users="daemon", allow_root=False))
+    assert listed.for_job("daemon") == lookup_user("daemon")
+    assert listed.for_job("nobody") == nobody
+    with pytest.raises(WorkerSpawnError, match="allowed_users: daemon, nobody"):
+        listed.for_job("bin")
+
+
+async def test_a_job_asking_for_a_user_the_daemon_does_not_allow_fails_to_spawn(
+    tmp_path: Path,
+) -> None:
+    """The spawn refuses a user outside the policy, naming the rank and the allowed users."""
+    uninstall = install_policy(SpawnPolicy(users=JobUsers(default=None, allowed={})))
+    try:
+        launch = WorkerLaunch(
+            0, [sys.executable, "-c", "pass"], dict(os.environ), None, tmp_path, user="bin"
+        )
+        with pytest.raises(WorkerSpawnError, match="local rank 0: .*'bin'.*allowed_users: none"):
+            await WorkerGroupProcesses.start([launch])
+    finally:
+        uninstall()
+
+
+@AS_ROOT
+async def test_a_worker_of_another_user_owns_its_folder_but_not_the_ones_above(
+    open_tmp: Path,
+) -> None:
+    """As `nobody`: the rank folder and logs are nobody's, job/attempt folders stay root's 0750."""
+    nobody = lookup_user("nobody")
+    uninstall = install_policy(SpawnPolicy(users=JobUsers(default=nobody)))
+    log_dir = open_tmp / "logs" / "j" / "attempt_0" / "0"
+    code = 'id -u; echo "$HOME"; echo x > "$LOGS/mine"'
+    env = {**os.environ, "LOGS": str(log_dir)}
+    try:
+        launch = WorkerLaunch(0, ["/bin/sh", "-c", code], env, "/", log_dir)
+        async with await WorkerGroupProcesses.start([launch]) as group:
+            result = await group.wait()
+        assert result.succeeded, (log_dir / "stderr.log").read_text()
+    finally:
+        uninstall()
+    assert (log_dir / "stdout.log").read_text().split() == [str(nobody.uid), nobody.home]
+    for path in (log_dir, log_dir / "stdout.log", log_dir / "mine"):
+        assert path.stat().st_uid == nobody.uid, path
+    for folder in (log_dir.parent, log_dir.parent.parent):
+        st = folder.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, nobody.gid, 0o750), folder
+
+
+async def test_a_log_file_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    """The daemon never appends worker output through a link planted in the log folder."""
+    log_dir = tmp_path / "j" / "attempt_0" / "0"
+    log_dir.mkdir(parents=True)
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (log_dir / "stdout.log").symlink_to(target)
+    launch = WorkerLaunch(0, [sys.executable, "-c", "print('x')"], dict(os.environ), None, log_dir)
+    with pytest.raises(WorkerSpawnError, match="cannot set up the logs"):
+        await WorkerGroupProcesses.start([launch])
+    assert target.read_text() == "keep me\n"

@@ -1,0 +1,164 @@
+"""Hang detection (progress heartbeats), health checks before every start, last_progress_at."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from tests.conftest import PY, events_of, script, wait_job
+
+PING_THEN_BLOCK = """
+import os, sys, threading, time
+import elasticd.worker as w
+w.ping()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
+    threading.Event().wait()  # alive but stuck: pings no more
+for _ in range(3):
+    w.ping()
+    time.sleep(0.05)
+"""
+
+
+async def test_hung_worker_is_detected_dumped_and_restarted(client, tmp_path):
+    """A worker that pings then blocks turns the group UNHEALTHY, gets its stacks dumped, restarts."""
+    path = script(tmp_path, "hang.py", PING_THEN_BLOCK)
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": [path],
+            "nproc_per_node": 2,
+            "progress_timeout": 1.0,
+            "termination_grace": 2,
+        },
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED"
+    assert job["restart_count"] == 1  # a hang spends one restart
+    assert "hung" in job["error"]["message"] and job["error"]["rank"] == 1
+    events = await events_of(client, job["id"])
+    hang = next(e for e in events if e["kind"] == "worker.hang")
+    assert hang["rank"] == 1 and hang["state"] == "UNHEALTHY"
+    assert 1.0 <= hang["duration_s"] < 5 and "no progress" in hang["message"]
+    states = [e["state"] for e in events if e["kind"] == "group.state"]
+    assert "UNHEALTHY" in states
+    stacks = next(e for e in events if e["kind"] == "worker.stacks")
+    assert stacks["rank"] == 1
+    log = await client.get(
+        f"/jobs/{job['id']}/logs", params={"local_rank": 1, "attempt": 0, "stream": "stderr"}
+    )
+    assert "File " in log.text or "py-spy" in stacks["message"]  # faulthandler's dump, or py-spy's
+    kinds = [e["kind"] for e in events]
+    assert "recovery.first_progress" in kinds
+
+
+async def test_worker_that_never_pings_hits_the_startup_timeout(client, tmp_path):
+    """With startup_timeout, a worker that never pings is declared hung."""
+    path = script(tmp_path, "silent.py", "import time; time.sleep(600)\n")
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": [path],
+            "startup_timeout": 0.5,
+            "max_restarts": 0,
+            "termination_grace": 1,
+        },
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    hang = next(e for e in await events_of(client, job["id"]) if e["kind"] == "worker.hang")
+    assert "has not reported progress since it started" in hang["message"]
+
+
+async def test_last_progress_at_is_published(client, tmp_path):
+    """A worker that keeps pinging shows last_progress_at in GET /jobs/{id}/workers."""
+    flag = tmp_path / "stop"
+    path = script(
+        tmp_path,
+        "ping.py",
+        f"""
+        import os, time
+        import elasticd.worker as w
+        while not os.path.exists({str(flag)!r}):
+            w.ping()
+            time.sleep(0.05)
+    """,
+    )
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": [path],
+            "progress_timeout": 0.5,
+            "termination_grace": 1,
+        },
+    )
+    job_id = r.json()["id"]
+    await wait_job(client, job_id, {"RUNNING"})
+    import asyncio
+
+    async with asyncio.timeout(20):
+        while True:
+            view = (await client.get(f"/jobs/{job_id}/workers")).json()
+            worker = view["groups"][0]["workers"][0] if view["groups"] else {}
+            if worker.get("last_progress_at"):
+                break
+            await asyncio.sleep(0.1)
+    assert worker["last_progress_at"] > worker["started_at"] - 1
+    flag.touch()
+    assert (await wait_job(client, job_id))["state"] == "SUCCEEDED"
+
+
+async def test_failing_health_check_spends_the_budget_then_fails(client, tmp_path):
+    """A health check that fails before every start spends a restart each time, then FAILs the job."""
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": ["-c", "pass"],
+            "max_restarts": 1,
+            "health_check": [PY, "-c", "import sys; print('disk full'); sys.exit(3)"],
+        },
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED" and job["restart_count"] == 1
+    assert "health check failed" in job["reason"]
+    kinds = [e["kind"] for e in await events_of(client, job["id"])]
+    assert kinds.count("health.failed") == 2 and "workers.started" not in kinds
+
+
+async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(client, tmp_path):
+    """The built-in GPU check runs nvidia-smi from PATH; a bad GPU fails the job's start."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\necho 'Unable to determine the device handle for GPU0: GPU is lost'\nexit 15\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env_path = f"{bin_dir}:{os.environ.get('PATH', '')}"
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": ["-c", "pass"],
+            "max_restarts": 0,
+            "env": {"PATH": env_path},
+        },
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    failed = [e for e in await events_of(client, job["id"]) if e["kind"] == "health.failed"]
+    assert failed and "gpu" in failed[0]["message"].lower()
+
+
+async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(client):
+    """Where nvidia-smi is absent the GPU check is skipped, with an event saying so."""
+    r = await client.post(
+        "/jobs", json={"entrypoint": PY, "args": ["-c", "pass"], "env": {"PATH": "/nonexistent"}}
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED"
+    kinds = [e["kind"] for e in await events_of(client, job["id"])]
+    assert "health.skipped" in kinds

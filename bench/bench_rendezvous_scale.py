@@ -5,8 +5,10 @@ executor the daemon's agents use, unchanged) driven by one asyncio task, with
 its own lease, in this one process. ``min_nodes = max_nodes = N``, so the
 round completes the moment the N-th node is placed. The figure is the wall
 time from starting every node's ``next_round()`` to the last one returning
-(leases are granted before the clock starts; they are the daemon's, not the
-rendezvous's). Every returned round is checked: world size N, group ranks
+(leases are granted before the clock starts, with a TTL longer than the
+round may take, and not kept alive: leases and their keep-alives are the
+daemon's, one per node whatever it runs, not the rendezvous's). Every
+returned round is checked: world size N, group ranks
 0..N-1 each exactly once, one master.
 
 Backends (``--backends``):
@@ -348,7 +350,13 @@ class RoundResult:
 async def one_round(backend: Backend, n: int, budget: float, lease_ttl: float) -> RoundResult:
     """N nodes, one rendezvous round; bounded by ``budget`` seconds."""
     job = f"scale-{n}-{uuid.uuid4().hex[:8]}"
-    leases = [await backend.client_for(i).grant(lease_ttl) for i in range(n)]
+    gate = asyncio.Semaphore(64)
+
+    async def grant(i: int) -> int:
+        async with gate:
+            return await backend.client_for(i).grant(lease_ttl)
+
+    leases = await asyncio.gather(*(grant(i) for i in range(n)))
     proxies = [CountingStore(backend.client_for(i)) for i in range(n)]
     settings = Settings(min_nodes=n, max_nodes=n, join_timeout=budget + 30, last_call_timeout=1.0)
 
@@ -555,6 +563,8 @@ async def amain(args: argparse.Namespace) -> int:
         )
     if args.budget:
         plan = Plan(plan.sizes, plan.repeats, plan.repeat_budget, args.budget)
+    if args.lease_ttl is None:
+        args.lease_ttl = plan.budget + 120.0
     backends = [b for b in args.backends.split(",") if b]
     for b in backends:
         if b not in BACKENDS:
@@ -602,6 +612,8 @@ def profile(spec: str, args: argparse.Namespace) -> int:
     """cProfile one round (``backend:N``) in this process; print where the time went."""
     name, _, size = spec.partition(":")
     n = int(size or "300")
+    if args.lease_ttl is None:
+        args.lease_ttl = (args.budget or 120.0) + 120.0
 
     async def go() -> RoundResult:
         with scratch("elasticd-scale-prof-", keep=args.keep) as root:
@@ -640,7 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sizes", help="comma-separated N (default 10,30,100,300,1000)")
     parser.add_argument("--budget", type=float, help="seconds one round may take (60; quick 20)")
     parser.add_argument("--http-clients", type=int, default=1, help="shared store clients")
-    parser.add_argument("--lease-ttl", type=float, default=60.0, help="each node's lease TTL")
+    parser.add_argument(
+        "--lease-ttl", type=float, help="each node's lease TTL (default: the budget + 120 s)"
+    )
     parser.add_argument("--profile", metavar="BACKEND:N", help="cProfile one round and exit")
     parser.add_argument("--json", help="write the figures (or, with --profile, the pstats) here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")

@@ -56,11 +56,18 @@ Output through the daemon, by pipes
       pipes are created here and handed to the child as plain descriptors;
       the subprocess transport owns no pipe and ``wait()`` returns at the
       exit itself. The grandchild is then ended with the worker's group.
-    * If the daemon dies, the workers lose their reader and their next write
-      gets ``SIGPIPE``. Under systemd (``KillMode=mixed``) they are ended with
-      the daemon's cgroup anyway, and elsewhere an orphaned worker that is
-      still printing dies instead of running unsupervised: output that
-      direct files would have kept belongs to a run that is over.
+    * If the daemon dies, the workers die with it (below); a child of a
+      worker that outlives it loses its reader and gets ``SIGPIPE`` at its
+      next write, so it does not run on unsupervised either.
+
+No orphans, and the right user
+    Each worker is exec'd through ``setpriv --pdeathsig KILL`` (or a tiny
+    Python fallback), so the kernel kills it when the daemon dies; a job
+    that runs as another user is switched between fork and exec, before the
+    signal is set. Every spawn is recorded in the daemon's database and the
+    next start kills what is left (:mod:`.spawn`). Only the worker's own log
+    folder is handed to its user; log files are opened with ``O_NOFOLLOW``
+    (:mod:`elasticd.security`).
 
 Error files
     Each worker's ``TORCHELASTIC_ERROR_FILE`` is read when it fails, in
@@ -68,7 +75,8 @@ Error files
     failures are ordered by its timestamp as torch does ("first failure").
 
 Modules: :mod:`.process` (the group), :mod:`.output` (pipes to log files),
-:mod:`.errorfile` (error files), :mod:`.env` (the environment contract).
+:mod:`.errorfile` (error files), :mod:`.env` (the environment contract),
+:mod:`.spawn` (the exec wrapper, the spawn policy and the orphan sweep).
 Nothing here imports torch.
 """
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import JOB_PREFIX, Cluster
@@ -55,6 +57,20 @@ CAS_ATTEMPTS = 100
 
 def job_key(job_id: str) -> str:
     return JOB_PREFIX + job_id
+
+
+def parse_job(job_id: str, raw: bytes) -> Job:
+    """A job document from the store; a malformed one is a clear JobConflict, not a crash."""
+    try:
+        return Job.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+        raise JobConflict(
+            f"the stored document of job {job_id!r} is not a valid job ({where}: "
+            f"{first.get('msg', 'invalid')}); it was not written by elasticd: delete the "
+            f"store key {job_key(job_id)!r} or use another id"
+        ) from None
 
 
 def group_prefix(job_id: str) -> str:
@@ -181,7 +197,7 @@ class JobService:
         )
         if not result.ok:
             assert result.entry is not None
-            existing = Job.model_validate_json(result.entry.value)
+            existing = parse_job(job_id, result.entry.value)
             if existing.spec.without_id() == spec.without_id():
                 return existing, False
             raise JobConflict(
@@ -227,7 +243,7 @@ class JobService:
             entry = await self.store.get(job_key(job_id))
             if entry is None:
                 raise JobNotFound(f"no job with id {job_id!r}")
-            job = Job.model_validate_json(entry.value)
+            job = parse_job(job_id, entry.value)
             new = self._apply(job, dict(changes))
             if new == job:
                 return job
@@ -277,7 +293,7 @@ class JobService:
         entry = await self.store.get(job_key(job_id))
         if entry is None:
             raise JobNotFound(f"no job with id {job_id!r}")
-        return Job.model_validate_json(entry.value)
+        return parse_job(job_id, entry.value)
 
     async def _all_jobs(self) -> list[Job]:
         from elasticd.cluster import parse_jobs
@@ -329,7 +345,7 @@ class JobService:
                 entry = await self.store.get(job_key(job_id))
                 if entry is None:
                     raise JobNotFound(f"no job with id {job_id!r}")
-                job = Job.model_validate_json(entry.value)
+                job = parse_job(job_id, entry.value)
                 if job.state.is_terminal:
                     return job
                 with contextlib.suppress(StoreError):

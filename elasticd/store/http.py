@@ -31,6 +31,7 @@ import importlib.util
 import os
 import sys
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -52,6 +53,7 @@ from elasticd.store.base import (
     WatchEvent,
 )
 from elasticd.store.memory import check_value, validate_key
+from elasticd.store.wire import WireClient, WireError, WireResponse
 
 #: Longest single long-poll; a longer watch is split into several.
 MAX_POLL_SECONDS = 300.0
@@ -137,6 +139,10 @@ class HttpStore(Store):
         except (httpx.InvalidURL, ValueError) as exc:
             raise ConfigError(f"store URL {base_url!r} is not a valid URL: {exc}") from exc
         self._closed = False
+        self._wire: WireClient | None = None
+        parsed = urlsplit(self.base_url)
+        if transport is None and parsed.scheme == "http" and parsed.hostname and not parsed.path:
+            self._wire = WireClient(parsed.hostname, parsed.port or 80, headers=headers)
 
     def __repr__(self) -> str:
         return f"HttpStore({self.base_url!r})"
@@ -155,10 +161,24 @@ class HttpStore(Store):
         if self._closed:
             raise StoreUnavailable(f"the client of the store at {self.base_url} is closed")
         limit = self._timeout if timeout is None else timeout
+        response: httpx.Response | WireResponse
         try:
-            response = await self._client.request(
-                method, path, params=params, json=body, timeout=limit
-            )
+            if self._wire is not None:
+                response = await self._wire.request(
+                    method, path, params=params, body=body, timeout=limit
+                )
+            else:
+                response = await self._client.request(
+                    method, path, params=params, json=body, timeout=limit
+                )
+        except TimeoutError as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} did not answer {method} {path} within {limit:g}s"
+            ) from exc
+        except WireError as exc:
+            raise StoreUnavailable(
+                f"store at {self.base_url} is unreachable: {str(exc).lower()}"
+            ) from exc
         except httpx.TimeoutException as exc:
             raise StoreUnavailable(
                 f"store at {self.base_url} did not answer {method} {path} within {limit:g}s"
@@ -179,7 +199,7 @@ class HttpStore(Store):
                 "that is not JSON; is this the address of an elasticd store?"
             ) from exc
 
-    def _raise_for(self, response: httpx.Response, what: str) -> NoReturn:
+    def _raise_for(self, response: httpx.Response | WireResponse, what: str) -> NoReturn:
         status = response.status_code
         body: dict[str, Any] = {}
         try:
@@ -332,6 +352,8 @@ class HttpStore(Store):
             return
         self._closed = True
         await self._client.aclose()
+        if self._wire is not None:
+            await self._wire.aclose()
 
 
 def _events(data: dict[str, Any]) -> builtins.list[WatchEvent]:

@@ -320,3 +320,24 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Serv
         assert c.get("/jobs/garbled/workers").status_code == 200
         assert c.get("/jobs").status_code == 200
         assert c.get("/healthz").status_code == 200
+
+
+def test_a_job_document_that_is_not_a_job_is_a_clear_409(live: Served) -> None:
+    """Garbage written to job/<id> through the store: every route on that job answers 409
+    naming the key to delete; listing skips it; the daemon keeps serving."""
+    with _client(live) as c:
+        garbage = base64.b64encode(b'{"id": "junk"}').decode()
+        assert c.put("/store/kv", json={"key": "job/junk", "value": garbage}).status_code == 200
+        for method, path in [
+            ("GET", "/jobs/junk"),
+            ("GET", "/jobs/junk/workers"),
+            ("GET", "/jobs/junk/events"),
+            ("GET", "/jobs/junk/logs"),
+            ("POST", "/jobs/junk/cancel"),
+        ]:
+            body = _problem(c.request(method, path), 409)
+            assert "'job/junk'" in body["detail"], body
+        body = _problem(_job(c, "junk"), 409)
+        assert "not a valid job" in body["detail"]
+        assert "junk" not in [j["id"] for j in c.get("/jobs").json()["jobs"]]
+        assert c.get("/healthz").status_code == 200

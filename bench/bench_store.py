@@ -351,7 +351,7 @@ async def run(args: argparse.Namespace) -> list[Result]:
             )
             results.append(
                 await bench_store(
-                    f"elasticd embedded via HttpStore (httpx client, SQLite {args.synchronous})",
+                    f"elasticd embedded via HttpStore (lean HTTP/1.1 client, SQLite {args.synchronous})",
                     lambda: HttpStore(url, TOKEN),
                     args,
                 )

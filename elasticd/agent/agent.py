@@ -432,21 +432,9 @@ class JobAgent:
         self._begin_recovery("worker failure", first)
         await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
         root = self._root_cause(outcome)
-        await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
-            "group.restarting",
-            f"rank {root.rank} failed on {self.ctx.node}: {root.message}; re-forming the group",
-            state=WorkerState.STOPPED.value,
-            attempt=self.attempt,
-            rank=root.rank,
-            local_rank=root.local_rank,
-            exit_code=root.exit_code,
-            signal=root.signal,
-            error=root,
+        await self._restart_after(
+            round_, root, f"rank {root.rank} failed on {self.ctx.node}: {root.message}"
         )
-        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
         return False
 
     async def _membership_change(self, change: Change) -> None:
@@ -854,16 +842,22 @@ class JobAgent:
             round=round_.round,
             log_dir=str(self._log_dir(hang.local_rank)),
         )
+        await self._restart_after(round_, root, f"rank {ranks.rank} hung on {self.ctx.node}")
+
+    async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
+        """Record the round's failure (charged when the next round forms) and go again."""
         await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
         self.ctx.events.emit(
             self.job_id,
             "agent",
             "group.restarting",
-            f"rank {ranks.rank} hung on {self.ctx.node}; re-forming the group",
+            f"{what}; re-forming the group",
             state=WorkerState.STOPPED.value,
             attempt=self.attempt,
-            rank=ranks.rank,
-            local_rank=hang.local_rank,
+            rank=root.rank,
+            local_rank=root.local_rank,
+            exit_code=root.exit_code,
+            signal=root.signal,
             error=root,
         )
         self._set_state(WorkerState.INIT)  # STOPPED -> INIT

@@ -22,6 +22,7 @@ STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
     (errors.JobNotFound, 404, "Job not found"),
     (errors.LogNotFound, 404, "Log not found"),
     (errors.JobConflict, 409, "Conflict"),
+    (errors.JobForbidden, 403, "Forbidden"),
     (errors.LeaseNotFound, 404, "Lease not found"),
     (errors.ValueTooLarge, 413, "Value too large"),
     (errors.InvalidKey, 422, "Invalid store key"),

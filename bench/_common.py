@@ -341,6 +341,8 @@ class ElasticdServer:
             str(self.state_dir),
             "--node-name",
             "bench",
+            # As root the daemon refuses root jobs unless told; the bench runs as the caller.
+            *(["--allow-root"] if os.geteuid() == 0 else []),
         ]
 
     def __enter__(self) -> ElasticdServer:

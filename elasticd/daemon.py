@@ -157,9 +157,6 @@ class Daemon:
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
             log.warning("%s; every job sent to this node will fail", self.job_users.refusal)
-        self._uninstall_spawn_policy = install_policy(
-            SpawnPolicy(users=self.job_users, registry=self.db)
-        )
         self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
         self.metrics = Metrics()
         self.events.add_listener(self.metrics.on_event)
@@ -198,7 +195,12 @@ class Daemon:
             clock=self.clock,
             base_env=self._environ,
         )
+        if not self.config.store_only:
+            self.jobs.check_user = self.job_users.for_job
         await self.events.start()
+        self._uninstall_spawn_policy = install_policy(
+            SpawnPolicy(users=self.job_users, registry=self.db)
+        )
         self._sweep_orphans()
         await self.jobs.recover()
         if not self.config.store_only:

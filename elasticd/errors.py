@@ -16,6 +16,7 @@ above it handle a small, documented set::
     ├── JobError
     │   ├── JobNotFound          no job with that id
     │   ├── JobConflict          same id, different spec; or cancel of a finished job
+    │   ├── JobForbidden         the job asks for something this daemon does not allow
     │   └── LogNotFound          no such log file for that job/rank/attempt
     ├── RendezvousError          the rendezvous could not complete
     │   ├── RendezvousClosed     the job's rendezvous was closed (job is over)
@@ -83,6 +84,10 @@ class JobNotFound(JobError):
 
 class JobConflict(JobError):
     """The request conflicts with the job's current spec or state."""
+
+
+class JobForbidden(JobError):
+    """The job asks for something the daemon's policy refuses (e.g. a user not allowed)."""
 
 
 class LogNotFound(JobError):

@@ -34,10 +34,12 @@ from elasticd.config import Config
 from elasticd.errors import (
     InvalidTransition,
     JobConflict,
+    JobForbidden,
     JobNotFound,
     LogNotFound,
     ShuttingDown,
     StoreError,
+    WorkerSpawnError,
 )
 from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
@@ -115,6 +117,8 @@ class JobService:
         self._accepting = True
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
+        #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
+        self.check_user: Callable[[str], object] | None = None
 
     @property
     def node(self) -> str:
@@ -182,6 +186,11 @@ class JobService:
         """Accept a job. Returns (job, created); same id + same spec returns the existing one."""
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
+        if spec.user is not None and self.check_user is not None:
+            try:
+                self.check_user(spec.user)
+            except WorkerSpawnError as exc:
+                raise JobForbidden(str(exc)) from None
         job_id = spec.id or uuid.uuid4().hex[:12]
         spec = spec.model_copy(update={"id": job_id})
         job = Job(

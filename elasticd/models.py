@@ -176,6 +176,13 @@ class JobSpec(BaseModel):
     gpu_health_check: bool = Field(
         default=True, description="Run the built-in nvidia-smi check (skipped without it)."
     )
+    user: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
+        description="Run the workers as this user; the node must list it in allowed_users.",
+    )
     inprocess_restart: bool = Field(
         default=False,
         description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "

@@ -593,6 +593,9 @@ class JobAgent:
                     log_dir=log_dir,
                     console_stdout=out,
                     console_stderr=err,
+                    user=self.spec.user,
+                    job_id=self.job_id,
+                    attempt=self.attempt,
                 )
             )
         self._view = GroupView(

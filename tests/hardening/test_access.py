@@ -335,3 +335,33 @@ async def test_job_specs_are_limited_in_fields_args_and_env(
     assert r.status_code == 422, r.text
     assert r.headers["content-type"] == "application/problem+json"
     assert field in [e["field"] for e in r.json()["errors"]], r.json()
+
+
+@AS_ROOT
+@pytest.mark.slow
+async def test_a_job_may_ask_only_for_an_allowed_user(open_tmp: Path) -> None:
+    """spec.user from allowed_users runs as that user; any other user is a 403 at submit."""
+    nobody = pwd.getpwnam("nobody")
+    daemon = serve(open_tmp, "--allowed-users", "nobody", env={"ELASTICD_ALLOW_ROOT": "true"})
+    try:
+        async with asyncio.timeout(60), daemon.client() as c:
+            await daemon.wait_ready()
+            refused = await c.post("/jobs", json={"entrypoint": "/bin/true", "user": "daemon"})
+            assert refused.status_code == 403
+            assert "allowed_users" in refused.json()["detail"]
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "as-nobody",
+                    "entrypoint": "/bin/sh",
+                    "args": ["-c", IDENTIFY],
+                    "user": "nobody",
+                },
+            )
+            assert r.status_code == 201
+            (pid,) = await healthy_pids(c, "as-nobody", 1)
+            assert proc_uid(pid) == nobody.pw_uid
+            await c.post("/jobs/as-nobody/cancel")
+            await eventually(lambda: not pid_alive(pid), 10, "the worker to stop")
+    finally:
+        daemon.stop()

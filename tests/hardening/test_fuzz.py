@@ -26,7 +26,7 @@ hypothesis = pytest.importorskip("hypothesis")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = 60
+EXAMPLES = 40
 PUBLIC = {"/healthz", "/ui"}
 #: Statuses routes answer but do not document, in code this suite does not own: the store
 #: routes' "Lease not found", and /store/watch's 410 (also for a negative `after`).

@@ -18,8 +18,14 @@ async def node(store: MemoryStore, name: str, settings: Settings, ttl: float = 3
         return lease
 
     rdzv = StoreRendezvous(
-        store, "job", node=name, role="default", local_world_size=2,
-        advertise_addr="127.0.0.1", settings=settings, lease=current_lease,
+        store,
+        "job",
+        node=name,
+        role="default",
+        local_world_size=2,
+        advertise_addr="127.0.0.1",
+        settings=settings,
+        lease=current_lease,
     )
     return rdzv, lease
 

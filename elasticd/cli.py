@@ -253,20 +253,59 @@ def _note(text: str) -> None:
 
 
 async def _print_events(daemon: Any, job_id: str) -> None:
+    """Print the job's notable events; while a rendezvous is pending, a live status line."""
     shown = {
         "group.restarting",
         "workers.started",
         "worker.exited",
         "job.state",
         "workers.spawn_failed",
+        "rendezvous.change",
+        "worker.hang",
     }
+    status = StatusLine(sys.stderr)
+    pending_since: float | None = time.monotonic()  # a new job waits for its first round
     after = 0
     while True:
-        events = await daemon.events.follow(job_id, after, 60)
+        # The 1 s timeout only refreshes the status line on screen; events wake us at once.
+        events = await daemon.events.follow(job_id, after, 1.0 if pending_since else 60.0)
         for event in events:
             after = event.seq
+            if event.kind == "rendezvous.complete":
+                pending_since = None
+                status.clear()
+            elif event.kind in ("group.restarting", "rendezvous.change"):
+                pending_since = time.monotonic()
             if event.kind in shown:
+                status.clear()
                 _note(event.message)
+        if pending_since is not None:
+            status.show(f"[elasticd] rendezvous pending: {time.monotonic() - pending_since:.0f}s")
+
+
+class StatusLine:
+    """One line redrawn in place on a terminal; at most every 5 s otherwise."""
+
+    def __init__(self, out: Any) -> None:
+        self._out = out
+        self._tty = bool(getattr(out, "isatty", lambda: False)())
+        self._shown = False
+        self._last = 0.0
+
+    def show(self, text: str) -> None:
+        if self._tty:
+            self._out.write("\r\033[K" + text)
+            self._out.flush()
+            self._shown = True
+        elif time.monotonic() - self._last >= 5.0:
+            self._last = time.monotonic()
+            print(text, file=self._out, flush=True)
+
+    def clear(self) -> None:
+        if self._tty and self._shown:
+            self._out.write("\r\033[K")
+            self._out.flush()
+            self._shown = False
 
 
 def _report(job: dict[str, Any]) -> int:

@@ -76,6 +76,9 @@ class Config(BaseModel):
         default=None,
         description="A node-wide health check command (argv) run before every group start.",
     )
+    metrics_open_on_loopback: bool = Field(
+        default=False, description="Serve /metrics without the token to loopback clients."
+    )
     lease_ttl: float = Field(
         default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
     )
@@ -140,6 +143,7 @@ _ENV_FIELDS = {
     "TOKEN_FILE": "token_file",
     "STORE_URL": "store_url",
     "LEASE_TTL": "lease_ttl",
+    "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "RUN_AS": "run_as",
     "ALLOW_ROOT": "allow_root",
     "ALLOWED_USERS": "allowed_users",

@@ -77,3 +77,26 @@ def test_console_streams_follow_torchrun(fields, rank, expected):
     from elasticd.models import console_streams
 
     assert console_streams(JobSpec(entrypoint="x", **fields), rank) == expected
+
+
+def test_run_status_line_redraws_on_a_tty_and_throttles_otherwise():
+    """`elasticd run`'s status line overwrites itself on a terminal, prints sparingly in logs."""
+    import io
+
+    from elasticd.cli import StatusLine
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    line = StatusLine(tty)
+    line.show("[elasticd] rendezvous pending: 1s")
+    line.show("[elasticd] rendezvous pending: 2s")
+    line.clear()
+    assert tty.getvalue().count("\r\033[K") == 3 and "pending: 2s" in tty.getvalue()
+    log = io.StringIO()
+    line = StatusLine(log)
+    for i in range(5):
+        line.show(f"pending {i}")
+    assert log.getvalue() == "pending 0\n"

@@ -790,7 +790,8 @@ def torchrun_loss(root: Path, plan: Plan, gloo: bool = False) -> dict[str, Any]:
                 break
             time.sleep(0.05)
         observed = time.time() - t_kill
-        failed, reformed, world = None, None, None
+        failures: list[float] = []
+        rounds: dict[float, int | None] = {}  # rendezvous completions after the kill -> world
         for k, p in enumerate(tr.procs):
             if p is victim:
                 continue
@@ -799,14 +800,15 @@ def torchrun_loss(root: Path, plan: Plan, gloo: bool = False) -> dict[str, Any]:
                 at = glog_time(line)
                 if at is None or at <= t_kill:
                     continue
-                if "failed (exitcode" in line and (failed is None or at < failed):
-                    failed = at
-                if "Rendezvous complete" in line and (reformed is None or at > reformed):
-                    reformed = at
+                if "failed (exitcode" in line:
+                    failures.append(at - t_kill)
+                if "Rendezvous complete" in line:
+                    world = None
                     for follow in lines[n + 1 : n + 12]:
                         if "group_world_size=" in follow:
                             world = int(follow.rsplit("=", 1)[1])
                             break
+                    rounds[round(at - t_kill, 1)] = world
         new_forks = sorted(spawned.values())
         alive = [pid for pid in before if _alive(pid)]
         agents_alive = sum(1 for p in survivors if p.poll() is None)
@@ -814,9 +816,9 @@ def torchrun_loss(root: Path, plan: Plan, gloo: bool = False) -> dict[str, Any]:
     return {
         "gloo": gloo,
         "watched_s": observed,
-        "survivor_workers_failed_after_s": None if failed is None else failed - t_kill,
-        "rendezvous_complete_after_s": None if reformed is None else reformed - t_kill,
-        "new_world": world,
+        "survivor_workers_failed_after_s": sorted(round(f, 1) for f in failures),
+        "rendezvous_complete_after_s": sorted(rounds),
+        "new_world": rounds[min(rounds)] if rounds else None,
         "new_workers_after_s": new_forks[1] - t_kill if len(new_forks) >= 2 else None,
         "first_allreduce_after_s": None if first_note is None else first_note - t_kill,
         "old_survivor_workers_alive": f"{len(alive)}/{len(before)}",
@@ -995,14 +997,16 @@ def torchrun_loss_cell(t: dict[str, Any] | None) -> str:
     if not t:
         return "—"
     parts = []
-    if t.get("survivor_workers_failed_after_s") is not None:
-        parts.append(f"survivors' workers failed at +{t['survivor_workers_failed_after_s']:.1f} s")
+    failed = t.get("survivor_workers_failed_after_s")
+    if failed:
+        parts.append(f"survivors' workers failed at +{', +'.join(f'{f:g}' for f in failed)} s")
     else:
         parts.append(f"survivors' workers untouched ({t['old_survivor_workers_alive']} running)")
     if t.get("new_workers_after_s") is not None:
+        rounds = t.get("rendezvous_complete_after_s") or []
         parts.append(
-            f"re-formed (world {t['new_world']}), new workers forked at "
-            f"+{t['new_workers_after_s']:.1f} s"
+            f"rendezvous completed (world {t['new_world']}) at +{', +'.join(f'{r:g}' for r in rounds)}"
+            f" s, new workers forked at +{t['new_workers_after_s']:.1f} s"
         )
     else:
         parts.append(f"no new worker within {t['watched_s']:.0f} s")

@@ -20,10 +20,10 @@ Backends (``--backends``):
 ``http``      a real ``python -m elasticd.store.server`` subprocess (embedded
               store, FULL) reached through :class:`HttpStore`; with ``N``
               nodes in one process the nodes share ``--http-clients`` HttpStore
-              instances (default 1: one httpx pool, one connection per
-              request in flight, long-polls included);
+              instances (default 1: one keep-alive connection pool, one
+              connection per request in flight, long-polls included);
 ``etcd``      a real single-member ``etcd`` on loopback, through
-              :class:`EtcdStore` (JSON gateway), shared the same way.
+              :class:`EtcdStore` (JSON gateway, httpx), shared the same way.
 
 Every node talks to the store through its own counting proxy, so the
 figures include store requests per node (mean and max, and per operation),

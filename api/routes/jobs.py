@@ -31,6 +31,10 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     responses={
         200: {"model": Job, "description": "A job with this id and the same spec already exists"},
         409: {"description": "A job with this id exists with a different spec", **_problem},
+        403: {
+            "description": "The job asks for something this node refuses (a user not allowed)",
+            **_problem,
+        },
         422: {"description": "The spec is invalid; the detail names the field", **_problem},
         503: {"description": "The daemon is shutting down", **_problem},
     },

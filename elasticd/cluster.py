@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ValidationError
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import Job
-from elasticd.store import Store
+from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.cluster")
 
@@ -69,6 +69,7 @@ class Cluster:
         self._lease: int | None = None
         self._lease_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
 
     @property
     def key(self) -> str:
@@ -83,6 +84,7 @@ class Cluster:
 
     async def stop(self) -> None:
         """Stop watching and leave: revoking the lease removes this node's keys at once."""
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -148,31 +150,49 @@ class Cluster:
                 log.warning("keep-alive failed for %.1fs: %s", now - failing_since, exc)
 
     async def _watch_jobs(self) -> None:
+        """Keep a parsed copy of every job document, updated by the watch's events only.
+
+        One full read at the start (and after a compaction or an outage); after
+        that each change costs the parsing of the documents that changed, not
+        of every job the cluster ever ran.
+        """
         backoff = 0.1
         while True:
             try:
                 listing = await self.store.list(JOB_PREFIX)
-                self._on_jobs(parse_jobs(listing.entries))
+                jobs = {e.key: job for e in listing.entries if (job := parse_job(e.key, e.value))}
+                self._on_jobs(list(jobs.values()))
                 revision = listing.revision
                 backoff = 0.1
                 while True:
                     events = await self.store.watch(JOB_PREFIX, revision, 30.0, prefix=True)
-                    if events:
-                        break
-                    # a quiet watch timed out: watch again from the same revision
+                    if not events:
+                        continue  # a quiet watch timed out: watch again from the same revision
+                    for event in events:
+                        revision = max(revision, event.revision)
+                        if event.kind == "delete" or event.value is None:
+                            jobs.pop(event.key, None)
+                        elif (job := parse_job(event.key, event.value)) is not None:
+                            jobs[event.key] = job
+                    self._on_jobs(list(jobs.values()))
             except StoreCompacted:
                 continue
             except StoreError as exc:
+                if self._stopping:
+                    return
                 log.warning("job watch: %s (retrying in %.1fs)", exc, backoff)
                 await asyncio.sleep(backoff)  # back off while the store is unreachable
                 backoff = min(backoff * 2, 5.0)
 
 
-def parse_jobs(entries: object) -> list[Job]:
-    jobs = []
-    for entry in entries:  # type: ignore[attr-defined]
-        try:
-            jobs.append(Job.model_validate_json(entry.value))
-        except ValidationError:
-            log.warning("ignoring malformed job document %s", entry.key)
-    return jobs
+def parse_job(key: str, value: bytes) -> Job | None:
+    try:
+        return Job.model_validate_json(value)
+    except ValidationError:
+        log.warning("ignoring malformed job document %s", key)
+        return None
+
+
+def parse_jobs(entries: Iterable[Entry]) -> list[Job]:
+    """Every well-formed job document among ``entries`` (malformed ones are logged)."""
+    return [job for e in entries if (job := parse_job(e.key, e.value)) is not None]

@@ -104,6 +104,9 @@ class Database:
         ).fetchall()
         return [Event.model_validate_json(doc).model_copy(update={"seq": seq}) for seq, doc in rows]
 
+    def delete_events(self, job_id: str) -> None:
+        self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+
     def unpublished_events(self) -> list[Event]:
         rows = self.conn.execute(
             "SELECT seq, doc FROM events WHERE published = 0 ORDER BY seq"

@@ -156,6 +156,10 @@ class EventLog:
             for _ in batch:
                 self._queue.task_done()
 
+    def forget(self, job_id: str) -> None:
+        """Drop this node's records of a deleted job."""
+        self._db.delete_events(job_id)
+
     # reading: this node's own events
 
     def read(self, job_id: str, after: int = 0, limit: int = 1000) -> list[Event]:

@@ -237,6 +237,29 @@ class JobService:
         await self._close_rendezvous(job_id)
         return job
 
+    async def delete(self, job_id: str) -> None:
+        """Forget a finished job: its document, events, groups and rendezvous keys.
+
+        Worker log files stay on disk (they are the user's data). A job that
+        has not ended cannot be deleted: cancel it first.
+        """
+        job = await self.get(job_id)
+        if not job.state.is_terminal:
+            raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
+        entry = await self.store.get(job_key(job_id))
+        if entry is None or not await self.store.delete(job_key(job_id), entry.version):
+            raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
+        for prefix in (
+            f"ev/{job_id}/",
+            group_prefix(job_id),
+            rendezvous_prefix(job_id),
+            f"barrier/{job_id}/",
+        ):
+            for item in (await self.store.list(prefix)).entries:
+                await self.store.delete(item.key)
+        self.events.forget(job_id)
+        self._done_here.discard(job_id)
+
     async def _close_rendezvous(self, job_id: str) -> None:
         rdzv = self._rendezvous(await self.get(job_id))
         with contextlib.suppress(StoreError):

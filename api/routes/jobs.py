@@ -74,6 +74,18 @@ async def cancel_job(job_id: str, request: Request) -> Job:
     return await jobs_of(request).cancel(job_id)
 
 
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=204,
+    response_class=Response,
+    responses={**NOT_FOUND, 409: {"description": "The job has not ended", **_problem}},
+)
+async def delete_job(job_id: str, request: Request) -> Response:
+    """Forget a finished job (its record, events and groups; log files stay on disk)."""
+    await jobs_of(request).delete(job_id)
+    return Response(status_code=204)
+
+
 @router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=NOT_FOUND)
 async def get_workers(job_id: str, request: Request) -> WorkersView:
     """The worker groups of every node in the job's current round, and their workers."""

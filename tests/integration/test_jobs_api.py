@@ -276,3 +276,22 @@ async def test_events_after_filters(client):
     assert seqs == sorted(seqs) and len(seqs) >= 4
     later = (await client.get(f"/jobs/{job['id']}/events", params={"after": seqs[1]})).json()
     assert [e["seq"] for e in later] == seqs[2:]
+
+
+async def test_delete_forgets_a_finished_job_and_refuses_a_running_one(client, daemon, tmp_path):
+    """DELETE removes a finished job's records (404 after); a running job gets 409."""
+    path = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    live = (
+        await client.post("/jobs", json={"entrypoint": PY, "args": [path], "termination_grace": 1})
+    ).json()["id"]
+    await wait_job(client, live, {"RUNNING"})
+    refused = await client.delete(f"/jobs/{live}")
+    assert refused.status_code == 409 and "cancel it" in refused.json()["detail"]
+    done = (await client.post("/jobs", json={"entrypoint": PY, "args": ["-c", "pass"]})).json()
+    await wait_job(client, done["id"])
+    assert (await client.delete(f"/jobs/{done['id']}")).status_code == 204
+    assert (await client.get(f"/jobs/{done['id']}")).status_code == 404
+    assert (await client.delete(f"/jobs/{done['id']}")).status_code == 404
+    leftovers = await daemon.store.list(f"ev/{done['id']}/")
+    assert not leftovers.entries
+    assert [j["id"] for j in (await client.get("/jobs")).json()["jobs"]] == [live]

@@ -15,11 +15,10 @@ protocol names (the last call, the join timeout).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,6 +95,49 @@ def free_port(addr: str = "") -> int:
         return port
 
 
+class Presence(Mapping[str, NodeInfo]):
+    """Announced nodes, decoding a node's join info only when it is looked up."""
+
+    def __init__(self, raw: dict[str, bytes]) -> None:
+        self._raw = raw
+        self._decoded: dict[str, NodeInfo] = {}
+
+    def __getitem__(self, node: str) -> NodeInfo:
+        info = self._decoded.get(node)
+        if info is None:
+            try:
+                info = NodeInfo.from_json(json.loads(self._raw[node]))
+            except (ValueError, TypeError) as exc:
+                raise RendezvousError(f"node {node!r} announced a malformed join info") from exc
+            self._decoded[node] = info
+        return info
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._raw
+
+
+_DECODED: dict[tuple[bytes, int], State] = {}
+
+
+def decode_state(raw: bytes, version: int) -> State:
+    """``State.decode`` with a small cache: a process running many agents for one job
+    (tests, simulations) decodes each version of the document once."""
+    key = (raw, version)  # the whole document: two stores may reuse a version number
+    state = _DECODED.get(key)
+    if state is None:
+        state = State.decode(raw)
+        if len(_DECODED) > 64:
+            _DECODED.clear()
+        _DECODED[key] = state
+    return state
+
+
 def rendezvous_prefix(job_id: str) -> str:
     return f"rdzv/{job_id}/"
 
@@ -134,20 +176,29 @@ class StoreRendezvous:
 
     # reads
 
-    async def snapshot(self) -> tuple[State, int | None, dict[str, NodeInfo], int]:
-        """(state, its version, announced nodes, store revision) in one request."""
+    async def snapshot(self) -> tuple[State, int | None, Mapping[str, NodeInfo], int]:
+        """(state, its version, announced nodes, store revision) in one request.
+
+        Presence values are decoded only when a decision places that node
+        (:class:`Presence`): with a thousand nodes each step reads a thousand
+        keys but decodes only the few that are new.
+        """
         listing = await self._store.list(self._prefix)
         state, version = State(), None
-        present: dict[str, NodeInfo] = {}
+        raw: dict[str, bytes] = {}
         for entry in listing.entries:
             if entry.key == self._state_key:
-                state, version = State.decode(entry.value), entry.version
+                state, version = decode_state(entry.value, entry.version), entry.version
             elif entry.key.startswith(self._node_prefix):
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    present[entry.key[len(self._node_prefix) :]] = NodeInfo.from_json(
-                        json.loads(entry.value)
-                    )
-        return state, version, present, listing.revision
+                raw[entry.key[len(self._node_prefix) :]] = entry.value
+        return state, version, Presence(raw), listing.revision
+
+    async def _state_only(self) -> tuple[State, int | None]:
+        """The state document alone (for steps that need no presence: leaving, closing)."""
+        entry = await self._store.get(self._state_key)
+        if entry is None:
+            return State(), None
+        return decode_state(entry.value, entry.version), entry.version
 
     async def _wait(self, key: str, prefix: bool, revision: int, until: float | None) -> None:
         timeout = MAX_WATCH
@@ -162,10 +213,11 @@ class StoreRendezvous:
 
     async def _execute(
         self,
-        decide: Callable[[State, dict[str, NodeInfo]], Action],
+        decide: Callable[[State, Mapping[str, NodeInfo]], Action],
         info: NodeInfo | None,
         *,
         once: bool = False,
+        presence_needed: bool = True,
     ) -> State:
         """Apply decisions until one says FINISH (or, with ``once``, one write lands).
 
@@ -174,7 +226,12 @@ class StoreRendezvous:
         point of leaving a round to join the next, not a reason to leave again.
         """
         while True:
-            state, version, present, revision = await self.snapshot()
+            present: Mapping[str, NodeInfo]
+            if presence_needed:
+                state, version, present, revision = await self.snapshot()
+            else:
+                state, version = await self._state_only()
+                present, revision = {}, version or 0
             if info is not None and self._me not in present:
                 await self._announce(info)  # our lease was lost and renewed: announce again
                 continue
@@ -188,7 +245,13 @@ class StoreRendezvous:
                     log.debug("%s: %s", self._me, action.why)
                     if once:
                         return action.state
-                continue  # decide again on what is there now (ours or the winner's)
+                # Decide again on what is there now (ours, or the winner's). When that
+                # document already says we are done, no read is needed.
+                if result.entry is not None and info is not None and not once:
+                    now = decode_state(result.entry.value, result.entry.version)
+                    if now.complete and self._me in now.participants and not now.closed:
+                        return now
+                continue
             if action.kind is Kind.WAIT:
                 if action.presence:
                     await self._wait(self._prefix, True, revision, action.until)
@@ -219,12 +282,15 @@ class StoreRendezvous:
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
         await self._execute(
-            lambda state, present: decide_exit(state, me, settings), None, once=True
+            lambda state, present: decide_exit(state, me, settings),
+            None,
+            once=True,
+            presence_needed=False,
         )
         await self._announce(info)  # after leaving: the next round sees this round's fresh port
         join_deadline = self._clock.time() + settings.join_timeout
 
-        def join(state: State, present: dict[str, NodeInfo]) -> Action:
+        def join(state: State, present: Mapping[str, NodeInfo]) -> Action:
             return decide_join(state, me, settings, self._clock.time(), present, join_deadline)
 
         state = await self._execute(join, info)
@@ -250,12 +316,15 @@ class StoreRendezvous:
             await self._wait(self._prefix, True, revision, None)
 
     async def close(self) -> None:
-        await self._execute(lambda state, present: decide_close(state), None)
+        await self._execute(lambda state, present: decide_close(state), None, presence_needed=False)
 
     async def leave(self) -> None:
         """Withdraw the presence key first (so nobody re-places us), then leave every list."""
         me, settings = self._me, self._settings
         await self._store.delete(self._node_prefix + me)
         await self._execute(
-            lambda state, present: decide_exit(state, me, settings), None, once=True
+            lambda state, present: decide_exit(state, me, settings),
+            None,
+            once=True,
+            presence_needed=False,
         )

@@ -36,6 +36,7 @@ by the nodes of a cluster (as torch's ``datetime.utcnow`` is).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -239,7 +240,7 @@ def _place(state: State, node: str, info: NodeInfo, settings: Settings, now: flo
     return new
 
 
-def absorb(state: State, present: dict[str, NodeInfo], settings: Settings, now: float) -> State:
+def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, now: float) -> State:
     """Place every announced node that is in no list yet, in name order, in one edit.
 
     While a round is open, nodes waiting from the last round join it too.
@@ -267,7 +268,7 @@ def decide_join(
     me: str,
     settings: Settings,
     now: float,
-    present: dict[str, NodeInfo],
+    present: Mapping[str, NodeInfo],
     join_deadline: float,
 ) -> Action:
     """One step of joining the next complete round.

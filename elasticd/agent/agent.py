@@ -407,6 +407,11 @@ class JobAgent:
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
         await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
         outcome = await self._monitor(group, round_)
+        while isinstance(outcome, Hang) and self.spec.inprocess_restart:
+            # In-process restart: kill only the stuck rank; its death is reported to the
+            # others, which carry on without it (the wrapper's hard_timeout backstop).
+            await self._kill_hung_rank(outcome)
+            outcome = await self._monitor(group, round_)
         if isinstance(outcome, Hang):
             await self._on_hang(outcome, round_)
             return False
@@ -846,6 +851,38 @@ class JobAgent:
             log_dir=str(self._log_dir(hang.local_rank)),
         )
         await self._restart_after(round_, root, f"rank {ranks.rank} hung on {self.ctx.node}")
+
+    async def _kill_hung_rank(self, hang: Hang) -> None:
+        """SIGKILL one stuck worker's process group (in-process restart jobs only)."""
+        ranks = self._ranks[hang.local_rank]
+        pid = self._group.pids.get(hang.local_rank) if self._group is not None else None
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "worker.hang",
+            f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}; killing this rank only",
+            attempt=self.attempt,
+            rank=ranks.rank,
+            local_rank=hang.local_rank,
+            pid=pid,
+            duration_s=hang.silent_for,
+        )
+        if self._progress is not None:
+            self._progress.finished(hang.local_rank)  # judged; its exit will follow
+        if pid is not None:
+            stacks = await dump_stacks(pid)
+            self.ctx.events.emit(
+                self.job_id,
+                "worker",
+                "worker.stacks",
+                f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
+                attempt=self.attempt,
+                rank=ranks.rank,
+                local_rank=hang.local_rank,
+                pid=pid,
+            )
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
 
     async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
         """Record the round's failure (charged when the next round forms) and go again."""

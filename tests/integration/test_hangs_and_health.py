@@ -162,3 +162,41 @@ async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(client):
     assert job["state"] == "SUCCEEDED"
     kinds = [e["kind"] for e in await events_of(client, job["id"])]
     assert "health.skipped" in kinds
+
+
+async def test_inprocess_job_has_only_the_hung_rank_killed(client, tmp_path):
+    """With inprocess_restart, a rank past its progress deadline is killed alone; the rest finish."""
+    path = script(
+        tmp_path,
+        "one_hangs.py",
+        """
+        import os, threading, time
+        import elasticd.worker as w
+        w.ping()
+        if os.environ["LOCAL_RANK"] == "1":
+            threading.Event().wait()  # stuck; the daemon must kill this rank only
+        for _ in range(40):
+            w.ping()
+            time.sleep(0.05)
+    """,
+    )
+    r = await client.post(
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": [path],
+            "nproc_per_node": 2,
+            "progress_timeout": 0.6,
+            "inprocess_restart": True,
+            "max_restarts": 0,
+            "termination_grace": 1,
+        },
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED" and job["restart_count"] == 0
+    events = await events_of(client, job["id"])
+    hang = next(e for e in events if e["kind"] == "worker.hang")
+    assert hang["rank"] == 1 and "killing this rank only" in hang["message"]
+    exits = {e["rank"]: e for e in events if e["kind"] == "worker.exited"}
+    assert exits[1]["signal"] == 9 and exits[0]["exit_code"] == 0
+    assert [e["kind"] for e in events].count("workers.started") == 1  # no group restart

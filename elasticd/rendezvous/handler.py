@@ -48,6 +48,8 @@ log = logging.getLogger("elasticd.rendezvous")
 
 #: Longest single watch; a watch that times out just re-reads (no busy loop).
 MAX_WATCH = 30.0
+#: Seconds a participant other than the first gives the first to complete a round.
+STRAGGLER_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,16 @@ def free_port(addr: str = "") -> int:
             sock.bind(("", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def notice_worthy(before: State, after: State) -> bool:
+    """Does this write change what nodes waiting inside an open round wait for?"""
+    return (
+        after.complete != before.complete
+        or after.closed != before.closed
+        or after.deadline != before.deadline
+        or after.round != before.round
+    )
 
 
 class Presence(Mapping[str, NodeInfo]):
@@ -164,6 +176,10 @@ class StoreRendezvous:
         self._prefix = rendezvous_prefix(job_id)
         self._state_key = self._prefix + "state"
         self._node_prefix = self._prefix + "node/"
+        # Written (with the round number) by whoever completes or closes a round or
+        # sets its deadline, so that nodes waiting inside an open round wake for
+        # what concerns them, not at every join.
+        self._done_key = self._prefix + "done"
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -225,8 +241,16 @@ class StoreRendezvous:
         this one again right after (it is still announced), and that is the
         point of leaving a round to join the next, not a reason to leave again.
         """
+        light = False  # after waiting inside an open round: read the state key alone first
         while True:
             present: Mapping[str, NodeInfo]
+            if light:
+                light = False
+                state, version = await self._state_only()
+                if state.closed:
+                    raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
+                if state.complete and self._me in state.participants:
+                    return state
             if presence_needed:
                 state, version, present, revision = await self.snapshot()
             else:
@@ -243,26 +267,45 @@ class StoreRendezvous:
                 )
                 if result.ok:
                     log.debug("%s: %s", self._me, action.why)
+                    if notice_worthy(state, action.state):
+                        await self._store.put(self._done_key, str(action.state.round).encode())
                     if once:
                         return action.state
                 # Decide again on what is there now (ours, or the winner's). When that
-                # document already says we are done, no read is needed.
+                # document already says we are done, or that we are placed in its open
+                # round, no read is needed: finish, or wait for the round to complete.
                 if result.entry is not None and info is not None and not once:
                     now = decode_state(result.entry.value, result.entry.version)
                     if now.complete and self._me in now.participants and not now.closed:
                         return now
+                    if not now.complete and not now.closed and self._me in now.participants:
+                        await self._wait_open_round(now, result.entry.version, now.deadline)
+                        light = True
                 continue
             if action.kind is Kind.WAIT:
                 if action.presence:
                     await self._wait(self._prefix, True, revision, action.until)
                 else:
-                    await self._wait(self._state_key, False, revision, action.until)
+                    await self._wait_open_round(state, revision, action.until)
+                    light = True
                 continue
             if action.kind is Kind.FINISH:
                 return state
             if action.kind is Kind.CLOSED:
                 raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
             raise RendezvousTimeout(action.why)
+
+    async def _wait_open_round(self, state: State, revision: int, until: float | None) -> None:
+        """Inside an open round: wake when it is completed or closed, or at the deadline.
+
+        Newcomers place themselves, so nothing they write concerns the nodes
+        already placed. At the deadline the first participant (by name)
+        completes the round; the others give it a grace period first, then any
+        of them does, so a dead first participant cannot stall the round.
+        """
+        if until is not None and state.participants and min(state.participants) != self._me:
+            until += STRAGGLER_GRACE
+        await self._wait(self._done_key, False, revision, until)
 
     async def _announce(self, info: NodeInfo) -> None:
         """(Re)write this node's presence key, bound to its current lease."""

@@ -805,38 +805,8 @@ class JobAgent:
         """A worker stopped reporting progress: UNHEALTHY, stacks, restart (spends budget)."""
         now = self.ctx.clock.time()
         ranks = self._ranks[hang.local_rank]
-        pid = self._group.pids.get(hang.local_rank) if self._group is not None else None
         self._set_state(WorkerState.UNHEALTHY)  # HEALTHY -> UNHEALTHY
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
-            "worker.hang",
-            f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}",
-            state=WorkerState.UNHEALTHY.value,
-            attempt=self.attempt,
-            rank=ranks.rank,
-            local_rank=hang.local_rank,
-            pid=pid,
-            duration_s=hang.silent_for,
-        )
-        if pid is not None:
-            stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
-            size = file_size(stderr_log)
-            stacks = await dump_stacks(pid)
-            if "SIGUSR1" in stacks:
-                # faulthandler writes from the worker's signal handler into its stderr
-                # pipe; give it a moment to land before the stop kills the worker.
-                await wait_for_growth(stderr_log, size, timeout=2.0)
-            self.ctx.events.emit(
-                self.job_id,
-                "worker",
-                "worker.stacks",
-                f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
-                attempt=self.attempt,
-                rank=ranks.rank,
-                local_rank=hang.local_rank,
-                pid=pid,
-            )
+        await self._report_hang(hang, state=WorkerState.UNHEALTHY.value)
         self._begin_recovery("hang", now)
         await self._stop_workers(WorkerState.STOPPED)  # UNHEALTHY -> STOPPED
         root = RootCause(
@@ -854,35 +824,51 @@ class JobAgent:
 
     async def _kill_hung_rank(self, hang: Hang) -> None:
         """SIGKILL one stuck worker's process group (in-process restart jobs only)."""
+        if self._progress is not None:
+            self._progress.finished(hang.local_rank)  # judged; its exit will follow
+        pid = await self._report_hang(hang, suffix="; killing this rank only")
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
+
+    async def _report_hang(
+        self, hang: Hang, *, state: str | None = None, suffix: str = ""
+    ) -> int | None:
+        """The ``worker.hang`` event, then the stuck worker's stacks; returns its pid."""
         ranks = self._ranks[hang.local_rank]
         pid = self._group.pids.get(hang.local_rank) if self._group is not None else None
         self.ctx.events.emit(
             self.job_id,
             "agent",
             "worker.hang",
-            f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}; killing this rank only",
+            f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}{suffix}",
+            state=state,
             attempt=self.attempt,
             rank=ranks.rank,
             local_rank=hang.local_rank,
             pid=pid,
             duration_s=hang.silent_for,
         )
-        if self._progress is not None:
-            self._progress.finished(hang.local_rank)  # judged; its exit will follow
-        if pid is not None:
-            stacks = await dump_stacks(pid)
-            self.ctx.events.emit(
-                self.job_id,
-                "worker",
-                "worker.stacks",
-                f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
-                attempt=self.attempt,
-                rank=ranks.rank,
-                local_rank=hang.local_rank,
-                pid=pid,
-            )
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
+        if pid is None:
+            return None
+        stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
+        size = file_size(stderr_log)
+        stacks = await dump_stacks(pid)
+        if "SIGUSR1" in stacks:
+            # faulthandler writes from the worker's signal handler into its stderr
+            # pipe; give it a moment to land before the worker is stopped.
+            await wait_for_growth(stderr_log, size, timeout=2.0)
+        self.ctx.events.emit(
+            self.job_id,
+            "worker",
+            "worker.stacks",
+            f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
+            attempt=self.attempt,
+            rank=ranks.rank,
+            local_rank=hang.local_rank,
+            pid=pid,
+        )
+        return pid
 
     async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
         """Record the round's failure (charged when the next round forms) and go again."""

@@ -7,6 +7,7 @@ One agent runs per job on each node that takes part. Its loop is::
         → succeed (every worker exited 0) → exit barrier
         → fail (budget spent) | cancel
 
-It decides in pure functions (:mod:`elasticd.agent.policy`) and applies the
+It decides in pure functions (the job-document edits ``record_failure``,
+``settle_failure`` and ``merge_recovery`` in :mod:`elasticd.agent.agent`) and applies the
 decisions in :mod:`elasticd.agent.agent`. Exits are awaited, never polled.
 """

@@ -3,7 +3,6 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticd.agent.policy import Outcome, after_attempt
 from elasticd.agent.ranks import NodeSlot, assign_ranks
 from elasticd.workers.env import AttemptInfo, worker_env
 
@@ -99,9 +98,59 @@ def test_single_worker_gets_no_omp_default():
     assert "OMP_NUM_THREADS" not in _env(nproc=1)
 
 
+def _job(restarts: int, max_restarts: int, pending_round: int | None, participants=("a",)):
+    from elasticd.models import Job, JobSpec, PendingFailure, RootCause
+    from elasticd.states import JobState
+
+    pending = None
+    if pending_round is not None:
+        pending = PendingFailure(
+            round=pending_round, participants=list(participants), error=RootCause(message="boom")
+        )
+    return Job(
+        id="j",
+        spec=JobSpec(entrypoint="x", max_restarts=max_restarts),
+        state=JobState.RESTARTING,
+        restart_count=restarts,
+        max_restarts=max_restarts,
+        created_at=0.0,
+        pending_failure=pending,
+    )
+
+
+def _round(n: int, participants=("a",)):
+    from elasticd.rendezvous import RoundInfo
+
+    return RoundInfo(
+        round=n,
+        group_rank=0,
+        group_world_size=len(participants),
+        nodes=[],
+        master_addr="h",
+        master_port=1,
+        participants={p: 0 for p in participants},
+    )
+
+
 def test_restart_policy_is_torchruns():
     """A failure restarts while restarts remain; the budget spent means FAILED."""
-    assert after_attempt(succeeded=True, restart_count=9, max_restarts=0) is Outcome.SUCCEEDED
-    assert after_attempt(succeeded=False, restart_count=0, max_restarts=1) is Outcome.RESTART
-    assert after_attempt(succeeded=False, restart_count=1, max_restarts=1) is Outcome.FAILED
-    assert after_attempt(succeeded=False, restart_count=0, max_restarts=0) is Outcome.FAILED
+    from elasticd.agent.agent import settle_failure
+    from elasticd.states import JobState
+
+    assert settle_failure(_round(1))(_job(0, 1, 0)) == {
+        "pending_failure": None,
+        "charged_round": 0,
+        "restart_count": 1,
+    }
+    spent = settle_failure(_round(2))(_job(1, 1, 1))
+    assert spent["state"] is JobState.FAILED and "budget spent" in spent["reason"]
+    assert settle_failure(_round(1))(_job(0, 0, 0))["state"] is JobState.FAILED
+    assert settle_failure(_round(1))(_job(0, 3, None)) == {}  # nothing pending: nothing spent
+
+
+def test_a_lost_participant_is_a_free_membership_change():
+    """When a node of the failed round did not come back, the failure costs no restart."""
+    from elasticd.agent.agent import settle_failure
+
+    edit = settle_failure(_round(1, ("a",)))(_job(0, 0, 0, participants=("a", "b")))
+    assert edit == {"pending_failure": None, "charged_round": 0}

@@ -97,7 +97,7 @@ from elasticd.rendezvous import (  # noqa: E402
     StoreRendezvous,
     protocol,  # noqa: E402
 )
-from elasticd.rendezvous.handler import MAX_WATCH, RoundInfo  # noqa: E402
+from elasticd.rendezvous.handler import MAX_WATCH, RoundInfo, state_key  # noqa: E402
 from elasticd.rendezvous.protocol import Action, Kind, NodeInfo, State  # noqa: E402
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent  # noqa: E402
 
@@ -612,7 +612,7 @@ async def one_round(backend: Backend, n: int, budget: float, lease_ttl: float) -
                     await backend.client_for(i).revoke(leases[i])
 
             await asyncio.gather(*(revoke(i) for i in range(n)))
-            await backend.client_for(0).delete(f"rdzv/{job}/state")
+            await backend.client_for(0).delete(state_key(job))
     return result
 
 

@@ -43,7 +43,7 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
-from elasticd.rendezvous import Settings, StoreRendezvous, rendezvous_prefix
+from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
 from elasticd.states import JOB_ACTIVE, JobState, job_transition
 from elasticd.store import Store
 
@@ -176,7 +176,7 @@ class JobService:
 
     async def _live_members(self, job_id: str) -> set[str]:
         """Nodes whose presence key in the job's rendezvous is alive."""
-        prefix = rendezvous_prefix(job_id) + "node/"
+        prefix = presence_prefix(job_id)
         listing = await self.store.list(prefix)
         return {e.key[len(prefix) :] for e in listing.entries}
 

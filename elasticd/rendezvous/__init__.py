@@ -3,9 +3,11 @@
 The protocol (:mod:`.protocol`) is pure: ``decide_*(state, node, settings,
 now, alive)`` returns what to do. The executor (:mod:`.handler`) applies
 it over the store: the state is one JSON document per job, written only by
-compare-and-set, so racing nodes never need a lock: the loser re-reads the
-winner's document and decides again. Nodes watch the document (and each
-other's lease-bound ``alive`` keys) instead of sleeping.
+compare-and-set, so racing nodes never need a lock for correctness: the
+loser re-reads the winner's document and decides again (an advisory
+*absorber* role only keeps a crowd of arriving nodes from all doing the same
+work). Nodes watch the document (and each other's lease-bound presence keys)
+instead of sleeping.
 
 Each round gets a fresh master port, picked by group rank 0's node when it
 joined, so no worker of a new round ever dials an address left over from the
@@ -17,7 +19,9 @@ from elasticd.rendezvous.handler import (
     RoundInfo,
     StoreRendezvous,
     free_port,
+    presence_prefix,
     rendezvous_prefix,
+    state_key,
 )
 from elasticd.rendezvous.protocol import Change, Settings
 
@@ -28,5 +32,7 @@ __all__ = [
     "Settings",
     "StoreRendezvous",
     "free_port",
+    "presence_prefix",
     "rendezvous_prefix",
+    "state_key",
 ]

@@ -1,16 +1,32 @@
 """The rendezvous executor: applies the pure decisions of :mod:`.protocol` over the store.
 
-A node first announces itself: one lease-bound *presence* key
-(``rdzv/<job>/node/<name>``) holding its join info. Each step then reads the
-job's rendezvous prefix in one request (the state document and every
-presence key, at one revision), decides, and either writes with
-compare-and-set (a lost race just means deciding again on the winner's
-state) or watches. A node waiting inside an open round watches the state key
-only, so a thousand announcements do not wake a thousand watchers each;
-every other wait (a running node, the wait list, a hot spare) watches the
-whole prefix, so a lease expiry (a presence key deleted) wakes it at once.
-Nothing sleeps on a timer: the only timed wake-ups are the deadlines the
-protocol names (the last call, the join timeout).
+Keys of one job, all under ``rdzv/<job>/``:
+
+* ``m/state``: the rendezvous document, written only by compare-and-set;
+* ``m/node/<name>``: a node's lease-bound *presence* key holding its join info;
+* ``signal/done``: written by whoever completes or closes a round or sets its
+  deadline (what nodes placed inside an open round wait for);
+* ``signal/absorber``: the advisory *absorber* role, see below.
+
+A running node, a waiting one and a hot spare watch ``m/``, so that a lease
+expiry (a presence key deleted) wakes them at once. Nothing sleeps on a
+timer: the only timed wake-ups are the deadlines the protocol names (the last
+call, the join timeout) and the absorber's hold.
+
+**Joining costs O(1) requests and O(1) listings per node.** A joining node
+announces itself, then reads the state key alone. Placed (by anyone's
+write): it waits on ``signal/done`` and reads the state key again. Not
+placed: it needs someone to list the presence keys and write the placement.
+Were every node to do that, a thousand nodes arriving together would each
+list a thousand keys and race to write nearly the same document (measured:
+13.9 s over HTTP, 23 s on etcd for one round). So the listing is done by
+the node holding the absorber role (a create-if-absent key bound to its
+lease, with a hold time): it lists, places every announced node in one
+compare-and-set, lists again to catch late arrivals, and lets go once a list
+finds nobody new. The others wait for the role to be released (or its
+holder's lease to expire, or its hold to run out), and then usually find
+themselves placed. The role never guards correctness, only effort: every
+write is still a compare-and-set that a stale writer loses.
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ from elasticd.errors import (
     RendezvousError,
     RendezvousTimeout,
     StoreCompacted,
+    StoreError,
 )
 from elasticd.rendezvous.protocol import (
     Action,
@@ -50,6 +67,8 @@ log = logging.getLogger("elasticd.rendezvous")
 MAX_WATCH = 30.0
 #: Seconds a participant other than the first gives the first to complete a round.
 STRAGGLER_GRACE = 1.0
+#: Seconds one node may hold the absorber role before the others may take it over.
+ABSORBER_HOLD = 5.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,11 @@ def free_port(addr: str = "") -> int:
             sock.bind(("", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def needs_placing(state: State, node: str) -> bool:
+    """Is ``node`` in no list of the document, or waiting for an open round to take it in?"""
+    return node not in state.members() or (node in state.wait_list and not state.complete)
 
 
 def notice_worthy(before: State, after: State) -> bool:
@@ -151,7 +175,28 @@ def decode_state(raw: bytes, version: int) -> State:
 
 
 def rendezvous_prefix(job_id: str) -> str:
+    """Every key of a job's rendezvous (deleted with the job)."""
     return f"rdzv/{job_id}/"
+
+
+def membership_prefix(job_id: str) -> str:
+    """The state document and the presence keys: what a running node watches."""
+    return rendezvous_prefix(job_id) + "m/"
+
+
+def state_key(job_id: str) -> str:
+    """The rendezvous document of a job."""
+    return membership_prefix(job_id) + "state"
+
+
+def absorber_key(job_id: str) -> str:
+    """Held by the node placing announced nodes (see ``StoreRendezvous._take_absorber``)."""
+    return rendezvous_prefix(job_id) + "signal/absorber"
+
+
+def presence_prefix(job_id: str) -> str:
+    """One lease-bound key per announced node, named after it."""
+    return membership_prefix(job_id) + "node/"
 
 
 class StoreRendezvous:
@@ -173,13 +218,19 @@ class StoreRendezvous:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._store = store
-        self._prefix = rendezvous_prefix(job_id)
-        self._state_key = self._prefix + "state"
-        self._node_prefix = self._prefix + "node/"
+        self._job = job_id
+        self._prefix = membership_prefix(job_id)  # the state and the presence keys
+        self._state_key = state_key(job_id)
+        self._node_prefix = presence_prefix(job_id)
+        signals = rendezvous_prefix(job_id) + "signal/"  # outside the membership prefix
         # Written (with the round number) by whoever completes or closes a round or
         # sets its deadline, so that nodes waiting inside an open round wake for
         # what concerns them, not at every join.
-        self._done_key = self._prefix + "done"
+        self._done_key = signals + "done"
+        # Held (advisory) by the one node that lists the presence keys and places
+        # every announced node; see _take_absorber.
+        self._absorber_key = absorber_key(job_id)
+        self._absorber_version = 0
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -209,12 +260,14 @@ class StoreRendezvous:
                 raw[entry.key[len(self._node_prefix) :]] = entry.value
         return state, version, Presence(raw), listing.revision
 
-    async def _state_only(self) -> tuple[State, int | None]:
-        """The state document alone (for steps that need no presence: leaving, closing)."""
-        entry = await self._store.get(self._state_key)
-        if entry is None:
-            return State(), None
-        return decode_state(entry.value, entry.version), entry.version
+    async def _state_only(self) -> tuple[State, int | None, int]:
+        """The state document alone, its version and the store revision it was read at
+        (for steps that need no presence: leaving, closing, a placed node's check)."""
+        listing = await self._store.list(self._state_key)  # a get with the revision
+        for entry in listing.entries:
+            if entry.key == self._state_key:
+                return decode_state(entry.value, entry.version), entry.version, listing.revision
+        return State(), None, listing.revision
 
     async def _wait(self, key: str, prefix: bool, revision: int, until: float | None) -> None:
         timeout = MAX_WATCH
@@ -234,66 +287,147 @@ class StoreRendezvous:
         *,
         once: bool = False,
         presence_needed: bool = True,
+        join_deadline: float | None = None,
     ) -> State:
         """Apply decisions until one says FINISH (or, with ``once``, one write lands).
 
         CLOSED and TIMEOUT raise. Leaving uses ``once``: another node may place
         this one again right after (it is still announced), and that is the
         point of leaving a round to join the next, not a reason to leave again.
+
+        A join (``info`` given) reads the state key alone before anything else
+        and, while it finds itself placed, waits without listing: only a node
+        that is not placed yet lists the presence keys, and only while it holds
+        the absorber role, so that of a thousand nodes arriving together one
+        lists and places them all and the others read one small key each.
         """
-        light = False  # after waiting inside an open round: read the state key alone first
-        while True:
-            present: Mapping[str, NodeInfo]
-            if light:
-                light = False
-                state, version = await self._state_only()
-                if state.closed:
-                    raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
-                if state.complete and self._me in state.participants:
-                    return state
-            if presence_needed:
-                state, version, present, revision = await self.snapshot()
-            else:
-                state, version = await self._state_only()
-                present, revision = {}, version or 0
-            if info is not None and self._me not in present:
-                await self._announce(info)  # our lease was lost and renewed: announce again
-                continue
-            action = decide(state, present)
-            if action.kind is Kind.WRITE:
-                assert action.state is not None
-                result = await self._store.compare_and_set(
-                    self._state_key, action.state.encode(), version
-                )
-                if result.ok:
-                    log.debug("%s: %s", self._me, action.why)
-                    if notice_worthy(state, action.state):
-                        await self._store.put(self._done_key, str(action.state.round).encode())
-                    if once:
-                        return action.state
-                # Decide again on what is there now (ours, or the winner's). When that
-                # document already says we are done, or that we are placed in its open
-                # round, no read is needed: finish, or wait for the round to complete.
-                if result.entry is not None and info is not None and not once:
-                    now = decode_state(result.entry.value, result.entry.version)
-                    if now.complete and self._me in now.participants and not now.closed:
-                        return now
-                    if not now.complete and not now.closed and self._me in now.participants:
-                        await self._wait_open_round(now, result.entry.version, now.deadline)
-                        light = True
-                continue
-            if action.kind is Kind.WAIT:
-                if action.presence:
-                    await self._wait(self._prefix, True, revision, action.until)
+        light = info is not None
+        holding = False
+        try:
+            while True:
+                present: Mapping[str, NodeInfo]
+                if light:
+                    light = False
+                    state, version, revision = await self._state_only()
+                    if state.closed:
+                        raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+                    if state.complete and self._me in state.participants:
+                        return state
+                    if not holding and needs_placing(state, self._me):
+                        holding = await self._take_absorber(join_deadline)
+                        if not holding:
+                            light = True  # someone else is placing nodes; read again
+                            continue
+                    elif not state.complete and self._me in state.participants:
+                        until = state.deadline if state.deadline is not None else join_deadline
+                        if join_deadline is not None and until is not None:
+                            until = min(until, join_deadline)
+                        if not self._past(state, until):
+                            await self._wait_open_round(state, revision, until)
+                            light = True
+                            continue
+                if presence_needed:
+                    state, version, present, revision = await self.snapshot()
                 else:
-                    await self._wait_open_round(state, revision, action.until)
-                    light = True
-                continue
-            if action.kind is Kind.FINISH:
-                return state
-            if action.kind is Kind.CLOSED:
-                raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
-            raise RendezvousTimeout(action.why)
+                    state, version, revision = await self._state_only()
+                    present = {}
+                if info is not None and self._me not in present:
+                    await self._announce(info)  # our lease was lost and renewed: announce again
+                    continue
+                action = decide(state, present)
+                if action.kind is Kind.WRITE:
+                    assert action.state is not None
+                    result = await self._store.compare_and_set(
+                        self._state_key, action.state.encode(), version
+                    )
+                    if result.ok:
+                        log.debug("%s: %s", self._me, action.why)
+                        if notice_worthy(state, action.state):
+                            await self._store.put(self._done_key, str(action.state.round).encode())
+                        if once:
+                            return action.state
+                    if holding:
+                        continue  # place whoever announced meanwhile, then let go
+                    # Decide again on what is there now (ours, or the winner's): when
+                    # that document says we are done or placed, no listing is needed.
+                    if result.entry is not None and info is not None and not once:
+                        now = decode_state(result.entry.value, result.entry.version)
+                        if now.complete and self._me in now.participants and not now.closed:
+                            return now
+                        if not now.complete and not now.closed and self._me in now.participants:
+                            await self._wait_open_round(now, result.entry.version, now.deadline)
+                            light = True
+                    continue
+                if holding:
+                    holding = False
+                    await self._release_absorber()
+                if action.kind is Kind.WAIT:
+                    if action.presence:
+                        await self._wait(self._prefix, True, revision, action.until)
+                    else:
+                        await self._wait_open_round(state, revision, action.until)
+                        light = True
+                    continue
+                if action.kind is Kind.FINISH:
+                    return state
+                if action.kind is Kind.CLOSED:
+                    raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+                raise RendezvousTimeout(action.why)
+        finally:
+            if holding:
+                await self._release_absorber()
+
+    def _past(self, state: State, until: float | None) -> bool:
+        """Has the wait inside an open round ended for this node (see _wait_open_round)?"""
+        if until is None:
+            return False
+        if state.participants and min(state.participants) != self._me:
+            until += STRAGGLER_GRACE
+        return self._clock.time() >= until
+
+    async def _take_absorber(self, join_deadline: float | None) -> bool:
+        """Try to become the node that places announced nodes; False after waiting for it.
+
+        The role is advisory: it only keeps a thousand arriving nodes from each
+        listing a thousand presence keys and racing to write the same placement.
+        Correctness never depends on it (every write is a compare-and-set).
+        It is bound to the holder's lease (a dead holder frees it when its
+        lease expires) and says until when it is held: a holder that has not
+        let go by then (its release was lost) is displaced, so a live but
+        stuck daemon cannot stall the rendezvous.
+        """
+        hold = {"node": self._me, "until": self._clock.time() + ABSORBER_HOLD}
+        lease = await self._lease()
+        result = await self._store.compare_and_set(
+            self._absorber_key, json.dumps(hold).encode(), None, lease=lease
+        )
+        if result.ok:
+            assert result.entry is not None
+            self._absorber_version = result.entry.version
+            return True
+        held = result.entry
+        if held is None:
+            return False  # let go just now: read again and retry
+        try:
+            doc = json.loads(held.value)
+            holder, until = str(doc["node"]), float(doc["until"])
+        except (ValueError, KeyError, TypeError):
+            holder, until = "", 0.0  # malformed: treat as expired
+        if holder == self._me or self._clock.time() >= until:
+            # Ours from an interrupted attempt, or overdue: take it back from that version.
+            await self._store.delete(self._absorber_key, held.version)
+            return False
+        if join_deadline is not None:
+            until = min(until, join_deadline)
+        await self._wait(self._absorber_key, False, held.version, until)
+        return False
+
+    async def _release_absorber(self) -> None:
+        """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
+        try:
+            await self._store.delete(self._absorber_key, self._absorber_version)
+        except StoreError as exc:
+            log.debug("%s: could not let go of the absorber role: %s", self._me, exc)
 
     async def _wait_open_round(self, state: State, revision: int, until: float | None) -> None:
         """Inside an open round: wake when it is completed or closed, or at the deadline.
@@ -336,7 +470,7 @@ class StoreRendezvous:
         def join(state: State, present: Mapping[str, NodeInfo]) -> Action:
             return decide_join(state, me, settings, self._clock.time(), present, join_deadline)
 
-        state = await self._execute(join, info)
+        state = await self._execute(join, info, join_deadline=join_deadline)
         master = state.master()
         if master is None:  # pragma: no cover - FINISH implies a complete round
             raise RendezvousError("the completed round has no rank 0")

@@ -39,6 +39,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 from elasticd.agent.ranks import NodeSlot
@@ -147,6 +148,10 @@ class State:
         """Group rank 0's advertise address and port, once the round is complete."""
         if not self.complete:
             return None
+        return self._master
+
+    @cached_property
+    def _master(self) -> tuple[str, int] | None:
         for node, rank in self.participants.items():
             if rank == 0:
                 info = self.nodes[node]
@@ -154,10 +159,17 @@ class State:
         return None  # pragma: no cover - a complete round always has rank 0
 
     def slots(self) -> list[NodeSlot]:
-        return [
+        """Every participant's (group rank, role, local world size), by group rank."""
+        return list(self._slots)
+
+    @cached_property
+    def _slots(self) -> tuple[NodeSlot, ...]:
+        # Computed once per decoded document: a process simulating many nodes
+        # shares one State per version (see ``handler.decode_state``).
+        return tuple(
             NodeSlot(rank, self.nodes[node].role, self.nodes[node].local_world_size)
             for node, rank in sorted(self.participants.items(), key=lambda kv: kv[1])
-        ]
+        )
 
 
 class Kind(Enum):
@@ -212,47 +224,60 @@ def sanitize(state: State, alive: frozenset[str], settings: Settings) -> State:
     return state
 
 
+def _ranked(participants: Mapping[str, int]) -> dict[str, int]:
+    """Group ranks on completion: by node name."""
+    return {node: rank for rank, node in enumerate(sorted(participants))}
+
+
 def _complete(state: State) -> State:
-    ranks = {node: rank for rank, node in enumerate(sorted(state.participants))}
-    return replace(state, complete=True, deadline=None, participants=ranks)
-
-
-def _place(state: State, node: str, info: NodeInfo, settings: Settings, now: float) -> State:
-    """Put one announced node where torch's join op would put it."""
-    nodes = {**state.nodes, node: info}
-    n = len(state.participants)
-    if state.complete:
-        if n < settings.max_nodes:
-            return replace(state, wait_list=state.wait_list | {node}, nodes=nodes)
-        return replace(state, redundancy_list=state.redundancy_list | {node}, nodes=nodes)
-    participants = {**state.participants, node: 0}
-    new = replace(
-        state,
-        participants=participants,
-        wait_list=state.wait_list - {node},
-        redundancy_list=state.redundancy_list - {node},
-        nodes=nodes,
-    )
-    if len(participants) == settings.min_nodes and new.deadline is None:
-        new = replace(new, deadline=now + settings.last_call_timeout)
-    if len(participants) >= settings.max_nodes:
-        new = _complete(new)
-    return new
+    return replace(state, complete=True, deadline=None, participants=_ranked(state.participants))
 
 
 def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, now: float) -> State:
     """Place every announced node that is in no list yet, in name order, in one edit.
 
-    While a round is open, nodes waiting from the last round join it too.
+    Each node goes where torch's join op would put it: into an open round as a
+    participant (the ``min_nodes``-th starts the last call, the ``max_nodes``-th
+    completes the round), or, once the round is complete, into the wait list
+    while there is room and into the redundancy list after that. While a round
+    is open, nodes waiting from the last round join it too. One pass over
+    mutable copies: a thousand newcomers cost O(n), not a thousand copies of
+    the document.
     """
     members = state.members()
+    participants = dict(state.participants)
+    wait_list = set(state.wait_list)
+    redundancy_list = set(state.redundancy_list)
+    nodes: dict[str, NodeInfo] | None = None
+    complete, deadline = state.complete, state.deadline
     for node in sorted(present):
-        if node in members and not (node in state.wait_list and not state.complete):
+        if node in members and not (node in wait_list and not complete):
             continue
-        if node in state.wait_list:
-            state = replace(state, wait_list=state.wait_list - {node})
-        state = _place(state, node, present[node], settings, now)
-    return state
+        if nodes is None:
+            nodes = dict(state.nodes)
+        nodes[node] = present[node]
+        wait_list.discard(node)
+        if complete:
+            (wait_list if len(participants) < settings.max_nodes else redundancy_list).add(node)
+            continue
+        participants[node] = 0
+        redundancy_list.discard(node)
+        if len(participants) == settings.min_nodes and deadline is None:
+            deadline = now + settings.last_call_timeout
+        if len(participants) >= settings.max_nodes:
+            participants = _ranked(participants)
+            complete, deadline = True, None
+    if nodes is None:
+        return state
+    return replace(
+        state,
+        complete=complete,
+        deadline=deadline,
+        participants=participants,
+        wait_list=frozenset(wait_list),
+        redundancy_list=frozenset(redundancy_list),
+        nodes=nodes,
+    )
 
 
 def _everyone_joined(state: State, alive: frozenset[str]) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.rendezvous import state_key
 from tests.hardening.support import PY, Served, make_token_file, serve
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -299,8 +300,9 @@ def test_duplicate_ids_and_cancel_of_a_finished_job(live: Served) -> None:
 
 
 def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Served) -> None:
-    """Garbage written to rdzv/<job>/state (through the store API) while the job waits for a
+    """Garbage written to the rendezvous document (through the store API) while the job waits for a
     second node: the job FAILS naming the malformed document; the daemon keeps serving."""
+    key = state_key("garbled")
     with _client(live) as c:
         r = c.post(
             "/jobs",
@@ -308,11 +310,11 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Serv
         )
         assert r.status_code == 201
         deadline = time.monotonic() + 20
-        while not c.get("/store/kv", params={"key": "rdzv/garbled/state"}).json()["entry"]:
+        while not c.get("/store/kv", params={"key": key}).json()["entry"]:
             assert time.monotonic() < deadline, "the job never joined its rendezvous"
             time.sleep(0.02)
         garbage = base64.b64encode(b"\x00{not json at all").decode()
-        r = c.put("/store/kv", json={"key": "rdzv/garbled/state", "value": garbage})
+        r = c.put("/store/kv", json={"key": key, "value": garbage})
         assert r.status_code == 200
         job = _wait_terminal(c, "garbled")
         assert job["state"] == "FAILED", job

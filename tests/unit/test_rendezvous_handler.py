@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from collections import Counter
 
 import pytest
 
 from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, Settings, StoreRendezvous
+from elasticd.rendezvous.handler import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
 
 
@@ -84,3 +88,78 @@ async def test_closed_rendezvous_refuses_the_next_round():
         assert await a.wait_for_change(r.round) is Change.CLOSED
         with pytest.raises(RendezvousClosed):
             await a.next_round()
+
+
+class CountingStore:
+    """A store with a round trip of latency that counts the listings of each prefix."""
+
+    def __init__(self, inner: MemoryStore, latency: float = 0.002) -> None:
+        self.inner = inner
+        self.latency = latency
+        self.lists: Counter[str] = Counter()
+
+    async def list(self, prefix: str):
+        self.lists[prefix] += 1
+        await asyncio.sleep(self.latency)  # the network: other nodes run meanwhile
+        return await self.inner.list(prefix)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if name not in ("compare_and_set", "put", "get", "delete"):
+            return attr
+
+        async def after_a_round_trip(*args, **kwargs):
+            await asyncio.sleep(self.latency)
+            return await attr(*args, **kwargs)
+
+        return after_a_round_trip
+
+
+async def test_of_many_nodes_arriving_together_few_list_the_presence_keys():
+    """Only the node holding the absorber role lists and places; the rest read one key."""
+    store = CountingStore(MemoryStore())
+    n = 60
+    s = Settings(min_nodes=n, max_nodes=n)
+    nodes = [(await node(store, f"n{i:03}", s))[0] for i in range(n)]
+    async with asyncio.timeout(20):
+        rounds = await asyncio.gather(*(r.next_round() for r in nodes))
+    assert sorted(r.group_rank for r in rounds) == list(range(n))
+    assert len({(r.master_addr, r.master_port) for r in rounds}) == 1
+    membership = membership_prefix("job")
+    assert store.lists[membership] <= 6, store.lists  # not one (or more) per node
+
+
+async def absorber_held_by(store: MemoryStore, until: float, lease: int) -> None:
+    hold = json.dumps({"node": "ghost", "until": until}).encode()
+    result = await store.compare_and_set(absorber_key("job"), hold, None, lease=lease)
+    assert result.ok
+
+
+async def test_a_stuck_absorber_is_displaced_when_its_hold_runs_out():
+    """A live node that never let go (a lost release) stalls nobody past its hold."""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=2)
+    ghost_lease = await store.grant(300)
+    await absorber_held_by(store, time.time() + 0.5, ghost_lease)
+    (a, _), (b, _) = await node(store, "a", s), await node(store, "b", s)
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+    assert {ra.group_rank, rb.group_rank} == {0, 1}
+    assert time.monotonic() - started >= 0.3  # they did wait for the hold first
+
+
+async def test_a_dead_absorber_frees_the_role_with_its_lease():
+    """The role is bound to the holder's lease: its expiry wakes the waiters at once."""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=2)
+    ghost_lease = await store.grant(300)
+    await absorber_held_by(store, time.time() + 3600, ghost_lease)
+    (a, _), (b, _) = await node(store, "a", s), await node(store, "b", s)
+    async with asyncio.timeout(10):
+        joining = asyncio.gather(a.next_round(), b.next_round())
+        await asyncio.sleep(0.2)
+        assert not joining.done()  # waiting for the holder
+        await store.revoke(ghost_lease)
+        ra, rb = await joining
+    assert {ra.group_rank, rb.group_rank} == {0, 1}

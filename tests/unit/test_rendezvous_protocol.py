@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from elasticd.rendezvous.protocol import (
     NodeInfo,
     Settings,
     State,
+    absorb,
     decide_close,
     decide_exit,
     decide_join,
@@ -232,3 +235,71 @@ def test_invariants_hold_under_any_schedule(schedule, min_nodes, extra):
             assert action.state is not None
             check_invariants(state, action.state, s)
             state = action.state
+
+
+def absorb_one_at_a_time(state: State, present_, s: Settings, now: float) -> State:
+    """The reference model of ``absorb``: torch's join op applied to each newcomer in turn."""
+    for node in sorted(present_):
+        if node in state.members() and not (node in state.wait_list and not state.complete):
+            continue
+        nodes = {**state.nodes, node: present_[node]}
+        state = replace(state, wait_list=state.wait_list - {node}, nodes=nodes)
+        n = len(state.participants)
+        if state.complete:
+            if n < s.max_nodes:
+                state = replace(state, wait_list=state.wait_list | {node})
+            else:
+                state = replace(state, redundancy_list=state.redundancy_list | {node})
+            continue
+        state = replace(
+            state,
+            participants={**state.participants, node: 0},
+            redundancy_list=state.redundancy_list - {node},
+        )
+        if len(state.participants) == s.min_nodes and state.deadline is None:
+            state = replace(state, deadline=now + s.last_call_timeout)
+        if len(state.participants) >= s.max_nodes:
+            ranks = {n: r for r, n in enumerate(sorted(state.participants))}
+            state = replace(state, complete=True, deadline=None, participants=ranks)
+    return state
+
+
+members = st.sets(st.sampled_from("abcdefgh"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    members,
+    members,
+    members,
+    members,
+    st.booleans(),
+    st.integers(1, 4),
+    st.integers(0, 3),
+    st.sampled_from([None, 1.0]),
+)
+def test_absorb_in_one_pass_equals_placing_one_node_at_a_time(
+    participants, wait, spare, announced, complete, min_nodes, extra, deadline
+):
+    s = Settings(min_nodes=min_nodes, max_nodes=min_nodes + extra, last_call_timeout=2)
+    wait, spare = wait - participants, spare - participants - wait
+    participants = set(list(sorted(participants))[: s.max_nodes])
+    state = State(
+        complete=complete and len(participants) >= min_nodes,
+        deadline=deadline,
+        participants={n: r for r, n in enumerate(sorted(participants))},
+        wait_list=frozenset(wait),
+        redundancy_list=frozenset(spare),
+        nodes=present(participants | wait | spare),
+    )
+    expected = absorb_one_at_a_time(state, present(announced), s, 5.0)
+    assert absorb(state, present(announced), s, 5.0) == expected
+
+
+def test_completed_round_views_are_computed_once():
+    s = Settings(min_nodes=2, max_nodes=2)
+    state = absorb(State(), present("ab"), s, 0.0)
+    assert state.complete
+    assert state.slots() == state.slots() and state.slots() is not state.slots()
+    assert state.master() == (info("a").addr, info("a").port)
+    assert State.decode(state.encode()).slots() == state.slots()

@@ -23,7 +23,7 @@ Backends (``--backends``):
               instances (default 1: one keep-alive connection pool, one
               connection per request in flight, long-polls included);
 ``etcd``      a real single-member ``etcd`` on loopback, through
-              :class:`EtcdStore` (JSON gateway, httpx), shared the same way.
+              :class:`EtcdStore` (JSON gateway), shared the same way.
 
 Every node talks to the store through its own counting proxy, so the
 figures include store requests per node (mean and max, and per operation),
@@ -36,13 +36,9 @@ that backend (so the largest N that fits and the growth trend are reported).
 Smaller sizes repeat (median reported) while they fit in a per-size time
 budget.
 
-``--proposed`` drives a prototype of the executor changes that
-docs/benchmarks.md proposes (:class:`ProposedRendezvous`, in this file)
-instead of the shipped :class:`StoreRendezvous`, to measure their effect.
-
 Usage::
 
-    .venv/bin/python bench/bench_rendezvous_scale.py [--quick] [--proposed] [--backends embedded,http,etcd]
+    .venv/bin/python bench/bench_rendezvous_scale.py [--quick] [--backends embedded,http,etcd]
         [--sizes 10,100,1000] [--budget 60] [--json out.json]
     .venv/bin/python bench/bench_rendezvous_scale.py --profile embedded:300   # cProfile one run
 
@@ -57,7 +53,6 @@ import asyncio
 import collections
 import contextlib
 import cProfile
-import functools
 import io
 import json
 import os
@@ -70,7 +65,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,14 +86,11 @@ from _common import (  # noqa: E402
     stop_process,
 )
 
-from elasticd.errors import RendezvousClosed, RendezvousTimeout, StoreCompacted  # noqa: E402
 from elasticd.rendezvous import (  # noqa: E402
     Settings,
-    StoreRendezvous,
-    protocol,  # noqa: E402
+    StoreRendezvous,  # noqa: E402
 )
-from elasticd.rendezvous.handler import MAX_WATCH, RoundInfo, state_key  # noqa: E402
-from elasticd.rendezvous.protocol import Action, Kind, NodeInfo, State  # noqa: E402
+from elasticd.rendezvous.handler import RoundInfo, state_key  # noqa: E402
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent  # noqa: E402
 
 TOKEN = "bench-scale-token"
@@ -168,175 +160,6 @@ class CountingStore(Store):
 
     async def close(self) -> None:  # the shared inner store is closed by its owner
         pass
-
-
-# -- a prototype of the proposed executor changes (--proposed; NOT the shipped code) ------------
-
-
-class LazyInfos(Mapping[str, NodeInfo]):
-    """Announced nodes whose join info is JSON-decoded only when asked for (proposal A)."""
-
-    def __init__(self, raw: dict[str, bytes]) -> None:
-        self._raw = raw
-        self._decoded: dict[str, NodeInfo] = {}
-
-    def __getitem__(self, node: str) -> NodeInfo:
-        info = self._decoded.get(node)
-        if info is None:
-            info = self._decoded[node] = NodeInfo.from_json(json.loads(self._raw[node]))
-        return info
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
-
-    def __contains__(self, node: object) -> bool:
-        return node in self._raw
-
-
-class ProposedRendezvous(StoreRendezvous):
-    """:class:`StoreRendezvous` with the changes docs/benchmarks.md proposes, to measure them.
-
-    A. ``snapshot`` decodes a presence value only when ``absorb`` needs it (a
-       node not placed yet), not every announced node's on every step;
-    B. after a CAS, a node finishes from the document it wrote, or from the
-       winner's (``CasResult.entry``), when that already completes its round,
-       instead of listing the prefix again;
-    C. a node waiting inside an open round re-reads only the state key when
-       the state key changes (a list of the prefix only at its deadline);
-    D. leaving and closing read only the state key (``get``), not the prefix;
-    F. a node that lost a CAS but is placed in the winner's open round waits
-       (as C) from the winner's version instead of listing again: this is
-       what removes the herd of re-lists after each batched write;
-    E. (``--proposed`` also memoises ``State.decode`` of identical bytes: it
-       only matters when many nodes share one process, as here.)
-
-    Correctness was checked only as far as this benchmark checks a round
-    (ranks, world, master); it is a measurement aid, not a patch.
-    """
-
-    async def snapshot(self) -> tuple[State, int | None, dict[str, NodeInfo], int]:
-        listing = await self._store.list(self._prefix)
-        state, version = State(), None
-        raw: dict[str, bytes] = {}
-        cut = len(self._node_prefix)
-        for entry in listing.entries:
-            if entry.key == self._state_key:
-                state, version = State.decode(entry.value), entry.version
-            elif entry.key.startswith(self._node_prefix):
-                raw[entry.key[cut:]] = entry.value
-        return state, version, LazyInfos(raw), listing.revision  # type: ignore[return-value]
-
-    async def _state_only(self) -> tuple[State, int | None]:
-        entry = await self._store.get(self._state_key)
-        return (State(), None) if entry is None else (State.decode(entry.value), entry.version)
-
-    def _done(self, doc: State) -> bool:
-        return doc.complete and not doc.closed and self._me in doc.participants
-
-    async def _execute(
-        self,
-        decide: Callable[[State, dict[str, NodeInfo]], Action],
-        info: NodeInfo | None,
-        *,
-        once: bool = False,
-    ) -> State:
-        state_only = info is None  # D
-        while True:
-            present: dict[str, NodeInfo]
-            if state_only:
-                state, version = await self._state_only()
-                present, revision = {}, version or 0
-            else:
-                state, version, present, revision = await self.snapshot()
-                if self._me not in present:
-                    assert info is not None
-                    await self._announce(info)
-                    continue
-            action = decide(state, present)
-            if action.kind is Kind.WRITE:
-                assert action.state is not None
-                result = await self._store.compare_and_set(
-                    self._state_key, action.state.encode(), version
-                )
-                if result.ok and once:
-                    return action.state
-                doc = action.state if result.ok else None
-                if not result.ok and result.entry is not None:
-                    doc = State.decode(result.entry.value)
-                if doc is not None and not state_only and self._done(doc):
-                    return doc  # B
-                if (
-                    doc is not None
-                    and state_only
-                    and result.ok
-                    and decide(doc, {}).kind is Kind.FINISH
-                ):
-                    return doc  # B (close)
-                if (
-                    doc is not None
-                    and not state_only
-                    and not result.ok
-                    and result.entry is not None
-                    and not doc.complete
-                    and not doc.closed
-                    and self._me in doc.participants
-                ):
-                    got = await self._wait_open(doc, result.entry.version, None)  # F
-                    if got is not None:
-                        return got
-                continue
-            if action.kind is Kind.WAIT:
-                if action.presence or state_only:
-                    await self._wait(self._prefix, True, revision, action.until)
-                    continue
-                got = await self._wait_open(state, version or 0, action.until)  # C
-                if got is not None:
-                    return got
-                continue
-            if action.kind is Kind.FINISH:
-                return state
-            if action.kind is Kind.CLOSED:
-                raise RendezvousClosed(f"the rendezvous of {self._prefix[5:-1]} is closed")
-            raise RendezvousTimeout(action.why)
-
-    async def _wait_open(self, state: State, version: int, until: float | None) -> State | None:
-        """Wait inside an open round on the state key alone.
-
-        Returns the completed document, or None to decide again on a full snapshot
-        (the deadline passed, or the document changed in a way that needs one).
-        """
-        if until is None:
-            until = state.deadline
-        while True:
-            now = self._clock.time()
-            timeout = MAX_WATCH if until is None else max(0.0, min(MAX_WATCH, until - now))
-            if timeout <= 0:
-                return None
-            try:
-                events = await self._store.watch(self._state_key, version, timeout)
-            except StoreCompacted:
-                return None
-            if not events:
-                return None
-            doc, got = await self._state_only()
-            if self._done(doc):
-                return doc
-            if doc.complete or doc.closed or self._me not in doc.participants:
-                return None
-            if doc.round != state.round or got is None:
-                return None
-            state, version = doc, got
-
-
-def use_proposed() -> None:
-    """Make the benchmark drive :class:`ProposedRendezvous` (and memoise State.decode)."""
-    global StoreRendezvous  # noqa: PLW0603 - the benchmark's one switch
-    StoreRendezvous = ProposedRendezvous  # type: ignore[misc]
-    decode = functools.lru_cache(maxsize=16)(protocol.State.decode)
-    protocol.State.decode = staticmethod(decode)  # type: ignore[method-assign]
 
 
 # -- backends -------------------------------------------------------------------------------
@@ -750,8 +573,7 @@ async def amain(args: argparse.Namespace) -> int:
         if b not in BACKENDS:
             raise SystemExit(f"unknown backend {b!r}; expected some of {', '.join(BACKENDS)}")
     mode = "quick" if args.quick else "full"
-    variant = "PROPOSED executor prototype" if args.proposed else "shipped StoreRendezvous"
-    print(f"# rendezvous scale ({mode}; {variant})", flush=True)
+    print(f"# rendezvous scale ({mode})", flush=True)
     print(json.dumps(machine_info()), flush=True)
     results: dict[str, tuple[str, list[tuple[RoundResult, int]]]] = {}
     errors: dict[str, str] = {}
@@ -842,16 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="BACKEND:N", help="cProfile one round and exit")
     parser.add_argument("--json", help="write the figures (or, with --profile, the pstats) here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
-    parser.add_argument(
-        "--proposed",
-        action="store_true",
-        help="drive a prototype of the proposed executor changes instead of the shipped one",
-    )
     args = parser.parse_args(argv)
     # Whatever happens, this process group's children die with us on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if args.proposed:
-        use_proposed()
     if args.profile:
         return profile(args.profile, args)
     return asyncio.run(amain(args))

@@ -1,4 +1,4 @@
-"""The etcd backend: etcd v3 through its JSON gateway (grpc-gateway), with httpx.
+"""The etcd backend: etcd v3 through its JSON gateway (grpc-gateway), over plain HTTP/1.1.
 
 ``store_url = "etcd://h1:2379,h2:2379"`` puts the cluster store in etcd, so
 that it has no single point of failure. No etcd client library is needed:
@@ -34,6 +34,15 @@ their default value are omitted (a failed txn has no ``succeeded``, a PUT event
 has no ``type``, an empty value has no ``value``, an unknown lease's keep-alive
 answer has no ``TTL``); keys and values are base64.
 
+The HTTP client: plain ``http://`` endpoints are reached with the lean
+keep-alive client of :mod:`elasticd.store.wire`, one per endpoint; each
+watch has a connection of its own, closed when the watch returns. httpx is
+used only for ``https://`` endpoints and when a ``transport`` is injected
+(tests). Why: one process may have a thousand requests and watches in flight
+against etcd (one per node of a large rendezvous in the scale benchmark),
+and httpcore's pool does work in proportion to its open connections on every
+request, which made the pool, not etcd, the bottleneck.
+
 Fail-over: requests go to the endpoint that last answered. When it cannot be
 connected to, the next one is tried. Reads also move on after a broken
 response; writes do not, because their outcome is unknown: they raise
@@ -50,8 +59,9 @@ import json
 import math
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -73,6 +83,7 @@ from elasticd.store.base import (
 )
 from elasticd.store.http import transport_reason
 from elasticd.store.memory import check_value, parse_counter, validate_key
+from elasticd.store.wire import WireClient, WireConnectError, WireError, WireResponse
 
 #: Shortest wait for a watch's first events once its stream is open: etcd sends
 #: past events to a new watch from a loop that runs every 100 ms.
@@ -128,6 +139,23 @@ def _entry(kv: dict[str, Any]) -> Entry:
     )
 
 
+def _reason(exc: BaseException) -> str:
+    """A short reason for a transport error of either client ("connection refused")."""
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, WireError):
+        return str(exc).lower()
+    return transport_reason(exc)
+
+
+def _wire_client(endpoint: str) -> tuple[WireClient, str] | None:
+    """The lean client of a plain ``http://`` endpoint and its base path; ``None`` otherwise."""
+    url = urlsplit(endpoint)
+    if url.scheme != "http" or not url.hostname or "@" in url.netloc or url.query or url.fragment:
+        return None  # https, credentials in the URL or other oddities: httpx handles them
+    return WireClient(url.hostname, url.port or 80), url.path
+
+
 def _normalise(endpoint: str) -> str:
     endpoint = endpoint.strip().rstrip("/")
     if not endpoint:
@@ -167,6 +195,8 @@ class EtcdStore(Store):
             timeout=timeout,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
+        # Per endpoint: the lean client and the endpoint's path, or None to use httpx.
+        self._wires = [None if transport else _wire_client(e) for e in self.endpoints]
         self._adds: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
         self._add_runners: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -191,16 +221,16 @@ class EtcdStore(Store):
         for index in self._order():
             endpoint = self.endpoints[index]
             try:
-                response = await self._client.post(endpoint + self._prefix + path, json=body)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                failures.append(f"{endpoint}: {transport_reason(exc)}")
+                response = await self._send(index, path, body)
+            except (httpx.ConnectError, httpx.ConnectTimeout, WireConnectError) as exc:
+                failures.append(f"{endpoint}: {_reason(exc)}")  # nothing was sent
                 continue
-            except httpx.RequestError as exc:
+            except (httpx.RequestError, WireError, TimeoutError) as exc:
                 if idempotent:
-                    failures.append(f"{endpoint}: {transport_reason(exc)}")
+                    failures.append(f"{endpoint}: {_reason(exc)}")
                     continue
                 raise StoreUnavailable(
-                    f"etcd at {endpoint} failed during {path} ({transport_reason(exc)}); "
+                    f"etcd at {endpoint} failed during {path} ({_reason(exc)}); "
                     "the write may or may not have been applied, re-read before retrying"
                 ) from exc
             try:
@@ -219,7 +249,27 @@ class EtcdStore(Store):
             return data
         raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
 
-    def _decode(self, response: httpx.Response, endpoint: str, path: str) -> dict[str, Any]:
+    async def _send(
+        self, index: int, path: str, body: dict[str, Any]
+    ) -> httpx.Response | WireResponse:
+        """One POST to one endpoint, with the lean client where it serves, else httpx."""
+        wire = self._wires[index]
+        if wire is None:
+            return await self._client.post(self.endpoints[index] + self._prefix + path, json=body)
+        client, base = wire
+        # As httpx's timeout does: connecting and the exchange are bounded separately,
+        # and a connect failure (nothing sent) is told apart from a later one.
+        return await client.request(
+            "POST",
+            base + self._prefix + path,
+            body=body,
+            timeout=self._timeout,
+            connect_timeout=self._timeout,
+        )
+
+    def _decode(
+        self, response: httpx.Response | WireResponse, endpoint: str, path: str
+    ) -> dict[str, Any]:
         try:
             data = response.json()
         except ValueError:
@@ -270,40 +320,75 @@ class EtcdStore(Store):
         if self._closed:
             raise StoreUnavailable(f"the client of {self._where()} is closed")
         failures: list[str] = []
-        timeout = httpx.Timeout(self._timeout, read=read_timeout)
         for index in self._order():
-            endpoint = self.endpoints[index]
+            async with AsyncExitStack() as stack:
+                try:
+                    lines = await stack.enter_async_context(
+                        self._open_stream(index, path, body, read_timeout)
+                    )
+                except (httpx.RequestError, WireError, TimeoutError) as exc:
+                    failures.append(f"{self.endpoints[index]}: {_reason(exc)}")
+                    continue
+                self._current = index
+                yield lines
+                return
+        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+
+    @asynccontextmanager
+    async def _open_stream(
+        self, index: int, path: str, body: dict[str, Any], read_timeout: float
+    ) -> AsyncIterator[AsyncIterator[str]]:
+        """A streamed POST to one endpoint: its lines, or its error answer raised.
+
+        Connecting waits the client's timeout; each read ``read_timeout``.
+        """
+        endpoint = self.endpoints[index]
+        wire = self._wires[index]
+        if wire is None:
+            timeout = httpx.Timeout(self._timeout, read=read_timeout)
             request = self._client.build_request(
                 "POST", endpoint + self._prefix + path, json=body, timeout=timeout
             )
-            try:
-                response = await self._client.send(request, stream=True)
-            except httpx.RequestError as exc:
-                failures.append(f"{endpoint}: {transport_reason(exc)}")
-                continue
+            response = await self._client.send(request, stream=True)
             try:
                 if response.status_code >= 300:
                     await response.aread()
                     self._decode(response, endpoint, path)
-                self._current = index
-                async with aclosing(self._lines(response, endpoint)) as lines:
+                async with aclosing(self._lines(response.aiter_lines(), endpoint)) as lines:
                     yield lines
-                return
             finally:
                 await response.aclose()
-        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+            return
+        client, base = wire
+        async with client.stream(
+            "POST",
+            base + self._prefix + path,
+            body=body,
+            connect_timeout=self._timeout,
+            read_timeout=read_timeout,
+        ) as stream:
+            if stream.status_code >= 300:
+                content = await stream.aread()
+                answer = WireResponse(
+                    stream.status_code, stream.reason_phrase, stream.headers, content
+                )
+                self._decode(answer, endpoint, path)
+            async with (
+                aclosing(stream.aiter_lines()) as raw,
+                aclosing(self._lines(raw, endpoint)) as lines,
+            ):
+                yield lines
 
-    async def _lines(self, response: httpx.Response, endpoint: str) -> AsyncGenerator[str, None]:
+    async def _lines(self, raw: AsyncIterator[str], endpoint: str) -> AsyncGenerator[str, None]:
+        """The non-blank lines of a stream, its transport errors translated."""
         try:
-            async for line in response.aiter_lines():
+            async for line in raw:
                 if line.strip():
                     yield line
-        except httpx.TimeoutException as exc:
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise StoreUnavailable(f"etcd at {endpoint} stopped answering a watch") from exc
-        except httpx.RequestError as exc:
-            raise StoreUnavailable(
-                f"etcd at {endpoint} broke off a watch: {transport_reason(exc)}"
-            ) from exc
+        except (httpx.RequestError, WireError) as exc:
+            raise StoreUnavailable(f"etcd at {endpoint} broke off a watch: {_reason(exc)}") from exc
 
     # -- Store -----------------------------------------------------------------
 
@@ -558,3 +643,6 @@ class EtcdStore(Store):
             runner.cancel()
         await asyncio.gather(*self._add_runners, return_exceptions=True)
         await self._client.aclose()
+        for wire in self._wires:
+            if wire is not None:
+                await wire[0].aclose()

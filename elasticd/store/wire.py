@@ -3,16 +3,25 @@
 Why not httpx here: the store client is on every hot path of a multi-node
 job (rendezvous steps, job updates, event publication), and httpx spends
 about 0.6 ms of CPU per request on this kind of machine, four times what
-the store server spends answering it. This client does only what the store
-needs: ``Content-Length`` bodies (and chunked ones, for robustness), JSON,
-keep-alive. Anything unusual (https, an injected transport) still goes
-through httpx.
+the store server spends answering it; and httpcore's pool walks every open
+connection on each request, so with a thousand requests and watches in
+flight in one process most of the CPU goes to the pool's bookkeeping. This
+client does only what the store needs: ``Content-Length`` bodies (and
+chunked ones, for robustness), JSON, keep-alive, and streamed answers read
+line by line (etcd's watch). Anything unusual (https, an injected transport)
+still goes through httpx.
 
 A request that fails on a *reused* connection before a single byte of the
 answer arrived is sent again once on a fresh connection: the server closed
 that idle connection without reading the request (keep-alive expiry), so
 nothing was applied. Any other failure is reported, never retried, because a
-compare-and-set must not be applied twice.
+compare-and-set must not be applied twice. A connection that could not be
+opened raises :class:`WireConnectError`: nothing was sent, so a caller may
+try elsewhere.
+
+A streamed answer (:meth:`WireClient.stream`) has a connection of its own,
+closed when the stream is left, never pooled: it is usually abandoned
+half-read.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
@@ -28,14 +38,20 @@ from urllib.parse import urlencode
 #: Idle pooled connections kept per store (watches hold their own while they wait).
 POOL_SIZE = 64
 MAX_HEADER_BYTES = 64 * 1024
+#: Largest piece read at once from a streamed answer without ``Transfer-Encoding: chunked``.
+READ_SIZE = 64 * 1024
 
 
 class WireError(Exception):
-    """The connection failed; ``sent_nothing`` tells whether a retry is safe."""
+    """The connection failed; ``safe_to_retry`` tells whether sending again is safe."""
 
     def __init__(self, message: str, *, safe_to_retry: bool = False) -> None:
         super().__init__(message)
         self.safe_to_retry = safe_to_retry
+
+
+class WireConnectError(WireError):
+    """No connection could be opened (refused, unreachable, timed out): nothing was sent."""
 
 
 @dataclass
@@ -53,6 +69,71 @@ class WireResponse:
 
     def json(self) -> Any:
         return json.loads(self.content)
+
+
+@dataclass
+class WireStream:
+    """A streamed answer: its status and headers, and a body read as it arrives.
+
+    Each read from the socket waits at most ``read_timeout`` seconds, and a
+    read that waits longer raises ``TimeoutError``. The body can be read
+    once, with :meth:`aread` or :meth:`aiter_lines`.
+    """
+
+    status_code: int
+    reason_phrase: str
+    headers: dict[str, str]
+    read_timeout: float | None
+    _reader: asyncio.StreamReader
+
+    async def aiter_bytes(self) -> AsyncGenerator[bytes, None]:
+        """The body in the pieces it arrives in, without the chunked framing."""
+        chunked = self.headers.get("transfer-encoding", "").lower() == "chunked"
+        left: int | None = None  # bytes still due, or None: until the server closes
+        if not chunked and "content-length" in self.headers:
+            try:
+                left = int(self.headers["content-length"])
+            except ValueError as exc:
+                raise WireError(f"the answer's length is not a number: {exc}") from exc
+        while left != 0:
+            async with asyncio.timeout(self.read_timeout):
+                try:
+                    if chunked:
+                        piece = await _read_chunk(self._reader)
+                    else:
+                        piece = await self._reader.read(
+                            READ_SIZE if left is None else min(left, READ_SIZE)
+                        )
+                        if not piece and left is not None:
+                            raise asyncio.IncompleteReadError(b"", left)
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    raise WireError(f"the answer was cut short: {_reason(exc)}") from exc
+            if not piece:  # the last chunk, or the end of the connection
+                return
+            if left is not None:
+                left -= len(piece)
+            yield piece
+
+    async def aiter_lines(self) -> AsyncGenerator[str, None]:
+        """The body's lines (UTF-8, without their line break), each as soon as it is complete."""
+        partial: list[bytes] = []  # the pieces of a line not yet complete
+        async with contextlib.aclosing(self.aiter_bytes()) as pieces:
+            async for piece in pieces:
+                *complete, rest = piece.split(b"\n")
+                if complete:
+                    complete[0] = b"".join([*partial, complete[0]])
+                    partial.clear()
+                    for line in complete:
+                        yield _text(line)
+                if rest:
+                    partial.append(rest)
+        if partial:
+            yield _text(b"".join(partial))
+
+    async def aread(self) -> bytes:
+        """The whole (rest of the) body."""
+        async with contextlib.aclosing(self.aiter_bytes()) as pieces:
+            return b"".join([piece async for piece in pieces])
 
 
 @dataclass
@@ -79,48 +160,121 @@ class WireClient:
         params: dict[str, Any] | None = None,
         body: Any = None,
         timeout: float,
+        connect_timeout: float | None = None,
     ) -> WireResponse:
+        """Send one request and read its answer.
+
+        Without ``connect_timeout``, ``timeout`` bounds the whole request and
+        its expiry raises ``TimeoutError`` whatever it interrupted. With it,
+        opening a connection is bounded by ``connect_timeout`` alone (its
+        expiry raises :class:`WireConnectError`: nothing was sent) and
+        ``timeout`` bounds the rest (its expiry raises ``TimeoutError``: the
+        request may have been received).
+        """
+        raw = self._encode(method, path, params, body)
+        if connect_timeout is None:
+            async with asyncio.timeout(timeout):
+                return await self._send(raw, None, None)
+        return await self._send(raw, connect_timeout, timeout)
+
+    async def _send(
+        self, raw: bytes, connect_timeout: float | None, timeout: float | None
+    ) -> WireResponse:
+        try:
+            return await self._exchange(raw, connect_timeout, timeout)
+        except WireError as exc:
+            if not exc.safe_to_retry:
+                raise
+        return await self._exchange(raw, connect_timeout, timeout, fresh=True)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: Any = None,
+        connect_timeout: float,
+        read_timeout: float | None,
+    ) -> AsyncIterator[WireStream]:
+        """Send one request on a fresh connection and yield its answer, body unread.
+
+        The connection is closed when the block is left, however much of the
+        body was read. A connection that cannot be opened within
+        ``connect_timeout`` raises :class:`WireConnectError`; sending and each
+        read of the answer wait at most ``read_timeout`` (``TimeoutError``).
+        """
+        raw = self._encode(method, path, params, body)
+        conn = await self._connect(connect_timeout)
+        try:
+            async with asyncio.timeout(read_timeout):
+                try:
+                    conn.writer.write(raw)
+                    await conn.writer.drain()
+                    line = await conn.reader.readline()
+                    if not line:
+                        raise WireError("the server closed the connection")
+                    status, reason, headers = await _read_head(conn.reader, line)
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    raise WireError(_reason(exc)) from exc
+            yield WireStream(status, reason, headers, read_timeout, conn.reader)
+        finally:
+            conn.writer.close()
+
+    def _encode(self, method: str, path: str, params: dict[str, Any] | None, body: Any) -> bytes:
         target = path
         if params:
             target += "?" + urlencode(
                 {k: (str(v).lower() if isinstance(v, bool) else v) for k, v in params.items()}
             )
         payload = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
-        head = [f"{method} {target} HTTP/1.1", f"Host: {self.host}:{self.port}"]
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        head = [f"{method} {target} HTTP/1.1", f"Host: {host}:{self.port}"]
         head += [f"{k}: {v}" for k, v in self.headers.items()]
         if body is not None:
             head.append("Content-Type: application/json")
         head.append(f"Content-Length: {len(payload)}")
-        raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload
-        async with asyncio.timeout(timeout):
-            try:
-                return await self._exchange(raw)
-            except WireError as exc:
-                if not exc.safe_to_retry:
-                    raise
-            return await self._exchange(raw, fresh=True)
+        return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload
 
-    async def _exchange(self, raw: bytes, *, fresh: bool = False) -> WireResponse:
+    async def _connect(self, timeout: float | None) -> _Conn:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(self.host, self.port)
+        except TimeoutError as exc:  # ours or the OS's (an enclosing one's is raised outside)
+            raise WireConnectError("timed out") from exc
+        except OSError as exc:
+            raise WireConnectError(_reason(exc)) from exc
+        return _Conn(reader, writer)
+
+    async def _exchange(
+        self,
+        raw: bytes,
+        connect_timeout: float | None,
+        timeout: float | None,
+        *,
+        fresh: bool = False,
+    ) -> WireResponse:
         conn = None if fresh else self._take()
         if conn is None:
-            try:
-                reader, writer = await asyncio.open_connection(self.host, self.port)
-            except OSError as exc:
-                # asyncio's strerror is "Connect call failed (...)"; say what the OS said.
-                reason = os.strerror(exc.errno) if exc.errno else str(exc)
-                raise WireError(reason) from exc
-            conn = _Conn(reader, writer)
+            conn = await self._connect(connect_timeout)
         done = False
         try:
-            try:
-                conn.writer.write(raw)
-                await conn.writer.drain()
-                line = await conn.reader.readline()
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                raise WireError(str(exc) or type(exc).__name__, safe_to_retry=conn.reused) from exc
-            if not line:
-                raise WireError("the server closed the connection", safe_to_retry=conn.reused)
-            response, keep = await self._read_rest(conn.reader, line)
+            async with asyncio.timeout(timeout):
+                try:
+                    conn.writer.write(raw)
+                    await conn.writer.drain()
+                    line = await conn.reader.readline()
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    # An OS-level TimeoutError (ETIMEDOUT) lands here too: only
+                    # the expiry of our own timeout is raised as TimeoutError.
+                    raise WireError(_reason(exc), safe_to_retry=conn.reused) from exc
+                if not line:
+                    raise WireError("the server closed the connection", safe_to_retry=conn.reused)
+                try:
+                    response, keep = await self._read_rest(conn.reader, line)
+                except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    raise WireError(f"the answer was cut short: {_reason(exc)}") from exc
             done = True
         finally:
             if done and keep and not conn.writer.is_closing():
@@ -133,31 +287,14 @@ class WireClient:
     async def _read_rest(
         self, reader: asyncio.StreamReader, status_line: bytes
     ) -> tuple[WireResponse, bool]:
-        try:
-            _version, code, *reason = status_line.decode("latin-1").rstrip("\r\n").split(" ", 2)
-            status = int(code)
-        except ValueError as exc:
-            raise WireError(f"not an HTTP answer: {status_line[:80]!r}") from exc
-        headers: dict[str, str] = {}
-        size = 0
-        while True:
-            line = await reader.readline()
-            size += len(line)
-            if size > MAX_HEADER_BYTES:
-                raise WireError("the answer's headers are too large")
-            if line in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        try:
-            if headers.get("transfer-encoding", "").lower() == "chunked":
-                content = await _read_chunked(reader)
-            else:
-                content = await reader.readexactly(int(headers.get("content-length", "0")))
-        except (asyncio.IncompleteReadError, ValueError) as exc:
-            raise WireError(f"the answer was cut short: {exc}") from exc
+        """The answer after its status line, and whether the connection may be reused."""
+        status, reason, headers = await _read_head(reader, status_line)
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            content = await _read_chunked(reader)
+        else:
+            content = await reader.readexactly(int(headers.get("content-length", "0")))
         keep = headers.get("connection", "").lower() != "close"
-        return WireResponse(status, reason[0] if reason else "", headers, content), keep
+        return WireResponse(status, reason, headers, content), keep
 
     def _take(self) -> _Conn | None:
         while self._idle:
@@ -182,14 +319,60 @@ class WireClient:
                 await conn.writer.wait_closed()
 
 
+def _text(line: bytes) -> str:
+    return line.removesuffix(b"\r").decode("utf-8", errors="replace")
+
+
+def _reason(exc: BaseException) -> str:
+    """What the OS said ("Connection refused"), not asyncio's "Connect call failed (...)"."""
+    if isinstance(exc, OSError):
+        if exc.errno and exc.errno > 0:
+            return os.strerror(exc.errno)
+        if exc.strerror:  # a resolver error: its errno is the resolver's, not errno's
+            return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+async def _read_head(
+    reader: asyncio.StreamReader, status_line: bytes
+) -> tuple[int, str, dict[str, str]]:
+    """The status, reason phrase and headers (names lower-cased) of an answer."""
+    try:
+        _version, code, *reason = status_line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+        status = int(code)
+    except ValueError as exc:
+        raise WireError(f"not an HTTP answer: {status_line[:80]!r}") from exc
+    headers: dict[str, str] = {}
+    size = 0
+    while True:
+        line = await reader.readline()
+        size += len(line)
+        if size > MAX_HEADER_BYTES:
+            raise WireError("the answer's headers are too large")
+        if line in (b"\r\n", b"\n", b""):
+            break
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, reason[0] if reason else "", headers
+
+
+async def _read_chunk(reader: asyncio.StreamReader) -> bytes | None:
+    """One chunk of a chunked body; ``None`` after the last one (and its trailers)."""
+    size_line = await reader.readline()
+    if not size_line.endswith(b"\n"):  # the connection ended where a chunk should start
+        raise asyncio.IncompleteReadError(size_line, None)
+    size = int(size_line.split(b";", 1)[0].strip(), 16)
+    if size == 0:
+        while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+            pass  # trailers
+        return None
+    chunk = await reader.readexactly(size)
+    await reader.readexactly(2)
+    return chunk
+
+
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     parts: list[bytes] = []
-    while True:
-        size_line = await reader.readline()
-        size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-        if size == 0:
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass  # trailers
-            return b"".join(parts)
-        parts.append(await reader.readexactly(size))
-        await reader.readexactly(2)
+    while (chunk := await _read_chunk(reader)) is not None:
+        parts.append(chunk)
+    return b"".join(parts)

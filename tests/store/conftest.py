@@ -162,16 +162,30 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProces
         server.kill()
 
 
-async def _etcd_backend(server: EtcdProcess) -> AsyncIterator[Backend]:
+def _httpx_transport() -> httpx.AsyncHTTPTransport:
+    """A real-socket httpx transport, limited as EtcdStore limits its own httpx client."""
+    return httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    )
+
+
+async def _etcd_backend(server: EtcdProcess, *, via_httpx: bool) -> AsyncIterator[Backend]:
+    """The shared etcd, through EtcdStore's lean client or (``via_httpx``) through httpx.
+
+    The httpx path is what https endpoints and injected transports take.
+    """
     admin = EtcdStore([server.url])
 
     async def make() -> Store:
+        if via_httpx:
+            return EtcdStore([server.url], transport=_httpx_transport())
         return EtcdStore([server.url])
 
     async def compact(revision: int) -> None:
         await admin.compact(revision)
 
-    backend = Backend("etcd", make, compact, lease_ttl=1.0)  # etcd TTLs are whole seconds
+    name = "etcd-httpx" if via_httpx else "etcd"
+    backend = Backend(name, make, compact, lease_ttl=1.0)  # etcd TTLs are whole seconds
     try:
         yield backend
     finally:
@@ -179,7 +193,7 @@ async def _etcd_backend(server: EtcdProcess) -> AsyncIterator[Backend]:
         await admin.close()
 
 
-BACKEND_NAMES = ["memory", "embedded", "http", "uvicorn", "etcd"]
+BACKEND_NAMES = ["memory", "embedded", "http", "uvicorn", "etcd", "etcd-httpx"]
 
 
 @pytest.fixture(params=BACKEND_NAMES)
@@ -195,7 +209,9 @@ async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     elif name == "uvicorn":
         backends = _uvicorn_backend(tmp_path)
     else:
-        backends = _etcd_backend(request.getfixturevalue("etcd_server"))
+        backends = _etcd_backend(
+            request.getfixturevalue("etcd_server"), via_httpx=name == "etcd-httpx"
+        )
     async for value in backends:
         yield value
 

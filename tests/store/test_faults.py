@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from elasticd.store.server import create_store_app
 
 from .conftest import TOKEN, serving
 from .etcd_server import EtcdProcess, free_port
+from .fake_http import FakeConn, fake_http
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,13 +61,15 @@ async def test_dead_url_raises_unavailable_naming_it() -> None:
 
 
 async def test_dead_etcd_endpoint_raises_unavailable_naming_it() -> None:
-    """An etcd client whose every endpoint is dead names them all in StoreUnavailable."""
+    """An etcd client whose every endpoint is dead names them all, with the OS's reason."""
     dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     async with EtcdStore(dead, timeout=2) as store:
         with pytest.raises(StoreUnavailable) as caught:
             await store.put("/a", b"x")
+        with pytest.raises(StoreUnavailable, match="connection refused"):
+            await store.watch("/a", 0, 1)
     for endpoint in dead:
-        assert endpoint in str(caught.value)
+        assert f"http://{endpoint}: connection refused" in str(caught.value)
 
 
 async def test_url_that_is_not_a_store() -> None:
@@ -261,11 +265,36 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdProcess]:
 
 
 async def test_etcd_fails_over_to_the_next_endpoint(own_etcd: EtcdProcess) -> None:
-    """With a dead first endpoint, the etcd client uses the next one."""
+    """With a dead first endpoint, the etcd client uses the next one, for requests and watches."""
     dead = f"http://127.0.0.1:{free_port()}"
     async with EtcdStore([dead, own_etcd.url], timeout=2) as store:
         entry = await store.put("/failover", b"x")
         assert await store.get("/failover") == entry
+    async with EtcdStore([dead, own_etcd.url], timeout=2) as store:
+        events = await store.watch("/failover", entry.version - 1, 5)
+        assert [(e.key, e.revision) for e in events] == [("/failover", entry.version)]
+
+
+@pytest.mark.parametrize("fault", ["close", "hang"])
+async def test_etcd_request_broken_after_sending(own_etcd: EtcdProcess, fault: str) -> None:
+    """A member that takes a request and then closes or goes silent: a write's outcome is
+    reported as unknown, a read moves on to the next member; neither is sent twice."""
+
+    async def handler(conn: FakeConn) -> None:
+        await conn.request()
+        if fault == "hang":
+            await conn.server.release.wait()
+
+    async with (
+        asyncio.timeout(20),
+        fake_http(handler) as fake,
+        EtcdStore([fake.address, own_etcd.url], timeout=0.5) as store,
+    ):
+        where = re.escape(f"etcd at http://{fake.address} failed during /kv/put")
+        with pytest.raises(StoreUnavailable, match=f"{where} .*may or may not have been applied"):
+            await store.put("/broken", b"x")
+        assert await store.get("/broken") is None  # answered by the real member
+        assert [r[0].split()[1] for r in fake.requests] == ["/v3/kv/put", "/v3/kv/range"]
 
 
 async def test_etcd_killed_mid_operation_then_restarted(own_etcd: EtcdProcess) -> None:
@@ -310,6 +339,8 @@ async def test_etcd_not_a_gateway(own_etcd: EtcdProcess) -> None:
     async with EtcdStore([own_etcd.url], api_prefix="/v9") as store:
         with pytest.raises(StoreError, match="api_prefix"):
             await store.get("/a")
+        with pytest.raises(StoreError, match="api_prefix"):
+            await store.watch("/a", 0, 1)
 
 
 async def test_etcd_moves_off_a_member_without_leader() -> None:

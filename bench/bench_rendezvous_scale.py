@@ -161,6 +161,11 @@ class CountingStore(Store):
     async def close(self) -> None:  # the shared inner store is closed by its owner
         pass
 
+    def reset(self) -> None:
+        self.counts.clear()
+        self.listed_entries = 0
+        self.cas_lost = 0
+
 
 # -- backends -------------------------------------------------------------------------------
 
@@ -350,8 +355,17 @@ class RoundResult:
     node_p50_s: float | None = None
 
 
-async def one_round(backend: Backend, n: int, budget: float, lease_ttl: float) -> RoundResult:
-    """N nodes, one rendezvous round; bounded by ``budget`` seconds."""
+async def one_round(
+    backend: Backend, n: int, budget: float, lease_ttl: float, restart: bool = False
+) -> RoundResult:
+    """N nodes, one rendezvous round; bounded by ``budget`` seconds.
+
+    With ``restart`` the round measured is the *second*: the first completes
+    untimed, every node then watches it as a running node does
+    (``wait_for_change``), one node fails (calls ``next_round`` as its agent
+    does after a worker crash), and the clock runs from that call to the last
+    node back in the new round. Requests are counted from the failure on.
+    """
     job = f"scale-{n}-{uuid.uuid4().hex[:8]}"
     gate = asyncio.Semaphore(64)
 
@@ -388,10 +402,33 @@ async def one_round(backend: Backend, n: int, budget: float, lease_ttl: float) -
         finished[i] = time.perf_counter()
         return info
 
+    tasks: list[asyncio.Task[RoundInfo]] = []
+    if restart:
+        async with asyncio.timeout(budget):
+            first = await asyncio.gather(*(nodes[i].next_round() for i in range(n)))
+        for p in proxies:
+            p.reset()  # so that the wait below sees the survivors' watches, not the round's
+        watching = [
+            asyncio.create_task(nodes[i].wait_for_change(first[i].round)) for i in range(1, n)
+        ]
+        async with asyncio.timeout(budget):  # every survivor is watching before the failure
+            while any(proxies[i].counts["watch"] == 0 for i in range(1, n)):
+                await asyncio.sleep(0.01)
+        for p in proxies:
+            p.reset()
+
+        async def rejoin(i: int) -> RoundInfo:
+            await watching[i - 1]
+            return await run(i)
+
+        run_for = [run] + [rejoin] * (n - 1)
     server_cpu0 = backend.server_cpu()
     cpu0 = time.process_time()
     started = time.perf_counter()
-    tasks = [asyncio.create_task(run(i)) for i in range(n)]
+    if restart:
+        tasks = [asyncio.create_task(run_for[i](i)) for i in range(n)]
+    else:
+        tasks = [asyncio.create_task(run(i)) for i in range(n)]
     result = RoundResult(backend.name, n, ok=False, seconds=None)
     try:
         async with asyncio.timeout(budget):
@@ -414,6 +451,10 @@ async def one_round(backend: Backend, n: int, budget: float, lease_ttl: float) -
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if restart:
+            for w in watching:
+                w.cancel()
+            await asyncio.gather(*watching, return_exceptions=True)
     result.client_cpu_s = time.process_time() - cpu0
     server_cpu1 = backend.server_cpu()
     if server_cpu0 is not None and server_cpu1 is not None:
@@ -467,7 +508,13 @@ def summarise(runs: list[RoundResult]) -> RoundResult:
 
 
 async def run_backend(
-    name: str, plan: Plan, root: Path, http_clients: int, lease_ttl: float, log: Any
+    name: str,
+    plan: Plan,
+    root: Path,
+    http_clients: int,
+    lease_ttl: float,
+    log: Any,
+    restart: bool = False,
 ) -> tuple[str, list[tuple[RoundResult, int]]]:
     backend = await open_backend(name, root / name, http_clients)
     rows: list[tuple[RoundResult, int]] = []
@@ -477,7 +524,7 @@ async def run_backend(
             spent = 0.0
             while len(runs) < plan.repeats and (not runs or spent < plan.repeat_budget):
                 t = time.monotonic()
-                r = await one_round(backend, n, plan.budget, lease_ttl)
+                r = await one_round(backend, n, plan.budget, lease_ttl, restart)
                 spent += time.monotonic() - t
                 runs.append(r)
                 print(
@@ -573,7 +620,8 @@ async def amain(args: argparse.Namespace) -> int:
         if b not in BACKENDS:
             raise SystemExit(f"unknown backend {b!r}; expected some of {', '.join(BACKENDS)}")
     mode = "quick" if args.quick else "full"
-    print(f"# rendezvous scale ({mode})", flush=True)
+    what = "re-rendezvous after one node fails" if args.restart else "first round"
+    print(f"# rendezvous scale ({mode}; {what})", flush=True)
     print(json.dumps(machine_info()), flush=True)
     results: dict[str, tuple[str, list[tuple[RoundResult, int]]]] = {}
     errors: dict[str, str] = {}
@@ -581,7 +629,7 @@ async def amain(args: argparse.Namespace) -> int:
         for name in backends:
             try:
                 results[name] = await run_backend(
-                    name, plan, root, args.http_clients, args.lease_ttl, sys.stdout
+                    name, plan, root, args.http_clients, args.lease_ttl, sys.stdout, args.restart
                 )
             except Exception:
                 errors[name] = traceback.format_exc()
@@ -626,7 +674,9 @@ def profile(spec: str, args: argparse.Namespace) -> int:
                 profiler = cProfile.Profile()
                 profiler.enable()
                 try:
-                    return await one_round(backend, n, args.budget or 120.0, args.lease_ttl)
+                    return await one_round(
+                        backend, n, args.budget or 120.0, args.lease_ttl, args.restart
+                    )
                 finally:
                     profiler.disable()
                     out = io.StringIO()
@@ -664,6 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="BACKEND:N", help="cProfile one round and exit")
     parser.add_argument("--json", help="write the figures (or, with --profile, the pstats) here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="time the re-rendezvous after one node fails (the second round) instead of the first",
+    )
     args = parser.parse_args(argv)
     # Whatever happens, this process group's children die with us on SIGTERM.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

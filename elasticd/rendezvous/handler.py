@@ -35,7 +35,7 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from elasticd.agent.ranks import NodeSlot
@@ -69,6 +69,8 @@ MAX_WATCH = 30.0
 STRAGGLER_GRACE = 1.0
 #: Seconds one node may hold the absorber role before the others may take it over.
 ABSORBER_HOLD = 5.0
+#: A holder that keeps the role renews its hold this long before it runs out.
+ABSORBER_RENEW = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,14 @@ class Presence(Mapping[str, NodeInfo]):
     def __contains__(self, node: object) -> bool:
         return node in self._raw
 
+    def apply(self, node: str, raw: bytes | None) -> None:
+        """A presence key written (``raw``) or gone (``None``), from a watch event."""
+        self._decoded.pop(node, None)
+        if raw is None:
+            self._raw.pop(node, None)
+        else:
+            self._raw[node] = raw
+
 
 _DECODED: dict[tuple[bytes, int], State] = {}
 
@@ -231,6 +241,7 @@ class StoreRendezvous:
         # every announced node; see _take_absorber.
         self._absorber_key = absorber_key(job_id)
         self._absorber_version = 0
+        self._absorber_until = 0.0
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -243,7 +254,7 @@ class StoreRendezvous:
 
     # reads
 
-    async def snapshot(self) -> tuple[State, int | None, Mapping[str, NodeInfo], int]:
+    async def snapshot(self) -> tuple[State, int | None, Presence, int]:
         """(state, its version, announced nodes, store revision) in one request.
 
         Presence values are decoded only when a decision places that node
@@ -303,38 +314,64 @@ class StoreRendezvous:
         """
         light = info is not None
         holding = False
+        followed: tuple[State, int | None, Presence, int] | None = None
         try:
             while True:
                 present: Mapping[str, NodeInfo]
-                if light:
-                    light = False
-                    state, version, revision = await self._state_only()
-                    if state.closed:
-                        raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
-                    if state.complete and self._me in state.participants:
-                        return state
-                    if not holding and needs_placing(state, self._me):
-                        holding = await self._take_absorber(join_deadline)
-                        if not holding:
-                            light = True  # someone else is placing nodes; read again
-                            continue
-                    elif not state.complete and self._me in state.participants:
-                        until = state.deadline if state.deadline is not None else join_deadline
-                        if join_deadline is not None and until is not None:
-                            until = min(until, join_deadline)
-                        if not self._past(state, until):
-                            await self._wait_open_round(state, revision, until)
-                            light = True
-                            continue
-                if presence_needed:
-                    state, version, present, revision = await self.snapshot()
+                if followed is not None:  # the absorber, up to date from watch events
+                    state, version, present, revision = followed
+                    followed = None
                 else:
-                    state, version, revision = await self._state_only()
-                    present = {}
-                if info is not None and self._me not in present:
-                    await self._announce(info)  # our lease was lost and renewed: announce again
+                    if light:
+                        light = False
+                        state, version, revision = await self._state_only()
+                        if state.closed:
+                            raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+                        if state.complete and self._me in state.participants:
+                            return state
+                        if info is not None and info.round < state.round:
+                            info = replace(info, round=state.round)  # a new round opened meanwhile
+                            await self._announce(info)
+                        if not holding and needs_placing(state, self._me):
+                            holding = await self._take_absorber(join_deadline)
+                            if not holding:
+                                light = True  # someone else is placing nodes; read again
+                                continue
+                        elif not state.complete and self._me in state.participants:
+                            until = state.deadline if state.deadline is not None else join_deadline
+                            if join_deadline is not None and until is not None:
+                                until = min(until, join_deadline)
+                            if not self._past(state, until):
+                                await self._wait_open_round(state, revision, until)
+                                light = True
+                                continue
+                    if presence_needed:
+                        state, version, present, revision = await self.snapshot()
+                    else:
+                        state, version, revision = await self._state_only()
+                        present = {}
+                if info is not None and (self._me not in present or info.round < state.round):
+                    # Our lease was lost and renewed, or a new round opened: announce again.
+                    info = replace(info, round=max(info.round, state.round))
+                    await self._announce(info)
                     continue
                 action = decide(state, present)
+                if (
+                    holding
+                    and action.kind is Kind.WAIT
+                    and not action.presence
+                    and state.wait_list
+                    and isinstance(present, Presence)
+                ):
+                    # Placed in an open round that waits for the last round's participants
+                    # to come back: keep the role and place them as their announcements
+                    # arrive, from the watch's events, rather than handing the role (and
+                    # a listing of every key) to each of them in turn.
+                    followed, holding = await self._follow(
+                        state, version, present, revision, action.until
+                    )
+                    if followed is not None:
+                        continue
                 if action.kind is Kind.WRITE:
                     assert action.state is not None
                     result = await self._store.compare_and_set(
@@ -396,14 +433,15 @@ class StoreRendezvous:
         let go by then (its release was lost) is displaced, so a live but
         stuck daemon cannot stall the rendezvous.
         """
-        hold = {"node": self._me, "until": self._clock.time() + ABSORBER_HOLD}
+        until = self._clock.time() + ABSORBER_HOLD
+        hold = {"node": self._me, "until": until}
         lease = await self._lease()
         result = await self._store.compare_and_set(
             self._absorber_key, json.dumps(hold).encode(), None, lease=lease
         )
         if result.ok:
             assert result.entry is not None
-            self._absorber_version = result.entry.version
+            self._absorber_version, self._absorber_until = result.entry.version, until
             return True
         held = result.entry
         if held is None:
@@ -421,6 +459,62 @@ class StoreRendezvous:
             until = min(until, join_deadline)
         await self._wait(self._absorber_key, False, held.version, until)
         return False
+
+    async def _follow(
+        self,
+        state: State,
+        version: int | None,
+        present: Presence,
+        revision: int,
+        until: float | None,
+    ) -> tuple[tuple[State, int | None, Presence, int] | None, bool]:
+        """As the absorber, wait for the membership to change and apply the watch's events.
+
+        Returns the updated view (``None`` when the role was lost) and whether
+        the role is still held. The hold is renewed while it lasts.
+        """
+        due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
+        if due and not await self._renew_absorber():
+            return None, False
+        wake = self._absorber_until - ABSORBER_RENEW
+        if until is not None:
+            if state.participants and min(state.participants) != self._me:
+                until += STRAGGLER_GRACE
+            wake = min(wake, until)
+        timeout = min(MAX_WATCH, wake - self._clock.time())
+        if timeout <= 0:
+            return (state, version, present, revision), True
+        try:
+            events = await self._store.watch(self._prefix, revision, timeout, prefix=True)
+        except StoreCompacted:
+            return await self.snapshot(), True
+        for event in events:
+            revision = max(revision, event.revision)
+            gone = event.kind == "delete" or event.value is None
+            if event.key == self._state_key:
+                if gone:
+                    state, version = State(), None
+                else:
+                    assert event.value is not None
+                    state, version = decode_state(event.value, event.revision), event.revision
+            elif event.key.startswith(self._node_prefix):
+                present.apply(event.key[len(self._node_prefix) :], None if gone else event.value)
+        return (state, version, present, revision), True
+
+    async def _renew_absorber(self) -> bool:
+        """Extend our hold of the absorber role; False if it was taken over meanwhile."""
+        until = self._clock.time() + ABSORBER_HOLD
+        hold = {"node": self._me, "until": until}
+        result = await self._store.compare_and_set(
+            self._absorber_key,
+            json.dumps(hold).encode(),
+            self._absorber_version,
+            lease=await self._lease(),
+        )
+        if not result.ok or result.entry is None:
+            return False
+        self._absorber_version, self._absorber_until = result.entry.version, until
+        return True
 
     async def _release_absorber(self) -> None:
         """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
@@ -458,13 +552,16 @@ class StoreRendezvous:
             local_world_size=self._lws,
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
-        await self._execute(
+        left = await self._execute(
             lambda state, present: decide_exit(state, me, settings),
             None,
             once=True,
             presence_needed=False,
         )
-        await self._announce(info)  # after leaving: the next round sees this round's fresh port
+        # Announce after leaving (our workers are stopped): for the round now open
+        # or next, with this round's fresh port.
+        info = replace(info, round=left.round + (1 if left.complete else 0))
+        await self._announce(info)
         join_deadline = self._clock.time() + settings.join_timeout
 
         def join(state: State, present: Mapping[str, NodeInfo]) -> Action:
@@ -485,12 +582,38 @@ class StoreRendezvous:
         )
 
     async def wait_for_change(self, my_round: int) -> Change:
+        """Read the membership once, then follow the watch's events.
+
+        Each event is applied to the copy in hand (a presence key written or
+        gone, a new state document) instead of listing the prefix again: with
+        N running nodes, a listing per event would cost O(N) per node for each
+        of the O(N) announcements of a re-rendezvous.
+        """
+        state, _, present, revision = await self.snapshot()
+        alive = set(present)
         while True:
-            state, _, present, revision = await self.snapshot()
-            change = watch_reason(state, self._me, my_round, frozenset(present), self._settings)
+            change = watch_reason(state, self._me, my_round, frozenset(alive), self._settings)
             if change is not None:
                 return change
-            await self._wait(self._prefix, True, revision, None)
+            try:
+                events = await self._store.watch(self._prefix, revision, MAX_WATCH, prefix=True)
+            except StoreCompacted:
+                state, _, present, revision = await self.snapshot()
+                alive = set(present)
+                continue
+            for event in events:
+                revision = max(revision, event.revision)
+                if event.key == self._state_key:
+                    if event.kind == "delete" or event.value is None:
+                        state = State()
+                    else:
+                        state = decode_state(event.value, event.revision)
+                elif event.key.startswith(self._node_prefix):
+                    node = event.key[len(self._node_prefix) :]
+                    if event.kind == "delete":
+                        alive.discard(node)
+                    else:
+                        alive.add(node)
 
     async def close(self) -> None:
         await self._execute(lambda state, present: decide_close(state), None, presence_needed=False)
@@ -500,7 +623,7 @@ class StoreRendezvous:
         me, settings = self._me, self._settings
         await self._store.delete(self._node_prefix + me)
         await self._execute(
-            lambda state, present: decide_exit(state, me, settings),
+            lambda state, present: decide_exit(state, me, settings, for_good=True),
             None,
             once=True,
             presence_needed=False,

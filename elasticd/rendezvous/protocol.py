@@ -9,7 +9,7 @@ it), or, when the round is full, in the **redundancy list** as a hot spare;
 the **last call** holds a round open for stragglers once ``min_nodes`` have
 joined; the rendezvous can be **closed** for good when the job ends.
 
-Two deliberate differences from torch:
+Deliberate differences from torch:
 
 * **Liveness comes from store leases, not heartbeats inside the document.**
   Each node announces itself with a lease-bound *presence* key holding its
@@ -23,6 +23,14 @@ Two deliberate differences from torch:
   list yet, in one compare-and-set. A thousand nodes arriving together cost
   a handful of writes, not a thousand racing ones, so each node makes a
   constant number of store requests.
+* **Leaving is batched too.** The first participant of a complete round to
+  leave it (to rejoin after a failure or for an arrival) opens the next
+  round for all of them in one write (:func:`dissolve`); the others find
+  the new round number, stop their workers and announce again. In torch
+  each node leaves by its own write to the shared document.
+* **Announcements name their round** (:attr:`NodeInfo.round`): a node is
+  placed only on an announcement made for the current round, so a node that
+  still runs the last round is never pulled into the next.
 * **A re-rendezvous completes as soon as every live candidate has joined**
   (round > 0): the last call exists for stragglers, and after a failure the
   live set is known, so waiting out the last call would only delay recovery.
@@ -73,6 +81,11 @@ class NodeInfo:
     role: str
     local_world_size: int
     port: int  # a port free on this node when it joined; used if it becomes group rank 0
+    #: The round this announcement is for. A node is placed in a round only on
+    #: an announcement for that round (or a later one), made once its workers of
+    #: the previous round are stopped: nobody can pull a node that still runs
+    #: the old round into the new one, or dial the port it announced for the last.
+    round: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +93,7 @@ class NodeInfo:
             "role": self.role,
             "lws": self.local_world_size,
             "port": self.port,
+            "round": self.round,
         }
 
     @staticmethod
@@ -89,6 +103,7 @@ class NodeInfo:
             role=str(raw["role"]),
             local_world_size=int(raw["lws"]),
             port=int(raw["port"]),
+            round=int(raw.get("round", 0)),
         )
 
 
@@ -240,7 +255,9 @@ def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, no
     participant (the ``min_nodes``-th starts the last call, the ``max_nodes``-th
     completes the round), or, once the round is complete, into the wait list
     while there is room and into the redundancy list after that. While a round
-    is open, nodes waiting from the last round join it too. One pass over
+    is open, nodes waiting from the last round join it too. A node whose
+    announcement is for an earlier round is left where it is until it
+    announces again (it may still be running that round). One pass over
     mutable copies: a thousand newcomers cost O(n), not a thousand copies of
     the document.
     """
@@ -253,6 +270,8 @@ def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, no
     for node in sorted(present):
         if node in members and not (node in wait_list and not complete):
             continue
+        if present[node].round < state.round:
+            continue  # announced for an earlier round: it will announce again
         if nodes is None:
             nodes = dict(state.nodes)
         nodes[node] = present[node]
@@ -281,8 +300,12 @@ def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, no
 
 
 def _everyone_joined(state: State, alive: frozenset[str]) -> bool:
-    """After a failure the live set is known: no straggler is worth a last call."""
-    return state.round > 0 and alive <= frozenset(state.participants)
+    """After a failure the live set is known: no straggler is worth a last call.
+
+    Everyone has joined when no node waits to be taken in and every live node
+    is placed (hot spares stay spares: they are not waited for).
+    """
+    return state.round > 0 and not state.wait_list and alive <= state.members()
 
 
 # decisions
@@ -309,7 +332,10 @@ def decide_join(
         return Action(Kind.CLOSED, why="the rendezvous is closed")
     n = len(state.participants)
     if me in state.redundancy_list:
-        if n >= settings.max_nodes:
+        # Nodes in the wait list of an open round are the last round's
+        # participants coming back: a spare takes the place of a lost one only.
+        waiting = len(state.wait_list) if not state.complete else 0
+        if n + waiting >= settings.max_nodes:
             return Action(Kind.WAIT, why="hot spare: the round is full")
         new = replace(
             state,
@@ -342,14 +368,47 @@ def decide_join(
     return Action(Kind.WAIT, why="announced; waiting to be placed")  # pragma: no cover
 
 
-def decide_exit(state: State, me: str, settings: Settings) -> Action:
-    """Leave the current round (before joining the next one, or for good)."""
-    if me in state.members():
-        new = _without(state, me)
-        if not new.complete and len(new.participants) < settings.min_nodes:
-            new = replace(new, deadline=None)
-        return Action(Kind.WRITE, new, why="leaving the rendezvous")
-    return Action(Kind.FINISH)
+def dissolve(state: State) -> State:
+    """Open the next round for every participant of a complete one, in one write.
+
+    The participants, the leaving one included, move to the wait list of the
+    new round: each is placed once it announces for that round, i.e. once it
+    has stopped its workers (the others notice the new round number first).
+    Nodes already waiting stay waiting, and hot spares stay spares: they
+    count the wait list as taken places, so a spare steps in only for a
+    participant that is lost, not for one that is on its way back. Without
+    this, each of N nodes would leave by its own compare-and-set on the one
+    document: O(N) contended writes, each waking every watcher (measured: 300
+    nodes took 35 s to re-form in-process).
+    """
+    return replace(
+        state,
+        round=state.round + 1,
+        complete=False,
+        deadline=None,
+        participants={},
+        wait_list=frozenset(state.participants) | state.wait_list,
+    )
+
+
+def decide_exit(state: State, me: str, settings: Settings, *, for_good: bool = False) -> Action:
+    """Leave the current round, to join the next one or (``for_good``) for good.
+
+    A participant of a complete round leaving to rejoin opens the next round
+    for everyone (:func:`dissolve`). A node already waiting for an open round
+    has nothing to leave.
+    """
+    if me not in state.members():
+        return Action(Kind.FINISH)
+    if not for_good:
+        if state.complete and me in state.participants:
+            return Action(Kind.WRITE, dissolve(state), why="opening the next round")
+        if not state.complete and me in state.wait_list:
+            return Action(Kind.FINISH)
+    new = _without(state, me)
+    if not new.complete and len(new.participants) < settings.min_nodes:
+        new = replace(new, deadline=None)
+    return Action(Kind.WRITE, new, why="leaving the rendezvous")
 
 
 def decide_close(state: State) -> Action:

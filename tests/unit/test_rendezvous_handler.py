@@ -48,14 +48,14 @@ async def test_two_nodes_agree_on_ranks_and_master():
 
 
 async def test_failed_node_rejoins_and_the_other_reforms_without_livelock():
-    """A node re-joining while its peer still runs puts the peer on notice; both form round 1."""
+    """A node leaving to rejoin opens the next round for both in one write; both form round 1."""
     store = MemoryStore()
     s = Settings(min_nodes=2, max_nodes=2)
     (a, _), (b, _) = await node(store, "a", s), await node(store, "b", s)
     async with asyncio.timeout(10):
         first = await asyncio.gather(a.next_round(), b.next_round())
         rejoin = asyncio.create_task(a.next_round())  # a's worker failed: leave and rejoin
-        assert await b.wait_for_change(first[1].round) is Change.ARRIVAL
+        assert await b.wait_for_change(first[1].round) is Change.NEW_ROUND
         ra, rb = await asyncio.gather(rejoin, b.next_round())
     assert ra.round == rb.round == 1
     assert ra.master_port != first[0].master_port  # a fresh port every round
@@ -163,3 +163,31 @@ async def test_a_dead_absorber_frees_the_role_with_its_lease():
         await store.revoke(ghost_lease)
         ra, rb = await joining
     assert {ra.group_rank, rb.group_rank} == {0, 1}
+
+
+async def test_a_re_rendezvous_of_many_nodes_costs_each_a_constant_number_of_requests():
+    """One node fails: it opens the next round for all in one write; the others notice the
+    new round from their watch's events (no listing), and the absorber places them."""
+    store = CountingStore(MemoryStore())
+    n = 40
+    s = Settings(min_nodes=n, max_nodes=n)
+    nodes = [(await node(store, f"n{i:03}", s))[0] for i in range(n)]
+    async with asyncio.timeout(30):
+        first = await asyncio.gather(*(r.next_round() for r in nodes))
+        store.lists.clear()
+        watching = [asyncio.create_task(r.wait_for_change(0)) for r in nodes[1:]]
+        while store.lists[membership_prefix("job")] < n - 1:  # every watcher has read once
+            await asyncio.sleep(0.005)
+        store.lists.clear()
+        writes_before = store.inner.revision
+
+        async def survivor(i: int):
+            assert await watching[i - 1] is Change.NEW_ROUND
+            return await nodes[i].next_round()
+
+        second = await asyncio.gather(nodes[0].next_round(), *(survivor(i) for i in range(1, n)))
+    assert {r.round for r in second} == {1} and first[0].round == 0
+    assert sorted(r.group_rank for r in second) == list(range(n))
+    assert store.lists[membership_prefix("job")] <= 6, store.lists
+    # Writes: one dissolve, n announcements, the absorber's placements and role changes.
+    assert store.inner.revision - writes_before <= 2 * n + 10

@@ -26,23 +26,37 @@ from elasticd.rendezvous.protocol import (
 FAR = 1e12
 
 
-def info(name: str) -> NodeInfo:
+def info(name: str, round: int = 0) -> NodeInfo:
     return NodeInfo(
         addr=f"10.0.0.{ord(name[-1]) % 250}",
         role="default",
         local_world_size=2,
         port=29000 + ord(name[-1]),
+        round=round,
     )
 
 
-def present(names) -> dict[str, NodeInfo]:
-    return {n: info(n) for n in names}
+def present(names, round: int = 0, rounds: dict[str, int] | None = None) -> dict[str, NodeInfo]:
+    """Announcements of ``names``, for ``round`` (or each node's round in ``rounds``)."""
+    return {n: info(n, (rounds or {}).get(n, round)) for n in names}
 
 
-def join(state: State, me: str, s: Settings, now: float, names, deadline: float = FAR):
-    """Apply one node's join decisions until it must wait or is done."""
+def join(
+    state: State,
+    me: str,
+    s: Settings,
+    now: float,
+    names,
+    deadline: float = FAR,
+    rounds: dict[str, int] | None = None,
+):
+    """Apply one node's join decisions until it must wait or is done.
+
+    Every node in ``names`` has announced for the current round unless
+    ``rounds`` says otherwise (a node still running an earlier one).
+    """
     for _ in range(10):
-        action = decide_join(state, me, s, now, present(names), deadline)
+        action = decide_join(state, me, s, now, present(names, state.round, rounds), deadline)
         if action.kind is not Kind.WRITE:
             return state, action
         assert action.state is not None
@@ -50,8 +64,8 @@ def join(state: State, me: str, s: Settings, now: float, names, deadline: float 
     raise AssertionError("join did not settle")
 
 
-def leave(state: State, me: str, s: Settings) -> State:
-    action = decide_exit(state, me, s)
+def leave(state: State, me: str, s: Settings, for_good: bool = False) -> State:
+    action = decide_exit(state, me, s, for_good=for_good)
     return action.state if action.kind is Kind.WRITE else state
 
 
@@ -98,25 +112,55 @@ def test_arrival_triggers_rerendezvous_and_new_round_includes_everyone():
     st_, act = join(st_, "c", s, 7, "abc")
     assert st_.wait_list == {"c"} and act.kind is Kind.WAIT
     assert watch_reason(st_, "a", 0, frozenset("abc"), s) is Change.ARRIVAL
-    for node in "ab":
-        st_ = leave(st_, node, s)
-    assert st_.round == 1 and not st_.complete
+    st_ = leave(st_, "a", s)  # opens round 1 for everyone
+    assert st_.round == 1 and not st_.complete and st_.wait_list == {"a", "b", "c"}
+    assert watch_reason(st_, "b", 0, frozenset("abc"), s) is Change.NEW_ROUND
+    assert leave(st_, "b", s) == st_  # already waiting for the open round: nothing to leave
     st_, act = join(st_, "c", s, 8, "abc")
     assert act.kind is Kind.FINISH and sorted(st_.participants) == ["a", "b", "c"]
 
 
-def test_failed_node_rejoins_through_the_wait_list():
-    """A node that leaves a complete round to restart lands in the wait list; the others follow."""
+def test_a_node_leaving_to_restart_opens_the_next_round_for_all_in_one_write():
+    """The others are moved to the wait list; each is placed once it announces for the new
+    round (after stopping its workers), never while it still runs the old one."""
     s = Settings(min_nodes=2, max_nodes=2)
     st_, _ = join(State(), "a", s, 0, "ab")
     assert st_.complete
     st_ = leave(st_, "a", s)
-    st_, act = join(st_, "a", s, 1, "ab")
-    assert st_.wait_list == {"a"} and act.kind is Kind.WAIT
-    assert watch_reason(st_, "b", 0, frozenset("ab"), s) is Change.ARRIVAL
-    st_ = leave(st_, "b", s)
-    st_, act = join(st_, "b", s, 2, "ab")
-    assert act.kind is Kind.FINISH and st_.round == 1 and sorted(st_.participants) == ["a", "b"]
+    assert (st_.round, st_.complete, st_.participants, st_.wait_list) == (1, False, {}, {"a", "b"})
+    assert watch_reason(st_, "b", 0, frozenset("ab"), s) is Change.NEW_ROUND
+    st_, act = join(st_, "a", s, 1, "ab", rounds={"b": 0})  # b still runs round 0
+    assert st_.participants == {"a": 0} and st_.wait_list == {"b"} and act.kind is Kind.WAIT
+    assert leave(st_, "b", s) == st_  # already waiting for the open round: nothing to leave
+    st_, act = join(st_, "b", s, 2, "ab")  # b announced for round 1
+    assert act.kind is Kind.FINISH and st_.round == 1 and st_.participants == {"a": 0, "b": 1}
+
+
+def test_leaving_for_good_removes_only_that_node():
+    s = Settings(min_nodes=1, max_nodes=2)
+    st_, _ = join(State(), "a", s, 0, "ab")
+    st_, _ = join(st_, "a", s, 2, "ab")
+    gone = leave(st_, "a", s, for_good=True)
+    assert gone.round == 0 and gone.complete and gone.participants == {"b": 1}
+
+
+def test_spares_stay_spares_when_a_round_is_opened_for_all():
+    """A hot spare waits while the last round's participants come back; it steps in for a lost one."""
+    s = Settings(min_nodes=2, max_nodes=2)
+    st_, _ = join(State(), "a", s, 0, "ab")
+    st_, _ = join(st_, "s", s, 0, "abs")
+    st_ = leave(st_, "a", s)
+    assert st_.redundancy_list == {"s"} and st_.wait_list == {"a", "b"}
+    waiting, act = join(st_, "s", s, 1, "abs", rounds={"b": 0})
+    assert act.kind is Kind.WAIT and waiting.redundancy_list == {"s"}
+    st_, act = join(st_, "a", s, 1, "abs", rounds={"b": 0})
+    assert st_.participants == {"a": 0} and act.kind is Kind.WAIT
+    st_, act = join(st_, "b", s, 2, "abs")
+    assert act.kind is Kind.FINISH and st_.participants == {"a": 0, "b": 1}
+    assert st_.redundancy_list == {"s"}  # completed without waiting for the spare
+    # b is lost in round 1: the spare takes its place.
+    st_, _ = join(st_, "s", s, 3, "as")
+    assert st_.wait_list == {"s"} and "b" not in st_.members()
 
 
 def test_lost_node_is_removed_and_survivors_complete_without_last_call():
@@ -129,7 +173,7 @@ def test_lost_node_is_removed_and_survivors_complete_without_last_call():
     st_, _ = join(st_, "a", s, 1, "ab")  # sanitizes c away
     assert "c" not in st_.members()
     for node in "ab":
-        st_ = leave(st_, node, s)
+        st_ = leave(st_, node, s)  # a opens round 1; b is already in its wait list
     assert st_.round == 1
     st_, act = join(st_, "a", s, 2, "ab")
     assert act.kind is Kind.FINISH and st_.participants == {"a": 0, "b": 1}
@@ -151,7 +195,7 @@ def test_fenced_node_and_closed_rendezvous():
     """A node removed from the round is fenced; a closed rendezvous refuses joins forever."""
     s = Settings(min_nodes=1, max_nodes=2)
     st_, _ = join(State(), "a", s, 0, "ab")
-    gone = leave(st_, "a", s)
+    gone = leave(st_, "a", s, for_good=True)
     assert watch_reason(gone, "a", 0, frozenset("ab"), s) is Change.FENCED
     assert watch_reason(st_, "a", 0, frozenset("b"), s) is Change.FENCED  # own lease lost
     closed = decide_close(st_).state
@@ -212,25 +256,28 @@ def test_invariants_hold_under_any_schedule(schedule, min_nodes, extra):
     """Ranks unique and contiguous, ≤ max participants, closed stays closed, one list per node."""
     s = Settings(min_nodes=min_nodes, max_nodes=min_nodes + extra, last_call_timeout=2)
     state, now = State(), 0.0
-    announced: set[str] = set()
+    announced: dict[str, int] = {}  # node -> the round it announced for
     for op, node in schedule:
         now += 1
         if op == "die":
-            announced.discard(node)
+            announced.pop(node, None)
             continue
         if op in ("announce", "revive"):
-            announced.add(node)
+            announced[node] = state.round
             continue
         if node not in announced:
             continue
+        alive = present(announced, rounds=announced)
         if op == "join":
-            action: Action = decide_join(state, node, s, now, present(announced), FAR)
+            announced[node] = max(announced[node], state.round)  # as the executor re-announces
+            alive = present(announced, rounds=announced)
+            action: Action = decide_join(state, node, s, now, alive, FAR)
         elif op == "exit":
             action = decide_exit(state, node, s)
         elif op == "close":
             action = decide_close(state)
         else:
-            action = decide_join(state, node, s, now + 10, present(announced), FAR)
+            action = decide_join(state, node, s, now + 10, alive, FAR)
         if action.kind is Kind.WRITE:
             assert action.state is not None
             check_invariants(state, action.state, s)

@@ -36,6 +36,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Protocol
 
 from elasticd.agent.ranks import NodeSlot
@@ -84,6 +85,14 @@ class RoundInfo:
     master_addr: str
     master_port: int
     participants: dict[str, int]
+
+
+class _Step(Enum):
+    """What the join loop does after :meth:`StoreRendezvous._check_in`."""
+
+    DONE = "done"
+    AGAIN = "again"
+    DECIDE = "decide"
 
 
 class Rendezvous(Protocol):
@@ -291,110 +300,93 @@ class StoreRendezvous:
         except StoreCompacted:
             return  # re-read from now
 
-    async def _execute(
-        self,
-        decide: Callable[[State, Mapping[str, NodeInfo]], Action],
-        info: NodeInfo | None,
-        *,
-        once: bool = False,
-        presence_needed: bool = True,
-        join_deadline: float | None = None,
-    ) -> State:
-        """Apply decisions until one says FINISH (or, with ``once``, one write lands).
+    async def _apply(self, decide: Callable[[State], Action]) -> State:
+        """Leave or close: read the state key, decide, write once (again after a lost race)."""
+        while True:
+            state, version, _ = await self._state_only()
+            action = decide(state)
+            if action.kind is Kind.FINISH:
+                return state
+            if action.kind is not Kind.WRITE or action.state is None:  # pragma: no cover
+                raise RendezvousError(f"unexpected step while leaving or closing: {action}")
+            result = await self._store.compare_and_set(
+                self._state_key, action.state.encode(), version
+            )
+            if result.ok:
+                log.debug("%s: %s", self._me, action.why)
+                await self._notify(state, action.state)
+                return action.state
 
-        CLOSED and TIMEOUT raise. Leaving uses ``once``: another node may place
-        this one again right after (it is still announced), and that is the
-        point of leaving a round to join the next, not a reason to leave again.
+    async def _notify(self, before: State, after: State) -> None:
+        if notice_worthy(before, after):
+            await self._store.put(self._done_key, str(after.round).encode())
 
-        A join (``info`` given) reads the state key alone before anything else
-        and, while it finds itself placed, waits without listing: only a node
-        that is not placed yet lists the presence keys, and only while it holds
-        the absorber role, so that of a thousand nodes arriving together one
-        lists and places them all and the others read one small key each.
+    async def _join(self, info: NodeInfo, join_deadline: float) -> State:
+        """Apply join decisions until this node is a participant of a complete round.
+
+        CLOSED and TIMEOUT raise. The node reads the state key alone first
+        and, while it finds itself placed, waits without listing (see
+        :meth:`_check_in`): only a node that is not placed yet lists the
+        presence keys, and only while it holds the absorber role, so that of a
+        thousand nodes arriving together one lists and places them all and the
+        others read one small key each.
         """
-        light = info is not None
+        me, settings = self._me, self._settings
+        light = True  # read the state key alone before listing anything
         holding = False
-        followed: tuple[State, int | None, Presence, int] | None = None
+        view: tuple[State, int | None, Presence, int] | None = None
         try:
             while True:
-                present: Mapping[str, NodeInfo]
-                if followed is not None:  # the absorber, up to date from watch events
-                    state, version, present, revision = followed
-                    followed = None
-                else:
-                    if light:
-                        light = False
-                        state, version, revision = await self._state_only()
-                        if state.closed:
-                            raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
-                        if state.complete and self._me in state.participants:
-                            return state
-                        if info is not None and info.round < state.round:
-                            info = replace(info, round=state.round)  # a new round opened meanwhile
-                            await self._announce(info)
-                        if not holding and needs_placing(state, self._me):
-                            holding = await self._take_absorber(join_deadline)
-                            if not holding:
-                                light = True  # someone else is placing nodes; read again
-                                continue
-                        elif not state.complete and self._me in state.participants:
-                            until = state.deadline if state.deadline is not None else join_deadline
-                            if join_deadline is not None and until is not None:
-                                until = min(until, join_deadline)
-                            if not self._past(state, until):
-                                await self._wait_open_round(state, revision, until)
-                                light = True
-                                continue
-                    if presence_needed:
-                        state, version, present, revision = await self.snapshot()
-                    else:
-                        state, version, revision = await self._state_only()
-                        present = {}
-                if info is not None and (self._me not in present or info.round < state.round):
+                if view is None and light:
+                    light = False
+                    step, state, info, holding = await self._check_in(info, holding, join_deadline)
+                    if step is _Step.DONE:
+                        return state
+                    if step is _Step.AGAIN:
+                        light = True
+                        continue
+                if view is None:
+                    view = await self.snapshot()
+                state, version, present, revision = view
+                view = None
+                if me not in present or info.round < state.round:
                     # Our lease was lost and renewed, or a new round opened: announce again.
                     info = replace(info, round=max(info.round, state.round))
                     await self._announce(info)
                     continue
-                action = decide(state, present)
-                if (
-                    holding
-                    and action.kind is Kind.WAIT
-                    and not action.presence
-                    and state.wait_list
-                    and isinstance(present, Presence)
-                ):
-                    # Placed in an open round that waits for the last round's participants
-                    # to come back: keep the role and place them as their announcements
-                    # arrive, from the watch's events, rather than handing the role (and
-                    # a listing of every key) to each of them in turn.
-                    followed, holding = await self._follow(
-                        state, version, present, revision, action.until
-                    )
-                    if followed is not None:
-                        continue
+                action = decide_join(
+                    state, me, settings, self._clock.time(), present, join_deadline
+                )
                 if action.kind is Kind.WRITE:
                     assert action.state is not None
                     result = await self._store.compare_and_set(
                         self._state_key, action.state.encode(), version
                     )
                     if result.ok:
-                        log.debug("%s: %s", self._me, action.why)
-                        if notice_worthy(state, action.state):
-                            await self._store.put(self._done_key, str(action.state.round).encode())
-                        if once:
-                            return action.state
+                        log.debug("%s: %s", me, action.why)
+                        await self._notify(state, action.state)
                     if holding:
                         continue  # place whoever announced meanwhile, then let go
                     # Decide again on what is there now (ours, or the winner's): when
                     # that document says we are done or placed, no listing is needed.
-                    if result.entry is not None and info is not None and not once:
-                        now = decode_state(result.entry.value, result.entry.version)
-                        if now.complete and self._me in now.participants and not now.closed:
-                            return now
-                        if not now.complete and not now.closed and self._me in now.participants:
-                            await self._wait_open_round(now, result.entry.version, now.deadline)
+                    if result.entry is not None:
+                        there = decode_state(result.entry.value, result.entry.version)
+                        if there.complete and me in there.participants and not there.closed:
+                            return there
+                        if not there.complete and not there.closed and me in there.participants:
+                            await self._wait_open_round(there, result.entry.version, there.deadline)
                             light = True
                     continue
+                if holding and action.kind is Kind.WAIT and not action.presence and state.wait_list:
+                    # Placed in an open round that waits for the last round's participants
+                    # to come back: keep the role and place them as their announcements
+                    # arrive, from the watch's events, rather than handing the role (and
+                    # a listing of every key) to each of them in turn.
+                    view, holding = await self._follow(
+                        state, version, present, revision, action.until
+                    )
+                    if view is not None:
+                        continue
                 if holding:
                     holding = False
                     await self._release_absorber()
@@ -413,6 +405,35 @@ class StoreRendezvous:
         finally:
             if holding:
                 await self._release_absorber()
+
+    async def _check_in(
+        self, info: NodeInfo, holding: bool, join_deadline: float
+    ) -> tuple[_Step, State, NodeInfo, bool]:
+        """The join's cheap step: the state key alone, and a wait while placed.
+
+        Returns (what next, the state read, our announcement, whether we hold
+        the absorber role). DONE: we are in the complete round. AGAIN: we
+        waited (inside an open round, or for the absorber role); read again.
+        DECIDE: list and decide (we hold the role, or our round is due).
+        """
+        state, _, revision = await self._state_only()
+        if state.closed:
+            raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+        if state.complete and self._me in state.participants:
+            return _Step.DONE, state, info, holding
+        if info.round < state.round:
+            info = replace(info, round=state.round)  # a new round opened meanwhile
+            await self._announce(info)
+        if not holding and needs_placing(state, self._me):
+            holding = await self._take_absorber(join_deadline)
+            return (_Step.DECIDE if holding else _Step.AGAIN), state, info, holding
+        if not state.complete and self._me in state.participants:
+            until = state.deadline if state.deadline is not None else join_deadline
+            until = min(until, join_deadline)
+            if not self._past(state, until):
+                await self._wait_open_round(state, revision, until)
+                return _Step.AGAIN, state, info, holding
+        return _Step.DECIDE, state, info, holding
 
     def _past(self, state: State, until: float | None) -> bool:
         """Has the wait inside an open round ended for this node (see _wait_open_round)?"""
@@ -552,22 +573,12 @@ class StoreRendezvous:
             local_world_size=self._lws,
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
-        left = await self._execute(
-            lambda state, present: decide_exit(state, me, settings),
-            None,
-            once=True,
-            presence_needed=False,
-        )
+        left = await self._apply(lambda state: decide_exit(state, me, settings))
         # Announce after leaving (our workers are stopped): for the round now open
         # or next, with this round's fresh port.
         info = replace(info, round=left.round + (1 if left.complete else 0))
         await self._announce(info)
-        join_deadline = self._clock.time() + settings.join_timeout
-
-        def join(state: State, present: Mapping[str, NodeInfo]) -> Action:
-            return decide_join(state, me, settings, self._clock.time(), present, join_deadline)
-
-        state = await self._execute(join, info, join_deadline=join_deadline)
+        state = await self._join(info, self._clock.time() + settings.join_timeout)
         master = state.master()
         if master is None:  # pragma: no cover - FINISH implies a complete round
             raise RendezvousError("the completed round has no rank 0")
@@ -616,15 +627,10 @@ class StoreRendezvous:
                         alive.add(node)
 
     async def close(self) -> None:
-        await self._execute(lambda state, present: decide_close(state), None, presence_needed=False)
+        await self._apply(decide_close)
 
     async def leave(self) -> None:
         """Withdraw the presence key first (so nobody re-places us), then leave every list."""
         me, settings = self._me, self._settings
         await self._store.delete(self._node_prefix + me)
-        await self._execute(
-            lambda state, present: decide_exit(state, me, settings, for_good=True),
-            None,
-            once=True,
-            presence_needed=False,
-        )
+        await self._apply(lambda state: decide_exit(state, me, settings, for_good=True))

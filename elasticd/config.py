@@ -82,6 +82,13 @@ class Config(BaseModel):
     lease_ttl: float = Field(
         default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
     )
+    job_retention: float = Field(
+        default=7 * 24 * 3600.0,
+        ge=0,
+        description="Seconds a finished job (its document, events and rendezvous keys) is kept "
+        "after it ends; then any daemon deletes it, as DELETE /jobs/{id} does. Worker log files "
+        "stay on disk. 0 keeps finished jobs forever.",
+    )
     # Hardening (elasticd.security, api.limits).
     run_as: str | None = Field(default=None, min_length=1, description="User jobs run as.")
     allow_root: bool | None = Field(
@@ -143,6 +150,7 @@ _ENV_FIELDS = {
     "TOKEN_FILE": "token_file",
     "STORE_URL": "store_url",
     "LEASE_TTL": "lease_ttl",
+    "JOB_RETENTION": "job_retention",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "RUN_AS": "run_as",
     "ALLOW_ROOT": "allow_root",

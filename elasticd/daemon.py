@@ -38,7 +38,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
 from elasticd.config import Config, check_bind, read_token
 from elasticd.db import Database
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, ElasticdError
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
@@ -121,6 +121,7 @@ class Daemon:
         self.job_users = resolve_job_users(config)
         self._uninstall_spawn_policy: Callable[[], None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
+        self._retention_task: asyncio.Task[None] | None = None
         self._injected_store = store
         self._serve_http = serve_http
         self._console = console
@@ -209,6 +210,8 @@ class Daemon:
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
         )
+        if self.config.job_retention > 0 and not self.config.store_only:
+            self._retention_task = asyncio.create_task(self._retain(), name="job-retention")
         interval = systemd.watchdog_interval(self._environ)
         if interval is not None:
             self._watchdog_task = asyncio.create_task(
@@ -269,6 +272,17 @@ class Daemon:
                 attempt=record.attempt,
             )
 
+    async def _retain(self) -> None:
+        """Delete finished jobs once they are older than ``job_retention``, forever."""
+        retention = self.config.job_retention
+        every = min(max(retention / 10, 0.5), 600.0)  # a job outlives its retention by <= 10%
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.jobs.expire(retention)
+            except ElasticdError as exc:  # the store is away: try again next time
+                log.warning("job retention: %s", exc)
+
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)
         if self._state in ("running", "starting"):
@@ -294,6 +308,10 @@ class Daemon:
         self._state = "stopping"
         systemd.notify("STOPPING=1\nSTATUS=stopping workers", self._environ)
         log.info("shutting down: stop accepting jobs, stop workers, flush, exit")
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retention_task
         self.jobs.stop_accepting()
         await self.jobs.stop_agents()
         with contextlib.suppress(Exception):

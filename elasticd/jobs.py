@@ -237,6 +237,29 @@ class JobService:
         await self._close_rendezvous(job_id)
         return job
 
+    async def expire(self, retention: float) -> list[str]:
+        """Delete the jobs that ended more than ``retention`` seconds ago; their ids.
+
+        Every daemon may run this: a job deleted meanwhile by another one is
+        skipped (the deletion is a compare-and-set on the job document).
+        """
+        cutoff = self.clock.time() - retention
+        expired = [
+            job.id
+            for job in self._known.values()
+            if job.state.is_terminal and job.finished_at is not None and job.finished_at < cutoff
+        ]
+        deleted = []
+        for job_id in expired:
+            try:
+                await self.delete(job_id)
+            except (JobNotFound, JobConflict):
+                continue
+            deleted.append(job_id)
+        if deleted:
+            log.info("deleted %d job(s) finished over %.0f s ago", len(deleted), retention)
+        return deleted
+
     async def delete(self, job_id: str) -> None:
         """Forget a finished job: its document, events, groups and rendezvous keys.
 
@@ -434,7 +457,12 @@ class JobService:
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes: start agents we should run."""
-        self._known = {j.id: j for j in jobs}
+        known = {j.id: j for j in jobs}
+        for gone in self._known.keys() - known.keys():
+            # Deleted (by a user, or by retention) on some daemon: drop our records too.
+            self.events.forget(gone)
+            self._done_here.discard(gone)
+        self._known = known
         if not self._accepting:
             return
         for job in sorted(jobs, key=lambda j: j.created_at):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 
+import httpx
 import pytest
 
-from tests.conftest import PY, events_of, script, wait_group, wait_job
+from api.app import create_app
+from tests.conftest import PY, events_of, make_daemon, script, wait_group, wait_job
 
 CRASH_ONCE = """
 import os, sys
@@ -295,3 +298,40 @@ async def test_delete_forgets_a_finished_job_and_refuses_a_running_one(client, d
     leftovers = await daemon.store.list(f"ev/{done['id']}/")
     assert not leftovers.entries
     assert [j["id"] for j in (await client.get("/jobs")).json()["jobs"]] == [live]
+
+
+async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_kept(tmp_path):
+    """job_retention: a job that ended longer ago than that is deleted (404, no store keys, no
+    local events); a running job is never touched; 0 turns retention off."""
+    daemon = make_daemon(tmp_path, job_retention=1.0)
+    path = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    async with asyncio.timeout(60):
+        await daemon.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(daemon))
+            async with httpx.AsyncClient(transport=transport, base_url="http://e") as client:
+                live = (
+                    await client.post(
+                        "/jobs", json={"entrypoint": PY, "args": [path], "termination_grace": 1}
+                    )
+                ).json()["id"]
+                done = await client.post("/jobs", json={"entrypoint": PY, "args": ["-c", ""]})
+                done_id = done.json()["id"]
+                await wait_job(client, done_id)
+                assert daemon.events.read(done_id)
+                while (await client.get(f"/jobs/{done_id}")).status_code != 404:
+                    await asyncio.sleep(0.1)
+                assert not (await daemon.store.list(f"ev/{done_id}/")).entries
+                assert not daemon.events.read(done_id)
+                job = (await client.get(f"/jobs/{live}")).json()
+                assert job["state"] == "RUNNING"
+                await client.post(f"/jobs/{live}/cancel")
+        finally:
+            await daemon.shutdown()
+    kept = make_daemon(tmp_path / "kept", job_retention=0)
+    async with asyncio.timeout(30):
+        await kept.start()
+        try:
+            assert kept._retention_task is None
+        finally:
+            await kept.shutdown()

@@ -319,7 +319,11 @@ class JobService:
                         state=new.state.value,
                         error=new.error if new.state is JobState.FAILED else None,
                     )
-                    await self.events.flush()
+                    if new.state.is_terminal:
+                        # A finished job's last word is in the store before anyone acts on
+                        # the end (a shutdown, a deletion). On the restart path the event
+                        # goes out with the publisher's next batch instead of delaying it.
+                        await self.events.flush()
                 return new
         raise StoreError(f"job {job_id}: too many concurrent updates")  # pragma: no cover
 

@@ -16,6 +16,7 @@ from elasticd.testing import MemoryStore
 
 
 async def node(store: MemoryStore, name: str, settings: Settings, ttl: float = 30.0):
+    """One simulated node (the absorber role on at every job size, to test it)."""
     lease = await store.grant(ttl)
 
     async def current_lease() -> int:
@@ -30,6 +31,7 @@ async def node(store: MemoryStore, name: str, settings: Settings, ttl: float = 3
         advertise_addr="127.0.0.1",
         settings=settings,
         lease=current_lease,
+        absorber_from=1,
     )
     return rdzv, lease
 

@@ -370,10 +370,13 @@ class StoreRendezvous:
                     if result.ok:
                         log.debug("%s: %s", me, action.why)
                         await self._notify(state, action.state)
+                        # Decide again on a fresh view: everyone may have joined now (no
+                        # last call to wait out), or, holding the role, more have arrived.
+                        continue
                     if holding:
-                        continue  # place whoever announced meanwhile, then let go
-                    # Decide again on what is there now (ours, or the winner's): when
-                    # that document says we are done or placed, no listing is needed.
+                        continue
+                    # Lost the race: when the winner's document says we are done or
+                    # placed, no listing is needed.
                     if result.entry is not None:
                         there = decode_state(result.entry.value, result.entry.version)
                         if there.complete and me in there.participants and not there.closed:

@@ -15,8 +15,10 @@ from elasticd.rendezvous.handler import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
 
 
-async def node(store: MemoryStore, name: str, settings: Settings, ttl: float = 30.0):
-    """One simulated node (the absorber role on at every job size, to test it)."""
+async def node(
+    store: MemoryStore, name: str, settings: Settings, ttl: float = 30.0, absorber_from: int = 1
+):
+    """One simulated node (by default with the absorber role on at every job size)."""
     lease = await store.grant(ttl)
 
     async def current_lease() -> int:
@@ -31,7 +33,7 @@ async def node(store: MemoryStore, name: str, settings: Settings, ttl: float = 3
         advertise_addr="127.0.0.1",
         settings=settings,
         lease=current_lease,
-        absorber_from=1,
+        absorber_from=absorber_from,
     )
     return rdzv, lease
 
@@ -193,3 +195,22 @@ async def test_a_re_rendezvous_of_many_nodes_costs_each_a_constant_number_of_req
     assert store.lists[membership_prefix("job")] <= 6, store.lists
     # Writes: one dissolve, n announcements, the absorber's placements and role changes.
     assert store.inner.revision - writes_before <= 2 * n + 10
+
+
+@pytest.mark.parametrize("absorber_from", [1, 16], ids=["absorber", "each-places-itself"])
+async def test_survivors_reform_at_once_without_waiting_out_the_last_call(absorber_from):
+    """After a loss the live set is known: the round completes when the last survivor joins,
+    not at the end of the last call (30 s here, longer than the test may take)."""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=3, last_call_timeout=30)
+    made = [await node(store, n, s, absorber_from=absorber_from) for n in "abc"]
+    (a, _), (b, _), (_, lease_c) = made
+    async with asyncio.timeout(40):
+        first = await asyncio.gather(*(r.next_round() for r, _ in made))
+    assert {r.group_world_size for r in first} == {3}
+    async with asyncio.timeout(5):
+        watching = [asyncio.create_task(r.wait_for_change(0)) for r in (a, b)]
+        await store.revoke(lease_c)
+        assert {await w for w in watching} == {Change.LOSS}
+        ra, rb = await asyncio.gather(a.next_round(), b.next_round())
+    assert ra.group_world_size == rb.group_world_size == 2 and ra.round == rb.round == 1

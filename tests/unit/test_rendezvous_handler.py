@@ -130,7 +130,7 @@ async def test_of_many_nodes_arriving_together_few_list_the_presence_keys():
     assert sorted(r.group_rank for r in rounds) == list(range(n))
     assert len({(r.master_addr, r.master_port) for r in rounds}) == 1
     membership = membership_prefix("job")
-    assert store.lists[membership] <= 6, store.lists  # not one (or more) per node
+    assert store.lists[membership] <= 10, store.lists  # not one (or more) per node: 120
 
 
 async def absorber_held_by(store: MemoryStore, until: float, lease: int) -> None:
@@ -192,7 +192,9 @@ async def test_a_re_rendezvous_of_many_nodes_costs_each_a_constant_number_of_req
         second = await asyncio.gather(nodes[0].next_round(), *(survivor(i) for i in range(1, n)))
     assert {r.round for r in second} == {1} and first[0].round == 0
     assert sorted(r.group_rank for r in second) == list(range(n))
-    assert store.lists[membership_prefix("job")] <= 6, store.lists
+    assert store.lists[membership_prefix("job")] <= 10, (
+        store.lists
+    )  # before: one per node and event
     # Writes: one dissolve, n announcements, the absorber's placements and role changes.
     assert store.inner.revision - writes_before <= 2 * n + 10
 

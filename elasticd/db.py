@@ -104,6 +104,15 @@ class Database:
         ).fetchall()
         return [Event.model_validate_json(doc).model_copy(update={"seq": seq}) for seq, doc in rows]
 
+    def jobs_quiet_since(self, before: float) -> list[str]:
+        """Jobs with local events, none of them newer than ``before`` (wall time)."""
+        rows = self.conn.execute(
+            "SELECT job_id FROM events GROUP BY job_id"
+            " HAVING MAX(json_extract(doc, '$.time')) < ?",
+            (before,),
+        ).fetchall()
+        return [job_id for (job_id,) in rows]
+
     def delete_events(self, job_id: str) -> None:
         self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
 

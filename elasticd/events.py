@@ -156,6 +156,10 @@ class EventLog:
             for _ in batch:
                 self._queue.task_done()
 
+    def quiet_since(self, before: float) -> list[str]:
+        """Jobs this node holds events of, the newest older than ``before``."""
+        return self._db.jobs_quiet_since(before)
+
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""
         self._db.delete_events(job_id)

@@ -117,6 +117,7 @@ class JobService:
         self._accepting = True
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
+        self._watched = False
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
         self.check_user: Callable[[str], object] | None = None
 
@@ -258,6 +259,11 @@ class JobService:
             deleted.append(job_id)
         if deleted:
             log.info("deleted %d job(s) finished over %.0f s ago", len(deleted), retention)
+        if self._watched:
+            # Events of jobs deleted while this daemon was down: nobody else drops them.
+            for job_id in self.events.quiet_since(cutoff):
+                if job_id not in self._known:
+                    self.events.forget(job_id)
         return deleted
 
     async def delete(self, job_id: str) -> None:
@@ -461,6 +467,7 @@ class JobService:
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes: start agents we should run."""
+        self._watched = True  # _known now mirrors the store
         known = {j.id: j for j in jobs}
         for gone in self._known.keys() - known.keys():
             # Deleted (by a user, or by retention) on some daemon: drop our records too.

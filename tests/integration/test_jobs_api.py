@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 
 import httpx
 import pytest
@@ -302,7 +303,8 @@ async def test_delete_forgets_a_finished_job_and_refuses_a_running_one(client, d
 
 async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_kept(tmp_path):
     """job_retention: a job that ended longer ago than that is deleted (404, no store keys, no
-    local events); a running job is never touched; 0 turns retention off."""
+    local events), and so are local events of jobs gone from the store; a running job is never
+    touched; 0 turns retention off."""
     daemon = make_daemon(tmp_path, job_retention=1.0)
     path = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
     async with asyncio.timeout(60):
@@ -325,6 +327,17 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
                 assert not daemon.events.read(done_id)
                 job = (await client.get(f"/jobs/{live}")).json()
                 assert job["state"] == "RUNNING"
+                # Local events of a job deleted while this daemon was down go too.
+                (event,) = daemon.events.read(live, limit=1)
+                ghost = event.model_copy(update={"job_id": "ghost", "time": time.time() - 60})
+                daemon.db.conn.execute(
+                    "INSERT INTO events (job_id, doc) VALUES (?, ?)",
+                    ("ghost", ghost.model_dump_json()),
+                )
+                assert daemon.events.read("ghost")
+                while daemon.events.read("ghost"):
+                    await asyncio.sleep(0.1)
+                assert daemon.events.read(live)  # a job still in the store keeps its events
                 await client.post(f"/jobs/{live}/cancel")
         finally:
             await daemon.shutdown()

@@ -107,8 +107,7 @@ class Database:
     def jobs_quiet_since(self, before: float) -> list[str]:
         """Jobs with local events, none of them newer than ``before`` (wall time)."""
         rows = self.conn.execute(
-            "SELECT job_id FROM events GROUP BY job_id"
-            " HAVING MAX(json_extract(doc, '$.time')) < ?",
+            "SELECT job_id FROM events GROUP BY job_id HAVING MAX(json_extract(doc, '$.time')) < ?",
             (before,),
         ).fetchall()
         return [job_id for (job_id,) in rows]

@@ -65,7 +65,7 @@ import sys
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,8 +87,9 @@ from _common import (  # noqa: E402
 )
 
 from elasticd.rendezvous import (  # noqa: E402
+    Change,
     Settings,
-    StoreRendezvous,  # noqa: E402
+    StoreRendezvous,
 )
 from elasticd.rendezvous.handler import RoundInfo, state_key  # noqa: E402
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent  # noqa: E402
@@ -402,7 +403,8 @@ async def one_round(
         finished[i] = time.perf_counter()
         return info
 
-    tasks: list[asyncio.Task[RoundInfo]] = []
+    starters: list[Callable[[int], Awaitable[RoundInfo]]] = [run] * n
+    watching: list[asyncio.Task[Change]] = []
     if restart:
         async with asyncio.timeout(budget):
             first = await asyncio.gather(*(nodes[i].next_round() for i in range(n)))
@@ -421,14 +423,11 @@ async def one_round(
             await watching[i - 1]
             return await run(i)
 
-        run_for = [run] + [rejoin] * (n - 1)
+        starters = [run] + [rejoin] * (n - 1)  # node 0 fails; the others notice
     server_cpu0 = backend.server_cpu()
     cpu0 = time.process_time()
     started = time.perf_counter()
-    if restart:
-        tasks = [asyncio.create_task(run_for[i](i)) for i in range(n)]
-    else:
-        tasks = [asyncio.create_task(run(i)) for i in range(n)]
+    tasks = [asyncio.create_task(starters[i](i)) for i in range(n)]
     result = RoundResult(backend.name, n, ok=False, seconds=None)
     try:
         async with asyncio.timeout(budget):
@@ -450,11 +449,9 @@ async def one_round(
     finally:
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if restart:
-            for w in watching:
-                w.cancel()
-            await asyncio.gather(*watching, return_exceptions=True)
+        for w in watching:
+            w.cancel()
+        await asyncio.gather(*tasks, *watching, return_exceptions=True)
     result.client_cpu_s = time.process_time() - cpu0
     server_cpu1 = backend.server_cpu()
     if server_cpu0 is not None and server_cpu1 is not None:

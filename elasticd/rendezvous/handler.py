@@ -21,7 +21,8 @@ Were every node to do that, a thousand nodes arriving together would each
 list a thousand keys and race to write nearly the same document (measured:
 13.9 s over HTTP, 23 s on etcd for one round). So the listing is done by
 the node holding the absorber role (a create-if-absent key bound to its
-lease, with a hold time): it lists, places every announced node in one
+lease, with a hold time; jobs under ``ABSORBER_FROM`` nodes skip it and each
+unplaced node lists the few keys itself): it lists, places every announced node in one
 compare-and-set, lists again to catch late arrivals, and lets go once a list
 finds nobody new. The others wait for the role to be released (or its
 holder's lease to expire, or its hold to run out), and then usually find
@@ -58,9 +59,11 @@ from elasticd.rendezvous.protocol import (
     decide_close,
     decide_exit,
     decide_join,
+    needs_placing,
     watch_reason,
 )
 from elasticd.store import Store
+from elasticd.store.base import CasResult
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -128,11 +131,6 @@ def free_port(addr: str = "") -> int:
             sock.bind(("", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def needs_placing(state: State, node: str) -> bool:
-    """Is ``node`` in no list of the document, or waiting for an open round to take it in?"""
-    return node not in state.members() or (node in state.wait_list and not state.complete)
 
 
 def notice_worthy(before: State, after: State) -> bool:
@@ -307,8 +305,8 @@ class StoreRendezvous:
 
     async def _apply(self, decide: Callable[[State], Action]) -> State:
         """Leave or close: read the state key, decide, write once (again after a lost race)."""
+        state, version, _ = await self._state_only()
         while True:
-            state, version, _ = await self._state_only()
             action = decide(state)
             if action.kind is Kind.FINISH:
                 return state
@@ -321,6 +319,11 @@ class StoreRendezvous:
                 log.debug("%s: %s", self._me, action.why)
                 await self._notify(state, action.state)
                 return action.state
+            if result.entry is None:  # the document was deleted meanwhile
+                state, version = State(), None
+            else:  # decide again on the winner's document
+                state = decode_state(result.entry.value, result.entry.version)
+                version = result.entry.version
 
     async def _notify(self, before: State, after: State) -> None:
         if notice_worthy(before, after):
@@ -332,7 +335,8 @@ class StoreRendezvous:
         CLOSED and TIMEOUT raise. The node reads the state key alone first
         and, while it finds itself placed, waits without listing (see
         :meth:`_check_in`): only a node that is not placed yet lists the
-        presence keys, and only while it holds the absorber role, so that of a
+        presence keys, and (from ``ABSORBER_FROM`` nodes) only while it holds
+        the absorber role, so that of a
         thousand nodes arriving together one lists and places them all and the
         others read one small key each.
         """
@@ -440,18 +444,22 @@ class StoreRendezvous:
         if not state.complete and self._me in state.participants:
             until = state.deadline if state.deadline is not None else join_deadline
             until = min(until, join_deadline)
-            if not self._past(state, until):
+            mine = self._my_deadline(state, until)
+            if mine is None or self._clock.time() < mine:
                 await self._wait_open_round(state, revision, until)
                 return _Step.AGAIN, state, info, holding
         return _Step.DECIDE, state, info, holding
 
-    def _past(self, state: State, until: float | None) -> bool:
-        """Has the wait inside an open round ended for this node (see _wait_open_round)?"""
-        if until is None:
-            return False
-        if state.participants and min(state.participants) != self._me:
+    def _my_deadline(self, state: State, until: float | None) -> float | None:
+        """When this node acts on an open round's deadline ``until``.
+
+        The first participant (by name) completes the round at the deadline;
+        the others give it a grace period first, then any of them does, so a
+        dead first participant cannot stall the round.
+        """
+        if until is not None and state.participants and min(state.participants) != self._me:
             until += STRAGGLER_GRACE
-        return self._clock.time() >= until
+        return until
 
     async def _take_absorber(self, join_deadline: float | None) -> bool:
         """Try to become the node that places announced nodes; False after waiting for it.
@@ -464,15 +472,8 @@ class StoreRendezvous:
         let go by then (its release was lost) is displaced, so a live but
         stuck daemon cannot stall the rendezvous.
         """
-        until = self._clock.time() + ABSORBER_HOLD
-        hold = {"node": self._me, "until": until}
-        lease = await self._lease()
-        result = await self._store.compare_and_set(
-            self._absorber_key, json.dumps(hold).encode(), None, lease=lease
-        )
+        result = await self._hold_absorber(None)
         if result.ok:
-            assert result.entry is not None
-            self._absorber_version, self._absorber_until = result.entry.version, until
             return True
         held = result.entry
         if held is None:
@@ -505,47 +506,53 @@ class StoreRendezvous:
         the role is still held. The hold is renewed while it lasts.
         """
         due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
-        if due and not await self._renew_absorber():
-            return None, False
+        if due and not (await self._hold_absorber(self._absorber_version)).ok:
+            return None, False  # taken over meanwhile
         wake = self._absorber_until - ABSORBER_RENEW
-        if until is not None:
-            if state.participants and min(state.participants) != self._me:
-                until += STRAGGLER_GRACE
-            wake = min(wake, until)
+        mine = self._my_deadline(state, until)
+        if mine is not None:
+            wake = min(wake, mine)
         timeout = min(MAX_WATCH, wake - self._clock.time())
         if timeout <= 0:
             return (state, version, present, revision), True
+        return await self._next_view(state, version, present, revision, timeout), True
+
+    async def _next_view(
+        self, state: State, version: int | None, present: Presence, revision: int, timeout: float
+    ) -> tuple[State, int | None, Presence, int]:
+        """Watch the membership for up to ``timeout`` and apply its events to the view.
+
+        What a running node and the absorber do instead of listing the prefix
+        again at each change: with N nodes, a listing per event would cost
+        O(N) per node for each of the O(N) announcements of a re-rendezvous.
+        """
         try:
             events = await self._store.watch(self._prefix, revision, timeout, prefix=True)
         except StoreCompacted:
-            return await self.snapshot(), True
+            return await self.snapshot()
         for event in events:
             revision = max(revision, event.revision)
-            gone = event.kind == "delete" or event.value is None
+            value = None if event.kind == "delete" else event.value
             if event.key == self._state_key:
-                if gone:
-                    state, version = State(), None
-                else:
-                    assert event.value is not None
-                    state, version = decode_state(event.value, event.revision), event.revision
+                state = State() if value is None else decode_state(value, event.revision)
+                version = None if value is None else event.revision
             elif event.key.startswith(self._node_prefix):
-                present.apply(event.key[len(self._node_prefix) :], None if gone else event.value)
-        return (state, version, present, revision), True
+                present.apply(event.key[len(self._node_prefix) :], value)
+        return state, version, present, revision
 
-    async def _renew_absorber(self) -> bool:
-        """Extend our hold of the absorber role; False if it was taken over meanwhile."""
+    async def _hold_absorber(self, expected_version: int | None) -> CasResult:
+        """Take (``None``) or renew (our version) the absorber role for ABSORBER_HOLD seconds."""
         until = self._clock.time() + ABSORBER_HOLD
         hold = {"node": self._me, "until": until}
         result = await self._store.compare_and_set(
             self._absorber_key,
             json.dumps(hold).encode(),
-            self._absorber_version,
+            expected_version,
             lease=await self._lease(),
         )
-        if not result.ok or result.entry is None:
-            return False
-        self._absorber_version, self._absorber_until = result.entry.version, until
-        return True
+        if result.ok and result.entry is not None:
+            self._absorber_version, self._absorber_until = result.entry.version, until
+        return result
 
     async def _release_absorber(self) -> None:
         """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
@@ -557,14 +564,10 @@ class StoreRendezvous:
     async def _wait_open_round(self, state: State, revision: int, until: float | None) -> None:
         """Inside an open round: wake when it is completed or closed, or at the deadline.
 
-        Newcomers place themselves, so nothing they write concerns the nodes
-        already placed. At the deadline the first participant (by name)
-        completes the round; the others give it a grace period first, then any
-        of them does, so a dead first participant cannot stall the round.
+        Newcomers are placed by whoever lists the presence keys, so nothing
+        they write concerns the nodes already placed. See :meth:`_my_deadline`.
         """
-        if until is not None and state.participants and min(state.participants) != self._me:
-            until += STRAGGLER_GRACE
-        await self._wait(self._done_key, False, revision, until)
+        await self._wait(self._done_key, False, revision, self._my_deadline(state, until))
 
     async def _announce(self, info: NodeInfo) -> None:
         """(Re)write this node's presence key, bound to its current lease."""
@@ -603,38 +606,15 @@ class StoreRendezvous:
         )
 
     async def wait_for_change(self, my_round: int) -> Change:
-        """Read the membership once, then follow the watch's events.
-
-        Each event is applied to the copy in hand (a presence key written or
-        gone, a new state document) instead of listing the prefix again: with
-        N running nodes, a listing per event would cost O(N) per node for each
-        of the O(N) announcements of a re-rendezvous.
-        """
-        state, _, present, revision = await self.snapshot()
-        alive = set(present)
+        """Read the membership once, then follow the watch's events (see :meth:`_next_view`)."""
+        state, version, present, revision = await self.snapshot()
         while True:
-            change = watch_reason(state, self._me, my_round, frozenset(alive), self._settings)
+            change = watch_reason(state, self._me, my_round, frozenset(present), self._settings)
             if change is not None:
                 return change
-            try:
-                events = await self._store.watch(self._prefix, revision, MAX_WATCH, prefix=True)
-            except StoreCompacted:
-                state, _, present, revision = await self.snapshot()
-                alive = set(present)
-                continue
-            for event in events:
-                revision = max(revision, event.revision)
-                if event.key == self._state_key:
-                    if event.kind == "delete" or event.value is None:
-                        state = State()
-                    else:
-                        state = decode_state(event.value, event.revision)
-                elif event.key.startswith(self._node_prefix):
-                    node = event.key[len(self._node_prefix) :]
-                    if event.kind == "delete":
-                        alive.discard(node)
-                    else:
-                        alive.add(node)
+            state, version, present, revision = await self._next_view(
+                state, version, present, revision, MAX_WATCH
+            )
 
     async def close(self) -> None:
         await self._apply(decide_close)

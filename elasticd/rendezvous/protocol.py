@@ -248,6 +248,15 @@ def _complete(state: State) -> State:
     return replace(state, complete=True, deadline=None, participants=_ranked(state.participants))
 
 
+def needs_placing(state: State, node: str) -> bool:
+    """Is ``node`` in no list, or waiting for an open round to take it in?
+
+    The nodes :func:`absorb` places (it applies the same rule to the
+    document as it changes under its hands).
+    """
+    return node not in state.members() or (node in state.wait_list and not state.complete)
+
+
 def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, now: float) -> State:
     """Place every announced node that is in no list yet, in name order, in one edit.
 

@@ -261,6 +261,39 @@ def merge_recovery(mine: Recovery) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
+@dataclass
+class StoreLoss:
+    """How long the store has been out of reach *without a break*: the fencing decision.
+
+    A node fences (stops its workers) only after ``fence_after`` seconds of
+    continuous loss: every successful store request (:meth:`reached`) starts
+    the count again, so two short hiccups far apart never add up.
+    """
+
+    fence_after: float
+    since: float | None = None
+    """Monotonic time of the first failure since the store was last reached."""
+    backoff: float = 0.1
+    """Seconds to wait before the next try."""
+
+    def reached(self) -> None:
+        """A store request succeeded."""
+        self.since = None
+        self.backoff = 0.1
+
+    def failed(self, now: float) -> bool:
+        """A store request failed at ``now``; True when the node must fence."""
+        if self.since is None:
+            self.since = now
+            self.backoff = 0.1
+        else:
+            self.backoff = min(self.backoff * 2, 1.0)
+        return now - self.since >= self.fence_after
+
+    def lost_for(self, now: float) -> float:
+        return 0.0 if self.since is None else now - self.since
+
+
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
@@ -756,26 +789,23 @@ class JobAgent:
         the node fences itself (stops its workers) instead of letting them
         hang in a collective with peers that are gone.
         """
-        backoff = 0.1
-        failing_since: float | None = None
+        loss = StoreLoss(self.ctx.fence_after)
         while True:
             try:
-                return await self.ctx.rendezvous.wait_for_change(my_round)
+                return await self.ctx.rendezvous.wait_for_change(my_round, on_contact=loss.reached)
             except StoreError as exc:
                 now = self.ctx.clock.monotonic()
-                failing_since = failing_since or now
-                if now - failing_since >= self.ctx.fence_after:
+                if loss.failed(now):
                     self.ctx.events.emit(
                         self.job_id,
                         "agent",
                         "agent.fenced",
-                        f"{self.ctx.node} lost the store for {now - failing_since:.1f}s "
+                        f"{self.ctx.node} lost the store for {loss.lost_for(now):.1f}s "
                         f"({exc}); stopping its workers",
                     )
                     return Change.FENCED
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
-                await asyncio.sleep(backoff)  # back off while the store is unreachable
-                backoff = min(backoff * 2, 1.0)
+                await asyncio.sleep(loss.backoff)  # back off while the store is unreachable
 
     async def _stop_workers(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None

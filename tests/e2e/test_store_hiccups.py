@@ -1,0 +1,139 @@
+"""Short store outages must not add up to a fence (issue 12, defect 3).
+
+A node fences itself (stops its workers) only after ``lease_ttl`` seconds of
+*continuous* store loss. Node ``n1`` reaches the store on ``n0`` through a TCP
+proxy that the test cuts for a moment, twice, further apart than the lease:
+each cut is far shorter than the lease, so nothing may be stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import pytest
+
+from tests.e2e.cluster import LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+LEASE_TTL = 3.0
+
+
+class CuttableProxy:
+    """A loopback TCP proxy to ``127.0.0.1:target`` whose link the test can cut."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.cut = False
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def sever(self) -> None:
+        """Close every open connection (both sides)."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()
+        self._writers.discard(dst)
+
+    async def outage(self, seconds: float) -> None:
+        self.cut = True
+        self.sever()
+        await asyncio.sleep(seconds)  # the fault itself lasts this long
+        self.cut = False
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path, lease_ttl=LEASE_TTL)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+async def events_of(c, job_id: str) -> list[dict]:
+    return (await c.get(f"/jobs/{job_id}/events")).json()
+
+
+async def test_two_short_store_outages_far_apart_never_fence(cluster):
+    """Two 1 s cuts, 2 x lease_ttl apart: no fence, no worker restarted, the job runs on."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "steady",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 2,
+                },
+            )
+            assert r.status_code == 201, r.text
+            async with asyncio.timeout(30):
+                while True:
+                    started = [
+                        e for e in await events_of(c, "steady") if e["kind"] == "workers.started"
+                    ]
+                    if {e["node"] for e in started} == {"n0", "n1"}:
+                        break
+                    await asyncio.sleep(0.1)
+            for _ in range(2):
+                await proxy.outage(1.0)
+                await asyncio.sleep(2 * LEASE_TTL)  # well past the lease, link working
+            events = await events_of(c, "steady")
+            kinds = [e["kind"] for e in events]
+            assert "agent.fenced" not in kinds, cluster.logs()
+            assert kinds.count("workers.started") == 2, [
+                (e["node"], e["kind"], e["message"]) for e in events
+            ]
+            job = (await c.get("/jobs/steady")).json()
+            assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+    finally:
+        await proxy.close()

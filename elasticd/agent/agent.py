@@ -884,7 +884,7 @@ class JobAgent:
         stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
         size = file_size(stderr_log)
         stacks = await dump_stacks(pid)
-        if "SIGUSR1" in stacks:
+        if stacks.to_stderr:
             # faulthandler writes from the worker's signal handler into its stderr
             # pipe; give it a moment to land before the worker is stopped.
             await wait_for_growth(stderr_log, size, timeout=2.0)
@@ -892,7 +892,7 @@ class JobAgent:
             self.job_id,
             "worker",
             "worker.stacks",
-            f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
+            f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks.text}",
             attempt=self.attempt,
             rank=ranks.rank,
             local_rank=hang.local_rank,

@@ -57,6 +57,7 @@ __all__ = [
     "Hang",
     "ProgressMonitor",
     "ProgressSettings",
+    "StackDump",
     "dump_stacks",
     "next_deadline",
 ]
@@ -324,19 +325,28 @@ async def _py_spy(exe: str, pid: int, timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0, text
 
 
+@dataclass(frozen=True)
+class StackDump:
+    """What :func:`dump_stacks` did: the stacks, or a note saying where they went."""
+
+    text: str
+    to_stderr: bool = False
+    """``SIGUSR1`` was sent: the worker's faulthandler is writing them to its stderr log."""
+
+
 async def dump_stacks(
     pid: int,
     *,
     timeout: float = 10.0,
     py_spy: str | None = None,
     use_py_spy: bool = True,
-) -> str:
+) -> StackDump:
     """The Python stacks of worker ``pid``, or a note saying where they went.
 
     With py-spy (on PATH, or ``py_spy``): its ``dump`` output. Else, or when
     py-spy fails (e.g. ptrace is not allowed): ``SIGUSR1`` to the worker,
     whose ``faulthandler`` writes to its stderr log, if the worker catches
-    it; otherwise nothing is sent.
+    it (``to_stderr``); otherwise nothing is sent.
     """
     note = ""
     exe = (py_spy or shutil.which("py-spy")) if use_py_spy else None
@@ -346,20 +356,21 @@ async def dump_stacks(
         except OSError as exc:
             ok, text = False, f"py-spy could not run: {exc}"
         if ok:
-            return text
+            return StackDump(text)
         note = f"py-spy failed ({text.strip().splitlines()[-1] if text.strip() else 'no output'}); "
     if not catches_signal(pid, STACK_SIGNAL):
-        return (
+        return StackDump(
             f"{note}no stacks: pid {pid} does not handle {STACK_SIGNAL.name} "
             "(it does not import elasticd.worker), and that signal would kill it"
         )
     try:
         os.kill(pid, STACK_SIGNAL)
     except ProcessLookupError:
-        return f"{note}no stacks: pid {pid} is gone"
+        return StackDump(f"{note}no stacks: pid {pid} is gone")
     except PermissionError as exc:
-        return f"{note}no stacks: cannot signal pid {pid}: {exc}"
-    return (
+        return StackDump(f"{note}no stacks: cannot signal pid {pid}: {exc}")
+    return StackDump(
         f"{note}sent {signal.Signals(STACK_SIGNAL).name} to pid {pid}: its faulthandler "
-        "wrote the stacks of all threads to the worker's stderr log"
+        "wrote the stacks of all threads to the worker's stderr log",
+        to_stderr=True,
     )

@@ -39,6 +39,8 @@ class Health(BaseModel):
     status: str
     node: str
     version: str
+    reason: str | None = None
+    """Why the daemon is not ready (``/readyz`` only)."""
 
 
 class Problem(BaseModel):

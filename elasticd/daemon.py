@@ -38,7 +38,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
 from elasticd.config import Config, check_bind, read_token
 from elasticd.db import Database
-from elasticd.errors import ConfigError, ElasticdError
+from elasticd.errors import ConfigError, ElasticdError, StoreError
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
@@ -100,6 +100,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Read (and never written) to learn whether the store answers.
+NODE_PROBE_KEY = "elasticd/probe"
+
+
 class Daemon:
     """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
 
@@ -132,6 +136,8 @@ class Daemon:
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._state = "new"
+        #: Why the store cannot be used yet (start-up waits for it), None once it answered.
+        self._store_wait: str | None = None
         self.db = Database(config.state_dir / "elasticd.sqlite3")
         self.store: Store
         self.events: EventLog
@@ -141,7 +147,16 @@ class Daemon:
 
     @property
     def ready(self) -> bool:
-        return self._state == "running" and self.jobs.accepting
+        return self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the daemon does not accept jobs now (``/readyz``); None when it does."""
+        if self._store_wait is not None:
+            return f"waiting for the store: {self._store_wait}"
+        if self._state == "running":
+            return None if self.jobs.accepting else "not accepting jobs (shutting down)"
+        return {"stopping": "shutting down", "closed": "stopped"}.get(self._state, "starting")
 
     # lifecycle
 
@@ -198,6 +213,8 @@ class Daemon:
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.for_job
+        if not await self._wait_for_store():
+            return  # asked to stop before the store ever answered: serve() shuts down
         await self.events.start()
         self._uninstall_spawn_policy = install_policy(
             SpawnPolicy(users=self.job_users, registry=self.db)
@@ -225,6 +242,39 @@ class Daemon:
             slots,
             self.config.state_dir,
         )
+
+    async def _wait_for_store(self) -> bool:
+        """Until the store answers (nodes of a cluster start in any order); False if stopped first.
+
+        Meanwhile ``/healthz`` answers and ``/readyz`` says what is awaited.
+        The wait is logged once when it starts and once when it ends.
+        """
+        delay, started = 0.1, self.clock.monotonic()
+        while True:
+            try:
+                await self.store.get(NODE_PROBE_KEY)
+            except StoreError as exc:
+                if self._store_wait is None:
+                    log.warning(
+                        "the store is not reachable yet (%s); retrying until it answers", exc
+                    )
+                self._store_wait = str(exc)
+            else:
+                if self._store_wait is not None:
+                    log.warning(
+                        "the store answers after %.1f s; starting",
+                        self.clock.monotonic() - started,
+                    )
+                self._store_wait = None
+                return True
+            stop = asyncio.ensure_future(self._stop.wait())
+            try:
+                await asyncio.wait([stop], timeout=delay)
+            finally:
+                stop.cancel()
+            if self._stop.is_set():
+                return False
+            delay = min(delay * 2, 5.0)
 
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse

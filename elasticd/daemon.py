@@ -1,10 +1,14 @@
 """The daemon: composition root that owns the loop's signals, tasks and shutdown order.
 
-Start-up: open the database, open the store, kill the workers a previous
-run left behind (:func:`elasticd.workers.spawn.sweep_orphans`), fail jobs a
-previous run left active (never lose them), start the HTTP server inside
-this event loop, tell systemd ``READY=1``, and ping its watchdog when the
-unit has one.
+Start-up: open the database, open the store, start the HTTP server inside
+this event loop (it binds first: the port is part of this node's record;
+``/readyz`` says "starting" until the end), wait until the store answers
+(the nodes of a cluster start in any order: retried with backoff, logged
+once, ``/readyz`` says what is awaited), kill the workers a previous run
+left behind (:func:`elasticd.workers.spawn.sweep_orphans`), recover the
+jobs a previous run left active (never lose them), register in the
+cluster, tell systemd ``READY=1``, and ping its watchdog when the unit has
+one.
 
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the

@@ -77,8 +77,7 @@ async def test_a_daemon_started_before_its_store_waits_then_joins(tmp_path):
             assert (await c.get("/healthz")).status_code == 200
             assert late.poll() is None
             # The store comes up on the port the late daemon was told about.
-            store = cluster.start("n0", "--port", str(store_port))
-            del store
+            cluster.start("n0", port=store_port)
 
             async def joined():
                 ready = (await c.get("/readyz")).status_code == 200

@@ -44,8 +44,8 @@ from elasticd.errors import (
 from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
-from elasticd.states import JOB_ACTIVE, JobState, job_transition
-from elasticd.store import Store
+from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
+from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.jobs")
 
@@ -154,10 +154,12 @@ class JobService:
         for job in await self._all_jobs():
             if job.state not in JOB_ACTIVE:
                 continue
+            ours = await self.store.get(group_prefix(job.id) + self.node)
+            if ours is not None:
+                await self._mark_stopped(ours)
             members = await self._live_members(job.id)
             if members - {self.node}:
                 continue
-            ours = await self.store.get(group_prefix(job.id) + self.node)
             if ours is None and self.node not in members and not self._started_here(job.id):
                 continue
             self.events.emit(job.id, "daemon", "job.resumed", DAEMON_CRASHED)
@@ -166,6 +168,20 @@ class JobService:
                     await self.update_job(
                         job.id, state=JobState.RESTARTING, reason="the daemon was restarted"
                     )
+
+    async def _mark_stopped(self, entry: Entry) -> None:
+        """Our group view from before the restart: its workers died with the daemon."""
+        view = decode_group(entry.value)
+        if view is None or view.state.is_terminal or view.state is WorkerState.STOPPED:
+            return
+        view.state = WorkerState.STOPPED
+        view.updated_at = self.clock.time()
+        for worker in view.workers:
+            if not worker.state.is_terminal:
+                worker.state = WorkerState.STOPPED
+        await self.store.compare_and_set(
+            entry.key, view.model_dump_json().encode(), entry.version
+        )  # a lost race means a newer view was written: fine
 
     def _started_here(self, job_id: str) -> bool:
         """Whether this node's own event log says it started workers of the job."""
@@ -419,6 +435,7 @@ class JobService:
         if agent is not None and agent.view is not None:  # our own group: freshest copy
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
         current = [g for g in groups if g.round == job.round] or groups
+        current = [await self._as_seen(g) for g in current]
         return WorkersView(
             job_id=job.id,
             state=job.state,
@@ -428,6 +445,22 @@ class JobService:
             round=job.round,
             groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
         )
+
+    async def _as_seen(self, group: GroupView) -> GroupView:
+        """A running group of a node that is gone (its lease expired) is shown UNKNOWN.
+
+        Its agent can no longer publish, so its last view (HEALTHY, with pids)
+        may no longer be true; a view is thus never more than a lease stale.
+        """
+        if group.node == self.node or group.state.is_terminal:
+            return group
+        if group.state is WorkerState.STOPPED or await self.cluster.node(group.node) is not None:
+            return group
+        workers = [
+            w if w.state.is_terminal else w.model_copy(update={"state": WorkerState.UNKNOWN})
+            for w in group.workers
+        ]
+        return group.model_copy(update={"state": WorkerState.UNKNOWN, "workers": workers})
 
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         await self.get(job_id)

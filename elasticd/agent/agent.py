@@ -1123,14 +1123,22 @@ class JobAgent:
     async def _publisher(self) -> None:
         """Writes the latest group view to the store whenever it changed (coalescing bursts)."""
         key = group_key(self.job_id, self.ctx.node)
+        backoff = 0.1
         while True:
             await self._publish_wanted.wait()
             self._publish_wanted.clear()
             if self._view is not None:
                 try:
                     await self.ctx.store.put(key, self._view.model_dump_json().encode())
+                    backoff = 0.1
                 except ElasticdError as exc:
+                    # The published view must end up as the agent's (a fenced group shown
+                    # HEALTHY with dead pids misleads): try again until the store is back.
                     log.warning("job %s: cannot publish group view: %s", self.job_id, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    self._publish_wanted.set()
+                    continue
             if not self._publish_wanted.is_set():
                 self._idle.set()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 
 import pytest
@@ -135,5 +136,79 @@ async def test_two_short_store_outages_far_apart_never_fence(cluster):
             ]
             job = (await c.get("/jobs/steady")).json()
             assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+    finally:
+        await proxy.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_fenced_group_is_never_shown_healthy_with_dead_pids(cluster):
+    """An outage longer than the lease fences n1; its published view follows what it did."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "fenced",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
+            stale_since: dict[int, float] = {}
+            fenced = False
+
+            async def sample() -> None:
+                view = (await c.get("/jobs/fenced/workers")).json()
+                now = asyncio.get_running_loop().time()
+                for group in view["groups"]:
+                    for w in group["workers"]:
+                        pid = w.get("pid")
+                        if group["state"] == "HEALTHY" and w["state"] == "HEALTHY" and pid:
+                            if alive(pid):
+                                stale_since.pop(pid, None)
+                            else:
+                                first = stale_since.setdefault(pid, now)
+                                # At most one lease stale: then the node is gone, or back.
+                                assert now - first < LEASE_TTL + 1.5, (group, cluster.logs())
+
+            cut: asyncio.Task[None] | None = None
+            async with asyncio.timeout(60):
+                while not fenced:
+                    await sample()
+                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
+                    if kinds.count("workers.started") >= 2 and cut is None:
+                        cut = asyncio.create_task(proxy.outage(4 * LEASE_TTL))
+                    fenced = "agent.fenced" in kinds  # n1's event, published once it is back
+                    await asyncio.sleep(0.1)
+                assert cut is not None
+                await cut
+                # Link back: sample until both nodes run a new group.
+                deadline = asyncio.get_running_loop().time() + 30
+                while asyncio.get_running_loop().time() < deadline:
+                    await sample()
+                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
+                    if kinds.count("workers.started") >= 4:
+                        break
+                    await asyncio.sleep(0.1)
+                for _ in range(20):
+                    await sample()
+                    await asyncio.sleep(0.1)
     finally:
         await proxy.close()

@@ -363,20 +363,48 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
-        backoff = 0.1
         while True:
             try:
                 if await self._round_once():
                     return
-                backoff = 0.1
             except StoreError as exc:
                 # The store is unreachable: nothing can be decided or recorded. Stop
-                # the workers (the others will re-form without us) and try again.
+                # the workers (the others will re-form without us), wait until the
+                # store answers, then go again. One event when it is lost, one when
+                # it is back: no round is tried (and nothing evented) meanwhile.
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
-                await self._stop_workers(WorkerState.STOPPED)
+                lost_at = self.ctx.clock.monotonic()
+                self.ctx.events.emit(
+                    self.job_id,
+                    "agent",
+                    "store.lost",
+                    f"{self.ctx.node} cannot reach the store ({exc}); "
+                    "its workers are stopped until the store is back",
+                )
+                if self._group is not None or self.state.is_running:
+                    await self._stop_workers(WorkerState.STOPPED)
                 if self.state is WorkerState.STOPPED:
                     self._set_state(WorkerState.INIT)  # STOPPED -> INIT
-                await asyncio.sleep(backoff)  # back off while the store is away
+                await self._until_store_answers()
+                self.ctx.events.emit(
+                    self.job_id,
+                    "agent",
+                    "store.back",
+                    f"{self.ctx.node} reaches the store again after "
+                    f"{self.ctx.clock.monotonic() - lost_at:.1f} s",
+                    duration_s=self.ctx.clock.monotonic() - lost_at,
+                )
+
+    async def _until_store_answers(self) -> None:
+        """Probe the store with backoff (0.1 s to 2 s) until a read succeeds."""
+        backoff = 0.1
+        key = group_key(self.job_id, self.ctx.node)
+        while True:
+            await asyncio.sleep(backoff)
+            try:
+                await self.ctx.store.get(key)
+                return
+            except StoreError:
                 backoff = min(backoff * 2, 2.0)
 
     async def _round_once(self) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import time
 
 import pytest
 
@@ -210,5 +211,55 @@ async def test_a_fenced_group_is_never_shown_healthy_with_dead_pids(cluster):
                 for _ in range(20):
                     await sample()
                     await asyncio.sleep(0.1)
+    finally:
+        await proxy.close()
+
+
+async def test_a_long_store_outage_is_two_events_not_a_flood(cluster):
+    """12 s without the store: n1 says so once when it is lost and once when it is back."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "quiet",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
+            async with asyncio.timeout(30):
+                while True:
+                    started = [
+                        e for e in await events_of(c, "quiet") if e["kind"] == "workers.started"
+                    ]
+                    if {e["node"] for e in started} == {"n0", "n1"}:
+                        break
+                    await asyncio.sleep(0.1)
+            began = time.time()
+            await proxy.outage(4 * LEASE_TTL)
+            ended = time.time()
+            async with asyncio.timeout(30):
+                while True:  # n1's events reach the store once it is back
+                    events = await events_of(c, "quiet")
+                    if any(e["kind"] == "store.back" and e["node"] == "n1" for e in events):
+                        break
+                    await asyncio.sleep(0.1)
+        during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= ended + 3.0]
+        kinds = [e["kind"] for e in during]
+        assert kinds.count("store.lost") == 1 and kinds.count("store.back") == 1, kinds
+        assert len(during) <= 10, kinds  # fenced, workers stopped, states: a handful, no flood
+        back = next(e for e in during if e["kind"] == "store.back")
+        assert back["duration_s"] >= LEASE_TTL, back
     finally:
         await proxy.close()

@@ -178,6 +178,9 @@ VERDICT_TIMEOUT = 30.0
 #: The most of a verdict that is read.
 _VERDICT_BYTES = 8192
 
+#: The errors :data:`RESOLVER` reports, by name.
+_VERDICT_ERRORS = {"ENOENT": errno.ENOENT, "ENOTDIR": errno.ENOTDIR, "EACCES": errno.EACCES}
+
 
 def start_argv(argv: Sequence[str], cwd: str | None, *, setpriv: str | None) -> list[str]:
     """The command line that starts ``argv`` in ``cwd`` through the wrapper and :data:`RESOLVER`."""
@@ -292,9 +295,10 @@ async def _read_verdict(fd: int) -> bytes:
 def _verdict_error(
     verdict: bytes, argv: Sequence[str], cwd: str | None, search_path: str
 ) -> WorkerSpawnError:
+    # Written by a process of the job's (its LD_PRELOAD could write anything): parse, never trust.
     parts = verdict.decode("utf-8", "replace").split("\0")
     what, name, path = (parts + ["", "", ""])[:3]
-    code = getattr(errno, name, errno.EACCES)
+    code = _VERDICT_ERRORS.get(name, errno.EACCES)
     cause = OSError(code, os.strerror(code), path)
     if what == "path":
         return WorkerSpawnError(

@@ -16,13 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.errors import WorkerSpawnError
+from elasticd.workers.spawn import start_process
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, make_token_file, serve
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root"),
-]
+AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
 
 #: Jobs run as nobody: the daemon refuses root jobs as a production daemon does.
 AS_NOBODY = {"ELASTICD_ALLOW_ROOT": "false"}
@@ -96,6 +95,8 @@ async def _run(daemon: Served, *specs: dict[str, Any]) -> list[tuple[dict[str, A
 # -- finding 1: a job's health check runs as the job ----------------------------------
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_a_jobs_health_check_runs_as_the_job_user_and_cannot_write_as_root(
     open_tmp: Path,
 ) -> None:
@@ -129,6 +130,8 @@ async def test_a_jobs_health_check_runs_as_the_job_user_and_cannot_write_as_root
     assert "workers.started" not in _kinds(events)
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_a_refused_user_fails_the_job_before_its_health_check_runs(
     open_tmp: Path,
 ) -> None:
@@ -182,6 +185,8 @@ def _preload_library(folder: Path, marker: Path) -> Path:
     return library
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_a_planted_nvidia_smi_and_ld_preload_never_run_as_root(open_tmp: Path) -> None:
     """The job puts a fake `nvidia-smi` first on its PATH and an LD_PRELOAD library in its
     env; the built-in GPU check resolves nvidia-smi from the daemon's PATH only, so the
@@ -220,6 +225,8 @@ async def test_a_planted_nvidia_smi_and_ld_preload_never_run_as_root(open_tmp: P
     assert gpu and "Fake GPU" not in gpu[0]["message"]
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_the_operators_node_check_gets_the_daemons_env_not_the_jobs(open_tmp: Path) -> None:
     """The node `health_check` (a name, looked up on PATH) runs with the daemon's own
     environment: the job's PATH (with a planted program of the same name), LD_PRELOAD and
@@ -277,6 +284,8 @@ async def test_the_operators_node_check_gets_the_daemons_env_not_the_jobs(open_t
 DUMP_ENV = 'env > "{drop}/{name}-env"'
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_no_child_of_the_daemon_sees_the_token_or_notify_socket(open_tmp: Path) -> None:
     """The daemon runs with ELASTICD_TOKEN and NOTIFY_SOCKET; the worker, the job's health
     check, the node's health check, GPU discovery and the GPU check each dump their
@@ -329,6 +338,8 @@ async def test_no_child_of_the_daemon_sees_the_token_or_notify_socket(open_tmp: 
 # -- finding 13: the token file's owner ----------------------------------------------
 
 
+@AS_ROOT
+@pytest.mark.slow
 def test_serve_refuses_a_token_file_owned_by_another_user(open_tmp: Path) -> None:
     """A 0600 token file owned by nobody (a job user could read or replace it): exit 2,
     naming the file and the chown to run; the token is not printed."""
@@ -344,6 +355,8 @@ def test_serve_refuses_a_token_file_owned_by_another_user(open_tmp: Path) -> Non
 # -- finding 14: entrypoint and cwd are resolved as the job's user ---------------------
 
 
+@AS_ROOT
+@pytest.mark.slow
 async def test_entrypoint_and_cwd_are_resolved_as_the_job_user(open_tmp: Path) -> None:
     """Under a root-only (0700) folder, an existing and a missing entrypoint, an existing
     and a missing cwd, and a program found only on a PATH entry inside it all fail the same
@@ -379,3 +392,37 @@ async def test_entrypoint_and_cwd_are_resolved_as_the_job_user(open_tmp: Path) -
     assert "No such file or directory" in reasons["prog-there"]
     assert "working folder" in reasons["cwd-there"]
     assert "no executable of that name" in reasons["path-there"]
+
+
+# -- the one start path, directly ------------------------------------------------------
+
+
+async def test_start_process_resolves_in_the_child_and_withholds_secrets(tmp_path: Path) -> None:
+    """start_process: a relative cwd ignores CDPATH, the program is found on the env's PATH
+    (argv[0] becomes its path), stdin is /dev/null, and WITHHELD variables never pass."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "decoy" / "work").mkdir(parents=True)
+    _executable(
+        tmp_path / "bin" / "probe", '#!/bin/sh\necho "$0|$(pwd)|$SECRET_OK|$ELASTICD_TOKEN"; cat'
+    )
+    env = {
+        "PATH": f"/nonexistent:{tmp_path / 'bin'}:/usr/bin:/bin",
+        "CDPATH": str(tmp_path / "decoy"),
+        "SECRET_OK": "kept",
+        "ELASTICD_TOKEN": "must-not-pass",
+        "NOTIFY_SOCKET": "/run/systemd/notify",
+    }
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        async with asyncio.timeout(30):
+            proc = await start_process(
+                ["probe"], env, identity=None, cwd="work", stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await proc.communicate()
+    finally:
+        os.chdir(old)
+    assert proc.returncode == 0
+    assert out.decode().strip() == f"{tmp_path / 'bin' / 'probe'}|{tmp_path / 'work'}|kept|"
+    with pytest.raises(WorkerSpawnError, match="no executable of that name"):
+        await start_process(["elasticd-no-such-program"], env, identity=None)

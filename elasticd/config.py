@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import socket
 import stat
 import tomllib
@@ -253,8 +254,6 @@ def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str 
 
 
 def _user_name(uid: int) -> str:
-    import pwd
-
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:

@@ -339,7 +339,9 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(runs_jobs:
         garbage = base64.b64encode(b"\x00{not json at all").decode()
         r = c.put("/store/kv", json={"key": key, "value": garbage})
         assert r.status_code == 200
-        job = _wait_terminal(c, "garbled")
+        # ~30 s on main too: a node in an open round watches only the done key and reads
+        # the document again at its next wake-up (rendezvous MAX_WATCH, 30 s).
+        job = _wait_terminal(c, "garbled", timeout=90)
         assert job["state"] == "FAILED", job
         assert "malformed" in json.dumps(job), job
         assert c.get("/jobs/garbled/workers").status_code == 200

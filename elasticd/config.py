@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import pwd
 import socket
 import stat
 import tomllib
@@ -76,6 +77,12 @@ class Config(BaseModel):
         default=None,
         description="A node-wide health check command (argv) run before every group start.",
     )
+    nvidia_smi: str | None = Field(
+        default=None,
+        min_length=1,
+        description="nvidia-smi for GPU discovery and the GPU health check: an absolute path, "
+        "or unset to look it up on the daemon's own PATH (never a job's).",
+    )
     metrics_open_on_loopback: bool = Field(
         default=False, description="Serve /metrics without the token to loopback clients."
     )
@@ -104,6 +111,13 @@ class Config(BaseModel):
     max_request_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest request body (413 beyond); not /store."
     )
+
+    @field_validator("nvidia_smi")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isabs(value):
+            raise ValueError("must be an absolute path (unset: looked up on the daemon's PATH)")
+        return value
 
     @field_validator("allowed_users", mode="before")
     @classmethod
@@ -152,6 +166,7 @@ _ENV_FIELDS = {
     "LEASE_TTL": "lease_ttl",
     "JOB_RETENTION": "job_retention",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
+    "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",
     "ALLOW_ROOT": "allow_root",
     "ALLOWED_USERS": "allowed_users",
@@ -200,25 +215,49 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
-    """The bearer token, from ``token_file`` (must not be readable by group/others) or env."""
+    """The bearer token, from ``token_file`` or env.
+
+    The file must belong to the daemon's own user and be readable by nobody
+    else: a file owned by another user (a job's user, say) is that user's to
+    read or replace, whatever its mode. Checked on the open file, so what is
+    read is what was checked.
+    """
     environ = os.environ if environ is None else environ
     if config.token_file is None:
         token = environ.get(ENV_PREFIX + "TOKEN")
         return token.strip() or None if token else None
     path = config.token_file
     try:
-        st = path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"token file {path} cannot be read: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"token file {path} is readable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
-        )
-    token = path.read_text().strip()
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"token file {path} is not a regular file")
+        me = os.geteuid()
+        if st.st_uid != me:
+            raise ConfigError(
+                f"token file {path} belongs to {_user_name(st.st_uid)}, not to the user this "
+                f"daemon runs as ({_user_name(me)}), who must own it alone; run: "
+                f"chown {_user_name(me)} {path}"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"token file {path} is readable by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+            )
+        token = fh.read(1 << 20).decode("utf-8", "replace").strip()
     if not token:
         raise ConfigError(f"token file {path} is empty")
     return token
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def check_bind(config: Config, token: str | None) -> None:

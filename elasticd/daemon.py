@@ -30,7 +30,7 @@ import os
 import shutil
 import signal
 import socket
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
 from typing import Self
 
@@ -42,7 +42,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
 from elasticd.config import Config, check_bind, read_token
 from elasticd.db import Database
-from elasticd.errors import ConfigError, ElasticdError, StoreError
+from elasticd.errors import ConfigError, ElasticdError, StoreError, WorkerSpawnError
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
@@ -52,7 +52,7 @@ from elasticd.store import (
     Store,
     open_store,
 )
-from elasticd.workers.spawn import SpawnPolicy, install_policy, sweep_orphans
+from elasticd.workers.spawn import SpawnPolicy, install_policy, start_process, sweep_orphans
 
 log = logging.getLogger("elasticd.daemon")
 
@@ -65,19 +65,38 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def detect_gpus() -> list[str] | None:
-    """GPU indices from ``nvidia-smi -L``, or None on a node without NVIDIA GPUs."""
-    exe = shutil.which("nvidia-smi")
+async def detect_gpus(
+    nvidia_smi: str | None = None, environ: Mapping[str, str] | None = None
+) -> list[str] | None:
+    """GPU indices from ``nvidia-smi -L``, or None on a node without NVIDIA GPUs.
+
+    ``nvidia_smi`` is the configured path; else it is looked up on the daemon's own PATH.
+    """
+    environ = os.environ if environ is None else environ
+    exe = shutil.which(nvidia_smi or "nvidia-smi", path=environ.get("PATH", os.defpath))
     if exe is None:
         return None
     try:
-        proc = await asyncio.create_subprocess_exec(
-            exe, "-L", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        # Started like every child: the daemon's secrets (WITHHELD) never reach it.
+        proc = await start_process(
+            [exe, "-L"],
+            environ,
+            identity=None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
         )
+    except WorkerSpawnError:
+        return None
+    try:
         async with asyncio.timeout(10):
             out, _ = await proc.communicate()
-    except (OSError, TimeoutError):
+    except TimeoutError:
         return None
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
     ids = [
         line.split(":", 1)[0].removeprefix("GPU ").strip()
         for line in out.decode(errors="replace").splitlines()
@@ -180,7 +199,7 @@ class Daemon:
         self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
         self.metrics = Metrics()
         self.events.add_listener(self.metrics.on_event)
-        gpus = await detect_gpus()
+        gpus = await detect_gpus(self.config.nvidia_smi, self._environ)
         slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
         token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
         if self._serve_http:

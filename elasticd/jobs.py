@@ -612,6 +612,7 @@ class JobService:
             clock=self.clock,
             fence_after=self.config.lease_ttl,
             node_health_check=self.config.health_check,
+            nvidia_smi=self.config.nvidia_smi,
         )
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next

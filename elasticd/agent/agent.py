@@ -57,16 +57,18 @@ from elasticd.models import (
     console_streams,
 )
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
+from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
 from elasticd.worker.names import attempt_tag
-from elasticd.workers.env import AttemptInfo, worker_env
+from elasticd.workers.env import AttemptInfo, job_check_env, operator_env, worker_env
 from elasticd.workers.process import (
     GroupResult,
     WorkerExit,
     WorkerGroupProcesses,
     WorkerLaunch,
 )
+from elasticd.workers.spawn import current_policy
 
 log = logging.getLogger("elasticd.agent")
 
@@ -107,6 +109,8 @@ class AgentContext:
     fence_after: float = 3.0
     #: The node config's health check command, run before every (re)start of a group.
     node_health_check: list[str] | None = None
+    #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
+    nvidia_smi: str | None = None
 
 
 def root_cause_of(
@@ -318,6 +322,8 @@ class JobAgent:
         #: Wall time the workers of a recovery were spawned, until their first ping.
         self._awaiting_first_progress: float | None = None
         self._attempt_tag = ""
+        #: The user the job runs as (None: the daemon's), decided before anything of it runs.
+        self._identity: Identity | None = None
 
     @property
     def view(self) -> GroupView | None:
@@ -363,6 +369,8 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
+        if not await self._check_user():
+            return
         while True:
             try:
                 if await self._round_once():
@@ -946,6 +954,28 @@ class JobAgent:
         )
         self._set_state(WorkerState.INIT)  # STOPPED -> INIT
 
+    async def _check_user(self) -> bool:
+        """Decide the job's user before anything of it runs; refused: fail the job, False."""
+        try:
+            self._identity = current_policy().identity_for(self.spec.user)
+        except WorkerSpawnError as exc:
+            self._set_state(WorkerState.FAILED)  # INIT -> FAILED
+            reason = f"the job cannot run on {self.ctx.node}: {exc}"
+            self.ctx.events.emit(
+                self.job_id, "agent", "workers.spawn_failed", reason, state="FAILED"
+            )
+            with contextlib.suppress(InvalidTransition):
+                await self.ctx.update_job(
+                    self.job_id,
+                    state=JobState.FAILED,
+                    reason=reason,
+                    error=RootCause(message=str(exc), node=self.ctx.node),
+                )
+            with contextlib.suppress(ElasticdError):
+                await self.ctx.rendezvous.close()
+            return False
+        return True
+
     async def _health_checks(self) -> bool | None:
         """Run the health checks before a (re)start. None: healthy, go on.
 
@@ -953,16 +983,23 @@ class JobAgent:
         fails once the budget is spent); in a multi-node job this node leaves
         the rendezvous so that a spare or the remaining nodes carry on.
         """
+        cuda = self.ctx.cuda_visible_devices
+        # The job's own check runs as the job (its user, env and folder, like a worker);
+        # the node's check and the GPU check are the operator's: daemon env, never the job's.
         checks = checks_for_job(
             self.spec.health_check,
             gpu=self.spec.gpu_health_check,
             node_command=self.ctx.node_health_check,
+            job_env=job_check_env(
+                self.ctx.base_env, self.spec.env, job_id=self.job_id, cuda_visible_devices=cuda
+            ),
+            identity=self._identity,
+            cwd=self.spec.cwd,
+            nvidia_smi=self.ctx.nvidia_smi,
         )
         if not checks:
             return None
-        env = {**self.ctx.base_env, **self.spec.env, "ELASTICD_JOB_ID": self.job_id}
-        if self.ctx.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.ctx.cuda_visible_devices
+        env = operator_env(self.ctx.base_env, job_id=self.job_id, cuda_visible_devices=cuda)
         results = await run_health_checks(checks, env, self.spec.health_check_timeout)
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:

@@ -64,9 +64,12 @@ No orphans, and the right user
     Each worker is exec'd through ``setpriv --pdeathsig KILL`` (or a tiny
     Python fallback), so the kernel kills it when the daemon dies; a job
     that runs as another user is switched between fork and exec, before the
-    signal is set. Every spawn is recorded in the daemon's database and the
-    next start kills what is left (:mod:`.spawn`). Only the worker's own log
-    folder is handed to its user; log files are opened with ``O_NOFOLLOW``
+    signal is set, and its entrypoint and ``cwd`` are then looked up and
+    entered by the child itself, as that user, never probed by the daemon
+    (the same path starts a job's health check). Every spawn is recorded
+    in the daemon's database and the next start kills what is left
+    (:mod:`.spawn`). Only the worker's own log folder is handed to its user;
+    log files are opened with ``O_NOFOLLOW``
     (:mod:`elasticd.security`).
 
 Error files

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from elasticd.rendezvous import state_key
-from tests.hardening.support import PY, Served, make_token_file, serve
+from tests.hardening.support import Served, make_token_file, serve
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -299,14 +300,36 @@ def test_duplicate_ids_and_cancel_of_a_finished_job(live: Served) -> None:
         assert "already ended as FAILED" in body["detail"]
 
 
-def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Served) -> None:
+@pytest.fixture
+def runs_jobs(tmp_path: Path) -> Iterator[Served]:
+    """A daemon like `live` that does run jobs (as nobody): `live` fails every job at once,
+    before its rendezvous, because it refuses root jobs."""
+    if os.geteuid() != 0:
+        pytest.skip("run_as needs root")
+    token_file, _ = make_token_file(tmp_path)
+    daemon = serve(
+        tmp_path,
+        "--run-as",
+        "nobody",
+        token_file=token_file,
+        env={"ELASTICD_ALLOW_ROOT": "false", "PATH": "/nonexistent-elasticd-fuzz"},
+    )
+    try:
+        asyncio.run(daemon.wait_ready())
+        yield daemon
+    finally:
+        daemon.stop()
+    assert "Exception in ASGI application" not in daemon.output(), daemon.output()[-5000:]
+
+
+def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(runs_jobs: Served) -> None:
     """Garbage written to the rendezvous document (through the store API) while the job waits for a
     second node: the job FAILS naming the malformed document; the daemon keeps serving."""
     key = state_key("garbled")
-    with _client(live) as c:
+    with _client(runs_jobs) as c:
         r = c.post(
             "/jobs",
-            json={"id": "garbled", "entrypoint": PY, "min_nodes": 2, "join_timeout": 60},
+            json={"id": "garbled", "entrypoint": "/bin/true", "min_nodes": 2, "join_timeout": 60},
         )
         assert r.status_code == 201
         deadline = time.monotonic() + 20
@@ -316,7 +339,9 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(live: Serv
         garbage = base64.b64encode(b"\x00{not json at all").decode()
         r = c.put("/store/kv", json={"key": key, "value": garbage})
         assert r.status_code == 200
-        job = _wait_terminal(c, "garbled")
+        # ~30 s on main too: a node in an open round watches only the done key and reads
+        # the document again at its next wake-up (rendezvous MAX_WATCH, 30 s).
+        job = _wait_terminal(c, "garbled", timeout=90)
         assert job["state"] == "FAILED", job
         assert "malformed" in json.dumps(job), job
         assert c.get("/jobs/garbled/workers").status_code == 200

@@ -6,7 +6,7 @@ The daemon's records are served as they are stored, so most models live in
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from elasticd.models import (
     Event,
@@ -23,6 +23,7 @@ __all__ = [
     "Event",
     "GroupView",
     "Health",
+    "Empty",
     "Job",
     "JobList",
     "JobSpec",
@@ -48,3 +49,13 @@ class Problem(BaseModel):
     title: str
     status: int
     detail: str
+
+
+class Empty(BaseModel):
+    """The body of a POST with nothing to say: ``{}``.
+
+    Every state-changing request is JSON (:mod:`api.guard`), so that no
+    browser form or ``no-cors`` fetch can send one.
+    """
+
+    model_config = ConfigDict(extra="forbid")

@@ -583,3 +583,48 @@ def test_another_local_user_cannot_reach_the_embedded_daemon(how: str, open_tmp:
         assert str(token_file) in log.read_text()  # the run says where its token is
     else:
         assert "{0: 'done'}" in log.read_text()
+
+
+@pytest.mark.slow
+async def test_connections_beyond_the_cap_are_refused_at_once() -> None:
+    """With MAX_CONNECTIONS open (here a cap of 4), the next connection is answered 503 and
+    closed at once, before it sends anything; once one closes, requests are served again."""
+    import uvicorn
+
+    from api.protocol import LimitedHttpProtocol, uvicorn_settings
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    small = type("Small", (LimitedHttpProtocol,), {"max_connections": 4})
+    settings = {**uvicorn_settings(), "http": small, "limit_concurrency": 5}
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **settings)
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                await asyncio.sleep(0.01)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answer = await reader.read()  # closed by the daemon: EOF, without sending anything
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            writer.close()
+            held.pop()[1].close()
+            async with httpx.AsyncClient(timeout=10) as c:
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        r = await c.get(f"http://127.0.0.1:{port}/")
+                        break
+                    except httpx.TransportError:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.05)
+                assert r.status_code == 200
+            for _, w in held:
+                w.close()
+    finally:
+        server.should_exit = True
+        await serving

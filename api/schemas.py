@@ -52,10 +52,10 @@ class Problem(BaseModel):
 
 
 class Empty(BaseModel):
-    """The body of a POST with nothing to say: ``{}``.
+    """`{}`: the body of a POST that has nothing else to say (a cancel, a lease keepalive).
 
-    Every state-changing request is JSON (:mod:`api.guard`), so that no
-    browser form or ``no-cors`` fetch can send one.
+    Every state-changing request is JSON, so that no web page can send one
+    without a CORS preflight (which the daemon never grants).
     """
 
     model_config = ConfigDict(extra="forbid")

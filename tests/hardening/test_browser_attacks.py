@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import importlib.util
+import json
 import os
 import shutil
 import threading
@@ -69,8 +70,12 @@ CHROMIUM_ARGS = [
     "PrivateNetworkAccessRespectPreflightResults,LocalNetworkAccessChecks",
 ]
 SLEEP = {"entrypoint": "/bin/sleep", "args": ["600"], "termination_grace": 1}
-#: A job that would prove code execution: it never may be created.
-EVIL = {"entrypoint": "/bin/sh", "args": ["-c", "touch /tmp/elasticd-pwned"]}
+
+
+def _evil(marker: Path) -> dict[str, Any]:
+    """A job that would prove code execution (it creates ``marker``): never may it run."""
+    return {"entrypoint": "/bin/sh", "args": ["-c", f"touch {marker}"]}
+
 
 CROSS_SITE = """<!doctype html>
 <title>cute cats</title>
@@ -128,10 +133,8 @@ REBOUND = """<!doctype html>
 """
 
 
-def _page(template: str, daemon_url: str) -> str:
-    import json
-
-    return template.replace("DAEMON", daemon_url).replace("EVIL", json.dumps(EVIL))
+def _page(template: str, daemon_url: str, marker: Path) -> str:
+    return template.replace("DAEMON", daemon_url).replace("EVIL", json.dumps(_evil(marker)))
 
 
 @pytest.fixture
@@ -174,15 +177,15 @@ def daemon(tmp_path: Path) -> Iterator[Served]:
         served.stop()
 
 
-def _unharmed(daemon: Served) -> None:
+def _unharmed(daemon: Served, marker: Path) -> None:
     with httpx.Client(base_url=daemon.url, timeout=10) as c:
         jobs = {j["id"]: j["state"] for j in c.get("/jobs").json()["jobs"]}
     assert jobs == {"victim": "RUNNING"}, jobs
-    assert not Path("/tmp/elasticd-pwned").exists()
+    assert not marker.exists()
 
 
 async def test_a_page_of_another_origin_cannot_submit_or_cancel(
-    daemon: Served, attacker: dict[str, Any]
+    daemon: Served, attacker: dict[str, Any], tmp_path: Path
 ) -> None:
     """no-cors fetch POSTs (text/plain job, empty cancel) and a form POST to cancel, from a
     page on 127.0.0.2: each reaches the daemon and is refused (403 for the other Origin);
@@ -190,7 +193,8 @@ async def test_a_page_of_another_origin_cannot_submit_or_cancel(
     assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
     from playwright.async_api import async_playwright
 
-    attacker["pages"]["/cats.html"] = _page(CROSS_SITE, daemon.url)
+    marker = tmp_path / "pwned"
+    attacker["pages"]["/cats.html"] = _page(CROSS_SITE, daemon.url, marker)
     seen: dict[str, list[int]] = {}
     async with asyncio.timeout(90), async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -215,18 +219,17 @@ async def test_a_page_of_another_origin_cannot_submit_or_cancel(
             await browser.close()
     assert seen.get(f"POST {daemon.url}/jobs") == [403], seen
     assert seen.get(f"POST {daemon.url}/jobs/victim/cancel") == [403, 403], seen
-    _unharmed(daemon)
+    _unharmed(daemon, marker)
 
 
-async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served) -> None:
+async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served, tmp_path: Path) -> None:
     """A page whose origin is attacker.example:PORT, rebound to 127.0.0.1: its same-origin
     fetches reach the daemon and are all refused (421, wrong Host); it reads nothing,
     creates nothing and cancels nothing."""
     assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
-    import json
-
     from playwright.async_api import Route, async_playwright
 
+    marker = tmp_path / "pwned"
     origin = f"http://attacker.example:{daemon.port}"
     async with asyncio.timeout(90), async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -237,7 +240,7 @@ async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served) -> Non
                 # The attacker's server answers the page itself (before the rebinding);
                 # every later request resolves attacker.example to 127.0.0.1: the daemon.
                 await route.fulfill(
-                    status=200, content_type="text/html", body=_page(REBOUND, daemon.url)
+                    status=200, content_type="text/html", body=_page(REBOUND, daemon.url, marker)
                 )
 
             await page.route(f"{origin}/attack.html", first_answer)
@@ -249,4 +252,4 @@ async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served) -> Non
     for name in ("list", "store", "submit", "cancel"):
         assert out[name] == 421, out
     assert "victim" not in out["list_body"] and "victim" not in out["store_body"], out
-    _unharmed(daemon)
+    _unharmed(daemon, marker)

@@ -311,7 +311,9 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
         await daemon.start()
         try:
             transport = httpx.ASGITransport(app=create_app(daemon))
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://localhost"
+            ) as client:
                 live = (
                     await client.post(
                         "/jobs", json={"entrypoint": PY, "args": [path], "termination_grace": 1}

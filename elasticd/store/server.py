@@ -16,7 +16,10 @@ handlers are switched off: the handler here only sets an event, and the
 shutdown runs in order (close the store, which answers pending watches and
 flushes pending commits → stop uvicorn, bounded by a grace period).
 
-Without a token the server refuses to bind anything but loopback.
+Without a token the server refuses to bind anything but loopback, and
+answers only requests addressed to a loopback name; cross-origin and
+non-JSON writes are refused either way (:mod:`api.guard`). Request heads and
+connections are bounded (:mod:`api.protocol`).
 """
 
 from __future__ import annotations

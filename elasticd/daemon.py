@@ -301,6 +301,7 @@ class Daemon:
 
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse
+        from api.protocol import uvicorn_settings
 
         app = create_app(self)
         uv_config = uvicorn.Config(
@@ -311,6 +312,8 @@ class Daemon:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=3,
+            # Bounded request heads, head read time and connections (api.protocol).
+            **uvicorn_settings(),
         )
         self._server = _Server(uv_config)
         sock = bind_socket(self.config.host, self.config.port)

@@ -176,7 +176,7 @@ HUGE = 10**40
     ("name", "request_", "status"),
     [
         ("not json", ("POST", "/jobs", {"content": b"{nope", "json_ct": True}), 422),
-        ("json, wrong media type", ("POST", "/jobs", {"content": b"entrypoint=x"}), 422),
+        ("form, not json", ("POST", "/jobs", {"content": b"entrypoint=x"}), 415),
         ("empty body", ("POST", "/jobs", {"content": b"", "json_ct": True}), 422),
         ("a list, not an object", ("POST", "/jobs", {"json": [GOOD]}), 422),
         ("wrong type", ("POST", "/jobs", {"json": {**GOOD, "nproc_per_node": "two"}}), 422),
@@ -216,8 +216,8 @@ HUGE = 10**40
         ("unknown job workers", ("GET", "/jobs/no-such-job/workers", {}), 404),
         ("unknown job events", ("GET", "/jobs/no-such-job/events", {}), 404),
         ("unknown job logs", ("GET", "/jobs/no-such-job/logs", {}), 404),
-        ("cancel unknown job", ("POST", "/jobs/no-such-job/cancel", {}), 404),
-        ("unknown lease", ("POST", "/store/leases/12345/keepalive", {}), 404),
+        ("cancel unknown job", ("POST", "/jobs/no-such-job/cancel", {"json": {}}), 404),
+        ("unknown lease", ("POST", "/store/leases/12345/keepalive", {"json": {}}), 404),
         ("unknown route", ("GET", "/nope", {}), 404),
         ("wrong method", ("DELETE", "/jobs", {}), 405),
         ("traversal in the job id", ("GET", "/jobs/..%2F..%2Fetc/logs", {}), 404),
@@ -296,7 +296,7 @@ def test_duplicate_ids_and_cancel_of_a_finished_job(live: Served) -> None:
         assert "different spec" in body["detail"]
         job = _wait_terminal(c, "dup")  # refused as root: it FAILED, with the reason
         assert job["state"] == "FAILED"
-        body = _problem(c.post("/jobs/dup/cancel"), 409)
+        body = _problem(c.post("/jobs/dup/cancel", json={}), 409)
         assert "already ended as FAILED" in body["detail"]
 
 
@@ -362,7 +362,7 @@ def test_a_job_document_that_is_not_a_job_is_a_clear_409(live: Served) -> None:
             ("GET", "/jobs/junk/logs"),
             ("POST", "/jobs/junk/cancel"),
         ]:
-            body = _problem(c.request(method, path), 409)
+            body = _problem(c.request(method, path, json={} if method == "POST" else None), 409)
             assert "'job/junk'" in body["detail"], body
         body = _problem(_job(c, "junk"), 409)
         assert "not a valid job" in body["detail"]

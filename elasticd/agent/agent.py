@@ -726,7 +726,7 @@ class JobAgent:
         return group
 
     def _on_heartbeat_replaced(self, local_rank: int, what: str) -> None:
-        """A worker put something else at its heartbeat path: say so once (it reports no progress)."""
+        """A worker put something else at its heartbeat path: say so once (no progress follows)."""
         rank = self._ranks[local_rank].rank if local_rank < len(self._ranks) else local_rank
         self.ctx.events.emit(
             self.job_id,

@@ -335,7 +335,7 @@ class ProgressMonitor:
                     waiting.cancel()
 
     def remove_files(self) -> None:
-        """Close and delete the heartbeat files (after the attempt); whatever is in the way stays."""
+        """Close and delete the heartbeat files (after the attempt); what is in the way stays."""
         self.close()
         for path in self.files.values():
             with contextlib.suppress(OSError):

@@ -27,6 +27,9 @@ import httpx
 import pytest
 
 import elasticd
+from elasticd.agent.progress import ProgressMonitor, ProgressSettings
+from elasticd.errors import WorkerSpawnError
+from elasticd.worker.heartbeat import HeartbeatFile, create_heartbeat_file, read_heartbeat
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, pid_alive, serve
 
@@ -338,3 +341,63 @@ async def test_a_worker_of_another_user_that_stops_pinging_is_caught(open_tmp: P
     # Wall clocks of two processes: a little slack below, the loaded-machine slack above.
     assert timeout - 0.1 <= hang["time"] - last_ping < timeout + 4.0, (hang, last_ping)
     assert job["state"] == "FAILED" and "hung" in job["error"]["message"]
+
+
+# -- the daemon's side of the file, without a daemon -----------------------------------
+
+
+def test_creating_over_a_planted_link_replaces_the_link_and_never_touches_its_target(
+    tmp_path: Path,
+) -> None:
+    """A link (or FIFO) planted at the path is renamed over, not followed; a linked folder is
+    refused; the daemon's handle keeps reading its own file whatever is put there later."""
+    target = tmp_path / "target"
+    target.write_bytes(b"keep")
+    folder = tmp_path / "0"
+    folder.mkdir()
+    path = folder / "heartbeat"
+    path.symlink_to(target)
+    handle = HeartbeatFile.create(path, owner=(65534, 65534))
+    try:
+        assert target.read_bytes() == b"keep" and target.stat().st_uid == 0
+        st = path.lstat()
+        assert stat.S_ISREG(st.st_mode) and (st.st_uid, stat.S_IMODE(st.st_mode)) == (65534, 0o600)
+        assert [p.name for p in folder.iterdir()] == ["heartbeat"]  # no temporary left
+        assert handle.replaced() is None
+        path.unlink()
+        os.mkfifo(path)
+        assert handle.replaced() == "a FIFO"
+        value = handle.read()  # its own descriptor: the FIFO is never opened
+        assert value is not None and value.count == 0
+    finally:
+        handle.close()
+    assert handle.read() is None
+    linked = tmp_path / "linked"
+    linked.symlink_to(folder, target_is_directory=True)
+    with pytest.raises(NotADirectoryError):  # O_DIRECTORY | O_NOFOLLOW on a link
+        HeartbeatFile.create(linked / "heartbeat")
+    assert [p.name for p in folder.iterdir()] == ["heartbeat"]  # nothing made through it
+
+
+async def test_reading_by_name_refuses_a_fifo_without_waiting(tmp_path: Path) -> None:
+    """read_heartbeat (tools, tests) opens with O_NONBLOCK|O_NOFOLLOW: a FIFO or link is None."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    create_heartbeat_file(tmp_path / "real")
+    link.symlink_to(tmp_path / "real")
+    async with asyncio.timeout(10):
+        assert await asyncio.to_thread(read_heartbeat, fifo) is None
+    assert read_heartbeat(link) is None
+    assert read_heartbeat(tmp_path / "real") is not None
+
+
+def test_a_folder_at_the_heartbeat_path_fails_the_spawn_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    """A folder the daemon cannot rename over is a WorkerSpawnError naming the path."""
+    (tmp_path / "0" / "heartbeat").mkdir(parents=True)
+    monitor = ProgressMonitor({0: tmp_path / "0" / "heartbeat"}, ProgressSettings(1.0))
+    with pytest.raises(WorkerSpawnError, match="cannot create the heartbeat file"):
+        monitor.prepare()
+    assert [p.name for p in (tmp_path / "0").iterdir()] == ["heartbeat"]

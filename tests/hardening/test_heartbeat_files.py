@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import pwd
 import shutil
@@ -401,3 +402,73 @@ def test_a_folder_at_the_heartbeat_path_fails_the_spawn_with_a_clear_error(
     with pytest.raises(WorkerSpawnError, match="cannot create the heartbeat file"):
         monitor.prepare()
     assert [p.name for p in (tmp_path / "0").iterdir()] == ["heartbeat"]
+
+
+# -- other files the daemon opens in a worker's folder: hard links ---------------------
+#
+# Where fs.protected_hardlinks is off, a job's user can hard-link a file of root's into its
+# own folder. The test plants the link itself (as root), standing in for such a worker.
+
+SECRET = b"root:only:secret\n"
+
+
+def _root_only_file(root: Path) -> Path:
+    private = root / "private"
+    private.mkdir(mode=0o700)
+    secret = private / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    return secret
+
+
+async def test_a_hard_linked_log_file_is_never_chowned_nor_written(open_tmp: Path) -> None:
+    """Logs outlive a deleted job, so a job submitted again under the same id reopens the old
+    worker folder: a stdout.log there that is a hard link to root's file makes the spawn fail
+    with a clear error, and the file stays root's, 0600, unchanged (before: chowned to
+    nobody, made 0640 and appended to)."""
+    secret = _root_only_file(open_tmp)
+    daemon = _serve_as_nobody(open_tmp)
+    job = {"id": "hl", "entrypoint": "/bin/sh", "args": ["-c", "echo hi"]}
+    log = open_tmp / "state" / "logs" / "hl" / "attempt_0" / "0" / "stdout.log"
+    try:
+        async with asyncio.timeout(60), daemon.client() as c:
+            await daemon.wait_ready()
+            assert (await c.post("/jobs", json=job)).status_code == 201
+            assert (await wait_job(c, "hl", timeout=45))["state"] == "SUCCEEDED"
+            log.unlink()
+            os.link(secret, log)
+            assert (await c.delete("/jobs/hl")).status_code in (200, 204)
+            assert (await c.post("/jobs", json=job)).status_code == 201
+            done = await wait_job(c, "hl", timeout=45)
+    finally:
+        daemon.stop()
+    st = secret.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+    assert secret.read_bytes() == SECRET
+    assert done["state"] == "FAILED", done
+    assert "has other hard links" in done["reason"], done["reason"]
+
+
+async def test_a_hard_linked_error_file_is_not_quoted_back(open_tmp: Path) -> None:
+    """A failing worker whose error.json is a hard link to root's file: the failure is
+    reported, saying the file was not read, and none of its content reaches the API."""
+    secret = _root_only_file(open_tmp)
+    daemon = _serve_as_nobody(open_tmp)
+    body = 'while [ ! -e "$(dirname "$TORCHELASTIC_ERROR_FILE")/go" ]; do sleep 0.05; done; exit 3'
+    job = {"id": "ef", "entrypoint": "/bin/sh", "args": ["-c", body], "max_restarts": 0}
+    try:
+        async with asyncio.timeout(60), daemon.client() as c:
+            await daemon.wait_ready()
+            assert (await c.post("/jobs", json=job)).status_code == 201
+            await healthy_pids(c, "ef", 1)
+            folder = open_tmp / "state" / "logs" / "ef" / "attempt_0" / "0"
+            os.link(secret, folder / "error.json")
+            (folder / "go").touch()
+            done = await wait_job(c, "ef", timeout=45)
+            events = await events_of(c, "ef")
+    finally:
+        daemon.stop()
+    assert done["state"] == "FAILED"
+    everything = json.dumps(done) + json.dumps(events)
+    assert "has other hard links and was not read" in everything
+    assert "root:only" not in everything

@@ -470,5 +470,5 @@ async def test_a_hard_linked_error_file_is_not_quoted_back(open_tmp: Path) -> No
         daemon.stop()
     assert done["state"] == "FAILED"
     everything = json.dumps(done) + json.dumps(events)
-    assert "has other hard links and was not read" in everything
     assert "root:only" not in everything
+    assert "has other hard links and was not read" in everything

@@ -733,7 +733,7 @@ class JobAgent:
             "agent",
             "worker.heartbeat_replaced",
             f"rank {rank} on {self.ctx.node}: its heartbeat file was replaced by {what}; "
-            "the daemon keeps reading the file it created, so this worker reports no progress",
+            "the daemon reads only the file it created, and pings that miss it are no progress",
             attempt=self.attempt,
             rank=rank,
             local_rank=local_rank,

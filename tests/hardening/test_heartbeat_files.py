@@ -31,6 +31,7 @@ import elasticd
 from elasticd.agent.progress import ProgressMonitor, ProgressSettings
 from elasticd.errors import WorkerSpawnError
 from elasticd.worker.heartbeat import HeartbeatFile, create_heartbeat_file, read_heartbeat
+from elasticd.workers.output import OutputPipe
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, pid_alive, serve
 
@@ -421,32 +422,25 @@ def _root_only_file(root: Path) -> Path:
     return secret
 
 
-async def test_a_hard_linked_log_file_is_never_chowned_nor_written(open_tmp: Path) -> None:
-    """Logs outlive a deleted job, so a job submitted again under the same id reopens the old
-    worker folder: a stdout.log there that is a hard link to root's file makes the spawn fail
-    with a clear error, and the file stays root's, 0600, unchanged (before: chowned to
-    nobody, made 0640 and appended to)."""
-    secret = _root_only_file(open_tmp)
-    daemon = _serve_as_nobody(open_tmp)
-    job = {"id": "hl", "entrypoint": "/bin/sh", "args": ["-c", "echo hi"]}
-    log = open_tmp / "state" / "logs" / "hl" / "attempt_0" / "0" / "stdout.log"
-    try:
-        async with asyncio.timeout(60), daemon.client() as c:
-            await daemon.wait_ready()
-            assert (await c.post("/jobs", json=job)).status_code == 201
-            assert (await wait_job(c, "hl", timeout=45))["state"] == "SUCCEEDED"
-            log.unlink()
-            os.link(secret, log)
-            assert (await c.delete("/jobs/hl")).status_code in (200, 204)
-            assert (await c.post("/jobs", json=job)).status_code == 201
-            done = await wait_job(c, "hl", timeout=45)
-    finally:
-        daemon.stop()
+async def test_a_hard_linked_log_file_is_never_chowned_nor_written(tmp_path: Path) -> None:
+    """A stdout.log in the worker's folder that is a hard link to root's file is refused, and
+    the file stays root's, 0600, unchanged (it would be chowned to the job user, made 0640 and
+    appended to). No daemon path reopens an old worker folder since attempts go on numbering
+    from the log folder, so this checks the guard itself: defence in depth."""
+    secret = _root_only_file(tmp_path)
+    folder = tmp_path / "0"
+    folder.mkdir()
+    os.link(secret, folder / "stdout.log")
+    with pytest.raises(OSError, match="has other hard links"):
+        await OutputPipe.open(0, "stdout", folder / "stdout.log", None, owner=(65534, 65534))
+    (folder / "stdout.log").unlink()
+    (folder / "stdout.log").write_bytes(b"")
+    os.chown(folder / "stdout.log", 1, 1)  # a file of a third user: not the worker's either
+    with pytest.raises(OSError, match="belongs to uid 1"):
+        await OutputPipe.open(0, "stdout", folder / "stdout.log", None, owner=(65534, 65534))
     st = secret.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
     assert secret.read_bytes() == SECRET
-    assert done["state"] == "FAILED", done
-    assert "has other hard links" in done["reason"], done["reason"]
 
 
 async def test_a_hard_linked_error_file_is_not_quoted_back(open_tmp: Path) -> None:

@@ -28,10 +28,11 @@ Rules both sides keep:
   it created it with, never by name again. The file lies in the worker's own
   log folder, which the worker owns and may fill with anything: a FIFO, a
   symbolic link to a root-only file, a directory. None of that reaches the
-  daemon, which keeps reading (``pread``, 64 bytes) the inode it made; a
-  worker that replaced its file simply reports no progress, and
-  :meth:`HeartbeatFile.replaced` says what now lies at the path so that the
-  daemon can say so once. The daemon does not ``mmap`` the file: the worker
+  daemon, which keeps reading (``pread``, 64 bytes) the inode it made: a
+  worker that maps what it put there instead reports no progress (one that
+  mapped the file before replacing the path still pings the daemon's
+  inode), and :meth:`HeartbeatFile.replaced` says what now lies at the path
+  so that the daemon can say so once. The daemon does not ``mmap`` the file: the worker
   owns it and could truncate it, and a read of a mapping past the end of the
   file is ``SIGBUS``; a short ``pread`` is only "not a heartbeat".
 * Creating never follows a link planted at the path: the folder is opened

@@ -13,8 +13,9 @@ created (:class:`elasticd.worker.heartbeat.HeartbeatFile`) and never opens
 the path again: nothing there can block the event loop or be read on the
 worker's behalf. A worker whose pings miss that file (it maps what it put
 at the path instead) reports no progress, so its deadlines apply as usual,
-and ``on_replaced`` tells the agent once, with what lies there now. The file belongs to the job's user (the one
-:mod:`elasticd.workers.spawn` will run the worker as), who must write it.
+and ``on_replaced`` tells the agent once, with what lies there now. The
+file belongs to the job's user (the one :mod:`elasticd.workers.spawn` will
+run the worker as), who must write it.
 
 The rules (settings of the job):
 

@@ -635,10 +635,14 @@ class JobAgent:
             cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
         heartbeats = {r.local_rank: attempt_dir / str(r.local_rank) / "heartbeat" for r in ranks}
+        if self._progress is not None:
+            self._progress.close()  # the previous attempt's descriptors
         self._progress = ProgressMonitor(
             heartbeats,
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
+            user=self.spec.user,  # the worker's own user must write its file
             on_check=self._on_progress,
+            on_replaced=self._on_heartbeat_replaced,
         )
         self._progress.prepare()  # before the spawn: workers open the file at their first ping
         self._attempt_tag = f"{round_.round}.{restart_count}"
@@ -720,6 +724,20 @@ class JobAgent:
             attempt=self.attempt,
         )
         return group
+
+    def _on_heartbeat_replaced(self, local_rank: int, what: str) -> None:
+        """A worker put something else at its heartbeat path: say so once (no progress follows)."""
+        rank = self._ranks[local_rank].rank if local_rank < len(self._ranks) else local_rank
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "worker.heartbeat_replaced",
+            f"rank {rank} on {self.ctx.node}: its heartbeat file was replaced by {what}; "
+            "the daemon reads only the file it created, and pings that miss it are no progress",
+            attempt=self.attempt,
+            rank=rank,
+            local_rank=local_rank,
+        )
 
     def _forward_output(self, local_rank: int, stream: str, line: bytes) -> None:
         assert self.ctx.console is not None
@@ -1217,9 +1235,12 @@ class JobAgent:
 
 
 def file_size(path: Path) -> int:
-    """Size of a local log file (a stat; never blocks for long), 0 when absent."""
+    """Size of a local log file (a stat; never blocks for long), 0 when absent.
+
+    ``lstat``: the file lies in the worker's folder, and a link put there is not followed.
+    """
     try:
-        return os.stat(path).st_size
+        return os.lstat(path).st_size
     except OSError:
         return 0
 

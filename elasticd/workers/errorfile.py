@@ -8,11 +8,13 @@ raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000"}}}
 
 Older and hand-written files put a plain string under ``"message"`` (with an
-optional top-level ``"timestamp"``). The file is written by user code, so it
-is treated as untrusted input: it is parsed as JSON only (never unpickled),
-read up to :data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the
-caller gets a :class:`WorkerError` whose message says what was wrong, so the
-failure is still reported, just without the worker's own words.
+optional top-level ``"timestamp"``). The file is written by user code in a
+folder the worker owns, so it is treated as untrusted input: it is opened
+with ``O_NOFOLLOW | O_NONBLOCK`` and read only when it is a regular file with
+no other hard link, parsed as JSON only (never unpickled), read up to
+:data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the caller gets
+a :class:`WorkerError` whose message says what was wrong, so the failure is
+still reported, just without the worker's own words.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def read_error_file(path: Path, *, default_timestamp: float | None = None) -> Wo
         fallback = default_timestamp if default_timestamp is not None else info.st_mtime
         if not stat.S_ISREG(info.st_mode):
             return _unreadable(path, "is not a regular file", fallback)
+        if info.st_nlink != 1:
+            # A hard link to a file the worker may not read (fs.protected_hardlinks off):
+            # its content would be quoted back in the failure's message.
+            return _unreadable(path, "has other hard links and was not read", fallback)
         try:
             data = _read_at_most(fd, MAX_ERROR_FILE_BYTES + 1)
         except OSError as exc:

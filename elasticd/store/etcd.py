@@ -407,7 +407,18 @@ class EtcdStore(Store):
                 continue
             self._current = index
             return data
-        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+        raise self._unreachable(failures)
+
+    def _unreachable(self, failures: builtins.list[str]) -> StoreUnavailable:
+        """The error when every endpoint failed: StoreAuthError for a refused certificate."""
+        joined = "; ".join(failures)
+        if "alert" in joined and "certificate" in joined:
+            return StoreAuthError(
+                f"{self._where()} refused this client's TLS certificate ({joined}); set "
+                "store_cert_file and store_key_file to a certificate signed by the CA etcd "
+                "trusts (its --trusted-ca-file)"
+            )
+        return StoreUnavailable(f"{self._where()} is unreachable: {joined}")
 
     async def _send(
         self, index: int, path: str, body: dict[str, Any], token: str | None
@@ -511,7 +522,7 @@ class EtcdStore(Store):
                 self._current = index
                 yield lines
                 return
-        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+        raise self._unreachable(failures)
 
     @asynccontextmanager
     async def _open_stream(

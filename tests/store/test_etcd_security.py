@@ -415,9 +415,16 @@ async def test_tls_without_a_trusted_client_certificate_is_refused(
     cert = {"none": (None, None), "rogue": (pki.rogue_cert, pki.rogue_key)}[client]
     options = secure_etcd.options(cert_file=cert[0], key_file=cert[1])
     async with EtcdStore([secure_etcd.https_url], options=options) as store:
-        with pytest.raises(StoreAuthError, match="refused this client's TLS certificate") as caught:
+        with pytest.raises(StoreUnavailable) as caught:
             await store.put("tls-refused", b"x")
-        assert "may or may not" not in str(caught.value)  # the handshake failed: nothing applied
+        # etcd's alert, read as StoreAuthError saying what to set; or, when etcd closes
+        # the connection before the alert is read, a reset during the handshake.
+        message = str(caught.value)
+        if isinstance(caught.value, StoreAuthError):
+            assert "refused this client's TLS certificate" in message
+            assert "store_cert_file" in message
+        else:
+            assert "reset" in message or "closed" in message
     raw = _gateway(
         secure_etcd.http_url,
         "/kv/range",

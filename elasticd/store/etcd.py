@@ -449,6 +449,12 @@ class EtcdStore(Store):
             data = response.json()
         except ValueError:
             data = None
+        if not isinstance(data, dict) and "CommonName" in response.text:
+            raise StoreAuthError(
+                f"etcd at {endpoint} refuses gateway requests from a client certificate with a "
+                "Common Name while its auth is enabled; issue store_cert_file without a CN "
+                "(e.g. openssl -subj /O=elasticd): the user is store_username"
+            )
         if not isinstance(data, dict) and response.status_code == 404:
             raise StoreUnavailable(
                 f"etcd at {endpoint} has no {self._prefix}{path} (404); is this an etcd v3 "

@@ -77,6 +77,8 @@ class Pki:
     rogue_ca: Path
     rogue_cert: Path
     rogue_key: Path
+    named_cert: Path
+    named_key: Path
 
 
 def _make_pki(folder: Path) -> Pki:
@@ -91,11 +93,11 @@ def _make_pki(folder: Path) -> Pki:
         run("req", "-x509", *ec, "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2",
             "-subj", f"/CN={name}")  # fmt: skip
 
-    def cert(name: str, ca_name: str, usage: str, san: bool) -> None:
+    def cert(name: str, ca_name: str, usage: str, san: bool, subject: str = "") -> None:
         # No Common Name: etcd's gateway refuses client certificates with one once
         # auth is enabled (it cannot use the CN as the user, as gRPC clients do).
         run("req", "-new", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/O={name}")  # fmt: skip
+            "-subj", subject or f"/O={name}")  # fmt: skip
         ext = folder / f"{name}.ext"
         ext.write_text(f"extendedKeyUsage={usage}\n" + ("subjectAltName=IP:127.0.0.1\n" * san))
         run("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca_name}.crt", "-CAkey",
@@ -109,6 +111,7 @@ def _make_pki(folder: Path) -> Pki:
     cert("server", "ca", "serverAuth,clientAuth", san=True)
     cert("client", "ca", "clientAuth", san=False)
     cert("rogue", "rogue-ca", "clientAuth", san=False)
+    cert("named", "ca", "clientAuth", san=False, subject="/CN=elasticd")
     return Pki(
         ca=folder / "ca.crt",
         server_cert=folder / "server.crt",
@@ -118,6 +121,8 @@ def _make_pki(folder: Path) -> Pki:
         rogue_ca=folder / "rogue-ca.crt",
         rogue_cert=folder / "rogue.crt",
         rogue_key=folder / "rogue.key",
+        named_cert=folder / "named.crt",
+        named_key=folder / "named.key",
     )
 
 
@@ -432,6 +437,17 @@ async def test_tls_without_a_trusted_client_certificate_is_refused(
         secure_etcd.root_token(),
     )
     assert "kvs" not in raw
+
+
+async def test_a_client_certificate_with_a_common_name_is_explained(
+    secure_etcd: SecureEtcd,
+) -> None:
+    """etcd's gateway refuses a client certificate with a CN once auth is on: the error says so."""
+    pki = secure_etcd.pki
+    options = secure_etcd.options(cert_file=pki.named_cert, key_file=pki.named_key)
+    async with EtcdStore([secure_etcd.https_url], options=options) as store:
+        with pytest.raises(StoreAuthError, match="without a CN"):
+            await store.get("k")
 
 
 async def test_tls_refuses_a_server_the_ca_did_not_sign(secure_etcd: SecureEtcd) -> None:

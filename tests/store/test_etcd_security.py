@@ -33,7 +33,7 @@ import pytest
 
 from elasticd.config import Config, check_store, load_config, read_store_password
 from elasticd.errors import ConfigError, StoreAuthError, StoreUnavailable
-from elasticd.store import EtcdOptions, Store
+from elasticd.store import EtcdOptions, Store, open_store
 from elasticd.store.etcd import EtcdStore
 
 from .conftest import Backend
@@ -448,6 +448,19 @@ async def test_a_client_certificate_with_a_common_name_is_explained(
     async with EtcdStore([secure_etcd.https_url], options=options) as store:
         with pytest.raises(StoreAuthError, match="without a CN"):
             await store.get("k")
+
+
+async def test_etcds_url_opens_verified_tls_with_the_options(
+    secure_etcd: SecureEtcd, tmp_path: Path
+) -> None:
+    """open_store("etcds://...", etcd=options) reaches the secure etcd through verified TLS."""
+    url = secure_etcd.https_url.replace("https://", "etcds://")
+    store = open_store(url, token=None, state_dir=tmp_path, etcd=secure_etcd.options())
+    async with store:
+        assert isinstance(store, EtcdStore) and store.endpoints == [secure_etcd.https_url]
+        wire = store._wires[0]
+        assert wire is not None and wire[0].tls is not None and wire[0].tls.check_hostname
+        assert (await store.put("via-open-store", b"x")).key == "via-open-store"
 
 
 async def test_tls_refuses_a_server_the_ca_did_not_sign(secure_etcd: SecureEtcd) -> None:

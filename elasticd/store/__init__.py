@@ -98,12 +98,10 @@ class StoreEndpoints:
 def redact_url(url: str) -> str:
     """``url`` with any ``user:password@`` part shown as ``***@``, safe to print."""
     scheme, sep, rest = url.partition("://")
-    if not sep:
+    if "@" not in rest:
         return url
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = "***@" + authority.rpartition("@")[2]
-    return f"{scheme}{sep}{authority}{slash}{path}"
+    # Everything up to the last "@": a password may itself hold "/", "@" or ":".
+    return f"{scheme}{sep}***@{rest.rpartition('@')[2]}"
 
 
 def store_endpoints(url: str | None) -> StoreEndpoints:
@@ -120,7 +118,7 @@ def store_endpoints(url: str | None) -> StoreEndpoints:
     scheme = scheme.lower()
     if not sep:
         raise ConfigError(f"store_url {shown!r} has no scheme; {_URL_HELP}")
-    if "@" in rest.split("/", 1)[0]:
+    if "@" in rest:
         raise ConfigError(
             f"store_url {shown!r} has credentials in it: they would show wherever the URL is "
             "printed. For etcd set store_username and store_password_file; for a daemon's "

@@ -318,12 +318,8 @@ def check_bind(config: Config, token: str | None) -> None:
         )
 
 
-def _private_file(path: Path, setting: str) -> None:
+def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
     """Refuse a secret file that is not a regular file owned by, and private to, this user."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{setting} {path} is not a regular file")
     if st.st_uid != os.geteuid():
@@ -338,15 +334,38 @@ def _private_file(path: Path, setting: str) -> None:
         )
 
 
+def _private_file(path: Path, setting: str) -> None:
+    """Check a secret file that is read by path later (the TLS key: ``ssl`` opens it)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
+    _check_private(st, path, setting)
+
+
 def read_store_password(config: Config) -> str | None:
-    """etcd's password, from ``store_password_file`` (0600, owned by this daemon's user)."""
+    """etcd's password, from ``store_password_file`` (0600, owned by this daemon's user).
+
+    Checked on the open descriptor, so what is read is what was checked; opened
+    non-blocking, so a FIFO put there cannot hang the start-up.
+    """
     path = config.store_password_file
     if path is None:
         return None
-    _private_file(path, "store_password_file")
-    password = path.read_text().strip()
+    setting = "store_password_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        _check_private(os.fstat(fd), path, setting)
+        data = fh.read(64 * 1024)
+    try:
+        password = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{setting} {path} is not UTF-8 text") from None
     if not password:
-        raise ConfigError(f"store_password_file {path} is empty")
+        raise ConfigError(f"{setting} {path} is empty")
     return password
 
 

@@ -586,6 +586,10 @@ def test_the_password_file_must_be_private_to_the_daemon(
         read_store_password(config)
     secret.chmod(0o600)
     assert read_store_password(config) == PASSWORD
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # would block a plain open() forever
+    with pytest.raises(ConfigError, match="not a regular file"):
+        read_store_password(config.model_copy(update={"store_password_file": fifo}))
     if os.geteuid() == 0:
         os.chown(secret, 65534, 65534)  # nobody: a job running as nobody could rewrite it
         with pytest.raises(ConfigError, match="owned by uid 65534"):

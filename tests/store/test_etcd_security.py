@@ -34,7 +34,7 @@ import pytest
 from elasticd.config import Config, check_store, load_config, read_store_password
 from elasticd.errors import ConfigError, StoreAuthError, StoreUnavailable
 from elasticd.store import EtcdOptions, Store, open_store
-from elasticd.store.etcd import EtcdStore
+from elasticd.store.etcd import EtcdStore, prefix_end
 
 from .conftest import Backend
 from .etcd_server import etcd_binary, free_port
@@ -222,7 +222,7 @@ def _start_etcd(folder: Path, pki: Pki) -> SecureEtcd:
             raise RuntimeError(f"etcd not healthy within 20 s: {log.read_text()[-2000:]}")
         time.sleep(0.05)
     # What docs/store.md tells operators to do, through the gateway instead of etcdctl.
-    end = base64.b64encode(PREFIX[:-1].encode() + bytes([ord(PREFIX[-1]) + 1])).decode()
+    end = base64.b64encode(prefix_end(PREFIX.encode())).decode()  # --prefix=true's range end
     for path, body in [
         ("/auth/user/add", {"name": "root", "password": ROOT_PASSWORD}),
         ("/auth/role/add", {"name": "root"}),

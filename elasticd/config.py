@@ -322,10 +322,12 @@ def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
     """Refuse a secret file that is not a regular file owned by, and private to, this user."""
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{setting} {path} is not a regular file")
-    if st.st_uid != os.geteuid():
+    me = os.geteuid()
+    if st.st_uid != me:  # as for the token file: another user may read or replace it
         raise ConfigError(
-            f"{setting} {path} is owned by uid {st.st_uid}, not by this daemon's user "
-            f"(uid {os.geteuid()}); run: chown {os.geteuid()} {path}"
+            f"{setting} {path} belongs to {_user_name(st.st_uid)}, not to the user this "
+            f"daemon runs as ({_user_name(me)}), who must own it alone; run: "
+            f"chown {_user_name(me)} {path}"
         )
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError(
@@ -354,7 +356,7 @@ def read_store_password(config: Config) -> str | None:
         return None
     setting = "store_password_file"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as fh:

@@ -592,7 +592,7 @@ def test_the_password_file_must_be_private_to_the_daemon(
         read_store_password(config.model_copy(update={"store_password_file": fifo}))
     if os.geteuid() == 0:
         os.chown(secret, 65534, 65534)  # nobody: a job running as nobody could rewrite it
-        with pytest.raises(ConfigError, match="owned by uid 65534"):
+        with pytest.raises(ConfigError, match="belongs to nobody"):
             read_store_password(config)
 
 

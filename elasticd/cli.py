@@ -35,7 +35,7 @@ from typing import Any
 from elasticd import __version__
 from elasticd.client import DEFAULT_URL
 from elasticd.config import DEFAULT_PORT, load_config
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.models import JobSpec
 from elasticd.states import JobState
 
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_serve(args))
         if args.command == "run":
             return asyncio.run(_run(args))
-    except ConfigError as exc:
+    except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

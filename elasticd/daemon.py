@@ -1,14 +1,17 @@
 """The daemon: composition root that owns the loop's signals, tasks and shutdown order.
 
-Start-up: open the database, open the store, start the HTTP server inside
+Start-up: check the settings (the token file, the bind address, the store's
+security: :func:`elasticd.config.check_store`) before anything connects,
+open the database, open the store, start the HTTP server inside
 this event loop (it binds first: the port is part of this node's record;
 ``/readyz`` says "starting" until the end), wait until the store answers
 (the nodes of a cluster start in any order: retried with backoff, logged
-once, ``/readyz`` says what is awaited), kill the workers a previous run
-left behind (:func:`elasticd.workers.spawn.sweep_orphans`), recover the
-jobs a previous run left active (never lose them), register in the
-cluster, tell systemd ``READY=1``, and ping its watchdog when the unit has
-one.
+once, ``/readyz`` says what is awaited; a store that refuses this daemon's
+credentials is a configuration error, raised at once), kill the workers a
+previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`),
+recover the jobs a previous run left active (never lose them), register in
+the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
+has one.
 
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
@@ -40,15 +43,22 @@ from elasticd import __version__, systemd
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
-from elasticd.config import Config, check_bind, read_token
+from elasticd.config import Config, check_bind, check_store, read_store_password, read_token
 from elasticd.db import Database
-from elasticd.errors import ConfigError, ElasticdError, StoreError, WorkerSpawnError
+from elasticd.errors import (
+    ConfigError,
+    ElasticdError,
+    StoreAuthError,
+    StoreError,
+    WorkerSpawnError,
+)
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
 from elasticd.models import Job
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.store import (
+    EtcdOptions,
     Store,
     open_store,
 )
@@ -145,6 +155,8 @@ class Daemon:
         self._environ = dict(os.environ if environ is None else environ)
         self.token = read_token(config, self._environ)
         check_bind(config, self.token)
+        check_store(config, self.token)
+        self._store_password = read_store_password(config)
         self.job_users = resolve_job_users(config)
         self._uninstall_spawn_policy: Callable[[], None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
@@ -191,7 +203,17 @@ class Daemon:
         self.config.logs.mkdir(parents=True, exist_ok=True)
         self.db.open()
         self.store = self._injected_store or open_store(
-            self.config.store_url, token=self.token, state_dir=self.config.state_dir
+            self.config.store_url,
+            token=self.token,
+            state_dir=self.config.state_dir,
+            etcd=EtcdOptions(
+                username=self.config.store_username,
+                password=self._store_password,
+                ca_file=self.config.store_ca_file,
+                cert_file=self.config.store_cert_file,
+                key_file=self.config.store_key_file,
+                prefix=self.config.store_prefix,
+            ),
         )
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
@@ -270,12 +292,17 @@ class Daemon:
         """Until the store answers (nodes of a cluster start in any order); False if stopped first.
 
         Meanwhile ``/healthz`` answers and ``/readyz`` says what is awaited.
-        The wait is logged once when it starts and once when it ends.
+        The wait is logged once when it starts and once when it ends. A store
+        that answers but refuses this daemon (:class:`StoreAuthError`: no or
+        wrong credentials, no access) is not waited for: its error, which names
+        the setting to change, ends the start-up (``elasticd serve`` exits 2).
         """
         delay, started = 0.1, self.clock.monotonic()
         while True:
             try:
                 await self.store.get(NODE_PROBE_KEY)
+            except StoreAuthError:
+                raise
             except StoreError as exc:
                 if self._store_wait is None:
                     log.warning(

@@ -176,6 +176,15 @@ class Presence(Mapping[str, NodeInfo]):
     def __contains__(self, node: object) -> bool:
         return node in self._raw
 
+    def round_of(self, node: str) -> int | None:
+        """The round ``node``'s announcement is for; None if it has none or it is malformed."""
+        if node not in self._raw:
+            return None
+        try:
+            return self[node].round
+        except RendezvousError:
+            return None
+
     def apply(self, node: str, raw: bytes | None) -> None:
         """A presence key written (``raw``) or gone (``None``), from a watch event."""
         self._decoded.pop(node, None)
@@ -620,7 +629,9 @@ class StoreRendezvous:
         while True:
             if on_contact is not None:
                 on_contact()
-            change = watch_reason(state, self._me, my_round, frozenset(present), self._settings)
+            change = watch_reason(
+                state, self._me, my_round, frozenset(present), self._settings, present.round_of
+            )
             if change is not None:
                 return change
             state, version, present, revision = await self._next_view(

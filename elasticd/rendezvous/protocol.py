@@ -44,7 +44,7 @@ by the nodes of a cluster (as torch's ``datetime.utcnow`` is).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
@@ -437,16 +437,33 @@ class Change(Enum):
 
 
 def watch_reason(
-    state: State, me: str, my_round: int, alive: frozenset[str], settings: Settings
+    state: State,
+    me: str,
+    my_round: int,
+    alive: frozenset[str],
+    settings: Settings,
+    announced: Callable[[str], int | None] | None = None,
 ) -> Change | None:
-    """While workers run: does anything in the shared state call for a new round?"""
+    """While workers run: does anything in the shared state call for a new round?
+
+    ``announced(node)`` is the round a node's live announcement is for (None:
+    none). Only a waiting node that announced for this round is an arrival:
+    a node left in the wait list by :func:`dissolve` that never announced
+    again (it died, and its lease has not expired yet) is not, so a node
+    loss costs one re-formation, not two or three. Without ``announced``
+    every waiting node counts.
+    """
     if state.closed:
         return Change.CLOSED
     if state.round != my_round:
         return Change.NEW_ROUND
     if me not in state.participants or me not in alive:
         return Change.FENCED
-    if state.wait_list and len(state.participants) < settings.max_nodes:
+    if len(state.participants) < settings.max_nodes and any(
+        announced is None or (announced(node) or -1) >= state.round
+        for node in state.wait_list
+        if node in alive
+    ):
         return Change.ARRIVAL
     if not frozenset(state.participants) <= alive:
         return Change.LOSS

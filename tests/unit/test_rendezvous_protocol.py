@@ -350,3 +350,30 @@ def test_completed_round_views_are_computed_once():
     assert state.slots() == state.slots() and state.slots() is not state.slots()
     assert state.master() == (info("a").addr, info("a").port)
     assert State.decode(state.encode()).slots() == state.slots()
+
+
+@pytest.mark.parametrize(
+    ("announced", "expected"),
+    [
+        ({"c": 0}, None),  # c was left in the wait list by the dissolve and died: not an arrival
+        ({}, None),  # no live announcement at all
+        ({"c": 1}, Change.ARRIVAL),  # c announced for this round: a real (late) arrival
+        ({"c": 2}, Change.ARRIVAL),
+    ],
+)
+def test_only_a_node_that_announced_for_this_round_is_an_arrival(announced, expected):
+    """One node loss costs one re-formation: a stale wait-list entry never triggers another."""
+    s = Settings(min_nodes=2, max_nodes=4)
+    info = NodeInfo(addr="h", role="default", local_world_size=1, port=1, round=1)
+    state = State(
+        round=1,
+        complete=True,
+        participants={"a": 0, "b": 1},
+        wait_list=frozenset({"c"}),
+        nodes={"a": info, "b": info},
+    )
+    alive = frozenset("abc")  # c's lease has not expired yet
+    reason = watch_reason(state, "a", 1, alive, s, announced.get)
+    assert reason is expected
+    # Without announcement rounds (old callers) every waiting node counts.
+    assert watch_reason(state, "a", 1, alive, s) is Change.ARRIVAL

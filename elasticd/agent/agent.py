@@ -41,6 +41,7 @@ from elasticd.errors import (
     RendezvousClosed,
     RendezvousError,
     StoreError,
+    StoreUnavailable,
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
@@ -381,6 +382,15 @@ class JobAgent:
                 # store answers, then go again. One event when it is lost, one when
                 # it is back: no round is tried (and nothing evented) meanwhile.
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
+                if self._group is not None or self.state.is_running:
+                    await self._stop_workers(WorkerState.STOPPED)
+                if self.state is WorkerState.STOPPED:
+                    self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+                if not isinstance(exc, StoreUnavailable):
+                    # The store answered (a lease that expired while it was away, a
+                    # compacted watch): not an outage; go again after a short pause.
+                    await asyncio.sleep(0.2)
+                    continue
                 lost_at = self.ctx.clock.monotonic()
                 self.ctx.events.emit(
                     self.job_id,
@@ -389,10 +399,6 @@ class JobAgent:
                     f"{self.ctx.node} cannot reach the store ({exc}); "
                     "its workers are stopped until the store is back",
                 )
-                if self._group is not None or self.state.is_running:
-                    await self._stop_workers(WorkerState.STOPPED)
-                if self.state is WorkerState.STOPPED:
-                    self._set_state(WorkerState.INIT)  # STOPPED -> INIT
                 await self._until_store_answers()
                 self.ctx.events.emit(
                     self.job_id,

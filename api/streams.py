@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Coroutine
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
@@ -152,14 +152,6 @@ def _terminal(state: str | None) -> bool:
     return state in {s.value for s in JobState if s.is_terminal}
 
 
-def _attempts(job_dir: Path) -> list[int]:
-    return sorted(
-        int(p.name.removeprefix("attempt_"))
-        for p in job_dir.glob("attempt_*")
-        if p.name.removeprefix("attempt_").isdigit()
-    )
-
-
 def _tail_start(fh: BinaryIO, size: int, lines: int) -> int:
     """The offset where the last ``lines`` lines (of the first ``size`` bytes) begin."""
     start = max(0, size - _TAIL_WINDOW)
@@ -175,6 +167,32 @@ def _tail_start(fh: BinaryIO, size: int, lines: int) -> int:
         if cut < 0:
             return start
     return start + cut + 1
+
+
+def _open_log(
+    daemon: Daemon,
+    job_id: str,
+    local_rank: int,
+    stream: Literal["stdout", "stderr"],
+    attempt: int,
+    tail: int | None,
+) -> BinaryIO:
+    """The log opened safely (see ``JobService.open_log``), at its last ``tail`` lines. Blocking."""
+    fh = daemon.jobs.open_log(job_id, local_rank, stream, attempt)
+    try:
+        if tail is not None:
+            fh.seek(_tail_start(fh, os.fstat(fh.fileno()).st_size, tail))
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+async def _read_new(fh: BinaryIO) -> bytes:
+    """The next chunk past the read position, read in a thread; ``b""`` when there is none."""
+    if os.fstat(fh.fileno()).st_size <= fh.tell():
+        return b""
+    return await asyncio.to_thread(fh.read, _CHUNK)
 
 
 async def follow_log(
@@ -195,7 +213,6 @@ async def follow_log(
     keeps a followed log at most that far behind.
     """
     jobs = daemon.jobs
-    job_dir = (daemon.config.logs / job_id).resolve()
     current = attempt
     fh: BinaryIO | None = None
     after = 0
@@ -206,30 +223,29 @@ async def follow_log(
         while True:
             if fh is None:
                 if attempt is None:  # the newest attempt, until its file appears
-                    found = _attempts(job_dir)
+                    found = jobs.log_attempts(job_id)
                     current = found[-1] if found else None
                 if current is not None:
                     try:
-                        path = jobs.log_file(job_id, local_rank, stream, current)
+                        fh = await asyncio.to_thread(
+                            _open_log, daemon, job_id, local_rank, stream, current,
+                            tail if first else None,
+                        )
                     except LogNotFound:
-                        path = None
-                    if path is not None:
-                        fh = path.open("rb")
-                        if first and tail is not None:
-                            size = path.stat().st_size
-                            fh.seek(_tail_start(fh, size, tail))
+                        fh = None  # not there (yet), or replaced by the job: nothing to read
+                    if fh is not None:
                         if not first:
                             sep = b"" if last_byte == b"\n" else b"\n"
                             yield sep + f"==> attempt {current} <==\n".encode()
                         first = False
             if fh is not None:
-                data = fh.read(_CHUNK)
+                data = await _read_new(fh)
                 if data:
                     last_byte = data[-1:]
                     yield data
                     continue
             if attempt is None and fh is not None:
-                found = _attempts(job_dir)
+                found = jobs.log_attempts(job_id)
                 if found and current is not None and found[-1] > current:
                     fh.close()
                     fh, current = None, found[-1]

@@ -22,8 +22,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from pydantic import ValidationError
 
@@ -42,10 +41,11 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
-from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
+from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
 from elasticd.states import JOB_ACTIVE, JobState, job_transition
 from elasticd.store import Store
+from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 log = logging.getLogger("elasticd.jobs")
 
@@ -416,45 +416,95 @@ class JobService:
                 with contextlib.suppress(StoreError):
                     await self.store.watch(job_key(job_id), entry.version, 30.0)
 
-    def log_file(
+    def log_attempts(self, job_id: str) -> list[int]:
+        """The attempts of the job that have a log folder on this node, oldest first."""
+        if not valid_job_id(job_id):
+            return []
+        try:
+            names = os.listdir(self.config.logs / job_id)  # the daemon's own folder
+        except OSError:
+            return []
+        return sorted(
+            int(name.removeprefix("attempt_"))
+            for name in names
+            if name.startswith("attempt_") and name.removeprefix("attempt_").isdigit()
+        )
+
+    def open_log(
         self,
         job_id: str,
         local_rank: int,
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
-    ) -> Path:
-        """The path of one worker log here, refusing anything outside the job's log folder."""
-        job_dir = (self.config.logs / job_id).resolve()
+    ) -> BinaryIO:
+        """One worker log of this node, opened for reading; ``LogNotFound`` when there is none.
+
+        Blocking (run it in a thread from the event loop). The file is opened
+        through :func:`~elasticd.workers.files.open_worker_file` only: a link,
+        a FIFO or a hard link the worker put in its place is refused, never read.
+        """
+        if not valid_job_id(job_id):
+            raise LogNotFound(f"{job_id!r} is not a valid job id")
         if attempt is None:
-            attempts = sorted(
-                int(p.name.removeprefix("attempt_"))
-                for p in job_dir.glob("attempt_*")
-                if p.name.removeprefix("attempt_").isdigit()
-            )
+            attempts = self.log_attempts(job_id)
             if not attempts:
                 raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
             attempt = attempts[-1]
-        path = (job_dir / f"attempt_{attempt}" / str(local_rank) / f"{stream}.log").resolve()
-        if not path.is_relative_to(job_dir):
-            raise LogNotFound("log parameters point outside the job's log folder")
-        if not path.is_file():
+        where = f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.node}"
+        worker_dir = self.config.logs / job_id / f"attempt_{attempt}" / str(local_rank)
+        try:
+            fd = open_worker_file(worker_dir, f"{stream}.log")
+        except FileNotFoundError:
+            raise LogNotFound(f"no {stream} log for {where}") from None
+        except UnsafeWorkerFile:
             raise LogNotFound(
-                f"no {stream} log for job {job_id!r}, attempt {attempt}, local rank {local_rank} "
-                f"on node {self.node}"
-            )
-        return path
+                f"the {stream} log of {where} is not a regular file of the worker's own (the "
+                "job replaced it, e.g. with a link or a FIFO); the daemon does not read it"
+            ) from None
+        except OSError as exc:
+            raise LogNotFound(
+                f"the {stream} log of {where} cannot be read: {exc.strerror or exc}"
+            ) from None
+        return os.fdopen(fd, "rb", buffering=0)
 
-    def read_log(self, path: Path, tail: int | None) -> str:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            if size > MAX_LOG_BYTES:
-                fh.seek(size - MAX_LOG_BYTES)
-            data = fh.read()
-        text = data.decode("utf-8", errors="replace")
+    async def read_log(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+        tail: int | None,
+    ) -> str:
+        """The last :data:`MAX_LOG_BYTES` of one worker log (the last ``tail`` lines), as text."""
+
+        def read() -> bytes:
+            with self.open_log(job_id, local_rank, stream, attempt) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size > MAX_LOG_BYTES:
+                    fh.seek(size - MAX_LOG_BYTES)
+                chunks = []
+                got = 0
+                while got < MAX_LOG_BYTES and (chunk := fh.read(MAX_LOG_BYTES - got)):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                return b"".join(chunks)
+
+        text = (await asyncio.to_thread(read)).decode("utf-8", errors="replace")
         if tail is not None:
             lines = text.splitlines(keepends=True)
             text = "".join(lines[-tail:]) if tail > 0 else ""
         return text
+
+    async def check_log(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+    ) -> None:
+        """Raise ``LogNotFound`` unless the log can be opened now."""
+        fh = await asyncio.to_thread(self.open_log, job_id, local_rank, stream, attempt)
+        fh.close()
 
     async def node_url(self, node: str) -> str:
         """The API address of another node, for proxying its logs."""

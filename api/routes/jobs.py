@@ -170,12 +170,11 @@ async def get_logs(
                 f"job {job_id!r} has local ranks 0-{job.spec.nproc_per_node - 1}, not {local_rank}"
             )
         if attempt is not None or job.state.is_terminal:
-            jobs.log_file(job_id, local_rank, stream, attempt)  # 404 if it will never appear
+            await jobs.check_log(job_id, local_rank, stream, attempt)  # 404: it never will be
         return StreamingResponse(
             streams.follow_log(daemon_of(request), job_id, local_rank, stream, attempt, tail),
             media_type="text/plain; charset=utf-8",
             headers=STREAM_HEADERS,
         )
     await jobs.get(job_id)
-    path = jobs.log_file(job_id, local_rank, stream, attempt)
-    return PlainTextResponse(jobs.read_log(path, tail))
+    return PlainTextResponse(await jobs.read_log(job_id, local_rank, stream, attempt, tail))

@@ -10,7 +10,9 @@ raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
 Older and hand-written files put a plain string under ``"message"`` (with an
 optional top-level ``"timestamp"``). The file is written by user code, so it
 is treated as untrusted input: it is parsed as JSON only (never unpickled),
-read up to :data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the
+opened only through :func:`elasticd.workers.files.open_worker_file` (no
+link, no FIFO, a regular file of the worker's own), read up to
+:data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the
 caller gets a :class:`WorkerError` whose message says what was wrong, so the
 failure is still reported, just without the worker's own words.
 """
@@ -20,11 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from elasticd.workers.files import open_worker_file
 
 __all__ = ["MAX_ERROR_FILE_BYTES", "WorkerError", "read_error_file"]
 
@@ -56,10 +59,9 @@ def read_error_file(path: Path, *, default_timestamp: float | None = None) -> Wo
     modification time is used, as torch does.
     """
     try:
-        # O_NOFOLLOW and the regular-file check: the worker controls this path, and the
-        # daemon must neither follow a link to a file the worker could not read itself
-        # nor block opening a FIFO planted there.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # The worker controls this path: the daemon must neither follow a link to a
+        # file the worker could not read itself nor block opening a FIFO planted there.
+        fd = open_worker_file(path.parent, path.name)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -68,8 +70,6 @@ def read_error_file(path: Path, *, default_timestamp: float | None = None) -> Wo
     try:
         info = os.fstat(fd)
         fallback = default_timestamp if default_timestamp is not None else info.st_mtime
-        if not stat.S_ISREG(info.st_mode):
-            return _unreadable(path, "is not a regular file", fallback)
         try:
             data = _read_at_most(fd, MAX_ERROR_FILE_BYTES + 1)
         except OSError as exc:

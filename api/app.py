@@ -15,6 +15,7 @@ from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
+from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 
 if TYPE_CHECKING:
@@ -31,6 +32,9 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     """The app for ``daemon`` (``None`` only to generate the OpenAPI document)."""
     app = FastAPI(title="elasticd", version=__version__, description=DESCRIPTION)
     app.state.daemon = daemon
+    app.state.streams = StreamLimit(
+        getattr(getattr(daemon, "config", None), "max_streams", DEFAULT_MAX_STREAMS)
+    )
     token = daemon.token if daemon is not None else None
     auth = [Depends(bearer_auth(token))]
     install_error_handlers(app)
@@ -109,4 +113,9 @@ def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> N
         assert daemon is not None
         return daemon.store
 
-    app.include_router(store_router(get_store), dependencies=auth)  # type: ignore[arg-type]
+    limit = getattr(getattr(daemon, "config", None), "store_max_value_bytes", None)
+    if limit is None:
+        router = store_router(get_store)
+    else:
+        router = store_router(get_store, max_value_bytes=limit)
+    app.include_router(router, dependencies=auth)  # type: ignore[arg-type]

@@ -13,6 +13,12 @@ nothing is missed and nothing repeated. A comment line every
 :data:`HEARTBEAT_S` seconds keeps proxies from closing an idle stream. The
 last message is ``event: end`` with the job's final state, so clients know
 the stream ended on purpose and need not reconnect.
+
+A worker's log is opened only through ``JobService.open_log`` (no link, no
+FIFO, a regular file of the worker's own), and opened and read in a thread,
+so a job that swaps its log file can neither redirect nor stall the stream.
+At most ``max_streams`` streams run at once (:class:`StreamLimit`); more get
+a 429 problem.
 """
 
 from __future__ import annotations
@@ -21,16 +27,21 @@ import asyncio
 import contextlib
 import json
 import os
+import weakref
 from collections.abc import AsyncIterator, Coroutine
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
 
-from elasticd.errors import JobNotFound, LogNotFound, StoreError
+from elasticd.errors import JobNotFound, LogNotFound, StoreError, TooManyStreams
 from elasticd.models import Event
 from elasticd.states import JobState
 
 if TYPE_CHECKING:
     from elasticd.daemon import Daemon
 
+T = TypeVar("T")
+
+#: Live streams a daemon serves at once unless ``max_streams`` says otherwise.
+DEFAULT_MAX_STREAMS = 256
 #: Seconds between SSE heartbeat comments (tests lower it).
 HEARTBEAT_S = 15.0
 #: Seconds a stream waits for the final job.state event once the job document is terminal.
@@ -43,6 +54,52 @@ RETRY_MS = 2000
 LOG_POLL_S = 0.25
 _CHUNK = 64 * 1024
 _TAIL_WINDOW = 8 * 1024 * 1024
+
+
+class StreamLimit:
+    """At most ``limit`` live streams (log follows and SSE event streams) at once.
+
+    Each stream holds a slot from :meth:`guard` until it ends, its client goes
+    away, or it is dropped before it ever started (the slot is then released
+    when the generator is collected). Beyond the limit a request gets a 429
+    problem naming ``max_streams``, so thousands of followers cannot starve
+    the event loop or grow the daemon's memory.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def guard(self, body: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``body`` holding one slot; ``TooManyStreams`` when none is free."""
+        if self.open >= self.limit:
+            raise TooManyStreams(
+                f"this daemon already serves {self.open} live streams (log follows and event "
+                f"streams), its max_streams limit; close one, read without follow, or raise "
+                "max_streams in the daemon's configuration"
+            )
+        self.open += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.open -= 1
+
+        async def guarded() -> AsyncIterator[T]:
+            try:
+                async for item in body:
+                    yield item
+            finally:
+                release()
+                aclose = getattr(body, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+        stream = guarded()
+        weakref.finalize(stream, release)
+        return stream
 
 
 def sse_message(event: Event) -> str:
@@ -228,7 +285,12 @@ async def follow_log(
                 if current is not None:
                     try:
                         fh = await asyncio.to_thread(
-                            _open_log, daemon, job_id, local_rank, stream, current,
+                            _open_log,
+                            daemon,
+                            job_id,
+                            local_rank,
+                            stream,
+                            current,
                             tail if first else None,
                         )
                     except LogNotFound:

@@ -153,7 +153,11 @@ class Daemon:
         self.config.logs.mkdir(parents=True, exist_ok=True)
         self.db.open()
         self.store = self._injected_store or open_store(
-            self.config.store_url, token=self.token, state_dir=self.config.state_dir
+            self.config.store_url,
+            token=self.token,
+            state_dir=self.config.state_dir,
+            max_value_bytes=self.config.store_max_value_bytes,
+            max_list_bytes=self.config.store_max_list_bytes,
         )
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
@@ -181,6 +185,7 @@ class Daemon:
             self.store,
             record,
             on_jobs=self._on_jobs,
+            on_refused=self._on_refused_job,
             lease_ttl=self.config.lease_ttl,
             clock=self.clock,
         )
@@ -282,6 +287,10 @@ class Daemon:
                 await self.jobs.expire(retention)
             except ElasticdError as exc:  # the store is away: try again next time
                 log.warning("job retention: %s", exc)
+
+    def _on_refused_job(self, key: str, reason: str) -> None:
+        if self._state in ("running", "starting"):
+            self.jobs.on_refused(key, reason)
 
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO, Literal
 
-from pydantic import ValidationError
-
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.cluster import JOB_PREFIX, Cluster
+from elasticd.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
 from elasticd.config import Config
 from elasticd.errors import (
     InvalidTransition,
@@ -62,17 +62,18 @@ def job_key(job_id: str) -> str:
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
-    """A job document from the store; a malformed one is a clear JobConflict, not a crash."""
-    try:
-        return Job.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+    """A job document from the store; a refused one is a clear JobConflict, not a crash.
+
+    The same rule as the cluster's watch (:func:`elasticd.cluster.check_job_document`):
+    a valid job whose id is the one in its key.
+    """
+    job, reason = check_job_document(job_key(job_id), raw)
+    if job is None:
         raise JobConflict(
-            f"the stored document of job {job_id!r} is not a valid job ({where}: "
-            f"{first.get('msg', 'invalid')}); it was not written by elasticd: delete the "
-            f"store key {job_key(job_id)!r} or use another id"
-        ) from None
+            f"the stored document of job {job_id!r} is refused: {reason}; it was not written "
+            f"by elasticd: delete the store key {job_key(job_id)!r} or use another id"
+        )
+    return job
 
 
 def group_prefix(job_id: str) -> str:
@@ -507,13 +508,52 @@ class JobService:
         fh.close()
 
     async def node_url(self, node: str) -> str:
-        """The API address of another node, for proxying its logs."""
+        """The API address of another live node, for proxying its logs (the token goes there).
+
+        Only a record bound to a lease (a daemon keeps it alive) and naming
+        ``http(s)://host:port`` and nothing more is used.
+        """
         record = await self.cluster.node(node)
         if record is None:
             raise LogNotFound(f"node {node!r} is not a live member of the cluster")
+        if not valid_node_url(record.url):
+            raise LogNotFound(
+                f"node {node!r} publishes the address {record.url!r}, which is not "
+                "http(s)://host:port; its logs are not fetched"
+            )
         return record.url
 
     # scheduling
+
+    def on_refused(self, key: str, reason: str) -> None:
+        """A job document in the store was refused (see ``Cluster``): say so, touch nothing.
+
+        With a valid job id in its key the refusal is an event of that job;
+        otherwise there is no job to attach it to, and a record under
+        ``refused/<node>/`` in the store says it (the daemon's log has it too).
+        """
+        job_id = key.removeprefix(JOB_PREFIX)
+        message = (
+            f"node {self.node} refused the job document at store key {key!r}: {reason}. No "
+            "agent runs it and nothing on disk is touched; delete the key or write a job "
+            "through the API"
+        )
+        if key.startswith(JOB_PREFIX) and valid_job_id(job_id):
+            self.events.emit(job_id, "daemon", "job.refused", message)
+            return
+        record = json.dumps(
+            {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
+        ).encode()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        asyncio.get_running_loop().create_task(
+            self._record_refusal(f"refused/{self.node}/{digest}", record)
+        )
+
+    async def _record_refusal(self, key: str, record: bytes) -> None:
+        try:
+            await self.store.put(key, record)
+        except StoreError as exc:
+            log.warning("cannot record the refusal under %s: %s", key, exc)
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes: start agents we should run."""

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elasticd.errors import ConfigError
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
@@ -29,6 +30,7 @@ from elasticd.store.base import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_LIST_BYTES",
     "DEFAULT_MAX_VALUE_BYTES",
     "STORE_FILE",
     "CasResult",
@@ -55,6 +57,7 @@ def open_store(
     state_dir: Path,
     timeout: float = 10.0,
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
 ) -> Store:
     """The store that ``url`` (the ``store_url`` setting) names.
 
@@ -69,7 +72,11 @@ def open_store(
     if url is None or not url.strip():
         from elasticd.store.embedded import EmbeddedStore
 
-        return EmbeddedStore(Path(state_dir) / STORE_FILE, max_value_bytes=max_value_bytes)
+        return EmbeddedStore(
+            Path(state_dir) / STORE_FILE,
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+        )
     url = url.strip()
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
@@ -81,7 +88,13 @@ def open_store(
             raise ConfigError(f"store_url {url!r} has no host; {_URL_HELP}")
         from elasticd.store.http import HttpStore
 
-        return HttpStore(url, token, timeout=timeout, max_value_bytes=max_value_bytes)
+        return HttpStore(
+            url,
+            token,
+            timeout=timeout,
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+        )
     if scheme in ("etcd", "etcd+http", "etcd+https"):
         endpoint_scheme = "https" if scheme == "etcd+https" else "http"
         hosts = [h.strip() for h in rest.rstrip("/").split(",")]
@@ -92,7 +105,12 @@ def open_store(
         endpoints = [f"{endpoint_scheme}://{h if _has_port(h) else h + ':2379'}" for h in hosts]
         from elasticd.store.etcd import EtcdStore
 
-        return EtcdStore(endpoints, timeout=timeout, max_value_bytes=max_value_bytes)
+        return EtcdStore(
+            endpoints,
+            timeout=timeout,
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+        )
     raise ConfigError(f"store_url {url!r} has an unknown scheme {scheme!r}; {_URL_HELP}")
 
 

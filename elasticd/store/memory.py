@@ -44,12 +44,14 @@ from elasticd.errors import (
     ValueTooLarge,
 )
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
     Listing,
     Store,
     WatchEvent,
+    check_listing_size,
 )
 
 #: Longest key (UTF-8 bytes) any backend accepts.
@@ -142,11 +144,13 @@ class MemoryStore(Store):
         self,
         *,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         history: int = DEFAULT_HISTORY,
     ) -> None:
         if history < 1:
             raise ValueError("history must keep at least one change")
         self.max_value_bytes = max_value_bytes
+        self.max_list_bytes = max_list_bytes
         self._entries: dict[str, Entry] = {}
         self._revision = 0
         self._visible = 0  # highest revision watchers may see
@@ -226,9 +230,14 @@ class MemoryStore(Store):
     async def list(self, prefix: str) -> Listing:
         self._check_open()
         validate_key(prefix, prefix=True)
-        entries = sorted(
-            (e for k, e in self._entries.items() if k.startswith(prefix)), key=lambda e: e.key
-        )
+        entries = []
+        size = 0
+        for key, entry in self._entries.items():
+            if key.startswith(prefix):
+                entries.append(entry)
+                size += len(key) + len(entry.value)
+                check_listing_size(prefix, size, len(entries), self.max_list_bytes)
+        entries.sort(key=lambda e: e.key)
         revision = self._revision
         await self._settle()
         return Listing(entries=entries, revision=revision)

@@ -80,7 +80,8 @@ def _open_at(name: str, flags: int, dir_fd: int, shown: Path) -> int:
     except OSError as exc:
         # O_NOFOLLOW on a link: ELOOP; O_DIRECTORY on a link or a file: ENOTDIR.
         if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EMLINK):
-            raise UnsafeWorkerFile(exc.errno, "a link or not the expected kind of file", str(shown))
+            why = "a link or not the expected kind of file"
+            raise UnsafeWorkerFile(exc.errno, why, str(shown)) from None
         raise
 
 

@@ -11,6 +11,15 @@ documents and hands them to the scheduler, which starts an agent for every
 active job this node can run. A lost lease (a partition longer than its TTL)
 is re-granted and the node re-registered; agents holding keys bound to the
 old lease see themselves fenced out through their own watch.
+
+Anyone holding the store's credentials can write into it, so nothing read
+from it is trusted to name a path or an address. A job document is used
+only if it is a valid :class:`~elasticd.models.Job` (its id obeys the API's
+rule) stored at ``job/<its id>`` (:func:`check_job_document`); a refused one
+is reported once per revision (``on_refused``: a ``job.refused`` event, or a
+record under ``refused/<node>/``) and never reaches the scheduler. A node
+record is used only when it is bound to a lease, names itself, and its URL
+is ``http(s)://host:port`` (:meth:`Cluster.node`, :func:`valid_node_url`).
 """
 
 from __future__ import annotations

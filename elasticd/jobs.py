@@ -12,6 +12,12 @@ Events are recorded in this daemon's SQLite first (so an acknowledged event
 is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
 merged, cluster-wide view; the store revision of an event is its ``seq`` in
 the API, which gives all nodes' events one order.
+
+Job documents are read back through one check (``parse_job``, the cluster's
+:func:`~elasticd.cluster.check_job_document`), so a document written into the
+store by hand never names a folder outside the log root. Worker logs are
+read through :func:`~elasticd.workers.files.open_worker_file` (no link, no
+FIFO, a regular file of the worker's own), in a thread.
 """
 
 from __future__ import annotations

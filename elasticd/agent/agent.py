@@ -1114,9 +1114,13 @@ class JobAgent:
 
 
 def file_size(path: Path) -> int:
-    """Size of a local log file (a stat; never blocks for long), 0 when absent."""
+    """Size of a local log file (a stat; never blocks for long), 0 when absent.
+
+    ``lstat``: the worker owns the file's folder, and a link it plants there
+    must not tell the daemon anything about the file it points to.
+    """
     try:
-        return os.stat(path).st_size
+        return os.stat(path, follow_symlinks=False).st_size
     except OSError:
         return 0
 

@@ -6,8 +6,9 @@ construction: an operation decides and applies its change without an
 
 * **One change, one revision.** ``_put``/``_delete`` bump the store-wide
   revision, update the entry table and the lease's key set, and append a
-  :class:`WatchEvent` to a bounded history (a ``deque``; its oldest event
-  falls off when it is full, which is how this store "compacts").
+  :class:`WatchEvent` to a bounded history (a ``deque`` of at most
+  ``history`` changes and ``max_list_bytes`` bytes of keys and values; its
+  oldest events fall off past either, which is how this store "compacts").
 * **Visibility.** Watchers see changes up to ``_visible``. Here a change is
   visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
   :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
@@ -125,6 +126,10 @@ def new_lease_id(taken: Iterable[int] = ()) -> int:
             return lease
 
 
+def _size(event: WatchEvent) -> int:
+    return len(event.key) + (len(event.value) if event.value is not None else 0)
+
+
 @dataclass
 class _Lease:
     id: int
@@ -156,6 +161,7 @@ class MemoryStore(Store):
         self._visible = 0  # highest revision watchers may see
         self._compacted = 0  # every change with a higher revision is in _history
         self._history: deque[WatchEvent] = deque(maxlen=history)
+        self._history_bytes = 0  # keys and values in _history, bounded by max_list_bytes
         self._leases: dict[int, _Lease] = {}
         self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._prefix_waiters: dict[asyncio.Future[None], str] = {}
@@ -278,7 +284,7 @@ class MemoryStore(Store):
         target = self._revision if revision is None else min(revision, self._revision)
         history = self._history
         while history and history[0].revision <= target:
-            history.popleft()
+            self._history_bytes -= _size(history.popleft())
         self._compacted = max(self._compacted, target)
 
     async def watch(
@@ -385,7 +391,15 @@ class MemoryStore(Store):
         history = self._history
         if len(history) == history.maxlen:
             self._compacted = history[0].revision
+            self._history_bytes -= _size(history[0])
         history.append(event)
+        self._history_bytes += _size(event)
+        # Bounded in bytes too, so large values cannot pile up in memory (and no watch
+        # answer is larger than a listing may be): the oldest changes are compacted.
+        while self._history_bytes > self.max_list_bytes and len(history) > 1:
+            dropped = history.popleft()
+            self._history_bytes -= _size(dropped)
+            self._compacted = dropped.revision
         self._changed(event, entry)
 
     def _arm(self, lease: _Lease) -> None:

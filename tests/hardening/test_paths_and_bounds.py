@@ -24,6 +24,9 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.errors import StoreCompacted
+from elasticd.store.memory import MemoryStore
+from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 from tests.conftest import wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, make_token_file, serve
 
@@ -55,6 +58,33 @@ while True:
     os.rename(log, bad)
     os.rename(kept, log)
 """
+
+
+def test_open_worker_file_reads_only_the_workers_own_regular_file(tmp_path: Path) -> None:
+    """open_worker_file opens a regular file; a link (to the file or in place of the rank
+    folder), a FIFO (without blocking), a folder or a hard link is UnsafeWorkerFile."""
+    secret = tmp_path / "secret"
+    secret.write_text("not the worker's")
+    rank = tmp_path / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    (rank / "stdout.log").write_text("mine\n")
+    fd = open_worker_file(rank, "stdout.log")
+    try:
+        assert os.read(fd, 100) == b"mine\n"
+    finally:
+        os.close(fd)
+    (rank / "link").symlink_to(secret)
+    os.mkfifo(rank / "fifo")
+    (rank / "folder").mkdir()
+    os.link(secret, rank / "hard")
+    for name in ("link", "fifo", "folder", "hard"):
+        with pytest.raises(UnsafeWorkerFile):
+            open_worker_file(rank, name)
+    with pytest.raises(FileNotFoundError):
+        open_worker_file(rank, "absent")
+    (tmp_path / "attempt_0" / "1").symlink_to(rank)
+    with pytest.raises(UnsafeWorkerFile):
+        open_worker_file(tmp_path / "attempt_0" / "1", "stdout.log")
 
 
 def _secret_file(folder: Path) -> tuple[Path, str]:
@@ -428,6 +458,22 @@ async def test_store_values_and_listings_are_bounded(tmp_path: Path) -> None:
             assert (await c.get("/healthz")).status_code == 200
     finally:
         daemon.stop()
+
+
+async def test_the_watch_history_is_bounded_in_bytes() -> None:
+    """Large values do not pile up in the in-memory watch history: past max_list_bytes the
+    oldest changes are compacted (a watch from before them is StoreCompacted), and a watch
+    answer stays under the limit."""
+    store = MemoryStore(max_list_bytes=1 << 20)
+    async with asyncio.timeout(10):
+        first = await store.put("big", b"a" * (400 * 1024))
+        for _ in range(4):
+            last = await store.put("big", b"b" * (400 * 1024))
+        with pytest.raises(StoreCompacted):
+            await store.watch("big", first.version - 1, 0)
+        events = await store.watch("big", last.version - 2, 0)
+        assert sum(len(e.value or b"") for e in events) <= 1 << 20
+        assert events[-1].revision == last.version
 
 
 async def test_max_restarts_is_bounded(client: httpx.AsyncClient) -> None:

@@ -402,21 +402,12 @@ class JobService:
             groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
         )
 
-    async def _exists(self, job_id: str) -> None:
-        """``JobNotFound`` unless the job's key exists.
-
-        A refused document's events are served too, so that its ``job.refused``
-        event can be read.
-        """
-        if await self.store.get(job_key(job_id)) is None:
-            raise JobNotFound(f"no job with id {job_id!r}")
-
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
-        await self._exists(job_id)
+        await self.get(job_id)
         return (await self.events.cluster_events(job_id, after))[:limit]
 
     async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
-        await self._exists(job_id)
+        await self.get(job_id)
         return await self.events.follow_cluster(job_id, after, timeout)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:

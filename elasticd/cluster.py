@@ -247,10 +247,14 @@ def check_job_document(key: str, value: bytes) -> tuple[Job | None, str | None]:
 
 
 def parse_job(key: str, value: bytes) -> Job | None:
-    """The job document at ``key``, or None (logged) when it is refused."""
+    """The job document at ``key``, or None when it is refused.
+
+    Logged at debug level only: the job watch reports each refused document
+    once (:meth:`Cluster._parse`), and a listing must not fill the log.
+    """
     job, reason = check_job_document(key, value)
     if reason is not None:
-        log.warning("ignoring the job document %r: %s", key, reason)
+        log.debug("ignoring the job document %r: %s", key, reason)
     return job
 
 

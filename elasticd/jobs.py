@@ -125,6 +125,7 @@ class JobService:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
         self._watched = False
+        self._recording: set[asyncio.Task[None]] = set()
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
         self.check_user: Callable[[str], object] | None = None
 
@@ -551,9 +552,11 @@ class JobService:
             {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
         ).encode()
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-        asyncio.get_running_loop().create_task(
+        task = asyncio.get_running_loop().create_task(
             self._record_refusal(f"refused/{self.node}/{digest}", record)
         )
+        self._recording.add(task)  # a task nobody references may be collected mid-way
+        task.add_done_callback(self._recording.discard)
 
     async def _record_refusal(self, key: str, record: bytes) -> None:
         try:

@@ -1,7 +1,12 @@
 """``create_app(daemon)``: the FastAPI app, thin over the daemon's service object.
 
-Every route but ``/healthz`` requires the bearer token when one is
-configured. Errors are problem+json from one table (:mod:`api.problems`).
+Every route but ``/healthz`` (and the static ``/ui`` page) requires the
+bearer token when one is configured, ``/openapi.json`` included. There is no
+``/docs`` or ``/redoc``: those pages load their scripts from a CDN, and no
+page the daemon serves loads anything from elsewhere. Before any route,
+:class:`api.guard.RequestGuard` refuses misdirected (Host), cross-origin
+(Origin) and non-JSON state-changing requests, and :class:`api.limits.BodySizeLimit`
+too large bodies. Errors are problem+json from one table (:mod:`api.problems`).
 """
 
 from __future__ import annotations
@@ -9,8 +14,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
+from fastapi.responses import JSONResponse
 
 from api.auth import bearer_auth
+from api.guard import SAFE_METHODS, RequestGuard
 from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
 from api.routes import health, jobs, nodes, ui
@@ -24,13 +31,23 @@ if TYPE_CHECKING:
 DESCRIPTION = (
     "elasticd's control plane: submit torchrun-style jobs, watch their worker groups, "
     "events and logs. Every endpoint except /healthz needs `Authorization: Bearer <token>` "
-    "when the daemon has a token."
+    "when the daemon has a token. Without a token the daemon answers only requests addressed "
+    "to a loopback name (421 otherwise). A POST, PUT or PATCH needs "
+    "`Content-Type: application/json` and a JSON body (`{}` when there is nothing to say; 415 "
+    "otherwise); a state-changing request from a web page of another origin gets 403."
 )
 
 
 def create_app(daemon: Daemon | None) -> FastAPI:
     """The app for ``daemon`` (``None`` only to generate the OpenAPI document)."""
-    app = FastAPI(title="elasticd", version=__version__, description=DESCRIPTION)
+    app = FastAPI(
+        title="elasticd",
+        version=__version__,
+        description=DESCRIPTION,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,  # served below, behind the token
+    )
     app.state.daemon = daemon
     app.state.streams = StreamLimit(
         getattr(getattr(daemon, "config", None), "max_streams", DEFAULT_MAX_STREAMS)
@@ -41,6 +58,12 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     config = daemon.config if daemon is not None else None
     max_bytes = getattr(config, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)
+    app.add_middleware(RequestGuard, tokenless=token is None)  # added last: runs first
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
     app.include_router(health.public)
     app.include_router(health.private, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
@@ -60,9 +83,10 @@ def _document_problems(app: FastAPI) -> None:
     """Document the errors every route shares as they are sent: problem+json.
 
     FastAPI describes its 422 as ``application/json`` ``HTTPValidationError``;
-    the app sends a problem (:mod:`api.problems`). 401 (token) and 413 (body
-    size, :mod:`api.limits`; ``/store/`` documents its own) come from outside
-    the routes and are added here.
+    the app sends a problem (:mod:`api.problems`). 401 (token), 413 (body
+    size, :mod:`api.limits`; ``/store/`` documents its own) and the guard's
+    421 (Host), 403 (Origin) and 415 (Content-Type) (:mod:`api.guard`) come
+    from outside the routes and are added here.
     """
     generate = app.openapi
 
@@ -72,8 +96,28 @@ def _document_problems(app: FastAPI) -> None:
         schema = generate()
         content = {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}
         for path, operations in schema.get("paths", {}).items():
-            for operation in operations.values():
+            for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
+                responses.setdefault(
+                    "421",
+                    {
+                        "description": "The daemon has no token and the Host is not loopback",
+                        "content": content,
+                    },
+                )
+                if method.upper() not in SAFE_METHODS:
+                    responses.setdefault(
+                        "403",
+                        {
+                            "description": "Forbidden, e.g. sent by a page of another origin",
+                            "content": content,
+                        },
+                    )
+                if "requestBody" in operation:
+                    responses.setdefault(
+                        "415",
+                        {"description": "The body is not application/json", "content": content},
+                    )
                 if "422" in responses:
                     responses["422"] = {
                         "description": "The request is invalid; `errors` names each field",

@@ -6,7 +6,7 @@ The daemon's records are served as they are stored, so most models live in
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from elasticd.models import (
     Event,
@@ -23,6 +23,7 @@ __all__ = [
     "Event",
     "GroupView",
     "Health",
+    "Empty",
     "Job",
     "JobList",
     "JobSpec",
@@ -39,6 +40,8 @@ class Health(BaseModel):
     status: str
     node: str
     version: str
+    reason: str | None = None
+    """Why the daemon is not ready (``/readyz`` only)."""
 
 
 class Problem(BaseModel):
@@ -48,3 +51,13 @@ class Problem(BaseModel):
     title: str
     status: int
     detail: str
+
+
+class Empty(BaseModel):
+    """`{}`: the body of a POST that has nothing else to say (a cancel, a lease keepalive).
+
+    Every state-changing request is JSON, so that no web page can send one
+    without a CORS preflight (which the daemon never grants).
+    """
+
+    model_config = ConfigDict(extra="forbid")

@@ -441,7 +441,7 @@ class ElasticdServer:
 
     def cancel(self, job_id: str) -> None:
         with contextlib.suppress(httpx.HTTPError):
-            self.client.post(f"/jobs/{job_id}/cancel")
+            self.client.post(f"/jobs/{job_id}/cancel", json={})
 
 
 # -- a lean HTTP/1.1 client for load ------------------------------------------------------

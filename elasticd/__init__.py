@@ -3,7 +3,7 @@
 One daemon runs on every node. A job submitted to any daemon is rendezvoused
 through a shared store, its workers are started with torchrun's environment
 contract, watched without polling, and restarted as a group when a worker dies
-or hangs. See DESIGN.md for the map.
+or hangs. See docs/design.md for the map.
 
 The daemon process never imports torch; torch lives in the workers and in the
 worker-side library (`elasticd.worker`).

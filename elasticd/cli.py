@@ -5,7 +5,9 @@ TOML config file (``--config``); see :mod:`elasticd.config`.
 
 ``elasticd run [options] -- python train.py ...`` starts an embedded daemon in
 this process, submits the job, streams the workers' output with rank
-prefixes, and exits with the job's result (0 on success, 1 on failure).
+prefixes, and exits with the job's result (0 on success, 1 on failure). Its
+API needs a token made for the run (:func:`elasticd.launcher.write_run_token`;
+the path is printed), so other local users cannot reach the job.
 
 The client commands talk to a running daemon over its REST API
 (:mod:`elasticd.client`): ``submit``, ``jobs``, ``status``, ``workers``,
@@ -33,7 +35,7 @@ from typing import Any
 from elasticd import __version__
 from elasticd.client import DEFAULT_URL
 from elasticd.config import DEFAULT_PORT, load_config
-from elasticd.errors import ConfigError
+from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.models import JobSpec
 from elasticd.states import JobState
 
@@ -124,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_serve(args))
         if args.command == "run":
             return asyncio.run(_run(args))
-    except ConfigError as exc:
+    except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -189,6 +191,7 @@ def _console(job_id: str, rank: int, stream: str, line: bytes) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     from elasticd.daemon import Daemon
+    from elasticd.launcher import write_run_token
 
     command = _command(list(args.program))
     with contextlib.ExitStack() as stack:
@@ -204,6 +207,7 @@ async def _run(args: argparse.Namespace) -> int:
                 "log_dir": log_dir,
                 "node_name": "localhost",
                 "slots": max(args.nproc_per_node, 1),
+                "token_file": str(write_run_token(Path(state_dir))),
             },
             environ={},
         )
@@ -229,7 +233,10 @@ async def _run(args: argparse.Namespace) -> int:
         daemon.install_signal_handlers()
         async with daemon:
             job, _ = await daemon.jobs.submit(spec)
-            _note(f"job {job.id} submitted; API at {config.url}, logs in {config.logs / job.id}")
+            _note(
+                f"job {job.id} submitted; API at {config.url} (token in {config.token_file}), "
+                f"logs in {config.logs / job.id}"
+            )
             follower = asyncio.create_task(_print_events(daemon, job.id))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
             stop = asyncio.create_task(daemon._stop.wait())

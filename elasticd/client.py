@@ -319,7 +319,7 @@ class Client:
         return _parse(JobList, self._request("GET", "/jobs", params=params))
 
     def cancel(self, job_id: str) -> Job:
-        return _parse(Job, self._request("POST", f"/jobs/{job_id}/cancel"))
+        return _parse(Job, self._request("POST", f"/jobs/{job_id}/cancel", json={}))
 
     def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, self._request("GET", f"/jobs/{job_id}/workers"))
@@ -476,7 +476,7 @@ class AsyncClient:
         return _parse(JobList, await self._request("GET", "/jobs", params=params))
 
     async def cancel(self, job_id: str) -> Job:
-        return _parse(Job, await self._request("POST", f"/jobs/{job_id}/cancel"))
+        return _parse(Job, await self._request("POST", f"/jobs/{job_id}/cancel", json={}))
 
     async def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, await self._request("GET", f"/jobs/{job_id}/workers"))

@@ -3,12 +3,27 @@
 Precedence, highest first: command-line flags, ``ELASTICD_*`` environment
 variables, the TOML file named by ``--config`` / ``ELASTICD_CONFIG``,
 built-in defaults. Every problem is a ``ConfigError`` naming the setting.
+
+The store's security is checked here, before anything connects
+(:func:`check_store`): a store beyond loopback that is both plaintext and
+unauthenticated is refused unless ``allow_insecure_store`` is set.
+"Authenticated" means that the store can tell this daemon from anyone else
+who reaches it: for etcd, an etcd user (``store_username`` with
+``store_password_file``) or a TLS client certificate (``etcds://`` with
+``store_cert_file``/``store_key_file``, etcd started with
+``--client-cert-auth``); for another daemon's store, this daemon's token.
+TLS without a client certificate or a user is not authenticated (anyone may
+still write), and is refused beyond loopback too. Secrets (the token, the
+etcd password, the client key) come from files only this daemon's user owns
+and can read, never from a URL.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
+import pwd
 import socket
 import stat
 import tomllib
@@ -20,6 +35,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
+from elasticd.store import redact_url, store_endpoints
+
+log = logging.getLogger("elasticd.config")
 
 ENV_PREFIX = "ELASTICD_"
 DEFAULT_PORT = 7070
@@ -78,10 +96,40 @@ class Config(BaseModel):
     token_file: Path | None = None
     store_url: str | None = None
     store_only: bool = False
+    # The store's security (check_store; docs/store.md "Running etcd securely").
+    store_username: str | None = Field(
+        default=None, min_length=1, description="etcd user elasticd authenticates as."
+    )
+    store_password_file: Path | None = Field(
+        default=None,
+        description="File holding that user's password (0600, owned by the daemon's user).",
+    )
+    store_ca_file: Path | None = Field(
+        default=None, description="CA that signed etcd's server certificate (etcds://)."
+    )
+    store_cert_file: Path | None = Field(
+        default=None, description="Client certificate for etcd's --client-cert-auth (etcds://)."
+    )
+    store_key_file: Path | None = Field(
+        default=None, description="Its private key (0600, owned by the daemon's user)."
+    )
+    store_prefix: str = Field(
+        default="", description="Key prefix for everything elasticd keeps in etcd, e.g. elasticd/."
+    )
+    allow_insecure_store: bool = Field(
+        default=False,
+        description="Accept a plaintext, unauthenticated store on a non-loopback address.",
+    )
     shutdown_timeout: float = Field(default=60.0, gt=0)
     health_check: list[str] | None = Field(
         default=None,
         description="A node-wide health check command (argv) run before every group start.",
+    )
+    nvidia_smi: str | None = Field(
+        default=None,
+        min_length=1,
+        description="nvidia-smi for GPU discovery and the GPU health check: an absolute path, "
+        "or unset to look it up on the daemon's own PATH (never a job's).",
     )
     metrics_open_on_loopback: bool = Field(
         default=False, description="Serve /metrics without the token to loopback clients."
@@ -134,6 +182,13 @@ class Config(BaseModel):
         "an error naming the prefix.",
     )
 
+    @field_validator("nvidia_smi")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isabs(value):
+            raise ValueError("must be an absolute path (unset: looked up on the daemon's PATH)")
+        return value
+
     @field_validator("allowed_users", mode="before")
     @classmethod
     def _users(cls, value: Any) -> Any:
@@ -178,9 +233,17 @@ _ENV_FIELDS = {
     "LABELS": "labels",
     "TOKEN_FILE": "token_file",
     "STORE_URL": "store_url",
+    "STORE_USERNAME": "store_username",
+    "STORE_PASSWORD_FILE": "store_password_file",
+    "STORE_CA_FILE": "store_ca_file",
+    "STORE_CERT_FILE": "store_cert_file",
+    "STORE_KEY_FILE": "store_key_file",
+    "STORE_PREFIX": "store_prefix",
+    "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
     "JOB_RETENTION": "job_retention",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
+    "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",
     "ALLOW_ROOT": "allow_root",
     "ALLOWED_USERS": "allowed_users",
@@ -232,25 +295,49 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 
 def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str | None:
-    """The bearer token, from ``token_file`` (must not be readable by group/others) or env."""
+    """The bearer token, from ``token_file`` or env.
+
+    The file must belong to the daemon's own user and be readable by nobody
+    else: a file owned by another user (a job's user, say) is that user's to
+    read or replace, whatever its mode. Checked on the open file, so what is
+    read is what was checked.
+    """
     environ = os.environ if environ is None else environ
     if config.token_file is None:
         token = environ.get(ENV_PREFIX + "TOKEN")
         return token.strip() or None if token else None
     path = config.token_file
     try:
-        st = path.stat()
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"token file {path} cannot be read: {exc.strerror}") from None
-    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
-            f"token file {path} is readable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
-        )
-    token = path.read_text().strip()
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"token file {path} is not a regular file")
+        me = os.geteuid()
+        if st.st_uid != me:
+            raise ConfigError(
+                f"token file {path} belongs to {_user_name(st.st_uid)}, not to the user this "
+                f"daemon runs as ({_user_name(me)}), who must own it alone; run: "
+                f"chown {_user_name(me)} {path}"
+            )
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"token file {path} is readable by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+            )
+        token = fh.read(1 << 20).decode("utf-8", "replace").strip()
     if not token:
         raise ConfigError(f"token file {path} is empty")
     return token
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def check_bind(config: Config, token: str | None) -> None:
@@ -261,3 +348,131 @@ def check_bind(config: Config, token: str | None) -> None:
             "could run programs on this node. Set --token-file (a 0600 file with a secret) "
             "or bind to 127.0.0.1."
         )
+
+
+def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
+    """Refuse a secret file that is not a regular file owned by, and private to, this user."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{setting} {path} is not a regular file")
+    me = os.geteuid()
+    if st.st_uid != me:  # as for the token file: another user may read or replace it
+        raise ConfigError(
+            f"{setting} {path} belongs to {_user_name(st.st_uid)}, not to the user this "
+            f"daemon runs as ({_user_name(me)}), who must own it alone; run: "
+            f"chown {_user_name(me)} {path}"
+        )
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"{setting} {path} is readable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
+        )
+
+
+def _private_file(path: Path, setting: str) -> None:
+    """Check a secret file that is read by path later (the TLS key: ``ssl`` opens it)."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
+    _check_private(st, path, setting)
+
+
+def read_store_password(config: Config) -> str | None:
+    """etcd's password, from ``store_password_file`` (0600, owned by this daemon's user).
+
+    Checked on the open descriptor, so what is read is what was checked; opened
+    non-blocking, so a FIFO put there cannot hang the start-up.
+    """
+    path = config.store_password_file
+    if path is None:
+        return None
+    setting = "store_password_file"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        _check_private(os.fstat(fd), path, setting)
+        data = fh.read(64 * 1024)
+    try:
+        password = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{setting} {path} is not UTF-8 text") from None
+    if not password:
+        raise ConfigError(f"{setting} {path} is empty")
+    return password
+
+
+def check_store(config: Config, token: str | None) -> None:
+    """Check the ``store_*`` settings, and refuse an insecure store beyond loopback.
+
+    Nothing connects: this runs before the store is opened. See the module's
+    docstring for what counts as authenticated.
+    """
+    target = store_endpoints(config.store_url)
+    shown = redact_url(config.store_url or "")
+    etcd_settings = {
+        "store_username": config.store_username,
+        "store_password_file": config.store_password_file,
+        "store_ca_file": config.store_ca_file,
+        "store_cert_file": config.store_cert_file,
+        "store_key_file": config.store_key_file,
+        "store_prefix": config.store_prefix or None,
+    }
+    if target.kind != "etcd":
+        stray = [name for name, value in etcd_settings.items() if value is not None]
+        if stray:
+            raise ConfigError(
+                f"{', '.join(stray)} only apply to an etcd store_url (etcd:// or etcds://)"
+            )
+    if (config.store_username is None) != (config.store_password_file is None):
+        raise ConfigError(
+            "store_username and store_password_file go together: set both to authenticate "
+            "to etcd as that user, or neither"
+        )
+    if (config.store_cert_file is None) != (config.store_key_file is None):
+        raise ConfigError("store_cert_file and store_key_file go together: set both or neither")
+    tls_files = [
+        name
+        for name in ("store_ca_file", "store_cert_file", "store_key_file")
+        if etcd_settings[name] is not None
+    ]
+    if tls_files and not target.tls:
+        raise ConfigError(
+            f"{', '.join(tls_files)} need TLS, but store_url {shown!r} is plaintext; "
+            "use etcds://host:port"
+        )
+    if config.store_key_file is not None:
+        _private_file(config.store_key_file, "store_key_file")
+    if config.store_prefix and not config.store_prefix.endswith("/"):
+        raise ConfigError(
+            f"store_prefix {config.store_prefix!r} must end with '/' (e.g. 'elasticd/'), so "
+            "that it is a folder of its own and not also the start of other keys"
+        )
+    remote = [h for h in target.hosts if not is_loopback(h)]
+    if not remote:
+        return
+    if target.kind == "etcd":
+        authenticated = config.store_username is not None or config.store_cert_file is not None
+    else:
+        authenticated = token is not None
+    if authenticated and not target.tls:
+        log.warning(
+            "store_url %s is plaintext: credentials and data cross the network unencrypted; "
+            "use TLS (etcds://, https://)",
+            shown,
+        )
+    if authenticated or config.allow_insecure_store:
+        return
+    how = (
+        "an etcd user (store_username and store_password_file) or a TLS client certificate "
+        "(etcds:// with store_cert_file and store_key_file)"
+        if target.kind == "etcd"
+        else "a token (token_file, the same on every daemon)"
+    )
+    raise ConfigError(
+        f"refusing store_url {shown!r}: {remote[0]} is not a loopback address and the store "
+        "is not authenticated, so anyone who can reach it could run programs on every node. "
+        f"Set {how}, or set allow_insecure_store = true if the network is trusted "
+        '(see docs/store.md, "Running etcd securely").'
+    )

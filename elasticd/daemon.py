@@ -1,10 +1,17 @@
 """The daemon: composition root that owns the loop's signals, tasks and shutdown order.
 
-Start-up: open the database, open the store, kill the workers a previous
-run left behind (:func:`elasticd.workers.spawn.sweep_orphans`), fail jobs a
-previous run left active (never lose them), start the HTTP server inside
-this event loop, tell systemd ``READY=1``, and ping its watchdog when the
-unit has one.
+Start-up: check the settings (the token file, the bind address, the store's
+security: :func:`elasticd.config.check_store`) before anything connects,
+open the database, open the store, start the HTTP server inside
+this event loop (it binds first: the port is part of this node's record;
+``/readyz`` says "starting" until the end), wait until the store answers
+(the nodes of a cluster start in any order: retried with backoff, logged
+once, ``/readyz`` says what is awaited; a store that refuses this daemon's
+credentials is a configuration error, raised at once), kill the workers a
+previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`),
+recover the jobs a previous run left active (never lose them), register in
+the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
+has one.
 
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
@@ -26,7 +33,7 @@ import os
 import shutil
 import signal
 import socket
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
 from typing import Self
 
@@ -36,19 +43,26 @@ from elasticd import __version__, systemd
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
-from elasticd.config import Config, check_bind, read_token
+from elasticd.config import Config, check_bind, check_store, read_store_password, read_token
 from elasticd.db import Database
-from elasticd.errors import ConfigError, ElasticdError
+from elasticd.errors import (
+    ConfigError,
+    ElasticdError,
+    StoreAuthError,
+    StoreError,
+    WorkerSpawnError,
+)
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
 from elasticd.models import Job
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.store import (
+    EtcdOptions,
     Store,
     open_store,
 )
-from elasticd.workers.spawn import SpawnPolicy, install_policy, sweep_orphans
+from elasticd.workers.spawn import SpawnPolicy, install_policy, start_process, sweep_orphans
 
 log = logging.getLogger("elasticd.daemon")
 
@@ -61,19 +75,38 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def detect_gpus() -> list[str] | None:
-    """GPU indices from ``nvidia-smi -L``, or None on a node without NVIDIA GPUs."""
-    exe = shutil.which("nvidia-smi")
+async def detect_gpus(
+    nvidia_smi: str | None = None, environ: Mapping[str, str] | None = None
+) -> list[str] | None:
+    """GPU indices from ``nvidia-smi -L``, or None on a node without NVIDIA GPUs.
+
+    ``nvidia_smi`` is the configured path; else it is looked up on the daemon's own PATH.
+    """
+    environ = os.environ if environ is None else environ
+    exe = shutil.which(nvidia_smi or "nvidia-smi", path=environ.get("PATH", os.defpath))
     if exe is None:
         return None
     try:
-        proc = await asyncio.create_subprocess_exec(
-            exe, "-L", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        # Started like every child: the daemon's secrets (WITHHELD) never reach it.
+        proc = await start_process(
+            [exe, "-L"],
+            environ,
+            identity=None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
         )
+    except WorkerSpawnError:
+        return None
+    try:
         async with asyncio.timeout(10):
             out, _ = await proc.communicate()
-    except (OSError, TimeoutError):
+    except TimeoutError:
         return None
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
     ids = [
         line.split(":", 1)[0].removeprefix("GPU ").strip()
         for line in out.decode(errors="replace").splitlines()
@@ -100,6 +133,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Read (and never written) to learn whether the store answers.
+NODE_PROBE_KEY = "elasticd/probe"
+
+
 class Daemon:
     """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
 
@@ -118,6 +155,8 @@ class Daemon:
         self._environ = dict(os.environ if environ is None else environ)
         self.token = read_token(config, self._environ)
         check_bind(config, self.token)
+        check_store(config, self.token)
+        self._store_password = read_store_password(config)
         self.job_users = resolve_job_users(config)
         self._uninstall_spawn_policy: Callable[[], None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
@@ -132,6 +171,8 @@ class Daemon:
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._state = "new"
+        #: Why the store cannot be used yet (start-up waits for it), None once it answered.
+        self._store_wait: str | None = None
         self.db = Database(config.state_dir / "elasticd.sqlite3")
         self.store: Store
         self.events: EventLog
@@ -141,7 +182,16 @@ class Daemon:
 
     @property
     def ready(self) -> bool:
-        return self._state == "running" and self.jobs.accepting
+        return self.not_ready_reason is None
+
+    @property
+    def not_ready_reason(self) -> str | None:
+        """Why the daemon does not accept jobs now (``/readyz``); None when it does."""
+        if self._store_wait is not None:
+            return f"waiting for the store: {self._store_wait}"
+        if self._state == "running":
+            return None if self.jobs.accepting else "not accepting jobs (shutting down)"
+        return {"stopping": "shutting down", "closed": "stopped"}.get(self._state, "starting")
 
     # lifecycle
 
@@ -158,6 +208,14 @@ class Daemon:
             state_dir=self.config.state_dir,
             max_value_bytes=self.config.store_max_value_bytes,
             max_list_bytes=self.config.store_max_list_bytes,
+            etcd=EtcdOptions(
+                username=self.config.store_username,
+                password=self._store_password,
+                ca_file=self.config.store_ca_file,
+                cert_file=self.config.store_cert_file,
+                key_file=self.config.store_key_file,
+                prefix=self.config.store_prefix,
+            ),
         )
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
@@ -165,7 +223,7 @@ class Daemon:
         self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
         self.metrics = Metrics()
         self.events.add_listener(self.metrics.on_event)
-        gpus = await detect_gpus()
+        gpus = await detect_gpus(self.config.nvidia_smi, self._environ)
         slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
         token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
         if self._serve_http:
@@ -203,6 +261,8 @@ class Daemon:
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.for_job
+        if not await self._wait_for_store():
+            return  # asked to stop before the store ever answered: serve() shuts down
         await self.events.start()
         self._uninstall_spawn_policy = install_policy(
             SpawnPolicy(users=self.job_users, registry=self.db)
@@ -231,8 +291,47 @@ class Daemon:
             self.config.state_dir,
         )
 
+    async def _wait_for_store(self) -> bool:
+        """Until the store answers (nodes of a cluster start in any order); False if stopped first.
+
+        Meanwhile ``/healthz`` answers and ``/readyz`` says what is awaited.
+        The wait is logged once when it starts and once when it ends. A store
+        that answers but refuses this daemon (:class:`StoreAuthError`: no or
+        wrong credentials, no access) is not waited for: its error, which names
+        the setting to change, ends the start-up (``elasticd serve`` exits 2).
+        """
+        delay, started = 0.1, self.clock.monotonic()
+        while True:
+            try:
+                await self.store.get(NODE_PROBE_KEY)
+            except StoreAuthError:
+                raise
+            except StoreError as exc:
+                if self._store_wait is None:
+                    log.warning(
+                        "the store is not reachable yet (%s); retrying until it answers", exc
+                    )
+                self._store_wait = str(exc)
+            else:
+                if self._store_wait is not None:
+                    log.warning(
+                        "the store answers after %.1f s; starting",
+                        self.clock.monotonic() - started,
+                    )
+                self._store_wait = None
+                return True
+            stop = asyncio.ensure_future(self._stop.wait())
+            try:
+                await asyncio.wait([stop], timeout=delay)
+            finally:
+                stop.cancel()
+            if self._stop.is_set():
+                return False
+            delay = min(delay * 2, 5.0)
+
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse
+        from api.protocol import uvicorn_settings
 
         app = create_app(self)
         uv_config = uvicorn.Config(
@@ -243,6 +342,8 @@ class Daemon:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=3,
+            # Bounded request heads, head read time and connections (api.protocol).
+            **uvicorn_settings(),
         )
         self._server = _Server(uv_config)
         sock = bind_socket(self.config.host, self.config.port)

@@ -10,6 +10,7 @@ above it handle a small, documented set::
     ├── TooManyStreams           the daemon already serves its most live streams
     ├── StoreError               anything the cluster store raises
     │   ├── StoreUnavailable     the store could not be reached (names the URL)
+    │   │   └── StoreAuthError   the store refused this client's credentials or access
     │   ├── StoreCompacted       a watch asked for history the store no longer has
     │   ├── LeaseNotFound        the lease expired or was revoked
     │   ├── ValueTooLarge        a value over the store's size limit
@@ -55,6 +56,15 @@ class StoreError(ElasticdError):
 
 class StoreUnavailable(StoreError):
     """The store could not be reached or answered with a server error."""
+
+
+class StoreAuthError(StoreUnavailable):
+    """The store refused this client: no or wrong credentials, or no access to a key.
+
+    A configuration problem, not an outage: the message says which setting to change.
+    It is a :class:`StoreUnavailable` so that callers that wait for the store keep
+    waiting (an operator may fix the store's users while the daemon runs).
+    """
 
 
 class StoreCompacted(StoreError):

@@ -12,9 +12,23 @@ Two kinds, run concurrently by :func:`run_health_checks`:
   (``[GPU is lost]``, ``[Unknown Error]``, ``ERR!``, ``[GPU requires
   reset]``), on uncorrected volatile ECC errors, on retired pages pending a
   reset, and when no GPU is listed. ``[N/A]`` and ``[Not Supported]`` (no
-  ECC on this board) are fine. Without ``nvidia-smi`` on the check's PATH,
-  or with ``CUDA_VISIBLE_DEVICES`` set empty (a job without GPUs), it is
+  ECC on this board) are fine. Without ``nvidia-smi`` (an absolute path
+  from the config, else looked up on the operator's ``PATH``), or with
+  ``CUDA_VISIBLE_DEVICES`` set empty (a node without GPUs), it is
   *skipped*: ``ok`` and ``skipped`` are both true, and the message says why.
+
+Who runs what, with which environment
+    Every check is started like a worker, by
+    :func:`elasticd.workers.spawn.start_process` (parent-death wrapper, the
+    program looked up by the process itself, ``ELASTICD_TOKEN``,
+    ``NOTIFY_SOCKET`` and the other withheld variables never passed). A
+    *job's* check (``health_check`` in its spec) carries the job's user,
+    environment and working folder: it runs as the job, exactly as its
+    workers do. The *operator's* checks (the node's ``health_check`` and
+    the GPU check) run as the daemon with the environment given to
+    :func:`run_health_checks`, which is the daemon's own and never holds
+    anything of the job's: a job's ``PATH`` or ``LD_PRELOAD`` must not
+    choose what a more privileged process runs.
 
 Every result carries its duration. Nothing here raises for a failing or
 missing check: a check that cannot run is a failed (or skipped) result.
@@ -31,6 +45,10 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from elasticd.errors import WorkerSpawnError
+from elasticd.security import Identity
+from elasticd.workers.spawn import start_process
 
 __all__ = [
     "GPU_QUERY_FIELDS",
@@ -78,6 +96,13 @@ class CommandCheck:
     name: str = "health_check"
     timeout: float | None = None
     """Seconds; None uses the timeout given to :func:`run_health_checks`."""
+    env: Mapping[str, str] | None = None
+    """Its own complete environment (a job's check: as the job's workers get it); None: the
+    operator's environment given to :func:`run_health_checks`."""
+    identity: Identity | None = None
+    """The user it runs as (a job's check: the job's); None: the daemon's own user."""
+    cwd: str | None = None
+    """Its working folder, entered as ``identity`` (a job's check: the job's ``cwd``)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,7 @@ class GpuCheck:
 
     name: str = "gpu"
     nvidia_smi: str = "nvidia-smi"
+    """An absolute path, or a name looked up on the operator environment's ``PATH``."""
     timeout: float | None = None
 
 
@@ -93,16 +119,35 @@ HealthCheck = CommandCheck | GpuCheck
 
 
 def checks_for_job(
-    command: Sequence[str] | None, *, gpu: bool = True, node_command: Sequence[str] | None = None
+    command: Sequence[str] | None,
+    *,
+    gpu: bool = True,
+    node_command: Sequence[str] | None = None,
+    job_env: Mapping[str, str] | None = None,
+    identity: Identity | None = None,
+    cwd: str | None = None,
+    nvidia_smi: str | None = None,
 ) -> list[HealthCheck]:
-    """The checks a job runs: the node's command, the job's command, then the GPU check."""
+    """The checks a job runs: the node's command, the job's command, then the GPU check.
+
+    The job's command runs as ``identity`` with ``job_env`` in ``cwd``; the
+    node's command and the GPU check run as the operator's (see the module).
+    """
     checks: list[HealthCheck] = []
     if node_command:
         checks.append(CommandCheck(list(node_command), name="node_health_check"))
     if command:
-        checks.append(CommandCheck(list(command), name="health_check"))
+        checks.append(
+            CommandCheck(
+                list(command),
+                name="health_check",
+                env=dict(job_env) if job_env is not None else None,
+                identity=identity,
+                cwd=cwd,
+            )
+        )
     if gpu:
-        checks.append(GpuCheck())
+        checks.append(GpuCheck(nvidia_smi=nvidia_smi or "nvidia-smi"))
     return checks
 
 
@@ -111,8 +156,10 @@ async def run_health_checks(
 ) -> list[HealthResult]:
     """Run every check concurrently; results in the order of ``checks``.
 
-    ``env`` is the complete environment of the commands (its ``PATH`` finds
-    them); ``timeout`` applies to each check that has none of its own.
+    ``env`` is the operator's environment: the complete environment of the
+    checks that carry none of their own (its ``PATH`` finds them and
+    ``nvidia-smi``); never put anything of a job's in it. ``timeout``
+    applies to each check that has none of its own.
     """
     return list(await asyncio.gather(*(_run_one(check, env, timeout) for check in checks)))
 
@@ -133,7 +180,13 @@ async def _command(
     argv = list(check.argv)
     if not argv:
         return False, False, "the health check command is empty"
-    code, output, timed_out = await _execute(argv, env, timeout)
+    code, output, timed_out = await _execute(
+        argv,
+        check.env if check.env is not None else env,
+        timeout,
+        identity=check.identity,
+        cwd=check.cwd,
+    )
     shown = " ".join(argv)
     if timed_out:
         return False, False, f"{shown!r} did not finish within {timeout:g} s{_tail(output)}"
@@ -148,9 +201,11 @@ async def _gpu(check: GpuCheck, env: Mapping[str, str], timeout: float) -> tuple
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
         return True, True, f"skipped: the job has no GPUs (CUDA_VISIBLE_DEVICES={visible!r})"
+    # The operator's nvidia-smi: a configured path, else the daemon's PATH (never a job's).
     exe = shutil.which(check.nvidia_smi, path=env.get("PATH", os.defpath))
     if exe is None:
-        return True, True, f"skipped: {check.nvidia_smi} is not on PATH (no NVIDIA driver here)"
+        where = "there" if os.sep in check.nvidia_smi else "on PATH"
+        return True, True, f"skipped: {check.nvidia_smi} is not {where} (no NVIDIA driver here)"
     argv = [exe, f"--query-gpu={','.join(GPU_QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
     if visible and not visible.startswith("MIG-"):
         argv += ["-i", visible.strip()]
@@ -197,20 +252,25 @@ def parse_gpu_query(output: str) -> tuple[list[str], list[str]]:
 
 
 async def _execute(
-    argv: Sequence[str], env: Mapping[str, str], timeout: float
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    timeout: float,
+    *,
+    identity: Identity | None = None,
+    cwd: str | None = None,
 ) -> tuple[int | None, str, bool]:
     """Run ``argv``; ``(returncode, output tail, timed_out)``; returncode None if not started."""
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
+        proc = await start_process(
+            argv,
+            env,
+            identity=identity,
+            cwd=cwd,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
         )
-    except OSError as exc:
-        return None, exc.strerror or str(exc), False
+    except WorkerSpawnError as exc:
+        return None, str(exc), False
     assert proc.stdout is not None
     tail = bytearray()
     timed_out = False

@@ -30,6 +30,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
@@ -49,18 +50,32 @@ from elasticd.errors import (
 from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
-from elasticd.states import JOB_ACTIVE, JobState, job_transition
-from elasticd.store import Store
+from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
+from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 log = logging.getLogger("elasticd.jobs")
 
-DAEMON_STOPPED = "the elasticd daemon stopped while the job was running"
+DAEMON_STOPPED = (
+    "the elasticd daemon stopped while the job was running (e.g. systemctl restart); "
+    "the job resumes as a new attempt when the daemon is back, no restart charged"
+)
 DAEMON_CRASHED = (
-    "the elasticd daemon was not running (it crashed or was killed) while the job was running"
+    "the elasticd daemon was not running (it crashed or was killed) while the job was running; "
+    "the job resumes as a new attempt, no restart charged"
 )
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
+
+
+def last_attempt(job_log_dir: Path) -> int:
+    """The highest ``attempt_<n>`` under a job's log folder (-1 if none): names only, no opens."""
+    try:
+        names = os.listdir(job_log_dir)
+    except OSError:
+        return -1
+    numbers = [int(n[8:]) for n in names if n.startswith("attempt_") and n[8:].isdigit()]
+    return max(numbers, default=-1)
 
 
 def job_key(job_id: str) -> str:
@@ -136,24 +151,55 @@ class JobService:
     # lifecycle
 
     async def recover(self) -> None:
-        """After a start: a single-node job this node was running is failed, never lost.
+        """After a start: a job this node was running resumes, never failed for the daemon's sake.
 
         A job with other live members carries on without us; this node will
         rejoin it through the normal scheduling path (as an arriving node).
+        A job only this node ran was interrupted by this daemon's own stop or
+        crash, not by its workers: it is marked RESTARTING with the reason
+        and the scheduling path starts it again as a new attempt. No restart
+        is charged (:data:`DAEMON_CRASHED`).
         """
         for job in await self._all_jobs():
             if job.state not in JOB_ACTIVE:
                 continue
             ours = await self.store.get(group_prefix(job.id) + self.node)
-            if ours is None:
+            if ours is not None:
+                await self._mark_stopped(ours)
+            members = await self._live_members(job.id)
+            if members - {self.node}:
                 continue
-            others = await self._live_members(job.id)
-            if others - {self.node}:
+            if ours is None and self.node not in members and not self._started_here(job.id):
                 continue
-            self.events.emit(job.id, "daemon", "job.orphaned", DAEMON_CRASHED, state="FAILED")
-            with contextlib.suppress(InvalidTransition):
-                await self.update_job(job.id, state=JobState.FAILED, reason=DAEMON_CRASHED)
-            self._done_here.add(job.id)
+            self.events.emit(job.id, "daemon", "job.resumed", DAEMON_CRASHED)
+            if job.state is JobState.RUNNING:
+                with contextlib.suppress(InvalidTransition):
+                    await self.update_job(
+                        job.id, state=JobState.RESTARTING, reason="the daemon was restarted"
+                    )
+
+    async def _mark_stopped(self, entry: Entry) -> None:
+        """Our group view from before the restart: its workers died with the daemon."""
+        view = decode_group(entry.value)
+        if view is None or view.state.is_terminal or view.state is WorkerState.STOPPED:
+            return
+        view.state = WorkerState.STOPPED
+        view.updated_at = self.clock.time()
+        for worker in view.workers:
+            if not worker.state.is_terminal:
+                worker.state = WorkerState.STOPPED
+        await self.store.compare_and_set(
+            entry.key, view.model_dump_json().encode(), entry.version
+        )  # a lost race means a newer view was written: fine
+
+    def _started_here(self, job_id: str) -> bool:
+        """Whether this node's own event log says it started workers of the job."""
+        after = 0
+        while batch := self.events.read(job_id, after=after, limit=1000):
+            if any(e.kind == "workers.started" for e in batch):
+                return True
+            after = batch[-1].seq
+        return False
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -165,7 +211,8 @@ class JobService:
     async def stop_agents(self) -> None:
         """Stop every agent: each stops its workers (shielded) and leaves the rendezvous.
 
-        A job no other live node is part of is then failed with the reason.
+        A job no other live node is part of is then RESTARTING, with an event
+        that says why: it resumes when a daemon takes it up again.
         """
         self._accepting = False
         tasks = list(self._tasks.items())
@@ -178,8 +225,12 @@ class JobService:
                 job = await self.get(job_id)
                 if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
                     continue
-                self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED, state="FAILED")
-                await self.update_job(job_id, state=JobState.FAILED, reason=DAEMON_STOPPED)
+                # Not the job's failure: it resumes when this daemon (or another node) is back.
+                self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
+                if job.state is JobState.RUNNING:
+                    await self.update_job(
+                        job_id, state=JobState.RESTARTING, reason="the daemon stopped"
+                    )
             except (StoreError, InvalidTransition, JobNotFound) as exc:
                 log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
 
@@ -393,6 +444,7 @@ class JobService:
         if agent is not None and agent.view is not None:  # our own group: freshest copy
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
         current = [g for g in groups if g.round == job.round] or groups
+        current = [await self._as_seen(g) for g in current]
         return WorkersView(
             job_id=job.id,
             state=job.state,
@@ -402,6 +454,22 @@ class JobService:
             round=job.round,
             groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
         )
+
+    async def _as_seen(self, group: GroupView) -> GroupView:
+        """A running group of a node that is gone (its lease expired) is shown UNKNOWN.
+
+        Its agent can no longer publish, so its last view (HEALTHY, with pids)
+        may no longer be true; a view is thus never more than a lease stale.
+        """
+        if group.node == self.node or group.state.is_terminal:
+            return group
+        if group.state is WorkerState.STOPPED or await self.cluster.node(group.node) is not None:
+            return group
+        workers = [
+            w if w.state.is_terminal else w.model_copy(update={"state": WorkerState.UNKNOWN})
+            for w in group.workers
+        ]
+        return group.model_copy(update={"state": WorkerState.UNKNOWN, "workers": workers})
 
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         await self.get(job_id)
@@ -644,8 +712,12 @@ class JobService:
             clock=self.clock,
             fence_after=self.config.lease_ttl,
             node_health_check=self.config.health_check,
+            nvidia_smi=self.config.nvidia_smi,
         )
         agent = JobAgent(job, ctx)
+        # A job this node ran before (before a daemon restart) goes on with the next
+        # attempt number: its earlier attempts' logs stay where they are.
+        agent.attempt = last_attempt(self.config.logs / job.id)
         self._agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self._tasks[job.id] = task

@@ -13,7 +13,8 @@
         print(results[0])                              # {rank: return value}
 
 It starts an embedded daemon in this process (as ``elasticd run`` does: its
-own state and store in a temporary folder, its API on a free loopback port),
+own state and store in a temporary folder, its API on a free loopback port
+behind a token made for this run, see :func:`write_run_token`),
 submits one job whose workers run ``python -m elasticd.launch_worker``, and
 waits. The workers get torchrun's whole environment contract, and the job
 runs under the same agent and restart policy as a submitted job: a failing
@@ -42,6 +43,7 @@ import importlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -114,6 +116,33 @@ def _json_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]
             "elasticd.launch passes arguments to the workers as JSON (never pickle): "
             f"{exc}; pass numbers, strings, lists and dicts, e.g. a path instead of an object"
         ) from None
+
+
+#: The embedded daemon's token file, in its state folder.
+RUN_TOKEN_FILE = "run-token"
+
+
+def write_run_token(state_dir: Path) -> Path:
+    """A new random bearer token for an embedded daemon, in a 0600 file in ``state_dir``.
+
+    An embedded daemon (``elasticd run``, :func:`launch`) listens on
+    loopback, where every local user can reach it; without a token any of
+    them could list its job, read its logs and cancel it. So each run makes
+    its own token: the file is this user's alone (the state folder is made
+    0700 if new), its workers get its path as ``ELASTICD_TOKEN_FILE`` as
+    from any daemon, and the same user's CLI can pass it with ``--token-file``.
+    A token file left by an earlier run is replaced, never reused or followed.
+    """
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = state_dir / RUN_TOKEN_FILE
+    fresh = state_dir / f".{RUN_TOKEN_FILE}.{secrets.token_hex(8)}"
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(fresh, path)  # a name replaced atomically: never opens what was there
+    return path
 
 
 def _console(job_id: str, rank: int, stream: str, line: bytes) -> None:
@@ -213,6 +242,7 @@ class Launcher:
                     "log_dir": str(log_dir),
                     "node_name": "localhost",
                     "slots": nproc,
+                    "token_file": str(write_run_token(work / "state")),
                 },
                 environ={},
             )

@@ -13,7 +13,9 @@ Job users
     ``allowed_users`` (the ``run_as`` user is always allowed), and root only
     with ``allow_root``. An embedded daemon (``elasticd run``,
     ``elasticd.launch``, tests) leaves ``allow_root`` unset and runs jobs as
-    the calling user, as torchrun does.
+    the calling user, as torchrun does. An agent decides its job's user
+    before anything of the job runs (its health check included); a refused
+    user fails the job with the reason.
 
     The switch itself happens in the worker spawn (:mod:`elasticd.workers.spawn`):
     ``subprocess`` sets the groups, gid and uid between fork and exec in C
@@ -38,7 +40,8 @@ Unix socket
 The token
     Never logged, never put in an event, an API answer or a worker's
     environment: workers get ``ELASTICD_TOKEN_FILE`` (a path) only, and the
-    file is 0600 or the daemon refuses to start (:func:`elasticd.config.read_token`).
+    file belongs to the daemon's own user and is 0600, or the daemon refuses
+    to start (:func:`elasticd.config.read_token`).
 """
 
 from __future__ import annotations

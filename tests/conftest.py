@@ -67,7 +67,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
 @pytest.fixture
 async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=create_app(daemon))
-    async with httpx.AsyncClient(transport=transport, base_url="http://elasticd") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         yield c
 
 

@@ -21,13 +21,15 @@ async def healthz(request: Request) -> Health:
 
 @private.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> Health | JSONResponse:
-    """The daemon accepts jobs (503 while starting or shutting down)."""
+    """The daemon accepts jobs (503 while starting, waiting for its store, or shutting down)."""
     daemon = daemon_of(request)
+    reason = daemon.not_ready_reason
     health = Health(
-        status="ready" if daemon.ready else "not ready",
+        status="ready" if reason is None else "not ready",
         node=daemon.config.node_name,
         version=__version__,
+        reason=reason,
     )
-    if not daemon.ready:
+    if reason is not None:
         return JSONResponse(health.model_dump(), status_code=503)
     return health

@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from api import proxy, streams
 from api.deps import daemon_of, jobs_of, streams_of
 from api.problems import PROBLEM_JSON
-from api.schemas import Event, Job, JobList, JobSpec, Problem, WorkersView
+from api.schemas import Empty, Event, Job, JobList, JobSpec, Problem, WorkersView
 from elasticd.errors import LogNotFound
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.states import JobState
@@ -73,8 +73,8 @@ async def get_job(job_id: str, request: Request) -> Job:
     response_model=Job,
     responses={**NOT_FOUND, 409: {"description": "The job already ended", **_problem}},
 )
-async def cancel_job(job_id: str, request: Request) -> Job:
-    """Stop the job's workers and end it as CANCELLED."""
+async def cancel_job(job_id: str, body: Empty, request: Request) -> Job:
+    """Stop the job's workers and end it as CANCELLED. The body is ``{}``."""
     return await jobs_of(request).cancel(job_id)
 
 

@@ -48,6 +48,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.schemas import Empty
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Entry, Store, WatchEvent
 
 #: Longest long-poll a client may ask for, in seconds.
@@ -316,8 +317,8 @@ def store_router(
         return StoreLeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
 
     @router.post("/leases/{lease}/keepalive", response_model=StoreLeaseResponse)
-    async def keep_alive(lease: int) -> StoreLeaseResponse:
-        """Renew a lease for another TTL (404 when it expired or was revoked)."""
+    async def keep_alive(lease: int, body: Empty) -> StoreLeaseResponse:
+        """Renew a lease for another TTL (404 when it expired or was revoked). Body: ``{}``."""
         await get_store().keep_alive(lease)
         return StoreLeaseResponse(lease=lease)
 

@@ -57,16 +57,18 @@ from elasticd.models import (
     console_streams,
 )
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
+from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
 from elasticd.worker.names import attempt_tag
-from elasticd.workers.env import AttemptInfo, worker_env
+from elasticd.workers.env import AttemptInfo, job_check_env, operator_env, worker_env
 from elasticd.workers.process import (
     GroupResult,
     WorkerExit,
     WorkerGroupProcesses,
     WorkerLaunch,
 )
+from elasticd.workers.spawn import current_policy
 
 log = logging.getLogger("elasticd.agent")
 
@@ -107,6 +109,8 @@ class AgentContext:
     fence_after: float = 3.0
     #: The node config's health check command, run before every (re)start of a group.
     node_health_check: list[str] | None = None
+    #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
+    nvidia_smi: str | None = None
 
 
 def root_cause_of(
@@ -261,6 +265,39 @@ def merge_recovery(mine: Recovery) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
+@dataclass
+class StoreLoss:
+    """How long the store has been out of reach *without a break*: the fencing decision.
+
+    A node fences (stops its workers) only after ``fence_after`` seconds of
+    continuous loss: every successful store request (:meth:`reached`) starts
+    the count again, so two short hiccups far apart never add up.
+    """
+
+    fence_after: float
+    since: float | None = None
+    """Monotonic time of the first failure since the store was last reached."""
+    backoff: float = 0.1
+    """Seconds to wait before the next try."""
+
+    def reached(self) -> None:
+        """A store request succeeded."""
+        self.since = None
+        self.backoff = 0.1
+
+    def failed(self, now: float) -> bool:
+        """A store request failed at ``now``; True when the node must fence."""
+        if self.since is None:
+            self.since = now
+            self.backoff = 0.1
+        else:
+            self.backoff = min(self.backoff * 2, 1.0)
+        return now - self.since >= self.fence_after
+
+    def lost_for(self, now: float) -> float:
+        return 0.0 if self.since is None else now - self.since
+
+
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
@@ -285,6 +322,8 @@ class JobAgent:
         #: Wall time the workers of a recovery were spawned, until their first ping.
         self._awaiting_first_progress: float | None = None
         self._attempt_tag = ""
+        #: The user the job runs as (None: the daemon's), decided before anything of it runs.
+        self._identity: Identity | None = None
 
     @property
     def view(self) -> GroupView | None:
@@ -330,20 +369,50 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
-        backoff = 0.1
+        if not await self._check_user():
+            return
         while True:
             try:
                 if await self._round_once():
                     return
-                backoff = 0.1
             except StoreError as exc:
                 # The store is unreachable: nothing can be decided or recorded. Stop
-                # the workers (the others will re-form without us) and try again.
+                # the workers (the others will re-form without us), wait until the
+                # store answers, then go again. One event when it is lost, one when
+                # it is back: no round is tried (and nothing evented) meanwhile.
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
-                await self._stop_workers(WorkerState.STOPPED)
+                lost_at = self.ctx.clock.monotonic()
+                self.ctx.events.emit(
+                    self.job_id,
+                    "agent",
+                    "store.lost",
+                    f"{self.ctx.node} cannot reach the store ({exc}); "
+                    "its workers are stopped until the store is back",
+                )
+                if self._group is not None or self.state.is_running:
+                    await self._stop_workers(WorkerState.STOPPED)
                 if self.state is WorkerState.STOPPED:
                     self._set_state(WorkerState.INIT)  # STOPPED -> INIT
-                await asyncio.sleep(backoff)  # back off while the store is away
+                await self._until_store_answers()
+                self.ctx.events.emit(
+                    self.job_id,
+                    "agent",
+                    "store.back",
+                    f"{self.ctx.node} reaches the store again after "
+                    f"{self.ctx.clock.monotonic() - lost_at:.1f} s",
+                    duration_s=self.ctx.clock.monotonic() - lost_at,
+                )
+
+    async def _until_store_answers(self) -> None:
+        """Probe the store with backoff (0.1 s to 2 s) until a read succeeds."""
+        backoff = 0.1
+        key = group_key(self.job_id, self.ctx.node)
+        while True:
+            await asyncio.sleep(backoff)
+            try:
+                await self.ctx.store.get(key)
+                return
+            except StoreError:
                 backoff = min(backoff * 2, 2.0)
 
     async def _round_once(self) -> bool:
@@ -566,10 +635,14 @@ class JobAgent:
             cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
         heartbeats = {r.local_rank: attempt_dir / str(r.local_rank) / "heartbeat" for r in ranks}
+        if self._progress is not None:
+            self._progress.close()  # the previous attempt's descriptors
         self._progress = ProgressMonitor(
             heartbeats,
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
+            user=self.spec.user,  # the worker's own user must write its file
             on_check=self._on_progress,
+            on_replaced=self._on_heartbeat_replaced,
         )
         self._progress.prepare()  # before the spawn: workers open the file at their first ping
         self._attempt_tag = f"{round_.round}.{restart_count}"
@@ -651,6 +724,20 @@ class JobAgent:
             attempt=self.attempt,
         )
         return group
+
+    def _on_heartbeat_replaced(self, local_rank: int, what: str) -> None:
+        """A worker put something else at its heartbeat path: say so once (no progress follows)."""
+        rank = self._ranks[local_rank].rank if local_rank < len(self._ranks) else local_rank
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "worker.heartbeat_replaced",
+            f"rank {rank} on {self.ctx.node}: its heartbeat file was replaced by {what}; "
+            "the daemon reads only the file it created, and pings that miss it are no progress",
+            attempt=self.attempt,
+            rank=rank,
+            local_rank=local_rank,
+        )
 
     def _forward_output(self, local_rank: int, stream: str, line: bytes) -> None:
         assert self.ctx.console is not None
@@ -756,26 +843,23 @@ class JobAgent:
         the node fences itself (stops its workers) instead of letting them
         hang in a collective with peers that are gone.
         """
-        backoff = 0.1
-        failing_since: float | None = None
+        loss = StoreLoss(self.ctx.fence_after)
         while True:
             try:
-                return await self.ctx.rendezvous.wait_for_change(my_round)
+                return await self.ctx.rendezvous.wait_for_change(my_round, on_contact=loss.reached)
             except StoreError as exc:
                 now = self.ctx.clock.monotonic()
-                failing_since = failing_since or now
-                if now - failing_since >= self.ctx.fence_after:
+                if loss.failed(now):
                     self.ctx.events.emit(
                         self.job_id,
                         "agent",
                         "agent.fenced",
-                        f"{self.ctx.node} lost the store for {now - failing_since:.1f}s "
+                        f"{self.ctx.node} lost the store for {loss.lost_for(now):.1f}s "
                         f"({exc}); stopping its workers",
                     )
                     return Change.FENCED
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
-                await asyncio.sleep(backoff)  # back off while the store is unreachable
-                backoff = min(backoff * 2, 1.0)
+                await asyncio.sleep(loss.backoff)  # back off while the store is unreachable
 
     async def _stop_workers(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
@@ -854,7 +938,7 @@ class JobAgent:
         stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
         size = file_size(stderr_log)
         stacks = await dump_stacks(pid)
-        if "SIGUSR1" in stacks:
+        if stacks.to_stderr:
             # faulthandler writes from the worker's signal handler into its stderr
             # pipe; give it a moment to land before the worker is stopped.
             await wait_for_growth(stderr_log, size, timeout=2.0)
@@ -862,7 +946,7 @@ class JobAgent:
             self.job_id,
             "worker",
             "worker.stacks",
-            f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks}",
+            f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks.text}",
             attempt=self.attempt,
             rank=ranks.rank,
             local_rank=hang.local_rank,
@@ -888,6 +972,28 @@ class JobAgent:
         )
         self._set_state(WorkerState.INIT)  # STOPPED -> INIT
 
+    async def _check_user(self) -> bool:
+        """Decide the job's user before anything of it runs; refused: fail the job, False."""
+        try:
+            self._identity = current_policy().identity_for(self.spec.user)
+        except WorkerSpawnError as exc:
+            self._set_state(WorkerState.FAILED)  # INIT -> FAILED
+            reason = f"the job cannot run on {self.ctx.node}: {exc}"
+            self.ctx.events.emit(
+                self.job_id, "agent", "workers.spawn_failed", reason, state="FAILED"
+            )
+            with contextlib.suppress(InvalidTransition):
+                await self.ctx.update_job(
+                    self.job_id,
+                    state=JobState.FAILED,
+                    reason=reason,
+                    error=RootCause(message=str(exc), node=self.ctx.node),
+                )
+            with contextlib.suppress(ElasticdError):
+                await self.ctx.rendezvous.close()
+            return False
+        return True
+
     async def _health_checks(self) -> bool | None:
         """Run the health checks before a (re)start. None: healthy, go on.
 
@@ -895,16 +1001,23 @@ class JobAgent:
         fails once the budget is spent); in a multi-node job this node leaves
         the rendezvous so that a spare or the remaining nodes carry on.
         """
+        cuda = self.ctx.cuda_visible_devices
+        # The job's own check runs as the job (its user, env and folder, like a worker);
+        # the node's check and the GPU check are the operator's: daemon env, never the job's.
         checks = checks_for_job(
             self.spec.health_check,
             gpu=self.spec.gpu_health_check,
             node_command=self.ctx.node_health_check,
+            job_env=job_check_env(
+                self.ctx.base_env, self.spec.env, job_id=self.job_id, cuda_visible_devices=cuda
+            ),
+            identity=self._identity,
+            cwd=self.spec.cwd,
+            nvidia_smi=self.ctx.nvidia_smi,
         )
         if not checks:
             return None
-        env = {**self.ctx.base_env, **self.spec.env, "ELASTICD_JOB_ID": self.job_id}
-        if self.ctx.cuda_visible_devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.ctx.cuda_visible_devices
+        env = operator_env(self.ctx.base_env, job_id=self.job_id, cuda_visible_devices=cuda)
         results = await run_health_checks(checks, env, self.spec.health_check_timeout)
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:
@@ -1093,14 +1206,22 @@ class JobAgent:
     async def _publisher(self) -> None:
         """Writes the latest group view to the store whenever it changed (coalescing bursts)."""
         key = group_key(self.job_id, self.ctx.node)
+        backoff = 0.1
         while True:
             await self._publish_wanted.wait()
             self._publish_wanted.clear()
             if self._view is not None:
                 try:
                     await self.ctx.store.put(key, self._view.model_dump_json().encode())
+                    backoff = 0.1
                 except ElasticdError as exc:
+                    # The published view must end up as the agent's (a fenced group shown
+                    # HEALTHY with dead pids misleads): try again until the store is back.
                     log.warning("job %s: cannot publish group view: %s", self.job_id, exc)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    self._publish_wanted.set()
+                    continue
             if not self._publish_wanted.is_set():
                 self._idle.set()
 
@@ -1116,11 +1237,10 @@ class JobAgent:
 def file_size(path: Path) -> int:
     """Size of a local log file (a stat; never blocks for long), 0 when absent.
 
-    ``lstat``: the worker owns the file's folder, and a link it plants there
-    must not tell the daemon anything about the file it points to.
+    ``lstat``: the file lies in the worker's folder, and a link put there is not followed.
     """
     try:
-        return os.stat(path, follow_symlinks=False).st_size
+        return os.lstat(path).st_size
     except OSError:
         return 0
 

@@ -5,6 +5,18 @@ last :func:`elasticd.worker.ping`, see :mod:`elasticd.worker.heartbeat`);
 :class:`ProgressMonitor` creates those files before the workers start and
 tells the agent when one of them misses its deadline.
 
+**The files are read through the daemon's own descriptors.** A heartbeat
+lies in the worker's log folder, which belongs to the job's user, so the
+worker may put anything at that path later (a FIFO, a link to a root-only
+file, a directory). The monitor keeps the descriptor of each file it
+created (:class:`elasticd.worker.heartbeat.HeartbeatFile`) and never opens
+the path again: nothing there can block the event loop or be read on the
+worker's behalf. A worker whose pings miss that file (it maps what it put
+at the path instead) reports no progress, so its deadlines apply as usual,
+and ``on_replaced`` tells the agent once, with what lies there now. The
+file belongs to the job's user (the one :mod:`elasticd.workers.spawn` will
+run the worker as), who must write it.
+
 The rules (settings of the job):
 
 * ``progress_timeout`` (off by default): once a worker has pinged, it must
@@ -49,14 +61,17 @@ from pathlib import Path
 from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.worker.heartbeat import create_heartbeat_file, read_heartbeat
+from elasticd.errors import WorkerSpawnError
+from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
+from elasticd.workers.spawn import current_policy
 
 __all__ = [
     "Beat",
     "Hang",
     "ProgressMonitor",
     "ProgressSettings",
+    "StackDump",
     "dump_stacks",
     "next_deadline",
 ]
@@ -171,9 +186,13 @@ class ProgressMonitor:
     Use: ``prepare()`` before spawning (creates the files, passed to workers
     as ``ELASTICD_HEARTBEAT_FILE``), ``started()`` once they run,
     ``finished(local_rank)`` when one exits, and race ``wait_for_hang()``
-    against the group's exit. ``on_check(beats)`` is called each time the
-    files are read (at most once per deadline): a free moment to refresh
-    ``last_progress_at`` in the group view. The heartbeat holds
+    against the group's exit; ``close()`` releases the files' descriptors.
+    ``on_check(beats)`` is called each time the files are read (at most once
+    per deadline): a free moment to refresh ``last_progress_at`` in the
+    group view. ``on_replaced(local_rank, what)`` is called once per worker
+    whose file was replaced by something else. The files belong to
+    ``owner`` (uid, gid) when given, else to the identity the spawn policy
+    gives ``user`` (None: the daemon's own). The heartbeat holds
     ``CLOCK_MONOTONIC``, so ``clock`` must be the system clock outside tests
     of the pure parts.
     """
@@ -186,10 +205,16 @@ class ProgressMonitor:
         clock: Clock = SYSTEM_CLOCK,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owner: tuple[int, int] | None = None,
+        user: str | None = None,
         on_check: Callable[[list[Beat]], None] | None = None,
+        on_replaced: Callable[[int, str], None] | None = None,
     ) -> None:
         self.files = dict(files)
         self._on_check = on_check
+        self._on_replaced = on_replaced
+        self._user = user
+        self._handles: dict[int, HeartbeatFile] = {}
+        self._reported: set[int] = set()
         self.settings = settings
         self._clock = clock
         self._sleep = sleep
@@ -199,9 +224,33 @@ class ProgressMonitor:
         self._changed = asyncio.Event()
 
     def prepare(self) -> None:
-        """Create every heartbeat file, "never pinged" (atomic replace; see heartbeat module)."""
-        for path in self.files.values():
-            create_heartbeat_file(path, owner=self._owner)
+        """Create every heartbeat file, "never pinged", owned by the job's user; keep descriptors.
+
+        Raises ``WorkerSpawnError`` when the job's user is refused or a file
+        cannot be created (the worker's folder is a link, a directory lies
+        at the path), as the spawn itself would.
+        """
+        owner = self._owner
+        if owner is None:
+            identity = current_policy().identity_for(self._user)
+            owner = (identity.uid, identity.gid) if identity is not None else None
+        self.close()
+        for rank, path in self.files.items():
+            try:
+                self._handles[rank] = HeartbeatFile.create(path, owner=owner)
+            except OSError as exc:
+                self.close()
+                raise WorkerSpawnError(
+                    f"local rank {rank}: cannot create the heartbeat file {path}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+        self._reported.clear()
+
+    def close(self) -> None:
+        """Release the descriptors of the heartbeat files (idempotent)."""
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.close()
 
     def started(self, local_rank: int | None = None, at: float | None = None) -> None:
         """Record that a worker (default: all) started, at monotonic ``at`` (default: now)."""
@@ -220,14 +269,24 @@ class ProgressMonitor:
     def beat(self, local_rank: int) -> Beat | None:
         """The worker's current beat (file read now); None before it started."""
         started = self._started.get(local_rank)
-        if started is None:
+        handle = self._handles.get(local_rank)
+        if started is None or handle is None:
             return None
-        value = read_heartbeat(self.files[local_rank])
+        self._check_replaced(local_rank, handle)
+        value = handle.read()
         if value is None or value.last is None:
             return Beat(local_rank, started, None, 0)
         # A value from the future is garbage (or a lie): count it as "now", never later.
         last = min(value.last, self._clock.monotonic())
         return Beat(local_rank, started, last, value.count)
+
+    def _check_replaced(self, local_rank: int, handle: HeartbeatFile) -> None:
+        if local_rank in self._reported or self._on_replaced is None:
+            return
+        what = handle.replaced()
+        if what is not None:
+            self._reported.add(local_rank)
+            self._on_replaced(local_rank, what)
 
     def last_progress_at(self, local_rank: int) -> float | None:
         """Wall time of the worker's last ping, for the API; None when it never pinged."""
@@ -277,10 +336,11 @@ class ProgressMonitor:
                     waiting.cancel()
 
     def remove_files(self) -> None:
-        """Delete the heartbeat files (after the attempt); missing files are fine."""
+        """Close and delete the heartbeat files (after the attempt); what is in the way stays."""
+        self.close()
         for path in self.files.values():
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            with contextlib.suppress(OSError):
+                path.unlink()  # an entry of the worker's folder; unlink never follows a link
 
 
 # -- stack dumps ---------------------------------------------------------------------
@@ -324,19 +384,28 @@ async def _py_spy(exe: str, pid: int, timeout: float) -> tuple[bool, str]:
     return proc.returncode == 0, text
 
 
+@dataclass(frozen=True)
+class StackDump:
+    """What :func:`dump_stacks` did: the stacks, or a note saying where they went."""
+
+    text: str
+    to_stderr: bool = False
+    """``SIGUSR1`` was sent: the worker's faulthandler is writing them to its stderr log."""
+
+
 async def dump_stacks(
     pid: int,
     *,
     timeout: float = 10.0,
     py_spy: str | None = None,
     use_py_spy: bool = True,
-) -> str:
+) -> StackDump:
     """The Python stacks of worker ``pid``, or a note saying where they went.
 
     With py-spy (on PATH, or ``py_spy``): its ``dump`` output. Else, or when
     py-spy fails (e.g. ptrace is not allowed): ``SIGUSR1`` to the worker,
     whose ``faulthandler`` writes to its stderr log, if the worker catches
-    it; otherwise nothing is sent.
+    it (``to_stderr``); otherwise nothing is sent.
     """
     note = ""
     exe = (py_spy or shutil.which("py-spy")) if use_py_spy else None
@@ -346,20 +415,21 @@ async def dump_stacks(
         except OSError as exc:
             ok, text = False, f"py-spy could not run: {exc}"
         if ok:
-            return text
+            return StackDump(text)
         note = f"py-spy failed ({text.strip().splitlines()[-1] if text.strip() else 'no output'}); "
     if not catches_signal(pid, STACK_SIGNAL):
-        return (
+        return StackDump(
             f"{note}no stacks: pid {pid} does not handle {STACK_SIGNAL.name} "
             "(it does not import elasticd.worker), and that signal would kill it"
         )
     try:
         os.kill(pid, STACK_SIGNAL)
     except ProcessLookupError:
-        return f"{note}no stacks: pid {pid} is gone"
+        return StackDump(f"{note}no stacks: pid {pid} is gone")
     except PermissionError as exc:
-        return f"{note}no stacks: cannot signal pid {pid}: {exc}"
-    return (
+        return StackDump(f"{note}no stacks: cannot signal pid {pid}: {exc}")
+    return StackDump(
         f"{note}sent {signal.Signals(STACK_SIGNAL).name} to pid {pid}: its faulthandler "
-        "wrote the stacks of all threads to the worker's stderr log"
+        "wrote the stacks of all threads to the worker's stderr log",
+        to_stderr=True,
     )

@@ -108,8 +108,15 @@ class Rendezvous(Protocol):
         """Leave the current round if in one, join the next and return once it is complete."""
         ...
 
-    async def wait_for_change(self, my_round: int) -> Change:
-        """Return the first reason the running round must be re-formed."""
+    async def wait_for_change(
+        self, my_round: int, on_contact: Callable[[], None] | None = None
+    ) -> Change:
+        """Return the first reason the running round must be re-formed.
+
+        ``on_contact`` is called after every store request that succeeded, so
+        a caller that counts how long the store has been lost knows when it
+        came back even while nothing changes.
+        """
         ...
 
     async def close(self) -> None:
@@ -605,10 +612,14 @@ class StoreRendezvous:
             participants=dict(state.participants),
         )
 
-    async def wait_for_change(self, my_round: int) -> Change:
+    async def wait_for_change(
+        self, my_round: int, on_contact: Callable[[], None] | None = None
+    ) -> Change:
         """Read the membership once, then follow the watch's events (see :meth:`_next_view`)."""
         state, version, present, revision = await self.snapshot()
         while True:
+            if on_contact is not None:
+                on_contact()
             change = watch_reason(state, self._me, my_round, frozenset(present), self._settings)
             if change is not None:
                 return change

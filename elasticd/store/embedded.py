@@ -26,12 +26,18 @@ Design:
   SQLite never leaves a WAL database unreadable after a crash: an incomplete
   tail of the log is ignored on the next open.
 * **Restart.** The revision is stored with every commit, so it only grows
-  across restarts. Leases are not carried over: keys bound to a lease are
-  deleted when the store opens (each delete a change, as an expiry would be),
-  because the holder's keep-alives went to a process that no longer exists.
-  The holder notices on its next keep-alive (``LeaseNotFound``) and
-  re-registers. The watch history starts empty after a restart, so a watch
-  from before the restart raises ``StoreCompacted`` and the caller re-reads.
+  across restarts. Leases are kept too (table ``leases``: id and TTL, written
+  in the same commits as the keys, a grant always before the keys bound to
+  it): on open every lease gets a fresh grace of one TTL, counted from the
+  store's first use, and keeps its keys. A holder whose keep-alives reach
+  the restarted store within that grace carries on as if nothing happened;
+  a holder that is gone loses its keys when the grace runs out, exactly as
+  an expiry. Without this a restart of the store's host would make every
+  other node look dead to it. Keys bound to a lease that has no row (a file
+  written before leases were kept) get the same grace, with
+  :data:`RESTORED_TTL`. The watch history starts empty after a restart, so
+  a watch from before the restart raises ``StoreCompacted`` and the caller
+  re-reads.
 """
 
 from __future__ import annotations
@@ -44,9 +50,12 @@ from typing import Literal
 
 from elasticd.errors import StoreUnavailable
 from elasticd.store.base import DEFAULT_MAX_LIST_BYTES, DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
-from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore
+from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore, _Lease
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+#: The grace, in seconds, of a restored lease whose TTL the file does not hold.
+RESTORED_TTL = 10.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -60,6 +69,10 @@ CREATE TABLE IF NOT EXISTS kv (
     version INTEGER NOT NULL,
     created INTEGER NOT NULL,
     lease   INTEGER
+);
+CREATE TABLE IF NOT EXISTS leases (
+    id  INTEGER PRIMARY KEY,
+    ttl REAL NOT NULL
 );
 """
 
@@ -76,7 +89,7 @@ class EmbeddedStore(MemoryStore):
     """A :class:`MemoryStore` whose every acknowledged change is in SQLite at ``path``.
 
     Opening reads the whole file into memory (the store holds cluster
-    metadata, not bulk data) and deletes the keys that were bound to leases.
+    metadata, not bulk data) and restores the leases, each with a fresh grace.
     """
 
     def __init__(
@@ -94,9 +107,12 @@ class EmbeddedStore(MemoryStore):
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, not {synchronous!r}")
         self.path = Path(path)
+        self._unarmed: list[_Lease] = []
         self._db = self._open(self.path, synchronous)
         self._durable = self._revision
         self._pending: list[tuple[WatchEvent, Entry | None]] = []
+        #: Lease grants (id, ttl) and ends (id, None) not yet committed.
+        self._lease_ops: list[tuple[int, float | None]] = []
         self._settle_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._broken: StoreUnavailable | None = None
@@ -105,7 +121,7 @@ class EmbeddedStore(MemoryStore):
     # -- opening -----------------------------------------------------------
 
     def _open(self, path: Path, synchronous: Synchronous) -> sqlite3.Connection:
-        """Open (or create) the file, load every key and drop the leased ones."""
+        """Open (or create) the file, load every key and lease."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -142,20 +158,20 @@ class EmbeddedStore(MemoryStore):
 
     def _load(self, db: sqlite3.Connection) -> None:
         revision = int(db.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()[0])
-        leased: list[str] = []
+        for lease_id, ttl in db.execute("SELECT id, ttl FROM leases"):
+            self._leases[lease_id] = _Lease(id=lease_id, ttl=float(ttl))
         rows = db.execute("SELECT key, value, version, created, lease FROM kv")
         for key, value, version, created, lease in rows:
+            if lease is not None and lease not in self._leases:
+                self._leases[lease] = _Lease(id=lease, ttl=RESTORED_TTL)
+                db.execute("INSERT INTO leases (id, ttl) VALUES (?, ?)", (lease, RESTORED_TTL))
             if lease is not None:
-                leased.append(key)
-                continue
+                self._leases[lease].keys.add(key)
             self._entries[key] = Entry(
-                key=key, value=bytes(value), version=version, created=created
+                key=key, value=bytes(value), version=version, created=created, lease=lease
             )
-        # Leases do not survive a restart; their keys go, each as a change.
-        for key in sorted(leased):
-            revision += 1
-            db.execute("DELETE FROM kv WHERE key = ?", (key,))
-        db.execute("UPDATE meta SET value = ? WHERE name = 'revision'", (revision,))
+        # Their timers start at the first use (there may be no event loop yet).
+        self._unarmed.extend(self._leases.values())
         self._revision = self._visible = self._compacted = revision
 
     # -- durability hooks --------------------------------------------------
@@ -164,6 +180,27 @@ class EmbeddedStore(MemoryStore):
         if self._broken is not None:
             raise self._broken
         super()._check_open()
+        if self._unarmed:
+            restored, self._unarmed = self._unarmed, []
+            for lease in restored:
+                if lease.id in self._leases:
+                    self._arm(lease)  # a fresh grace of one TTL from now
+
+    async def grant(self, ttl: float) -> int:
+        lease = await super().grant(ttl)
+        self._queue_lease(lease, float(ttl))
+        return lease
+
+    def _end_lease(self, lease_id: int) -> None:
+        known = lease_id in self._leases
+        super()._end_lease(lease_id)
+        if known:
+            self._queue_lease(lease_id, None)
+
+    def _queue_lease(self, lease_id: int, ttl: float | None) -> None:
+        self._lease_ops.append((lease_id, ttl))
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     def _changed(self, event: WatchEvent, entry: Entry | None) -> None:
         self._pending.append((event, entry))
@@ -184,11 +221,12 @@ class EmbeddedStore(MemoryStore):
         """Commit queued changes, batch after batch, until none are left."""
         loop = asyncio.get_running_loop()
         try:
-            while self._pending:
+            while self._pending or self._lease_ops:
                 batch, self._pending = self._pending, []
-                top = batch[-1][0].revision
+                leases, self._lease_ops = self._lease_ops, []
+                top = batch[-1][0].revision if batch else self._durable
                 try:
-                    await loop.run_in_executor(self._writer, self._commit, batch, top)
+                    await loop.run_in_executor(self._writer, self._commit, batch, top, leases)
                 except (sqlite3.Error, OSError) as exc:
                     self._fail(exc)
                     return
@@ -205,7 +243,12 @@ class EmbeddedStore(MemoryStore):
         finally:
             self._flusher = None
 
-    def _commit(self, batch: list[tuple[WatchEvent, Entry | None]], top: int) -> None:
+    def _commit(
+        self,
+        batch: list[tuple[WatchEvent, Entry | None]],
+        top: int,
+        leases: list[tuple[int, float | None]],
+    ) -> None:
         """Write one batch as one transaction (runs in the writer thread)."""
         last: dict[str, Entry | None] = {}
         for event, entry in batch:
@@ -219,6 +262,13 @@ class EmbeddedStore(MemoryStore):
                 for e in last.values()
                 if e is not None
             ]
+            for lease_id, ttl in leases:  # in order: a lease may be granted and end in one batch
+                if ttl is None:
+                    db.execute("DELETE FROM leases WHERE id = ?", (lease_id,))
+                else:
+                    db.execute(
+                        "INSERT OR REPLACE INTO leases (id, ttl) VALUES (?, ?)", (lease_id, ttl)
+                    )
             if deleted:
                 db.executemany("DELETE FROM kv WHERE key = ?", deleted)
             if written:

@@ -34,14 +34,38 @@ their default value are omitted (a failed txn has no ``succeeded``, a PUT event
 has no ``type``, an empty value has no ``value``, an unknown lease's keep-alive
 answer has no ``TTL``); keys and values are base64.
 
-The HTTP client: plain ``http://`` endpoints are reached with the lean
-keep-alive client of :mod:`elasticd.store.wire`, one per endpoint; each
+The HTTP client: ``http://`` and ``https://`` endpoints are reached with the
+lean keep-alive client of :mod:`elasticd.store.wire`, one per endpoint; each
 watch has a connection of its own, closed when the watch returns. httpx is
-used only for ``https://`` endpoints and when a ``transport`` is injected
-(tests). Why: one process may have a thousand requests and watches in flight
-against etcd (one per node of a large rendezvous in the scale benchmark),
-and httpcore's pool does work in proportion to its open connections on every
-request, which made the pool, not etcd, the bottleneck.
+used only when a ``transport`` is injected (tests). Why: one process may have
+a thousand requests and watches in flight against etcd (one per node of a
+large rendezvous in the scale benchmark), and httpcore's pool does work in
+proportion to its open connections on every request, which made the pool,
+not etcd, the bottleneck.
+
+Security (:class:`~elasticd.store.EtcdOptions`, see docs/store.md "Running
+etcd securely"):
+
+* TLS: ``https://`` endpoints are verified against ``ca_file`` (else the
+  system's CAs) with the host name checked, and present ``cert_file`` /
+  ``key_file`` as a client certificate when etcd runs with
+  ``--client-cert-auth``. Never unverified.
+* Users: with ``username`` and ``password`` the client authenticates at
+  ``/v3/auth/authenticate`` before its first request and sends the token in
+  the ``Authorization`` header of every request and watch. etcd's tokens
+  expire (simple tokens after ``--auth-token-ttl`` idle seconds, JWTs at
+  their expiry, all at an etcd restart): a request refused for its token
+  (``invalid auth token``, ``revision of auth store is old``, or ``user name
+  is empty`` once auth was enabled after the client started) is sent again
+  once with a fresh token. That is safe for writes too: etcd checks the
+  token before applying, so a refused write was not applied. Concurrent
+  refusals share one re-authentication. A watch stream outlives its token
+  (etcd checks it when the watch is created), and a new watch refused for
+  its token is opened again. Other refusals (no credentials, a wrong
+  password, permission denied) raise :class:`StoreAuthError` saying which
+  setting to change. The password is never logged nor put in a URL.
+* ``prefix``: every key is stored under it (and read back without it), so an
+  etcd role limited to that prefix is all elasticd needs.
 
 Fail-over: requests go to the endpoint that last answered. When it cannot be
 connected to, the next one is tried. Reads also move on after a broken
@@ -56,11 +80,13 @@ import asyncio
 import base64
 import builtins
 import json
+import logging
 import math
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+import ssl
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -68,11 +94,13 @@ import httpx
 from elasticd.errors import (
     ConfigError,
     LeaseNotFound,
+    StoreAuthError,
     StoreCompacted,
     StoreError,
     StoreUnavailable,
     ValueTooLarge,
 )
+from elasticd.store import EtcdOptions
 from elasticd.store.base import (
     DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
@@ -87,22 +115,23 @@ from elasticd.store.http import transport_reason
 from elasticd.store.memory import check_value, parse_counter, validate_key
 from elasticd.store.wire import WireClient, WireConnectError, WireError, WireResponse
 
+log = logging.getLogger("elasticd.store.etcd")
+
+T = TypeVar("T")
+
 #: Shortest wait for a watch's first events once its stream is open: etcd sends
 #: past events to a new watch from a loop that runs every 100 ms.
 MIN_WATCH_SECONDS = 0.25
 
 # gRPC status codes the gateway reports in {"code": N}.
 _NOT_FOUND = 5
+_PERMISSION_DENIED = 7
 _RESOURCE_EXHAUSTED = 8
 _OUT_OF_RANGE = 11
 
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def _key64(key: str) -> str:
-    return _b64(key.encode("utf-8"))
 
 
 def _int(data: dict[str, Any], name: str) -> int:
@@ -121,24 +150,9 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # empty prefix (or all 0xff): every key
 
 
-def _range_of(key: str, prefix: bool) -> dict[str, str]:
-    raw = key.encode("utf-8")
-    if not prefix:
-        return {"key": _b64(raw)}
-    if not raw:
-        return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
-    return {"key": _b64(raw), "range_end": _b64(prefix_end(raw))}
-
-
-def _entry(kv: dict[str, Any]) -> Entry:
-    lease = _int(kv, "lease")
-    return Entry(
-        key=base64.b64decode(kv["key"]).decode("utf-8"),
-        value=base64.b64decode(kv.get("value", "")),
-        version=_int(kv, "mod_revision"),
-        created=_int(kv, "create_revision"),
-        lease=lease or None,
-    )
+def _auth_header(token: str | None) -> dict[str, str] | None:
+    """etcd's gateway takes the bare token (no "Bearer") in ``Authorization``."""
+    return None if token is None else {"Authorization": token}
 
 
 def _reason(exc: BaseException) -> str:
@@ -150,12 +164,50 @@ def _reason(exc: BaseException) -> str:
     return transport_reason(exc)
 
 
-def _wire_client(endpoint: str) -> tuple[WireClient, str] | None:
-    """The lean client of a plain ``http://`` endpoint and its base path; ``None`` otherwise."""
+class _TokenRefused(Exception):
+    """etcd refused a request for its token (or the lack of one); not a :class:`StoreError`.
+
+    Raised below :meth:`EtcdStore._authenticated`, which authenticates again
+    and retries, or turns it into :class:`StoreAuthError`.
+    """
+
+    def __init__(self, message: str, endpoint: str) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+#: What etcd says when a token expired, was revoked or predates an auth change,
+#: and when a request came without one while auth is enabled.
+_TOKEN_REFUSALS = ("invalid auth token", "revision of auth store is old", "user name is empty")
+
+
+def tls_context(options: EtcdOptions) -> ssl.SSLContext:
+    """The TLS settings of ``https://`` endpoints: verified, with the client certificate if any."""
+    try:
+        context = ssl.create_default_context(
+            cafile=str(options.ca_file) if options.ca_file else None
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"store_ca_file {options.ca_file} cannot be used: {exc}") from None
+    if options.cert_file is not None:
+        try:
+            context.load_cert_chain(options.cert_file, options.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"store_cert_file {options.cert_file} / store_key_file {options.key_file} "
+                f"cannot be used: {exc}"
+            ) from None
+    return context
+
+
+def _wire_client(endpoint: str, tls: ssl.SSLContext | None) -> tuple[WireClient, str] | None:
+    """The lean client of an ``http(s)://`` endpoint and its base path; ``None`` otherwise."""
     url = urlsplit(endpoint)
-    if url.scheme != "http" or not url.hostname or "@" in url.netloc or url.query or url.fragment:
-        return None  # https, credentials in the URL or other oddities: httpx handles them
-    return WireClient(url.hostname, url.port or 80), url.path
+    if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment:
+        return None  # oddities: httpx handles them
+    if url.scheme == "http":
+        return WireClient(url.hostname, url.port or 80), url.path
+    return WireClient(url.hostname, url.port or 443, tls=tls), url.path
 
 
 def _normalise(endpoint: str) -> str:
@@ -168,6 +220,12 @@ def _normalise(endpoint: str) -> str:
         url = httpx.URL(endpoint)
     except (httpx.InvalidURL, ValueError) as exc:
         raise ConfigError(f"etcd endpoint {endpoint!r} is not a valid URL: {exc}") from exc
+    if url.userinfo:
+        # Never echo it: it may hold a password.
+        raise ConfigError(
+            f"etcd endpoint {url.copy_with(username=None, password=None)} has credentials in it; "
+            "put the user in store_username and the password in store_password_file"
+        )
     if url.scheme not in ("http", "https") or not url.host:
         raise ConfigError(f"etcd endpoint {endpoint!r} must be host:port or http(s)://host:port")
     return endpoint
@@ -184,6 +242,7 @@ class EtcdStore(Store):
         api_prefix: str = "/v3",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+        options: EtcdOptions | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if isinstance(endpoints, str) or not endpoints:
@@ -191,22 +250,115 @@ class EtcdStore(Store):
         self.endpoints = [_normalise(e) for e in endpoints]
         self.max_value_bytes = max_value_bytes
         self.max_list_bytes = max_list_bytes
+        self.options = options or EtcdOptions()
+        if (self.options.username is None) != (self.options.password is None):
+            raise ConfigError("etcd authentication needs both a user name and a password")
+        self._namespace = self.options.prefix.encode("utf-8")
         self._prefix = "/" + api_prefix.strip("/")
         self._timeout = timeout
         self._current = 0
+        https = any(e.startswith("https://") for e in self.endpoints)
+        tls = tls_context(self.options) if https else None
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=timeout,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            verify=tls or True,
         )
         # Per endpoint: the lean client and the endpoint's path, or None to use httpx.
-        self._wires = [None if transport else _wire_client(e) for e in self.endpoints]
+        self._wires = [None if transport else _wire_client(e, tls) for e in self.endpoints]
+        # The auth token: None before authenticating (or when etcd has auth off).
+        self._token: str | None = None
+        self._authenticated_once = False
+        self._auth_lock = asyncio.Lock()
         self._adds: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
         self._add_runners: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoints!r})"
+
+    # -- keys under the prefix -------------------------------------------------
+
+    def _key64(self, key: str) -> str:
+        return _b64(self._namespace + key.encode("utf-8"))
+
+    def _range_of(self, key: str, prefix: bool) -> dict[str, str]:
+        raw = self._namespace + key.encode("utf-8")
+        if not prefix:
+            return {"key": _b64(raw)}
+        if not raw:
+            return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+        return {"key": _b64(raw), "range_end": _b64(prefix_end(raw))}
+
+    def _key_of(self, key64: str) -> str:
+        return base64.b64decode(key64)[len(self._namespace) :].decode("utf-8")
+
+    def _entry(self, kv: dict[str, Any]) -> Entry:
+        lease = _int(kv, "lease")
+        return Entry(
+            key=self._key_of(kv["key"]),
+            value=base64.b64decode(kv.get("value", "")),
+            version=_int(kv, "mod_revision"),
+            created=_int(kv, "create_revision"),
+            lease=lease or None,
+        )
+
+    # -- authentication ---------------------------------------------------------
+
+    async def _authenticated(self, call: Callable[[str | None], Awaitable[T]]) -> T:
+        """``call(token)``, authenticating first, and once more if etcd refuses the token."""
+        token = await self._fresh_token(None) if not self._authenticated_once else self._token
+        try:
+            return await call(token)
+        except _TokenRefused as exc:
+            if self.options.username is None:
+                raise StoreAuthError(
+                    f"etcd at {exc.endpoint} requires authentication ({exc}); set "
+                    "store_username and store_password_file (see docs/store.md, "
+                    '"Running etcd securely")'
+                ) from None
+        token = await self._fresh_token(token)
+        try:
+            return await call(token)
+        except _TokenRefused as exc:
+            raise StoreAuthError(
+                f"etcd at {exc.endpoint} refused a fresh token of user "
+                f"{self.options.username!r}: {exc}"
+            ) from None
+
+    async def _fresh_token(self, refused: str | None) -> str | None:
+        """A token newer than ``refused``: one another caller just got, or a new one."""
+        async with self._auth_lock:
+            if self._authenticated_once and self._token != refused:
+                return self._token  # renewed while this caller waited for the lock
+            self._token = await self._authenticate()
+            self._authenticated_once = True
+            return self._token
+
+    async def _authenticate(self) -> str | None:
+        """A new token for the configured user; ``None`` without one or with etcd's auth off."""
+        if self.options.username is None:
+            return None
+        body = {"name": self.options.username, "password": self.options.password}
+        try:
+            data = await self._post_once("/auth/authenticate", body, idempotent=True, token=None)
+        except _TokenRefused as exc:  # cannot happen without a token; be explicit anyway
+            raise StoreAuthError(f"etcd at {exc.endpoint} refused to authenticate: {exc}") from None
+        except StoreAuthError as exc:
+            if "not enabled" in str(exc):
+                log.warning(
+                    "etcd at %s has authentication disabled although store_username is set: "
+                    "anyone who reaches it can change the cluster; run `etcdctl auth enable` "
+                    "(see docs/store.md)",
+                    ", ".join(self.endpoints),
+                )
+                return None
+            raise
+        token = data.get("token")
+        if not isinstance(token, str) or not token:
+            raise StoreUnavailable(f"{self._where()} answered /auth/authenticate without a token")
+        return token
 
     # -- transport, fail-over and error translation --------------------------
 
@@ -218,14 +370,22 @@ class EtcdStore(Store):
         return [(self._current + i) % n for i in range(n)]
 
     async def _post(self, path: str, body: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
-        """POST to the gateway, failing over; the decoded JSON answer."""
+        """POST to the gateway as the configured user, failing over; the decoded JSON answer."""
+        return await self._authenticated(
+            lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
+        )
+
+    async def _post_once(
+        self, path: str, body: dict[str, Any], *, idempotent: bool, token: str | None
+    ) -> dict[str, Any]:
+        """POST to the gateway with ``token``, failing over; the decoded JSON answer."""
         if self._closed:
             raise StoreUnavailable(f"the client of {self._where()} is closed")
         failures: list[str] = []
         for index in self._order():
             endpoint = self.endpoints[index]
             try:
-                response = await self._send(index, path, body)
+                response = await self._send(index, path, body, token)
             except (httpx.ConnectError, httpx.ConnectTimeout, WireConnectError) as exc:
                 failures.append(f"{endpoint}: {_reason(exc)}")  # nothing was sent
                 continue
@@ -251,15 +411,29 @@ class EtcdStore(Store):
                 continue
             self._current = index
             return data
-        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+        raise self._unreachable(failures)
+
+    def _unreachable(self, failures: builtins.list[str]) -> StoreUnavailable:
+        """The error when every endpoint failed: StoreAuthError for a refused certificate."""
+        joined = "; ".join(failures)
+        if "alert" in joined and "certificate" in joined:
+            return StoreAuthError(
+                f"{self._where()} refused this client's TLS certificate ({joined}); set "
+                "store_cert_file and store_key_file to a certificate signed by the CA etcd "
+                "trusts (its --trusted-ca-file)"
+            )
+        return StoreUnavailable(f"{self._where()} is unreachable: {joined}")
 
     async def _send(
-        self, index: int, path: str, body: dict[str, Any]
+        self, index: int, path: str, body: dict[str, Any], token: str | None
     ) -> httpx.Response | WireResponse:
         """One POST to one endpoint, with the lean client where it serves, else httpx."""
         wire = self._wires[index]
+        headers = _auth_header(token)
         if wire is None:
-            return await self._client.post(self.endpoints[index] + self._prefix + path, json=body)
+            return await self._client.post(
+                self.endpoints[index] + self._prefix + path, json=body, headers=headers
+            )
         client, base = wire
         # As httpx's timeout does: connecting and the exchange are bounded separately,
         # and a connect failure (nothing sent) is told apart from a later one.
@@ -267,6 +441,7 @@ class EtcdStore(Store):
             "POST",
             base + self._prefix + path,
             body=body,
+            headers=headers,
             timeout=self._timeout,
             connect_timeout=self._timeout,
         )
@@ -278,6 +453,12 @@ class EtcdStore(Store):
             data = response.json()
         except ValueError:
             data = None
+        if not isinstance(data, dict) and "CommonName" in response.text:
+            raise StoreAuthError(
+                f"etcd at {endpoint} refuses gateway requests from a client certificate with a "
+                "Common Name while its auth is enabled; issue store_cert_file without a CN "
+                "(e.g. openssl -subj /O=elasticd): the user is store_username"
+            )
         if not isinstance(data, dict) and response.status_code == 404:
             raise StoreUnavailable(
                 f"etcd at {endpoint} has no {self._prefix}{path} (404); is this an etcd v3 "
@@ -298,6 +479,21 @@ class EtcdStore(Store):
             data = error
         message = str(data.get("message") or data.get("error") or f"HTTP {status}")
         code = int(data.get("code", data.get("grpc_code", 0)))
+        if any(refusal in message for refusal in _TOKEN_REFUSALS):
+            raise _TokenRefused(message, endpoint)
+        if "authentication failed" in message:
+            raise StoreAuthError(
+                f"etcd at {endpoint} refused user {self.options.username!r}: wrong user name or "
+                "password; check store_username and the password in store_password_file"
+            )
+        if "authentication is not enabled" in message:
+            raise StoreAuthError(f"etcd at {endpoint}: {message}")
+        if code == _PERMISSION_DENIED or "permission denied" in message:
+            raise StoreAuthError(
+                f"etcd at {endpoint} denied user {self.options.username!r} {path} ({message}); "
+                f"grant its role readwrite on the key prefix {self.options.prefix!r} "
+                "(see docs/store.md)"
+            )
         if "lease not found" in message:
             raise LeaseNotFound(f"etcd: {message}")
         if "too large" in message or code == _RESOURCE_EXHAUSTED:
@@ -318,7 +514,7 @@ class EtcdStore(Store):
 
     @asynccontextmanager
     async def _stream(
-        self, path: str, body: dict[str, Any], read_timeout: float
+        self, path: str, body: dict[str, Any], read_timeout: float, token: str | None
     ) -> AsyncIterator[AsyncIterator[str]]:
         """A streamed POST's lines, failing over when an endpoint cannot be connected to."""
         if self._closed:
@@ -328,7 +524,7 @@ class EtcdStore(Store):
             async with AsyncExitStack() as stack:
                 try:
                     lines = await stack.enter_async_context(
-                        self._open_stream(index, path, body, read_timeout)
+                        self._open_stream(index, path, body, read_timeout, token)
                     )
                 except (httpx.RequestError, WireError, TimeoutError) as exc:
                     failures.append(f"{self.endpoints[index]}: {_reason(exc)}")
@@ -336,11 +532,11 @@ class EtcdStore(Store):
                 self._current = index
                 yield lines
                 return
-        raise StoreUnavailable(f"{self._where()} is unreachable: {'; '.join(failures)}")
+        raise self._unreachable(failures)
 
     @asynccontextmanager
     async def _open_stream(
-        self, index: int, path: str, body: dict[str, Any], read_timeout: float
+        self, index: int, path: str, body: dict[str, Any], read_timeout: float, token: str | None
     ) -> AsyncIterator[AsyncIterator[str]]:
         """A streamed POST to one endpoint: its lines, or its error answer raised.
 
@@ -348,10 +544,11 @@ class EtcdStore(Store):
         """
         endpoint = self.endpoints[index]
         wire = self._wires[index]
+        headers = _auth_header(token)
         if wire is None:
             timeout = httpx.Timeout(self._timeout, read=read_timeout)
             request = self._client.build_request(
-                "POST", endpoint + self._prefix + path, json=body, timeout=timeout
+                "POST", endpoint + self._prefix + path, json=body, headers=headers, timeout=timeout
             )
             response = await self._client.send(request, stream=True)
             try:
@@ -368,6 +565,7 @@ class EtcdStore(Store):
             "POST",
             base + self._prefix + path,
             body=body,
+            headers=headers,
             connect_timeout=self._timeout,
             read_timeout=read_timeout,
         ) as stream:
@@ -398,9 +596,9 @@ class EtcdStore(Store):
 
     async def get(self, key: str) -> Entry | None:
         validate_key(key)
-        data = await self._post("/kv/range", _range_of(key, False), idempotent=True)
+        data = await self._post("/kv/range", self._range_of(key, False), idempotent=True)
         kvs = data.get("kvs", [])
-        return _entry(kvs[0]) if kvs else None
+        return self._entry(kvs[0]) if kvs else None
 
     async def compare_and_set(
         self,
@@ -420,7 +618,7 @@ class EtcdStore(Store):
     async def _cas(
         self, key: str, value: bytes, expected_version: int | None, lease: int | None
     ) -> CasResult:
-        key64 = _key64(key)
+        key64 = self._key64(key)
         if expected_version is None:
             compare = {"key": key64, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         else:
@@ -442,7 +640,7 @@ class EtcdStore(Store):
         responses = data.get("responses", [{}])
         if not data.get("succeeded", False):
             kvs = responses[0].get("response_range", {}).get("kvs", [])
-            return CasResult(ok=False, entry=_entry(kvs[0]) if kvs else None)
+            return CasResult(ok=False, entry=self._entry(kvs[0]) if kvs else None)
         revision = _int(data["header"], "revision")
         prev = responses[0].get("response_put", {}).get("prev_kv")
         created = _int(prev, "create_revision") if prev else revision
@@ -452,7 +650,7 @@ class EtcdStore(Store):
     async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
         validate_key(key)
         value = check_value(value, self.max_value_bytes)
-        body: dict[str, Any] = {"key": _key64(key), "value": _b64(value), "prev_kv": True}
+        body: dict[str, Any] = {"key": self._key64(key), "value": _b64(value), "prev_kv": True}
         if lease is not None:
             body["lease"] = str(lease)
         data = await self._post("/kv/put", body, idempotent=False)
@@ -527,7 +725,7 @@ class EtcdStore(Store):
 
     async def delete(self, key: str, expected_version: int | None = None) -> bool:
         validate_key(key)
-        key64 = _key64(key)
+        key64 = self._key64(key)
         if expected_version is None:
             data = await self._post("/kv/deleterange", {"key": key64}, idempotent=False)
             return _int(data, "deleted") > 0
@@ -551,8 +749,8 @@ class EtcdStore(Store):
 
     async def list(self, prefix: str) -> Listing:
         validate_key(prefix, prefix=True)
-        data = await self._post("/kv/range", _range_of(prefix, True), idempotent=True)
-        entries = [_entry(kv) for kv in data.get("kvs", [])]
+        data = await self._post("/kv/range", self._range_of(prefix, True), idempotent=True)
+        entries = [self._entry(kv) for kv in data.get("kvs", [])]
         size = sum(len(e.key) + len(e.value) for e in entries)
         check_listing_size(prefix, size, len(entries), self.max_list_bytes)
         return Listing(entries=entries, revision=_int(data["header"], "revision"))
@@ -585,13 +783,20 @@ class EtcdStore(Store):
         prefix: bool = False,
     ) -> builtins.list[WatchEvent]:
         validate_key(key, prefix=prefix)
-        create = _range_of(key, prefix)
+        create = self._range_of(key, prefix)
         create["start_revision"] = str(max(after_version + 1, 1))
         body = {"create_request": create}
+        return await self._authenticated(
+            lambda token: self._watch_once(body, key, after_version, timeout, token)
+        )
+
+    async def _watch_once(
+        self, body: dict[str, Any], key: str, after_version: int, timeout: float, token: str | None
+    ) -> builtins.list[WatchEvent]:
         # The timeout runs from the moment the stream is open (connecting is
         # bounded by the client's own timeout), with a floor so that a zero
         # timeout still sees the past events etcd sends after creating it.
-        async with self._stream("/watch", body, timeout + self._timeout) as lines:
+        async with self._stream("/watch", body, timeout + self._timeout, token) as lines:
             try:
                 async with asyncio.timeout(max(timeout, MIN_WATCH_SECONDS)):
                     async for line in lines:
@@ -619,6 +824,10 @@ class EtcdStore(Store):
                     compacted - 1,
                 )
             reason = result.get("cancel_reason", "no reason given")
+            if any(refusal in reason for refusal in _TOKEN_REFUSALS):
+                raise _TokenRefused(reason, self.endpoints[self._current])
+            if "permission denied" in reason:
+                self._raise_error({"message": reason}, self.endpoints[self._current], "/watch", 200)
             raise StoreUnavailable(f"{self._where()} cancelled a watch of {key!r}: {reason}")
         events = []
         for event in result.get("events", []):
@@ -630,7 +839,7 @@ class EtcdStore(Store):
             events.append(
                 WatchEvent(
                     kind="delete" if deleted else "put",
-                    key=base64.b64decode(kv["key"]).decode("utf-8"),
+                    key=self._key_of(kv["key"]),
                     value=None if deleted else base64.b64decode(kv.get("value", "")),
                     revision=revision,
                 )

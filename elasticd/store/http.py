@@ -325,7 +325,7 @@ class HttpStore(Store):
         return result
 
     async def keep_alive(self, lease: int) -> None:
-        await self._call("POST", f"/store/leases/{int(lease)}/keepalive")
+        await self._call("POST", f"/store/leases/{int(lease)}/keepalive", body={})
 
     async def revoke(self, lease: int) -> None:
         await self._call("DELETE", f"/store/leases/{int(lease)}")

@@ -16,7 +16,10 @@ handlers are switched off: the handler here only sets an event, and the
 shutdown runs in order (close the store, which answers pending watches and
 flushes pending commits → stop uvicorn, bounded by a grace period).
 
-Without a token the server refuses to bind anything but loopback.
+Without a token the server refuses to bind anything but loopback, and
+answers only requests addressed to a loopback name; cross-origin and
+non-JSON writes are refused either way (:mod:`api.guard`). Request heads and
+connections are bounded (:mod:`api.protocol`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import uvicorn
 from fastapi import Depends, FastAPI
 
 from api.auth import bearer_auth
+from api.guard import RequestGuard
 from api.problems import install_error_handlers
+from api.protocol import uvicorn_settings
 from api.routes.store import store_router
 from elasticd import __version__
 from elasticd.errors import ConfigError, ElasticdError
@@ -53,6 +58,7 @@ def create_store_app(store: Store, token: str | None) -> FastAPI:
         dependencies=[Depends(bearer_auth(token))],
     )
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, tokenless=token is None)  # Host, Origin, Content-Type
     limit = getattr(store, "max_value_bytes", None)
     if isinstance(limit, int):
         app.include_router(store_router(lambda: store, max_value_bytes=limit))
@@ -137,7 +143,8 @@ async def serve_store(
         lifespan="off",
         access_log=False,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE),
-        http="auto",  # httptools when installed (faster), else h11
+        # httptools with bounded request heads, head read time and connections.
+        **uvicorn_settings(),
     )
     listening = asyncio.Event()
     server = _Server(config, listening)

@@ -8,8 +8,10 @@ connection on each request, so with a thousand requests and watches in
 flight in one process most of the CPU goes to the pool's bookkeeping. This
 client does only what the store needs: ``Content-Length`` bodies (and
 chunked ones, for robustness), JSON, keep-alive, and streamed answers read
-line by line (etcd's watch). Anything unusual (https, an injected transport)
-still goes through httpx.
+line by line (etcd's watch), and TLS when given an ``ssl.SSLContext``
+(certificates verified as the context says; the server's name is the host
+connected to). Anything unusual (an injected transport) still goes through
+httpx.
 
 A request that fails on a *reused* connection before a single byte of the
 answer arrived is sent again once on a fresh connection: the server closed
@@ -17,7 +19,10 @@ that idle connection without reading the request (keep-alive expiry), so
 nothing was applied. Any other failure is reported, never retried, because a
 compare-and-set must not be applied twice. A connection that could not be
 opened raises :class:`WireConnectError`: nothing was sent, so a caller may
-try elsewhere.
+try elsewhere. So does a TLS alert on the first read of a fresh connection
+(the server refused the handshake, e.g. for a missing client certificate:
+with TLS 1.3 the client learns it only then), because the server never
+handed the request to its application.
 
 A streamed answer (:meth:`WireClient.stream`) has a connection of its own,
 closed when the stream is left, never pooled: it is usually abandoned
@@ -30,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,6 +156,8 @@ class WireClient:
     host: str
     port: int
     headers: dict[str, str] = field(default_factory=dict)
+    #: TLS for every connection when set (``None``: plain TCP).
+    tls: ssl.SSLContext | None = None
     _idle: list[_Conn] = field(default_factory=list)
 
     async def request(
@@ -159,6 +167,7 @@ class WireClient:
         *,
         params: dict[str, Any] | None = None,
         body: Any = None,
+        headers: dict[str, str] | None = None,
         timeout: float,
         connect_timeout: float | None = None,
     ) -> WireResponse:
@@ -169,9 +178,10 @@ class WireClient:
         opening a connection is bounded by ``connect_timeout`` alone (its
         expiry raises :class:`WireConnectError`: nothing was sent) and
         ``timeout`` bounds the rest (its expiry raises ``TimeoutError``: the
-        request may have been received).
+        request may have been received). ``headers`` are sent with this request
+        only, after the client's own.
         """
-        raw = self._encode(method, path, params, body)
+        raw = self._encode(method, path, params, body, headers)
         if connect_timeout is None:
             async with asyncio.timeout(timeout):
                 return await self._send(raw, None, None)
@@ -195,6 +205,7 @@ class WireClient:
         *,
         params: dict[str, Any] | None = None,
         body: Any = None,
+        headers: dict[str, str] | None = None,
         connect_timeout: float,
         read_timeout: float | None,
     ) -> AsyncIterator[WireStream]:
@@ -205,7 +216,7 @@ class WireClient:
         ``connect_timeout`` raises :class:`WireConnectError`; sending and each
         read of the answer wait at most ``read_timeout`` (``TimeoutError``).
         """
-        raw = self._encode(method, path, params, body)
+        raw = self._encode(method, path, params, body, headers)
         conn = await self._connect(connect_timeout)
         try:
             async with asyncio.timeout(read_timeout):
@@ -215,14 +226,23 @@ class WireClient:
                     line = await conn.reader.readline()
                     if not line:
                         raise WireError("the server closed the connection")
-                    status, reason, headers = await _read_head(conn.reader, line)
+                    status, reason, answer = await _read_head(conn.reader, line)
                 except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                    if _tls_refused(exc):
+                        raise WireConnectError(_reason(exc)) from exc
                     raise WireError(_reason(exc)) from exc
-            yield WireStream(status, reason, headers, read_timeout, conn.reader)
+            yield WireStream(status, reason, answer, read_timeout, conn.reader)
         finally:
             conn.writer.close()
 
-    def _encode(self, method: str, path: str, params: dict[str, Any] | None, body: Any) -> bytes:
+    def _encode(
+        self,
+        method: str,
+        path: str,
+        params: dict[str, Any] | None,
+        body: Any,
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
         target = path
         if params:
             target += "?" + urlencode(
@@ -232,6 +252,7 @@ class WireClient:
         host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
         head = [f"{method} {target} HTTP/1.1", f"Host: {host}:{self.port}"]
         head += [f"{k}: {v}" for k, v in self.headers.items()]
+        head += [f"{k}: {v}" for k, v in (headers or {}).items()]
         if body is not None:
             head.append("Content-Type: application/json")
         head.append(f"Content-Length: {len(payload)}")
@@ -240,7 +261,12 @@ class WireClient:
     async def _connect(self, timeout: float | None) -> _Conn:
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(self.host, self.port)
+                if self.tls is None:
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                else:
+                    reader, writer = await asyncio.open_connection(
+                        self.host, self.port, ssl=self.tls, server_hostname=self.host
+                    )
         except TimeoutError as exc:  # ours or the OS's (an enclosing one's is raised outside)
             raise WireConnectError("timed out") from exc
         except OSError as exc:
@@ -268,6 +294,8 @@ class WireClient:
                 except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                     # An OS-level TimeoutError (ETIMEDOUT) lands here too: only
                     # the expiry of our own timeout is raised as TimeoutError.
+                    if not conn.reused and _tls_refused(exc):
+                        raise WireConnectError(_reason(exc)) from exc
                     raise WireError(_reason(exc), safe_to_retry=conn.reused) from exc
                 if not line:
                     raise WireError("the server closed the connection", safe_to_retry=conn.reused)
@@ -323,8 +351,17 @@ def _text(line: bytes) -> str:
     return line.removesuffix(b"\r").decode("utf-8", errors="replace")
 
 
+def _tls_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a TLS alert from the server: it refused the handshake."""
+    return isinstance(exc, ssl.SSLError) and "ALERT" in (exc.reason or "").upper()
+
+
 def _reason(exc: BaseException) -> str:
     """What the OS said ("Connection refused"), not asyncio's "Connect call failed (...)"."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the server's certificate is not trusted ({exc.verify_message})"
+    if isinstance(exc, ssl.SSLError):  # its errno is OpenSSL's, not errno's
+        return f"TLS: {(exc.reason or str(exc)).lower().replace('_', ' ')}"
     if isinstance(exc, OSError):
         if exc.errno and exc.errno > 0:
             return os.strerror(exc.errno)

@@ -64,13 +64,16 @@ No orphans, and the right user
     Each worker is exec'd through ``setpriv --pdeathsig KILL`` (or a tiny
     Python fallback), so the kernel kills it when the daemon dies; a job
     that runs as another user is switched between fork and exec, before the
-    signal is set. Every spawn is recorded in the daemon's database and the
-    next start kills what is left (:mod:`.spawn`). Only the worker's own log
-    folder is handed to its user; log files are opened with ``O_NOFOLLOW``
-    (:mod:`elasticd.security`), and every file of that folder the daemon
-    reads (logs, error files) is opened through :func:`.files.open_worker_file`:
-    relative to the folder's descriptor, never through a link, never
-    blocking on a FIFO, a regular file with one link or nothing.
+    signal is set, and its entrypoint and ``cwd`` are then looked up and
+    entered by the child itself, as that user, never probed by the daemon
+    (the same path starts a job's health check). Every spawn is recorded
+    in the daemon's database and the next start kills what is left
+    (:mod:`.spawn`). Only the worker's own log folder is handed to its user;
+    log files are opened with ``O_NOFOLLOW`` (:mod:`elasticd.security`), and
+    every file of that folder the daemon reads (logs, error files) is opened
+    through :func:`.files.open_worker_file`: relative to the folder's
+    descriptor, never through a link, never blocking on a FIFO, a regular
+    file with one link or nothing.
 
 Error files
     Each worker's ``TORCHELASTIC_ERROR_FILE`` is read when it fails, in

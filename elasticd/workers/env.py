@@ -5,6 +5,12 @@ leak: ``NOTIFY_SOCKET``, elasticd's secrets), then the job's ``env``, then
 the contract variables, which always win. ``OMP_NUM_THREADS`` and
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` are defaults only: an inherited value is
 kept, as torchrun keeps it.
+
+A job's health check gets the same, less the per-rank contract
+(:func:`job_check_env`). The operator's checks (the node's command, the GPU
+check) run as the daemon and get the daemon's environment only, never the
+job's (:func:`operator_env`): a job's ``PATH``, ``LD_PRELOAD`` and the like
+must never reach a process with more privilege than the job.
 """
 
 from __future__ import annotations
@@ -17,6 +23,39 @@ from elasticd.agent.ranks import WorkerRanks
 #: Never passed on to workers: systemd's socket would let a worker speak for
 #: the daemon; the token must only reach workers as a file path.
 WITHHELD = frozenset({"NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "ELASTICD_TOKEN"})
+
+
+def _daemon_base(base: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in base.items() if k not in WITHHELD}
+
+
+def job_check_env(
+    base: Mapping[str, str],
+    job_env: Mapping[str, str],
+    *,
+    job_id: str,
+    cuda_visible_devices: str | None = None,
+) -> dict[str, str]:
+    """The environment of a job's own health check: the workers' rules, no ranks."""
+    env = _daemon_base(base)
+    env.update(job_env)
+    for name in WITHHELD:
+        env.pop(name, None)
+    env["ELASTICD_JOB_ID"] = job_id
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+def operator_env(
+    base: Mapping[str, str], *, job_id: str, cuda_visible_devices: str | None = None
+) -> dict[str, str]:
+    """The environment of the operator's checks for a job: the daemon's, nothing of the job's."""
+    env = _daemon_base(base)
+    env["ELASTICD_JOB_ID"] = job_id
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
 
 
 @dataclass(frozen=True)
@@ -44,7 +83,7 @@ def worker_env(
     heartbeat_file: str | None = None,
 ) -> dict[str, str]:
     """The complete environment of one worker."""
-    env = {k: v for k, v in base.items() if k not in WITHHELD}
+    env = _daemon_base(base)
     env.update(job_env)
     for name in WITHHELD:
         env.pop(name, None)

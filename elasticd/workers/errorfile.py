@@ -8,17 +8,19 @@ raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
                  "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000"}}}
 
 Older and hand-written files put a plain string under ``"message"`` (with an
-optional top-level ``"timestamp"``). The file is written by user code, so it
-is treated as untrusted input: it is parsed as JSON only (never unpickled),
-opened only through :func:`elasticd.workers.files.open_worker_file` (no
-link, no FIFO, a regular file of the worker's own), read up to
-:data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the
-caller gets a :class:`WorkerError` whose message says what was wrong, so the
-failure is still reported, just without the worker's own words.
+optional top-level ``"timestamp"``). The file is written by user code in a
+folder the worker owns, so it is treated as untrusted input: it is opened
+only through :func:`elasticd.workers.files.open_worker_file` (relative to
+the folder's descriptor, ``O_NOFOLLOW | O_NONBLOCK``) and read only when it
+is a regular file with no other hard link, parsed as JSON only (never
+unpickled), read up to :data:`MAX_ERROR_FILE_BYTES`, and bad content never
+raises: the caller gets a :class:`WorkerError` whose message says what was
+wrong, so the failure is still reported, just without the worker's own words.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticd.workers.files import open_worker_file
+from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 __all__ = ["MAX_ERROR_FILE_BYTES", "WorkerError", "read_error_file"]
 
@@ -66,6 +68,12 @@ def read_error_file(path: Path, *, default_timestamp: float | None = None) -> Wo
         return None
     except OSError as exc:
         when = default_timestamp if default_timestamp is not None else time.time()
+        if isinstance(exc, UnsafeWorkerFile) and exc.errno == errno.EMLINK:
+            # A hard link to a file the worker may not read (fs.protected_hardlinks off):
+            # its content would be quoted back in the failure's message.
+            return _unreadable(path, "has other hard links and was not read", when)
+        if isinstance(exc, UnsafeWorkerFile) and exc.errno == errno.EINVAL:
+            return _unreadable(path, "is not a regular file", when)
         return _unreadable(path, f"cannot be opened ({exc.strerror or exc})", when)
     try:
         info = os.fstat(fd)

@@ -65,9 +65,7 @@ def open_worker_file(worker_dir: Path, name: str) -> int:
         if not stat.S_ISREG(info.st_mode):
             raise UnsafeWorkerFile(errno.EINVAL, "not a regular file", str(worker_dir / name))
         if info.st_nlink > 1:
-            raise UnsafeWorkerFile(
-                errno.EMLINK, "the file has other (hard) links", str(worker_dir / name)
-            )
+            raise UnsafeWorkerFile(errno.EMLINK, "has other hard links", str(worker_dir / name))
     except BaseException:
         os.close(fd)
         raise

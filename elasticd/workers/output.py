@@ -96,10 +96,12 @@ class OutputPipe:
     ) -> OutputPipe:
         """Open `log_path` for appending and a pipe whose read end the loop watches.
 
-        The file is never reached through a symbolic link and must be a
-        regular file (a worker may own the folder it lies in). With `owner`
-        (uid, gid) the file is handed to the worker's user. Raises OSError
-        when the file cannot be opened; nothing is left open then.
+        The file is never reached through a symbolic link, must be a
+        regular file without other hard links, and an existing one must be
+        the daemon's or the worker's (a worker may own the folder it lies
+        in). With `owner` (uid, gid) the file is handed to the worker's user.
+        Raises OSError when the file cannot be opened or is refused; nothing
+        is left open then.
         """
         file = _open_log(log_path, owner)
         try:
@@ -226,6 +228,12 @@ def _open_log(path: Path, owner: tuple[int, int] | None) -> BinaryIO:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+        # The folder is the worker's: a hard link planted there (to a file of root's, where
+        # fs.protected_hardlinks is off) must not be appended to, chowned or chmodded.
+        if st.st_nlink != 1:
+            raise OSError(errno.EPERM, "has other hard links; refusing to use it", str(path))
+        if st.st_uid not in (os.geteuid(), owner[0] if owner is not None else os.geteuid()):
+            raise OSError(errno.EPERM, f"belongs to uid {st.st_uid}; refusing to use it", str(path))
         if owner is not None:
             # By descriptor, so the file that is handed over is the one that was opened.
             os.fchown(fd, *owner)

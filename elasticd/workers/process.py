@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import errno
 import functools
 import logging
 import os
-import shutil
 import signal
-import stat
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +32,7 @@ from elasticd.workers.spawn import (
     boot_id,
     current_policy,
     process_start_time,
-    wrap_argv,
+    start_process,
 )
 
 __all__ = [
@@ -72,9 +69,11 @@ class WorkerLaunch:
 
     local_rank: int
     argv: Sequence[str]
-    """``[entrypoint, *args]``; an entrypoint without a slash is looked up on ``env["PATH"]``."""
+    """``[entrypoint, *args]``; an entrypoint without a slash is looked up on ``env["PATH"]``,
+    by the worker's own process, as its user (:func:`~elasticd.workers.spawn.start_process`)."""
     env: Mapping[str, str]
-    """The complete environment of the worker; nothing is inherited from the daemon."""
+    """The complete environment of the worker; nothing is inherited from the daemon, and
+    :data:`~elasticd.workers.env.WITHHELD` never passes."""
     cwd: str | None
     log_dir: Path
     """Gets ``stdout.log`` and ``stderr.log`` (appended); created if missing."""
@@ -341,8 +340,6 @@ class WorkerGroupProcesses:
             identity = policy.identity_for(launch.user)
         except WorkerSpawnError as exc:
             raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
-        executable = _resolve_entrypoint(launch)
-        _check_executable(launch, executable)
         _warn_if_not_main_thread()
         try:
             prepare_worker_dir(launch.log_dir, identity)
@@ -358,39 +355,23 @@ class WorkerGroupProcesses:
                 f"local rank {rank}: cannot set up the logs of {argv[0]!r} in "
                 f"{launch.log_dir}: {exc}"
             ) from exc
-        env = dict(launch.env)
-        credentials: dict[str, object] = {}
-        if identity is not None:
-            env.update(identity.env())
-            # Switched in the child between fork and exec, in C: before the
-            # wrapper sets the parent-death signal (a credential change clears it).
-            credentials = {
-                "user": identity.uid,
-                "group": identity.gid,
-                "extra_groups": list(identity.groups),
-            }
-        command = wrap_argv(executable, argv, setpriv=policy.wrapper())
         try:
-            process = await asyncio.create_subprocess_exec(
-                command[0],
-                *command[1:],
-                stdin=asyncio.subprocess.DEVNULL,
+            # The entrypoint is looked up, and cwd entered, by the child as the job's
+            # user: the daemon never probes a job-chosen path with its own rights.
+            process = await start_process(
+                argv,
+                launch.env,
+                identity=identity,
+                cwd=launch.cwd,
                 stdout=stdout.write_fd,
                 stderr=stderr.write_fd,
-                env=env,
-                cwd=launch.cwd,
-                # Own session, so own process group: signals reach the worker's
-                # children too, and a terminal's Ctrl-C on the daemon does not.
-                start_new_session=True,
-                **credentials,  # type: ignore[arg-type]
+                policy=policy,
             )
         except BaseException as exc:
             stdout.close()
             stderr.close()
-            if isinstance(exc, OSError):
-                raise WorkerSpawnError(
-                    f"local rank {rank}: cannot start {argv[0]!r} (cwd {launch.cwd!r}): {exc}"
-                ) from exc
+            if isinstance(exc, WorkerSpawnError):
+                raise WorkerSpawnError(f"local rank {rank}: {exc}") from exc.__cause__
             raise
         finally:
             # The worker has its own copies now; the daemon's would keep EOF from ever coming.
@@ -537,40 +518,6 @@ def _check_launches(launches: Sequence[WorkerLaunch]) -> None:
     for launch in launches:
         if not launch.argv:
             raise ValueError(f"local rank {launch.local_rank}: argv is empty")
-
-
-def _resolve_entrypoint(launch: WorkerLaunch) -> str:
-    entrypoint = str(launch.argv[0])
-    if os.sep in entrypoint:
-        return entrypoint  # a path; exec resolves a relative one against the worker's cwd
-    search_path = launch.env.get("PATH", os.defpath)
-    found = shutil.which(entrypoint, path=search_path)
-    if found is None:
-        raise WorkerSpawnError(
-            f"local rank {launch.local_rank}: cannot start {entrypoint!r}: "
-            f"no executable of that name on the worker's PATH ({search_path})"
-        )
-    return found
-
-
-def _check_executable(launch: WorkerLaunch, executable: str) -> None:
-    """Refuse what exec would refuse, before the wrapper runs (it can only exit 127 then)."""
-    path = executable
-    if not os.path.isabs(path):
-        path = os.path.join(launch.cwd or os.getcwd(), path)
-    cause: OSError
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        cause = exc
-    else:
-        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
-            return
-        cause = PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-    raise WorkerSpawnError(
-        f"local rank {launch.local_rank}: cannot start {str(launch.argv[0])!r} "
-        f"(cwd {launch.cwd!r}): {cause}"
-    ) from cause
 
 
 def _warn_if_not_main_thread() -> None:

@@ -24,6 +24,24 @@ Who the worker runs as
     it, and the job's environment (``LD_PRELOAD`` and friends) is never seen
     by a process with more privilege than the job itself.
 
+One way to start anything: :func:`start_process`
+    Workers and a job's own health check are started the same way (the
+    operator's checks too, as the daemon): the environment less
+    :data:`~elasticd.workers.env.WITHHELD`, the user switch, the wrapper,
+    then :data:`RESOLVER`, a few lines of ``/bin/sh`` that run *as the
+    process's user*: enter the working folder, find the program on the
+    environment's ``PATH``, check that it can be run, exec it. The daemon
+    never enters, looks up or even stats a job-chosen path itself: as root
+    it would reach folders the job cannot, and an EACCES-or-ENOENT answer
+    would tell the job about them. (``subprocess``'s own ``cwd=`` is not
+    used for that reason: it changes folder *before* the user switch.) The
+    shell reports a failure through its stdin, the write end of a pipe the
+    daemon reads to EOF; the exec replaces stdin with ``/dev/null``, so EOF
+    with nothing written means the program runs. A failure becomes a clear
+    :class:`~elasticd.errors.WorkerSpawnError` (ENOENT, ENOTDIR or EACCES
+    and the path, as the user sees them). The program's ``argv[0]`` is the
+    path it was found at.
+
 The start-up sweep
     The signal does not reach the worker's own children, a set-uid program
     clears it, and a daemon can die between fork and prctl. So every spawn
@@ -37,7 +55,9 @@ The start-up sweep
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -45,16 +65,19 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, JobUsers
+from elasticd.workers.env import WITHHELD
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "RESOLVER",
     "SpawnPolicy",
     "WorkerRecord",
     "WorkerRegistry",
@@ -62,6 +85,8 @@ __all__ = [
     "current_policy",
     "install_policy",
     "process_start_time",
+    "start_argv",
+    "start_process",
     "sweep_orphans",
     "wrap_argv",
 ]
@@ -113,6 +138,178 @@ def wrap_argv(executable: str, argv: Sequence[str], *, setpriv: str | None) -> l
     ]
 
 
+#: The shell :data:`RESOLVER` runs in (POSIX: always there, runnable by every user).
+SH = "/bin/sh"
+
+#: Runs after the wrapper, as the process's own user: ``$1`` is the working
+#: folder ("" to stay), ``$2`` the program, the rest its arguments. A failure
+#: is written to stdin (a pipe the daemon reads) as ``what NUL ERRNO-NAME NUL
+#: path``; the exec swaps stdin for /dev/null, so EOF alone means it started.
+#: ``CDPATH`` never applies (a relative folder gets ``./``); an empty ``PATH``
+#: entry is the working folder, as for ``execvp``.
+RESOLVER = r"""fail() { printf '%s\0%s\0%s' "$1" "$2" "$3" >&0; exit 127; }
+cwd=$1; shift
+if [ -n "$cwd" ]; then
+  case $cwd in /*) dir=$cwd ;; *) dir=./$cwd ;; esac
+  cd -- "$dir" 2>/dev/null || {
+    [ -e "$dir" ] || fail cwd ENOENT "$cwd"; [ -d "$dir" ] || fail cwd ENOTDIR "$cwd"
+    fail cwd EACCES "$cwd"; }
+fi
+case $1 in
+*/*) exe=$1 ;;
+*) exe=; IFS=:; set -f
+  for dir in $PATH; do
+    if [ -f "${dir:-.}/$1" ] && [ -x "${dir:-.}/$1" ]; then exe=${dir:-.}/$1; break; fi
+  done
+  unset IFS; set +f
+  [ -n "$exe" ] || fail path ENOENT "$1" ;;
+esac
+[ -e "$exe" ] || fail program ENOENT "$exe"
+[ -d "$exe" ] && fail program EACCES "$exe"
+[ -x "$exe" ] || fail program EACCES "$exe"
+shift
+exec "$exe" "$@" </dev/null
+"""
+
+#: How long the daemon waits for the resolver's verdict; past it the program
+#: counts as started (only the job's own code, e.g. its LD_PRELOAD, can delay it).
+VERDICT_TIMEOUT = 30.0
+
+#: The most of a verdict that is read.
+_VERDICT_BYTES = 8192
+
+#: The errors :data:`RESOLVER` reports, by name.
+_VERDICT_ERRORS = {"ENOENT": errno.ENOENT, "ENOTDIR": errno.ENOTDIR, "EACCES": errno.EACCES}
+
+
+def start_argv(argv: Sequence[str], cwd: str | None, *, setpriv: str | None) -> list[str]:
+    """The command line that starts ``argv`` in ``cwd`` through the wrapper and :data:`RESOLVER`."""
+    return wrap_argv(SH, [SH, "-c", RESOLVER, "elasticd-start", cwd or "", *argv], setpriv=setpriv)
+
+
+async def start_process(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    identity: Identity | None,
+    cwd: str | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+    policy: SpawnPolicy | None = None,
+) -> asyncio.subprocess.Process:
+    """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
+
+    ``env`` is the complete environment, less :data:`WITHHELD` (plus the
+    user's ``HOME``, ``USER``, ``LOGNAME`` when switching). The process leads
+    its own session (so its own process group) and gets the parent-death
+    signal. ``argv[0]`` without a slash is looked up on ``env["PATH"]``, and
+    ``cwd`` entered, by the process itself, as its user. Returns once the
+    program runs; raises :class:`~elasticd.errors.WorkerSpawnError` (its
+    cause an ``OSError`` when there is one) when it cannot be started.
+    ``stdout``/``stderr`` are file descriptors or ``asyncio.subprocess`` constants.
+    """
+    policy = policy or current_policy()
+    argv = [str(arg) for arg in argv]
+    full_env = {k: v for k, v in env.items() if k not in WITHHELD}
+    credentials: dict[str, object] = {}
+    if identity is not None:
+        full_env.update(identity.env())
+        # Switched in the child between fork and exec, in C: before the
+        # wrapper sets the parent-death signal (a credential change clears it).
+        credentials = {
+            "user": identity.uid,
+            "group": identity.gid,
+            "extra_groups": list(identity.groups),
+        }
+    command = start_argv(argv, cwd, setpriv=policy.wrapper())
+    verdict_r, verdict_w = os.pipe()
+    try:
+        try:
+            process = await asyncio.create_subprocess_exec(
+                command[0],
+                *command[1:],
+                stdin=verdict_w,
+                stdout=stdout,
+                stderr=stderr,
+                env=full_env,
+                # Own session, so own process group: signals reach the program's
+                # children too, and a terminal's Ctrl-C on the daemon does not.
+                start_new_session=True,
+                **credentials,  # type: ignore[arg-type]
+            )
+        except (OSError, ValueError) as exc:
+            raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+        finally:
+            os.close(verdict_w)  # the child has its copy; ours would keep EOF away
+        try:
+            verdict = await _read_verdict(verdict_r)
+        except BaseException:
+            await _discard(process)  # cancelled: leave no process behind
+            raise
+    finally:
+        os.close(verdict_r)
+    if not verdict:
+        return process
+    await _discard(process)  # the resolver exits 127 right after its verdict
+    raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath))
+
+
+async def _discard(process: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    await asyncio.shield(process.wait())
+
+
+async def _read_verdict(fd: int) -> bytes:
+    """Everything written to the pipe ``fd`` until EOF (or :data:`VERDICT_TIMEOUT`)."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    data = bytearray()
+    eof: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            data.extend(chunk[: max(0, _VERDICT_BYTES - len(data))])
+        elif not eof.done():
+            eof.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        async with asyncio.timeout(VERDICT_TIMEOUT):
+            await eof
+    except TimeoutError:
+        log.warning(
+            "no word from a starting process within %g s; taking it as started", VERDICT_TIMEOUT
+        )
+    finally:
+        loop.remove_reader(fd)
+    return bytes(data)
+
+
+def _verdict_error(
+    verdict: bytes, argv: Sequence[str], cwd: str | None, search_path: str
+) -> WorkerSpawnError:
+    # Written by a process of the job's (its LD_PRELOAD could write anything): parse, never trust.
+    parts = verdict.decode("utf-8", "replace").split("\0")
+    what, name, path = (parts + ["", "", ""])[:3]
+    code = _VERDICT_ERRORS.get(name, errno.EACCES)
+    cause = OSError(code, os.strerror(code), path)
+    if what == "path":
+        return WorkerSpawnError(
+            f"cannot start {argv[0]!r}: no executable of that name on its PATH ({search_path})"
+        )
+    where = "the working folder" if what == "cwd" else "the program"
+    error = WorkerSpawnError(f"cannot start {argv[0]!r} (cwd {cwd!r}): {where}: {cause}")
+    error.__cause__ = cause
+    return error
+
+
 # -- the registry of spawned workers -----------------------------------------------
 
 
@@ -160,8 +357,6 @@ class SpawnPolicy:
     def identity_for(self, requested: str | None) -> Identity | None:
         if self.users is None:
             if requested is not None and requested != _my_name():
-                from elasticd.errors import WorkerSpawnError
-
                 raise WorkerSpawnError(
                     f"the job asks to run as {requested!r}; this daemon runs jobs as itself"
                 )

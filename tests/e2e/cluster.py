@@ -57,9 +57,14 @@ class LocalCluster:
         self.token_file.chmod(0o600)
 
     def start(
-        self, name: str, *extra: str, env: dict[str, str] | None = None, netns: str | None = None
+        self,
+        name: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        netns: str | None = None,
+        port: int | None = None,
     ) -> Node:
-        port = free_port()
+        port = port or free_port()
         state = self.root / name
         state.mkdir(parents=True, exist_ok=True)
         environ = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}

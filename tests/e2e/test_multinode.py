@@ -192,7 +192,7 @@ async def test_cancel_on_any_daemon_stops_every_node(cluster, tmp_path):
         await follow_until(c, "stop", lambda ev: len(read_notes(out)) >= 3, 120)
         pids = [n["pid"] for n in read_notes(out)]
         async with cluster.client("n1") as c1:
-            assert (await c1.post("/jobs/stop/cancel")).json()["state"] == "CANCELLED"
+            assert (await c1.post("/jobs/stop/cancel", json={})).json()["state"] == "CANCELLED"
 
         def all_stopped(_events) -> bool:
             return all(not _alive(p) for p in pids)

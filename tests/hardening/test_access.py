@@ -65,7 +65,7 @@ async def test_the_token_is_compared_in_constant_time(
         await d.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 for given in ("the-real-tokeX", "short", "the-real-token"):
                     r = await c.get("/jobs", headers={"Authorization": f"Bearer {given}"})
                     assert r.status_code == (200 if given == "the-real-token" else 401)
@@ -177,7 +177,7 @@ async def test_unix_socket_is_0660_in_a_0750_folder_and_needs_the_token(tmp_path
             assert stat.S_ISSOCK(sock.stat().st_mode)
             assert stat.S_IMODE(sock.stat().st_mode) == 0o660
             transport = httpx.AsyncHTTPTransport(uds=str(sock))
-            async with httpx.AsyncClient(transport=transport, base_url="http://elasticd") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 assert (await c.get("/healthz")).status_code == 200
                 assert (await c.get("/jobs")).status_code == 401
                 r = await c.get("/jobs", headers={"Authorization": f"Bearer {token}"})
@@ -226,7 +226,7 @@ async def test_serve_runs_jobs_as_run_as_with_private_state(open_tmp: Path) -> N
             r = await c.get("/jobs/u/logs")
             assert r.text.split() == [str(nobody.pw_uid), nobody.pw_dir]
             assert (log / "mine").stat().st_uid == nobody.pw_uid
-            await c.post("/jobs/u/cancel")
+            await c.post("/jobs/u/cancel", json={})
             await eventually(lambda: not pid_alive(pid), 10, "the worker to stop")
     finally:
         daemon.stop()
@@ -293,7 +293,7 @@ async def test_the_body_limit_is_configurable_and_store_routes_keep_their_own(
         await d.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 r = await c.post("/jobs", json={"entrypoint": "x", "args": ["a" * 5000]})
                 assert r.status_code == 413
                 value = base64.b64encode(b"v" * 8000).decode()
@@ -361,7 +361,7 @@ async def test_a_job_may_ask_only_for_an_allowed_user(open_tmp: Path) -> None:
             assert r.status_code == 201
             (pid,) = await healthy_pids(c, "as-nobody", 1)
             assert proc_uid(pid) == nobody.pw_uid
-            await c.post("/jobs/as-nobody/cancel")
+            await c.post("/jobs/as-nobody/cancel", json={})
             await eventually(lambda: not pid_alive(pid), 10, "the worker to stop")
     finally:
         daemon.stop()

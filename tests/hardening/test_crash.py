@@ -48,6 +48,9 @@ async def test_acknowledged_events_survive_twenty_sigkills(tmp_path: Path) -> No
                 await daemon.wait_ready()
                 job_id = f"crash-{i}"
                 async with daemon.client() as c:
+                    if i > 0:  # it resumed after the kill: end it, or the jobs would pile up
+                        r = await c.post(f"/jobs/crash-{i - 1}/cancel", json={})
+                        assert r.status_code in (200, 202, 409), r.text
                     r = await c.post(
                         "/jobs",
                         json={
@@ -81,7 +84,11 @@ async def test_acknowledged_events_survive_twenty_sigkills(tmp_path: Path) -> No
                     lost = [e for seq, e in events.items() if now.get(seq) != e]
                     assert lost == [], f"{job_id}: {len(lost)} acknowledged events lost/changed"
                     job = (await c.get(f"/jobs/{job_id}")).json()
-                    assert job["state"] == "FAILED" and "crashed or was killed" in job["reason"]
+                    # Never failed for the daemon's sake: the job resumes (or ran to its end).
+                    assert (
+                        job["state"] != "FAILED"
+                        or job["restart_count"] == job["spec"]["max_restarts"]
+                    ), job
         finally:
             final.stop()
     assert sum(killed_during) > KILLS * 5  # the kills landed while events were being written

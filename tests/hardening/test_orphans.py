@@ -28,11 +28,11 @@ from tests.hardening.support import (
 pytestmark = pytest.mark.slow
 
 
-async def test_sigkill_of_the_daemon_kills_its_four_workers_and_the_job_is_failed(
+async def test_sigkill_of_the_daemon_kills_its_four_workers_and_the_job_resumes(
     tmp_path: Path,
 ) -> None:
     """kill -9 of `elasticd serve` with 4 workers: none is alive 2 s later; after a restart the
-    job is FAILED naming the crash, and the 4 workers are no longer recorded."""
+    job resumes as a new attempt (no restart charged), its events name the crash."""
     token_file, _ = make_token_file(tmp_path)
     sleeper = script(tmp_path, "sleeper.py", SLEEPER)
     daemon = serve(tmp_path, token_file=token_file)
@@ -59,15 +59,21 @@ async def test_sigkill_of_the_daemon_kills_its_four_workers_and_the_job_is_faile
             try:
                 await restarted.wait_ready()
                 async with restarted.client() as c:
+                    # The view published before the crash is marked STOPPED at start-up:
+                    # the dead pids are never shown HEALTHY again.
+                    again = await healthy_pids(c, "four", 4)
                     job = (await c.get("/jobs/four")).json()
                     events = (await c.get("/jobs/four/events")).json()
+                    view = (await c.get("/jobs/four/workers")).json()
             finally:
                 restarted.stop()
     finally:
         daemon.kill9()
-    assert job["state"] == "FAILED"
-    assert "crashed or was killed" in job["reason"]
-    assert "job.orphaned" in [e["kind"] for e in events]
+    assert not set(again) & set(pids)
+    assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+    resumed = [e for e in events if e["kind"] == "job.resumed"]
+    assert len(resumed) == 1 and "crashed or was killed" in resumed[0]["message"]
+    assert view["groups"][0]["attempt"] == 1  # a new attempt: attempt_0's logs stay as they were
     assert restarted.proc.returncode == 0
     # Nothing was left to sweep: the kernel had killed every worker.
     assert "worker.orphan_killed" not in [e["kind"] for e in events]

@@ -17,7 +17,7 @@ async def test_token_required_everywhere_but_healthz(tmp_path):
         await d.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 assert (await c.get("/healthz")).status_code == 200
                 for method, path in [
                     ("GET", "/jobs"),
@@ -40,14 +40,14 @@ async def test_token_required_everywhere_but_healthz(tmp_path):
             await d.shutdown()
 
 
-async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
-    """After a restart finished jobs and events read back identically; a running job is FAILED."""
+async def test_restart_keeps_finished_jobs_and_resumes_running_ones(tmp_path):
+    """After a restart finished jobs and events read back identically; a running job resumes."""
     sleeper = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
     d = make_daemon(tmp_path, persistent=True)
     async with asyncio.timeout(90):
         await d.start()
         transport = httpx.ASGITransport(app=create_app(d))
-        async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             r = await c.post("/jobs", json={"id": "done", "entrypoint": PY, "args": ["-c", "pass"]})
             await wait_job(c, "done")
             before_job = (await c.get("/jobs/done")).json()
@@ -65,13 +65,18 @@ async def test_restart_keeps_finished_jobs_and_fails_running_ones(tmp_path):
         await d2.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d2))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 assert (await c.get("/jobs/done")).json() == before_job
                 assert (await c.get("/jobs/done/events")).json() == before_events
                 assert (await c.get("/jobs/done/workers")).json() == before_workers
+                while True:  # the first attempt's events are there; wait for the second's
+                    kinds = [e["kind"] for e in (await c.get("/jobs/live/events")).json()]
+                    if kinds.count("workers.started") == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert "daemon.stopped" in kinds and "job.resumed" in kinds
                 live = (await c.get("/jobs/live")).json()
-                assert live["state"] == "FAILED"
-                assert "daemon stopped" in live["reason"]
+                assert live["restart_count"] == 0 and live["state"] in ("RUNNING", "RESTARTING")
         finally:
             await d2.shutdown()
 

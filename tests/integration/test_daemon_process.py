@@ -150,7 +150,8 @@ async def test_notify_and_ordered_shutdown(tmp_path, sig):
                     break
                 except httpx.TransportError:
                     await asyncio.sleep(0.05)
-            assert job["state"] == "FAILED" and "daemon stopped" in job["reason"]
+            # Stopped for the daemon's sake, not the job's: it resumes, never FAILED.
+            assert job["state"] in ("RESTARTING", "RUNNING"), job
             kinds = [e["kind"] for e in (await c.get("/jobs/j/events")).json()]
             assert "workers.stopped" in kinds and "daemon.stopped" in kinds
     finally:

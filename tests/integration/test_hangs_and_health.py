@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import os
+import asyncio
 import stat
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
-from tests.conftest import PY, events_of, script, wait_job
+import httpx
+
+from api.app import create_app
+from tests.conftest import PY, events_of, make_daemon, script, wait_job
 
 PING_THEN_BLOCK = """
 import os, sys, threading, time
@@ -128,8 +135,24 @@ async def test_failing_health_check_spends_the_budget_then_fails(client, tmp_pat
     assert kinds.count("health.failed") == 2 and "workers.started" not in kinds
 
 
-async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(client, tmp_path):
-    """The built-in GPU check runs nvidia-smi from PATH; a bad GPU fails the job's start."""
+@asynccontextmanager
+async def daemon_client(tmp_path: Path, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A daemon with ``config`` and a client over ASGI."""
+    d = make_daemon(tmp_path, **config)
+    async with asyncio.timeout(30):
+        await d.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(d))
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            yield c
+    finally:
+        async with asyncio.timeout(60):
+            await d.shutdown()
+
+
+async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(tmp_path):
+    """The built-in GPU check runs the operator's nvidia-smi (config `nvidia_smi`); a bad GPU
+    fails the job's start."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-smi"
@@ -137,31 +160,25 @@ async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(client, t
         "#!/bin/sh\necho 'Unable to determine the device handle for GPU0: GPU is lost'\nexit 15\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    env_path = f"{bin_dir}:{os.environ.get('PATH', '')}"
-    r = await client.post(
-        "/jobs",
-        json={
-            "entrypoint": PY,
-            "args": ["-c", "pass"],
-            "max_restarts": 0,
-            "env": {"PATH": env_path},
-        },
-    )
-    job = await wait_job(client, r.json()["id"])
-    assert job["state"] == "FAILED"
-    failed = [e for e in await events_of(client, job["id"]) if e["kind"] == "health.failed"]
+    async with daemon_client(tmp_path, nvidia_smi=str(fake)) as client:
+        r = await client.post(
+            "/jobs", json={"entrypoint": PY, "args": ["-c", "pass"], "max_restarts": 0}
+        )
+        job = await wait_job(client, r.json()["id"])
+        assert job["state"] == "FAILED"
+        failed = [e for e in await events_of(client, job["id"]) if e["kind"] == "health.failed"]
     assert failed and "gpu" in failed[0]["message"].lower()
 
 
-async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(client):
+async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(tmp_path):
     """Where nvidia-smi is absent the GPU check is skipped, with an event saying so."""
-    r = await client.post(
-        "/jobs", json={"entrypoint": PY, "args": ["-c", "pass"], "env": {"PATH": "/nonexistent"}}
-    )
-    job = await wait_job(client, r.json()["id"])
-    assert job["state"] == "SUCCEEDED"
-    kinds = [e["kind"] for e in await events_of(client, job["id"])]
-    assert "health.skipped" in kinds
+    async with daemon_client(tmp_path, nvidia_smi=str(tmp_path / "no" / "nvidia-smi")) as client:
+        r = await client.post("/jobs", json={"entrypoint": PY, "args": ["-c", "pass"]})
+        job = await wait_job(client, r.json()["id"])
+        assert job["state"] == "SUCCEEDED"
+        events = await events_of(client, job["id"])
+    skipped = [e for e in events if e["kind"] == "health.skipped"]
+    assert skipped and "is not there" in skipped[0]["message"]
 
 
 async def test_inprocess_job_has_only_the_hung_rank_killed(client, tmp_path):

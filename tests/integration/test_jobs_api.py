@@ -125,14 +125,14 @@ async def test_cancel_stops_workers(client, tmp_path):
         w["pid"]
         for w in (await client.get(f"/jobs/{job_id}/workers")).json()["groups"][0]["workers"]
     ]
-    assert (await client.post(f"/jobs/{job_id}/cancel")).status_code == 200
+    assert (await client.post(f"/jobs/{job_id}/cancel", json={})).status_code == 200
     job = await wait_job(client, job_id)
     assert job["state"] == "CANCELLED"
     await wait_group(client, job_id, {"STOPPED"})
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    again = await client.post(f"/jobs/{job_id}/cancel")
+    again = await client.post(f"/jobs/{job_id}/cancel", json={})
     assert again.status_code == 409 and "already ended" in again.json()["detail"]
 
 
@@ -211,7 +211,7 @@ async def test_unknown_ids_are_404_problems(client):
         ("GET", "/jobs/nope/logs"),
         ("POST", "/jobs/nope/cancel"),
     ]:
-        r = await client.request(method, path)
+        r = await client.request(method, path, json={} if method == "POST" else None)
         assert r.status_code == 404, path
         assert r.headers["content-type"].startswith("application/problem+json")
         assert "nope" in r.json()["detail"]
@@ -311,7 +311,9 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
         await daemon.start()
         try:
             transport = httpx.ASGITransport(app=create_app(daemon))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as client:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://localhost"
+            ) as client:
                 live = (
                     await client.post(
                         "/jobs", json={"entrypoint": PY, "args": [path], "termination_grace": 1}
@@ -338,7 +340,7 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
                 while daemon.events.read("ghost"):
                     await asyncio.sleep(0.1)
                 assert daemon.events.read(live)  # a job still in the store keeps its events
-                await client.post(f"/jobs/{live}/cancel")
+                await client.post(f"/jobs/{live}/cancel", json={})
         finally:
             await daemon.shutdown()
     kept = make_daemon(tmp_path / "kept", job_retention=0)

@@ -18,7 +18,7 @@ async def small(tmp_path):
         await d.start()
     transport = httpx.ASGITransport(app=create_app(d))
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
             yield c
     finally:
         async with asyncio.timeout(60):
@@ -47,7 +47,7 @@ async def test_jobs_queue_for_free_slots(small, tmp_path):
         )
     ).json()
     assert (await small.get("/jobs/b")).json()["state"] == "PENDING"
-    await small.post("/jobs/a/cancel")
+    await small.post("/jobs/a/cancel", json={})
     assert (await wait_job(small, "a"))["state"] == "CANCELLED"
     assert (await wait_job(small, b["id"]))["state"] == "SUCCEEDED"
 
@@ -68,5 +68,5 @@ async def test_node_selector_is_honoured(small):
     assert (await wait_job(small, ok.json()["id"]))["state"] == "SUCCEEDED"
     other = await small.post("/jobs", json={"entrypoint": PY, "node_selector": {"gpu": "h100"}})
     assert (await small.get(f"/jobs/{other.json()['id']}")).json()["state"] == "PENDING"
-    cancelled = await small.post(f"/jobs/{other.json()['id']}/cancel")
+    cancelled = await small.post(f"/jobs/{other.json()['id']}/cancel", json={})
     assert cancelled.json()["state"] == "CANCELLED"

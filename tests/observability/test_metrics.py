@@ -192,7 +192,7 @@ async def test_metrics_need_the_token_unless_public_on_loopback(
             app.state.daemon = d
             app.include_router(metrics_router(d.token, metrics_public=public))
             transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
-            async with httpx.AsyncClient(transport=transport, base_url="http://e") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 assert (await c.get("/metrics")).status_code == expected
                 ok = await c.get("/metrics", headers={"Authorization": "Bearer s3cret"})
                 assert ok.status_code == 200 and "elasticd_jobs" in ok.text

@@ -78,7 +78,7 @@ async def test_heartbeats_keep_an_idle_stream_alive(live, tmp_path, monkeypatch)
                 seen += text
                 if seen.count(": heartbeat\n\n") >= 3:
                     break
-        await c.post(f"/jobs/{job_id}/cancel")
+        await c.post(f"/jobs/{job_id}/cancel", json={})
 
 
 async def test_logs_follow_across_restarts(live, tmp_path):

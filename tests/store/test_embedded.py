@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.errors import StoreCompacted, StoreUnavailable
+from elasticd.errors import LeaseNotFound, StoreCompacted, StoreUnavailable
 from elasticd.store.embedded import SCHEMA_VERSION, EmbeddedStore
 
 pytestmark = pytest.mark.timeout(30)
@@ -30,22 +30,71 @@ async def test_restart_keeps_keys_and_revision(tmp_path: Path) -> None:
         assert store.revision == last + 1  # the add above; nothing reused
 
 
-async def test_leased_keys_do_not_survive_a_restart(tmp_path: Path) -> None:
-    """Keys bound to a lease are deleted when the store reopens, and the revision still grows."""
+async def test_leases_and_their_keys_survive_a_restart(tmp_path: Path) -> None:
+    """A lease comes back with its keys and a fresh grace: its holder just keeps it alive."""
     path = tmp_path / "store.sqlite3"
     async with EmbeddedStore(path) as store:
         lease = await store.grant(3600)
-        await store.put("/nodes/a", b"alive", lease=lease)
+        node = await store.put("/nodes/a", b"alive", lease=lease)
         kept = await store.put("/jobs/x", b"spec")
         before = store.revision
     async with EmbeddedStore(path) as store:
-        assert await store.get("/nodes/a") is None
+        assert await store.get("/nodes/a") == node
         assert await store.get("/jobs/x") == kept
-        assert store.revision == before + 1  # the delete of /nodes/a is a change
+        assert store.revision == before  # nothing changed on open
+        await store.keep_alive(lease)  # the holder carries on
+        again = await store.put("/nodes/a", b"still", lease=lease)
+        assert again.lease == lease and again.version > before
         with pytest.raises(StoreCompacted):
-            await store.watch("/jobs/x", kept.version, 1)  # history does not survive
-        created = await store.put("/nodes/a", b"back")
-        assert created.version > before
+            await store.watch("/jobs/x", node.version, 1)  # history does not survive
+
+
+async def test_a_restored_lease_nobody_keeps_alive_expires_after_one_ttl(tmp_path: Path) -> None:
+    """The grace is one TTL from the first use after the restart; then its keys go, as changes."""
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path) as store:
+        lease = await store.grant(0.5)
+        await store.put("/nodes/gone", b"x", lease=lease)
+        await store.keep_alive(lease)
+        before = store.revision
+    async with EmbeddedStore(path) as store:
+        assert await store.get("/nodes/gone") is not None  # starts the grace
+        events = await store.watch("/nodes/gone", before, 5)
+        assert [e.kind for e in events] == ["delete"]
+        assert await store.get("/nodes/gone") is None
+        with pytest.raises(LeaseNotFound):
+            await store.keep_alive(lease)
+    async with EmbeddedStore(path) as store:  # the expiry itself was committed
+        assert await store.get("/nodes/gone") is None
+        with pytest.raises(LeaseNotFound):
+            await store.keep_alive(lease)
+
+
+async def test_a_revoked_lease_does_not_come_back(tmp_path: Path) -> None:
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path) as store:
+        lease = await store.grant(3600)
+        await store.put("/nodes/a", b"x", lease=lease)
+        await store.revoke(lease)
+    async with EmbeddedStore(path) as store:
+        assert await store.get("/nodes/a") is None
+        with pytest.raises(LeaseNotFound):
+            await store.keep_alive(lease)
+
+
+async def test_leased_keys_of_a_file_without_lease_rows_get_the_default_grace(
+    tmp_path: Path,
+) -> None:
+    """A file written before leases were kept: its leased keys are restored, not dropped."""
+    path = tmp_path / "store.sqlite3"
+    async with EmbeddedStore(path) as store:
+        lease = await store.grant(3600)
+        await store.put("/nodes/a", b"x", lease=lease)
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM leases")
+    async with EmbeddedStore(path) as store:
+        assert (await store.get("/nodes/a")) is not None
+        await store.keep_alive(lease)
 
 
 async def test_acknowledged_writes_are_on_disk_before_close(tmp_path: Path) -> None:

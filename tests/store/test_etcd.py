@@ -1,10 +1,11 @@
-"""EtcdStore's two HTTP clients: the lean one for plain http, httpx otherwise; watch streams."""
+"""EtcdStore's two HTTP clients: the lean one for http(s), httpx when a transport is injected."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+import ssl
 from typing import Any
 
 import httpx
@@ -35,11 +36,14 @@ PUT_K = watch_line(
 )
 
 
-async def test_plain_http_endpoints_use_the_lean_client() -> None:
-    """Plain http endpoints get the lean client; https ones, or all with a transport, httpx."""
+async def test_http_and_https_endpoints_use_the_lean_client() -> None:
+    """http(s) endpoints get the lean client, https ones with verified TLS; with a transport, httpx."""
     async with EtcdStore(["h1:2379", "https://h2:2379", "http://h3:2379/base"]) as store:
         clients = store._wires
-        assert [wire is not None for wire in clients] == [True, False, True]
+        assert all(wire is not None for wire in clients)
+        assert [wire[0].tls is not None for wire in clients if wire] == [False, True, False]
+        tls = clients[1][0].tls if clients[1] else None
+        assert tls is not None and tls.check_hostname and tls.verify_mode == ssl.CERT_REQUIRED
         assert clients[2] is not None and clients[2][1] == "/base"
     transport = httpx.MockTransport(lambda request: httpx.Response(500))
     async with EtcdStore(["h1:2379"], transport=transport) as store:

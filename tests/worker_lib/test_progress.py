@@ -229,8 +229,8 @@ async def test_sigusr1_dumps_the_stacks_into_stderr_and_keeps_the_worker(tmp_pat
         async with asyncio.timeout(30):
             await read_line(proc, b"ready")
             assert catches_signal(proc.pid, signal.SIGUSR1)
-            note = await dump_stacks(proc.pid, use_py_spy=False)
-            assert "SIGUSR1" in note and "stderr" in note
+            dump = await dump_stacks(proc.pid, use_py_spy=False)
+            assert dump.to_stderr and "SIGUSR1" in dump.text and "stderr" in dump.text
             assert proc.stderr is not None
             for _ in range(2):  # the worker survives a dump and answers the next one
                 text = b""
@@ -250,12 +250,13 @@ async def test_a_worker_without_the_library_is_not_sent_a_deadly_signal() -> Non
     try:
         async with asyncio.timeout(30):
             await read_line(proc, b"up")
-            note = await dump_stacks(proc.pid, use_py_spy=False)
+            dump = await dump_stacks(proc.pid, use_py_spy=False)
             await asyncio.sleep(0.2)
             assert proc.returncode is None
     finally:
         await finish(proc)
-    assert "no stacks" in note and "would kill" in note
+    # The note names the signal it did not send: that must not read as "sent".
+    assert not dump.to_stderr and "no stacks" in dump.text and "would kill" in dump.text
 
 
 def _fake_py_spy(tmp_path: Path, body: str) -> str:
@@ -271,8 +272,9 @@ async def test_py_spy_output_is_returned_when_it_works(tmp_path: Path) -> None:
         tmp_path, 'echo "Thread 1 (idle): MainThread"; echo "    train (train.py:12) pid $3"'
     )
     async with asyncio.timeout(10):
-        text = await dump_stacks(os.getpid(), py_spy=exe)
-    assert "train (train.py:12)" in text and str(os.getpid()) in text
+        dump = await dump_stacks(os.getpid(), py_spy=exe)
+    assert "train (train.py:12)" in dump.text and str(os.getpid()) in dump.text
+    assert not dump.to_stderr
 
 
 async def test_a_failing_or_stuck_py_spy_falls_back_to_the_signal(tmp_path: Path) -> None:
@@ -285,11 +287,11 @@ async def test_a_failing_or_stuck_py_spy_falls_back_to_the_signal(tmp_path: Path
     try:
         async with asyncio.timeout(30):
             await read_line(proc, b"ready")
-            note = await dump_stacks(proc.pid, py_spy=refused)
-            assert note.startswith("py-spy failed (Permission denied") and "sent SIGUSR1" in note
+            dump = await dump_stacks(proc.pid, py_spy=refused)
+            assert dump.text.startswith("py-spy failed (Permission denied") and dump.to_stderr
             started = time.monotonic()
-            note = await dump_stacks(proc.pid, py_spy=slow, timeout=0.5)
+            dump = await dump_stacks(proc.pid, py_spy=slow, timeout=0.5)
             assert time.monotonic() - started < 5
-            assert "did not finish within 0.5 s" in note and "sent SIGUSR1" in note
+            assert "did not finish within 0.5 s" in dump.text and "sent SIGUSR1" in dump.text
     finally:
         await finish(proc)

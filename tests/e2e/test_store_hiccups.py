@@ -1,0 +1,265 @@
+"""Short store outages must not add up to a fence (issue 12, defect 3).
+
+A node fences itself (stops its workers) only after ``lease_ttl`` seconds of
+*continuous* store loss. Node ``n1`` reaches the store on ``n0`` through a TCP
+proxy that the test cuts for a moment, twice, further apart than the lease:
+each cut is far shorter than the lease, so nothing may be stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+
+import pytest
+
+from tests.e2e.cluster import LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+LEASE_TTL = 3.0
+
+
+class CuttableProxy:
+    """A loopback TCP proxy to ``127.0.0.1:target`` whose link the test can cut."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.cut = False
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def sever(self) -> None:
+        """Close every open connection (both sides)."""
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()
+        self._writers.discard(dst)
+
+    async def outage(self, seconds: float) -> None:
+        self.cut = True
+        self.sever()
+        await asyncio.sleep(seconds)  # the fault itself lasts this long
+        self.cut = False
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path, lease_ttl=LEASE_TTL)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+async def events_of(c, job_id: str) -> list[dict]:
+    return (await c.get(f"/jobs/{job_id}/events")).json()
+
+
+async def test_two_short_store_outages_far_apart_never_fence(cluster):
+    """Two 0.5 s cuts (far below the 3 s lease), 2 x lease_ttl apart: no fence, no worker restarted, the job runs on."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "steady",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 2,
+                },
+            )
+            assert r.status_code == 201, r.text
+            async with asyncio.timeout(30):
+                while True:
+                    started = [
+                        e for e in await events_of(c, "steady") if e["kind"] == "workers.started"
+                    ]
+                    if {e["node"] for e in started} == {"n0", "n1"}:
+                        break
+                    await asyncio.sleep(0.1)
+            for _ in range(2):
+                await proxy.outage(0.5)
+                await asyncio.sleep(2 * LEASE_TTL)  # well past the lease, link working
+            events = await events_of(c, "steady")
+            kinds = [e["kind"] for e in events]
+            assert "agent.fenced" not in kinds, cluster.logs()
+            assert kinds.count("workers.started") == 2, [
+                (e["node"], e["kind"], e["message"]) for e in events
+            ]
+            job = (await c.get("/jobs/steady")).json()
+            assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+    finally:
+        await proxy.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_fenced_group_is_never_shown_healthy_with_dead_pids(cluster):
+    """An outage longer than the lease fences n1; its published view follows what it did."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "fenced",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
+            stale_since: dict[int, float] = {}
+            fenced = False
+
+            async def sample() -> None:
+                view = (await c.get("/jobs/fenced/workers")).json()
+                now = asyncio.get_running_loop().time()
+                for group in view["groups"]:
+                    for w in group["workers"]:
+                        pid = w.get("pid")
+                        if group["state"] == "HEALTHY" and w["state"] == "HEALTHY" and pid:
+                            if alive(pid):
+                                stale_since.pop(pid, None)
+                            else:
+                                first = stale_since.setdefault(pid, now)
+                                # At most one lease stale: then the node is gone, or back.
+                                assert now - first < LEASE_TTL + 1.5, (group, cluster.logs())
+
+            cut: asyncio.Task[None] | None = None
+            async with asyncio.timeout(60):
+                while not fenced:
+                    await sample()
+                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
+                    if kinds.count("workers.started") >= 2 and cut is None:
+                        cut = asyncio.create_task(proxy.outage(4 * LEASE_TTL))
+                    fenced = "agent.fenced" in kinds  # n1's event, published once it is back
+                    await asyncio.sleep(0.1)
+                assert cut is not None
+                await cut
+                # Link back: sample until both nodes run a new group.
+                deadline = asyncio.get_running_loop().time() + 30
+                while asyncio.get_running_loop().time() < deadline:
+                    await sample()
+                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
+                    if kinds.count("workers.started") >= 4:
+                        break
+                    await asyncio.sleep(0.1)
+                for _ in range(20):
+                    await sample()
+                    await asyncio.sleep(0.1)
+    finally:
+        await proxy.close()
+
+
+async def test_a_long_store_outage_is_two_events_not_a_flood(cluster):
+    """12 s without the store: n1 says so once when it is lost and once when it is back."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = CuttableProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        cluster.start("n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c:
+            r = await c.post(
+                "/jobs",
+                json={
+                    "id": "quiet",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "min_nodes": 2,
+                    "max_nodes": 2,
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
+            async with asyncio.timeout(30):
+                while True:
+                    started = [
+                        e for e in await events_of(c, "quiet") if e["kind"] == "workers.started"
+                    ]
+                    if {e["node"] for e in started} == {"n0", "n1"}:
+                        break
+                    await asyncio.sleep(0.1)
+            began = time.time()
+            await proxy.outage(4 * LEASE_TTL)
+            ended = time.time()
+            async with asyncio.timeout(30):
+                while True:  # n1's events reach the store once it is back
+                    events = await events_of(c, "quiet")
+                    if any(e["kind"] == "store.back" and e["node"] == "n1" for e in events):
+                        break
+                    await asyncio.sleep(0.1)
+        during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= ended + 3.0]
+        kinds = [e["kind"] for e in during]
+        assert kinds.count("store.lost") == 1 and kinds.count("store.back") == 1, kinds
+        assert len(during) <= 10, kinds  # fenced, workers stopped, states: a handful, no flood
+        back = next(e for e in during if e["kind"] == "store.back")
+        assert back["duration_s"] >= LEASE_TTL, back
+    finally:
+        await proxy.close()

@@ -176,7 +176,7 @@ async def test_a_worker_swapping_its_log_never_leaks_a_root_file_or_stalls_the_a
             await eventually(lambda: (folder / "swapping").exists(), 20, "the swap loop")
             statuses = await _hammer_logs(daemon, "swap", secret, 300)
             assert statuses.get(200, 0) > 0, statuses
-            await c.post("/jobs/swap/cancel")
+            await c.post("/jobs/swap/cancel", json={})
             await wait_job(c, "swap")
     finally:
         daemon.stop()
@@ -208,7 +208,7 @@ async def test_a_fifo_planted_as_the_log_gets_a_prompt_answer(open_tmp: Path) ->
                 assert r.headers["content-type"] == "application/problem+json"
                 assert "not a regular file" in r.json()["detail"]
             assert (await c.get("/healthz")).status_code == 200
-            await c.post("/jobs/fifo/cancel")
+            await c.post("/jobs/fifo/cancel", json={})
     finally:
         daemon.stop()
 
@@ -429,7 +429,7 @@ async def test_live_streams_are_bounded_and_healthz_stays_fast(tmp_path: Path) -
                         break
                 assert time.monotonic() < deadline, "the closed streams kept their slots"
                 await asyncio.sleep(0.05)
-            await c.post("/jobs/s/cancel")
+            await c.post("/jobs/s/cancel", json={})
     finally:
         daemon.stop()
 

@@ -22,6 +22,7 @@ from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
+from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ def create_app(daemon: Daemon | None) -> FastAPI:
         openapi_url=None,  # served below, behind the token
     )
     app.state.daemon = daemon
+    app.state.streams = StreamLimit(
+        getattr(getattr(daemon, "config", None), "max_streams", DEFAULT_MAX_STREAMS)
+    )
     token = daemon.token if daemon is not None else None
     auth = [Depends(bearer_auth(token))]
     install_error_handlers(app)
@@ -153,4 +157,9 @@ def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> N
         assert daemon is not None
         return daemon.store
 
-    app.include_router(store_router(get_store), dependencies=auth)  # type: ignore[arg-type]
+    limit = getattr(getattr(daemon, "config", None), "store_max_value_bytes", None)
+    if limit is None:
+        router = store_router(get_store)
+    else:
+        router = store_router(get_store, max_value_bytes=limit)
+    app.include_router(router, dependencies=auth)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 if TYPE_CHECKING:
+    from api.streams import StreamLimit
     from elasticd.daemon import Daemon
     from elasticd.jobs import JobService
 
@@ -18,3 +19,9 @@ def daemon_of(request: Request) -> Daemon:
 
 def jobs_of(request: Request) -> JobService:
     return daemon_of(request).jobs
+
+
+def streams_of(request: Request) -> StreamLimit:
+    """The app's limit on live streams (log follows, SSE)."""
+    limit: StreamLimit = request.app.state.streams
+    return limit

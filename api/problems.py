@@ -24,11 +24,13 @@ STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
     (errors.JobConflict, 409, "Conflict"),
     (errors.JobForbidden, 403, "Forbidden"),
     (errors.LeaseNotFound, 404, "Lease not found"),
+    (errors.ListingTooLarge, 413, "Listing too large"),
     (errors.ValueTooLarge, 413, "Value too large"),
     (errors.InvalidKey, 422, "Invalid store key"),
     (errors.StoreCompacted, 410, "Store history compacted"),
     (errors.StoreUnavailable, 503, "Store unavailable"),
     (errors.ShuttingDown, 503, "Daemon shutting down"),
+    (errors.TooManyStreams, 429, "Too many streams"),
     (errors.ConfigError, 400, "Bad configuration"),
     (errors.ElasticdError, 500, "Internal error"),
 ]

@@ -1,4 +1,10 @@
-"""Forwarding a request to the daemon of another node (logs live where they were written)."""
+"""Forwarding a request to the daemon of another node (logs live where they were written).
+
+The caller's bearer token goes with the request, so the address comes only
+from a live node's record (bound to its lease, ``http(s)://host:port``, see
+``JobService.node_url``); redirects are not followed, and of the answer only
+the status, the body and the headers in :data:`RELAYED` come back.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,10 @@ from starlette.responses import StreamingResponse
 
 from elasticd.errors import StoreUnavailable
 
-#: Response headers that describe the hop, not the content.
-_HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+#: The only upstream response headers relayed: what the body is and what streaming needs.
+#: Anything else (``Set-Cookie``, ``Location``, ...) is the other daemon's business, never
+#: the caller's.
+RELAYED = ("content-type", "cache-control", "x-accel-buffering")
 
 
 async def forward(
@@ -48,6 +56,6 @@ async def forward(
     return StreamingResponse(
         body(),
         status_code=upstream.status_code,
-        headers={k: v for k, v in upstream.headers.items() if k.lower() not in _HOP},
+        headers={k: upstream.headers[k] for k in RELAYED if k in upstream.headers},
         background=BackgroundTask(close),
     )

@@ -13,6 +13,12 @@ nothing is missed and nothing repeated. A comment line every
 :data:`HEARTBEAT_S` seconds keeps proxies from closing an idle stream. The
 last message is ``event: end`` with the job's final state, so clients know
 the stream ended on purpose and need not reconnect.
+
+A worker's log is opened only through ``JobService.open_log`` (no link, no
+FIFO, a regular file of the worker's own), and opened and read in a thread,
+so a job that swaps its log file can neither redirect nor stall the stream.
+At most ``max_streams`` streams run at once (:class:`StreamLimit`); more get
+a 429 problem.
 """
 
 from __future__ import annotations
@@ -20,17 +26,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import weakref
 from collections.abc import AsyncIterator, Coroutine
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
 
-from elasticd.errors import JobNotFound, LogNotFound, StoreError
+from elasticd.errors import JobNotFound, LogNotFound, StoreError, TooManyStreams
 from elasticd.models import Event
 from elasticd.states import JobState
 
 if TYPE_CHECKING:
     from elasticd.daemon import Daemon
 
+T = TypeVar("T")
+
+#: Live streams a daemon serves at once unless ``max_streams`` says otherwise.
+DEFAULT_MAX_STREAMS = 256
 #: Seconds between SSE heartbeat comments (tests lower it).
 HEARTBEAT_S = 15.0
 #: Seconds a stream waits for the final job.state event once the job document is terminal.
@@ -43,6 +54,52 @@ RETRY_MS = 2000
 LOG_POLL_S = 0.25
 _CHUNK = 64 * 1024
 _TAIL_WINDOW = 8 * 1024 * 1024
+
+
+class StreamLimit:
+    """At most ``limit`` live streams (log follows and SSE event streams) at once.
+
+    Each stream holds a slot from :meth:`guard` until it ends, its client goes
+    away, or it is dropped before it ever started (the slot is then released
+    when the generator is collected). Beyond the limit a request gets a 429
+    problem naming ``max_streams``, so thousands of followers cannot starve
+    the event loop or grow the daemon's memory.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+
+    def guard(self, body: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``body`` holding one slot; ``TooManyStreams`` when none is free."""
+        if self.open >= self.limit:
+            raise TooManyStreams(
+                f"this daemon already serves {self.open} live streams (log follows and event "
+                f"streams), its max_streams limit; close one, read without follow, or raise "
+                "max_streams in the daemon's configuration"
+            )
+        self.open += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.open -= 1
+
+        async def guarded() -> AsyncIterator[T]:
+            try:
+                async for item in body:
+                    yield item
+            finally:
+                release()
+                aclose = getattr(body, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+        stream = guarded()
+        weakref.finalize(stream, release)
+        return stream
 
 
 def sse_message(event: Event) -> str:
@@ -152,14 +209,6 @@ def _terminal(state: str | None) -> bool:
     return state in {s.value for s in JobState if s.is_terminal}
 
 
-def _attempts(job_dir: Path) -> list[int]:
-    return sorted(
-        int(p.name.removeprefix("attempt_"))
-        for p in job_dir.glob("attempt_*")
-        if p.name.removeprefix("attempt_").isdigit()
-    )
-
-
 def _tail_start(fh: BinaryIO, size: int, lines: int) -> int:
     """The offset where the last ``lines`` lines (of the first ``size`` bytes) begin."""
     start = max(0, size - _TAIL_WINDOW)
@@ -175,6 +224,32 @@ def _tail_start(fh: BinaryIO, size: int, lines: int) -> int:
         if cut < 0:
             return start
     return start + cut + 1
+
+
+def _open_log(
+    daemon: Daemon,
+    job_id: str,
+    local_rank: int,
+    stream: Literal["stdout", "stderr"],
+    attempt: int,
+    tail: int | None,
+) -> BinaryIO:
+    """The log opened safely (see ``JobService.open_log``), at its last ``tail`` lines. Blocking."""
+    fh = daemon.jobs.open_log(job_id, local_rank, stream, attempt)
+    try:
+        if tail is not None:
+            fh.seek(_tail_start(fh, os.fstat(fh.fileno()).st_size, tail))
+    except BaseException:
+        fh.close()
+        raise
+    return fh
+
+
+async def _read_new(fh: BinaryIO) -> bytes:
+    """The next chunk past the read position, read in a thread; ``b""`` when there is none."""
+    if os.fstat(fh.fileno()).st_size <= fh.tell():
+        return b""
+    return await asyncio.to_thread(fh.read, _CHUNK)
 
 
 async def follow_log(
@@ -195,7 +270,6 @@ async def follow_log(
     keeps a followed log at most that far behind.
     """
     jobs = daemon.jobs
-    job_dir = (daemon.config.logs / job_id).resolve()
     current = attempt
     fh: BinaryIO | None = None
     after = 0
@@ -206,30 +280,34 @@ async def follow_log(
         while True:
             if fh is None:
                 if attempt is None:  # the newest attempt, until its file appears
-                    found = _attempts(job_dir)
+                    found = jobs.log_attempts(job_id)
                     current = found[-1] if found else None
                 if current is not None:
                     try:
-                        path = jobs.log_file(job_id, local_rank, stream, current)
+                        fh = await asyncio.to_thread(
+                            _open_log,
+                            daemon,
+                            job_id,
+                            local_rank,
+                            stream,
+                            current,
+                            tail if first else None,
+                        )
                     except LogNotFound:
-                        path = None
-                    if path is not None:
-                        fh = path.open("rb")
-                        if first and tail is not None:
-                            size = path.stat().st_size
-                            fh.seek(_tail_start(fh, size, tail))
+                        fh = None  # not there (yet), or replaced by the job: nothing to read
+                    if fh is not None:
                         if not first:
                             sep = b"" if last_byte == b"\n" else b"\n"
                             yield sep + f"==> attempt {current} <==\n".encode()
                         first = False
             if fh is not None:
-                data = fh.read(_CHUNK)
+                data = await _read_new(fh)
                 if data:
                     last_byte = data[-1:]
                     yield data
                     continue
             if attempt is None and fh is not None:
-                found = _attempts(job_dir)
+                found = jobs.log_attempts(job_id)
                 if found and current is not None and found[-1] > current:
                     fh.close()
                     fh, current = None, found[-1]

@@ -11,6 +11,15 @@ documents and hands them to the scheduler, which starts an agent for every
 active job this node can run. A lost lease (a partition longer than its TTL)
 is re-granted and the node re-registered; agents holding keys bound to the
 old lease see themselves fenced out through their own watch.
+
+Anyone holding the store's credentials can write into it, so nothing read
+from it is trusted to name a path or an address. A job document is used
+only if it is a valid :class:`~elasticd.models.Job` (its id obeys the API's
+rule) stored at ``job/<its id>`` (:func:`check_job_document`); a refused one
+is reported once per revision (``on_refused``: a ``job.refused`` event, or a
+record under ``refused/<node>/``) and never reaches the scheduler. A node
+record is used only when it is bound to a lease, names itself, and its URL
+is ``http(s)://host:port`` (:meth:`Cluster.node`, :func:`valid_node_url`).
 """
 
 from __future__ import annotations
@@ -19,12 +28,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from typing import Annotated
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
-from elasticd.models import Job
+from elasticd.models import NODE_NAME_PATTERN, Job, valid_job_id
 from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.cluster")
@@ -38,7 +49,7 @@ DEFAULT_LEASE_TTL = 3.0
 class NodeRecord(BaseModel):
     """What a node publishes about itself (``GET /nodes``)."""
 
-    name: str
+    name: Annotated[str, Field(pattern=NODE_NAME_PATTERN)]
     url: str
     addr: str
     labels: dict[str, str]
@@ -58,6 +69,7 @@ class Cluster:
         record: NodeRecord,
         *,
         on_jobs: Callable[[list[Job]], None],
+        on_refused: Callable[[str, str], None] | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
@@ -65,6 +77,9 @@ class Cluster:
         self.record = record
         self.lease_ttl = lease_ttl
         self._on_jobs = on_jobs
+        self._on_refused = on_refused
+        #: Refused job documents already reported: key -> the revision reported.
+        self._refused: dict[str, int] = {}
         self._clock = clock
         self._lease: int | None = None
         self._lease_lock = asyncio.Lock()
@@ -124,13 +139,15 @@ class Cluster:
         return out
 
     async def node(self, name: str) -> NodeRecord | None:
+        """The record of a live node: bound to a lease, well-formed, and naming itself."""
         entry = await self.store.get(NODE_PREFIX + name)
-        if entry is None:
-            return None
+        if entry is None or entry.lease is None:
+            return None  # a record no daemon keeps alive is not a live node's
         try:
-            return NodeRecord.model_validate_json(entry.value)
+            record = NodeRecord.model_validate_json(entry.value)
         except ValidationError:
             return None
+        return record if record.name == name else None
 
     async def _keep_alive(self) -> None:
         interval = self.lease_ttl / 3
@@ -160,7 +177,11 @@ class Cluster:
         while True:
             try:
                 listing = await self.store.list(JOB_PREFIX)
-                jobs = {e.key: job for e in listing.entries if (job := parse_job(e.key, e.value))}
+                jobs = {
+                    e.key: job
+                    for e in listing.entries
+                    if (job := self._parse(e.key, e.value, e.version)) is not None
+                }
                 self._on_jobs(list(jobs.values()))
                 revision = listing.revision
                 backoff = 0.1
@@ -172,8 +193,11 @@ class Cluster:
                         revision = max(revision, event.revision)
                         if event.kind == "delete" or event.value is None:
                             jobs.pop(event.key, None)
-                        elif (job := parse_job(event.key, event.value)) is not None:
+                            self._refused.pop(event.key, None)
+                        elif job := self._parse(event.key, event.value, event.revision):
                             jobs[event.key] = job
+                        # A refused overwrite keeps the last valid copy: forgetting the job
+                        # would drop its events here.
                     self._on_jobs(list(jobs.values()))
             except StoreCompacted:
                 continue
@@ -184,15 +208,75 @@ class Cluster:
                 await asyncio.sleep(backoff)  # back off while the store is unreachable
                 backoff = min(backoff * 2, 5.0)
 
-
-def parse_job(key: str, value: bytes) -> Job | None:
-    try:
-        return Job.model_validate_json(value)
-    except ValidationError:
-        log.warning("ignoring malformed job document %s", key)
+    def _parse(self, key: str, value: bytes, revision: int) -> Job | None:
+        """The job document at ``key``; a refused one is reported once per revision."""
+        job, reason = check_job_document(key, value)
+        if reason is None:
+            self._refused.pop(key, None)
+            return job
+        if self._refused.get(key) != revision:
+            self._refused[key] = revision
+            log.warning("refusing the job document %r: %s", key, reason)
+            if self._on_refused is not None:
+                self._on_refused(key, reason)
         return None
 
 
+def check_job_document(key: str, value: bytes) -> tuple[Job | None, str | None]:
+    """``(job, None)`` for a valid job document stored at ``key``; ``(None, why)`` otherwise.
+
+    Valid means: it parses as a :class:`~elasticd.models.Job` (whose id obeys
+    the API's rule), and the key is ``job/<its id>``. Anything else was not
+    written by elasticd and must never reach a path or an agent.
+    """
+    key_id = key.removeprefix(JOB_PREFIX)
+    if not key.startswith(JOB_PREFIX) or not valid_job_id(key_id):
+        return None, (
+            f"the key {key!r} does not name a valid job id (letters, digits, '.', '_', '-', "
+            "starting with a letter or digit, at most 128)"
+        )
+    try:
+        job = Job.model_validate_json(value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+        return None, f"it is not a valid job document ({where}: {first.get('msg', 'invalid')})"
+    if job.id != key_id:
+        return None, f"it holds job {job.id!r}, not {key_id!r}"
+    return job, None
+
+
+def parse_job(key: str, value: bytes) -> Job | None:
+    """The job document at ``key``, or None when it is refused.
+
+    Logged at debug level only: the job watch reports each refused document
+    once (:meth:`Cluster._parse`), and a listing must not fill the log.
+    """
+    job, reason = check_job_document(key, value)
+    if reason is not None:
+        log.debug("ignoring the job document %r: %s", key, reason)
+    return job
+
+
 def parse_jobs(entries: Iterable[Entry]) -> list[Job]:
-    """Every well-formed job document among ``entries`` (malformed ones are logged)."""
+    """Every valid job document among ``entries`` (refused ones are logged)."""
     return [job for e in entries if (job := parse_job(e.key, e.value)) is not None]
+
+
+def valid_node_url(url: str) -> bool:
+    """Whether ``url`` is ``http(s)://host:port``, with nothing else (no user, path, query)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("http", "https")
+        and bool(parts.hostname)
+        and port is not None
+        and "@" not in parts.netloc
+        and parts.path in ("", "/")
+        and not parts.query
+        and not parts.fragment
+        and not any(c.isspace() or ord(c) < 32 for c in url)
+    )

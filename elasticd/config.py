@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from elasticd.errors import ConfigError
+from elasticd.models import NODE_NAME_PATTERN
 from elasticd.store import redact_url, store_endpoints
 
 log = logging.getLogger("elasticd.config")
@@ -80,7 +81,13 @@ class Config(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
-    node_name: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    node_name: str = Field(
+        default_factory=socket.gethostname,
+        min_length=1,
+        max_length=253,
+        pattern=NODE_NAME_PATTERN,
+        description="This node's name: letters, digits, '.', '_', '-' (a host name fits).",
+    )
     advertise_addr: str | None = None
     state_dir: Path = Field(default_factory=_default_state_dir)
     log_dir: Path | None = None
@@ -153,6 +160,28 @@ class Config(BaseModel):
         default=1 << 20, ge=1024, description="Largest request body (413 beyond); not /store."
     )
 
+    # Bounds (api.streams, elasticd.store): what one client or job can make the daemon hold.
+    max_streams: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="Live streams (logs?follow=true, SSE events) served at once; 429 beyond.",
+    )
+    store_max_value_bytes: int = Field(
+        default=1 << 20,
+        ge=64 * 1024,
+        le=64 << 20,
+        description="Largest value the store accepts (413 beyond), for the embedded store "
+        "and for this daemon's writes to any store.",
+    )
+    store_max_list_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        le=4 << 30,
+        description="Largest list answer (keys and values) the store gives; a larger one is "
+        "an error naming the prefix.",
+    )
+
     @field_validator("nvidia_smi")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
@@ -221,6 +250,9 @@ _ENV_FIELDS = {
     "UNIX_SOCKET": "unix_socket",
     "UNIX_SOCKET_GROUP": "unix_socket_group",
     "MAX_REQUEST_BYTES": "max_request_bytes",
+    "MAX_STREAMS": "max_streams",
+    "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
+    "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
 }
 
 

@@ -206,6 +206,8 @@ class Daemon:
             self.config.store_url,
             token=self.token,
             state_dir=self.config.state_dir,
+            max_value_bytes=self.config.store_max_value_bytes,
+            max_list_bytes=self.config.store_max_list_bytes,
             etcd=EtcdOptions(
                 username=self.config.store_username,
                 password=self._store_password,
@@ -241,6 +243,7 @@ class Daemon:
             self.store,
             record,
             on_jobs=self._on_jobs,
+            on_refused=self._on_refused_job,
             lease_ttl=self.config.lease_ttl,
             clock=self.clock,
         )
@@ -385,6 +388,10 @@ class Daemon:
                 await self.jobs.expire(retention)
             except ElasticdError as exc:  # the store is away: try again next time
                 log.warning("job retention: %s", exc)
+
+    def _on_refused_job(self, key: str, reason: str) -> None:
+        if self._state in ("running", "starting"):
+            self.jobs.on_refused(key, reason)
 
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)

@@ -7,12 +7,14 @@ above it handle a small, documented set::
     ├── ConfigError              bad configuration; the daemon refuses to start
     ├── InvalidTransition        a state machine refused an illegal transition
     ├── ShuttingDown             the daemon no longer accepts work
+    ├── TooManyStreams           the daemon already serves its most live streams
     ├── StoreError               anything the cluster store raises
     │   ├── StoreUnavailable     the store could not be reached (names the URL)
     │   │   └── StoreAuthError   the store refused this client's credentials or access
     │   ├── StoreCompacted       a watch asked for history the store no longer has
     │   ├── LeaseNotFound        the lease expired or was revoked
     │   ├── ValueTooLarge        a value over the store's size limit
+    │   │   └── ListingTooLarge  a list answer over the store's size limit
     │   └── InvalidKey           a key the store refuses (empty, '..', control chars)
     ├── JobError
     │   ├── JobNotFound          no job with that id
@@ -42,6 +44,10 @@ class InvalidTransition(ElasticdError):
 
 class ShuttingDown(ElasticdError):
     """The daemon is stopping and accepts no new work."""
+
+
+class TooManyStreams(ElasticdError):
+    """The daemon already serves as many live streams (log follows, SSE) as it allows."""
 
 
 class StoreError(ElasticdError):
@@ -78,6 +84,10 @@ class LeaseNotFound(StoreError):
 
 class ValueTooLarge(StoreError):
     """The value is larger than the store accepts."""
+
+
+class ListingTooLarge(ValueTooLarge):
+    """A list answer would be larger than the store allows; list a narrower prefix."""
 
 
 class InvalidKey(StoreError):

@@ -12,24 +12,30 @@ Events are recorded in this daemon's SQLite first (so an acknowledged event
 is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
 merged, cluster-wide view; the store revision of an event is its ``seq`` in
 the API, which gives all nodes' events one order.
+
+Job documents are read back through one check (``parse_job``, the cluster's
+:func:`~elasticd.cluster.check_job_document`), so a document written into the
+store by hand never names a folder outside the log root. Worker logs are
+read through :func:`~elasticd.workers.files.open_worker_file` (no link, no
+FIFO, a regular file of the worker's own), in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import ValidationError
+from typing import Any, BinaryIO, Literal
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.cluster import JOB_PREFIX, Cluster
+from elasticd.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
 from elasticd.config import Config
 from elasticd.errors import (
     InvalidTransition,
@@ -42,10 +48,11 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
-from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView
+from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.store import Entry, Store
+from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 log = logging.getLogger("elasticd.jobs")
 
@@ -76,17 +83,18 @@ def job_key(job_id: str) -> str:
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
-    """A job document from the store; a malformed one is a clear JobConflict, not a crash."""
-    try:
-        return Job.model_validate_json(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())) or "document"
+    """A job document from the store; a refused one is a clear JobConflict, not a crash.
+
+    The same rule as the cluster's watch (:func:`elasticd.cluster.check_job_document`):
+    a valid job whose id is the one in its key.
+    """
+    job, reason = check_job_document(job_key(job_id), raw)
+    if job is None:
         raise JobConflict(
-            f"the stored document of job {job_id!r} is not a valid job ({where}: "
-            f"{first.get('msg', 'invalid')}); it was not written by elasticd: delete the "
-            f"store key {job_key(job_id)!r} or use another id"
-        ) from None
+            f"the stored document of job {job_id!r} is refused: {reason}; it was not written "
+            f"by elasticd: delete the store key {job_key(job_id)!r} or use another id"
+        )
+    return job
 
 
 def group_prefix(job_id: str) -> str:
@@ -132,6 +140,7 @@ class JobService:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
         self._watched = False
+        self._recording: set[asyncio.Task[None]] = set()
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
         self.check_user: Callable[[str], object] | None = None
 
@@ -483,54 +492,145 @@ class JobService:
                 with contextlib.suppress(StoreError):
                     await self.store.watch(job_key(job_id), entry.version, 30.0)
 
-    def log_file(
+    def log_attempts(self, job_id: str) -> list[int]:
+        """The attempts of the job that have a log folder on this node, oldest first."""
+        if not valid_job_id(job_id):
+            return []
+        try:
+            names = os.listdir(self.config.logs / job_id)  # the daemon's own folder
+        except OSError:
+            return []
+        return sorted(
+            int(name.removeprefix("attempt_"))
+            for name in names
+            if name.startswith("attempt_") and name.removeprefix("attempt_").isdigit()
+        )
+
+    def open_log(
         self,
         job_id: str,
         local_rank: int,
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
-    ) -> Path:
-        """The path of one worker log here, refusing anything outside the job's log folder."""
-        job_dir = (self.config.logs / job_id).resolve()
+    ) -> BinaryIO:
+        """One worker log of this node, opened for reading; ``LogNotFound`` when there is none.
+
+        Blocking (run it in a thread from the event loop). The file is opened
+        through :func:`~elasticd.workers.files.open_worker_file` only: a link,
+        a FIFO or a hard link the worker put in its place is refused, never read.
+        """
+        if not valid_job_id(job_id):
+            raise LogNotFound(f"{job_id!r} is not a valid job id")
         if attempt is None:
-            attempts = sorted(
-                int(p.name.removeprefix("attempt_"))
-                for p in job_dir.glob("attempt_*")
-                if p.name.removeprefix("attempt_").isdigit()
-            )
+            attempts = self.log_attempts(job_id)
             if not attempts:
                 raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
             attempt = attempts[-1]
-        path = (job_dir / f"attempt_{attempt}" / str(local_rank) / f"{stream}.log").resolve()
-        if not path.is_relative_to(job_dir):
-            raise LogNotFound("log parameters point outside the job's log folder")
-        if not path.is_file():
+        where = f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.node}"
+        worker_dir = self.config.logs / job_id / f"attempt_{attempt}" / str(local_rank)
+        try:
+            fd = open_worker_file(worker_dir, f"{stream}.log")
+        except FileNotFoundError:
+            raise LogNotFound(f"no {stream} log for {where}") from None
+        except UnsafeWorkerFile:
             raise LogNotFound(
-                f"no {stream} log for job {job_id!r}, attempt {attempt}, local rank {local_rank} "
-                f"on node {self.node}"
-            )
-        return path
+                f"the {stream} log of {where} is not a regular file of the worker's own (the "
+                "job replaced it, e.g. with a link or a FIFO); the daemon does not read it"
+            ) from None
+        except OSError as exc:
+            raise LogNotFound(
+                f"the {stream} log of {where} cannot be read: {exc.strerror or exc}"
+            ) from None
+        return os.fdopen(fd, "rb", buffering=0)
 
-    def read_log(self, path: Path, tail: int | None) -> str:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            if size > MAX_LOG_BYTES:
-                fh.seek(size - MAX_LOG_BYTES)
-            data = fh.read()
-        text = data.decode("utf-8", errors="replace")
+    async def read_log(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+        tail: int | None,
+    ) -> str:
+        """The last :data:`MAX_LOG_BYTES` of one worker log (the last ``tail`` lines), as text."""
+
+        def read() -> bytes:
+            with self.open_log(job_id, local_rank, stream, attempt) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size > MAX_LOG_BYTES:
+                    fh.seek(size - MAX_LOG_BYTES)
+                chunks = []
+                got = 0
+                while got < MAX_LOG_BYTES and (chunk := fh.read(MAX_LOG_BYTES - got)):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                return b"".join(chunks)
+
+        text = (await asyncio.to_thread(read)).decode("utf-8", errors="replace")
         if tail is not None:
             lines = text.splitlines(keepends=True)
             text = "".join(lines[-tail:]) if tail > 0 else ""
         return text
 
+    async def check_log(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+    ) -> None:
+        """Raise ``LogNotFound`` unless the log can be opened now."""
+        fh = await asyncio.to_thread(self.open_log, job_id, local_rank, stream, attempt)
+        fh.close()
+
     async def node_url(self, node: str) -> str:
-        """The API address of another node, for proxying its logs."""
+        """The API address of another live node, for proxying its logs (the token goes there).
+
+        Only a record bound to a lease (a daemon keeps it alive) and naming
+        ``http(s)://host:port`` and nothing more is used.
+        """
         record = await self.cluster.node(node)
         if record is None:
             raise LogNotFound(f"node {node!r} is not a live member of the cluster")
+        if not valid_node_url(record.url):
+            raise LogNotFound(
+                f"node {node!r} publishes the address {record.url!r}, which is not "
+                "http(s)://host:port; its logs are not fetched"
+            )
         return record.url
 
     # scheduling
+
+    def on_refused(self, key: str, reason: str) -> None:
+        """A job document in the store was refused (see ``Cluster``): say so, touch nothing.
+
+        With a valid job id in its key the refusal is an event of that job;
+        otherwise there is no job to attach it to, and a record under
+        ``refused/<node>/`` in the store says it (the daemon's log has it too).
+        """
+        job_id = key.removeprefix(JOB_PREFIX)
+        message = (
+            f"node {self.node} refused the job document at store key {key!r}: {reason}. No "
+            "agent runs it and nothing on disk is touched; delete the key or write a job "
+            "through the API"
+        )
+        if key.startswith(JOB_PREFIX) and valid_job_id(job_id):
+            self.events.emit(job_id, "daemon", "job.refused", message)
+            return
+        record = json.dumps(
+            {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
+        ).encode()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        task = asyncio.get_running_loop().create_task(
+            self._record_refusal(f"refused/{self.node}/{digest}", record)
+        )
+        self._recording.add(task)  # a task nobody references may be collected mid-way
+        task.add_done_callback(self._recording.discard)
+
+    async def _record_refusal(self, key: str, record: bytes) -> None:
+        try:
+            await self.store.put(key, record)
+        except StoreError as exc:
+            log.warning("cannot record the refusal under %s: %s", key, exc)
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes: start agents we should run."""

@@ -25,6 +25,10 @@ MAX_ARGS = 4096
 MAX_ENV = 1024
 MAX_STRING = 65536
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Node names: a host name's characters; they name store keys and are shown in paths.
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+#: Most restarts a job may ask for: a crash-looping job restarts at most this often.
+MAX_RESTARTS = 1000
 
 Std = Literal["none", "out", "err", "all"]
 _STD_BY_NUMBER: dict[str, Std] = {"0": "none", "1": "out", "2": "err", "3": "all"}
@@ -126,7 +130,7 @@ class JobSpec(BaseModel):
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
     min_nodes: int = Field(default=1, ge=1, le=100_000)
     max_nodes: int | None = Field(default=None, ge=1, le=100_000)
-    max_restarts: int = Field(default=3, ge=0, le=1_000_000)
+    max_restarts: int = Field(default=3, ge=0, le=MAX_RESTARTS)
     role: str = Field(default="default", min_length=1, max_length=128)
     redirects: str = Field(
         default="none", description="torchrun --redirects: 0-3/none/out/err/all or 'rank:v,...'"
@@ -296,13 +300,19 @@ class PendingFailure(BaseModel):
 
 
 class Job(BaseModel):
-    """A submitted job and where it stands."""
+    """A submitted job and where it stands.
 
-    id: str
+    Job documents are read back from the cluster store, which anyone holding
+    the store's credentials can write: the id obeys the API's rule
+    (:data:`JOB_ID_PATTERN`, so it can never name a path outside the log
+    folder), agrees with the spec's id, and the bounds of the spec hold.
+    """
+
+    id: Annotated[str, Field(pattern=JOB_ID_PATTERN)]
     spec: JobSpec
     state: JobState
-    restart_count: int = 0
-    max_restarts: int
+    restart_count: int = Field(default=0, ge=0)
+    max_restarts: int = Field(ge=0, le=MAX_RESTARTS)
     round: int = 0
     created_at: float
     started_at: float | None = None
@@ -316,6 +326,12 @@ class Job(BaseModel):
         default=None, description="Phase durations of the latest recovery."
     )
     recovery_totals: RecoveryTotals = Field(default_factory=RecoveryTotals)
+
+    @model_validator(mode="after")
+    def _ids_agree(self) -> Job:
+        if self.spec.id is not None and self.spec.id != self.id:
+            raise ValueError(f"the job's id {self.id!r} differs from its spec's {self.spec.id!r}")
+        return self
 
 
 class JobList(BaseModel):
@@ -396,4 +412,10 @@ class WorkersView(BaseModel):
 
 
 def valid_job_id(value: str) -> bool:
+    """Whether ``value`` is a job id the API would accept (and so a safe folder name)."""
     return re.fullmatch(JOB_ID_PATTERN, value) is not None
+
+
+def valid_node_name(value: str) -> bool:
+    """Whether ``value`` is a node name a daemon may have (see :data:`NODE_NAME_PATTERN`)."""
+    return re.fullmatch(NODE_NAME_PATTERN, value) is not None

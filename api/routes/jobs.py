@@ -8,15 +8,19 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api import proxy, streams
-from api.deps import daemon_of, jobs_of
+from api.deps import daemon_of, jobs_of, streams_of
 from api.problems import PROBLEM_JSON
 from api.schemas import Empty, Event, Job, JobList, JobSpec, Problem, WorkersView
 from elasticd.errors import LogNotFound
+from elasticd.models import NODE_NAME_PATTERN
 from elasticd.states import JobState
 
 router = APIRouter(tags=["jobs"])
 
 _problem: dict[str, Any] = {"model": Problem, "content": {PROBLEM_JSON: {}}}
+TOO_MANY_STREAMS: dict[int | str, dict[str, Any]] = {
+    429: {"description": "The daemon already serves max_streams live streams", **_problem}
+}
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"description": "No job with that id", **_problem}
 }
@@ -97,6 +101,7 @@ async def get_workers(job_id: str, request: Request) -> WorkersView:
     response_model=list[Event],
     responses={
         **NOT_FOUND,
+        **TOO_MANY_STREAMS,
         200: {
             "description": "The events (JSON), or with `Accept: text/event-stream` a live "
             "stream of them: `id:` is the seq, `event:` the kind, `data:` the event; "
@@ -123,7 +128,9 @@ async def get_events(
         await jobs.get(job_id)  # 404 before the stream starts
         start = streams.resume_point(after, last_event_id)
         return StreamingResponse(
-            streams.event_stream(daemon_of(request), job_id, start, streams.HEARTBEAT_S),
+            streams_of(request).guard(
+                streams.event_stream(daemon_of(request), job_id, start, streams.HEARTBEAT_S)
+            ),
             media_type="text/event-stream",
             headers=STREAM_HEADERS,
         )
@@ -135,7 +142,7 @@ async def get_events(
 @router.get(
     "/jobs/{job_id}/logs",
     response_class=PlainTextResponse,
-    responses={**NOT_FOUND, 200: {"content": {"text/plain": {}}}},
+    responses={**NOT_FOUND, **TOO_MANY_STREAMS, 200: {"content": {"text/plain": {}}}},
 )
 async def get_logs(
     job_id: str,
@@ -146,7 +153,11 @@ async def get_logs(
     tail: Annotated[int | None, Query(ge=0, le=1_000_000, description="Last N lines")] = None,
     node: Annotated[
         str | None,
-        Query(max_length=253, description="The node that holds the log (default: this one)"),
+        Query(
+            max_length=253,
+            pattern=NODE_NAME_PATTERN,
+            description="The node that holds the log (default: this one)",
+        ),
     ] = None,
     follow: Annotated[
         bool,
@@ -170,12 +181,13 @@ async def get_logs(
                 f"job {job_id!r} has local ranks 0-{job.spec.nproc_per_node - 1}, not {local_rank}"
             )
         if attempt is not None or job.state.is_terminal:
-            jobs.log_file(job_id, local_rank, stream, attempt)  # 404 if it will never appear
+            await jobs.check_log(job_id, local_rank, stream, attempt)  # 404: it never will be
         return StreamingResponse(
-            streams.follow_log(daemon_of(request), job_id, local_rank, stream, attempt, tail),
+            streams_of(request).guard(
+                streams.follow_log(daemon_of(request), job_id, local_rank, stream, attempt, tail)
+            ),
             media_type="text/plain; charset=utf-8",
             headers=STREAM_HEADERS,
         )
     await jobs.get(job_id)
-    path = jobs.log_file(job_id, local_rank, stream, attempt)
-    return PlainTextResponse(jobs.read_log(path, tail))
+    return PlainTextResponse(await jobs.read_log(job_id, local_rank, stream, attempt, tail))

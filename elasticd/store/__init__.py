@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from elasticd.errors import ConfigError
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
@@ -36,6 +37,7 @@ from elasticd.store.base import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_LIST_BYTES",
     "DEFAULT_MAX_VALUE_BYTES",
     "STORE_FILE",
     "CasResult",
@@ -149,6 +151,7 @@ def open_store(
     state_dir: Path,
     timeout: float = 10.0,
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
     etcd: EtcdOptions | None = None,
 ) -> Store:
     """The store that ``url`` (the ``store_url`` setting) names.
@@ -165,14 +168,30 @@ def open_store(
     if target.kind == "embedded":
         from elasticd.store.embedded import EmbeddedStore
 
-        return EmbeddedStore(Path(state_dir) / STORE_FILE, max_value_bytes=max_value_bytes)
+        return EmbeddedStore(
+            Path(state_dir) / STORE_FILE,
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+        )
     if target.kind == "http":
         from elasticd.store.http import HttpStore
 
-        return HttpStore(target.urls[0], token, timeout=timeout, max_value_bytes=max_value_bytes)
+        return HttpStore(
+            target.urls[0],
+            token,
+            timeout=timeout,
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+        )
     from elasticd.store.etcd import EtcdStore
 
-    return EtcdStore(target.urls, timeout=timeout, max_value_bytes=max_value_bytes, options=etcd)
+    return EtcdStore(
+        target.urls,
+        timeout=timeout,
+        max_value_bytes=max_value_bytes,
+        max_list_bytes=max_list_bytes,
+        options=etcd,
+    )
 
 
 def _has_port(host: str) -> bool:

@@ -16,7 +16,10 @@ Semantics, shared with etcd v3 so that every backend can honour them:
   revision above ``after_version`` exists, or with an empty list at the
   timeout. It never sleeps-and-polls.
 
-Values are bytes; callers encode JSON. Nothing here ever unpickles.
+Values are bytes; callers encode JSON. Nothing here ever unpickles. Every
+backend bounds what one client can make it hold: a value over
+``max_value_bytes`` is :class:`~elasticd.errors.ValueTooLarge`, a listing
+over ``max_list_bytes`` is :class:`~elasticd.errors.ListingTooLarge`.
 """
 
 from __future__ import annotations
@@ -28,8 +31,27 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, Self
 
-#: Default largest value a store accepts (bytes); configurable per backend.
-DEFAULT_MAX_VALUE_BYTES = 4 * 1024 * 1024
+from elasticd.errors import ListingTooLarge
+
+#: Default largest value a store accepts (bytes); configurable per backend
+#: (``store_max_value_bytes``). Job documents, events and rendezvous state are
+#: kilobytes; a larger value is a bug or an attempt to grow a daemon's memory.
+DEFAULT_MAX_VALUE_BYTES = 1024 * 1024
+
+#: Default largest list answer (keys plus values, bytes); configurable per
+#: backend (``store_max_list_bytes``). A larger listing raises
+#: :class:`~elasticd.errors.ListingTooLarge` instead of being built in memory.
+DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024
+
+
+def check_listing_size(prefix: str, size: int, count: int, limit: int) -> None:
+    """Raise :class:`~elasticd.errors.ListingTooLarge` when a listing is over ``limit`` bytes."""
+    if size > limit:
+        raise ListingTooLarge(
+            f"the entries under prefix {prefix!r} hold over {limit} bytes (at least {count} "
+            f"entries, {size} bytes), the store's list limit (store_max_list_bytes); list a "
+            "narrower prefix or delete what is not needed"
+        )
 
 
 @dataclass(frozen=True)
@@ -116,7 +138,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, prefix: str) -> Listing:
-        """All entries whose key starts with ``prefix``, sorted by key."""
+        """All entries whose key starts with ``prefix``, sorted by key.
+
+        Raises :class:`~elasticd.errors.ListingTooLarge` when their keys and
+        values hold more than the store's list limit.
+        """
 
     @abc.abstractmethod
     async def grant(self, ttl: float) -> int:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Literal
 
 from elasticd.errors import StoreUnavailable
-from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
+from elasticd.store.base import DEFAULT_MAX_LIST_BYTES, DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
 from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore, _Lease
 
 SCHEMA_VERSION = 2
@@ -98,9 +98,12 @@ class EmbeddedStore(MemoryStore):
         *,
         synchronous: Synchronous = "FULL",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         history: int = DEFAULT_HISTORY,
     ) -> None:
-        super().__init__(max_value_bytes=max_value_bytes, history=history)
+        super().__init__(
+            max_value_bytes=max_value_bytes, max_list_bytes=max_list_bytes, history=history
+        )
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, not {synchronous!r}")
         self.path = Path(path)

@@ -102,12 +102,14 @@ from elasticd.errors import (
 )
 from elasticd.store import EtcdOptions
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
     Listing,
     Store,
     WatchEvent,
+    check_listing_size,
 )
 from elasticd.store.http import transport_reason
 from elasticd.store.memory import check_value, parse_counter, validate_key
@@ -239,6 +241,7 @@ class EtcdStore(Store):
         timeout: float = 10.0,
         api_prefix: str = "/v3",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         options: EtcdOptions | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -246,6 +249,7 @@ class EtcdStore(Store):
             raise ConfigError("EtcdStore needs a list of one or more endpoints")
         self.endpoints = [_normalise(e) for e in endpoints]
         self.max_value_bytes = max_value_bytes
+        self.max_list_bytes = max_list_bytes
         self.options = options or EtcdOptions()
         if (self.options.username is None) != (self.options.password is None):
             raise ConfigError("etcd authentication needs both a user name and a password")
@@ -747,6 +751,8 @@ class EtcdStore(Store):
         validate_key(prefix, prefix=True)
         data = await self._post("/kv/range", self._range_of(prefix, True), idempotent=True)
         entries = [self._entry(kv) for kv in data.get("kvs", [])]
+        size = sum(len(e.key) + len(e.value) for e in entries)
+        check_listing_size(prefix, size, len(entries), self.max_list_bytes)
         return Listing(entries=entries, revision=_int(data["header"], "revision"))
 
     async def grant(self, ttl: float) -> int:

@@ -39,18 +39,21 @@ from elasticd.errors import (
     ConfigError,
     InvalidKey,
     LeaseNotFound,
+    ListingTooLarge,
     StoreCompacted,
     StoreError,
     StoreUnavailable,
     ValueTooLarge,
 )
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
     Listing,
     Store,
     WatchEvent,
+    check_listing_size,
 )
 from elasticd.store.memory import check_value, validate_key
 from elasticd.store.wire import WireClient, WireError, WireResponse
@@ -122,9 +125,11 @@ class HttpStore(Store):
         transport: httpx.AsyncBaseTransport | None = None,
         timeout: float = 10.0,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.max_value_bytes = max_value_bytes
+        self.max_list_bytes = max_list_bytes
         self._timeout = timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
@@ -224,6 +229,8 @@ class HttpStore(Store):
             )
         if status == 410:
             raise StoreCompacted(detail, int(body.get("revision", 0)))
+        if status == 413 and title == "Listing too large":
+            raise ListingTooLarge(detail)
         if status == 413:
             raise ValueTooLarge(detail)
         if status == 422 and title == "Invalid store key":
@@ -306,6 +313,8 @@ class HttpStore(Store):
             ),
             data,
         )
+        size = sum(len(e.key) + len(e.value) for e in result.entries)
+        check_listing_size(prefix, size, len(result.entries), self.max_list_bytes)
         return result
 
     async def grant(self, ttl: float) -> int:

@@ -6,8 +6,9 @@ construction: an operation decides and applies its change without an
 
 * **One change, one revision.** ``_put``/``_delete`` bump the store-wide
   revision, update the entry table and the lease's key set, and append a
-  :class:`WatchEvent` to a bounded history (a ``deque``; its oldest event
-  falls off when it is full, which is how this store "compacts").
+  :class:`WatchEvent` to a bounded history (a ``deque`` of at most
+  ``history`` changes and ``max_list_bytes`` bytes of keys and values; its
+  oldest events fall off past either, which is how this store "compacts").
 * **Visibility.** Watchers see changes up to ``_visible``. Here a change is
   visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
   :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
@@ -44,12 +45,14 @@ from elasticd.errors import (
     ValueTooLarge,
 )
 from elasticd.store.base import (
+    DEFAULT_MAX_LIST_BYTES,
     DEFAULT_MAX_VALUE_BYTES,
     CasResult,
     Entry,
     Listing,
     Store,
     WatchEvent,
+    check_listing_size,
 )
 
 #: Longest key (UTF-8 bytes) any backend accepts.
@@ -123,6 +126,10 @@ def new_lease_id(taken: Iterable[int] = ()) -> int:
             return lease
 
 
+def _size(event: WatchEvent) -> int:
+    return len(event.key) + (len(event.value) if event.value is not None else 0)
+
+
 @dataclass
 class _Lease:
     id: int
@@ -142,16 +149,19 @@ class MemoryStore(Store):
         self,
         *,
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         history: int = DEFAULT_HISTORY,
     ) -> None:
         if history < 1:
             raise ValueError("history must keep at least one change")
         self.max_value_bytes = max_value_bytes
+        self.max_list_bytes = max_list_bytes
         self._entries: dict[str, Entry] = {}
         self._revision = 0
         self._visible = 0  # highest revision watchers may see
         self._compacted = 0  # every change with a higher revision is in _history
         self._history: deque[WatchEvent] = deque(maxlen=history)
+        self._history_bytes = 0  # keys and values in _history, bounded by max_list_bytes
         self._leases: dict[int, _Lease] = {}
         self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._prefix_waiters: dict[asyncio.Future[None], str] = {}
@@ -226,9 +236,14 @@ class MemoryStore(Store):
     async def list(self, prefix: str) -> Listing:
         self._check_open()
         validate_key(prefix, prefix=True)
-        entries = sorted(
-            (e for k, e in self._entries.items() if k.startswith(prefix)), key=lambda e: e.key
-        )
+        entries = []
+        size = 0
+        for key, entry in self._entries.items():
+            if key.startswith(prefix):
+                entries.append(entry)
+                size += len(key) + len(entry.value)
+                check_listing_size(prefix, size, len(entries), self.max_list_bytes)
+        entries.sort(key=lambda e: e.key)
         revision = self._revision
         await self._settle()
         return Listing(entries=entries, revision=revision)
@@ -269,7 +284,7 @@ class MemoryStore(Store):
         target = self._revision if revision is None else min(revision, self._revision)
         history = self._history
         while history and history[0].revision <= target:
-            history.popleft()
+            self._history_bytes -= _size(history.popleft())
         self._compacted = max(self._compacted, target)
 
     async def watch(
@@ -376,7 +391,15 @@ class MemoryStore(Store):
         history = self._history
         if len(history) == history.maxlen:
             self._compacted = history[0].revision
+            self._history_bytes -= _size(history[0])
         history.append(event)
+        self._history_bytes += _size(event)
+        # Bounded in bytes too, so large values cannot pile up in memory (and no watch
+        # answer is larger than a listing may be): the oldest changes are compacted.
+        while self._history_bytes > self.max_list_bytes and len(history) > 1:
+            dropped = history.popleft()
+            self._history_bytes -= _size(dropped)
+            self._compacted = dropped.revision
         self._changed(event, entry)
 
     def _arm(self, lease: _Lease) -> None:

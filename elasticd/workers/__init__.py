@@ -69,8 +69,11 @@ No orphans, and the right user
     (the same path starts a job's health check). Every spawn is recorded
     in the daemon's database and the next start kills what is left
     (:mod:`.spawn`). Only the worker's own log folder is handed to its user;
-    log files are opened with ``O_NOFOLLOW``
-    (:mod:`elasticd.security`).
+    log files are opened with ``O_NOFOLLOW`` (:mod:`elasticd.security`), and
+    every file of that folder the daemon reads (logs, error files) is opened
+    through :func:`.files.open_worker_file`: relative to the folder's
+    descriptor, never through a link, never blocking on a FIFO, a regular
+    file with one link or nothing.
 
 Error files
     Each worker's ``TORCHELASTIC_ERROR_FILE`` is read when it fails, in
@@ -78,7 +81,8 @@ Error files
     failures are ordered by its timestamp as torch does ("first failure").
 
 Modules: :mod:`.process` (the group), :mod:`.output` (pipes to log files),
-:mod:`.errorfile` (error files), :mod:`.env` (the environment contract),
+:mod:`.errorfile` (error files), :mod:`.files` (reading what a worker can
+write), :mod:`.env` (the environment contract),
 :mod:`.spawn` (the exec wrapper, the spawn policy and the orphan sweep).
 Nothing here imports torch.
 """

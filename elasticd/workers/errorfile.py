@@ -10,23 +10,26 @@ raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
 Older and hand-written files put a plain string under ``"message"`` (with an
 optional top-level ``"timestamp"``). The file is written by user code in a
 folder the worker owns, so it is treated as untrusted input: it is opened
-with ``O_NOFOLLOW | O_NONBLOCK`` and read only when it is a regular file with
-no other hard link, parsed as JSON only (never unpickled), read up to
-:data:`MAX_ERROR_FILE_BYTES`, and bad content never raises: the caller gets
-a :class:`WorkerError` whose message says what was wrong, so the failure is
-still reported, just without the worker's own words.
+only through :func:`elasticd.workers.files.open_worker_file` (relative to
+the folder's descriptor, ``O_NOFOLLOW | O_NONBLOCK``) and read only when it
+is a regular file with no other hard link, parsed as JSON only (never
+unpickled), read up to :data:`MAX_ERROR_FILE_BYTES`, and bad content never
+raises: the caller gets a :class:`WorkerError` whose message says what was
+wrong, so the failure is still reported, just without the worker's own words.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 __all__ = ["MAX_ERROR_FILE_BYTES", "WorkerError", "read_error_file"]
 
@@ -58,24 +61,23 @@ def read_error_file(path: Path, *, default_timestamp: float | None = None) -> Wo
     modification time is used, as torch does.
     """
     try:
-        # O_NOFOLLOW and the regular-file check: the worker controls this path, and the
-        # daemon must neither follow a link to a file the worker could not read itself
-        # nor block opening a FIFO planted there.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # The worker controls this path: the daemon must neither follow a link to a
+        # file the worker could not read itself nor block opening a FIFO planted there.
+        fd = open_worker_file(path.parent, path.name)
     except FileNotFoundError:
         return None
     except OSError as exc:
         when = default_timestamp if default_timestamp is not None else time.time()
+        if isinstance(exc, UnsafeWorkerFile) and exc.errno == errno.EMLINK:
+            # A hard link to a file the worker may not read (fs.protected_hardlinks off):
+            # its content would be quoted back in the failure's message.
+            return _unreadable(path, "has other hard links and was not read", when)
+        if isinstance(exc, UnsafeWorkerFile) and exc.errno == errno.EINVAL:
+            return _unreadable(path, "is not a regular file", when)
         return _unreadable(path, f"cannot be opened ({exc.strerror or exc})", when)
     try:
         info = os.fstat(fd)
         fallback = default_timestamp if default_timestamp is not None else info.st_mtime
-        if not stat.S_ISREG(info.st_mode):
-            return _unreadable(path, "is not a regular file", fallback)
-        if info.st_nlink != 1:
-            # A hard link to a file the worker may not read (fs.protected_hardlinks off):
-            # its content would be quoted back in the failure's message.
-            return _unreadable(path, "has other hard links and was not read", fallback)
         try:
             data = _read_at_most(fd, MAX_ERROR_FILE_BYTES + 1)
         except OSError as exc:

@@ -26,6 +26,9 @@ from elasticd.store.server import create_store_app, serve_store
 
 from .etcd_server import EtcdProcess
 
+#: Every backend's list limit here: small, so that exceeding it stays cheap.
+LIST_LIMIT = 4 * 1024 * 1024
+
 
 @dataclass
 class Backend:
@@ -50,7 +53,7 @@ class Backend:
 
 
 async def _memory_backend() -> AsyncIterator[Backend]:
-    store = MemoryStore()
+    store = MemoryStore(max_list_bytes=LIST_LIMIT)
 
     async def make() -> Store:
         return store
@@ -66,7 +69,7 @@ async def _memory_backend() -> AsyncIterator[Backend]:
 
 
 async def _embedded_backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    store = EmbeddedStore(tmp_path / "store.sqlite3")
+    store = EmbeddedStore(tmp_path / "store.sqlite3", max_list_bytes=LIST_LIMIT)
 
     async def make() -> Store:
         return store
@@ -86,7 +89,7 @@ TOKEN = "test-token"
 
 async def _http_backend(tmp_path: Path) -> AsyncIterator[Backend]:
     """The embedded store behind the real FastAPI app, reached through ASGITransport."""
-    store = EmbeddedStore(tmp_path / "store.sqlite3")
+    store = EmbeddedStore(tmp_path / "store.sqlite3", max_list_bytes=LIST_LIMIT)
     app = create_store_app(store, TOKEN)
 
     async def make() -> Store:
@@ -132,7 +135,7 @@ async def serving(store: Store, token: str | None = TOKEN) -> AsyncIterator[str]
 
 async def _uvicorn_backend(tmp_path: Path) -> AsyncIterator[Backend]:
     """The embedded store served by real uvicorn on a loopback port."""
-    store = EmbeddedStore(tmp_path / "store.sqlite3")
+    store = EmbeddedStore(tmp_path / "store.sqlite3", max_list_bytes=LIST_LIMIT)
 
     async def compact(revision: int) -> None:
         store.compact(revision)
@@ -178,8 +181,8 @@ async def _etcd_backend(server: EtcdProcess, *, via_httpx: bool) -> AsyncIterato
 
     async def make() -> Store:
         if via_httpx:
-            return EtcdStore([server.url], transport=_httpx_transport())
-        return EtcdStore([server.url])
+            return EtcdStore([server.url], transport=_httpx_transport(), max_list_bytes=LIST_LIMIT)
+        return EtcdStore([server.url], max_list_bytes=LIST_LIMIT)
 
     async def compact(revision: int) -> None:
         await admin.compact(revision)

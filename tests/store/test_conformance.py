@@ -12,10 +12,16 @@ import uuid
 
 import pytest
 
-from elasticd.errors import InvalidKey, LeaseNotFound, StoreCompacted, ValueTooLarge
+from elasticd.errors import (
+    InvalidKey,
+    LeaseNotFound,
+    ListingTooLarge,
+    StoreCompacted,
+    ValueTooLarge,
+)
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Store, WatchEvent
 
-from .conftest import Backend
+from .conftest import LIST_LIMIT, Backend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -433,6 +439,18 @@ async def test_value_over_limit_is_refused(store: Store, ns: str) -> None:
     with pytest.raises(ValueTooLarge):
         await store.put(ns + "huge", b"x" * (DEFAULT_MAX_VALUE_BYTES + 1))
     assert await store.get(ns + "huge") is None
+
+
+async def test_a_listing_over_the_limit_is_refused(store: Store, ns: str) -> None:
+    """A list answer over the store's list limit raises ListingTooLarge naming the prefix and
+    the setting; a narrower prefix still lists."""
+    value = b"x" * (DEFAULT_MAX_VALUE_BYTES - 1024)
+    for i in range(LIST_LIMIT // len(value) + 1):
+        await store.put(f"{ns}big/{i}", value)
+    with pytest.raises(ListingTooLarge, match="store_max_list_bytes") as refused:
+        await store.list(ns + "big/")
+    assert f"{ns}big/" in str(refused.value)
+    assert [e.key for e in (await store.list(ns + "big/1")).entries] == [f"{ns}big/1"]
 
 
 async def test_empty_value(store: Store, ns: str) -> None:

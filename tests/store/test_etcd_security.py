@@ -36,7 +36,7 @@ from elasticd.errors import ConfigError, StoreAuthError, StoreUnavailable
 from elasticd.store import EtcdOptions, Store, open_store
 from elasticd.store.etcd import EtcdStore, prefix_end
 
-from .conftest import Backend
+from .conftest import LIST_LIMIT, Backend
 from .etcd_server import etcd_binary, free_port
 
 # The store contract, collected again here: this module's ``backend`` fixture runs
@@ -268,7 +268,9 @@ async def backend(secure_etcd: SecureEtcd) -> AsyncIterator[Backend]:
     )
 
     async def make() -> Store:
-        return EtcdStore([secure_etcd.https_url], options=secure_etcd.options())
+        return EtcdStore(
+            [secure_etcd.https_url], options=secure_etcd.options(), max_list_bytes=LIST_LIMIT
+        )
 
     async def compact(revision: int) -> None:
         await admin.compact(revision)  # compaction is for etcd's root only

@@ -29,13 +29,16 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.store import redact_url, store_endpoints
+
+if TYPE_CHECKING:
+    from elasticd.security import JobUsers
 
 log = logging.getLogger("elasticd.config")
 
@@ -348,6 +351,25 @@ def check_bind(config: Config, token: str | None) -> None:
             "could run programs on this node. Set --token-file (a 0600 file with a secret) "
             "or bind to 127.0.0.1."
         )
+
+
+def check_job_users_need_token(config: Config, token: str | None, users: JobUsers) -> None:
+    """Refuse a tokenless API on a daemon that runs jobs as other users.
+
+    Loopback is no boundary between the operator and the jobs: a job's
+    processes run on this node too, and without a token they could use this
+    API (and its store) as the daemon's own client, to read other jobs' logs
+    or submit jobs as another allowed user.
+    """
+    if token is not None or config.store_only or not users.identities:
+        return
+    names = ", ".join(sorted(i.user for i in users.identities))
+    raise ConfigError(
+        f"this daemon runs jobs as other users ({names}): without a token their processes "
+        "could use its API on 127.0.0.1 as the daemon's client (read other jobs' logs, submit "
+        "jobs as another user). Set --token-file (a 0600 file with a secret, owned by this "
+        "user) or ELASTICD_TOKEN"
+    )
 
 
 def _check_private(st: os.stat_result, path: Path, setting: str) -> None:

@@ -43,7 +43,14 @@ from elasticd import __version__, systemd
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
-from elasticd.config import Config, check_bind, check_store, read_store_password, read_token
+from elasticd.config import (
+    Config,
+    check_bind,
+    check_job_users_need_token,
+    check_store,
+    read_store_password,
+    read_token,
+)
 from elasticd.db import Database
 from elasticd.errors import (
     ConfigError,
@@ -158,6 +165,7 @@ class Daemon:
         check_store(config, self.token)
         self._store_password = read_store_password(config)
         self.job_users = resolve_job_users(config)
+        check_job_users_need_token(config, self.token, self.job_users)
         self._uninstall_spawn_policy: Callable[[], None] | None = None
         self._watchdog_task: asyncio.Task[None] | None = None
         self._retention_task: asyncio.Task[None] | None = None

@@ -45,6 +45,7 @@ from elasticd.errors import (
     LogNotFound,
     ShuttingDown,
     StoreError,
+    ValueTooLarge,
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
@@ -160,7 +161,13 @@ class JobService:
         and the scheduling path starts it again as a new attempt. No restart
         is charged (:data:`DAEMON_CRASHED`).
         """
-        for job in await self._all_jobs():
+        try:
+            jobs = await self._all_jobs()
+        except ValueTooLarge as exc:
+            # Never a crash loop at start: serve, and say what is wrong with the store.
+            log.error("cannot recover the jobs of this node: %s", exc)
+            return
+        for job in jobs:
             if job.state not in JOB_ACTIVE:
                 continue
             ours = await self.store.get(group_prefix(job.id) + self.node)

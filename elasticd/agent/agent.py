@@ -627,6 +627,13 @@ class JobAgent:
         self.attempt += 1
         self._round = round_
         ranks = assign_ranks(round_.nodes, round_.group_rank)
+        if len(ranks) != self.spec.nproc_per_node:
+            # The round document is shared state anyone with store access can write:
+            # never start more (or fewer) workers than the job asked this node for.
+            raise WorkerSpawnError(
+                f"the rendezvous round gives {self.ctx.node} {len(ranks)} workers; the job "
+                f"asks for nproc_per_node = {self.spec.nproc_per_node}: refusing the round"
+            )
         self._ranks = ranks
         attempt_dir = self.ctx.log_root / self.job_id / f"attempt_{self.attempt}"
         info = AttemptInfo(

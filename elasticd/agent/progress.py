@@ -64,6 +64,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
 from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
+from elasticd.workers.env import WITHHELD
 from elasticd.workers.spawn import current_policy
 
 __all__ = [
@@ -369,6 +370,8 @@ async def _py_spy(exe: str, pid: int, timeout: float) -> tuple[bool, str]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # so that a timeout ends it and anything it started
+        # The daemon's own environment less its secrets, as every other child gets.
+        env={k: v for k, v in os.environ.items() if k not in WITHHELD},
     )
     try:
         async with asyncio.timeout(timeout):

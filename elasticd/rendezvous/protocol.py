@@ -53,6 +53,9 @@ from typing import Any
 from elasticd.agent.ranks import NodeSlot
 from elasticd.errors import RendezvousError
 
+#: The most workers one node may run for one job (a bound on what the store may ask).
+MAX_LOCAL_WORLD_SIZE = 1024
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -98,13 +101,19 @@ class NodeInfo:
 
     @staticmethod
     def from_json(raw: Any) -> NodeInfo:
-        return NodeInfo(
+        info = NodeInfo(
             addr=str(raw["addr"]),
             role=str(raw["role"]),
             local_world_size=int(raw["lws"]),
             port=int(raw["port"]),
             round=int(raw.get("round", 0)),
         )
+        # Store contents are untrusted: bounds before anything is started from them.
+        if not 1 <= info.local_world_size <= MAX_LOCAL_WORLD_SIZE:
+            raise ValueError(f"local world size {info.local_world_size} out of bounds")
+        if not 0 < info.port < 65536 or len(info.addr) > 255 or len(info.role) > 255:
+            raise ValueError("port, address or role out of bounds")
+        return info
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""Attacks found by the review of the issue-11 fixes, each closed at its cause."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticd.errors import RendezvousError
+from elasticd.rendezvous.protocol import MAX_LOCAL_WORLD_SIZE, State
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running jobs as another user needs root")
+def test_a_daemon_that_runs_jobs_as_other_users_needs_a_token(tmp_path: Path) -> None:
+    """Loopback is no boundary between the operator and the jobs: a job's processes could
+    use a tokenless API as the daemon's client (read other jobs' logs, submit jobs as
+    another allowed user). Such a daemon refuses to start, saying what to set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd", "serve", "--port", "0", "--state-dir",
+         str(tmp_path / "state"), "--run-as", "nobody"],
+        env=env, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "runs jobs as other users (nobody)" in proc.stderr
+    assert "--token-file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"addr": "h", "role": "default", "lws": MAX_LOCAL_WORLD_SIZE + 1, "port": 1},
+        {"addr": "h", "role": "default", "lws": 0, "port": 1},
+        {"addr": "h", "role": "default", "lws": 1, "port": 70000},
+        {"addr": "h" * 300, "role": "default", "lws": 1, "port": 1},
+    ],
+)
+def test_a_rendezvous_document_cannot_ask_for_unbounded_workers(node: dict[str, object]) -> None:
+    """The round document is store data anyone with store access can write: its join infos
+    are bounded before anything is started from them (the agent also refuses a round that
+    gives this node another number of workers than the job's nproc_per_node)."""
+    doc = (
+        b'{"round": 0, "complete": true, "closed": false, "deadline": null,'
+        b' "participants": {"a": 0}, "wait_list": [], "redundancy_list": [], "nodes": {"a": '
+        + __import__("json").dumps(node).encode()
+        + b"}}"
+    )
+    with pytest.raises(RendezvousError, match="malformed"):
+        State.decode(doc)

@@ -13,7 +13,9 @@ folder the worker owns, so it is treated as untrusted input: it is opened
 only through :func:`elasticd.workers.files.open_worker_file` (relative to
 the folder's descriptor, ``O_NOFOLLOW | O_NONBLOCK``) and read only when it
 is a regular file with no other hard link, parsed as JSON only (never
-unpickled), read up to :data:`MAX_ERROR_FILE_BYTES`, and bad content never
+unpickled), read up to :data:`MAX_ERROR_FILE_BYTES` (its message and
+traceback are then cut to :data:`MAX_MESSAGE_CHARS` and
+:data:`MAX_TRACEBACK_CHARS`, so a failure always fits a store value), and bad content never
 raises: the caller gets a :class:`WorkerError` whose message says what was
 wrong, so the failure is still reported, just without the worker's own words.
 """
@@ -36,6 +38,11 @@ __all__ = ["MAX_ERROR_FILE_BYTES", "WorkerError", "read_error_file"]
 #: Larger files are not parsed: a traceback is a few KiB; a megabyte is a bug
 #: or an attack, and the daemon must not spend its memory on it.
 MAX_ERROR_FILE_BYTES = 1 << 20
+
+#: What of a worker's message and traceback is kept: they go into the job
+#: document and events in the store, whose values are limited (1 MiB by default).
+MAX_MESSAGE_CHARS = 16 * 1024
+MAX_TRACEBACK_CHARS = 64 * 1024
 
 #: How much of an unparseable file is quoted back in the message.
 _EXCERPT_CHARS = 200
@@ -111,6 +118,11 @@ def _from_json(path: Path, parsed: dict[str, Any], fallback: float) -> WorkerErr
         timestamp = _timestamp(parsed.get("timestamp"))
     if message is None:
         message = f"error file {path} has no message"
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + " [... cut]"
+    if isinstance(traceback, str) and len(traceback) > MAX_TRACEBACK_CHARS:
+        # The end of a traceback names the failing line: keep that.
+        traceback = "[... cut]\n" + traceback[-MAX_TRACEBACK_CHARS:]
     return WorkerError(
         message=message,
         traceback=traceback if isinstance(traceback, str) and traceback else None,

@@ -26,6 +26,7 @@ import pytest
 
 from elasticd.errors import StoreCompacted
 from elasticd.store.memory import MemoryStore
+from elasticd.workers.errorfile import read_error_file
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 from tests.conftest import wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, make_token_file, serve
@@ -476,6 +477,21 @@ async def test_the_watch_history_is_bounded_in_bytes() -> None:
         events = await store.watch("big", last.version - 2, 0)
         assert sum(len(e.value or b"") for e in events) <= 1 << 20
         assert events[-1].revision == last.version
+
+
+def test_a_huge_error_file_is_cut_to_fit_the_store(tmp_path: Path) -> None:
+    """A worker's 450 KB message and 450 KB traceback are cut (the traceback keeps its end), so the
+    failure still fits a job document under the store's 1 MiB value limit."""
+    rank = tmp_path / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    body = {
+        "message": {"message": "m" * 450_000, "extraInfo": {"py_callstack": "t" * 450_000 + "END"}}
+    }
+    (rank / "error.json").write_text(json.dumps(body))
+    error = read_error_file(rank / "error.json", default_timestamp=1.0)
+    assert error is not None and error.traceback is not None
+    assert len(error.message) < 17_000 and error.message.endswith("[... cut]")
+    assert len(error.traceback) < 66_000 and error.traceback.endswith("END")
 
 
 async def test_max_restarts_is_bounded(client: httpx.AsyncClient) -> None:

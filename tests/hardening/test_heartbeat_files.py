@@ -97,7 +97,9 @@ class _Inotify:
 async def _keeps_answering(daemon: Served, seconds: float) -> None:
     """/healthz answers within ANSWER_WITHIN every time, for ``seconds``."""
     until = time.monotonic() + seconds
-    async with httpx.AsyncClient(base_url=daemon.url, timeout=ANSWER_WITHIN) as c:
+    async with httpx.AsyncClient(
+        base_url=daemon.url, headers=daemon.headers, timeout=ANSWER_WITHIN
+    ) as c:
         while time.monotonic() < until:
             r = await c.get("/healthz")
             assert r.status_code == 200
@@ -154,7 +156,9 @@ async def test_a_replaced_heartbeat_never_blocks_the_daemon_nor_is_opened(
     try:
         async with (
             asyncio.timeout(90),
-            httpx.AsyncClient(base_url=daemon.url, timeout=ANSWER_WITHIN) as c,
+            httpx.AsyncClient(
+                base_url=daemon.url, headers=daemon.headers, timeout=ANSWER_WITHIN
+            ) as c,
         ):
             await daemon.wait_ready()
             r = await c.post(
@@ -203,7 +207,9 @@ async def test_a_replaced_heartbeat_counts_as_no_progress(open_tmp: Path) -> Non
     try:
         async with (
             asyncio.timeout(90),
-            httpx.AsyncClient(base_url=daemon.url, timeout=ANSWER_WITHIN) as c,
+            httpx.AsyncClient(
+                base_url=daemon.url, headers=daemon.headers, timeout=ANSWER_WITHIN
+            ) as c,
         ):
             await daemon.wait_ready()
             r = await c.post(

@@ -266,6 +266,10 @@ def merge_recovery(mine: Recovery) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
+#: Seconds a passed health check stays good for a start that a failed round delayed.
+HEALTH_FRESH_FOR = 60.0
+
+
 @dataclass
 class StoreLoss:
     """How long the store has been out of reach *without a break*: the fencing decision.
@@ -323,6 +327,10 @@ class JobAgent:
         #: Wall time the workers of a recovery were spawned, until their first ping.
         self._awaiting_first_progress: float | None = None
         self._attempt_tag = ""
+        #: When the health checks last passed, until workers are started after them.
+        self._checked_at: float | None = None
+        #: Monotonic time the store was lost (``store.lost``), until it serves a round again.
+        self._store_lost_at: float | None = None
         #: The user the job runs as (None: the daemon's), decided before anything of it runs.
         self._identity: Identity | None = None
 
@@ -391,23 +399,30 @@ class JobAgent:
                     # compacted watch): not an outage; go again after a short pause.
                     await asyncio.sleep(0.2)
                     continue
-                lost_at = self.ctx.clock.monotonic()
-                self.ctx.events.emit(
-                    self.job_id,
-                    "agent",
-                    "store.lost",
-                    f"{self.ctx.node} cannot reach the store ({exc}); "
-                    "its workers are stopped until the store is back",
-                )
+                if self._store_lost_at is None:  # one event for the whole outage
+                    self._store_lost_at = self.ctx.clock.monotonic()
+                    self.ctx.events.emit(
+                        self.job_id,
+                        "agent",
+                        "store.lost",
+                        f"{self.ctx.node} cannot reach the store ({exc}); "
+                        "its workers are stopped until the store is back",
+                    )
                 await self._until_store_answers()
-                self.ctx.events.emit(
-                    self.job_id,
-                    "agent",
-                    "store.back",
-                    f"{self.ctx.node} reaches the store again after "
-                    f"{self.ctx.clock.monotonic() - lost_at:.1f} s",
-                    duration_s=self.ctx.clock.monotonic() - lost_at,
-                )
+
+    def _store_reached(self) -> None:
+        """The store served a whole rendezvous: an outage in progress is over (one event)."""
+        if self._store_lost_at is None:
+            return
+        lost_for = self.ctx.clock.monotonic() - self._store_lost_at
+        self._store_lost_at = None
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "store.back",
+            f"{self.ctx.node} reaches the store again after {lost_for:.1f} s",
+            duration_s=lost_for,
+        )
 
     async def _until_store_answers(self) -> None:
         """Probe the store with backoff (0.1 s to 2 s) until a read succeeds."""
@@ -423,9 +438,14 @@ class JobAgent:
 
     async def _round_once(self) -> bool:
         """One round: rendezvous, run, react. True when the job is over for this node."""
-        verdict = await self._health_checks()
-        if verdict is not None:
-            return verdict
+        now = self.ctx.clock.monotonic()
+        if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
+            verdict = await self._health_checks()
+            if verdict is not None:
+                return verdict
+            # Passed: not run again (nor evented) while rounds fail on a lost store,
+            # until workers start or the result is stale.
+            self._checked_at = now
         started = self.ctx.clock.monotonic()
         try:
             round_ = await self.ctx.rendezvous.next_round()
@@ -441,6 +461,7 @@ class JobAgent:
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
             await self.ctx.rendezvous.close()
             return True
+        self._store_reached()
         self.ctx.events.emit(
             self.job_id,
             "rendezvous",
@@ -624,6 +645,7 @@ class JobAgent:
     # workers
 
     async def _start_workers(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
+        self._checked_at = None  # the next (re)start runs the health checks again
         self.attempt += 1
         self._round = round_
         ranks = assign_ranks(round_.nodes, round_.group_rank)

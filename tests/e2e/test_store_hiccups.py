@@ -255,11 +255,12 @@ async def test_a_long_store_outage_is_two_events_not_a_flood(cluster):
                     if any(e["kind"] == "store.back" and e["node"] == "n1" for e in events):
                         break
                     await asyncio.sleep(0.1)
-        during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= ended + 3.0]
+        back = next(e for e in events if e["kind"] == "store.back" and e["node"] == "n1")
+        assert back["time"] >= ended
+        during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= back["time"]]
         kinds = [e["kind"] for e in during]
         assert kinds.count("store.lost") == 1 and kinds.count("store.back") == 1, kinds
-        assert len(during) <= 10, kinds  # fenced, workers stopped, states: a handful, no flood
-        back = next(e for e in during if e["kind"] == "store.back")
+        assert len(during) <= 12, kinds  # fenced, workers stopped, states: a handful, no flood
         assert back["duration_s"] >= LEASE_TTL, back
     finally:
         await proxy.close()

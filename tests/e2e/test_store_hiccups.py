@@ -95,8 +95,12 @@ async def events_of(c, job_id: str) -> list[dict]:
     return (await c.get(f"/jobs/{job_id}/events")).json()
 
 
-async def test_two_short_store_outages_far_apart_never_fence(cluster):
-    """Two 0.5 s cuts (far below the 3 s lease), 2 x lease_ttl apart: no fence, no worker restarted, the job runs on."""
+@contextlib.asynccontextmanager
+async def job_across_proxy(cluster, job_id: str, grace: float):
+    """n0 hosts the store; n1 reaches it through a CuttableProxy; a 2-node sleeping job runs.
+
+    Yields ``(proxy, client of n0)`` once both nodes have started their workers.
+    """
     cluster.start("n0")
     await cluster.wait_ready("n0")
     proxy = CuttableProxy(cluster.nodes["n0"].port)
@@ -109,36 +113,43 @@ async def test_two_short_store_outages_far_apart_never_fence(cluster):
             r = await c.post(
                 "/jobs",
                 json={
-                    "id": "steady",
+                    "id": job_id,
                     "entrypoint": sys.executable,
                     "args": ["-c", "import time; time.sleep(600)"],
                     "min_nodes": 2,
                     "max_nodes": 2,
-                    "termination_grace": 2,
+                    "termination_grace": grace,
                 },
             )
             assert r.status_code == 201, r.text
             async with asyncio.timeout(30):
                 while True:
                     started = [
-                        e for e in await events_of(c, "steady") if e["kind"] == "workers.started"
+                        e for e in await events_of(c, job_id) if e["kind"] == "workers.started"
                     ]
                     if {e["node"] for e in started} == {"n0", "n1"}:
                         break
                     await asyncio.sleep(0.1)
-            for _ in range(2):
-                await proxy.outage(0.5)
-                await asyncio.sleep(2 * LEASE_TTL)  # well past the lease, link working
-            events = await events_of(c, "steady")
-            kinds = [e["kind"] for e in events]
-            assert "agent.fenced" not in kinds, cluster.logs()
-            assert kinds.count("workers.started") == 2, [
-                (e["node"], e["kind"], e["message"]) for e in events
-            ]
-            job = (await c.get("/jobs/steady")).json()
-            assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+            yield proxy, c
     finally:
         await proxy.close()
+
+
+async def test_two_short_store_outages_far_apart_never_fence(cluster):
+    """Two 0.5 s cuts (far below the 3 s lease), 2 x lease_ttl apart: no fence, no worker
+    restarted, the job runs on."""
+    async with job_across_proxy(cluster, "steady", grace=2) as (proxy, c):
+        for _ in range(2):
+            await proxy.outage(0.5)
+            await asyncio.sleep(2 * LEASE_TTL)  # well past the lease, link working
+        events = await events_of(c, "steady")
+        kinds = [e["kind"] for e in events]
+        assert "agent.fenced" not in kinds, cluster.logs()
+        assert kinds.count("workers.started") == 2, [
+            (e["node"], e["kind"], e["message"]) for e in events
+        ]
+        job = (await c.get("/jobs/steady")).json()
+        assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
 
 
 def alive(pid: int) -> bool:
@@ -151,116 +162,61 @@ def alive(pid: int) -> bool:
 
 async def test_a_fenced_group_is_never_shown_healthy_with_dead_pids(cluster):
     """An outage longer than the lease fences n1; its published view follows what it did."""
-    cluster.start("n0")
-    await cluster.wait_ready("n0")
-    proxy = CuttableProxy(cluster.nodes["n0"].port)
-    await proxy.start()
-    try:
-        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
-        cluster.start("n1")
-        await cluster.wait_ready("n1")
-        async with cluster.client("n0") as c:
-            r = await c.post(
-                "/jobs",
-                json={
-                    "id": "fenced",
-                    "entrypoint": sys.executable,
-                    "args": ["-c", "import time; time.sleep(600)"],
-                    "min_nodes": 2,
-                    "max_nodes": 2,
-                    "termination_grace": 1,
-                },
-            )
-            assert r.status_code == 201, r.text
-            stale_since: dict[int, float] = {}
+    async with job_across_proxy(cluster, "fenced", grace=1) as (proxy, c):
+        stale_since: dict[int, float] = {}
+
+        async def sample() -> None:
+            view = (await c.get("/jobs/fenced/workers")).json()
+            now = asyncio.get_running_loop().time()
+            for group in view["groups"]:
+                for w in group["workers"]:
+                    pid = w.get("pid")
+                    if group["state"] == "HEALTHY" and w["state"] == "HEALTHY" and pid:
+                        if alive(pid):
+                            stale_since.pop(pid, None)
+                        else:
+                            first = stale_since.setdefault(pid, now)
+                            # At most one lease stale: then the node is gone, or back.
+                            assert now - first < LEASE_TTL + 1.5, (group, cluster.logs())
+
+        cut = asyncio.create_task(proxy.outage(4 * LEASE_TTL))
+        async with asyncio.timeout(60):
             fenced = False
-
-            async def sample() -> None:
-                view = (await c.get("/jobs/fenced/workers")).json()
-                now = asyncio.get_running_loop().time()
-                for group in view["groups"]:
-                    for w in group["workers"]:
-                        pid = w.get("pid")
-                        if group["state"] == "HEALTHY" and w["state"] == "HEALTHY" and pid:
-                            if alive(pid):
-                                stale_since.pop(pid, None)
-                            else:
-                                first = stale_since.setdefault(pid, now)
-                                # At most one lease stale: then the node is gone, or back.
-                                assert now - first < LEASE_TTL + 1.5, (group, cluster.logs())
-
-            cut: asyncio.Task[None] | None = None
-            async with asyncio.timeout(60):
-                while not fenced:
-                    await sample()
-                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
-                    if kinds.count("workers.started") >= 2 and cut is None:
-                        cut = asyncio.create_task(proxy.outage(4 * LEASE_TTL))
-                    fenced = "agent.fenced" in kinds  # n1's event, published once it is back
-                    await asyncio.sleep(0.1)
-                assert cut is not None
-                await cut
-                # Link back: sample until both nodes run a new group.
-                deadline = asyncio.get_running_loop().time() + 30
-                while asyncio.get_running_loop().time() < deadline:
-                    await sample()
-                    kinds = [e["kind"] for e in (await c.get("/jobs/fenced/events")).json()]
-                    if kinds.count("workers.started") >= 4:
-                        break
-                    await asyncio.sleep(0.1)
-                for _ in range(20):
-                    await sample()
-                    await asyncio.sleep(0.1)
-    finally:
-        await proxy.close()
+            while not fenced:
+                await sample()
+                kinds = [e["kind"] for e in await events_of(c, "fenced")]
+                fenced = "agent.fenced" in kinds  # n1's event, published once it is back
+                await asyncio.sleep(0.1)
+            await cut
+            # Link back: sample until both nodes run a new group, then a while longer.
+            deadline = asyncio.get_running_loop().time() + 30
+            while asyncio.get_running_loop().time() < deadline:
+                await sample()
+                kinds = [e["kind"] for e in await events_of(c, "fenced")]
+                if kinds.count("workers.started") >= 4:
+                    break
+                await asyncio.sleep(0.1)
+            for _ in range(20):
+                await sample()
+                await asyncio.sleep(0.1)
 
 
 async def test_a_long_store_outage_is_two_events_not_a_flood(cluster):
     """12 s without the store: n1 says so once when it is lost and once when it is back."""
-    cluster.start("n0")
-    await cluster.wait_ready("n0")
-    proxy = CuttableProxy(cluster.nodes["n0"].port)
-    await proxy.start()
-    try:
-        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
-        cluster.start("n1")
-        await cluster.wait_ready("n1")
-        async with cluster.client("n0") as c:
-            r = await c.post(
-                "/jobs",
-                json={
-                    "id": "quiet",
-                    "entrypoint": sys.executable,
-                    "args": ["-c", "import time; time.sleep(600)"],
-                    "min_nodes": 2,
-                    "max_nodes": 2,
-                    "termination_grace": 1,
-                },
-            )
-            assert r.status_code == 201, r.text
-            async with asyncio.timeout(30):
-                while True:
-                    started = [
-                        e for e in await events_of(c, "quiet") if e["kind"] == "workers.started"
-                    ]
-                    if {e["node"] for e in started} == {"n0", "n1"}:
-                        break
-                    await asyncio.sleep(0.1)
-            began = time.time()
-            await proxy.outage(4 * LEASE_TTL)
-            ended = time.time()
-            async with asyncio.timeout(30):
-                while True:  # n1's events reach the store once it is back
-                    events = await events_of(c, "quiet")
-                    if any(e["kind"] == "store.back" and e["node"] == "n1" for e in events):
-                        break
-                    await asyncio.sleep(0.1)
-        back = next(e for e in events if e["kind"] == "store.back" and e["node"] == "n1")
-        assert back["time"] >= ended
-        during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= back["time"]]
-        kinds = [e["kind"] for e in during]
-        assert kinds.count("store.lost") == 1 and kinds.count("store.back") == 1, kinds
-        assert len(during) <= 12, kinds  # fenced, workers stopped, states: a handful, no flood
-        assert back["duration_s"] >= LEASE_TTL, back
-    finally:
-        await proxy.close()
+    async with job_across_proxy(cluster, "quiet", grace=1) as (proxy, c):
+        began = time.time()
+        await proxy.outage(4 * LEASE_TTL)
+        ended = time.time()
+        async with asyncio.timeout(30):
+            while True:  # n1's events reach the store once it is back
+                events = await events_of(c, "quiet")
+                if any(e["kind"] == "store.back" and e["node"] == "n1" for e in events):
+                    break
+                await asyncio.sleep(0.1)
+    back = next(e for e in events if e["kind"] == "store.back" and e["node"] == "n1")
+    assert back["time"] >= ended
+    during = [e for e in events if e["node"] == "n1" and began <= e["time"] <= back["time"]]
+    kinds = [e["kind"] for e in during]
+    assert kinds.count("store.lost") == 1 and kinds.count("store.back") == 1, kinds
+    assert len(during) <= 12, kinds  # fenced, workers stopped, states: a handful, no flood
+    assert back["duration_s"] >= LEASE_TTL, back

@@ -255,6 +255,15 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
                 entry.chmod(STATE_FILE_MODE)
     if shared:
         logs.mkdir(parents=True, exist_ok=True)
+        st = logs.lstat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode):
+            # A job could plant a link named after its job id there, and the daemon
+            # would create the job's folders wherever it points.
+            raise ConfigError(
+                f"log_dir {logs} must be a folder of the daemon's own user, not writable by "
+                "group or others, when jobs run as other users (a job could plant links "
+                f"there); run: chown {os.geteuid()} {logs} && chmod go-w {logs}"
+            )
         _chmod_own(logs, LOG_ROOT_MODE_SHARED)
         for parent in logs.parents:
             if parent == state_dir or state_dir in parent.parents:

@@ -315,21 +315,7 @@ def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str 
     except OSError as exc:
         raise ConfigError(f"token file {path} cannot be read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"token file {path} is not a regular file")
-        me = os.geteuid()
-        if st.st_uid != me:
-            raise ConfigError(
-                f"token file {path} belongs to {_user_name(st.st_uid)}, not to the user this "
-                f"daemon runs as ({_user_name(me)}), who must own it alone; run: "
-                f"chown {_user_name(me)} {path}"
-            )
-        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"token file {path} is readable by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {path}"
-            )
+        _check_private(os.fstat(fd), path, "token file")
         token = fh.read(1 << 20).decode("utf-8", "replace").strip()
     if not token:
         raise ConfigError(f"token file {path} is empty")
@@ -377,7 +363,7 @@ def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"{setting} {path} is not a regular file")
     me = os.geteuid()
-    if st.st_uid != me:  # as for the token file: another user may read or replace it
+    if st.st_uid != me:  # another user may read or replace it
         raise ConfigError(
             f"{setting} {path} belongs to {_user_name(st.st_uid)}, not to the user this "
             f"daemon runs as ({_user_name(me)}), who must own it alone; run: "

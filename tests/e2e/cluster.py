@@ -154,6 +154,12 @@ class LocalCluster:
                 node.proc.kill()
                 node.proc.wait()
 
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
     def logs(self) -> str:
         return "\n".join(f"== {n.name}\n{n.log.read_text()[-3000:]}" for n in self.nodes.values())
 

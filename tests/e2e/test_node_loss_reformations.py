@@ -49,11 +49,8 @@ while True:  # a peer's socket becomes readable only when it closes: the "collec
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = LocalCluster(tmp_path)
-    try:
+    with LocalCluster(tmp_path) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 async def groups(c, job_id: str) -> dict[str, dict]:

@@ -84,11 +84,8 @@ class CuttableProxy:
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = LocalCluster(tmp_path, lease_ttl=LEASE_TTL)
-    try:
+    with LocalCluster(tmp_path, lease_ttl=LEASE_TTL) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 async def events_of(c, job_id: str) -> list[dict]:

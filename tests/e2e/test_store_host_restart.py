@@ -24,11 +24,8 @@ LEASE_TTL = 5.0
 
 @pytest.fixture
 def cluster(tmp_path):
-    c = LocalCluster(tmp_path, lease_ttl=LEASE_TTL)
-    try:
+    with LocalCluster(tmp_path, lease_ttl=LEASE_TTL) as c:
         yield c
-    finally:
-        c.stop_all()
 
 
 async def groups(c, job_id: str) -> dict[str, dict]:

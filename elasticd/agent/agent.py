@@ -313,6 +313,7 @@ class JobAgent:
         self.attempt = -1
         self.state = WorkerState.INIT
         self._group: WorkerGroupProcesses | None = None
+        self._leaving: asyncio.Task[None] | None = None  # see _say_leaving
         self._view: GroupView | None = None
         self._ranks: list[WorkerRanks] = []
         self._round: RoundInfo | None = None
@@ -513,6 +514,8 @@ class JobAgent:
             return False
         if isinstance(outcome, Change):
             self._begin_recovery(outcome.value, self.ctx.clock.time())
+            if outcome is not Change.CLOSED:
+                self._say_leaving(round_)
             await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
             if outcome is Change.CLOSED:
                 await self._finish_closed()
@@ -531,6 +534,7 @@ class JobAgent:
             return False
         first = min((f.exited_at for f in outcome.failures), default=self.ctx.clock.time())
         self._begin_recovery("worker failure", first)
+        self._say_leaving(round_)
         await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
         root = self._root_cause(outcome)
         await self._restart_after(
@@ -896,7 +900,35 @@ class JobAgent:
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
                 await asyncio.sleep(loss.backoff)  # back off while the store is unreachable
 
+    def _say_leaving(self, round_: RoundInfo) -> None:
+        """Tell the other nodes, in the background, that this node heads for the next round.
+
+        Said before the workers are stopped (which may take ``termination_grace``),
+        so that a re-rendezvous waits for this node instead of presuming it dead
+        (see :mod:`elasticd.rendezvous.protocol`). Best effort: without it the
+        round waits out its last call, as before. :meth:`_stop_workers` awaits it.
+        """
+        if self._leaving is None:
+            self._leaving = asyncio.create_task(self._tell_leaving(round_.round))
+
+    async def _tell_leaving(self, my_round: int) -> None:
+        try:
+            await self.ctx.rendezvous.leaving(my_round)
+        except (StoreError, RendezvousError) as exc:
+            log.debug("job %s: could not say this node is leaving: %s", self.job_id, exc)
+
     async def _stop_workers(self, target: WorkerState | None) -> None:
+        leaving, self._leaving = self._leaving, None
+        try:
+            await self._stop_group(target)
+        except BaseException:
+            if leaving is not None:
+                leaving.cancel()
+            raise
+        if leaving is not None:
+            await leaving
+
+    async def _stop_group(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
         if group is not None:
             started = self.ctx.clock.monotonic()
@@ -924,6 +956,7 @@ class JobAgent:
         """A worker stopped reporting progress: UNHEALTHY, stacks, restart (spends budget)."""
         now = self.ctx.clock.time()
         ranks = self._ranks[hang.local_rank]
+        self._say_leaving(round_)
         self._set_state(WorkerState.UNHEALTHY)  # HEALTHY -> UNHEALTHY
         await self._report_hang(hang, state=WorkerState.UNHEALTHY.value)
         self._begin_recovery("hang", now)

@@ -60,6 +60,7 @@ from elasticd.rendezvous.protocol import (
     decide_exit,
     decide_join,
     needs_placing,
+    next_look,
     watch_reason,
 )
 from elasticd.store import Store
@@ -117,6 +118,10 @@ class Rendezvous(Protocol):
         a caller that counts how long the store has been lost knows when it
         came back even while nothing changes.
         """
+        ...
+
+    async def leaving(self, my_round: int) -> None:
+        """Say that this node is leaving ``my_round`` for the next (before it stops workers)."""
         ...
 
     async def close(self) -> None:
@@ -268,6 +273,7 @@ class StoreRendezvous:
         # every announced node; see _take_absorber.
         self._absorber_key = absorber_key(job_id)
         self._absorber_version = 0
+        self._announced: NodeInfo | None = None  # this node's presence key as last written
         self._absorber_until = 0.0
         self._absorber_from = absorber_from
         self._me = node
@@ -423,7 +429,10 @@ class StoreRendezvous:
                         await self._wait(self._prefix, True, revision, action.until)
                     else:
                         await self._wait_open_round(state, revision, action.until)
-                        light = True
+                        # Woken by a change: read the state key alone again. Woken by
+                        # the time: decide on a fresh view (see _check_in).
+                        mine = self._my_deadline(state, action.until)
+                        light = mine is None or self._clock.time() < mine
                     continue
                 if action.kind is Kind.FINISH:
                     return state
@@ -458,11 +467,15 @@ class StoreRendezvous:
             holding = await self._take_absorber(join_deadline)
             return (_Step.DECIDE if holding else _Step.AGAIN), state, info, holding
         if not state.complete and self._me in state.participants:
-            until = state.deadline if state.deadline is not None else join_deadline
-            until = min(until, join_deadline)
+            look = next_look(state, self._settings, self._clock.time())
+            until = min(look if look is not None else join_deadline, join_deadline)
             mine = self._my_deadline(state, until)
             if mine is None or self._clock.time() < mine:
                 await self._wait_open_round(state, revision, until)
+                if mine is not None and self._clock.time() >= mine:
+                    # Woken by the time, not by a change: the last call is over, or the
+                    # nodes that never said they are coming may now be presumed dead.
+                    return _Step.DECIDE, state, info, holding
                 return _Step.AGAIN, state, info, holding
         return _Step.DECIDE, state, info, holding
 
@@ -591,6 +604,18 @@ class StoreRendezvous:
         await self._store.put(
             self._node_prefix + self._me, json.dumps(info.to_json()).encode(), lease=lease
         )
+        self._announced = info
+
+    async def leaving(self, my_round: int) -> None:
+        """Say, before stopping this round's workers, that this node heads for the next.
+
+        One write of the presence key (:attr:`NodeInfo.seen`): the other nodes
+        wait for a node that said it, and presume dead after ``ack_timeout``
+        a waiting node that did not (see :func:`protocol._everyone_joined`).
+        """
+        info = self._announced
+        if info is not None and info.heading_for <= my_round:
+            await self._announce(replace(info, seen=my_round + 1))
 
     # the agent's interface
 
@@ -602,7 +627,8 @@ class StoreRendezvous:
             local_world_size=self._lws,
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
-        left = await self._apply(lambda state: decide_exit(state, me, settings))
+        now = self._clock.time()
+        left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
         # Announce after leaving (our workers are stopped): for the round now open
         # or next, with this round's fresh port.
         info = replace(info, round=left.round + (1 if left.complete else 0))

@@ -34,6 +34,16 @@ Deliberate differences from torch:
 * **A re-rendezvous completes as soon as every live candidate has joined**
   (round > 0): the last call exists for stragglers, and after a failure the
   live set is known, so waiting out the last call would only delay recovery.
+* **A node says it is on its way** (:attr:`NodeInfo.seen`): the moment a
+  node decides to leave a running round (its workers failed, or it saw a
+  new round open), before it stops its workers, it rewrites its
+  announcement with the round it is heading for. A node that died keeps its
+  presence key until its lease expires, but it never says this: once a
+  re-rendezvous has been open for ``ack_timeout`` (:attr:`State.opened_at`),
+  the waiting nodes that have not said so are presumed dead and the round
+  completes without them instead of waiting out the last call. A live node
+  that was too slow to say it joins the round after (one more re-formation:
+  the price of a wrong guess, where torch always pays the last call).
 
 Every function here is pure: ``decide_*(state, me, settings, now, alive)``
 returns an :class:`Action`; the handler applies it with compare-and-set and
@@ -66,6 +76,9 @@ class Settings:
     join_timeout: float = 600.0
     last_call_timeout: float = 1.0
     close_timeout: float = 30.0
+    #: How long a re-rendezvous waits for a waiting node to say it is on its way
+    #: before it presumes the node dead (see :attr:`NodeInfo.seen`).
+    ack_timeout: float = 0.25
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1:
@@ -89,6 +102,13 @@ class NodeInfo:
     #: the previous round are stopped: nobody can pull a node that still runs
     #: the old round into the new one, or dial the port it announced for the last.
     round: int = 0
+    #: The latest round this node has said it is heading for (it may still be
+    #: stopping its workers of an earlier one); never less than :attr:`round`.
+    seen: int = 0
+
+    @property
+    def heading_for(self) -> int:
+        return max(self.round, self.seen)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +117,7 @@ class NodeInfo:
             "lws": self.local_world_size,
             "port": self.port,
             "round": self.round,
+            "seen": self.heading_for,
         }
 
     @staticmethod
@@ -107,6 +128,7 @@ class NodeInfo:
             local_world_size=int(raw["lws"]),
             port=int(raw["port"]),
             round=int(raw.get("round", 0)),
+            seen=int(raw.get("seen", 0)),
         )
         # Store contents are untrusted: bounds before anything is started from them.
         if not 1 <= info.local_world_size <= MAX_LOCAL_WORLD_SIZE:
@@ -128,6 +150,8 @@ class State:
     wait_list: frozenset[str] = frozenset()
     redundancy_list: frozenset[str] = frozenset()
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    #: When :func:`dissolve` opened this round (None: not known; no node is presumed dead).
+    opened_at: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -140,6 +164,7 @@ class State:
                 "wait_list": sorted(self.wait_list),
                 "redundancy_list": sorted(self.redundancy_list),
                 "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
+                "opened_at": self.opened_at,
             },
             sort_keys=True,
         ).encode()
@@ -158,6 +183,7 @@ class State:
                 wait_list=frozenset(str(n) for n in doc["wait_list"]),
                 redundancy_list=frozenset(str(n) for n in doc["redundancy_list"]),
                 nodes={str(k): NodeInfo.from_json(v) for k, v in doc["nodes"].items()},
+                opened_at=None if doc.get("opened_at") is None else float(doc["opened_at"]),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RendezvousError(f"the rendezvous document is malformed: {exc}") from None
@@ -235,7 +261,7 @@ def _without(state: State, node: str) -> State:
     if not was_participant:
         return new
     if new.complete and not new.participants:  # the last one out opens the next round
-        new = replace(new, complete=False, round=new.round + 1, deadline=None)
+        new = replace(new, complete=False, round=new.round + 1, deadline=None, opened_at=None)
     return new
 
 
@@ -317,13 +343,48 @@ def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, no
     )
 
 
-def _everyone_joined(state: State, alive: frozenset[str]) -> bool:
+def _presumed_dead(
+    state: State, node: str, present: Mapping[str, NodeInfo], settings: Settings, now: float
+) -> bool:
+    """Has a waiting node failed to say it is on its way within ``ack_timeout``?"""
+    info = present.get(node)
+    return (
+        info is not None
+        and info.heading_for < state.round
+        and state.opened_at is not None
+        and now >= state.opened_at + settings.ack_timeout
+    )
+
+
+def _everyone_joined(
+    state: State, me: str, present: Mapping[str, NodeInfo], settings: Settings, now: float
+) -> bool:
     """After a failure the live set is known: no straggler is worth a last call.
 
-    Everyone has joined when no node waits to be taken in and every live node
-    is placed (hot spares stay spares: they are not waited for).
+    Everyone has joined when every live node is placed (hot spares stay
+    spares: they are not waited for) and no node waits to be taken in,
+    except those presumed dead: nodes that never said they are on their way
+    to this round (a node that died keeps its presence key until its lease
+    expires).
     """
-    return state.round > 0 and not state.wait_list and alive <= state.members()
+    if state.round == 0 or not (frozenset(present) | {me}) <= state.members():
+        return False
+    return all(_presumed_dead(state, node, present, settings, now) for node in state.wait_list)
+
+
+def next_look(state: State, settings: Settings, now: float) -> float | None:
+    """When a participant of an open round looks again if nothing changes.
+
+    At the last call's deadline; in a re-rendezvous also once the nodes that
+    have not said they are on their way may be presumed dead.
+    """
+    if state.deadline is None:
+        return None
+    if state.round > 0 and state.opened_at is not None and state.wait_list:
+        presume_at = state.opened_at + settings.ack_timeout
+        if now < presume_at:
+            return min(state.deadline, presume_at)
+    return state.deadline
 
 
 # decisions
@@ -373,10 +434,10 @@ def decide_join(
     if me in state.participants:
         if n >= settings.min_nodes and (
             (state.deadline is not None and now >= state.deadline)
-            or _everyone_joined(state, alive | {me})
+            or _everyone_joined(state, me, present, settings, now)
         ):
             return Action(Kind.WRITE, _complete(state), why=f"completing the round with {n} nodes")
-        until = state.deadline if n >= settings.min_nodes else join_deadline
+        until = next_look(state, settings, now) if n >= settings.min_nodes else join_deadline
         return Action(
             Kind.WAIT,
             until=min(until or join_deadline, join_deadline),
@@ -386,7 +447,7 @@ def decide_join(
     return Action(Kind.WAIT, why="announced; waiting to be placed")  # pragma: no cover
 
 
-def dissolve(state: State) -> State:
+def dissolve(state: State, now: float | None = None) -> State:
     """Open the next round for every participant of a complete one, in one write.
 
     The participants, the leaving one included, move to the wait list of the
@@ -397,7 +458,9 @@ def dissolve(state: State) -> State:
     participant that is lost, not for one that is on its way back. Without
     this, each of N nodes would leave by its own compare-and-set on the one
     document: O(N) contended writes, each waking every watcher (measured: 300
-    nodes took 35 s to re-form in-process).
+    nodes took 35 s to re-form in-process). ``now`` is recorded as the round's
+    :attr:`State.opened_at`, from which waiting nodes that never say they are
+    on their way are presumed dead.
     """
     return replace(
         state,
@@ -406,10 +469,18 @@ def dissolve(state: State) -> State:
         deadline=None,
         participants={},
         wait_list=frozenset(state.participants) | state.wait_list,
+        opened_at=now,
     )
 
 
-def decide_exit(state: State, me: str, settings: Settings, *, for_good: bool = False) -> Action:
+def decide_exit(
+    state: State,
+    me: str,
+    settings: Settings,
+    *,
+    for_good: bool = False,
+    now: float | None = None,
+) -> Action:
     """Leave the current round, to join the next one or (``for_good``) for good.
 
     A participant of a complete round leaving to rejoin opens the next round
@@ -420,7 +491,7 @@ def decide_exit(state: State, me: str, settings: Settings, *, for_good: bool = F
         return Action(Kind.FINISH)
     if not for_good:
         if state.complete and me in state.participants:
-            return Action(Kind.WRITE, dissolve(state), why="opening the next round")
+            return Action(Kind.WRITE, dissolve(state, now), why="opening the next round")
         if not state.complete and me in state.wait_list:
             return Action(Kind.FINISH)
     new = _without(state, me)

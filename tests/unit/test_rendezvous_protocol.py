@@ -377,3 +377,50 @@ def test_only_a_node_that_announced_for_this_round_is_an_arrival(announced, expe
     assert reason is expected
     # Without announcement rounds (old callers) every waiting node counts.
     assert watch_reason(state, "a", 1, alive, s) is Change.ARRIVAL
+
+
+@pytest.mark.parametrize(
+    ("c_heads_for", "now", "expected", "until"),
+    [
+        # c died in round 0 (its lease lives on): it never said it is leaving round 0.
+        (0, 100.1, Kind.WAIT, 100.25),  # within ack_timeout of the round's opening: wait
+        (0, 100.25, Kind.WRITE, None),  # then presumed dead: complete without it
+        (0, 103.0, Kind.WRITE, None),
+        # c said it heads for round 1 (it is stopping its workers): wait for it, up to
+        # the last call, as for any straggler.
+        (1, 100.25, Kind.WAIT, 101.0),
+        (1, 100.9, Kind.WAIT, 101.0),
+        (1, 101.0, Kind.WRITE, None),  # the last call is over
+    ],
+)
+def test_a_waiting_node_that_never_said_it_is_leaving_is_presumed_dead(
+    c_heads_for, now, expected, until
+):
+    """A node that died keeps its presence key until its lease expires; the re-rendezvous
+    does not wait out the last call for it unless it said it is on its way."""
+    s = Settings(min_nodes=2, max_nodes=4, last_call_timeout=1.0, ack_timeout=0.25)
+    st_, _ = join(State(), "a", s, 0, "abc")
+    st_, _ = join(st_, "a", s, 1.5, "abc")
+    assert st_.complete and st_.participants == {"a": 0, "b": 1, "c": 2}
+    st_ = decide_exit(st_, "a", s, now=100.0).state  # a's workers failed: round 1 opens
+    assert st_ is not None and st_.opened_at == 100.0 and st_.wait_list == {"a", "b", "c"}
+    seen = {"a": info("a", 1), "b": info("b", 1), "c": replace(info("c", 0), seen=c_heads_for)}
+    st_ = decide_join(st_, "a", s, 100.0, seen, FAR).state  # a and b placed, c not
+    assert st_ is not None and st_.participants == {"a": 0, "b": 0} and st_.wait_list == {"c"}
+    action = decide_join(st_, "a", s, now, seen, FAR)
+    assert action.kind is expected
+    if expected is Kind.WAIT:
+        assert action.until == until
+    else:
+        assert action.state is not None and action.state.complete
+        assert action.state.participants == {"a": 0, "b": 1}
+
+
+def test_heading_for_round_trips_and_never_falls_below_the_round():
+    node = replace(info("a", 3), seen=1)
+    assert node.heading_for == 3
+    back = NodeInfo.from_json(replace(info("a", 3), seen=5).to_json())
+    assert back.heading_for == 5 and back.round == 3
+    state = State(round=2, opened_at=12.5)
+    assert State.decode(state.encode()).opened_at == 12.5
+    assert State.decode(State(round=2).encode()).opened_at is None

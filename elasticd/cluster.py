@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, ValidationError
 
+from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import NODE_NAME_PATTERN, Job, valid_job_id
@@ -40,8 +41,8 @@ from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.cluster")
 
-NODE_PREFIX = "nodes/"
-JOB_PREFIX = "job/"
+NODE_PREFIX = keys.NODES
+JOB_PREFIX = keys.JOBS
 #: Seconds a node may stay silent before it is considered dead.
 DEFAULT_LEASE_TTL = 3.0
 
@@ -88,7 +89,7 @@ class Cluster:
 
     @property
     def key(self) -> str:
-        return NODE_PREFIX + self.record.name
+        return keys.node_key(self.record.name)
 
     async def start(self) -> None:
         await self.lease()
@@ -140,7 +141,7 @@ class Cluster:
 
     async def node(self, name: str) -> NodeRecord | None:
         """The record of a live node: bound to a lease, well-formed, and naming itself."""
-        entry = await self.store.get(NODE_PREFIX + name)
+        entry = await self.store.get(keys.node_key(name))
         if entry is None or entry.lease is None:
             return None  # a record no daemon keeps alive is not a live node's
         try:

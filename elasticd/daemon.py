@@ -39,7 +39,7 @@ from typing import Self
 
 import uvicorn
 
-from elasticd import __version__, systemd
+from elasticd import __version__, keys, systemd
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import Cluster, NodeRecord
@@ -141,7 +141,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 #: Read (and never written) to learn whether the store answers.
-NODE_PROBE_KEY = "elasticd/probe"
+NODE_PROBE_KEY = keys.PROBE
 
 
 class Daemon:

@@ -25,14 +25,11 @@ from pydantic import ValidationError
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.db import Database
 from elasticd.errors import StoreCompacted, StoreError
+from elasticd.keys import event_key, event_prefix
 from elasticd.models import Event, EventSource
 from elasticd.store import Store
 
 log = logging.getLogger("elasticd.events")
-
-
-def event_prefix(job_id: str) -> str:
-    return f"ev/{job_id}/"
 
 
 class EventLog:
@@ -130,7 +127,7 @@ class EventLog:
                 results = await asyncio.gather(
                     *(
                         store.put(
-                            f"{event_prefix(e.job_id)}{e.node}/{e.seq:012d}",
+                            event_key(e.job_id, e.node, e.seq),
                             e.model_dump_json().encode(),
                         )
                         for e in pending

@@ -49,8 +49,9 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.events import EventLog
+from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
-from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
+from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
@@ -79,10 +80,6 @@ def last_attempt(job_log_dir: Path) -> int:
     return max(numbers, default=-1)
 
 
-def job_key(job_id: str) -> str:
-    return JOB_PREFIX + job_id
-
-
 def parse_job(job_id: str, raw: bytes) -> Job:
     """A job document from the store; a refused one is a clear JobConflict, not a crash.
 
@@ -96,10 +93,6 @@ def parse_job(job_id: str, raw: bytes) -> Job:
             f"by elasticd: delete the store key {job_key(job_id)!r} or use another id"
         )
     return job
-
-
-def group_prefix(job_id: str) -> str:
-    return f"group/{job_id}/"
 
 
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -170,7 +163,7 @@ class JobService:
         for job in jobs:
             if job.state not in JOB_ACTIVE:
                 continue
-            ours = await self.store.get(group_prefix(job.id) + self.node)
+            ours = await self.store.get(group_key(job.id, self.node))
             if ours is not None:
                 await self._mark_stopped(ours)
             members = await self._live_members(job.id)
@@ -344,12 +337,7 @@ class JobService:
         entry = await self.store.get(job_key(job_id))
         if entry is None or not await self.store.delete(job_key(job_id), entry.version):
             raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
-        for prefix in (
-            f"ev/{job_id}/",
-            group_prefix(job_id),
-            rendezvous_prefix(job_id),
-            f"barrier/{job_id}/",
-        ):
+        for prefix in keys_of_job(job_id):
             for item in (await self.store.list(prefix)).entries:
                 await self.store.delete(item.key)
         self.events.forget(job_id)
@@ -628,7 +616,7 @@ class JobService:
         ).encode()
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
         task = asyncio.get_running_loop().create_task(
-            self._record_refusal(f"refused/{self.node}/{digest}", record)
+            self._record_refusal(refusal_key(self.node, digest), record)
         )
         self._recording.add(task)  # a task nobody references may be collected mid-way
         task.add_done_callback(self._recording.discard)

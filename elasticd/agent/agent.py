@@ -46,6 +46,7 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.health import checks_for_job, run_health_checks
+from elasticd.keys import barrier_prefix, group_key, job_key
 from elasticd.models import (
     GroupView,
     Job,
@@ -79,14 +80,6 @@ ConsoleSink = Callable[[str, int, str, bytes], None]
 JobUpdater = Callable[..., Awaitable[Job]]
 #: Bound on the rendezvous steps of a stopping agent.
 LEAVE_TIMEOUT = 5.0
-
-
-def group_key(job_id: str, node: str) -> str:
-    return f"group/{job_id}/{node}"
-
-
-def barrier_prefix(job_id: str, round_: int) -> str:
-    return f"barrier/{job_id}/{round_}/"
 
 
 @dataclass
@@ -598,7 +591,7 @@ class JobAgent:
         await self.ctx.rendezvous.close()
 
     async def _job(self) -> Job:
-        entry = await self.ctx.store.get(f"job/{self.job_id}")
+        entry = await self.ctx.store.get(job_key(self.job_id))
         if entry is None:
             raise ElasticdError(f"job {self.job_id} vanished from the store")
         return Job.model_validate_json(entry.value)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from elasticd.keys import worker_prefix
 from elasticd.worker.names import attempt_tag, escape_key, job_id
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class Layout:
 
     @property
     def root(self) -> str:
-        return f"jobs/{self.job}/inprocess/{self.attempt}/"
+        return f"{worker_prefix(self.job)}inprocess/{self.attempt}/"
 
     @property
     def faults(self) -> str:
@@ -82,7 +83,7 @@ class Layout:
         return f"{self.root}calls/{call}/{iteration}/world"
 
     def torch_namespace(self, call: int) -> str:
-        return f"jobs/{self.job}/torch/{self.attempt}/inprocess/{call}/"
+        return f"{worker_prefix(self.job)}torch/{self.attempt}/inprocess/{call}/"
 
 
 def terminated_record(

@@ -20,7 +20,6 @@ from elasticd.rendezvous.handler import (
     StoreRendezvous,
     free_port,
     presence_prefix,
-    rendezvous_prefix,
     state_key,
 )
 from elasticd.rendezvous.protocol import Change, Settings
@@ -33,6 +32,5 @@ __all__ = [
     "StoreRendezvous",
     "free_port",
     "presence_prefix",
-    "rendezvous_prefix",
     "state_key",
 ]

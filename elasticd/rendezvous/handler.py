@@ -49,6 +49,7 @@ from elasticd.errors import (
     StoreCompacted,
     StoreError,
 )
+from elasticd.keys import rendezvous_prefix
 from elasticd.rendezvous.protocol import (
     Action,
     Change,
@@ -213,11 +214,6 @@ def decode_state(raw: bytes, version: int) -> State:
             _DECODED.clear()
         _DECODED[key] = state
     return state
-
-
-def rendezvous_prefix(job_id: str) -> str:
-    """Every key of a job's rendezvous (deleted with the job)."""
-    return f"rdzv/{job_id}/"
 
 
 def membership_prefix(job_id: str) -> str:

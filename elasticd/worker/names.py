@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from urllib.parse import quote
 
+from elasticd.keys import worker_prefix
+
 __all__ = ["attempt_tag", "default_namespace", "escape_key", "job_id"]
 
 
@@ -50,4 +52,4 @@ def job_id(environ: Mapping[str, str] | None = None) -> str:
 
 def default_namespace(environ: Mapping[str, str] | None = None) -> str:
     """``jobs/<job>/torch/<attempt>/``: where ``elasticd.worker.store()`` keeps its keys."""
-    return f"jobs/{job_id(environ)}/torch/{attempt_tag(environ)}/"
+    return f"{worker_prefix(job_id(environ))}torch/{attempt_tag(environ)}/"

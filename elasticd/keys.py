@@ -1,0 +1,120 @@
+"""The store's key layout: every top-level prefix, and every key of a job, in one place.
+
+Standard library only and free of elasticd imports: workers import it too
+(through :mod:`elasticd.worker.names`), on the job's side of the privilege
+boundary. It builds names; it reads and writes nothing.
+
+The cluster store holds, with one owner for each subtree::
+
+    nodes/<node>                      node record, lease-bound           (cluster)
+    job/<id>                          the job document, written by CAS  (jobs)
+    refused/<node>/<digest>           an unreadable job document         (jobs)
+    ev/<id>/<node>/<seq>              a node's events, in its order      (events)
+    group/<id>/<node>                 a node's published worker group    (agent)
+    barrier/<id>/<round>/<node>       a round's exit barrier             (agent)
+    rdzv/<id>/...                     the job's rendezvous               (rendezvous.handler)
+    jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
+    jobs/<id>/inprocess/<attempt>/... in-process restart's coordination  (inprocess.keys)
+    elasticd/probe                    read to see the store answer       (daemon)
+
+``job/`` and ``jobs/`` differ on purpose: every daemon lists and watches
+``job/`` for job documents, and nothing that workers write may land there.
+A subtree's owner may lay out what is inside it; what lies outside the
+prefixes of :func:`keys_of_job` must never carry a job's data, because
+deleting the job deletes exactly those prefixes (and the job document).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BARRIERS",
+    "EVENTS",
+    "GROUPS",
+    "JOBS",
+    "NODES",
+    "PROBE",
+    "REFUSED",
+    "RENDEZVOUS",
+    "WORKER_SPACE",
+    "barrier_prefix",
+    "event_key",
+    "event_prefix",
+    "group_key",
+    "group_prefix",
+    "job_key",
+    "keys_of_job",
+    "node_key",
+    "refusal_key",
+    "rendezvous_prefix",
+    "worker_prefix",
+]
+
+NODES = "nodes/"
+JOBS = "job/"
+REFUSED = "refused/"
+EVENTS = "ev/"
+GROUPS = "group/"
+BARRIERS = "barrier/"
+RENDEZVOUS = "rdzv/"
+WORKER_SPACE = "jobs/"
+PROBE = "elasticd/probe"
+
+
+def node_key(node: str) -> str:
+    return NODES + node
+
+
+def job_key(job_id: str) -> str:
+    return JOBS + job_id
+
+
+def refusal_key(node: str, digest: str) -> str:
+    return f"{REFUSED}{node}/{digest}"
+
+
+def event_prefix(job_id: str) -> str:
+    return f"{EVENTS}{job_id}/"
+
+
+def event_key(job_id: str, node: str, seq: int) -> str:
+    """Zero-padded, so that a node's events list in their own order."""
+    return f"{event_prefix(job_id)}{node}/{seq:012d}"
+
+
+def group_prefix(job_id: str) -> str:
+    return f"{GROUPS}{job_id}/"
+
+
+def group_key(job_id: str, node: str) -> str:
+    return group_prefix(job_id) + node
+
+
+def barrier_prefix(job_id: str, round_: int | None = None) -> str:
+    """One round's exit barrier, or (``round_`` None) every round's."""
+    base = f"{BARRIERS}{job_id}/"
+    return base if round_ is None else f"{base}{round_}/"
+
+
+def rendezvous_prefix(job_id: str) -> str:
+    return f"{RENDEZVOUS}{job_id}/"
+
+
+def worker_prefix(job_id: str) -> str:
+    """What the job's workers write (torch store, in-process restart); ``job_id`` escaped."""
+    return f"{WORKER_SPACE}{job_id}/"
+
+
+def keys_of_job(job_id: str) -> tuple[str, ...]:
+    """Every prefix under which a job's keys live, its document (:func:`job_key`) aside.
+
+    Deleting a job deletes these. A job id is checked before it names
+    anything (``models.valid_job_id``: no ``/``), so no job's prefixes
+    contain another's.
+    """
+    return (
+        event_prefix(job_id),
+        group_prefix(job_id),
+        barrier_prefix(job_id),
+        rendezvous_prefix(job_id),
+        worker_prefix(job_id),
+    )

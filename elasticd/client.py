@@ -33,6 +33,7 @@ from typing import Any, Literal, Self, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from elasticd import tokens
 from elasticd.errors import ElasticdError
 from elasticd.models import Event, Job, JobList, JobSpec, WorkersView
 from elasticd.states import JobState
@@ -88,12 +89,9 @@ class DaemonUnreachable(ClientError):
 def read_token_file(path: str | Path) -> str:
     """The bearer token in ``path`` (surrounding whitespace removed)."""
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise ClientError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
-    if not token:
-        raise ClientError(f"the token file {path} is empty")
-    return token
+        return tokens.read_token_file(path)
+    except tokens.TokenFileError as exc:
+        raise ClientError(str(exc)) from None
 
 
 @dataclass(frozen=True)

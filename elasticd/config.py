@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.store import redact_url, store_endpoints
+from elasticd.tokens import TokenFileError, read_token_file
 
 if TYPE_CHECKING:
     from elasticd.security import JobUsers
@@ -309,17 +310,17 @@ def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str 
     if config.token_file is None:
         token = environ.get(ENV_PREFIX + "TOKEN")
         return token.strip() or None if token else None
-    path = config.token_file
+    return _read_secret(config.token_file, "token file")
+
+
+def _read_secret(path: Path, setting: str) -> str:
+    """A secret file private to this daemon's user (see :mod:`elasticd.tokens`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"token file {path} cannot be read: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as fh:
-        _check_private(os.fstat(fd), path, "token file")
-        token = fh.read(1 << 20).decode("utf-8", "replace").strip()
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
+        return read_token_file(
+            path, what=setting, check=lambda st: _check_private(st, path, setting)
+        )
+    except TokenFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _user_name(uid: int) -> str:
@@ -394,21 +395,7 @@ def read_store_password(config: Config) -> str | None:
     path = config.store_password_file
     if path is None:
         return None
-    setting = "store_password_file"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"{setting} {path} cannot be read: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as fh:
-        _check_private(os.fstat(fd), path, setting)
-        data = fh.read(64 * 1024)
-    try:
-        password = data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise ConfigError(f"{setting} {path} is not UTF-8 text") from None
-    if not password:
-        raise ConfigError(f"{setting} {path} is empty")
-    return password
+    return _read_secret(path, "store_password_file")
 
 
 def check_store(config: Config, token: str | None) -> None:

@@ -72,6 +72,7 @@ from elasticd.inprocess.state import (
     State,
     apply_filter,
 )
+from elasticd.tokens import TokenFileError, read_token_file
 from elasticd.worker.store import ClusterStoreClient, StoreUnreachable
 
 __all__ = ["CallWrapper", "Wrapper"]
@@ -637,9 +638,8 @@ def _token() -> str | None:
     if not path:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
+        return read_token_file(path, what="ELASTICD_TOKEN_FILE")
+    except TokenFileError:
         return None
 
 

@@ -42,7 +42,7 @@ from api.guard import RequestGuard
 from api.problems import install_error_handlers
 from api.protocol import uvicorn_settings
 from api.routes.store import store_router
-from elasticd import __version__
+from elasticd import __version__, tokens
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.store.base import Store
 
@@ -70,12 +70,9 @@ def create_store_app(store: Store, token: str | None) -> FastAPI:
 def read_token_file(path: Path) -> str:
     """The token in ``path`` (surrounding whitespace stripped); ConfigError if unusable."""
     try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--token-file {path}: cannot read it: {exc}") from exc
-    if not token:
-        raise ConfigError(f"--token-file {path} is empty")
-    return token
+        return tokens.read_token_file(path, what="--token-file")
+    except tokens.TokenFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _is_loopback(host: str) -> bool:

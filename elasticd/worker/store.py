@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from elasticd.tokens import TokenFileError, read_token_file
 from elasticd.worker.names import attempt_tag, default_namespace, escape_key
 
 __all__ = [
@@ -160,12 +161,9 @@ class ClusterStoreClient:
         token_file = env.get("ELASTICD_TOKEN_FILE")
         if token_file:
             try:
-                with open(token_file, encoding="utf-8") as f:
-                    token = f.read().strip() or None
-            except OSError as exc:
-                raise StoreUnreachable(
-                    f"cannot read ELASTICD_TOKEN_FILE {token_file}: {exc}"
-                ) from exc
+                token = read_token_file(token_file, what="ELASTICD_TOKEN_FILE")
+            except TokenFileError as exc:
+                raise StoreUnreachable(str(exc)) from None
         ns = default_namespace(env) if namespace is None else namespace
         return cls(url, token, ns, timeout=timeout)
 

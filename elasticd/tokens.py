@@ -48,9 +48,11 @@ def read_token_file(
             raise TokenFileError(f"the {what} {where} is not a regular file")
         if check is not None:
             check(st)
-        raw = _read_at_most(fd, MAX_TOKEN_FILE)
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as fh:  # a regular file: read(n) returns n bytes or to the end
+        raw = fh.read(MAX_TOKEN_FILE)
     try:
         token = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -59,14 +61,3 @@ def read_token_file(
         raise TokenFileError(f"the {what} {where} is empty")
     return token
 
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = os.read(fd, limit - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)

@@ -60,4 +60,3 @@ def read_token_file(
     if not token:
         raise TokenFileError(f"the {what} {where} is empty")
     return token
-

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
-from elasticd.agent.ranks import WorkerRanks, assign_ranks
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
     ElasticdError,
@@ -59,6 +58,7 @@ from elasticd.models import (
     console_streams,
 )
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
+from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store

@@ -7,7 +7,9 @@ compare-and-set, so racing nodes never need a lock for correctness: the
 loser re-reads the winner's document and decides again (an advisory
 *absorber* role only keeps a crowd of arriving nodes from all doing the same
 work). Nodes watch the document (and each other's lease-bound presence keys)
-instead of sleeping.
+instead of sleeping. Ranks belong here too (:mod:`.ranks`): a completed
+round's nodes, in group-rank order, become every worker's global, role and
+local ranks, as a pure function.
 
 Each round gets a fresh master port, picked by group rank 0's node when it
 joined, so no worker of a new round ever dials an address left over from the

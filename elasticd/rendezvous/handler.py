@@ -40,7 +40,6 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
-from elasticd.agent.ranks import NodeSlot
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
     RendezvousClosed,
@@ -64,6 +63,7 @@ from elasticd.rendezvous.protocol import (
     next_look,
     watch_reason,
 )
+from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.store import Store
 from elasticd.store.base import CasResult
 

@@ -60,8 +60,8 @@ from enum import Enum
 from functools import cached_property
 from typing import Any
 
-from elasticd.agent.ranks import NodeSlot
 from elasticd.errors import RendezvousError
+from elasticd.rendezvous.ranks import NodeSlot
 
 #: The most workers one node may run for one job (a bound on what the store may ask).
 MAX_LOCAL_WORLD_SIZE = 1024

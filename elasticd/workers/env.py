@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elasticd.agent.ranks import WorkerRanks
+from elasticd.rendezvous.ranks import WorkerRanks
 
 #: Never passed on to workers: systemd's socket would let a worker speak for
 #: the daemon; the token must only reach workers as a file path.

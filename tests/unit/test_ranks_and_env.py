@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticd.agent.ranks import NodeSlot, assign_ranks
+from elasticd.rendezvous.ranks import NodeSlot, assign_ranks
 from elasticd.workers.env import AttemptInfo, worker_env
 
 TORCHRUN_VARS = {

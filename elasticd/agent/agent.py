@@ -63,7 +63,13 @@ from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.store import Store
 from elasticd.worker.names import attempt_tag
-from elasticd.workers.env import AttemptInfo, job_check_env, operator_env, worker_env
+from elasticd.workers.env import (
+    AttemptInfo,
+    job_check_env,
+    operator_env,
+    worker_args,
+    worker_env,
+)
 from elasticd.workers.process import (
     GroupResult,
     WorkerExit,
@@ -697,7 +703,7 @@ class JobAgent:
             launches.append(
                 WorkerLaunch(
                     local_rank=r.local_rank,
-                    argv=[self.spec.entrypoint, *self.spec.args],
+                    argv=[self.spec.entrypoint, *worker_args(self.spec.args, r.local_rank)],
                     env=env,
                     cwd=self.spec.cwd,
                     log_dir=log_dir,

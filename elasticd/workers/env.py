@@ -15,7 +15,7 @@ must never reach a process with more privilege than the job.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticd.rendezvous.ranks import WorkerRanks
@@ -73,6 +73,15 @@ class AttemptInfo:
     cuda_visible_devices: str | None = None
 
 
+#: torchrun's macro in worker arguments: replaced by the worker's local rank.
+LOCAL_RANK_MACRO = "${local_rank}"
+
+
+def worker_args(args: Sequence[str], local_rank: int) -> list[str]:
+    """The job's arguments for one worker, with torchrun's ``${local_rank}`` substituted."""
+    return [arg.replace(LOCAL_RANK_MACRO, str(local_rank)) for arg in args]
+
+
 def worker_env(
     base: Mapping[str, str],
     job_env: Mapping[str, str],
@@ -88,6 +97,10 @@ def worker_env(
     for name in WITHHELD:
         env.pop(name, None)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # torchrun runs ``python -u``: what a worker printed before it was stopped is
+    # not lost in a buffer. The variable does the same for any Python entrypoint
+    # (``python``, ``python3``, a shell that runs Python); a job that sets it keeps its value.
+    env.setdefault("PYTHONUNBUFFERED", "1")
     if ranks.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.update(

@@ -1,0 +1,76 @@
+"""`elasticd run` as torchrun runs scripts (issue 15, items 1 and 2).
+
+Real `elasticd run` processes, each with its embedded daemon and real workers.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+PRINT_THEN_FAIL = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} says hello")  # block-buffered without -u: lost when SIGTERM stops it
+if rank == 0:
+    time.sleep(1.0)
+    sys.exit(1)
+time.sleep(600)
+"""
+
+SHOW_ARGS = """
+import os, sys
+print(f"rank {os.environ['LOCAL_RANK']} argv {sys.argv[1:]}")
+"""
+
+
+def run(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env.pop("PYTHONUNBUFFERED", None)  # the repro: the user's shell does not set it
+    env["ELASTICD_ALLOW_ROOT"] = "true"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elasticd",
+            "run",
+            "--nproc-per-node",
+            "2",
+            "--termination-grace",
+            "2",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--",
+            "python3",  # not a path ending in .py: the form the README shows
+            str(script),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
+
+
+def test_output_of_a_worker_stopped_by_the_agent_is_not_lost(tmp_path):
+    done = run(tmp_path, PRINT_THEN_FAIL)
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "rank 0 says hello" in out, out
+    assert "rank 1 says hello" in out, out  # rank 1 was stopped with SIGTERM
+
+
+def test_local_rank_macro_is_substituted_in_worker_arguments(tmp_path):
+    done = run(tmp_path, SHOW_ARGS, "--local_rank=${local_rank}", "plain")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout + done.stderr
+    assert "rank 0 argv ['--local_rank=0', 'plain']" in out, out
+    assert "rank 1 argv ['--local_rank=1', 'plain']" in out, out

@@ -44,6 +44,7 @@ from elasticd.errors import (
     JobNotFound,
     LogNotFound,
     ShuttingDown,
+    StorageFull,
     StoreError,
     ValueTooLarge,
     WorkerSpawnError,
@@ -52,6 +53,7 @@ from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
+from elasticd.storage import StorageHealth
 from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
@@ -122,8 +124,10 @@ class JobService:
         console: ConsoleSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         base_env: dict[str, str] | None = None,
+        storage: StorageHealth | None = None,
     ) -> None:
         self.config = config
+        self.storage = storage
         self.events = events
         self.store = store
         self.cluster = cluster
@@ -253,6 +257,15 @@ class JobService:
         """Accept a job. Returns (job, created); same id + same spec returns the existing one."""
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
+        degraded = self.storage.state_degraded() if self.storage is not None else None
+        if degraded is not None:
+            # Accepting means a durable record; the disk cannot make one now. Refuse, so
+            # that nothing acknowledged can be lost and nothing unacknowledged runs.
+            raise StorageFull(
+                f"node {self.node} cannot accept jobs: its disk refuses writes since "
+                f"{degraded.since:.0f} ({degraded.source}: {degraded.reason}); "
+                "try again when space is freed, or submit to another node"
+            )
         if spec.user is not None and self.check_user is not None:
             try:
                 self.check_user(spec.user)
@@ -720,6 +733,7 @@ class JobService:
             fence_after=self.config.lease_ttl,
             node_health_check=self.config.health_check,
             nvidia_smi=self.config.nvidia_smi,
+            storage=self.storage,
         )
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next
@@ -733,16 +747,64 @@ class JobService:
 
     def _agent_done(self, job_id: str) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
-            self._agents.pop(job_id, None)
+            agent = self._agents.pop(job_id, None)
             self._tasks.pop(job_id, None)
-            self._free.extend(self._allocated.pop(job_id, []))
-            self._free.sort()
-            self._publish_slots()
+            crash = None if task.cancelled() else task.exception()
+            if crash is not None and agent is not None:
+                # The agent's own error path raised: never silent. Its workers are
+                # stopped before its slots are given back, and the job is not left
+                # RUNNING with nobody supervising it (_after_agent_crash).
+                log.error(
+                    "the agent of job %s died: %s: %s",
+                    job_id,
+                    type(crash).__name__,
+                    crash,
+                    exc_info=crash,
+                )
+                after = asyncio.get_running_loop().create_task(
+                    self._after_agent_crash(job_id, agent, crash), name=f"agent-crash-{job_id}"
+                )
+                self._recording.add(after)
+                after.add_done_callback(self._recording.discard)
+                return
+            self._release(job_id)
             if not task.cancelled():
                 self._done_here.add(job_id)
                 self.on_jobs(list(self._known.values()))
 
         return done
+
+    def _release(self, job_id: str) -> None:
+        self._free.extend(self._allocated.pop(job_id, []))
+        self._free.sort()
+        self._publish_slots()
+
+    async def _after_agent_crash(self, job_id: str, agent: JobAgent, crash: BaseException) -> None:
+        """An agent task died of an exception its own handler could not deal with.
+
+        Decision: that is this daemon's fault, not the job's workers', so it is
+        not charged like a worker failure, but it is not retried either (a bug
+        that killed one agent would kill the next): the agent's workers are
+        stopped, ``agent.crashed`` names the error, and the job is FAILED with
+        that reason unless it already ended. Nothing stays RUNNING unwatched.
+        """
+        reason = (
+            f"the agent on {self.node} died of an internal error: {type(crash).__name__}: {crash}"
+        )
+        try:
+            with contextlib.suppress(Exception):
+                await agent.abandon()
+            self.events.emit(job_id, "daemon", "agent.crashed", reason, state="FAILED")
+            with contextlib.suppress(InvalidTransition, JobNotFound):
+                job = await self.get(job_id)
+                if not job.state.is_terminal:
+                    await self.update_job(job_id, state=JobState.FAILED, reason=reason)
+                    await self._close_rendezvous(job_id)
+        except Exception as exc:
+            log.error("job %s: could not record the agent's death: %s", job_id, exc)
+        finally:
+            self._release(job_id)
+            self._done_here.add(job_id)
 
     def _publish_slots(self) -> None:
         if self._accepting:

@@ -60,6 +60,7 @@ from elasticd.models import (
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
+from elasticd.storage import StorageHealth
 from elasticd.store import Store
 from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import AttemptInfo, job_check_env, operator_env, worker_env
@@ -112,6 +113,8 @@ class AgentContext:
     node_health_check: list[str] | None = None
     #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
     nvidia_smi: str | None = None
+    #: Where log files that refuse writes are reported (the daemon's storage facts).
+    storage: StorageHealth | None = None
 
 
 def root_cause_of(
@@ -376,6 +379,10 @@ class JobAgent:
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
+
+    async def abandon(self) -> None:
+        """Stop the workers this agent still has (its task died; see ``JobService``)."""
+        await self._stop_workers(None)
 
     async def _run(self) -> None:
         if not await self._check_user():
@@ -739,7 +746,11 @@ class JobAgent:
         )
         on_output = self._forward_output if self.ctx.console is not None else None
         group = await WorkerGroupProcesses.start(
-            launches, on_output=on_output, on_exit=self._on_exit, clock=self.ctx.clock
+            launches,
+            on_output=on_output,
+            on_exit=self._on_exit,
+            clock=self.ctx.clock,
+            storage=self.ctx.storage,
         )
         self._group = group
         self._progress.started()
@@ -901,6 +912,7 @@ class JobAgent:
         if group is not None:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
+            self._report_lost_output(group)
             if self._view is not None:
                 for w in self._view.workers:
                     if w.state is WorkerState.HEALTHY:
@@ -917,6 +929,28 @@ class JobAgent:
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
+
+    def _report_lost_output(self, group: WorkerGroupProcesses) -> None:
+        """One event for an attempt whose log files refused output (a full disk): bytes per rank.
+
+        Emitted when the attempt ends; on a disk that still refuses, it waits
+        in the event log's backlog and lands, in order, once the disk takes it.
+        """
+        lost = group.lost_output()
+        if not lost:
+            return
+        total = sum(lost.values())
+        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in lost.items())
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "logs.lost",
+            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output could "
+            f"not be written to the log files ({per_rank})",
+            attempt=self.attempt,
+            bytes_lost=total,
+            lost_by_rank={str(rank): n for rank, n in lost.items()},
+        )
 
     # hangs, health checks, progress
 

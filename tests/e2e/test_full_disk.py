@@ -210,13 +210,17 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
         assert exited and exited[0]["exit_code"] == 7, exited
         # In order: the exit, then the restart it caused, then the job's end.
         order = [kinds.index("worker.exited"), kinds.index("group.restarting")]
-        last = max(i for i, e in enumerate(events) if e["kind"] == "job.state" and e["state"] == "FAILED")
+        last = max(
+            i for i, e in enumerate(events) if e["kind"] == "job.state" and e["state"] == "FAILED"
+        )
         assert order[0] < order[1] < last, kinds
         lost = [e for e in events if e["kind"] == "logs.lost"]
         assert lost, kinds
         assert lost[0]["bytes_lost"] > 0, lost[0]
         assert "late" not in {j["id"] for j in (await c.get("/jobs")).json()["jobs"]}
-        print(f"recovered {recovered_in:.2f} s after the filler was removed; readyz said {reason!r}")
+        print(
+            f"recovered {recovered_in:.2f} s after the filler was removed; readyz said {reason!r}"
+        )
 
 
 async def _async(value: bool) -> bool:

@@ -114,13 +114,14 @@ class StorageHealth:
             log.error("storage degraded: %s: %s; retrying until it can write", source, reason)
             self._facts[source] = Degraded(source, self._clock.time(), reason)
 
-    def ok(self, source: str) -> None:
-        """``source`` wrote again (or no longer needs to)."""
+    def ok(self, source: str, *, gone: bool = False) -> None:
+        """``source`` wrote again, or (``gone``) no longer writes at all."""
         fact = self._facts.pop(source, None)
         if fact is not None:
             log.warning(
-                "storage recovered: %s writes again after %.1f s",
+                "storage: %s %s after %.1f s",
                 source,
+                "is closed" if gone else "writes again",
                 self._clock.time() - fact.since,
             )
 

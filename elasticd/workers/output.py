@@ -238,7 +238,7 @@ class OutputPipe:
             with contextlib.suppress(OSError):  # nothing is buffered (buffering=0)
                 file.close()
         if self._write_failed and self._health is not None:
-            self._health.ok(self._source)  # no longer writing; the loss is in bytes_lost
+            self._health.ok(self._source, gone=True)  # the loss is in bytes_lost
         self._eof.set()
 
     def _forward(self, data: bytes) -> None:

@@ -40,6 +40,9 @@ pytestmark = [
 #: Big enough for the daemon's start and a job's first events, small enough to fill fast.
 TMPFS_SIZE = "8m"
 
+#: How long the disk stays full after the worker's exit (every write is retried meanwhile).
+HOLD_S = 4.0
+
 
 @contextlib.contextmanager
 def tmpfs(folder: Path) -> Iterator[Path]:
@@ -171,10 +174,19 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
 
         view = await poll(not_healthy, 20, "/workers to stop showing the dead worker HEALTHY")
         assert any(w.get("exit_code") == 7 for g in view["groups"] for w in g["workers"]), view
-        assert (await c.get("/healthz")).status_code == 200
-        r = await c.get("/readyz")
-        assert r.status_code == 503 and "disk" in (r.json().get("reason") or "").lower(), r.text
-        assert daemon.proc.poll() is None
+
+        # The disk stays full for a while (every write retried meanwhile): alive, answering,
+        # not ready, the job not ended by anyone but its worker.
+        hold_until = time.monotonic() + HOLD_S
+        while time.monotonic() < hold_until:
+            assert daemon.proc.poll() is None, daemon.output()[-3000:]
+            assert (await c.get("/healthz")).status_code == 200
+            r = await c.get("/readyz")
+            assert r.status_code == 503 and "disk" in (r.json().get("reason") or "").lower(), r.text
+            r = await c.get("/jobs/chatty")
+            assert r.status_code == 200 and r.json()["state"] in ("RUNNING", "RESTARTING"), r.text
+            assert await not_healthy(), "the dead worker is shown HEALTHY again"
+            await asyncio.sleep(0.2)
 
         # A new job now cannot be recorded: refused, clearly, and nothing of it is kept.
         r = await c.post(
@@ -218,6 +230,9 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
         assert lost, kinds
         assert lost[0]["bytes_lost"] > 0, lost[0]
         assert "late" not in {j["id"] for j in (await c.get("/jobs")).json()["jobs"]}
+        log = daemon.output()
+        assert "Task exception was never retrieved" not in log
+        assert "Traceback" not in log, log[-3000:]
         print(
             f"recovered {recovered_in:.2f} s after the filler was removed; readyz said {reason!r}"
         )

@@ -451,8 +451,9 @@ class Daemon:
             self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         with contextlib.suppress(Exception):
             await self.events.stop()  # bounded: publish what is queued to the store
-        with contextlib.suppress(Exception):
-            await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
+        with contextlib.suppress(Exception):  # bounded: a full disk may hold the revoke back
+            async with asyncio.timeout(5):
+                await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
         self.closing_streams.set()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True

@@ -125,7 +125,8 @@ class EventLog:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._db.backlog.wait_empty()
-                await self._queue.join()
+                if self._publisher is not None:
+                    await self._queue.join()
         await self._db.backlog.stop()
         if self._publisher is None:
             return

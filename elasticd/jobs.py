@@ -59,6 +59,10 @@ from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 log = logging.getLogger("elasticd.jobs")
 
+#: Seconds a stopping daemon spends recording why its jobs stopped (the store may not
+#: acknowledge writes: a full disk under the embedded store). A restart resumes them anyway.
+STOP_RECORD_TIMEOUT = 10.0
+
 DAEMON_STOPPED = (
     "the elasticd daemon stopped while the job was running (e.g. systemctl restart); "
     "the job resumes as a new attempt when the daemon is back, no restart charged"
@@ -231,19 +235,30 @@ class JobService:
             task.cancel()
         if tasks:
             await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        # Bounded: with a disk that refuses writes the store acknowledges nothing, and a
+        # stop must still end (a restarted daemon resumes these jobs: ``recover``).
+        deadline = asyncio.get_running_loop().time() + STOP_RECORD_TIMEOUT
         for job_id, _ in tasks:
             try:
-                job = await self.get(job_id)
-                if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
-                    continue
-                # Not the job's failure: it resumes when this daemon (or another node) is back.
-                self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
-                if job.state is JobState.RUNNING:
-                    await self.update_job(
-                        job_id, state=JobState.RESTARTING, reason="the daemon stopped"
-                    )
-            except (StoreError, InvalidTransition, JobNotFound) as exc:
-                log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
+                async with asyncio.timeout_at(deadline):
+                    await self._record_stop(job_id)
+            except TimeoutError:
+                log.warning("job %s: could not record the daemon stop in time", job_id)
+
+    async def _record_stop(self, job_id: str) -> None:
+        """After this daemon stopped its agent: the job resumes later, and says why."""
+        try:
+            job = await self.get(job_id)
+            if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
+                return
+            # Not the job's failure: it resumes when this daemon (or another node) is back.
+            self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
+            if job.state is JobState.RUNNING:
+                await self.update_job(
+                    job_id, state=JobState.RESTARTING, reason="the daemon stopped"
+                )
+        except (StoreError, InvalidTransition, JobNotFound) as exc:
+            log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
 
     async def _live_members(self, job_id: str) -> set[str]:
         """Nodes whose presence key in the job's rendezvous is alive."""

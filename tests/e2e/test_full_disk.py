@@ -158,7 +158,8 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
 
         # The worker's output can no longer be written: readiness says so.
         reason = await poll(disk_named, 20, "/readyz 503 naming the disk")
-        trigger.write_text("7")
+        (tmp_path / "trigger.tmp").write_text("7")
+        os.replace(tmp_path / "trigger.tmp", trigger)  # never seen half-written
         await poll(lambda: _async(not pid_alive(pid)), 20, "the worker to exit")
 
         # Everything the daemon writes now fails: it must keep answering and supervising.
@@ -240,3 +241,49 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_sigterm_while_the_disk_is_full_exits_and_the_job_resumes_after(
+    tmp_path: Path, daemon: Served
+) -> None:
+    """A stop while nothing can be written is bounded; restarted with space, the job goes on."""
+    await daemon.wait_ready()
+    disk = daemon.state_dir.parent
+    worker = chatty_worker(tmp_path)
+    async with daemon.client() as c:
+        r = await c.post(
+            "/jobs",
+            json={"id": "kept", "entrypoint": PY, "args": ["-u", worker, str(tmp_path / "never")],
+                  "nproc_per_node": 1, "max_restarts": 0},
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+
+        await poll(lambda: healthy(c, "kept"), 30, "the worker to run")
+        filler = fill(disk)
+
+        async def not_ready() -> bool:
+            return (await c.get("/readyz")).status_code == 503
+
+        await poll(not_ready, 20, "/readyz 503")
+    started = time.monotonic()
+    daemon.proc.terminate()
+    rc = await asyncio.to_thread(daemon.proc.wait, 60)
+    stopped_in = time.monotonic() - started
+    assert rc == 0, daemon.output()[-3000:]
+    assert stopped_in < 40, stopped_in
+    filler.unlink()
+    again = serve(tmp_path, state_dir=daemon.state_dir, port=daemon.port, verbose=True)
+    daemon.proc = again.proc  # the fixture stops this one
+    await again.wait_ready()
+    async with again.client() as c:
+        await poll(lambda: healthy(c, "kept"), 30, "the job to run again after the restart")
+        job = (await c.get("/jobs/kept")).json()
+        assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
+        kinds = [e["kind"] for e in await events_of(c, "kept")]
+        assert "job.resumed" in kinds or "daemon.stopped" in kinds, kinds
+    print(f"stopped in {stopped_in:.1f} s with the disk full")
+
+
+async def healthy(c: httpx.AsyncClient, job_id: str) -> bool:
+    view = (await c.get(f"/jobs/{job_id}/workers")).json()
+    return any(g["state"] == "HEALTHY" for g in view.get("groups", []))

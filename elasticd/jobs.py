@@ -53,7 +53,7 @@ from elasticd.events import EventLog
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix, rendezvous_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
-from elasticd.storage import StorageHealth
+from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
@@ -150,6 +150,8 @@ class JobService:
         self._known: dict[str, Job] = {}
         self._watched = False
         self._recording: set[asyncio.Task[None]] = set()
+        if storage is not None:
+            storage.on_state_back(self._storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
         self.check_user: Callable[[str], object] | None = None
 
@@ -788,6 +790,22 @@ class JobService:
                 self.on_jobs(list(self._known.values()))
 
         return done
+
+    def _storage_back(self, first: Degraded, seconds: float) -> None:
+        """The state disk takes writes again: each job run here gets one event saying so.
+
+        Emitted after everything the backlog held (it lands in order behind it).
+        """
+        for job_id in list(self._agents):
+            self.events.emit(
+                job_id,
+                "daemon",
+                "storage.back",
+                f"{self.node} could not write its state for {seconds:.1f} s ({first.source}: "
+                f"{first.reason}); what happened meanwhile was kept in memory and is now "
+                "recorded, in order",
+                duration_s=seconds,
+            )
 
     def _release(self, job_id: str) -> None:
         self._free.extend(self._allocated.pop(job_id, []))

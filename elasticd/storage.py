@@ -107,12 +107,22 @@ class StorageHealth:
     def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
         self._clock = clock
         self._facts: dict[str, Degraded] = {}
+        #: The state disk's current episode: the first fact of it (kept until all clear).
+        self._episode: Degraded | None = None
+        self._on_state_back: list[Callable[[Degraded, float], None]] = []
+
+    def on_state_back(self, listener: Callable[[Degraded, float], None]) -> None:
+        """Call ``listener(first_fact, seconds)`` when the state disk takes writes again."""
+        self._on_state_back.append(listener)
 
     def failing(self, source: str, reason: str) -> None:
         """``source`` could not write; the first failure of an episode sets ``since``."""
         if source not in self._facts:
             log.error("storage degraded: %s: %s; retrying until it can write", source, reason)
-            self._facts[source] = Degraded(source, self._clock.time(), reason)
+            fact = Degraded(source, self._clock.time(), reason)
+            self._facts[source] = fact
+            if self._episode is None and not _is_log(source):
+                self._episode = fact
 
     def ok(self, source: str, *, gone: bool = False) -> None:
         """``source`` wrote again, or (``gone``) no longer writes at all."""
@@ -124,6 +134,14 @@ class StorageHealth:
                 "is closed" if gone else "writes again",
                 self._clock.time() - fact.since,
             )
+        episode = self._episode
+        if episode is not None and self.state_degraded() is None:
+            self._episode = None
+            for listener in self._on_state_back:
+                try:
+                    listener(episode, self._clock.time() - episode.since)
+                except Exception:  # a listener must never break the writers
+                    log.exception("storage listener failed")
 
     def is_failing(self, source: str) -> bool:
         return source in self._facts
@@ -134,7 +152,7 @@ class StorageHealth:
 
     def state_degraded(self) -> Degraded | None:
         """The oldest fault of the state disk (event log, store journal), if any."""
-        state = [d for d in self.degraded if not d.source.startswith("log ")]
+        state = [d for d in self.degraded if not _is_log(d.source)]
         return state[0] if state else None
 
     @property
@@ -250,3 +268,8 @@ class WriteBacklog:
             self._task = None
         if self._queue:
             log.error("%s: %d writes could not be made before exit", self.source, len(self._queue))
+
+
+def _is_log(source: str) -> bool:
+    """A worker's log file (its loss is reported per attempt), not the daemon's state."""
+    return source.startswith("log ")

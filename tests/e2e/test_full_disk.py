@@ -227,6 +227,9 @@ async def test_a_full_disk_degrades_readiness_and_the_daemon_recovers_by_itself(
             i for i, e in enumerate(events) if e["kind"] == "job.state" and e["state"] == "FAILED"
         )
         assert order[0] < order[1] < last, kinds
+        # One event tells the job its node could not write for a while, after what it kept.
+        assert kinds.index("worker.exited") < kinds.index("storage.back"), kinds
+        assert "disk" in events[kinds.index("storage.back")]["message"]
         lost = [e for e in events if e["kind"] == "logs.lost"]
         assert lost, kinds
         assert lost[0]["bytes_lost"] > 0, lost[0]

@@ -83,6 +83,8 @@ def test_health_reports_the_oldest_fact_until_every_source_is_clear() -> None:
     """The reason names the oldest degraded source; ready again once all are clear."""
     clock = FakeClock(1000.0)
     health = StorageHealth(clock)
+    back: list[tuple[str, float]] = []
+    health.on_state_back(lambda first, seconds: back.append((first.source, seconds)))
     assert health.reason is None
     health.failing("state file a", "disk full (x)")
     clock.advance(5)
@@ -93,11 +95,14 @@ def test_health_reports_the_oldest_fact_until_every_source_is_clear() -> None:
         f"storage degraded since {since:.0f}: state file a: disk full (x) (and 1 more)"
     )
     assert health.state_degraded() is not None
+    clock.advance(2)
     health.ok("state file a")
+    assert back == [("state file a", 7.0)]  # once, when the state disk is clear
     assert health.state_degraded() is None  # log files do not refuse new jobs
     assert health.reason is not None and "log b" in health.reason
     health.ok("log b", gone=True)
     assert health.reason is None
+    assert len(back) == 1
 
 
 async def test_backlog_keeps_order_and_lands_everything_once_the_disk_takes_it() -> None:

@@ -18,6 +18,15 @@ Job documents are read back through one check (``parse_job``, the cluster's
 store by hand never names a folder outside the log root. Worker logs are
 read through :func:`~elasticd.workers.files.open_worker_file` (no link, no
 FIFO, a regular file of the worker's own), in a thread.
+
+A full or failing state disk (:mod:`elasticd.storage`): ``submit`` refuses
+new jobs with :class:`~elasticd.errors.StorageFull` (507) while the disk
+refuses writes, since accepting means a durable record; running jobs go on
+(their events wait, in order, and land later), and each gets one
+``storage.back`` event when the disk takes writes again. An agent task that
+dies of an exception its own error path could not handle is never silent:
+its workers are stopped, ``agent.crashed`` is recorded and the job is FAILED
+with the error (``_after_agent_crash``), rather than left RUNNING unwatched.
 """
 
 from __future__ import annotations

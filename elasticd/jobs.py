@@ -25,8 +25,9 @@ refuses writes, since accepting means a durable record; running jobs go on
 (their events wait, in order, and land later), and each gets one
 ``storage.back`` event when the disk takes writes again. An agent task that
 dies of an exception its own error path could not handle is never silent:
-its workers are stopped, ``agent.crashed`` is recorded and the job is FAILED
-with the error (``_after_agent_crash``), rather than left RUNNING unwatched.
+its workers are stopped, ``agent.crashed`` is recorded and the job resumes as
+a new attempt like after a daemon crash (FAILED after ``MAX_AGENT_CRASHES``;
+``_after_agent_crash``), rather than left RUNNING unwatched.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ DAEMON_CRASHED = (
     "the elasticd daemon was not running (it crashed or was killed) while the job was running; "
     "the job resumes as a new attempt, no restart charged"
 )
+#: Agent deaths (internal errors) after which a job is FAILED instead of resumed.
+MAX_AGENT_CRASHES = 3
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
 
@@ -159,6 +162,8 @@ class JobService:
         self._known: dict[str, Job] = {}
         self._watched = False
         self._recording: set[asyncio.Task[None]] = set()
+        #: How often each job's agent died of an internal error in this daemon's life.
+        self._agent_crashes: dict[str, int] = {}
         if storage is not None:
             storage.on_state_back(self._storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
@@ -825,28 +830,52 @@ class JobService:
         """An agent task died of an exception its own handler could not deal with.
 
         Decision: that is this daemon's fault, not the job's workers', so it is
-        not charged like a worker failure, but it is not retried either (a bug
-        that killed one agent would kill the next): the agent's workers are
-        stopped, ``agent.crashed`` names the error, and the job is FAILED with
-        that reason unless it already ended. Nothing stays RUNNING unwatched.
+        treated as a crash of the daemon (issue 12, 11): the agent's workers
+        are stopped and it leaves the rendezvous, ``agent.crashed`` names the
+        error, the job is RESTARTING and resumes as a new attempt under a new
+        agent, no restart charged. A bug that kills every agent would loop, so
+        after :data:`MAX_AGENT_CRASHES` deaths in this daemon's life the job
+        is FAILED naming the error instead. Never left RUNNING unwatched.
         """
-        reason = (
-            f"the agent on {self.node} died of an internal error: {type(crash).__name__}: {crash}"
-        )
+        crashes = self._agent_crashes[job_id] = self._agent_crashes.get(job_id, 0) + 1
+        error = f"{type(crash).__name__}: {crash}"
+        give_up = crashes >= MAX_AGENT_CRASHES
         try:
             with contextlib.suppress(Exception):
                 await agent.abandon()
-            self.events.emit(job_id, "daemon", "agent.crashed", reason, state="FAILED")
-            with contextlib.suppress(InvalidTransition, JobNotFound):
-                job = await self.get(job_id)
-                if not job.state.is_terminal:
-                    await self.update_job(job_id, state=JobState.FAILED, reason=reason)
-                    await self._close_rendezvous(job_id)
+            if give_up:
+                reason = (
+                    f"the agent on {self.node} died of an internal error {crashes} times; "
+                    f"last: {error}"
+                )
+                self.events.emit(job_id, "daemon", "agent.crashed", reason, state="FAILED")
+                with contextlib.suppress(InvalidTransition, JobNotFound):
+                    job = await self.get(job_id)
+                    if not job.state.is_terminal:
+                        await self.update_job(job_id, state=JobState.FAILED, reason=reason)
+                        await self._close_rendezvous(job_id)
+            else:
+                self.events.emit(
+                    job_id,
+                    "daemon",
+                    "agent.crashed",
+                    f"the agent on {self.node} died of an internal error ({error}); the job "
+                    "resumes as a new attempt, no restart charged",
+                )
+                with contextlib.suppress(InvalidTransition, JobNotFound):
+                    job = await self.get(job_id)
+                    if job.state is JobState.RUNNING:
+                        await self.update_job(
+                            job_id, state=JobState.RESTARTING, reason="the agent crashed"
+                        )
         except Exception as exc:
             log.error("job %s: could not record the agent's death: %s", job_id, exc)
         finally:
             self._release(job_id)
-            self._done_here.add(job_id)
+            if give_up:
+                self._done_here.add(job_id)
+            elif self._accepting:
+                self.on_jobs(list(self._known.values()))  # a new agent takes the job up
 
     def _publish_slots(self) -> None:
         if self._accepting:

@@ -381,8 +381,16 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def abandon(self) -> None:
-        """Stop the workers this agent still has (its task died; see ``JobService``)."""
+        """Stop the workers this agent still has and leave the rendezvous (its task died).
+
+        The other nodes re-form at once; a new agent for the job joins as an arrival.
+        """
         await self._stop_workers(None)
+        if self._progress is not None:
+            self._progress.close()
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
         if not await self._check_user():

@@ -450,9 +450,10 @@ class Daemon:
         with contextlib.suppress(Exception):
             self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         with contextlib.suppress(Exception):
-            await self.events.stop()  # bounded: publish what is queued to the store
+            # Bounded: publish what is queued to the store (briefly when the disk refuses).
+            await self.events.stop(self._write_bound(5.0))
         with contextlib.suppress(Exception):  # bounded: a full disk may hold the revoke back
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(self._write_bound(5.0)):
                 await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
         self.closing_streams.set()
         if self._server is not None and self._server_task is not None:
@@ -472,6 +473,10 @@ class Daemon:
                 await self._watchdog_task
         self._state = "closed"
         log.info("elasticd stopped")
+
+    def _write_bound(self, seconds: float) -> float:
+        """How long a stopping daemon waits on a write: 1 s while the state disk refuses."""
+        return min(seconds, 1.0) if self.storage.state_degraded() is not None else seconds
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -253,7 +253,10 @@ class JobService:
             await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
         # Bounded: with a disk that refuses writes the store acknowledges nothing, and a
         # stop must still end (a restarted daemon resumes these jobs: ``recover``).
-        deadline = asyncio.get_running_loop().time() + STOP_RECORD_TIMEOUT
+        bound = STOP_RECORD_TIMEOUT
+        if self.storage is not None and self.storage.state_degraded() is not None:
+            bound = 2.0  # nothing is acknowledged before the disk frees; do not wait long
+        deadline = asyncio.get_running_loop().time() + bound
         for job_id, _ in tasks:
             try:
                 async with asyncio.timeout_at(deadline):

@@ -360,9 +360,13 @@ class JobAgent:
             # The daemon is stopping: stop the workers (shielded), leave the rendezvous
             # so the other nodes re-form at once, then let the cancellation go on.
             await self._stop_workers(WorkerState.STOPPED)
+            leave = asyncio.ensure_future(self.ctx.rendezvous.leave())
+            # Past the timeout the leave goes on alone (a store that cannot write, e.g. a
+            # full disk, may fail it later): its outcome is still retrieved.
+            leave.add_done_callback(_retrieve)
             with contextlib.suppress(ElasticdError, TimeoutError):
                 async with asyncio.timeout(LEAVE_TIMEOUT):
-                    await asyncio.shield(self.ctx.rendezvous.leave())
+                    await asyncio.shield(leave)
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
@@ -1309,6 +1313,12 @@ class JobAgent:
         publisher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await publisher
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Done callback of a task nobody awaits any more: log its failure instead of losing it."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("a background store call failed: %s", exc)
 
 
 def file_size(path: Path) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -98,7 +99,7 @@ class EventLog:
                 log.exception("event listener failed")
         return stored
 
-    def _landed_into(self, out: list[Event]) -> Any:
+    def _landed_into(self, out: list[Event]) -> Callable[[Event], None]:
         def landed(stored: Event) -> None:
             out.append(stored)
             self._landed(stored)

@@ -326,7 +326,7 @@ class EmbeddedStore(MemoryStore):
         """Stop serving: memory now holds changes the file does not (fail-stop)."""
         self._broken = StoreUnavailable(
             f"the store could not write its state file {self.path}: {exc}; "
-            "restart the daemon once the disk is fixed"
+            "restart the daemon once the fault is fixed"
         )
         for _, waiter in self._settle_waiters:
             if not waiter.done():

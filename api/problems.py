@@ -30,6 +30,7 @@ STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
     (errors.StoreCompacted, 410, "Store history compacted"),
     (errors.StoreUnavailable, 503, "Store unavailable"),
     (errors.ShuttingDown, 503, "Daemon shutting down"),
+    (errors.StorageFull, 507, "Insufficient storage"),
     (errors.TooManyStreams, 429, "Too many streams"),
     (errors.ConfigError, 400, "Bad configuration"),
     (errors.ElasticdError, 500, "Internal error"),

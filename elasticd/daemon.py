@@ -13,6 +13,12 @@ recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
 has one.
 
+A full or failing local disk (state or logs) never stops the daemon: the
+writers keep what they could not write and retry (:mod:`elasticd.storage`),
+``/readyz`` turns 503 with "storage degraded since T: ..." while
+``/healthz`` stays 200 (the process is alive), new jobs are refused with
+507, and everything resumes by itself once the disk takes writes again.
+
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
 process group, the job's grace, SIGKILL, awaited; each leaves its
@@ -64,11 +70,13 @@ from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
 from elasticd.models import Job
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
+from elasticd.storage import StorageHealth
 from elasticd.store import (
     EtcdOptions,
     Store,
     open_store,
 )
+from elasticd.store.embedded import EmbeddedStore
 from elasticd.workers.spawn import SpawnPolicy, install_policy, start_process, sweep_orphans
 
 log = logging.getLogger("elasticd.daemon")
@@ -181,7 +189,9 @@ class Daemon:
         self._state = "new"
         #: Why the store cannot be used yet (start-up waits for it), None once it answered.
         self._store_wait: str | None = None
-        self.db = Database(config.state_dir / "elasticd.sqlite3")
+        #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
+        self.storage = StorageHealth(clock)
+        self.db = Database(config.state_dir / "elasticd.sqlite3", self.storage)
         self.store: Store
         self.events: EventLog
         self.jobs: JobService
@@ -198,7 +208,9 @@ class Daemon:
         if self._store_wait is not None:
             return f"waiting for the store: {self._store_wait}"
         if self._state == "running":
-            return None if self.jobs.accepting else "not accepting jobs (shutting down)"
+            if not self.jobs.accepting:
+                return "not accepting jobs (shutting down)"
+            return self.storage.reason
         return {"stopping": "shutting down", "closed": "stopped"}.get(self._state, "starting")
 
     # lifecycle
@@ -225,6 +237,8 @@ class Daemon:
                 prefix=self.config.store_prefix,
             ),
         )
+        if isinstance(self.store, EmbeddedStore):
+            self.store.health = self.storage  # a full disk under its journal is reported too
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
             log.warning("%s; every job sent to this node will fail", self.job_users.refusal)
@@ -266,6 +280,7 @@ class Daemon:
             console=self._console,
             clock=self.clock,
             base_env=self._environ,
+            storage=self.storage,
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.for_job
@@ -435,9 +450,11 @@ class Daemon:
         with contextlib.suppress(Exception):
             self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         with contextlib.suppress(Exception):
-            await self.events.stop()  # bounded: publish what is queued to the store
-        with contextlib.suppress(Exception):
-            await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
+            # Bounded: publish what is queued to the store (briefly when the disk refuses).
+            await self.events.stop(self._write_bound(5.0))
+        with contextlib.suppress(Exception):  # bounded: a full disk may hold the revoke back
+            async with asyncio.timeout(self._write_bound(5.0)):
+                await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
         self.closing_streams.set()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
@@ -456,6 +473,10 @@ class Daemon:
                 await self._watchdog_task
         self._state = "closed"
         log.info("elasticd stopped")
+
+    def _write_bound(self, seconds: float) -> float:
+        """How long a stopping daemon waits on a write: 1 s while the state disk refuses."""
+        return min(seconds, 1.0) if self.storage.state_degraded() is not None else seconds
 
     async def __aenter__(self) -> Self:
         await self.start()

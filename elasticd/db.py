@@ -10,17 +10,25 @@ thread hop on the exit-detection path. ``synchronous=NORMAL`` in WAL mode
 survives a crash or SIGKILL of the daemon (the WAL is in the OS page cache);
 only a power loss can drop the last transactions. Rows hold JSON documents
 of :class:`elasticd.models.Event`; nothing is pickled.
+
+A write the disk refuses (full, I/O error) never raises into the caller of
+:meth:`Database.submit_event`, :meth:`Database.record_worker`,
+:meth:`Database.forget_workers` or :meth:`Database.delete_events`: it waits,
+in order, in the database's :class:`~elasticd.storage.WriteBacklog`, which
+retries until it lands and keeps the "degraded" fact in
+:attr:`Database.health` meanwhile (see :mod:`elasticd.storage`).
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from elasticd.models import Event
+from elasticd.storage import StorageHealth, WriteBacklog
 from elasticd.workers.spawn import WorkerRecord
 
 SCHEMA = """
@@ -48,9 +56,12 @@ CREATE TABLE IF NOT EXISTS workers (
 class Database:
     """The daemon's SQLite file. Open with ``async with`` or ``open()``/``close()``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, health: StorageHealth | None = None) -> None:
         self.path = path
         self._conn: sqlite3.Connection | None = None
+        self.health = health if health is not None else StorageHealth()
+        #: Writes the disk refused, in order, retried until they land.
+        self.backlog = WriteBacklog(f"state file {path}", self.health)
 
     def open(self) -> Self:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,6 +108,14 @@ class Database:
         assert cur.lastrowid is not None
         return event.model_copy(update={"seq": cur.lastrowid})
 
+    def submit_event(self, event: Event, landed: Callable[[Event], None]) -> bool:
+        """Persist ``event`` now or, when the disk refuses, as soon as it can (in order).
+
+        ``landed(stored)`` is called with the event and its seq once it is on
+        disk; True when that happened before returning.
+        """
+        return self.backlog.submit(lambda: self.append_event(event), landed)
+
     def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         rows = self.conn.execute(
             "SELECT seq, doc FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
@@ -113,7 +132,10 @@ class Database:
         return [job_id for (job_id,) in rows]
 
     def delete_events(self, job_id: str) -> None:
-        self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,))
+        """Drop a job's events (queued behind unwritten ones when the disk refuses)."""
+        self.backlog.submit(
+            lambda: self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,)), _ignore
+        )
 
     def unpublished_events(self) -> list[Event]:
         rows = self.conn.execute(
@@ -131,7 +153,10 @@ class Database:
     # spawned workers (elasticd.workers.spawn: the start-up sweep of orphans)
 
     def record_worker(self, record: WorkerRecord) -> None:
-        """Remember a spawned worker until its group is stopped."""
+        """Remember a spawned worker until its group is stopped (queued if the disk refuses)."""
+        self.backlog.submit(lambda: self._record_worker(record), _ignore)
+
+    def _record_worker(self, record: WorkerRecord) -> None:
         self.conn.execute(
             "INSERT OR REPLACE INTO workers (pid, start_time, boot_id, job_id, attempt, local_rank)"
             " VALUES (?, ?, ?, ?, ?, ?)",
@@ -147,8 +172,12 @@ class Database:
 
     def forget_workers(self, pids: Iterable[tuple[int, int]]) -> None:
         """Forget workers by (pid, start time): their process groups are gone."""
-        self.conn.executemany(
-            "DELETE FROM workers WHERE pid = ? AND start_time = ?", [tuple(p) for p in pids]
+        rows = [tuple(p) for p in pids]
+        self.backlog.submit(
+            lambda: self.conn.executemany(
+                "DELETE FROM workers WHERE pid = ? AND start_time = ?", rows
+            ),
+            _ignore,
         )
 
     def recorded_workers(self) -> list[WorkerRecord]:
@@ -156,3 +185,7 @@ class Database:
             "SELECT pid, start_time, boot_id, job_id, attempt, local_rank FROM workers"
         ).fetchall()
         return [WorkerRecord(*row) for row in rows]
+
+
+def _ignore(_: object) -> None:
+    """The result of a write nobody waits for."""

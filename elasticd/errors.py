@@ -7,6 +7,7 @@ above it handle a small, documented set::
     ├── ConfigError              bad configuration; the daemon refuses to start
     ├── InvalidTransition        a state machine refused an illegal transition
     ├── ShuttingDown             the daemon no longer accepts work
+    ├── StorageFull              the local disk refuses writes; no new job can be made durable
     ├── TooManyStreams           the daemon already serves its most live streams
     ├── StoreError               anything the cluster store raises
     │   ├── StoreUnavailable     the store could not be reached (names the URL)
@@ -44,6 +45,10 @@ class InvalidTransition(ElasticdError):
 
 class ShuttingDown(ElasticdError):
     """The daemon is stopping and accepts no new work."""
+
+
+class StorageFull(ElasticdError):
+    """This node's state disk refuses writes (full or failing): nothing new can be accepted."""
 
 
 class TooManyStreams(ElasticdError):

@@ -9,6 +9,13 @@ Unpublished events (the store was unreachable, the daemon was killed) are
 published again when the daemon starts, under the same key, so nothing is
 lost and nothing is duplicated.
 
+A full or failing disk never makes ``emit`` raise (:mod:`elasticd.storage`):
+an event the database refuses waits in the database's ordered backlog, and
+every later event queues behind it, so a job's events land (and are
+published) in the order they were emitted, as soon as the disk takes them.
+Until then ``emit`` returns the event with ``seq`` 0 and local followers see
+it when it lands.
+
 Followers wait on the store's watch (cluster view) or on a local
 notification (``elasticd run``), never on a timer.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -27,6 +35,7 @@ from elasticd.db import Database
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.keys import event_key, event_prefix
 from elasticd.models import Event, EventSource
+from elasticd.storage import is_storage_fault
 from elasticd.store import Store
 
 log = logging.getLogger("elasticd.events")
@@ -61,7 +70,11 @@ class EventLog:
         message: str = "",
         **fields: Any,
     ) -> Event:
-        """Record one event now, wake local followers, and queue it for the store."""
+        """Record one event now (or, on a refusing disk, as soon as it can), queue it for the store.
+
+        Never raises for a disk fault; the returned event has ``seq`` 0 when it
+        is not on disk yet.
+        """
         event = Event(
             seq=0,
             time=fields.pop("time", None) or self._clock.time(),
@@ -72,18 +85,30 @@ class EventLog:
             message=message,
             **fields,
         )
-        stored = self._db.append_event(event)
         log.info("job %s: %s %s", job_id, kind, message)
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
-        if self._store is not None:
-            self._queue.put_nowait(stored)
+        landed: list[Event] = []
+        self._db.submit_event(event, self._landed_into(landed))
+        stored = landed[0] if landed else event
         for listener in self._listeners:
             try:
                 listener(stored)
             except Exception:  # a listener must never break event recording
                 log.exception("event listener failed")
         return stored
+
+    def _landed_into(self, out: list[Event]) -> Callable[[Event], None]:
+        def landed(stored: Event) -> None:
+            out.append(stored)
+            self._landed(stored)
+
+        return landed
+
+    def _landed(self, stored: Event) -> None:
+        """An event is on disk: wake local followers, queue it for the store."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        if self._store is not None:
+            self._queue.put_nowait(stored)
 
     async def start(self) -> None:
         """Publish what a previous run left unpublished, then keep publishing."""
@@ -94,12 +119,15 @@ class EventLog:
         self._publisher = asyncio.create_task(self._publish(), name="event-publisher")
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Publish what is queued (bounded by ``timeout``), then stop."""
-        if self._publisher is None:
-            return
+        """Write and publish what is queued (bounded by ``timeout``), then stop."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await self._queue.join()
+                await self._db.backlog.wait_empty()
+                if self._publisher is not None:
+                    await self._queue.join()
+        await self._db.backlog.stop()
+        if self._publisher is None:
+            return
         self._publisher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._publisher
@@ -107,11 +135,11 @@ class EventLog:
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Wait until every event emitted so far is in the store (bounded by ``timeout``)."""
-        if self._publisher is None:
-            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
-                await self._queue.join()
+                await self._db.backlog.wait_empty()
+                if self._publisher is not None:
+                    await self._queue.join()
 
     async def _publish(self) -> None:
         """Publish in batches: everything queued goes out concurrently, one group commit."""
@@ -139,7 +167,13 @@ class EventLog:
                     for e, r in zip(pending, results, strict=True)
                     if not isinstance(r, BaseException)
                 ]
-                self._db.mark_published(e.seq for e in done)
+                try:
+                    self._db.mark_published(e.seq for e in done)
+                except Exception as exc:
+                    # They are in the store; unmarked, they are only published again
+                    # (same keys) at the next start. Never let the publisher die of it.
+                    if not is_storage_fault(exc):
+                        log.exception("cannot mark %d events published", len(done))
                 pending = [e for e in pending if e not in done]
                 if pending:
                     errors = [r for r in results if isinstance(r, BaseException)]

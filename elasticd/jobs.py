@@ -18,6 +18,16 @@ Job documents are read back through one check (``parse_job``, the cluster's
 store by hand never names a folder outside the log root. Worker logs are
 read through :func:`~elasticd.workers.files.open_worker_file` (no link, no
 FIFO, a regular file of the worker's own), in a thread.
+
+A full or failing state disk (:mod:`elasticd.storage`): ``submit`` refuses
+new jobs with :class:`~elasticd.errors.StorageFull` (507) while the disk
+refuses writes, since accepting means a durable record; running jobs go on
+(their events wait, in order, and land later), and each gets one
+``storage.back`` event when the disk takes writes again. An agent task that
+dies of an exception its own error path could not handle is never silent:
+its workers are stopped, ``agent.crashed`` is recorded and the job resumes as
+a new attempt like after a daemon crash (FAILED after ``MAX_AGENT_CRASHES``;
+``_after_agent_crash``), rather than left RUNNING unwatched.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from elasticd.errors import (
     JobNotFound,
     LogNotFound,
     ShuttingDown,
+    StorageFull,
     StoreError,
     ValueTooLarge,
     WorkerSpawnError,
@@ -53,10 +64,15 @@ from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
+from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 
 log = logging.getLogger("elasticd.jobs")
+
+#: Seconds a stopping daemon spends recording why its jobs stopped (the store may not
+#: acknowledge writes: a full disk under the embedded store). A restart resumes them anyway.
+STOP_RECORD_TIMEOUT = 10.0
 
 DAEMON_STOPPED = (
     "the elasticd daemon stopped while the job was running (e.g. systemctl restart); "
@@ -66,6 +82,8 @@ DAEMON_CRASHED = (
     "the elasticd daemon was not running (it crashed or was killed) while the job was running; "
     "the job resumes as a new attempt, no restart charged"
 )
+#: Agent deaths (internal errors) after which a job is FAILED instead of resumed.
+MAX_AGENT_CRASHES = 3
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
 
@@ -115,8 +133,10 @@ class JobService:
         console: ConsoleSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         base_env: dict[str, str] | None = None,
+        storage: StorageHealth | None = None,
     ) -> None:
         self.config = config
+        self.storage = storage
         self.events = events
         self.store = store
         self.cluster = cluster
@@ -135,6 +155,10 @@ class JobService:
         self._known: dict[str, Job] = {}
         self._watched = False
         self._recording: set[asyncio.Task[None]] = set()
+        #: How often each job's agent died of an internal error in this daemon's life.
+        self._agent_crashes: dict[str, int] = {}
+        if storage is not None:
+            storage.on_state_back(self._storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
         self.check_user: Callable[[str], object] | None = None
 
@@ -220,19 +244,33 @@ class JobService:
             task.cancel()
         if tasks:
             await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        # Bounded: with a disk that refuses writes the store acknowledges nothing, and a
+        # stop must still end (a restarted daemon resumes these jobs: ``recover``).
+        bound = STOP_RECORD_TIMEOUT
+        if self.storage is not None and self.storage.state_degraded() is not None:
+            bound = 2.0  # nothing is acknowledged before the disk frees; do not wait long
+        deadline = asyncio.get_running_loop().time() + bound
         for job_id, _ in tasks:
             try:
-                job = await self.get(job_id)
-                if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
-                    continue
-                # Not the job's failure: it resumes when this daemon (or another node) is back.
-                self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
-                if job.state is JobState.RUNNING:
-                    await self.update_job(
-                        job_id, state=JobState.RESTARTING, reason="the daemon stopped"
-                    )
-            except (StoreError, InvalidTransition, JobNotFound) as exc:
-                log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
+                async with asyncio.timeout_at(deadline):
+                    await self._record_stop(job_id)
+            except TimeoutError:
+                log.warning("job %s: could not record the daemon stop in time", job_id)
+
+    async def _record_stop(self, job_id: str) -> None:
+        """After this daemon stopped its agent: the job resumes later, and says why."""
+        try:
+            job = await self.get(job_id)
+            if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
+                return
+            # Not the job's failure: it resumes when this daemon (or another node) is back.
+            self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
+            if job.state is JobState.RUNNING:
+                await self.update_job(
+                    job_id, state=JobState.RESTARTING, reason="the daemon stopped"
+                )
+        except (StoreError, InvalidTransition, JobNotFound) as exc:
+            log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
 
     async def _live_members(self, job_id: str) -> set[str]:
         """Nodes whose presence key in the job's rendezvous is alive."""
@@ -246,6 +284,15 @@ class JobService:
         """Accept a job. Returns (job, created); same id + same spec returns the existing one."""
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
+        degraded = self.storage.state_degraded() if self.storage is not None else None
+        if degraded is not None:
+            # Accepting means a durable record; the disk cannot make one now. Refuse, so
+            # that nothing acknowledged can be lost and nothing unacknowledged runs.
+            raise StorageFull(
+                f"node {self.node} cannot accept jobs: its disk refuses writes since "
+                f"{degraded.since:.0f} ({degraded.source}: {degraded.reason}); "
+                "try again when space is freed, or submit to another node"
+            )
         if spec.user is not None and self.check_user is not None:
             try:
                 self.check_user(spec.user)
@@ -708,6 +755,7 @@ class JobService:
             fence_after=self.config.lease_ttl,
             node_health_check=self.config.health_check,
             nvidia_smi=self.config.nvidia_smi,
+            storage=self.storage,
         )
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next
@@ -721,16 +769,104 @@ class JobService:
 
     def _agent_done(self, job_id: str) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
-            self._agents.pop(job_id, None)
+            agent = self._agents.pop(job_id, None)
             self._tasks.pop(job_id, None)
-            self._free.extend(self._allocated.pop(job_id, []))
-            self._free.sort()
-            self._publish_slots()
+            crash = None if task.cancelled() else task.exception()
+            if crash is not None and agent is not None:
+                # The agent's own error path raised: never silent. Its workers are
+                # stopped before its slots are given back, and the job is not left
+                # RUNNING with nobody supervising it (_after_agent_crash).
+                log.error(
+                    "the agent of job %s died: %s: %s",
+                    job_id,
+                    type(crash).__name__,
+                    crash,
+                    exc_info=crash,
+                )
+                after = asyncio.get_running_loop().create_task(
+                    self._after_agent_crash(job_id, agent, crash), name=f"agent-crash-{job_id}"
+                )
+                self._recording.add(after)
+                after.add_done_callback(self._recording.discard)
+                return
+            self._release(job_id)
             if not task.cancelled():
                 self._done_here.add(job_id)
                 self.on_jobs(list(self._known.values()))
 
         return done
+
+    def _storage_back(self, first: Degraded, seconds: float) -> None:
+        """The state disk takes writes again: each job run here gets one event saying so.
+
+        Emitted after everything the backlog held (it lands in order behind it).
+        """
+        for job_id in list(self._agents):
+            self.events.emit(
+                job_id,
+                "daemon",
+                "storage.back",
+                f"{self.node} could not write its state for {seconds:.1f} s ({first.source}: "
+                f"{first.reason}); what happened meanwhile was kept in memory and is now "
+                "recorded, in order",
+                duration_s=seconds,
+            )
+
+    def _release(self, job_id: str) -> None:
+        self._free.extend(self._allocated.pop(job_id, []))
+        self._free.sort()
+        self._publish_slots()
+
+    async def _after_agent_crash(self, job_id: str, agent: JobAgent, crash: BaseException) -> None:
+        """An agent task died of an exception its own handler could not deal with.
+
+        Decision: that is this daemon's fault, not the job's workers', so it is
+        treated as a crash of the daemon (issue 12, 11): the agent's workers
+        are stopped and it leaves the rendezvous, ``agent.crashed`` names the
+        error, the job is RESTARTING and resumes as a new attempt under a new
+        agent, no restart charged. A bug that kills every agent would loop, so
+        after :data:`MAX_AGENT_CRASHES` deaths in this daemon's life the job
+        is FAILED naming the error instead. Never left RUNNING unwatched.
+        """
+        crashes = self._agent_crashes[job_id] = self._agent_crashes.get(job_id, 0) + 1
+        error = f"{type(crash).__name__}: {crash}"
+        give_up = crashes >= MAX_AGENT_CRASHES
+        try:
+            with contextlib.suppress(Exception):
+                await agent.abandon()
+            if give_up:
+                reason = (
+                    f"the agent on {self.node} died of an internal error {crashes} times; "
+                    f"last: {error}"
+                )
+                self.events.emit(job_id, "daemon", "agent.crashed", reason, state="FAILED")
+                with contextlib.suppress(InvalidTransition, JobNotFound):
+                    job = await self.get(job_id)
+                    if not job.state.is_terminal:
+                        await self.update_job(job_id, state=JobState.FAILED, reason=reason)
+                        await self._close_rendezvous(job_id)
+            else:
+                self.events.emit(
+                    job_id,
+                    "daemon",
+                    "agent.crashed",
+                    f"the agent on {self.node} died of an internal error ({error}); the job "
+                    "resumes as a new attempt, no restart charged",
+                )
+                with contextlib.suppress(InvalidTransition, JobNotFound):
+                    job = await self.get(job_id)
+                    if job.state is JobState.RUNNING:
+                        await self.update_job(
+                            job_id, state=JobState.RESTARTING, reason="the agent crashed"
+                        )
+        except Exception as exc:
+            log.error("job %s: could not record the agent's death: %s", job_id, exc)
+        finally:
+            self._release(job_id)
+            if give_up:
+                self._done_here.add(job_id)
+            elif self._accepting:
+                self.on_jobs(list(self._known.values()))  # a new agent takes the job up
 
     def _publish_slots(self) -> None:
         if self._accepting:

@@ -361,6 +361,9 @@ class Event(BaseModel):
     error: RootCause | None = None
     message: str = ""
     duration_s: float | None = None
+    #: ``logs.lost``: bytes of worker output the log files refused, in all and per local rank.
+    bytes_lost: int | None = None
+    lost_by_rank: dict[str, int] | None = None
 
 
 class WorkerView(BaseModel):

@@ -21,7 +21,11 @@ async def healthz(request: Request) -> Health:
 
 @private.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> Health | JSONResponse:
-    """The daemon accepts jobs (503 while starting, waiting for its store, or shutting down)."""
+    """The daemon accepts jobs.
+
+    503 with the reason while starting, waiting for its store, shutting down, or
+    while its disk refuses writes ("storage degraded since T: ...: disk full").
+    """
     daemon = daemon_of(request)
     reason = daemon.not_ready_reason
     health = Health(

@@ -41,6 +41,10 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         },
         422: {"description": "The spec is invalid; the detail names the field", **_problem},
         503: {"description": "The daemon is shutting down", **_problem},
+        507: {
+            "description": "This node's disk refuses writes (full): the job was not accepted",
+            **_problem,
+        },
     },
 )
 async def submit_job(spec: JobSpec, request: Request, response: Response) -> Job:

@@ -61,6 +61,7 @@ from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
+from elasticd.storage import StorageHealth
 from elasticd.store import Store
 from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import (
@@ -111,6 +112,8 @@ class AgentContext:
     node_health_check: list[str] | None = None
     #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
     nvidia_smi: str | None = None
+    #: Where log files that refuse writes are reported (the daemon's storage facts).
+    storage: StorageHealth | None = None
 
 
 def root_cause_of(
@@ -357,9 +360,13 @@ class JobAgent:
             # The daemon is stopping: stop the workers (shielded), leave the rendezvous
             # so the other nodes re-form at once, then let the cancellation go on.
             await self._stop_workers(WorkerState.STOPPED)
+            leave = asyncio.ensure_future(self.ctx.rendezvous.leave())
+            # Past the timeout the leave goes on alone (a store that cannot write, e.g. a
+            # full disk, may fail it later): its outcome is still retrieved.
+            leave.add_done_callback(_retrieve)
             with contextlib.suppress(ElasticdError, TimeoutError):
                 async with asyncio.timeout(LEAVE_TIMEOUT):
-                    await asyncio.shield(self.ctx.rendezvous.leave())
+                    await asyncio.shield(leave)
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
@@ -373,6 +380,18 @@ class JobAgent:
                 await self.ctx.rendezvous.close()
         finally:
             await self._flush_publisher(publisher)
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await self.ctx.rendezvous.leave()
+
+    async def abandon(self) -> None:
+        """Stop the workers this agent still has and leave the rendezvous (its task died).
+
+        The other nodes re-form at once; a new agent for the job joins as an arrival.
+        """
+        await self._stop_workers(None)
+        if self._progress is not None:
+            self._progress.close()
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
@@ -742,7 +761,11 @@ class JobAgent:
         )
         on_output = self._forward_output if self.ctx.console is not None else None
         group = await WorkerGroupProcesses.start(
-            launches, on_output=on_output, on_exit=self._on_exit, clock=self.ctx.clock
+            launches,
+            on_output=on_output,
+            on_exit=self._on_exit,
+            clock=self.ctx.clock,
+            storage=self.ctx.storage,
         )
         self._group = group
         self._progress.started()
@@ -932,6 +955,7 @@ class JobAgent:
         if group is not None:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
+            self._report_lost_output(group)
             if self._view is not None:
                 for w in self._view.workers:
                     if w.state is WorkerState.HEALTHY:
@@ -948,6 +972,28 @@ class JobAgent:
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
+
+    def _report_lost_output(self, group: WorkerGroupProcesses) -> None:
+        """One event for an attempt whose log files refused output (a full disk): bytes per rank.
+
+        Emitted when the attempt ends; on a disk that still refuses, it waits
+        in the event log's backlog and lands, in order, once the disk takes it.
+        """
+        lost = group.lost_output()
+        if not lost:
+            return
+        total = sum(lost.values())
+        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in lost.items())
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "logs.lost",
+            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output could "
+            f"not be written to the log files ({per_rank})",
+            attempt=self.attempt,
+            bytes_lost=total,
+            lost_by_rank={str(rank): n for rank, n in lost.items()},
+        )
 
     # hangs, health checks, progress
 
@@ -1299,6 +1345,12 @@ class JobAgent:
         publisher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await publisher
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Done callback of a task nobody awaits any more: log its failure instead of losing it."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("a background store call failed: %s", exc)
 
 
 def file_size(path: Path) -> int:

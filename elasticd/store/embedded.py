@@ -25,6 +25,20 @@ Design:
   process crash, not against power loss) is available for throwaway state.
   SQLite never leaves a WAL database unreadable after a crash: an incomplete
   tail of the log is ignored on the next open.
+* **A full or failing disk is waited out, not fatal** (:mod:`elasticd.storage`).
+  When a commit fails with a disk fault (SQLite's "database or disk is
+  full", an I/O error), the batch goes back in front of the queue, in order,
+  and the flusher retries it with backoff (50 ms doubling to 2 s) until it
+  lands; :attr:`EmbeddedStore.health` says "degraded since T" meanwhile
+  (``/readyz`` reports it). Writes are still acknowledged only once on disk,
+  so a writer waits until the disk takes its change; watchers see nothing
+  new meanwhile. Reads answer from memory at once while the disk refuses
+  (the API and the agents keep working; what a read shows is at worst a
+  change not yet on disk, which a crash of the daemon before the disk frees
+  would lose, and no writer has been told it succeeded). When the store is
+  closed while the disk still refuses, the flusher gives up after
+  :data:`CLOSE_GRACE` seconds: those changes were never acknowledged. Any
+  other SQLite error still stops the store (fail-stop).
 * **Restart.** The revision is stored with every commit, so it only grows
   across restarts. Leases are kept too (table ``leases``: id and TTL, written
   in the same commits as the keys, a grant always before the keys bound to
@@ -49,10 +63,14 @@ from pathlib import Path
 from typing import Literal
 
 from elasticd.errors import StoreUnavailable
+from elasticd.storage import BACKOFF_FIRST, StorageHealth, describe, is_storage_fault, next_backoff
 from elasticd.store.base import DEFAULT_MAX_LIST_BYTES, DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
 from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore, _Lease
 
 SCHEMA_VERSION = 2
+
+#: Seconds a closing store keeps retrying a commit the disk refuses before giving up.
+CLOSE_GRACE = 5.0
 
 #: The grace, in seconds, of a restored lease whose TTL the file does not hold.
 RESTORED_TTL = 10.0
@@ -117,6 +135,10 @@ class EmbeddedStore(MemoryStore):
         self._flusher: asyncio.Task[None] | None = None
         self._broken: StoreUnavailable | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elasticd-store")
+        #: Where a disk that refuses commits is reported (the daemon passes its own).
+        self.health = StorageHealth()
+        self._source = f"store journal {self.path}"
+        self._give_up_at: float | None = None
 
     # -- opening -----------------------------------------------------------
 
@@ -217,9 +239,18 @@ class EmbeddedStore(MemoryStore):
         self._settle_waiters.append((target, waiter))
         await waiter
 
+    async def _settle_read(self) -> None:
+        # While the disk refuses commits, answer reads from memory (see the module docstring).
+        if self.health.is_failing(self._source):
+            if self._broken is not None:
+                raise self._broken
+            return
+        await self._settle()
+
     async def _flush(self) -> None:
         """Commit queued changes, batch after batch, until none are left."""
         loop = asyncio.get_running_loop()
+        delay = BACKOFF_FIRST
         try:
             while self._pending or self._lease_ops:
                 batch, self._pending = self._pending, []
@@ -228,8 +259,19 @@ class EmbeddedStore(MemoryStore):
                 try:
                     await loop.run_in_executor(self._writer, self._commit, batch, top, leases)
                 except (sqlite3.Error, OSError) as exc:
-                    self._fail(exc)
-                    return
+                    giving_up = self._give_up_at is not None and loop.time() >= self._give_up_at
+                    if not is_storage_fault(exc) or giving_up:
+                        self._fail(exc)
+                        return
+                    # The disk refuses: keep the batch, in front of what came since, and retry.
+                    self._pending = batch + self._pending
+                    self._lease_ops = leases + self._lease_ops
+                    self.health.failing(self._source, describe(exc))
+                    await asyncio.sleep(delay)
+                    delay = next_backoff(delay)
+                    continue
+                delay = BACKOFF_FIRST
+                self.health.ok(self._source)
                 self._durable = self._visible = top
                 self._wake(event for event, _ in batch)
                 still: list[tuple[int, asyncio.Future[None]]] = []
@@ -284,7 +326,7 @@ class EmbeddedStore(MemoryStore):
         """Stop serving: memory now holds changes the file does not (fail-stop)."""
         self._broken = StoreUnavailable(
             f"the store could not write its state file {self.path}: {exc}; "
-            "restart the daemon once the disk is fixed"
+            "restart the daemon once the fault is fixed"
         )
         for _, waiter in self._settle_waiters:
             if not waiter.done():
@@ -298,6 +340,7 @@ class EmbeddedStore(MemoryStore):
         if self._closed:
             return
         await super().close()  # refuses new calls and stops the lease timers
+        self._give_up_at = asyncio.get_running_loop().time() + CLOSE_GRACE
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
         loop = asyncio.get_running_loop()

@@ -12,7 +12,9 @@ construction: an operation decides and applies its change without an
 * **Visibility.** Watchers see changes up to ``_visible``. Here a change is
   visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
   :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
-  change becomes visible (and a call returns) only once it is on disk.
+  change becomes visible (and a call returns) only once it is on disk
+  (reads go through :meth:`MemoryStore._settle_read`, which the embedded
+  store lets answer from memory while its disk refuses writes).
 * **Watch** answers from history when it can. Otherwise it parks one future
   in a waiter table (per key, or in the prefix list) and awaits it under the
   timeout. A change wakes exactly the waiters whose key or prefix it touches,
@@ -178,7 +180,7 @@ class MemoryStore(Store):
         self._check_open()
         validate_key(key)
         entry = self._entries.get(key)
-        await self._settle()
+        await self._settle_read()
         return entry
 
     async def compare_and_set(
@@ -245,7 +247,7 @@ class MemoryStore(Store):
                 check_listing_size(prefix, size, len(entries), self.max_list_bytes)
         entries.sort(key=lambda e: e.key)
         revision = self._revision
-        await self._settle()
+        await self._settle_read()
         return Listing(entries=entries, revision=revision)
 
     async def grant(self, ttl: float) -> int:
@@ -345,6 +347,10 @@ class MemoryStore(Store):
 
     async def _settle(self) -> None:
         """Return once every change applied so far is durable (here: at once)."""
+
+    async def _settle_read(self) -> None:
+        """Before a read answers: by default, once what it saw is durable (as :meth:`_settle`)."""
+        await self._settle()
 
     # -- the state machine -------------------------------------------------
 

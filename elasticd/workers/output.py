@@ -10,7 +10,13 @@ console forwarding is on for that stream, split into lines for the sink.
 Nothing here ever waits on the worker: reading is driven by readiness, the
 pipe buffer is raised to 256 KiB where the kernel allows, so a worker that
 prints a burst keeps running even if the loop is busy for a moment, and a
-full disk drops output (logged once) rather than blocking the pipe.
+full disk drops output rather than blocking the pipe. Dropped output is
+counted (:attr:`OutputPipe.bytes_lost`, reported by the agent in a
+``logs.lost`` event), every later chunk is tried again (writing resumes by
+itself when space returns), and while a log file refuses writes the
+daemon's :class:`~elasticd.storage.StorageHealth` says so (``/readyz``).
+This runs on the daemon's side, on a file it opened itself
+(:func:`_open_log`: no link followed, never blocking).
 
 The pipe is owned here and not by :mod:`asyncio.subprocess` on purpose: with
 asyncio's own pipes, ``Process.wait()`` on Python 3.11 returns only once the
@@ -32,6 +38,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
+
+from elasticd.storage import StorageHealth, describe
 
 __all__ = ["MAX_LINE_BYTES", "PIPE_BUFFER_BYTES", "OutputPipe", "OutputSink", "Stream"]
 
@@ -70,6 +78,7 @@ class OutputPipe:
         file: BinaryIO,
         write_fd: int,
         sink: OutputSink | None,
+        health: StorageHealth | None = None,
     ) -> None:
         self.local_rank = local_rank
         self.stream: Stream = stream
@@ -82,7 +91,10 @@ class OutputPipe:
         self._eof = asyncio.Event()
         self._write_failed = False
         self._sink_failed = False
+        self._health = health
         self.bytes_read = 0
+        #: Output read from the worker that could not be written to the log file.
+        self.bytes_lost = 0
 
     @classmethod
     async def open(
@@ -93,6 +105,7 @@ class OutputPipe:
         sink: OutputSink | None,
         *,
         owner: tuple[int, int] | None = None,
+        health: StorageHealth | None = None,
     ) -> OutputPipe:
         """Open `log_path` for appending and a pipe whose read end the loop watches.
 
@@ -111,7 +124,7 @@ class OutputPipe:
             raise
         with contextlib.suppress(OSError):
             fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
-        pipe = cls(local_rank, stream, log_path, file, write_fd, sink)
+        pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health)
         try:
             reader = os.fdopen(read_fd, "rb", buffering=0)
         except BaseException:
@@ -166,22 +179,51 @@ class OutputPipe:
 
     def _on_data(self, data: bytes) -> None:
         self.bytes_read += len(data)
-        file = self._file
-        if file is not None and not self._write_failed:
-            try:
-                file.write(data)
-            except OSError as exc:
-                # Keep reading (the worker must not block on a full pipe), but stop writing.
+        if self._file is not None:
+            self._write(self._file, data)
+        if self._sink is not None:
+            self._forward(data)
+
+    def _write(self, file: BinaryIO, data: bytes) -> None:
+        """Append ``data``; what the disk refuses is counted, and the next chunk tries again."""
+        view = memoryview(data)
+        try:
+            while view:
+                written = file.write(view)
+                if not written:
+                    raise OSError(errno.ENOSPC, "no progress writing the log file")
+                view = view[written:]
+        except OSError as exc:
+            # Keep reading (the worker must not block on a full pipe); count what is lost.
+            self.bytes_lost += len(view)
+            if not self._write_failed:
                 self._write_failed = True
                 log.error(
-                    "local rank %d: cannot write %s to %s (%s); further output is dropped",
+                    "local rank %d: cannot write %s to %s (%s); output is dropped and counted "
+                    "until the disk takes it again",
                     self.local_rank,
                     self.stream,
                     self.log_path,
                     exc,
                 )
-        if self._sink is not None:
-            self._forward(data)
+                if self._health is not None:
+                    self._health.failing(self._source, describe(exc))
+            return
+        if self._write_failed:
+            self._write_failed = False
+            log.warning(
+                "local rank %d: writing %s to %s again (%d bytes lost so far)",
+                self.local_rank,
+                self.stream,
+                self.log_path,
+                self.bytes_lost,
+            )
+            if self._health is not None:
+                self._health.ok(self._source)
+
+    @property
+    def _source(self) -> str:
+        return f"log {self.log_path}"
 
     def _on_eof(self) -> None:
         self._transport = None
@@ -193,7 +235,10 @@ class OutputPipe:
             self._emit(rest)
         if self._file is not None:
             file, self._file = self._file, None
-            file.close()
+            with contextlib.suppress(OSError):  # nothing is buffered (buffering=0)
+                file.close()
+        if self._write_failed and self._health is not None:
+            self._health.ok(self._source, gone=True)  # the loss is in bytes_lost
         self._eof.set()
 
     def _forward(self, data: bytes) -> None:

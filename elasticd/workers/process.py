@@ -24,6 +24,7 @@ from types import TracebackType
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, prepare_worker_dir
+from elasticd.storage import StorageHealth
 from elasticd.workers.errorfile import WorkerError, read_error_file
 from elasticd.workers.output import OutputPipe, OutputSink, Stream
 from elasticd.workers.spawn import (
@@ -206,8 +207,10 @@ class WorkerGroupProcesses:
         on_output: OutputSink | None = None,
         on_exit: Callable[[WorkerExit], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        storage: StorageHealth | None = None,
     ) -> None:
         """Internal: use :meth:`start`, which returns a group whose workers run."""
+        self._storage = storage
         self.pids: dict[int, int] = {}
         self.started_at: dict[int, float] = {}
         self._on_output = on_output
@@ -229,6 +232,7 @@ class WorkerGroupProcesses:
         on_output: OutputSink | None = None,
         on_exit: Callable[[WorkerExit], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
+        storage: StorageHealth | None = None,
     ) -> WorkerGroupProcesses:
         """Spawn every worker and start watching them.
 
@@ -237,7 +241,7 @@ class WorkerGroupProcesses:
         rank, entrypoint and the OS error. A cancelled start leaves no process either.
         """
         _check_launches(launches)
-        group = cls(on_output=on_output, on_exit=on_exit, clock=clock)
+        group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
         group._expected = len(launches)
         try:
             for launch in launches:
@@ -393,8 +397,21 @@ class WorkerGroupProcesses:
         sink = self._on_output if console else None
         owner = (identity.uid, identity.gid) if identity is not None else None
         return await OutputPipe.open(
-            launch.local_rank, stream, launch.log_dir / f"{stream}.log", sink, owner=owner
+            launch.local_rank,
+            stream,
+            launch.log_dir / f"{stream}.log",
+            sink,
+            owner=owner,
+            health=self._storage,
         )
+
+    def lost_output(self) -> dict[int, int]:
+        """Bytes of output per local rank that could not be written to its log files."""
+        lost = {
+            rank: sum(pipe.bytes_lost for pipe in worker.pipes)
+            for rank, worker in self._workers.items()
+        }
+        return {rank: n for rank, n in sorted(lost.items()) if n}
 
     def _record(self, launch: WorkerLaunch, pid: int) -> None:
         """Remember the worker in the daemon's database, for the start-up sweep of orphans."""

@@ -28,7 +28,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +90,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one job on this node, like torchrun --standalone",
         description="Example: elasticd run --nproc-per-node 2 -- python train.py --epochs 3",
     )
-    run.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    run.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        help="workers on this node: a number, or auto, cpu or gpu (as torchrun)",
+    )
     run.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    run.add_argument(
+        "--standalone", action="store_true", help="accepted for torchrun's form (always true)"
+    )
+    run.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run the program as it is, even a .py path (torchrun's --no-python)",
+    )
+    run.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="the program is a module: python -u -m MODULE (torchrun's -m)",
+    )
     run.add_argument("--role", default="default")
     run.add_argument("--redirects", "-r", default="none")
     run.add_argument("--tee", "-t", default="none")
@@ -104,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
+    _torchrun_env_defaults(run)
     _client_commands(sub)
     return parser
 
@@ -170,13 +191,70 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(words: list[str]) -> list[str]:
+#: `elasticd run` options that torchrun also reads from ``PET_<NAME>`` (its env defaults).
+TORCHRUN_ENV_OPTIONS = frozenset(
+    {
+        "nproc_per_node",
+        "max_restarts",
+        "role",
+        "redirects",
+        "tee",
+        "local_ranks_filter",
+        "master_addr",
+        "master_port",
+        "run_id",
+        "log_dir",
+        "standalone",
+        "no_python",
+        "module",
+    }
+)
+
+
+def _torchrun_env_defaults(
+    parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None
+) -> None:
+    """torchrun's rule: ``PET_<OPTION>`` is an option's default; the command line wins."""
+    env = os.environ if environ is None else environ
+    for action in parser._actions:
+        value = env.get(f"PET_{action.dest.upper()}")
+        if action.dest not in TORCHRUN_ENV_OPTIONS or value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() not in ("", "0", "false", "no")
+        else:
+            action.default = value  # a string default goes through the option's type
+
+
+def local_world_size(value: str, gpus: int | None, cpus: int) -> int:
+    """torchrun's ``--nproc-per-node``: a number, ``cpu``, ``gpu`` or ``auto`` (pure)."""
+    value = str(value).strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    if value == "cpu":
+        return cpus
+    if value == "gpu":
+        if not gpus:
+            raise ConfigError("--nproc-per-node gpu: this node has no NVIDIA GPU (nvidia-smi -L)")
+        return gpus
+    if value == "auto":
+        return gpus or cpus
+    raise ConfigError(
+        f"--nproc-per-node {value!r}: give a number of workers (at least 1), or auto, cpu or gpu"
+    )
+
+
+def _command(words: list[str], *, no_python: bool = False, module: bool = False) -> list[str]:
     if words and words[0] == "--":
         words = words[1:]
     if not words:
         raise ConfigError("elasticd run needs a command: elasticd run [options] -- python train.py")
-    if words[0].endswith(".py"):  # torchrun's form: a script path runs under this Python
-        return [sys.executable, "-u", *words]
+    if no_python and module:
+        raise ConfigError("--no-python and -m/--module cannot be used together (as in torchrun)")
+    if module:
+        return [sys.executable, "-u", "-m", *words]
+    if words[0].endswith(".py") and not no_python:
+        return [sys.executable, "-u", *words]  # torchrun's form: a script runs under this Python
     return words
 
 
@@ -189,11 +267,22 @@ def _console(job_id: str, rank: int, stream: str, line: bytes) -> None:
     out.flush()
 
 
+async def _nproc_per_node(value: str) -> int:
+    gpus = None
+    if value in ("gpu", "auto"):
+        from elasticd.daemon import detect_gpus
+
+        found = await detect_gpus()
+        gpus = len(found) if found else None
+    return local_world_size(value, gpus, len(os.sched_getaffinity(0)))
+
+
 async def _run(args: argparse.Namespace) -> int:
     from elasticd.daemon import Daemon
     from elasticd.launcher import write_run_token
 
-    command = _command(list(args.program))
+    command = _command(list(args.program), no_python=args.no_python, module=args.module)
+    nproc = await _nproc_per_node(args.nproc_per_node)
     with contextlib.ExitStack() as stack:
         state_dir = args.state_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="elasticd-run-")
@@ -206,7 +295,7 @@ async def _run(args: argparse.Namespace) -> int:
                 "state_dir": state_dir,
                 "log_dir": log_dir,
                 "node_name": "localhost",
-                "slots": max(args.nproc_per_node, 1),
+                "slots": nproc,
                 "token_file": str(write_run_token(Path(state_dir))),
             },
             environ={},
@@ -217,7 +306,7 @@ async def _run(args: argparse.Namespace) -> int:
                 entrypoint=command[0],
                 args=command[1:],
                 cwd=os.getcwd(),
-                nproc_per_node=args.nproc_per_node,
+                nproc_per_node=nproc,
                 max_restarts=args.max_restarts,
                 role=args.role,
                 redirects=args.redirects,

@@ -74,3 +74,63 @@ def test_local_rank_macro_is_substituted_in_worker_arguments(tmp_path):
     out = done.stdout + done.stderr
     assert "rank 0 argv ['--local_rank=0', 'plain']" in out, out
     assert "rank 1 argv ['--local_rank=1', 'plain']" in out, out
+
+
+@pytest.mark.parametrize(
+    ("value", "gpus", "expected"),
+    [
+        ("3", None, 3),
+        ("cpu", 8, 2),
+        ("gpu", 8, 8),
+        ("auto", 8, 8),
+        ("auto", None, 2),  # no GPU: one worker per CPU, as torchrun
+        ("gpu", None, "no NVIDIA GPU"),
+        ("0", None, "at least 1"),
+        ("many", None, "auto, cpu or gpu"),
+    ],
+)
+def test_nproc_per_node_accepts_torchrun_words(value, gpus, expected):
+    from elasticd.cli import local_world_size
+    from elasticd.errors import ConfigError
+
+    if isinstance(expected, int):
+        assert local_world_size(value, gpus, cpus=2) == expected
+    else:
+        with pytest.raises(ConfigError, match=expected):
+            local_world_size(value, gpus, cpus=2)
+
+
+def test_pet_environment_variables_are_defaults_and_the_command_line_wins(monkeypatch):
+    from elasticd.cli import build_parser
+
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "gpu")
+    monkeypatch.setenv("PET_MAX_RESTARTS", "4")
+    monkeypatch.setenv("PET_NO_PYTHON", "1")
+    monkeypatch.setenv("PET_TERMINATION_GRACE", "1")  # not a torchrun option: ignored
+    args = build_parser().parse_args(["run", "--", "x"])
+    assert (args.nproc_per_node, args.max_restarts, args.no_python) == ("gpu", 4, True)
+    assert args.termination_grace == 30.0
+    args = build_parser().parse_args(["run", "--nproc-per-node", "2", "--max-restarts", "1", "x"])
+    assert (args.nproc_per_node, args.max_restarts) == ("2", 1)
+
+
+def test_module_form_and_nproc_auto_run_real_workers(tmp_path):
+    (tmp_path / "show_args.py").write_text(SHOW_ARGS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+    env["ELASTICD_ALLOW_ROOT"] = "true"
+    env["PET_NPROC_PER_NODE"] = "auto"
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--state-dir", str(tmp_path / "state")]
+        + ["-m", "show_args", "one"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    cpus = len(os.sched_getaffinity(0))
+    for rank in range(cpus):
+        assert f"rank {rank} argv ['one']" in out, out
+    assert f"rank {cpus} argv" not in out

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -339,7 +340,9 @@ async def _run(args: argparse.Namespace) -> int:
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
             if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
-                return 130
+                # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
+                # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.
+                return 128 + (daemon.stop_signal or signal.SIGINT)
             final = waiter.result()
         return _report(final.model_dump())
 

@@ -181,6 +181,7 @@ class Daemon:
         self._serve_http = serve_http
         self._console = console
         self._stop = asyncio.Event()
+        self.stop_signal: signal.Signals | None = None  # the signal that asked for the stop
         #: Set once the agents are stopped, just before the HTTP server stops: open
         #: streams (SSE, log follow) end on it so that they never hold up shutdown.
         self.closing_streams = asyncio.Event()
@@ -421,14 +422,16 @@ class Daemon:
         if self._state in ("running", "starting"):
             self.jobs.on_jobs(jobs)
 
-    def request_stop(self) -> None:
-        """Ask the daemon to shut down (what SIGTERM/SIGINT do)."""
+    def request_stop(self, sig: signal.Signals | None = None) -> None:
+        """Ask the daemon to shut down (what SIGTERM/SIGINT do; ``sig`` is remembered)."""
+        if sig is not None and self.stop_signal is None:
+            self.stop_signal = sig
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self.request_stop, sig)
 
     async def serve(self) -> None:
         """Run until asked to stop, then shut down in order."""

@@ -6,8 +6,10 @@ Real `elasticd run` processes, each with its embedded daemon and real workers.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -134,3 +136,40 @@ def test_module_form_and_nproc_auto_run_real_workers(tmp_path):
     for rank in range(cpus):
         assert f"rank {rank} argv ['one']" in out, out
     assert f"rank {cpus} argv" not in out
+
+
+SLEEPER = """
+import os, time
+open(os.path.join(os.environ["OUT"], f"started-{os.environ['RANK']}-{os.getpid()}"), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stopped_run_exits_128_plus_the_signal_and_leaves_no_worker(tmp_path, sig, code):
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+    env.update(ELASTICD_ALLOW_ROOT="true", OUT=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2"]
+        + ["--termination-grace", "2", "--state-dir", str(tmp_path / "state"), "sleeper.py"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(started := list(tmp_path.glob("started-*"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        assert proc.wait(60) == code
+        pids = [int(p.name.rsplit("-", 1)[1]) for p in started]
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -36,6 +36,7 @@ from typing import Any
 from elasticd import __version__
 from elasticd.client import DEFAULT_URL
 from elasticd.config import DEFAULT_PORT, load_config
+from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.models import JobSpec
 from elasticd.states import JobState
@@ -259,15 +260,6 @@ def _command(words: list[str], *, no_python: bool = False, module: bool = False)
     return words
 
 
-def _console(job_id: str, rank: int, stream: str, line: bytes) -> None:
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    text = line.decode("utf-8", errors="replace")
-    out.write(f"[rank{rank}]:{text}")
-    if not text.endswith("\n"):
-        out.write("\n")
-    out.flush()
-
-
 async def _nproc_per_node(value: str) -> int:
     gpus = None
     if value in ("gpu", "auto"):
@@ -319,7 +311,7 @@ async def _run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        daemon = Daemon(config, console=_console)
+        daemon = Daemon(config, console=write_line)
         daemon.install_signal_handlers()
         async with daemon:
             job, _ = await daemon.jobs.submit(spec)

@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from elasticd.console import write_line
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.models import Job, JobSpec, RootCause
 from elasticd.states import JobState
@@ -143,13 +144,6 @@ def write_run_token(state_dir: Path) -> Path:
         os.close(fd)
     os.replace(fresh, path)  # a name replaced atomically: never opens what was there
     return path
-
-
-def _console(job_id: str, rank: int, stream: str, line: bytes) -> None:
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    text = line.decode("utf-8", errors="replace")
-    out.write(f"[rank{rank}]:{text}" + ("" if text.endswith("\n") else "\n"))
-    out.flush()
 
 
 def _failure_message(name: str, job: Job) -> str:
@@ -247,7 +241,7 @@ class Launcher:
                 environ={},
             )
             try:
-                async with Daemon(config, console=_console) as daemon:
+                async with Daemon(config, console=write_line) as daemon:
                     job, _ = await daemon.jobs.submit(spec)
                     final = await daemon.jobs.wait(job.id, s["timeout"])
                 if final.state is not JobState.SUCCEEDED:

@@ -34,6 +34,7 @@ from typing import Any
 
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.console import ConsoleLine
 from elasticd.errors import (
     ElasticdError,
     InvalidTransition,
@@ -56,6 +57,7 @@ from elasticd.models import (
     RootCause,
     WorkerView,
     console_streams,
+    std_for_rank,
 )
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
@@ -81,8 +83,8 @@ from elasticd.workers.spawn import current_policy
 
 log = logging.getLogger("elasticd.agent")
 
-#: (job_id, rank, stream, line) for output that reaches the console.
-ConsoleSink = Callable[[str, int, str, bytes], None]
+#: Receives the worker output that reaches the launcher's console (see elasticd.console).
+ConsoleSink = Callable[[ConsoleLine], None]
 #: ``update_job(job_id, state=..., mutate=..., **fields)``: CAS update of the job document.
 JobUpdater = Callable[..., Awaitable[Job]]
 #: Bound on the rendezvous steps of a stopping agent.
@@ -803,7 +805,10 @@ class JobAgent:
     def _forward_output(self, local_rank: int, stream: str, line: bytes) -> None:
         assert self.ctx.console is not None
         rank = self._ranks[local_rank].rank if local_rank < len(self._ranks) else local_rank
-        self.ctx.console(self.job_id, rank, stream, line)
+        teed = std_for_rank(self.spec.tee, local_rank) in ("all", stream.removeprefix("std"))
+        self.ctx.console(
+            ConsoleLine(self.job_id, self.spec.role, rank, local_rank, stream, line, teed)
+        )
 
     def _on_exit(self, exit_: WorkerExit) -> None:
         """Called the moment a worker process exits."""

@@ -77,6 +77,8 @@ async def test_elasticd_run_is_torchrun_standalone(tmp_path):
         "2",
         "--termination-grace",
         "5",
+        "--tee",
+        "3",
         "--log-dir",
         str(tmp_path / "logs"),
         "--",
@@ -90,8 +92,9 @@ async def test_elasticd_run_is_torchrun_standalone(tmp_path):
         out, err = await proc.communicate()
     text, errtext = out.decode(), err.decode()
     assert proc.returncode == 0, errtext
-    assert "[rank0]:rank 0/2 attempt 1: all_reduce sum 3 (ok)" in text
-    assert "[rank1]:rank 1/2 attempt 1: all_reduce sum 3 (ok)" in text
+    # Teed: torchrun's prefix, role and local rank.
+    assert "[default0]:rank 0/2 attempt 1: all_reduce sum 3 (ok)" in text
+    assert "[default1]:rank 1/2 attempt 1: all_reduce sum 3 (ok)" in text
     assert "SUCCEEDED after 1 restart" in errtext
 
 
@@ -116,4 +119,5 @@ def test_elasticd_run_exits_nonzero_when_the_job_fails(tmp_path):
         cwd=ROOT,
     )
     assert proc.returncode == 1
-    assert "FAILED" in proc.stderr and "[rank0]:boom" in proc.stderr
+    # Not teed: the worker's output bare, as torchrun prints it.
+    assert "FAILED" in proc.stderr and "\nboom\n" in proc.stderr

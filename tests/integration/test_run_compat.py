@@ -173,3 +173,40 @@ def test_a_stopped_run_exits_128_plus_the_signal_and_leaves_no_worker(tmp_path, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("teed", "template", "expected"),
+    [
+        (False, None, "hello\n"),  # torchrun prints a worker's output bare
+        (True, None, "[trainer1]:hello\n"),
+        (True, "[${role_name}:${rank}/${local_rank}] ", "[trainer:5/1] hello\n"),
+        (False, "[${rank}]:", "hello\n"),  # the template applies to teed lines only
+    ],
+)
+def test_console_lines_look_as_torchrun_prints_them(capsys, teed, template, expected):
+    from elasticd.console import ConsoleLine, write_line
+
+    line = ConsoleLine("job", "trainer", 5, 1, "stderr", b"hello", teed)
+    env = {} if template is None else {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": template}
+    write_line(line, env)
+    assert capsys.readouterr().err == expected
+
+
+def test_teed_output_is_prefixed_on_the_console(tmp_path):
+    done = run(tmp_path, SHOW_ARGS, "x")
+    assert "\nrank 0 argv ['x']" in "\n" + done.stdout, done.stdout
+    script = tmp_path / "script.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+    env.update(ELASTICD_ALLOW_ROOT="true", TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${rank}> ")
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--nproc-per-node", "2", "--tee", "3"]
+        + ["--state-dir", str(tmp_path / "state2"), str(script), "y"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "<0> rank 0 argv ['y']" in done.stdout and "<1> rank 1 argv ['y']" in done.stdout

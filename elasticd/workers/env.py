@@ -101,6 +101,8 @@ def worker_env(
     # not lost in a buffer. The variable does the same for any Python entrypoint
     # (``python``, ``python3``, a shell that runs Python); a job that sets it keeps its value.
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # torchrun's launcher exports the signals its agent handles; workers inherit it.
+    env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     if ranks.local_world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")
     env.update(

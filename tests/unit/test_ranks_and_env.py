@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticd.rendezvous.ranks import NodeSlot, assign_ranks
-from elasticd.workers.env import AttemptInfo, worker_env
+from elasticd.workers.env import AttemptInfo, worker_args, worker_env
 
 TORCHRUN_VARS = {
     "RANK",
@@ -91,6 +91,20 @@ def test_env_precedence_and_withheld_variables():
     assert "secret" not in env.values()
     assert env["RANK"] == "1" and env["OMP_NUM_THREADS"] == "8" and env["PATH"] == "/bin"
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_torchrun_launcher_defaults_are_set_unless_the_job_sets_them():
+    """python -u's effect and the signals torchrun's launcher exports; the job's values win."""
+    env = _env()
+    assert env["PYTHONUNBUFFERED"] == "1"
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    env = _env(job={"PYTHONUNBUFFERED": "", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGUSR2"})
+    assert env["PYTHONUNBUFFERED"] == "" and env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGUSR2"
+    assert worker_args(["--local_rank=${local_rank}", "${local_rank}x", "n"], 3) == [
+        "--local_rank=3",
+        "3x",
+        "n",
+    ]
 
 
 def test_single_worker_gets_no_omp_default():

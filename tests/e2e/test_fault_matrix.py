@@ -16,13 +16,9 @@ scripts that note when they started (no torch).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +26,19 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import LocalCluster, read_notes
-from tests.store.etcd_server import etcd_binary, free_port
+from tests.e2e.fault_support import (
+    EtcdCluster,
+    assert_kept,
+    assert_never_failed,
+    end_without_strays,
+    events_of,
+    groups,
+    job_processes,
+    pid_alive,
+    report,
+    starts,
+    until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -56,92 +64,6 @@ time.sleep(600)
 """
 
 
-def report(case: str, what: str, seconds: float) -> None:
-    """One line of the matrix's measurements, for ``pytest -s``."""
-    print(f"\nFAULT-MATRIX {case}: {what} = {seconds:.3f} s", flush=True)
-
-
-def job_processes(job_id: str) -> list[int]:
-    """Every live process whose environment names ``job_id`` (workers and their children)."""
-    needle = f"ELASTICD_JOB_ID={job_id}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-async def until(condition: Any, timeout: float, what: str) -> None:
-    """Poll the (async) ``condition`` every 50 ms until it is true."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def events_of(c: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
-    r = await c.get(f"/jobs/{job_id}/events", params={"limit": 10_000})
-    assert r.status_code == 200, r.text
-    return list(r.json())
-
-
-def assert_kept(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
-    """Every event returned before is still returned, identical."""
-    now = {e["seq"]: e for e in after}
-    lost = [e for e in before if now.get(e["seq"]) != e]
-    assert not lost, f"events lost or changed: {lost}"
-
-
-def assert_never_failed(events: list[dict[str, Any]]) -> None:
-    states = [e["state"] for e in events if e["kind"] == "job.state"]
-    assert "FAILED" not in states, states
-    assert "job.orphaned" not in [e["kind"] for e in events]
-
-
-async def end_without_strays(c: httpx.AsyncClient, job_id: str, timeout: float = 30) -> None:
-    """Cancel the job, wait for CANCELLED, then for no process of the job to be left."""
-    r = await c.post(f"/jobs/{job_id}/cancel", json={})
-    assert r.status_code == 200, r.text
-
-    async def cancelled() -> bool:
-        return (await c.get(f"/jobs/{job_id}")).json()["state"] == "CANCELLED"
-
-    await until(cancelled, timeout, f"{job_id} CANCELLED")
-
-    async def no_strays() -> bool:
-        return not job_processes(job_id)
-
-    await until(no_strays, 10, f"no process of {job_id} left: {job_processes(job_id)}")
-
-
-async def groups(c: httpx.AsyncClient, job_id: str) -> dict[str, dict[str, Any]]:
-    return {g["node"]: g for g in (await c.get(f"/jobs/{job_id}/workers")).json()["groups"]}
-
-
-def starts(events: list[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for e in events:
-        if e["kind"] == "workers.started":
-            counts[e["node"]] = counts.get(e["node"], 0) + 1
-    return counts
-
-
 # -- node restart ---------------------------------------------------------------------------
 
 
@@ -158,7 +80,7 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             r = await c.post(
                 "/jobs",
                 json={
-                    "id": "rejoin",
+                    "id": "fm-rejoin",
                     "entrypoint": sys.executable,
                     "args": [str(worker), str(out)],
                     "min_nodes": 2,
@@ -169,14 +91,14 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             assert r.status_code == 201, r.text
 
             async def three() -> bool:
-                found = await groups(c, "rejoin")
+                found = await groups(c, "fm-rejoin")
                 return len(found) == 3 and all(
                     g["state"] == "HEALTHY" and g["group_world_size"] == 3 for g in found.values()
                 )
 
             await until(three, 40, "3 healthy groups")
-            before = await events_of(c, "rejoin")
-            victim = (await groups(c, "rejoin"))["n2"]
+            before = await events_of(c, "fm-rejoin")
+            victim = (await groups(c, "fm-rejoin"))["n2"]
             old_pids = [w["pid"] for w in victim["workers"]]
             node = cluster.nodes["n2"]
             killed_at = time.time()
@@ -201,12 +123,12 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             report("node restart", "kill -9 -> 3 nodes running again", back - killed_at)
             report("node restart", "daemon restarted -> 3 nodes running again", back - restarted_at)
             assert back - killed_at < 30
-            job = (await c.get("/jobs/rejoin")).json()
+            job = (await c.get("/jobs/fm-rejoin")).json()
             assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
-            after = await events_of(c, "rejoin")
+            after = await events_of(c, "fm-rejoin")
             assert_kept(before, after)
             assert_never_failed(after)
-            await end_without_strays(c, "rejoin")
+            await end_without_strays(c, "fm-rejoin", cluster.token_file)
 
 
 # -- workers that ignore SIGTERM --------------------------------------------------------------
@@ -229,7 +151,7 @@ async def test_cancel_of_workers_that_ignore_sigterm_kills_them_after_the_grace(
             r = await c.post(
                 "/jobs",
                 json={
-                    "id": "stubborn",
+                    "id": "fm-stubborn",
                     "entrypoint": sys.executable,
                     "args": [str(worker), str(out)],
                     "env": {"IGNORE_TERM": "1"},
@@ -244,9 +166,10 @@ async def test_cancel_of_workers_that_ignore_sigterm_kills_them_after_the_grace(
 
             await until(both_noted, 30, "both workers to start (and ignore SIGTERM)")
             pids = [n["pid"] for n in read_notes(out)]
-            before = await events_of(c, "stubborn")
+            assert set(pids) <= set(job_processes("fm-stubborn", cluster.token_file))
+            before = await events_of(c, "fm-stubborn")
             cancelled_at = time.monotonic()
-            r = await c.post("/jobs/stubborn/cancel", json={})
+            r = await c.post("/jobs/fm-stubborn/cancel", json={})
             assert r.status_code == 200, r.text
 
             async def dead() -> bool:
@@ -258,18 +181,18 @@ async def test_cancel_of_workers_that_ignore_sigterm_kills_them_after_the_grace(
             assert GRACE <= took < GRACE + MARGIN
 
             async def cancelled() -> bool:
-                return (await c.get("/jobs/stubborn")).json()["state"] == "CANCELLED"
+                return (await c.get("/jobs/fm-stubborn")).json()["state"] == "CANCELLED"
 
             await until(cancelled, 15, "CANCELLED")
             ended = time.monotonic() - cancelled_at
             report("SIGTERM ignored, cancel", "cancel -> job CANCELLED", ended)
-            after = await events_of(c, "stubborn")
+            after = await events_of(c, "fm-stubborn")
             assert_kept(before, after)
             assert_never_failed(after)
             exits = [e for e in after if e["kind"] == "worker.exited"]
             assert sorted(e["pid"] for e in exits) == sorted(pids)
             assert all(e["signal"] == signal.SIGKILL for e in exits), exits
-            assert not job_processes("stubborn")
+            assert not job_processes("fm-stubborn", cluster.token_file)
 
 
 async def test_a_group_restart_escalates_to_sigkill_for_a_worker_that_ignores_sigterm(
@@ -286,7 +209,7 @@ async def test_a_group_restart_escalates_to_sigkill_for_a_worker_that_ignores_si
             r = await c.post(
                 "/jobs",
                 json={
-                    "id": "stubborn-restart",
+                    "id": "fm-stubborn-restart",
                     "entrypoint": sys.executable,
                     "args": [str(worker), str(out)],
                     "env": {"IGNORE_TERM": "1", "CRASH_ONCE": "1"},
@@ -298,13 +221,13 @@ async def test_a_group_restart_escalates_to_sigkill_for_a_worker_that_ignores_si
             assert r.status_code == 201, r.text
 
             async def ended() -> bool:
-                job = (await c.get("/jobs/stubborn-restart")).json()
+                job = (await c.get("/jobs/fm-stubborn-restart")).json()
                 return job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED")
 
             await until(ended, 60, "the job to end")
-            job = (await c.get("/jobs/stubborn-restart")).json()
+            job = (await c.get("/jobs/fm-stubborn-restart")).json()
             assert job["state"] == "SUCCEEDED" and job["restart_count"] == 1, job
-            events = await events_of(c, "stubborn-restart")
+            events = await events_of(c, "fm-stubborn-restart")
             exits = [e for e in events if e["kind"] == "worker.exited" and e["attempt"] == 0]
             crash = next(e for e in exits if e["exit_code"] == 3)
             stubborn = next(e for e in exits if e["rank"] == 0)
@@ -323,113 +246,10 @@ async def test_a_group_restart_escalates_to_sigkill_for_a_worker_that_ignores_si
             assert recovery < GRACE + MARGIN + 5
             first_pids = [n["pid"] for n in read_notes(out) if n["attempt"] == 0]
             assert not any(pid_alive(p) for p in first_pids)
-            assert not job_processes("stubborn-restart")
+            assert not job_processes("fm-stubborn-restart", cluster.token_file)
 
 
 # -- etcd leader loss ------------------------------------------------------------------------
-
-
-class EtcdCluster:
-    """A 3-member etcd cluster on loopback; members can be killed (-9) and restarted."""
-
-    def __init__(self, root: Path, size: int = 3) -> None:
-        self.binary = etcd_binary()
-        self.root = root
-        self.names = [f"m{i}" for i in range(size)]
-        self.client_ports = [free_port() for _ in self.names]
-        self.peer_ports = [free_port() for _ in self.names]
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
-        self.initial = ",".join(
-            f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
-        )
-
-    def url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.client_ports[i]}"
-
-    def start(self, i: int) -> None:
-        """Start member ``i`` (again: on the same data folder and ports)."""
-        peer = f"http://127.0.0.1:{self.peer_ports[i]}"
-        args = [
-            self.binary,
-            f"--name={self.names[i]}",
-            f"--data-dir={self.root / self.names[i]}",
-            f"--listen-client-urls={self.url(i)}",
-            f"--advertise-client-urls={self.url(i)}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster={self.initial}",
-            "--initial-cluster-state=new",
-            "--initial-cluster-token=fault-matrix",
-            # Raft timers short enough for a quick election, long enough for a loaded box.
-            "--heartbeat-interval=50",
-            "--election-timeout=500",
-            "--logger=zap",
-            "--log-outputs=stderr",
-            "--log-level=error",
-        ]
-        with (self.root / f"{self.names[i]}.log").open("ab") as log:
-            self.procs[i] = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-
-    def start_all(self) -> None:
-        for i in range(len(self.names)):
-            self.start(i)
-        for i in range(len(self.names)):
-            self.wait_healthy(i)
-
-    def status(self, i: int) -> dict[str, Any] | None:
-        """Member ``i``'s maintenance status (its id and the leader's), or None if it is down."""
-        request = urllib.request.Request(
-            self.url(i) + "/v3/maintenance/status", data=b"{}", method="POST"
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=1) as response:
-                return dict(json.loads(response.read()))
-        except OSError:
-            return None
-
-    def leader(self) -> int | None:
-        """The index of the member every live member names as leader (None: no agreement)."""
-        ids: dict[str, int] = {}
-        named = set()
-        for i in range(len(self.names)):
-            status = self.status(i)
-            if status is None:
-                continue
-            ids[status["header"]["member_id"]] = i
-            named.add(status.get("leader"))
-        if len(named) != 1:
-            return None
-        return ids.get(named.pop())
-
-    def wait_healthy(self, i: int, deadline: float = 30) -> None:
-        until_ = time.monotonic() + deadline
-        while True:
-            proc = self.procs[i]
-            assert proc is not None
-            if proc.poll() is not None:
-                raise RuntimeError(f"etcd {self.names[i]} exited; see {self.root}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url(i) + "/health", timeout=1) as response,
-            ):
-                if b'"true"' in response.read():
-                    return
-            if time.monotonic() > until_:
-                raise RuntimeError(f"etcd {self.names[i]} not healthy in {deadline}s")
-            time.sleep(0.05)
-
-    def kill(self, i: int) -> None:
-        proc = self.procs[i]
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        self.procs[i] = None
-
-    def close(self) -> None:
-        for i in range(len(self.names)):
-            self.kill(i)
 
 
 ETCD_LEASE_TTL = 3.0
@@ -461,7 +281,7 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                 r = await c0.post(
                     "/jobs",
                     json={
-                        "id": "leader",
+                        "id": "fm-leader",
                         "entrypoint": sys.executable,
                         "args": [str(worker), str(out)],
                         "min_nodes": 2,
@@ -472,7 +292,7 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                 assert r.status_code == 201, r.text
 
                 async def running() -> bool:
-                    found = await groups(c0, "leader")
+                    found = await groups(c0, "fm-leader")
                     return (
                         len(read_notes(out)) == 2
                         and len(found) == 2
@@ -481,7 +301,7 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
 
                 await until(running, 40, "both nodes running")
                 pids = [n["pid"] for n in read_notes(out)]
-                before = await events_of(c0, "leader")
+                before = await events_of(c0, "fm-leader")
                 assert starts(before) == {"n0": 1, "n1": 1}
 
                 latencies: list[float] = []
@@ -491,7 +311,7 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                 async def probe(c: httpx.AsyncClient) -> None:
                     """Ask the API over and over; record how long each answer took."""
                     while not stop.is_set():
-                        for path in ("/jobs/leader", "/jobs/leader/workers", "/nodes"):
+                        for path in ("/jobs/fm-leader", "/jobs/fm-leader/workers", "/nodes"):
                             began = time.monotonic()
                             try:
                                 r = await c.get(path, timeout=30)
@@ -523,14 +343,14 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                 report("etcd leader loss", "worst API latency during the change", max(latencies))
                 assert not failures, failures[:5]
                 assert max(latencies) < 5, sorted(latencies)[-5:]
-                after = await events_of(c0, "leader")
+                after = await events_of(c0, "fm-leader")
                 kinds = [e["kind"] for e in after]
                 assert "agent.fenced" not in kinds, cluster.logs()
                 assert starts(after) == {"n0": 1, "n1": 1}, cluster.logs()
                 assert all(pid_alive(p) for p in pids)
                 assert len(read_notes(out)) == 2
                 assert_kept(before, after)
-                job = (await c1.get("/jobs/leader")).json()
+                job = (await c1.get("/jobs/fm-leader")).json()
                 assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
 
                 # The member comes back and catches up; still nothing restarted.
@@ -543,12 +363,12 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                     time.monotonic() - restarted_at,
                 )
                 await asyncio.sleep(ETCD_LEASE_TTL)
-                final = await events_of(c1, "leader")
+                final = await events_of(c1, "fm-leader")
                 assert "agent.fenced" not in [e["kind"] for e in final]
                 assert starts(final) == {"n0": 1, "n1": 1}
                 assert all(pid_alive(p) for p in pids)
                 assert_kept(after, final)
                 assert_never_failed(final)
-                await end_without_strays(c0, "leader")
+                await end_without_strays(c0, "fm-leader", cluster.token_file)
     finally:
         etcd.close()

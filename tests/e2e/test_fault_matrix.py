@@ -118,7 +118,12 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             async def back_at_three() -> bool:
                 return len(rejoined()) == 3 and await three()
 
-            await until(back_at_three, 60, f"the job back at 3 nodes: {cluster.logs()}")
+            try:
+                await until(back_at_three, 60, "the job back at 3 nodes")
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{exc}: {await groups(c, 'fm-rejoin')}\n{cluster.logs()}"
+                ) from exc
             back = max(n["t"] for n in rejoined())
             report("node restart", "kill -9 -> 3 nodes running again", back - killed_at)
             report("node restart", "daemon restarted -> 3 nodes running again", back - restarted_at)
@@ -126,6 +131,7 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             job = (await c.get("/jobs/fm-rejoin")).json()
             assert job["state"] == "RUNNING" and job["restart_count"] == 0, job
             after = await events_of(c, "fm-rejoin")
+            print(f"\nFAULT-MATRIX node restart: worker starts per node {starts(after)}")
             assert_kept(before, after)
             assert_never_failed(after)
             await end_without_strays(c, "fm-rejoin", cluster.token_file)

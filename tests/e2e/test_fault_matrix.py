@@ -96,7 +96,19 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
                     g["state"] == "HEALTHY" and g["group_world_size"] == 3 for g in found.values()
                 )
 
-            await until(three, 40, "3 healthy groups")
+            def of_round(number: int | None = None) -> dict[int, list[dict[str, Any]]]:
+                """The notes of workers that ran in a world of 3, by rendezvous round."""
+                found: dict[int, list[dict[str, Any]]] = {}
+                for n in read_notes(out):
+                    round_ = int(n["tag"].split(".")[0])
+                    if n["world"] == 3 and (number is None or round_ == number):
+                        found.setdefault(round_, []).append(n)
+                return found
+
+            async def first_round_running() -> bool:
+                return len(of_round(0).get(0, [])) == 3 and await three()
+
+            await until(first_round_running, 40, "3 workers running")
             before = await events_of(c, "fm-rejoin")
             victim = (await groups(c, "fm-rejoin"))["n2"]
             old_pids = [w["pid"] for w in victim["workers"]]
@@ -113,10 +125,12 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
             await cluster.wait_ready("n2")
 
             def rejoined() -> list[dict[str, Any]]:
-                return [n for n in read_notes(out) if n["t"] > restarted_at and n["world"] == 3]
+                """The workers of the latest later round that all 3 nodes run."""
+                full = [ns for r, ns in of_round().items() if r > 0 and len(ns) == 3]
+                return full[-1] if full else []
 
             async def back_at_three() -> bool:
-                return len(rejoined()) == 3 and await three()
+                return bool(rejoined()) and await three()
 
             try:
                 await until(back_at_three, 60, "the job back at 3 nodes")

@@ -1,9 +1,10 @@
 """Helpers for the fault-matrix tests (issue 12): timing lines, "nothing lost" checks, etcd.
 
 Test side only. ``job_processes`` finds every live process of a job by the
-``ELASTICD_JOB_ID`` in its environment (reading ``/proc/<pid>/environ`` needs
-root for other users' processes, as CI and the e2e suite run), so a worker's
-children count too. ``EtcdCluster`` runs a 3-member etcd on loopback whose
+``ELASTICD_JOB_ID`` and ``ELASTICD_TOKEN_FILE`` in its environment (reading
+``/proc/<pid>/environ`` needs root for other users' processes, as CI and the
+e2e suite run), so a worker's children count too, also those that left its
+process group or session. ``EtcdCluster`` runs a 3-member etcd on loopback whose
 members can be killed with SIGKILL and restarted on their data folders.
 """
 
@@ -50,6 +51,7 @@ def job_processes(job_id: str, token_file: Path) -> list[int]:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie is dead)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -122,6 +124,7 @@ class EtcdCluster:
     def __init__(self, root: Path, size: int = 3) -> None:
         self.binary = etcd_binary()
         self.root = root
+        root.mkdir(parents=True, exist_ok=True)
         self.names = [f"m{i}" for i in range(size)]
         self.client_ports = [free_port() for _ in self.names]
         self.peer_ports = [free_port() for _ in self.names]

@@ -280,7 +280,6 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
     a restart of that member: no fence, no worker restarted, no event lost, the API answers
     throughout."""
     etcd = EtcdCluster(tmp_path / "etcd")
-    (tmp_path / "etcd").mkdir()
     out = tmp_path / "notes.jsonl"
     worker = tmp_path / "note.py"
     worker.write_text(NOTE)
@@ -362,6 +361,8 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
                 report("etcd leader loss", "kill -9 of the leader -> new leader", elected)
                 report("etcd leader loss", "worst API latency during the change", max(latencies))
                 assert not failures, failures[:5]
+                for node in cluster.nodes.values():  # the fault reached both daemons
+                    assert etcd.url(leader) in node.log.read_text(), node.log.read_text()
                 assert max(latencies) < 5, sorted(latencies)[-5:]
                 after = await events_of(c0, "fm-leader")
                 kinds = [e["kind"] for e in after]

@@ -13,6 +13,7 @@ import httpx
 
 from api.app import create_app
 from tests.conftest import PY, events_of, make_daemon, script, wait_job
+from tests.e2e.fault_support import report
 
 PING_THEN_BLOCK = """
 import os, sys, threading, time
@@ -47,6 +48,8 @@ async def test_hung_worker_is_detected_dumped_and_restarted(client, tmp_path):
     hang = next(e for e in events if e["kind"] == "worker.hang")
     assert hang["rank"] == 1 and hang["state"] == "UNHEALTHY"
     assert 1.0 <= hang["duration_s"] < 5 and "no progress" in hang["message"]
+    report("worker hang", "last ping -> hang detected", hang["duration_s"])
+    report("worker hang", "hang detected -> group respawned", job["last_recovery"]["total_s"])
     states = [e["state"] for e in events if e["kind"] == "group.state"]
     assert "UNHEALTHY" in states
     stacks = next(e for e in events if e["kind"] == "worker.stacks")

@@ -13,6 +13,7 @@ import pytest
 
 from api.app import create_app
 from tests.conftest import PY, events_of, make_daemon, script, wait_group, wait_job
+from tests.e2e.fault_support import report
 
 CRASH_ONCE = """
 import os, sys
@@ -59,6 +60,7 @@ async def test_crash_once_restarts_the_group_and_succeeds(client, daemon, tmp_pa
     assert rec["cause"] == "worker failure" and rec["round"] == 1
     phases = rec["stop_s"] + rec["rendezvous_s"] + rec["spawn_s"]
     assert 0 < rec["total_s"] < 10 and abs(phases - rec["total_s"]) < 1e-3
+    report("worker crash", "exit detected -> group respawned", rec["total_s"])
     assert job["recovery_totals"] == {"count": 1, "total_s": rec["total_s"]}
     kinds = [e["kind"] for e in await events_of(client, job["id"])]
     for phase in ("detected", "stop_workers", "rendezvous", "spawn", "total"):

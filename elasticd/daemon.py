@@ -224,6 +224,7 @@ class Daemon:
                 key_file=self.config.store_key_file,
                 prefix=self.config.store_prefix,
             ),
+            lease_ttl=self.config.lease_ttl,
         )
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:

@@ -718,6 +718,7 @@ class JobService:
             console=self.console,
             clock=self.clock,
             fence_after=self.config.lease_ttl,
+            lease_lapsed=self.cluster.lease_lapsed,
             node_health_check=self.config.health_check,
             nvidia_smi=self.config.nvidia_smi,
         )

@@ -150,9 +150,20 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # empty prefix (or all 0xff): every key
 
 
-def _auth_header(token: str | None) -> dict[str, str] | None:
-    """etcd's gateway takes the bare token (no "Bearer") in ``Authorization``."""
-    return None if token is None else {"Authorization": token}
+#: etcd's "require leader" gRPC metadata, as the gateway takes it from HTTP headers:
+#: a member that has lost its leader refuses the request at once (``no leader``)
+#: instead of holding it until its own request timeout, and cancels a watch
+#: stream a few election timeouts after it lost its leader (a plain watch on a
+#: member cut off from quorum stays open and silent for ever).
+REQUIRE_LEADER = {"Grpc-Metadata-Hasleader": "true"}
+
+
+def _auth_header(token: str | None) -> dict[str, str]:
+    """The headers of every request: require a leader; etcd's gateway takes the bare token
+    (no "Bearer") in ``Authorization``."""
+    if token is None:
+        return dict(REQUIRE_LEADER)
+    return {**REQUIRE_LEADER, "Authorization": token}
 
 
 def _reason(exc: BaseException) -> str:
@@ -370,10 +381,29 @@ class EtcdStore(Store):
         return [(self._current + i) % n for i in range(n)]
 
     async def _post(self, path: str, body: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
-        """POST to the gateway as the configured user, failing over; the decoded JSON answer."""
-        return await self._authenticated(
-            lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
-        )
+        """POST to the gateway as the configured user, failing over; the decoded JSON answer.
+
+        The whole call, fail-over and re-authentication included, is bounded
+        by the client's timeout: a member without quorum holds a linearizable
+        read or a write until its own request timeout (5 s plus two election
+        timeouts), and callers (the API, the lease keeper) need an answer
+        sooner. A call cut off raises :class:`StoreUnavailable`.
+        """
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await self._authenticated(
+                    lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
+                )
+        except TimeoutError:
+            outcome = (
+                ""
+                if idempotent
+                else "; the write may or may not have been applied, re-read before retrying"
+            )
+            raise StoreUnavailable(
+                f"{self._where()} did not answer {path} within {self._timeout:g}s (no quorum?)"
+                + outcome
+            ) from None
 
     async def _post_once(
         self, path: str, body: dict[str, Any], *, idempotent: bool, token: str | None

@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import signal as signals
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,7 +111,7 @@ class AgentContext:
     #: Returns once the node's lease may have expired (no renewal got through for
     #: its TTL), with the seconds since the store was last reached; the agent then
     #: fences at once. ``None``: only failed round watches count (tests).
-    lease_lapsed: Callable[[], Awaitable[float]] | None = None
+    lease_lapsed: Callable[[], Coroutine[Any, Any, float]] | None = None
     #: The node config's health check command, run before every (re)start of a group.
     node_health_check: list[str] | None = None
     #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).

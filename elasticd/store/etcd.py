@@ -109,6 +109,7 @@ from elasticd.store.base import (
     Listing,
     Store,
     WatchEvent,
+    check_batch,
     check_listing_size,
 )
 from elasticd.store.http import transport_reason
@@ -688,6 +689,32 @@ class EtcdStore(Store):
         prev = data.get("prev_kv")
         created = _int(prev, "create_revision") if prev else revision
         return Entry(key=key, value=value, version=revision, created=created, lease=lease)
+
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
+        """One txn with a put per key: one round trip, one revision, all or nothing."""
+        check_batch(items)
+        checked = []
+        for key, value in items:
+            validate_key(key)
+            checked.append((key, check_value(value, self.max_value_bytes)))
+        if not checked:
+            return []
+        puts = [
+            {"request_put": {"key": self._key64(key), "value": _b64(value), "prev_kv": True}}
+            for key, value in checked
+        ]
+        data = await self._post(
+            "/kv/txn", {"compare": [], "success": puts, "failure": []}, idempotent=False
+        )
+        revision = _int(data["header"], "revision")
+        responses = data.get("responses", [])
+        entries = []
+        for i, (key, value) in enumerate(checked):
+            answer = responses[i] if i < len(responses) else {}
+            prev = answer.get("response_put", {}).get("prev_kv")
+            created = _int(prev, "create_revision") if prev else revision
+            entries.append(Entry(key=key, value=value, version=revision, created=created))
+        return entries
 
     async def add(self, key: str, delta: int = 1) -> int:
         validate_key(key)

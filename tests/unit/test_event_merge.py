@@ -1,0 +1,56 @@
+"""The merged event order, decided purely (issue 12, defect 7): tables, no store."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.events import (
+    PUBLISH_BATCH_BYTES,
+    PUBLISH_BATCH_EVENTS,
+    SEQ_STRIDE,
+    event_key,
+    merge_key,
+    merged_seqs,
+    publication_batches,
+)
+from elasticd.models import Event
+
+
+def ev(node: str, seq: int, message: str = "", job: str = "j") -> Event:
+    return Event(
+        seq=seq, time=0.0, job_id=job, node=node, source="agent", kind="k", message=message
+    )
+
+
+@pytest.mark.parametrize(
+    ("created", "seqs"),
+    [
+        ([], []),
+        ([5], [5 * SEQ_STRIDE]),
+        ([5, 5, 5, 7], [5000, 5001, 5002, 7000]),
+        ([3, 4, 4, 9, 9], [3000, 4000, 4001, 9000, 9001]),
+    ],
+)
+def test_merged_seqs_are_unique_and_increasing(created: list[int], seqs: list[int]) -> None:
+    """Events sharing a revision (one batch) are told apart by their place in it."""
+    assert merged_seqs(created) == seqs
+
+
+def test_one_batch_sorts_by_node_then_the_nodes_own_seq() -> None:
+    """Within a revision: node, then local seq, whatever order the listing gave."""
+    found = [(4, ev("b", 2)), (4, ev("a", 9)), (4, ev("b", 1)), (3, ev("c", 7))]
+    found.sort(key=lambda pair: merge_key(*pair))
+    assert [(e.node, e.seq) for _, e in found] == [("c", 7), ("a", 9), ("b", 1), ("b", 2)]
+
+
+def test_publication_batches_keep_order_drop_repeats_and_bound_size() -> None:
+    """Queued twice (emitted before start re-queued it) goes out once; batches are bounded."""
+    queued = [ev("n", 2), ev("n", 1), ev("n", 2), *(ev("n", s) for s in range(3, 250))]
+    batches = publication_batches(queued)
+    flat = [e.seq for b in batches for e in b]
+    assert flat == [2, 1, *range(3, 250)]
+    assert all(len(b) <= PUBLISH_BATCH_EVENTS for b in batches)
+    assert len({event_key(e) for e in batches[0]}) == len(batches[0])
+    big = [ev("n", s, message="x" * 60_000) for s in range(1, 20)]
+    for batch in publication_batches(big):
+        assert sum(len(e.model_dump_json()) for e in batch) <= PUBLISH_BATCH_BYTES

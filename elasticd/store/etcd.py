@@ -251,6 +251,7 @@ class EtcdStore(Store):
         endpoints: Sequence[str],
         *,
         timeout: float = 10.0,
+        deadline: float | None = None,
         api_prefix: str = "/v3",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
@@ -267,7 +268,8 @@ class EtcdStore(Store):
             raise ConfigError("etcd authentication needs both a user name and a password")
         self._namespace = self.options.prefix.encode("utf-8")
         self._prefix = "/" + api_prefix.strip("/")
-        self._timeout = timeout
+        self._timeout = timeout  # connecting, and one request to one member
+        self._deadline = deadline  # one call, fail-over included (None: unbounded)
         self._current = 0
         https = any(e.startswith("https://") for e in self.endpoints)
         tls = tls_context(self.options) if https else None
@@ -384,14 +386,16 @@ class EtcdStore(Store):
     async def _post(self, path: str, body: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
         """POST to the gateway as the configured user, failing over; the decoded JSON answer.
 
-        The whole call, fail-over and re-authentication included, is bounded
-        by the client's timeout: a member without quorum holds a linearizable
-        read or a write until its own request timeout (5 s plus two election
-        timeouts), and callers (the API, the lease keeper) need an answer
-        sooner. A call cut off raises :class:`StoreUnavailable`.
+        With a ``deadline`` the whole call, fail-over and re-authentication
+        included, is bounded by it: a member that lost quorum holds a
+        linearizable read or a write until its own request timeout (5 s plus
+        two election timeouts) until it notices, and callers (the API, the
+        lease keeper) need an answer sooner. A call cut off raises
+        :class:`StoreUnavailable`. Each attempt is bounded by ``timeout``,
+        shorter, so that a member that hangs leaves time to try the next.
         """
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self._deadline):
                 return await self._authenticated(
                     lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
                 )
@@ -402,7 +406,7 @@ class EtcdStore(Store):
                 else "; the write may or may not have been applied, re-read before retrying"
             )
             raise StoreUnavailable(
-                f"{self._where()} did not answer {path} within {self._timeout:g}s (no quorum?)"
+                f"{self._where()} did not answer {path} within {self._deadline:g}s (no quorum?)"
                 + outcome
             ) from None
 

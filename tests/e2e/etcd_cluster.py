@@ -10,11 +10,16 @@ at the end.
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.e2e.cluster import LocalCluster
 
 from tests.store.etcd_server import etcd_binary, free_port
 
@@ -130,3 +135,19 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()
+
+
+def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str, float, str]]:
+    """A daemon's own record of a job's events, in its order (read-only from its SQLite)."""
+    path = cluster.root / node / "elasticd.sqlite3"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT doc FROM events WHERE job_id = ? ORDER BY seq", (job_id,)
+        ).fetchall()
+    docs = [json.loads(doc) for (doc,) in rows]
+    return [(d["kind"], d["time"], d["message"]) for d in docs]
+
+
+def shown_events(merged: list[dict], node: str) -> list[tuple[str, float, str]]:
+    """One node's events in a merged /events answer, in the merged order."""
+    return [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == node]

@@ -11,14 +11,12 @@ nothing swapped.
 from __future__ import annotations
 
 import asyncio
-import json
-import sqlite3
 import sys
 
 import pytest
 
 from tests.e2e.cluster import LocalCluster, job_ended
-from tests.e2e.etcd_cluster import EtcdCluster
+from tests.e2e.etcd_cluster import EtcdCluster, own_events, shown_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -39,17 +37,6 @@ def cluster(tmp_path, etcd):
     (tmp_path / "daemons").mkdir()
     with LocalCluster(tmp_path / "daemons", lease_ttl=LEASE_TTL) as c:
         yield c
-
-
-def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str, float, str]]:
-    """The node's own record of the job's events, in its order (read-only from its SQLite)."""
-    path = cluster.root / node / "elasticd.sqlite3"
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
-        rows = db.execute(
-            "SELECT doc FROM events WHERE job_id = ? ORDER BY seq", (job_id,)
-        ).fetchall()
-    docs = [json.loads(doc) for (doc,) in rows]
-    return [(d["kind"], d["time"], d["message"]) for d in docs]
 
 
 def out_of_order(shown: list[tuple[str, float, str]], own: list[tuple[str, float, str]]) -> int:
@@ -100,10 +87,7 @@ async def test_each_nodes_events_keep_their_order_through_crashes_and_an_etcd_ou
             while True:
                 merged = (await c.get("/jobs/order/events")).json()
                 own = {n: own_events(cluster, n, "order") for n in NODES}
-                shown = {
-                    n: [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == n]
-                    for n in NODES
-                }
+                shown = {n: shown_events(merged, n) for n in NODES}
                 if all(len(shown[n]) >= len(own[n]) for n in NODES):
                     break
                 await asyncio.sleep(0.5)

@@ -101,7 +101,7 @@ def publication_batches(events: list[Event]) -> list[list[Event]]:
         doc = len(event.model_dump_json())
         if current and (len(current) >= PUBLISH_BATCH_EVENTS or size + doc > PUBLISH_BATCH_BYTES):
             batches.append(current)
-            current, keys, size = [], set(), 0
+            current, size = [], 0
         current.append(event)
         keys.add(key)
         size += doc
@@ -167,6 +167,12 @@ class EventLog:
         """Publish what a previous run left unpublished, then keep publishing."""
         if self._store is None:
             return
+        # Events emitted before start() are queued already and are among the
+        # unpublished ones: queue each once, oldest first, so that the store
+        # creates them in this node's order.
+        while not self._queue.empty():
+            self._queue.get_nowait()
+            self._queue.task_done()
         for event in self._db.unpublished_events():
             self._queue.put_nowait(event)
         self._publisher = asyncio.create_task(self._publish(), name="event-publisher")

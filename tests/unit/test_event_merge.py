@@ -54,3 +54,22 @@ def test_publication_batches_keep_order_drop_repeats_and_bound_size() -> None:
     big = [ev("n", s, message="x" * 60_000) for s in range(1, 20)]
     for batch in publication_batches(big):
         assert sum(len(e.model_dump_json()) for e in batch) <= PUBLISH_BATCH_BYTES
+
+
+@pytest.mark.timeout(10)
+async def test_events_emitted_before_start_are_published_once_in_order(tmp_path) -> None:
+    """Emitted before the publisher starts: each published once, the node's order kept."""
+    from elasticd.db import Database
+    from elasticd.events import EventLog
+    from elasticd.store.memory import MemoryStore
+
+    async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:
+        log = EventLog(db, "n0", store=store)
+        for i in range(150):  # more than one publication batch
+            log.emit("j", "daemon", "k", f"event {i}")
+        await log.start()
+        await log.flush()
+        merged = await log.cluster_events("j")
+        await log.stop()
+    assert [e.message for e in merged] == [f"event {i}" for i in range(150)]
+    assert [e.seq for e in merged] == sorted({e.seq for e in merged})

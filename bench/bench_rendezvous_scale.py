@@ -127,6 +127,10 @@ class CountingStore(Store):
         self.counts["put"] += 1
         return await self.inner.put(key, value, lease=lease)
 
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> list[Entry]:
+        self.counts["put_batch"] += 1
+        return await self.inner.put_batch(items)
+
     async def add(self, key: str, delta: int = 1) -> int:
         self.counts["add"] += 1
         return await self.inner.add(key, delta)

@@ -61,6 +61,17 @@ class NodeRecord(BaseModel):
     started_at: float
 
 
+def lease_lapse(renewed_at: float | None, lease_ttl: float, now: float) -> float | None:
+    """How long a lease last renewed (sent) at ``renewed_at`` may have been expired at ``now``.
+
+    ``None`` while it surely lives (or was never granted). A lease lives at
+    least ``lease_ttl`` from the moment its last successful renewal was sent.
+    """
+    if renewed_at is None or now - renewed_at < lease_ttl:
+        return None
+    return now - renewed_at - lease_ttl
+
+
 class Cluster:
     """This node's membership and its view of the cluster's jobs."""
 
@@ -83,6 +94,9 @@ class Cluster:
         self._refused: dict[str, int] = {}
         self._clock = clock
         self._lease: int | None = None
+        #: Monotonic time at which the last grant or keep-alive that succeeded was sent:
+        #: the lease lives at least ``lease_ttl`` from then, and may end right after.
+        self.renewed_at: float | None = None
         self._lease_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -116,9 +130,11 @@ class Cluster:
         """The node's live lease, granted (and the node registered) if needed."""
         async with self._lease_lock:
             if self._lease is None:
+                sent = self._clock.monotonic()
                 lease = await self.store.grant(self.lease_ttl)
                 await self.store.put(self.key, self.record.model_dump_json().encode(), lease=lease)
                 self._lease = lease
+                self.renewed_at = sent
                 log.info("node %s registered (lease %x)", self.record.name, lease)
             return self._lease
 
@@ -150,22 +166,52 @@ class Cluster:
             return None
         return record if record.name == name else None
 
+    def lease_lapse(self, now: float) -> float | None:
+        """Seconds since the lease may have expired (>= 0), or ``None`` while it surely lives."""
+        return lease_lapse(self.renewed_at, self.lease_ttl, now)
+
+    async def lease_lapsed(self) -> float:
+        """Return once the lease may have expired: no renewal got through for ``lease_ttl``.
+
+        The other nodes then declare this one dead, so its workers must stop
+        (the agent fences). Returns how long the store has been out of reach.
+        Waits on a timer, never on a store call, so a call that hangs cannot
+        delay it.
+        """
+        while True:
+            now = self._clock.monotonic()
+            if self.lease_lapse(now) is not None:
+                assert self.renewed_at is not None
+                return now - self.renewed_at
+            if self.renewed_at is None:  # not registered yet
+                await asyncio.sleep(self.lease_ttl)
+            else:  # a timer to the earliest expiry; a renewal meanwhile moves it on
+                await asyncio.sleep(max(0.01, self.renewed_at + self.lease_ttl - now))
+
     async def _keep_alive(self) -> None:
         interval = self.lease_ttl / 3
+        retry = min(interval, 0.2)
         failing_since: float | None = None
         while True:
-            await asyncio.sleep(interval)  # a lease renewal is periodic by nature
+            # A lease renewal is periodic by nature; after a failure try again soon,
+            # so that a short outage never lets the lease run out.
+            await asyncio.sleep(interval if failing_since is None else retry)
+            sent = self._clock.monotonic()
             try:
                 lease = await self.lease()
                 await self.store.keep_alive(lease)
+                self.renewed_at = max(sent, self.renewed_at or sent)
                 failing_since = None
             except LeaseNotFound:
                 log.warning("node %s lost its lease; registering again", self.record.name)
                 self._lease = None
+                failing_since = failing_since or sent
             except StoreError as exc:
                 now = self._clock.monotonic()
-                failing_since = failing_since or now
-                log.warning("keep-alive failed for %.1fs: %s", now - failing_since, exc)
+                if failing_since is None:
+                    log.warning("keep-alive failed: %s", exc)
+                failing_since = failing_since or sent
+                log.debug("keep-alive failing for %.1fs: %s", now - failing_since, exc)
 
     async def _watch_jobs(self) -> None:
         """Keep a parsed copy of every job document, updated by the watch's events only.

@@ -237,6 +237,7 @@ class Daemon:
                 key_file=self.config.store_key_file,
                 prefix=self.config.store_prefix,
             ),
+            lease_ttl=self.config.lease_ttl,
         )
         if isinstance(self.store, EmbeddedStore):
             self.store.health = self.storage  # a full disk under its journal is reported too

@@ -3,11 +3,27 @@
 ``emit`` writes the event to this daemon's SQLite before it returns (so an
 event that an API call acknowledged is on disk), then a publisher task puts
 it into the cluster store under ``ev/<job>/<node>/<local seq>``. The merged
-view that the API serves reads the store: an event's ``seq`` there is the
-store revision of its publication, one order for all nodes' events.
+view that the API serves reads the store and orders all nodes' events by
+:func:`merge_key`: the store revision that created each event, then node,
+then the node's own seq.
+
+Each node's own order survives the merge because the publisher writes what
+is queued as one :meth:`~elasticd.store.Store.put_batch` (one etcd txn: one
+round trip, one revision, all or nothing) and sends the next batch only
+after this one is written. So an event is never created at an earlier
+revision than one emitted before it on the same node: events of one batch
+share a revision (ties are broken by the node's seq), later batches get
+later ones, and a failed batch is retried whole before anything newer.
+(Puts sent concurrently, as before, were applied in whatever order etcd
+received them, and an outage left holes that were filled later.) An event's
+``seq`` in the merged view is ``revision * SEQ_STRIDE + its place among the
+events created at that revision``: unique, increasing, and a cursor for
+``after``.
+
 Unpublished events (the store was unreachable, the daemon was killed) are
 published again when the daemon starts, under the same key, so nothing is
-lost and nothing is duplicated.
+lost and nothing is duplicated; a key that was written keeps its created
+revision.
 
 A full or failing disk never makes ``emit`` raise (:mod:`elasticd.storage`):
 an event the database refuses waits in the database's ordered backlog, and
@@ -37,8 +53,67 @@ from elasticd.keys import event_key, event_prefix
 from elasticd.models import Event, EventSource
 from elasticd.storage import is_storage_fault
 from elasticd.store import Store
+from elasticd.store.base import MAX_BATCH_KEYS
 
 log = logging.getLogger("elasticd.events")
+
+
+#: Merged-view seqs per store revision: room for every event one batch can create.
+SEQ_STRIDE = 1000
+
+#: Most events, and most bytes of them, one publication batch holds (a store
+#: batch has a size limit, and the embedded store's HTTP route a body limit).
+PUBLISH_BATCH_EVENTS = MAX_BATCH_KEYS
+PUBLISH_BATCH_BYTES = 256 * 1024
+
+
+def published_key(event: Event) -> str:
+    """Where a node publishes its event: under the job, its node, and its local seq."""
+    return event_key(event.job_id, event.node, event.seq)
+
+
+def merge_key(created: int, event: Event) -> tuple[int, str, int]:
+    """The merged order: creating revision, then node, then the node's own (local) seq."""
+    return (created, event.node, event.seq)
+
+
+def merged_seqs(created: list[int]) -> list[int]:
+    """Merged-view seqs of events sorted by :func:`merge_key`, from their created revisions.
+
+    ``revision * SEQ_STRIDE + place among the events of that revision``:
+    events of one batch share a revision, and a cursor must still tell them
+    apart. A batch is written whole, so a reader sees all of a revision's
+    events or none, and the places are stable.
+    """
+    seqs = []
+    previous, place = -1, 0
+    for revision in created:
+        place = place + 1 if revision == previous else 0
+        previous = revision
+        seqs.append(revision * SEQ_STRIDE + min(place, SEQ_STRIDE - 1))
+    return seqs
+
+
+def publication_batches(events: list[Event]) -> list[list[Event]]:
+    """Queued events as store batches, in order: each key once, bounded in count and bytes."""
+    batches: list[list[Event]] = []
+    current: list[Event] = []
+    keys: set[str] = set()
+    size = 0
+    for event in events:
+        key = published_key(event)
+        if key in keys:  # queued twice (emitted before start() re-queued it): same value
+            continue
+        doc = len(event.model_dump_json())
+        if current and (len(current) >= PUBLISH_BATCH_EVENTS or size + doc > PUBLISH_BATCH_BYTES):
+            batches.append(current)
+            current, size = [], 0
+        current.append(event)
+        keys.add(key)
+        size += doc
+    if current:
+        batches.append(current)
+    return batches
 
 
 class EventLog:
@@ -114,6 +189,12 @@ class EventLog:
         """Publish what a previous run left unpublished, then keep publishing."""
         if self._store is None:
             return
+        # Events emitted before start() are queued already and are among the
+        # unpublished ones: queue each once, oldest first, so that the store
+        # creates them in this node's order.
+        while not self._queue.empty():
+            self._queue.get_nowait()
+            self._queue.task_done()
         for event in self._db.unpublished_events():
             self._queue.put_nowait(event)
         self._publisher = asyncio.create_task(self._publish(), name="event-publisher")
@@ -142,49 +223,41 @@ class EventLog:
                     await self._queue.join()
 
     async def _publish(self) -> None:
-        """Publish in batches: everything queued goes out concurrently, one group commit."""
+        """Publish what is queued as store batches, one after the other, each whole or not at all.
+
+        One batch is one round trip however many events it holds, and the
+        next is sent only once this one is written, so the store creates a
+        node's events in the node's own order (see the module docstring).
+        """
         assert self._store is not None
         store = self._store
         backoff = 0.05
         while True:
-            batch = [await self._queue.get()]
+            queued = [await self._queue.get()]
             while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            pending = batch
-            while pending:
-                results = await asyncio.gather(
-                    *(
-                        store.put(
-                            event_key(e.job_id, e.node, e.seq),
-                            e.model_dump_json().encode(),
-                        )
-                        for e in pending
-                    ),
-                    return_exceptions=True,
-                )
-                done = [
-                    e
-                    for e, r in zip(pending, results, strict=True)
-                    if not isinstance(r, BaseException)
-                ]
+                queued.append(self._queue.get_nowait())
+            for batch in publication_batches(queued):
+                items = [(published_key(e), e.model_dump_json().encode()) for e in batch]
+                while True:
+                    try:
+                        await store.put_batch(items)
+                    except Exception as exc:  # retried whole, before anything newer
+                        if not isinstance(exc, StoreError):
+                            log.error("publishing events failed unexpectedly: %r", exc)
+                        log.warning("cannot publish %d events yet: %s", len(batch), exc)
+                        await asyncio.sleep(backoff)  # retry with backoff while the store is away
+                        backoff = min(backoff * 2, 1.0)
+                        continue
+                    backoff = 0.05
+                    break
                 try:
-                    self._db.mark_published(e.seq for e in done)
+                    self._db.mark_published(e.seq for e in batch)
                 except Exception as exc:
                     # They are in the store; unmarked, they are only published again
                     # (same keys) at the next start. Never let the publisher die of it.
                     if not is_storage_fault(exc):
-                        log.exception("cannot mark %d events published", len(done))
-                pending = [e for e in pending if e not in done]
-                if pending:
-                    errors = [r for r in results if isinstance(r, BaseException)]
-                    if any(not isinstance(r, StoreError) for r in errors):
-                        log.error("publishing events failed unexpectedly: %r", errors[0])
-                    log.warning("cannot publish %d events yet: %s", len(pending), errors[0])
-                    await asyncio.sleep(backoff)  # retry with backoff while the store is away
-                    backoff = min(backoff * 2, 1.0)
-                else:
-                    backoff = 0.05
-            for _ in batch:
+                        log.exception("cannot mark %d events published", len(batch))
+            for _ in queued:
                 self._queue.task_done()
 
     def quiet_since(self, before: float) -> list[str]:
@@ -227,17 +300,24 @@ class EventLog:
         if self._store is None:
             return self.read(job_id, after), 0
         listing = await self._store.list(event_prefix(job_id))
-        events = []
+        found: list[tuple[int, Event]] = []
         for entry in listing.entries:
-            if entry.created <= after:
+            # Whole revisions only: the cursor's revision may still hold later events.
+            if entry.created < after // SEQ_STRIDE:
                 continue
             try:
                 event = Event.model_validate_json(entry.value)
             except ValidationError:
                 log.warning("ignoring malformed event %s", entry.key)
                 continue
-            events.append(event.model_copy(update={"seq": entry.created}))
-        events.sort(key=lambda e: e.seq)
+            found.append((entry.created, event))
+        found.sort(key=lambda pair: merge_key(*pair))
+        seqs = merged_seqs([created for created, _ in found])
+        events = [
+            event.model_copy(update={"seq": seq})
+            for seq, (_, event) in zip(seqs, found, strict=True)
+            if seq > after
+        ]
         return events, listing.revision
 
     async def follow_cluster(self, job_id: str, after: int, timeout: float) -> list[Event]:

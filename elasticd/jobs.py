@@ -10,8 +10,9 @@ of those agents actually run workers.
 
 Events are recorded in this daemon's SQLite first (so an acknowledged event
 is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
-merged, cluster-wide view; the store revision of an event is its ``seq`` in
-the API, which gives all nodes' events one order.
+merged, cluster-wide view; an event's ``seq`` in the API comes from the store
+revision that created it (see :mod:`elasticd.events`), which gives all nodes'
+events one order that keeps each node's own.
 
 Job documents are read back through one check (``parse_job``, the cluster's
 :func:`~elasticd.cluster.check_job_document`), so a document written into the
@@ -753,6 +754,7 @@ class JobService:
             console=self.console,
             clock=self.clock,
             fence_after=self.config.lease_ttl,
+            lease_lapsed=self.cluster.lease_lapsed,
             node_health_check=self.config.health_check,
             nvidia_smi=self.config.nvidia_smi,
             storage=self.storage,

@@ -8,6 +8,7 @@ PUT      ``/store/kv`` ``{key, value, lease}``       ``{"entry": Entry}``
 DELETE   ``/store/kv?key=K&expected_version=V``      ``{"deleted": bool}``
 POST     ``/store/cas``                              ``{"ok": bool, "entry": Entry | null}``
          ``{key, value, expected_version, lease}``
+POST     ``/store/batch`` ``{items: [{key, value}]}``  ``{"entries": [Entry]}``
 POST     ``/store/add`` ``{key, delta}``             ``{"value": int}``
 GET      ``/store/list?prefix=P``                    ``{"entries": [Entry], "revision"}``
 POST     ``/store/leases`` ``{ttl}``                 ``201 {"lease": id, "ttl"}``
@@ -49,7 +50,13 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas import Empty
-from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Entry, Store, WatchEvent
+from elasticd.store.base import (
+    DEFAULT_MAX_VALUE_BYTES,
+    MAX_BATCH_KEYS,
+    Entry,
+    Store,
+    WatchEvent,
+)
 
 #: Longest long-poll a client may ask for, in seconds.
 MAX_WATCH_SECONDS = 600.0
@@ -152,6 +159,31 @@ class StoreCasResponse(_Wire):
 
     ok: bool
     entry: StoreEntry | None
+
+
+class StoreBatchItem(_Wire):
+    """One key of a batch."""
+
+    key: str = Field(min_length=1)
+    value: str = Field(description="The value, base64")
+
+    @field_validator("value")
+    @classmethod
+    def _check_b64(cls, value: str) -> str:
+        _decode_b64(value)
+        return value
+
+
+class StoreBatchRequest(_Wire):
+    """Write every key unconditionally, all or nothing, in the order given."""
+
+    items: list[StoreBatchItem] = Field(max_length=MAX_BATCH_KEYS)
+
+
+class StoreBatchResponse(_Wire):
+    """The entries as written, in the order given."""
+
+    entries: list[StoreEntry]
 
 
 class StoreAddRequest(_Wire):
@@ -289,6 +321,16 @@ def store_router(
     ) -> StoreDeleteResponse:
         """Delete a key; with ``expected_version`` only if it still has that version."""
         return StoreDeleteResponse(deleted=await get_store().delete(key, expected_version))
+
+    @router.post("/batch", response_model=StoreBatchResponse)
+    async def put_batch(body: StoreBatchRequest) -> StoreBatchResponse:
+        """Write several keys unconditionally, all or nothing (one writer keeps its order)."""
+        items = [(item.key, _decode_b64(item.value)) for item in body.items]
+        try:
+            entries = await get_store().put_batch(items)
+        except ValueError as exc:  # a key named twice
+            raise HTTPException(400, str(exc)) from None
+        return StoreBatchResponse(entries=[StoreEntry.of(e) for e in entries])
 
     @router.post("/cas", response_model=StoreCasResponse)
     async def compare_and_set(body: StoreCasRequest) -> StoreCasResponse:

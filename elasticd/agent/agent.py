@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import signal as signals
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,10 @@ class AgentContext:
     clock: Clock = field(default=SYSTEM_CLOCK)
     #: Seconds without the store after which this node stops its workers (the lease TTL).
     fence_after: float = 3.0
+    #: Returns once the node's lease may have expired (no renewal got through for
+    #: its TTL), with the seconds since the store was last reached; the agent then
+    #: fences at once. ``None``: only failed round watches count (tests).
+    lease_lapsed: Callable[[], Coroutine[Any, Any, float]] | None = None
     #: The node config's health check command, run before every (re)start of a group.
     node_health_check: list[str] | None = None
     #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
@@ -909,6 +913,32 @@ class JobAgent:
         the node fences itself (stops its workers) instead of letting them
         hang in a collective with peers that are gone.
         """
+        if self.ctx.lease_lapsed is None:
+            return await self._watch_round_only(my_round)
+        # The node's lease is the truth the other nodes act on: once it may have
+        # expired they re-form without this node, whatever the round watch says.
+        # A watch can hang silently (a member cut off from quorum, a black hole),
+        # so the lapse is awaited on its own timer, not inferred from watch errors.
+        watch = asyncio.create_task(self._watch_round_only(my_round))
+        lapse = asyncio.create_task(self.ctx.lease_lapsed())
+        try:
+            done, _ = await asyncio.wait({watch, lapse}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            lapse.cancel()
+        if watch in done:
+            return watch.result()
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "agent.fenced",
+            f"{self.ctx.node} lost the store for {lapse.result():.1f}s (no lease renewal got "
+            "through for the lease TTL; the other nodes count it as gone); stopping its workers",
+        )
+        return Change.FENCED
+
+    async def _watch_round_only(self, my_round: int) -> Change:
+        """The round watch, fencing after ``fence_after`` seconds of failed watches."""
         loss = StoreLoss(self.ctx.fence_after)
         while True:
             try:

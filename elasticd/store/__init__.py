@@ -153,6 +153,7 @@ def open_store(
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
     max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
     etcd: EtcdOptions | None = None,
+    lease_ttl: float | None = None,
 ) -> Store:
     """The store that ``url`` (the ``store_url`` setting) names.
 
@@ -161,6 +162,8 @@ def open_store(
       authenticated with ``token``;
     * ``etcd://h1:2379,h2:2379`` (``etcds://`` or ``etcd+https://`` for TLS):
       etcd, failing over between the endpoints in order, as ``etcd`` says.
+      With ``lease_ttl`` every etcd call is bounded as
+      :func:`etcd_call_timeouts` says, not by ``timeout``.
 
     Raises :class:`~elasticd.errors.ConfigError` for any other URL.
     """
@@ -185,13 +188,32 @@ def open_store(
         )
     from elasticd.store.etcd import EtcdStore
 
+    attempt, deadline = (
+        (timeout, None) if lease_ttl is None else etcd_call_timeouts(lease_ttl, timeout)
+    )
     return EtcdStore(
         target.urls,
-        timeout=timeout,
+        timeout=attempt,
+        deadline=deadline,
         max_value_bytes=max_value_bytes,
         max_list_bytes=max_list_bytes,
         options=etcd,
     )
+
+
+def etcd_call_timeouts(lease_ttl: float, longest: float = 10.0) -> tuple[float, float]:
+    """How long one request to one etcd member, and one call with fail-over, may take.
+
+    A third and two thirds of the node lease, at least 1 s and 2 s (with the
+    default 3 s lease: 1 s, 2 s), at most ``longest`` each.
+
+    Without quorum, etcd holds a read or a write for its own request timeout
+    (5 s plus two election timeouts) before it says so. A node must keep its
+    lease alive within ``lease_ttl`` and fence when it cannot, and API calls
+    must answer (503) while the store is away, so no call may take longer than
+    a fraction of the lease. A healthy etcd answers in milliseconds.
+    """
+    return min(longest, max(1.0, lease_ttl / 3)), min(longest, max(2.0, lease_ttl * 2 / 3))
 
 
 def _has_port(host: str) -> bool:

@@ -11,6 +11,11 @@ Semantics, shared with etcd v3 so that every backend can honour them:
   only when the key's current version equals ``expected_version``
   (``None`` means "the key must be absent"). A lost race is not an exception:
   the result carries the winner's entry.
+* ``put_batch`` writes several keys at once, all or nothing, in one round
+  trip, in the order given: each key's ``created``/``version`` is at least
+  that of the keys before it. etcd gives the whole batch one revision (one
+  txn); the other backends one revision per key. It is how one writer keeps
+  its own order without waiting for one round trip per key (the event log).
 * Keys bound to a lease are deleted when the lease expires or is revoked.
 * ``watch`` answers as soon as a change under the key (or prefix) with a
   revision above ``after_version`` exists, or with an empty list at the
@@ -42,6 +47,18 @@ DEFAULT_MAX_VALUE_BYTES = 1024 * 1024
 #: backend (``store_max_list_bytes``). A larger listing raises
 #: :class:`~elasticd.errors.ListingTooLarge` instead of being built in memory.
 DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024
+
+#: Most keys one :meth:`Store.put_batch` may write (etcd refuses a txn of more
+#: than ``--max-txn-ops`` operations, 128 by default).
+MAX_BATCH_KEYS = 100
+
+
+def check_batch(items: Sequence[tuple[str, bytes]]) -> None:
+    """Refuse a batch that no backend may apply atomically: too many keys, or one twice."""
+    if len(items) > MAX_BATCH_KEYS:
+        raise ValueError(f"a batch holds at most {MAX_BATCH_KEYS} keys, not {len(items)}")
+    if len({key for key, _ in items}) != len(items):
+        raise ValueError("a batch names a key twice")
 
 
 def check_listing_size(prefix: str, size: int, count: int, limit: int) -> None:
@@ -127,6 +144,15 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
         """Write unconditionally (for data with a single writer, e.g. a node's own record)."""
+
+    @abc.abstractmethod
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
+        """Write every ``(key, value)`` unconditionally, all or nothing, in one round trip.
+
+        The entries come back in the order given, with non-decreasing
+        revisions. At most :data:`MAX_BATCH_KEYS` keys, each named once
+        (``ValueError`` otherwise); keys are not bound to a lease.
+        """
 
     @abc.abstractmethod
     async def add(self, key: str, delta: int = 1) -> int:

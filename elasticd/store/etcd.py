@@ -109,6 +109,7 @@ from elasticd.store.base import (
     Listing,
     Store,
     WatchEvent,
+    check_batch,
     check_listing_size,
 )
 from elasticd.store.http import transport_reason
@@ -150,9 +151,20 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"  # empty prefix (or all 0xff): every key
 
 
-def _auth_header(token: str | None) -> dict[str, str] | None:
-    """etcd's gateway takes the bare token (no "Bearer") in ``Authorization``."""
-    return None if token is None else {"Authorization": token}
+#: etcd's "require leader" gRPC metadata, as the gateway takes it from HTTP headers:
+#: a member that has lost its leader refuses the request at once (``no leader``)
+#: instead of holding it until its own request timeout, and cancels a watch
+#: stream a few election timeouts after it lost its leader (a plain watch on a
+#: member cut off from quorum stays open and silent for ever).
+REQUIRE_LEADER = {"Grpc-Metadata-Hasleader": "true"}
+
+
+def _auth_header(token: str | None) -> dict[str, str]:
+    """The headers of every request: require a leader; etcd's gateway takes the bare token
+    (no "Bearer") in ``Authorization``."""
+    if token is None:
+        return dict(REQUIRE_LEADER)
+    return {**REQUIRE_LEADER, "Authorization": token}
 
 
 def _reason(exc: BaseException) -> str:
@@ -239,6 +251,7 @@ class EtcdStore(Store):
         endpoints: Sequence[str],
         *,
         timeout: float = 10.0,
+        deadline: float | None = None,
         api_prefix: str = "/v3",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
@@ -255,7 +268,8 @@ class EtcdStore(Store):
             raise ConfigError("etcd authentication needs both a user name and a password")
         self._namespace = self.options.prefix.encode("utf-8")
         self._prefix = "/" + api_prefix.strip("/")
-        self._timeout = timeout
+        self._timeout = timeout  # connecting, and one request to one member
+        self._deadline = deadline  # one call, fail-over included (None: unbounded)
         self._current = 0
         https = any(e.startswith("https://") for e in self.endpoints)
         tls = tls_context(self.options) if https else None
@@ -370,10 +384,31 @@ class EtcdStore(Store):
         return [(self._current + i) % n for i in range(n)]
 
     async def _post(self, path: str, body: dict[str, Any], *, idempotent: bool) -> dict[str, Any]:
-        """POST to the gateway as the configured user, failing over; the decoded JSON answer."""
-        return await self._authenticated(
-            lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
-        )
+        """POST to the gateway as the configured user, failing over; the decoded JSON answer.
+
+        With a ``deadline`` the whole call, fail-over and re-authentication
+        included, is bounded by it: a member that lost quorum holds a
+        linearizable read or a write until its own request timeout (5 s plus
+        two election timeouts) until it notices, and callers (the API, the
+        lease keeper) need an answer sooner. A call cut off raises
+        :class:`StoreUnavailable`. Each attempt is bounded by ``timeout``,
+        shorter, so that a member that hangs leaves time to try the next.
+        """
+        try:
+            async with asyncio.timeout(self._deadline):
+                return await self._authenticated(
+                    lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
+                )
+        except TimeoutError:
+            outcome = (
+                ""
+                if idempotent
+                else "; the write may or may not have been applied, re-read before retrying"
+            )
+            raise StoreUnavailable(
+                f"{self._where()} did not answer {path} within {self._deadline:g}s (no quorum?)"
+                + outcome
+            ) from None
 
     async def _post_once(
         self, path: str, body: dict[str, Any], *, idempotent: bool, token: str | None
@@ -658,6 +693,32 @@ class EtcdStore(Store):
         prev = data.get("prev_kv")
         created = _int(prev, "create_revision") if prev else revision
         return Entry(key=key, value=value, version=revision, created=created, lease=lease)
+
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
+        """One txn with a put per key: one round trip, one revision, all or nothing."""
+        check_batch(items)
+        checked = []
+        for key, value in items:
+            validate_key(key)
+            checked.append((key, check_value(value, self.max_value_bytes)))
+        if not checked:
+            return []
+        puts = [
+            {"request_put": {"key": self._key64(key), "value": _b64(value), "prev_kv": True}}
+            for key, value in checked
+        ]
+        data = await self._post(
+            "/kv/txn", {"compare": [], "success": puts, "failure": []}, idempotent=False
+        )
+        revision = _int(data["header"], "revision")
+        responses = data.get("responses", [])
+        entries = []
+        for i, (key, value) in enumerate(checked):
+            answer = responses[i] if i < len(responses) else {}
+            prev = answer.get("response_put", {}).get("prev_kv")
+            created = _int(prev, "create_revision") if prev else revision
+            entries.append(Entry(key=key, value=value, version=revision, created=created))
+        return entries
 
     async def add(self, key: str, delta: int = 1) -> int:
         validate_key(key)

@@ -30,6 +30,7 @@ import builtins
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
@@ -53,6 +54,7 @@ from elasticd.store.base import (
     Listing,
     Store,
     WatchEvent,
+    check_batch,
     check_listing_size,
 )
 from elasticd.store.memory import check_value, validate_key
@@ -286,6 +288,20 @@ class HttpStore(Store):
         body = {"key": key, "value": _b64(value), "lease": lease}
         data = await self._call("PUT", "/store/kv", body=body)
         result: Entry = self._parsed("PUT", lambda d: _entry(d["entry"]), data)
+        return result
+
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
+        check_batch(items)
+        body_items = []
+        for key, value in items:
+            validate_key(key)
+            body_items.append({"key": key, "value": _b64(check_value(value, self.max_value_bytes))})
+        if not body_items:
+            return []
+        data = await self._call("POST", "/store/batch", body={"items": body_items})
+        result: builtins.list[Entry] = self._parsed(
+            "batch put", lambda d: [_entry(e) for e in d["entries"]], data
+        )
         return result
 
     async def add(self, key: str, delta: int = 1) -> int:

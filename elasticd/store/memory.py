@@ -36,7 +36,7 @@ import itertools
 import re
 import secrets
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import (
@@ -54,6 +54,7 @@ from elasticd.store.base import (
     Listing,
     Store,
     WatchEvent,
+    check_batch,
     check_listing_size,
 )
 
@@ -210,6 +211,17 @@ class MemoryStore(Store):
         entry = self._put(key, value, self._lease_for_write(lease))
         await self._settle()
         return entry
+
+    async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
+        self._check_open()
+        check_batch(items)
+        checked = []
+        for key, value in items:  # every check before the first write: all or nothing
+            validate_key(key)
+            checked.append((key, check_value(value, self.max_value_bytes)))
+        entries = [self._put(key, value, None) for key, value in checked]
+        await self._settle()
+        return entries
 
     async def add(self, key: str, delta: int = 1) -> int:
         self._check_open()

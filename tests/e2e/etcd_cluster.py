@@ -1,0 +1,153 @@
+"""A throwaway 3-member etcd cluster on loopback for e2e tests (issue 12: quorum loss).
+
+Members keep their data dirs and ports across ``kill``/``start``, so a test can
+take quorum away and give it back. Raft timers are short (heartbeat 50 ms,
+election 500 ms) so that leader loss and quorum loss show within a second or
+two, as on a real cluster with its timers scaled down. Every member is killed
+at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tests.e2e.cluster import LocalCluster
+
+from tests.store.etcd_server import etcd_binary, free_port
+
+
+class EtcdMember:
+    """One member of an :class:`EtcdCluster`."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.data_dir = root / name
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.peer_url = f"http://127.0.0.1:{self.peer_port}"
+        self.log = root / f"{name}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the member and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+
+class EtcdCluster:
+    """Three etcd members on 127.0.0.1 forming one cluster."""
+
+    def __init__(self, root: Path, size: int = 3) -> None:
+        self.binary = etcd_binary()
+        root.mkdir(parents=True, exist_ok=True)
+        self.members = [EtcdMember(f"m{i}", root) for i in range(size)]
+        self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    def start(self, member: EtcdMember | None = None) -> None:
+        """Start one member (or all of them); returns once they answer a linearizable read."""
+        targets = [member] if member is not None else self.members
+        for m in targets:
+            args = [
+                self.binary,
+                f"--name={m.name}",
+                f"--data-dir={m.data_dir}",
+                f"--listen-client-urls={m.url}",
+                f"--advertise-client-urls={m.url}",
+                f"--listen-peer-urls={m.peer_url}",
+                f"--initial-advertise-peer-urls={m.peer_url}",
+                f"--initial-cluster={self._initial}",
+                "--initial-cluster-state=new",
+                "--heartbeat-interval=50",
+                "--election-timeout=500",
+                "--logger=zap",
+                "--log-outputs=stderr",
+                "--log-level=error",
+            ]
+            with m.log.open("ab") as out:
+                m.process = subprocess.Popen(
+                    args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+        if member is None or self.quorate():
+            self.wait_healthy(targets)
+
+    def quorate(self) -> bool:
+        return sum(m.running for m in self.members) > len(self.members) // 2
+
+    def wait_healthy(self, members: list[EtcdMember], deadline: float = 30.0) -> None:
+        """Poll each member's /health (a quorum read) until it answers healthy."""
+        until = time.monotonic() + deadline
+        for m in members:
+            while True:
+                assert m.process is not None and m.process.poll() is None, m.log.read_text()
+                try:
+                    with urllib.request.urlopen(m.url + "/health", timeout=2) as response:
+                        if b'"true"' in response.read():
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > until:
+                    raise RuntimeError(f"etcd {m.name} not healthy within {deadline}s")
+                time.sleep(0.05)
+
+    def leader(self) -> EtcdMember:
+        """The member that leads now (asked of the running members)."""
+        ids: dict[str, EtcdMember] = {}
+        leader = None
+        for m in self.members:
+            if not m.running:
+                continue
+            request = urllib.request.Request(m.url + "/v3/maintenance/status", data=b"{}")
+            with urllib.request.urlopen(request, timeout=2) as response:
+                status = json.loads(response.read())
+            ids[status["header"]["member_id"]] = m
+            leader = status.get("leader", leader)
+        assert leader is not None and leader in ids, "no member knows a leader"
+        return ids[leader]
+
+    def endpoints(self, first: int = 0) -> str:
+        """An ``etcd://`` store URL listing every member, starting at member ``first``."""
+        n = len(self.members)
+        hosts = [self.members[(first + i) % n].url.removeprefix("http://") for i in range(n)]
+        return "etcd://" + ",".join(hosts)
+
+    def kill_all(self) -> None:
+        for m in self.members:
+            m.kill()
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
+
+
+def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str, float, str]]:
+    """A daemon's own record of a job's events, in its order (read-only from its SQLite)."""
+    path = cluster.root / node / "elasticd.sqlite3"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        rows = db.execute(
+            "SELECT doc FROM events WHERE job_id = ? ORDER BY seq", (job_id,)
+        ).fetchall()
+    docs = [json.loads(doc) for (doc,) in rows]
+    return [(d["kind"], d["time"], d["message"]) for d in docs]
+
+
+def shown_events(merged: list[dict], node: str) -> list[tuple[str, float, str]]:
+    """One node's events in a merged /events answer, in the merged order."""
+    return [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == node]

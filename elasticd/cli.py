@@ -218,14 +218,14 @@ def _torchrun_env_defaults(
 ) -> None:
     """torchrun's rule: ``PET_<OPTION>`` is an option's default; the command line wins."""
     env = os.environ if environ is None else environ
-    for action in parser._actions:
-        value = env.get(f"PET_{action.dest.upper()}")
-        if action.dest not in TORCHRUN_ENV_OPTIONS or value is None:
+    for dest in sorted(TORCHRUN_ENV_OPTIONS):
+        value = env.get(f"PET_{dest.upper()}")
+        if value is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
-            action.default = value.strip().lower() not in ("", "0", "false", "no")
+        if isinstance(parser.get_default(dest), bool):  # a flag: set unless "0", "false", ...
+            parser.set_defaults(**{dest: value.strip().lower() not in ("", "0", "false", "no")})
         else:
-            action.default = value  # a string default goes through the option's type
+            parser.set_defaults(**{dest: value})  # a string default goes through the type
 
 
 def local_world_size(value: str, gpus: int | None, cpus: int) -> int:
@@ -321,7 +321,7 @@ async def _run(args: argparse.Namespace) -> int:
             )
             follower = asyncio.create_task(_print_events(daemon, job.id))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
-            stop = asyncio.create_task(daemon._stop.wait())
+            stop = asyncio.create_task(daemon.stop_requested())
             await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
             stop.cancel()
             if not waiter.done():

@@ -429,6 +429,10 @@ class Daemon:
             self.stop_signal = sig
         self._stop.set()
 
+    async def stop_requested(self) -> None:
+        """Return once a stop was asked for (a signal, or :meth:`request_stop`)."""
+        await self._stop.wait()
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

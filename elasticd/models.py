@@ -361,6 +361,10 @@ class Event(BaseModel):
     error: RootCause | None = None
     message: str = ""
     duration_s: float | None = None
+    count: int | None = None
+    """How many things the event is about (``workers.strays``: processes killed)."""
+    pids: list[int] | None = None
+    """The processes it is about (``workers.strays``: the ones killed)."""
 
 
 class WorkerView(BaseModel):

@@ -333,6 +333,8 @@ class JobAgent:
         self._store_lost_at: float | None = None
         #: The user the job runs as (None: the daemon's), decided before anything of it runs.
         self._identity: Identity | None = None
+        #: ``containment.partial`` was emitted (once per job per node).
+        self._said_partial = False
 
     @property
     def view(self) -> GroupView | None:
@@ -520,6 +522,7 @@ class JobAgent:
             await self._membership_change(outcome)
             return False
         if outcome.succeeded:
+            await self._release_group()  # every worker exited: nothing of the attempt stays
             change = await self._exit_barrier(round_)
             if change is None or change is Change.CLOSED:
                 await self._finish_succeeded(round_)
@@ -742,6 +745,17 @@ class JobAgent:
             launches, on_output=on_output, on_exit=self._on_exit, clock=self.ctx.clock
         )
         self._group = group
+        if group.containment_partial is not None and not self._said_partial:
+            self._said_partial = True
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "containment.partial",
+                f"{self.ctx.node} cannot put the job's processes in a cgroup "
+                f"({group.containment_partial}); a process that leaves a worker's process "
+                "group is found only if it is re-parented to the daemon (child subreaper)",
+                attempt=self.attempt,
+            )
         self._progress.started()
         for w in self._view.workers:
             w.pid = group.pids.get(w.local_rank)
@@ -896,11 +910,34 @@ class JobAgent:
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
                 await asyncio.sleep(loss.backoff)  # back off while the store is unreachable
 
+    async def _release_group(self) -> None:
+        """The workers all exited 0: end what is left of the attempt (its strays), quietly."""
+        group, self._group = self._group, None
+        if group is not None:
+            await group.stop(self.spec.termination_grace)
+            self._report_strays(group)
+
+    def _report_strays(self, group: WorkerGroupProcesses) -> None:
+        if not group.strays:
+            return
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "workers.strays",
+            f"attempt {self.attempt} on {self.ctx.node}: killed {len(group.strays)} process(es) "
+            f"that had left the workers' process groups: pids "
+            f"{', '.join(str(p) for p in group.strays)}",
+            attempt=self.attempt,
+            count=len(group.strays),
+            pids=list(group.strays),
+        )
+
     async def _stop_workers(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
         if group is not None:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
+            self._report_strays(group)
             if self._view is not None:
                 for w in self._view.workers:
                     if w.state is WorkerState.HEALTHY:

@@ -8,7 +8,8 @@ this event loop (it binds first: the port is part of this node's record;
 (the nodes of a cluster start in any order: retried with backoff, logged
 once, ``/readyz`` says what is awaited; a store that refuses this daemon's
 credentials is a configuration error, raised at once), kill the workers a
-previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`),
+previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`, then
+the attempt cgroups left in the daemon's subtree: :mod:`elasticd.workers.cgroup`),
 recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
 has one.
@@ -194,6 +195,7 @@ class Daemon:
         self.jobs: JobService
         self.cluster: Cluster
         self.metrics: Metrics
+        self.containment: Containment
 
     @property
     def ready(self) -> bool:

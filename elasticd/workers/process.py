@@ -296,8 +296,10 @@ class WorkerGroupProcesses:
         SIGTERM goes to the process group of every worker (so grandchildren
         get it too); after all workers have exited and their output pipes
         are closed, or after `grace` seconds, whatever is left of the groups
-        gets SIGKILL, and every exit is awaited. Then the output is drained
-        and the log files closed.
+        gets SIGKILL, and every exit is awaited. Then whatever else is left
+        of the attempt (its cgroup, or the daemon's adopted children: processes
+        that left the workers' groups) is killed and listed in :attr:`strays`,
+        the output is drained and the log files closed.
 
         Idempotent and safe alongside :meth:`wait`: a second call, concurrent
         or later, waits for the same routine (the first call's `grace` holds).

@@ -49,8 +49,16 @@ The start-up sweep
     job, attempt) and forgotten when the group is stopped; on start,
     :func:`sweep_orphans` kills the process group of every recorded worker
     that is still alive with the same start time, and the leftovers of a
-    recorded group whose leader is gone. Under systemd (``KillMode=mixed``)
-    the unit's cgroup is a further net.
+    recorded group whose leader is gone. What left the process groups is
+    caught by the attempt cgroups (:mod:`elasticd.workers.cgroup`).
+
+Into a cgroup before the job's code runs: :data:`CGROUP_STAGE`
+    Given a ``cgroup.procs`` descriptor, :func:`start_process` execs a
+    ``python -I -S`` stage first, as root with an empty environment: it joins
+    the cgroup, closes the descriptor, switches user itself, sets the
+    parent-death signal and execs the resolver with the job's environment
+    (passed in a memfd). The job's environment thus still never reaches a
+    process with more privilege than the job.
 """
 
 from __future__ import annotations

@@ -382,6 +382,7 @@ class AttemptContainment:
         """Subreaper: kill and reap the daemon's adopted children that belong to this attempt."""
         me = os.getpid()
         counted: set[int] = set()
+        killed: set[int] = set()
         deadline = time.monotonic() + EMPTY_TIMEOUT
         # Killing a stray re-parents its own children to the daemon: go round until none.
         while True:
@@ -391,8 +392,9 @@ class AttemptContainment:
                 if pid in known:
                     continue  # started by the daemon: asyncio reaps it
                 if zombie:
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG: a zombie, reaped at once
+                    if pid in killed:  # only ours: another child's status is its owner's
+                        with contextlib.suppress(ChildProcessError):
+                            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie: at once
                     continue
                 env = _environ(pid)
                 if env.get("ELASTICD_JOB_ID") != self.job_id:
@@ -407,7 +409,11 @@ class AttemptContainment:
             for pid in members:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
             await asyncio.sleep(0.02)
+        for pid in killed:  # the last ones killed are zombies now
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie: at once
         return sorted(counted)
 
 

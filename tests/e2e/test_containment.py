@@ -67,22 +67,28 @@ NEEDS_CGROUPS = pytest.mark.skipif(
 
 #: ``$1`` a folder anyone may write, ``$2`` ``exit`` or ``sleep``. The grandchild keeps the
 #: worker's stdout (so it also holds the log pipe), tries to leave its cgroup when ``$ESCAPE``
-#: is set (only as nobody: a root job can always leave), then sleeps.
+#: is set (only as nobody: a root job can always leave), then sleeps; the worker goes on
+#: (exits or sleeps) only once the grandchild has done all that.
 WORKER = r"""#!/bin/sh
 drop=$1
 ( setsid /bin/sh -c '
-    drop=$0
+    drop=$0 worker=$1
     echo $$ >> "$drop/strays"
     own=$(sed -n "s/^0:://p" /proc/self/cgroup)
     echo "$own" > "$drop/cgroup.$$"
-    [ -n "$ESCAPE" ] || { echo skipped > "$drop/escape.$$"; exec sleep 100000; }
-    for target in "$CGROOT/cgroup.procs" "$CGROOT$(dirname "$own")/cgroup.procs"; do
-        if echo $$ > "$target" 2>/dev/null; then echo "moved $target"; else echo "denied"; fi
-    done > "$drop/escape.$$"
-    if echo 1 > "$CGROOT$own/cgroup.freeze" 2>/dev/null; then
-        echo wrote >> "$drop/escape.$$"
+    if [ -n "$ESCAPE" ]; then
+        for target in "$CGROOT/cgroup.procs" "$CGROOT$(dirname "$own")/cgroup.procs"; do
+            if echo $$ > "$target" 2>/dev/null; then echo "moved $target"; else echo denied; fi
+        done > "$drop/escape.$$"
+        if echo 1 > "$CGROOT$own/cgroup.freeze" 2>/dev/null; then
+            echo wrote >> "$drop/escape.$$"
+        fi
+    else
+        echo skipped > "$drop/escape.$$"
     fi
-    exec sleep 100000' "$drop" & )
+    : > "$drop/ready.$worker"
+    exec sleep 100000' "$drop" $$ & )
+while [ ! -e "$drop/ready.$$" ]; do sleep 0.05; done
 echo worker started
 if [ "$2" = sleep ]; then exec sleep 100000; fi
 exit 0

@@ -32,6 +32,7 @@ from elasticd.workers.spawn import (
     WorkerRegistry,
     boot_id,
     current_policy,
+    group_has_live_members,
     process_start_time,
     start_process,
 )
@@ -640,20 +641,10 @@ async def _eof_or_groups_gone(workers: Sequence[_Worker], pipes: Sequence[Output
     """Until every pipe is at EOF, or every worker exited and left an empty process group."""
     while not all(pipe.at_eof for pipe in pipes):
         if all(w.exit is not None for w in workers) and not any(
-            _group_alive(w.pid) for w in workers
+            group_has_live_members(w.pid) for w in workers
         ):
             return
         await asyncio.sleep(0.05)
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 async def _all_done(waits: Iterable[Callable[[], Awaitable[object]]], timeout: float) -> bool:

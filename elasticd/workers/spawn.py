@@ -95,6 +95,7 @@ __all__ = [
     "WorkerRegistry",
     "boot_id",
     "current_policy",
+    "group_has_live_members",
     "install_policy",
     "live_children",
     "process_start_time",
@@ -574,6 +575,21 @@ def _all_stats() -> Iterator[_Stat]:
             st = _read_stat(entry.name)
             if st is not None and st.state not in ("Z", "X"):
                 yield st
+
+
+def group_has_live_members(pgid: int) -> bool:
+    """True while a process that is not a zombie belongs to process group ``pgid``.
+
+    A zombie (an exited child whose new parent, often init, has not reaped it
+    yet) keeps its group id in use, but it can hold no pipe and run no code.
+    """
+    try:
+        os.killpg(pgid, 0)  # cheap: no member at all
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return any(st.pgrp == pgid for st in _all_stats())
 
 
 # -- the sweep ---------------------------------------------------------------------

@@ -215,12 +215,13 @@ def _pgrp(pid: int) -> int | None:
 def _children_of(parent: int) -> list[tuple[int, bool]]:
     """``(pid, is_zombie)`` for every child of ``parent``."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(int(entry.name))
-        if fields is not None and len(fields) > 1 and fields[1] == str(parent):
-            found.append((int(entry.name), fields[0] in ("Z", "X")))
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and len(fields) > 1 and fields[1] == str(parent):
+                found.append((int(entry.name), fields[0] in ("Z", "X")))
     return found
 
 
@@ -511,7 +512,8 @@ class Containment:
         if self.base is None:
             return []
         try:
-            names = [e.name for e in os.scandir(self.base) if e.is_dir(follow_symlinks=False)]
+            with os.scandir(self.base) as entries:
+                names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
         except OSError as exc:
             log.warning("cannot list %s for leftover attempts: %s", self.base, exc)
             return []

@@ -570,11 +570,12 @@ def process_start_time(pid: int) -> int | None:
 
 
 def _all_stats() -> Iterator[_Stat]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            st = _read_stat(entry.name)
-            if st is not None and st.state not in ("Z", "X"):
-                yield st
+    with os.scandir("/proc") as entries:  # closed also when a caller stops early (any())
+        for entry in entries:
+            if entry.name.isdigit():
+                st = _read_stat(entry.name)
+                if st is not None and st.state not in ("Z", "X"):
+                    yield st
 
 
 def group_has_live_members(pgid: int) -> bool:

@@ -118,46 +118,54 @@ PY_WRAPPER = (
 
 
 #: The first program of a process started into a cgroup, run as root with an EMPTY
-#: environment: argv is ``procs_fd env_fd ppid uid gid groups executable argv0 args...``
-#: (uid -1: no switch). It joins the cgroup through the daemon's descriptor and closes
-#: it, reads the environment from ``env_fd`` (``K=V`` NUL-separated), switches user,
-#: sets the parent-death signal (after the switch, which clears it), makes sure the
-#: parent did not die before that, and execs with that environment. A failure to join
-#: is reported on stdin (the verdict pipe) like the resolver's.
+#: environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv executable argv0
+#: args...`` (uid -1: no switch; setpriv "": none). It joins the cgroup through the
+#: daemon's descriptor and closes it, reads the environment from ``env_fd`` (``K=V``
+#: NUL-separated), switches user, and execs with that environment: through ``setpriv
+#: --pdeathsig KILL`` (as :func:`wrap_argv` does; saves importing ctypes here), else
+#: setting the parent-death signal itself (after the switch, which clears it) and
+#: making sure the parent did not die before that. A failure to join is reported on
+#: stdin (the verdict pipe) like the resolver's.
 CGROUP_STAGE = (
-    "import ctypes,errno,os,sys\n"
+    "import os,sys\n"
     "a=sys.argv\n"
     "try:os.write(int(a[1]),b'0')\n"
     "except OSError as e:\n"
-    " n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
+    " import errno;n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
     " os.write(0,b'cgroup\\0'+n+b'\\0');sys.exit(127)\n"
     "os.close(int(a[1]))\n"
     "with open(int(a[2]),'rb') as f:d=f.read()\n"
     "env=dict(x.split(b'=',1) for x in d.split(b'\\0') if b'=' in x)\n"
+    "if not a[7]:import ctypes  # before the switch: the job's user may not read the stdlib\n"
     "u,g=int(a[4]),int(a[5])\n"
     "if u>=0:\n"
     " os.setgroups([int(x) for x in a[6].split(',') if x])\n"
     " os.setresgid(g,g,g);os.setresuid(u,u,u)\n"
-    "if ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)!=0:\n"
-    " sys.exit('elasticd: prctl(PR_SET_PDEATHSIG) failed')\n"
-    "if os.getppid()!=int(a[3]):os.kill(os.getpid(),9)\n"
-    "try:os.execve(a[7],a[8:],env)\n"
-    "except OSError as e:sys.exit(f'elasticd: cannot start {a[7]!r}: {e}')\n"
+    "if a[7]:exe,argv=a[7],[a[7],'--pdeathsig','KILL','--',a[8],*a[10:]]\n"
+    "else:\n"
+    " if ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)!=0:\n"
+    "  sys.exit('elasticd: prctl(PR_SET_PDEATHSIG) failed')\n"
+    " if os.getppid()!=int(a[3]):os.kill(os.getpid(),9)\n"
+    " exe,argv=a[8],a[9:]\n"
+    "try:os.execve(exe,argv,env)\n"
+    "except OSError as e:sys.exit(f'elasticd: cannot start {exe!r}: {e}')\n"
 )
 
 
 def cgroup_argv(
-    executable: str, argv: Sequence[str], *, procs_fd: int, env_fd: int, identity: Identity | None
+    executable: str,
+    argv: Sequence[str],
+    *,
+    procs_fd: int,
+    env_fd: int,
+    identity: Identity | None,
+    setpriv: str | None,
 ) -> list[str]:
-    """The command line that runs ``argv`` through :data:`CGROUP_STAGE`."""
+    """The command line that runs ``argv`` (program ``executable``) through :data:`CGROUP_STAGE`."""
     uid, gid, groups = (
         (-1, -1, "")
         if identity is None
-        else (
-            identity.uid,
-            identity.gid,
-            ",".join(str(g) for g in identity.groups),
-        )
+        else (identity.uid, identity.gid, ",".join(str(g) for g in identity.groups))
     )
     return [
         sys.executable,
@@ -171,6 +179,7 @@ def cgroup_argv(
         str(uid),
         str(gid),
         groups,
+        setpriv or "",
         executable,
         *argv,
     ]
@@ -318,7 +327,14 @@ async def start_process(
         # The stage runs as root: it gets an empty environment, the job's comes in a
         # memfd, and the user switch is the stage's own (not subprocess's).
         env_fd = _env_memfd(full_env)
-        command = cgroup_argv(SH, resolver, procs_fd=cgroup_procs, env_fd=env_fd, identity=identity)
+        command = cgroup_argv(
+            SH,
+            resolver,
+            procs_fd=cgroup_procs,
+            env_fd=env_fd,
+            identity=identity,
+            setpriv=policy.wrapper(),
+        )
         exec_env, credentials, pass_fds = {}, {}, (cgroup_procs, env_fd)
     verdict_r, verdict_w = os.pipe()
     try:

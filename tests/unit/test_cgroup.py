@@ -230,3 +230,51 @@ def test_auto_without_cgroups_falls_back_to_a_subreaper(tmp_path: Path) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=30
     ).stdout
     assert flag.strip() == "1"  # PR_GET_CHILD_SUBREAPER
+
+
+def _status_and_environ(pid: int) -> tuple[str, dict[str, str]]:
+    raw = Path(f"/proc/{pid}/environ").read_text()
+    environ = dict(item.split("=", 1) for item in raw.split("\0") if item)
+    return Path(f"/proc/{pid}/status").read_text(), environ
+
+
+@NEEDS_CGROUPS
+@pytest.mark.parametrize("setpriv", [True, False], ids=["through-setpriv", "python-only"])
+async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
+    tmp_path: Path, setpriv: bool
+) -> None:
+    """The root stage joins the cgroup, switches to nobody and hands over exactly the job's
+    environment, with setpriv for the parent-death signal or without it."""
+    import pwd
+
+    from elasticd.security import Identity
+    from elasticd.workers.spawn import SpawnPolicy
+
+    nobody = pwd.getpwnam("nobody")
+    identity = Identity(
+        user="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir, groups=()
+    )
+    containment = Containment.setup("cgroup", node="unit-stage", state_dir=tmp_path)
+    attempt = containment.open_attempt("stage", 0, None)
+    assert attempt.cgroup is not None and attempt.procs_fd is not None
+    env = {"PATH": "/usr/bin:/bin", "MARKER": "a=b c\nd"}
+    proc = await start_process(
+        ["sleep", "60"],
+        env,
+        identity=identity,
+        cgroup_procs=attempt.procs_fd,
+        policy=SpawnPolicy(setpriv=setpriv),
+    )
+    try:
+        assert attempt.cgroup.pids() == [proc.pid]
+        status, environ = _status_and_environ(proc.pid)
+        assert f"Uid:\t{nobody.pw_uid}\t{nobody.pw_uid}\t{nobody.pw_uid}" in status
+        assert environ["MARKER"] == "a=b c\nd" and environ["USER"] == "nobody"
+        assert set(environ) <= {"PATH", "MARKER", "HOME", "USER", "LOGNAME", "PWD"}
+        assert await attempt.stop(set()) == [proc.pid]  # not in a worker group: a stray
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        containment.close()

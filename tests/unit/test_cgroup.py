@@ -170,6 +170,7 @@ async def test_the_sweep_kills_and_removes_leftover_attempts(tmp_path: Path) -> 
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        attempt.cgroup.stop_now()  # a no-op when the test got that far
         containment.close()
     assert proc.pid not in live_children()
 
@@ -277,4 +278,5 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        attempt.cgroup.stop_now()  # a no-op when the test got that far
         containment.close()

@@ -29,7 +29,7 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -148,6 +148,13 @@ class Config(BaseModel):
         "after it ends; then any daemon deletes it, as DELETE /jobs/{id} does. Worker log files "
         "stay on disk. 0 keeps finished jobs forever.",
     )
+    containment: Literal["auto", "cgroup", "subreaper"] = Field(
+        default="auto",
+        description="How the processes of a job attempt are contained (elasticd.workers.cgroup): "
+        "cgroup: a cgroup v2 per attempt, killed when it stops (the daemon refuses to start "
+        "without one); subreaper: the daemon becomes a child subreaper (partial: an event says "
+        "so); auto: cgroup where one can be made, else subreaper.",
+    )
     # Hardening (elasticd.security, api.limits).
     run_as: str | None = Field(default=None, min_length=1, description="User jobs run as.")
     allow_root: bool | None = Field(
@@ -246,6 +253,7 @@ _ENV_FIELDS = {
     "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
     "JOB_RETENTION": "job_retention",
+    "CONTAINMENT": "containment",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",

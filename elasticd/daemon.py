@@ -8,7 +8,8 @@ this event loop (it binds first: the port is part of this node's record;
 (the nodes of a cluster start in any order: retried with backoff, logged
 once, ``/readyz`` says what is awaited; a store that refuses this daemon's
 credentials is a configuration error, raised at once), kill the workers a
-previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`),
+previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`, then
+the attempt cgroups left in the daemon's subtree: :mod:`elasticd.workers.cgroup`),
 recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
 has one.
@@ -77,7 +78,14 @@ from elasticd.store import (
     open_store,
 )
 from elasticd.store.embedded import EmbeddedStore
-from elasticd.workers.spawn import SpawnPolicy, install_policy, start_process, sweep_orphans
+from elasticd.workers.cgroup import Containment
+from elasticd.workers.spawn import (
+    SpawnPolicy,
+    install_policy,
+    live_children,
+    start_process,
+    sweep_orphans,
+)
 
 log = logging.getLogger("elasticd.daemon")
 
@@ -198,6 +206,7 @@ class Daemon:
         self.jobs: JobService
         self.cluster: Cluster
         self.metrics: Metrics
+        self.containment: Containment
 
     @property
     def ready(self) -> bool:
@@ -289,8 +298,9 @@ class Daemon:
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
         await self.events.start()
+        self.containment = self._contain()
         self._uninstall_spawn_policy = install_policy(
-            SpawnPolicy(users=self.job_users, registry=self.db)
+            SpawnPolicy(users=self.job_users, registry=self.db, containment=self.containment)
         )
         self._sweep_orphans()
         await self.jobs.recover()
@@ -384,9 +394,40 @@ class Daemon:
                 raise
         self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
 
+    def _contain(self) -> Containment:
+        """Set up the containment of job attempts (a cgroup subtree, or the subreaper fallback)."""
+        try:
+            containment = Containment.setup(
+                self.config.containment,
+                node=self.config.node_name,
+                state_dir=self.config.state_dir,
+                known=live_children,
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"containment = cgroup, but no cgroup can be made for the jobs: {exc}; "
+                "run as root on a host with cgroup v2 (under systemd: Delegate=yes), "
+                'or set containment = "auto"'
+            ) from exc
+        if containment.partial:
+            log.warning(
+                "job processes are contained only partly (child subreaper, no cgroup): %s",
+                containment.reason,
+            )
+        else:
+            log.info("each job attempt runs in its own cgroup under %s", containment.base)
+        return containment
+
     def _sweep_orphans(self) -> None:
-        """Kill the workers a previous run of this daemon left alive, and say so in their jobs."""
+        """Kill the workers a previous run of this daemon left alive, and say so in their jobs.
+
+        First the recorded workers (by pid), then every attempt cgroup left in the
+        daemon's subtree: what is still in one is a stray (a process that left its
+        worker's process group), reported in ``workers.strays``.
+        """
+        killed: set[int] = set()
         for orphan in sweep_orphans(self.db):
+            killed.update(orphan.pids)
             record = orphan.record
             if not record.job_id:
                 continue
@@ -401,6 +442,21 @@ class Daemon:
                 pid=record.pid,
                 local_rank=record.local_rank,
                 attempt=record.attempt,
+            )
+        for leftover in self.containment.sweep():
+            pids = [pid for pid in leftover.pids if pid not in killed]
+            if not pids:
+                continue
+            self.events.emit(
+                leftover.name.job_id,
+                "daemon",
+                "workers.strays",
+                f"killed {len(pids)} process(es) of attempt {leftover.name.attempt} on "
+                f"{self.config.node_name} left running by a previous run of the daemon "
+                f"(found in its cgroup): pids {', '.join(str(p) for p in pids)}",
+                attempt=leftover.name.attempt,
+                count=len(pids),
+                pids=pids,
             )
 
     async def _retain(self) -> None:
@@ -474,6 +530,7 @@ class Daemon:
         await self.store.close()
         if self._uninstall_spawn_policy is not None:
             self._uninstall_spawn_policy()
+            self.containment.close()  # the daemon's cgroup subtree, once empty
         self.db.close()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()

@@ -364,6 +364,10 @@ class Event(BaseModel):
     #: ``logs.lost``: bytes of worker output the log files refused, in all and per local rank.
     bytes_lost: int | None = None
     lost_by_rank: dict[str, int] | None = None
+    count: int | None = None
+    """How many things the event is about (``workers.strays``: processes killed)."""
+    pids: list[int] | None = None
+    """The processes it is about (``workers.strays``: the ones killed)."""
 
 
 class WorkerView(BaseModel):

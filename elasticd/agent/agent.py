@@ -342,6 +342,8 @@ class JobAgent:
         self._store_lost_at: float | None = None
         #: The user the job runs as (None: the daemon's), decided before anything of it runs.
         self._identity: Identity | None = None
+        #: ``containment.partial`` was emitted (once per job per node).
+        self._said_partial = False
 
     @property
     def view(self) -> GroupView | None:
@@ -547,6 +549,7 @@ class JobAgent:
             await self._membership_change(outcome)
             return False
         if outcome.succeeded:
+            await self._release_group()  # every worker exited: nothing of the attempt stays
             change = await self._exit_barrier(round_)
             if change is None or change is Change.CLOSED:
                 await self._finish_succeeded(round_)
@@ -774,6 +777,17 @@ class JobAgent:
             storage=self.ctx.storage,
         )
         self._group = group
+        if group.containment_partial is not None and not self._said_partial:
+            self._said_partial = True
+            self.ctx.events.emit(
+                self.job_id,
+                "agent",
+                "containment.partial",
+                f"{self.ctx.node} cannot put the job's processes in a cgroup "
+                f"({group.containment_partial}); a process that leaves a worker's process "
+                "group is found only if it is re-parented to the daemon (child subreaper)",
+                attempt=self.attempt,
+            )
         self._progress.started()
         for w in self._view.workers:
             w.pid = group.pids.get(w.local_rank)
@@ -974,6 +988,29 @@ class JobAgent:
         except (StoreError, RendezvousError) as exc:
             log.debug("job %s: could not say this node is leaving: %s", self.job_id, exc)
 
+    async def _release_group(self) -> None:
+        """The workers all exited 0: end what is left of the attempt (its strays), quietly."""
+        group, self._group = self._group, None
+        if group is not None:
+            await group.stop(self.spec.termination_grace)
+            self._report_lost_output(group)
+            self._report_strays(group)
+
+    def _report_strays(self, group: WorkerGroupProcesses) -> None:
+        if not group.strays:
+            return
+        self.ctx.events.emit(
+            self.job_id,
+            "agent",
+            "workers.strays",
+            f"attempt {self.attempt} on {self.ctx.node}: killed {len(group.strays)} process(es) "
+            f"that had left the workers' process groups: pids "
+            f"{', '.join(str(p) for p in group.strays)}",
+            attempt=self.attempt,
+            count=len(group.strays),
+            pids=list(group.strays),
+        )
+
     async def _stop_workers(self, target: WorkerState | None) -> None:
         leaving, self._leaving = self._leaving, None
         try:
@@ -991,6 +1028,7 @@ class JobAgent:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
             self._report_lost_output(group)
+            self._report_strays(group)
             if self._view is not None:
                 for w in self._view.workers:
                     if w.state is WorkerState.HEALTHY:

@@ -55,7 +55,8 @@ Output through the daemon, by pipes
       stdout and exits is reported only when that child exits). So the
       pipes are created here and handed to the child as plain descriptors;
       the subprocess transport owns no pipe and ``wait()`` returns at the
-      exit itself. The grandchild is then ended with the worker's group.
+      exit itself. The grandchild is then ended with the worker's group, or
+      with the attempt's cgroup if it left the group.
     * If the daemon dies, the workers die with it (below); a child of a
       worker that outlives it loses its reader and gets ``SIGPIPE`` at its
       next write, so it does not run on unsupervised either.
@@ -75,6 +76,13 @@ No orphans, and the right user
     descriptor, never through a link, never blocking on a FIFO, a regular
     file with one link or nothing.
 
+Containment
+    Each attempt's workers are born in a cgroup v2 of the attempt's own, so a
+    process that leaves its worker's process group (``setsid()``) is still
+    killed when the attempt stops, and reported as a stray; the start-up
+    sweep finds leftovers by cgroup. Without cgroups, the daemon is a child
+    subreaper and says containment is partial (:mod:`.cgroup`).
+
 Error files
     Each worker's ``TORCHELASTIC_ERROR_FILE`` is read when it fails, in
     torch's ``@record`` format, as untrusted JSON (:mod:`.errorfile`), and
@@ -83,7 +91,8 @@ Error files
 Modules: :mod:`.process` (the group), :mod:`.output` (pipes to log files),
 :mod:`.errorfile` (error files), :mod:`.files` (reading what a worker can
 write), :mod:`.env` (the environment contract),
-:mod:`.spawn` (the exec wrapper, the spawn policy and the orphan sweep).
+:mod:`.spawn` (the exec wrapper, the spawn policy and the orphan sweep),
+:mod:`.cgroup` (containment of an attempt's processes).
 Nothing here imports torch.
 """
 

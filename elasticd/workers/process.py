@@ -25,6 +25,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
+from elasticd.workers.cgroup import AttemptContainment
 from elasticd.workers.errorfile import WorkerError, read_error_file
 from elasticd.workers.output import OutputPipe, OutputSink, Stream
 from elasticd.workers.spawn import (
@@ -32,6 +33,7 @@ from elasticd.workers.spawn import (
     WorkerRegistry,
     boot_id,
     current_policy,
+    group_has_live_members,
     process_start_time,
     start_process,
 )
@@ -223,6 +225,10 @@ class WorkerGroupProcesses:
         self._stop_task: asyncio.Task[GroupResult] | None = None
         self._registry: WorkerRegistry | None = None
         self._recorded: list[tuple[int, int]] = []
+        self._containment: AttemptContainment | None = None
+        #: Pids killed at the stop that had left the workers' process groups (strays).
+        self.strays: list[int] = []
+        self._partial_reason: str | None = None
 
     @classmethod
     async def start(
@@ -251,6 +257,11 @@ class WorkerGroupProcesses:
             raise
         group._phase = _Phase.RUNNING
         return group
+
+    @property
+    def containment_partial(self) -> str | None:
+        """Why this group is only partly contained (no cgroup: a subreaper), None if it is not."""
+        return self._partial_reason
 
     @property
     def closed(self) -> bool:
@@ -290,8 +301,10 @@ class WorkerGroupProcesses:
         SIGTERM goes to the process group of every worker (so grandchildren
         get it too); after all workers have exited and their output pipes
         are closed, or after `grace` seconds, whatever is left of the groups
-        gets SIGKILL, and every exit is awaited. Then the output is drained
-        and the log files closed.
+        gets SIGKILL, and every exit is awaited. Then whatever else is left
+        of the attempt (its cgroup, or the daemon's adopted children: processes
+        that left the workers' groups) is killed and listed in :attr:`strays`,
+        the output is drained and the log files closed.
 
         Idempotent and safe alongside :meth:`wait`: a second call, concurrent
         or later, waits for the same routine (the first call's `grace` holds).
@@ -360,6 +373,19 @@ class WorkerGroupProcesses:
                 f"{launch.log_dir}: {exc}"
             ) from exc
         try:
+            if self._containment is None and policy.containment is not None:
+                self._containment = policy.containment.open_attempt(
+                    launch.job_id or launch.env.get("ELASTICD_JOB_ID", ""),
+                    launch.attempt if launch.attempt is not None else _attempt_of(launch),
+                    launch.env.get("ELASTICD_ATTEMPT"),
+                )
+                if policy.containment.partial:
+                    self._partial_reason = policy.containment.reason or "no cgroup"
+        except OSError as exc:
+            stdout.close()
+            stderr.close()
+            raise WorkerSpawnError(f"local rank {rank}: cannot make its cgroup: {exc}") from exc
+        try:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
             # user: the daemon never probes a job-chosen path with its own rights.
             process = await start_process(
@@ -370,6 +396,7 @@ class WorkerGroupProcesses:
                 stdout=stdout.write_fd,
                 stderr=stderr.write_fd,
                 policy=policy,
+                cgroup_procs=self._containment.procs_fd if self._containment else None,
             )
         except BaseException as exc:
             stdout.close()
@@ -496,8 +523,14 @@ class WorkerGroupProcesses:
             _signal_group(worker, signal.SIGTERM)
         if grace > 0:
             # Exited and EOF together: a child of the worker that still holds its
-            # stdout is still shutting down, and gets the same grace.
-            await _all_done([w.exited.wait for w in workers] + [p.wait_eof for p in pipes], grace)
+            # stdout is still shutting down, and gets the same grace; unless the
+            # workers' groups are empty, and what holds the pipe is a stray that
+            # never got the SIGTERM (it is killed with the attempt below).
+            await _all_done(
+                [w.exited.wait for w in workers]
+                + [functools.partial(_eof_or_groups_gone, workers, pipes)],
+                grace,
+            )
         # Whatever is left of the groups: workers that ignored SIGTERM, and
         # their children, with or without the pipes. A no-op for empty groups.
         for worker in workers:
@@ -508,6 +541,18 @@ class WorkerGroupProcesses:
         while not await _all_done([w.exited.wait for w in workers], _KILL_WARN_INTERVAL):
             alive = [w.launch.local_rank for w in workers if w.exit is None]
             log.warning("local ranks %s still there after SIGKILL; waiting", alive)
+        if self._containment is not None:
+            # Everything else the attempt created: the processes that left the groups.
+            try:
+                self.strays = await self._containment.stop({w.pid for w in workers})
+            except OSError as exc:
+                log.warning("cannot stop the attempt's cgroup: %s", exc)
+            if self.strays:
+                log.warning(
+                    "killed %d process(es) that had left the workers' process groups: %s",
+                    len(self.strays),
+                    self.strays,
+                )
         if not await _all_done([p.wait_eof for p in pipes], DRAIN_TIMEOUT):
             open_ = sorted({p.local_rank for p in pipes if not p.at_eof})
             log.warning(
@@ -607,6 +652,16 @@ def _pid_in_use(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+async def _eof_or_groups_gone(workers: Sequence[_Worker], pipes: Sequence[OutputPipe]) -> None:
+    """Until every pipe is at EOF, or every worker exited and left an empty process group."""
+    while not all(pipe.at_eof for pipe in pipes):
+        if all(w.exit is not None for w in workers) and not any(
+            group_has_live_members(w.pid) for w in workers
+        ):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _all_done(waits: Iterable[Callable[[], Awaitable[object]]], timeout: float) -> bool:

@@ -49,8 +49,16 @@ The start-up sweep
     job, attempt) and forgotten when the group is stopped; on start,
     :func:`sweep_orphans` kills the process group of every recorded worker
     that is still alive with the same start time, and the leftovers of a
-    recorded group whose leader is gone. Under systemd (``KillMode=mixed``)
-    the unit's cgroup is a further net.
+    recorded group whose leader is gone. What left the process groups is
+    caught by the attempt cgroups (:mod:`elasticd.workers.cgroup`).
+
+Into a cgroup before the job's code runs: :data:`CGROUP_STAGE`
+    Given a ``cgroup.procs`` descriptor, :func:`start_process` execs a
+    ``python -I -S`` stage first, as root with an empty environment: it joins
+    the cgroup, closes the descriptor, switches user itself, sets the
+    parent-death signal and execs the resolver with the job's environment
+    (passed in a memfd). The job's environment thus still never reaches a
+    process with more privilege than the job.
 """
 
 from __future__ import annotations
@@ -65,14 +73,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, JobUsers
 from elasticd.workers.env import WITHHELD
+
+if TYPE_CHECKING:
+    from elasticd.workers.cgroup import Containment
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +95,9 @@ __all__ = [
     "WorkerRegistry",
     "boot_id",
     "current_policy",
+    "group_has_live_members",
     "install_policy",
+    "live_children",
     "process_start_time",
     "start_argv",
     "start_process",
@@ -101,6 +115,84 @@ PY_WRAPPER = (
     "try:os.execv(sys.argv[2],sys.argv[3:])\n"
     "except OSError as e:sys.exit(f'elasticd: cannot start {sys.argv[2]!r}: {e}')\n"
 )
+
+
+#: The first program of a process started into a cgroup, run as root with an EMPTY
+#: environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv executable argv0
+#: args...`` (uid -1: no switch; setpriv "": none). It joins the cgroup through the
+#: daemon's descriptor and closes it, reads the environment from ``env_fd`` (``K=V``
+#: NUL-separated), switches user, and execs with that environment: through ``setpriv
+#: --pdeathsig KILL`` (as :func:`wrap_argv` does; saves importing ctypes here), else
+#: setting the parent-death signal itself (after the switch, which clears it) and
+#: making sure the parent did not die before that. A failure to join is reported on
+#: stdin (the verdict pipe) like the resolver's.
+CGROUP_STAGE = (
+    "import os,sys\n"
+    "a=sys.argv\n"
+    "try:os.write(int(a[1]),b'0')\n"
+    "except OSError as e:\n"
+    " import errno;n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
+    " os.write(0,b'cgroup\\0'+n+b'\\0');sys.exit(127)\n"
+    "os.close(int(a[1]))\n"
+    "with open(int(a[2]),'rb') as f:d=f.read()\n"
+    "env=dict(x.split(b'=',1) for x in d.split(b'\\0') if b'=' in x)\n"
+    "if not a[7]:import ctypes  # before the switch: the job's user may not read the stdlib\n"
+    "u,g=int(a[4]),int(a[5])\n"
+    "if u>=0:\n"
+    " os.setgroups([int(x) for x in a[6].split(',') if x])\n"
+    " os.setresgid(g,g,g);os.setresuid(u,u,u)\n"
+    "if a[7]:exe,argv=a[7],[a[7],'--pdeathsig','KILL','--',a[8],*a[10:]]\n"
+    "else:\n"
+    " if ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)!=0:\n"
+    "  sys.exit('elasticd: prctl(PR_SET_PDEATHSIG) failed')\n"
+    " if os.getppid()!=int(a[3]):os.kill(os.getpid(),9)\n"
+    " exe,argv=a[8],a[9:]\n"
+    "try:os.execve(exe,argv,env)\n"
+    "except OSError as e:sys.exit(f'elasticd: cannot start {exe!r}: {e}')\n"
+)
+
+
+def cgroup_argv(
+    executable: str,
+    argv: Sequence[str],
+    *,
+    procs_fd: int,
+    env_fd: int,
+    identity: Identity | None,
+    setpriv: str | None,
+) -> list[str]:
+    """The command line that runs ``argv`` (program ``executable``) through :data:`CGROUP_STAGE`."""
+    uid, gid, groups = (
+        (-1, -1, "")
+        if identity is None
+        else (identity.uid, identity.gid, ",".join(str(g) for g in identity.groups))
+    )
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        CGROUP_STAGE,
+        str(procs_fd),
+        str(env_fd),
+        str(os.getpid()),
+        str(uid),
+        str(gid),
+        groups,
+        setpriv or "",
+        executable,
+        *argv,
+    ]
+
+
+#: Every process :func:`start_process` started, while the daemon holds it: a child of
+#: the daemon that is not one of these was adopted (the subreaper's strays).
+_started: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
+
+
+def live_children() -> set[int]:
+    """Pids of the processes :func:`start_process` started that asyncio has not reaped."""
+    return {p.pid for p in list(_started) if p.returncode is None}
 
 
 @functools.cache
@@ -196,6 +288,7 @@ async def start_process(
     stdout: int | None = None,
     stderr: int | None = None,
     policy: SpawnPolicy | None = None,
+    cgroup_procs: int | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
 
@@ -207,6 +300,9 @@ async def start_process(
     program runs; raises :class:`~elasticd.errors.WorkerSpawnError` (its
     cause an ``OSError`` when there is one) when it cannot be started.
     ``stdout``/``stderr`` are file descriptors or ``asyncio.subprocess`` constants.
+    ``cgroup_procs``, a descriptor of a cgroup's ``cgroup.procs`` opened by the
+    daemon, puts the process in that cgroup before anything of the job runs
+    (:data:`CGROUP_STAGE`; :mod:`elasticd.workers.cgroup`).
     """
     policy = policy or current_policy()
     argv = [str(arg) for arg in argv]
@@ -221,7 +317,25 @@ async def start_process(
             "group": identity.gid,
             "extra_groups": list(identity.groups),
         }
-    command = start_argv(argv, cwd, setpriv=policy.wrapper())
+    resolver = [SH, "-c", RESOLVER, "elasticd-start", cwd or "", *argv]
+    env_fd: int | None = None
+    pass_fds: tuple[int, ...] = ()
+    if cgroup_procs is None:
+        command = wrap_argv(SH, resolver, setpriv=policy.wrapper())
+        exec_env = full_env
+    else:
+        # The stage runs as root: it gets an empty environment, the job's comes in a
+        # memfd, and the user switch is the stage's own (not subprocess's).
+        env_fd = _env_memfd(full_env)
+        command = cgroup_argv(
+            SH,
+            resolver,
+            procs_fd=cgroup_procs,
+            env_fd=env_fd,
+            identity=identity,
+            setpriv=policy.wrapper(),
+        )
+        exec_env, credentials, pass_fds = {}, {}, (cgroup_procs, env_fd)
     verdict_r, verdict_w = os.pipe()
     try:
         try:
@@ -231,16 +345,20 @@ async def start_process(
                 stdin=verdict_w,
                 stdout=stdout,
                 stderr=stderr,
-                env=full_env,
+                env=exec_env,
                 # Own session, so own process group: signals reach the program's
                 # children too, and a terminal's Ctrl-C on the daemon does not.
                 start_new_session=True,
+                pass_fds=pass_fds,
                 **credentials,  # type: ignore[arg-type]
             )
         except (OSError, ValueError) as exc:
             raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
         finally:
             os.close(verdict_w)  # the child has its copy; ours would keep EOF away
+            if env_fd is not None:
+                os.close(env_fd)
+        _started.add(process)
         try:
             verdict = await _read_verdict(verdict_r)
         except BaseException:
@@ -252,6 +370,21 @@ async def start_process(
         return process
     await _discard(process)  # the resolver exits 127 right after its verdict
     raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath))
+
+
+def _env_memfd(env: Mapping[str, str]) -> int:
+    """A memfd holding ``env`` as ``K=V`` NUL-separated, read from the start by the stage."""
+    fd = os.memfd_create("elasticd-env", os.MFD_CLOEXEC)
+    try:
+        data = b"\0".join(f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in env.items())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 async def _discard(process: asyncio.subprocess.Process) -> None:
@@ -300,6 +433,10 @@ def _verdict_error(
     what, name, path = (parts + ["", "", ""])[:3]
     code = _VERDICT_ERRORS.get(name, errno.EACCES)
     cause = OSError(code, os.strerror(code), path)
+    if what == "cgroup":
+        error = WorkerSpawnError(f"cannot start {argv[0]!r}: cannot join its cgroup: {cause}")
+        error.__cause__ = cause
+        return error
     if what == "path":
         return WorkerSpawnError(
             f"cannot start {argv[0]!r}: no executable of that name on its PATH ({search_path})"
@@ -346,6 +483,8 @@ class SpawnPolicy:
     """Records every spawn for the start-up sweep; None: nothing recorded."""
     setpriv: str | None | bool = True
     """True: ``setpriv`` when usable, else the Python wrapper; a path; False: always Python."""
+    containment: Containment | None = None
+    """Puts each worker group in a cgroup of its own (or says it cannot); None: nothing."""
 
     def wrapper(self) -> str | None:
         if self.setpriv is True:
@@ -447,11 +586,27 @@ def process_start_time(pid: int) -> int | None:
 
 
 def _all_stats() -> Iterator[_Stat]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            st = _read_stat(entry.name)
-            if st is not None and st.state not in ("Z", "X"):
-                yield st
+    with os.scandir("/proc") as entries:  # closed also when a caller stops early (any())
+        for entry in entries:
+            if entry.name.isdigit():
+                st = _read_stat(entry.name)
+                if st is not None and st.state not in ("Z", "X"):
+                    yield st
+
+
+def group_has_live_members(pgid: int) -> bool:
+    """True while a process that is not a zombie belongs to process group ``pgid``.
+
+    A zombie (an exited child whose new parent, often init, has not reaped it
+    yet) keeps its group id in use, but it can hold no pipe and run no code.
+    """
+    try:
+        os.killpg(pgid, 0)  # cheap: no member at all
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return any(st.pgrp == pgid for st in _all_stats())
 
 
 # -- the sweep ---------------------------------------------------------------------

@@ -159,6 +159,11 @@ def running(tokenless: Served) -> Iterator[str]:
     job_id = f"victim-{time.monotonic_ns()}"
     with httpx.Client(base_url=tokenless.url, timeout=10) as c:
         assert c.post("/jobs", json={"id": job_id, **SLEEP}).status_code == 201
+        # Running before the tests check that their requests left it running.
+        deadline = time.monotonic() + 30
+        while c.get(f"/jobs/{job_id}").json()["state"] != "RUNNING":
+            assert time.monotonic() < deadline, f"{job_id} never RUNNING"
+            time.sleep(0.02)
         yield job_id
         c.post(f"/jobs/{job_id}/cancel", json={})
 

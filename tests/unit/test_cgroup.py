@@ -1,0 +1,282 @@
+"""The containment decisions, as tables; and the cgroup mechanics on a real cgroup v2 (root)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elasticd.errors import WorkerSpawnError
+from elasticd.workers.cgroup import (
+    AttemptName,
+    Cgroup,
+    Containment,
+    attempt_name,
+    cgroup2_mount,
+    leftovers,
+    own_cgroup,
+    parse_attempt_name,
+    strays,
+    subtree_name,
+)
+from elasticd.workers.spawn import live_children, start_process
+
+HYBRID = """\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+"""
+PURE_V2 = "29 23 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
+NONE = "22 1 0:21 / /proc rw - proc proc rw\n"
+ESCAPED = r"41 31 0:38 / /mnt/my\040cgroups rw - cgroup2 none rw" + "\n"
+
+
+@pytest.mark.parametrize(
+    ("mountinfo", "mount"),
+    [
+        (HYBRID, "/sys/fs/cgroup/unified"),
+        (PURE_V2, "/sys/fs/cgroup"),
+        (NONE, None),
+        (ESCAPED, "/mnt/my cgroups"),
+    ],
+)
+def test_the_cgroup2_mount_is_read_from_mountinfo(mountinfo: str, mount: str | None) -> None:
+    """Hybrid and pure-v2 hosts, none, and an escaped path."""
+    assert cgroup2_mount(mountinfo) == mount
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("9:name=systemd:/\n4:memory:/x\n0::/\n", "/"),
+        ("0::/system.slice/elasticd.service\n", "/system.slice/elasticd.service"),
+        ("4:memory:/x\n", None),
+    ],
+)
+def test_the_daemon_s_cgroup_is_its_0_line(text: str, path: str | None) -> None:
+    """Only the v2 line counts: the root on a hybrid host, the unit's cgroup under systemd."""
+    assert own_cgroup(text) == path
+
+
+def test_attempt_names_round_trip_and_nothing_else_parses() -> None:
+    """A name made for an attempt gives back its job and attempt; other names are not ours."""
+    name = attempt_name("job.1-x", 3, "0a1b2c3d")
+    assert parse_attempt_name(name) == AttemptName(name, "job.1-x", 3)
+    assert parse_attempt_name(attempt_name("j", None, "0a1b2c3d")) == AttemptName(
+        "a-.0a1b2c3d.j", "j", None
+    )
+    for other in ("cgroup.procs", "probe.0a1b2c3d", "a1.xyz.job", "a1.0a1b2c3d.", "daemon"):
+        assert parse_attempt_name(other) is None, other
+
+
+def test_leftovers_are_the_attempt_cgroups_not_live() -> None:
+    """The sweep's choice: attempt cgroups not in use; foreign folders are left alone."""
+    live = attempt_name("b", 0, "00000001")
+    dead = [attempt_name("a", 0, "00000002"), attempt_name("c", 7, "00000003")]
+    found = leftovers([live, *dead, "daemon", "probe.00000004"], {live})
+    assert [f.name for f in found] == sorted(dead)
+    assert [(f.job_id, f.attempt) for f in found] == [("a", 0), ("c", 7)]
+    assert leftovers([], set()) == []
+
+
+@pytest.mark.parametrize(
+    ("members", "groups", "expected"),
+    [
+        ({}, {10}, []),
+        ({10: 10, 11: 10}, {10}, []),  # the worker and its own children: not strays
+        ({10: 10, 12: 12, 13: 12}, {10}, [12, 13]),  # a session of its own, and its child
+        ({12: None}, {10}, []),  # gone meanwhile
+        ({14: 14}, set(), [14]),
+    ],
+)
+def test_strays_are_what_left_the_worker_groups(
+    members: dict[int, int | None], groups: set[int], expected: list[int]
+) -> None:
+    """Processes still in a worker's process group were killed with it; the rest are strays."""
+    assert strays(members, groups) == expected
+
+
+def test_the_subtree_is_stable_per_node_and_state_folder() -> None:
+    """A restarted daemon (same node, same state folder) finds its subtree; another does not."""
+    assert subtree_name("n0", "/var/lib/e") == subtree_name("n0", "/var/lib/e")
+    assert subtree_name("n0", "/var/lib/e") != subtree_name("n0", "/var/lib/f")
+    assert subtree_name("n0", "/var/lib/e") != subtree_name("n1", "/var/lib/e")
+
+
+def _writable_cgroup2() -> bool:
+    try:
+        Containment.setup("cgroup", node="unit-probe", state_dir=Path("/nonexistent-x")).close()
+    except OSError:
+        return False
+    return True
+
+
+NEEDS_CGROUPS = pytest.mark.skipif(
+    os.geteuid() != 0 or not _writable_cgroup2(), reason="needs root and a writable cgroup v2"
+)
+
+
+@NEEDS_CGROUPS
+def test_the_freezer_fallback_kills_every_member(tmp_path: Path) -> None:
+    """Without cgroup.kill (kernels < 5.14): freeze, SIGKILL each pid of cgroup.procs, thaw."""
+    containment = Containment.setup("cgroup", node="unit-freeze", state_dir=tmp_path)
+    assert containment.base is not None
+    cgroup = Cgroup(containment.base / attempt_name("j", 0, "00000009"))
+    cgroup.path.mkdir()
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        for proc in procs:
+            (cgroup.path / "cgroup.procs").write_text(str(proc.pid))
+        assert sorted(cgroup.pids()) == sorted(p.pid for p in procs)
+        cgroup._kill_frozen()
+        assert [p.wait(10) for p in procs] == [-9, -9, -9]
+        assert not cgroup.populated()
+        assert cgroup.remove()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        cgroup.remove()
+        containment.close()
+    assert not containment.base.exists()
+
+
+@NEEDS_CGROUPS
+async def test_the_sweep_kills_and_removes_leftover_attempts(tmp_path: Path) -> None:
+    """An attempt cgroup left with a process in it (a killed daemon's): killed, reported, gone."""
+    containment = Containment.setup("cgroup", node="unit-sweep", state_dir=tmp_path)
+    attempt = containment.open_attempt("left", 2, None)
+    assert attempt.procs_fd is not None
+    proc = await start_process(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        dict(os.environ),
+        identity=None,
+        cgroup_procs=attempt.procs_fd,
+    )
+    try:
+        os.close(attempt.procs_fd)
+        assert attempt.cgroup is not None and attempt.cgroup.pids() == [proc.pid]
+        found = containment.sweep()
+        assert [(f.name.job_id, f.name.attempt, f.pids) for f in found] == [
+            ("left", 2, (proc.pid,))
+        ]
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+        assert not attempt.cgroup.path.exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        attempt.cgroup.stop_now()  # a no-op when the test got that far
+        containment.close()
+    assert proc.pid not in live_children()
+
+
+@NEEDS_CGROUPS
+async def test_a_cgroup_that_cannot_be_joined_fails_the_start_clearly(tmp_path: Path) -> None:
+    """The stage reports a failed join on the verdict pipe: a WorkerSpawnError, no process."""
+    containment = Containment.setup("cgroup", node="unit-join", state_dir=tmp_path)
+    attempt = containment.open_attempt("gone", 0, None)
+    assert attempt.cgroup is not None and attempt.procs_fd is not None
+    attempt.cgroup.remove()  # the descriptor now names a removed cgroup
+    try:
+        with pytest.raises(WorkerSpawnError, match="cannot join its cgroup"):
+            await start_process(
+                ["true"], dict(os.environ), identity=None, cgroup_procs=attempt.procs_fd
+            )
+    finally:
+        os.close(attempt.procs_fd)
+        containment.close()
+
+
+def test_forced_cgroup_without_a_cgroup2_mount_raises(tmp_path: Path) -> None:
+    """containment = cgroup where none can be made: OSError (the daemon refuses to start)."""
+    fake = tmp_path / "proc"
+    fake.mkdir()
+    (fake / "mountinfo").write_text(NONE)
+    (fake / "cgroup").write_text("0::/\n")
+    with pytest.raises(OSError, match="no cgroup2"):
+        Containment.setup("cgroup", node="n", state_dir=tmp_path, proc=fake)
+
+
+def test_auto_without_cgroups_falls_back_to_a_subreaper(tmp_path: Path) -> None:
+    """containment = auto where no cgroup2 is mounted: the daemon becomes a child subreaper
+    (checked in a child process, which it changes for good), and says why."""
+    fake = tmp_path / "proc"
+    fake.mkdir()
+    (fake / "mountinfo").write_text(NONE)
+    (fake / "cgroup").write_text("0::/\n")
+    code = (
+        "import sys; from pathlib import Path; from elasticd.workers.cgroup import Containment\n"
+        f"c = Containment.setup('auto', node='n', state_dir=Path({str(tmp_path)!r}), "
+        f"proc=Path({str(fake)!r}))\n"
+        "print(c.mode, c.partial, c.reason)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    assert out.split(" ", 2)[:2] == ["subreaper", "True"]
+    assert "no cgroup2" in out
+    probe = (
+        "import ctypes; from pathlib import Path\n"
+        "from elasticd.workers.cgroup import Containment\n"
+        f"Containment.setup('subreaper', node='n', state_dir=Path({str(tmp_path)!r}))\n"
+        "v = ctypes.c_int(); ctypes.CDLL(None).prctl(37, ctypes.byref(v), 0, 0, 0)\n"
+        "print(v.value)\n"
+    )
+    flag = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    assert flag.strip() == "1"  # PR_GET_CHILD_SUBREAPER
+
+
+def _status_and_environ(pid: int) -> tuple[str, dict[str, str]]:
+    raw = Path(f"/proc/{pid}/environ").read_text()
+    environ = dict(item.split("=", 1) for item in raw.split("\0") if item)
+    return Path(f"/proc/{pid}/status").read_text(), environ
+
+
+@NEEDS_CGROUPS
+@pytest.mark.parametrize("setpriv", [True, False], ids=["through-setpriv", "python-only"])
+async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
+    tmp_path: Path, setpriv: bool
+) -> None:
+    """The root stage joins the cgroup, switches to nobody and hands over exactly the job's
+    environment, with setpriv for the parent-death signal or without it."""
+    import pwd
+
+    from elasticd.security import Identity
+    from elasticd.workers.spawn import SpawnPolicy
+
+    nobody = pwd.getpwnam("nobody")
+    identity = Identity(
+        user="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir, groups=()
+    )
+    containment = Containment.setup("cgroup", node="unit-stage", state_dir=tmp_path)
+    attempt = containment.open_attempt("stage", 0, None)
+    assert attempt.cgroup is not None and attempt.procs_fd is not None
+    env = {"PATH": "/usr/bin:/bin", "MARKER": "a=b c\nd"}
+    proc = await start_process(
+        ["sleep", "60"],
+        env,
+        identity=identity,
+        cgroup_procs=attempt.procs_fd,
+        policy=SpawnPolicy(setpriv=setpriv),
+    )
+    try:
+        assert attempt.cgroup.pids() == [proc.pid]
+        status, environ = _status_and_environ(proc.pid)
+        assert f"Uid:\t{nobody.pw_uid}\t{nobody.pw_uid}\t{nobody.pw_uid}" in status
+        assert environ["MARKER"] == "a=b c\nd" and environ["USER"] == "nobody"
+        assert set(environ) <= {"PATH", "MARKER", "HOME", "USER", "LOGNAME", "PWD"}
+        assert await attempt.stop(set()) == [proc.pid]  # not in a worker group: a stray
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        attempt.cgroup.stop_now()  # a no-op when the test got that far
+        containment.close()

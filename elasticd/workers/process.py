@@ -240,7 +240,7 @@ class WorkerGroupProcesses:
         clock: Clock = SYSTEM_CLOCK,
         storage: StorageHealth | None = None,
     ) -> WorkerGroupProcesses:
-        """Spawn every worker and start watching them.
+        """Spawn every worker (concurrently) and start watching them.
 
         If one cannot be spawned, the ones already started are stopped and
         :class:`~elasticd.errors.WorkerSpawnError` is raised naming its local
@@ -250,8 +250,14 @@ class WorkerGroupProcesses:
         group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
         group._expected = len(launches)
         try:
-            for launch in launches:
-                await group._spawn(launch)
+            # Concurrently: each spawn waits for its child to join the attempt's cgroup
+            # (a short root stage), and a restart should cost one such wait, not one a worker.
+            results = await asyncio.gather(
+                *(group._spawn(launch) for launch in launches), return_exceptions=True
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                raise failed[0]  # the lowest local rank that failed
         except BaseException:
             await group.stop(0.0)
             raise

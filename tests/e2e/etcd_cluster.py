@@ -120,13 +120,13 @@ class EtcdCluster:
     def current_leader(self) -> EtcdMember | None:
         """The live member every live member names as leader now (None: no agreement)."""
         ids: dict[str, EtcdMember] = {}
-        named = set()
+        named: set[str] = set()
         for m in self.members:
             status = m.status() if m.running else None
             if status is None:
                 continue
             ids[status["header"]["member_id"]] = m
-            named.add(status.get("leader"))
+            named.add(str(status.get("leader", "")))
         if len(named) != 1:
             return None
         return ids.get(named.pop())
@@ -169,6 +169,6 @@ def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str,
     return [(d["kind"], d["time"], d["message"]) for d in docs]
 
 
-def shown_events(merged: list[dict], node: str) -> list[tuple[str, float, str]]:
+def shown_events(merged: list[dict[str, Any]], node: str) -> list[tuple[str, float, str]]:
     """One node's events in a merged /events answer, in the merged order."""
     return [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == node]

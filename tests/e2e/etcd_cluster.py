@@ -1,10 +1,11 @@
-"""A throwaway 3-member etcd cluster on loopback for e2e tests (issue 12: quorum loss).
+"""A throwaway 3-member etcd cluster on loopback for e2e tests (issue 12: leader and quorum loss).
 
-Members keep their data dirs and ports across ``kill``/``start``, so a test can
-take quorum away and give it back. Raft timers are short (heartbeat 50 ms,
-election 500 ms) so that leader loss and quorum loss show within a second or
-two, as on a real cluster with its timers scaled down. Every member is killed
-at the end.
+Test side only. Members keep their data dirs and ports across ``kill`` (SIGKILL)
+and ``start``, so a test can take the leader or quorum away and give it back.
+Raft timers are short (heartbeat 50 ms, election 500 ms) so that leader loss
+and quorum loss show within a second or two, as on a real cluster with its
+timers scaled down. Each cluster has its own token, so a member never joins
+another test's cluster on a reused port. Every member is killed at the end.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tests.e2e.cluster import LocalCluster
@@ -41,6 +43,15 @@ class EtcdMember:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def status(self) -> dict[str, Any] | None:
+        """This member's maintenance status (its id and its leader's), or None if it is down."""
+        request = urllib.request.Request(self.url + "/v3/maintenance/status", data=b"{}")
+        try:
+            with urllib.request.urlopen(request, timeout=1) as response:
+                return dict(json.loads(response.read()))
+        except OSError:
+            return None
+
     def kill(self) -> None:
         """SIGKILL the member and reap it."""
         if self.process is not None and self.process.poll() is None:
@@ -57,6 +68,7 @@ class EtcdCluster:
         root.mkdir(parents=True, exist_ok=True)
         self.members = [EtcdMember(f"m{i}", root) for i in range(size)]
         self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        self._token = f"elasticd-test-{uuid.uuid4().hex}"
 
     def start(self, member: EtcdMember | None = None) -> None:
         """Start one member (or all of them); returns once they answer a linearizable read."""
@@ -72,6 +84,7 @@ class EtcdCluster:
                 f"--initial-advertise-peer-urls={m.peer_url}",
                 f"--initial-cluster={self._initial}",
                 "--initial-cluster-state=new",
+                f"--initial-cluster-token={self._token}",
                 "--heartbeat-interval=50",
                 "--election-timeout=500",
                 "--logger=zap",
@@ -104,20 +117,28 @@ class EtcdCluster:
                     raise RuntimeError(f"etcd {m.name} not healthy within {deadline}s")
                 time.sleep(0.05)
 
-    def leader(self) -> EtcdMember:
-        """The member that leads now (asked of the running members)."""
+    def current_leader(self) -> EtcdMember | None:
+        """The live member every live member names as leader now (None: no agreement)."""
         ids: dict[str, EtcdMember] = {}
-        leader = None
+        named: set[str] = set()
         for m in self.members:
-            if not m.running:
+            status = m.status() if m.running else None
+            if status is None:
                 continue
-            request = urllib.request.Request(m.url + "/v3/maintenance/status", data=b"{}")
-            with urllib.request.urlopen(request, timeout=2) as response:
-                status = json.loads(response.read())
             ids[status["header"]["member_id"]] = m
-            leader = status.get("leader", leader)
-        assert leader is not None and leader in ids, "no member knows a leader"
-        return ids[leader]
+            named.add(str(status.get("leader", "")))
+        if len(named) != 1:
+            return None
+        return ids.get(named.pop())
+
+    def leader(self, deadline: float = 20.0) -> EtcdMember:
+        """The leader, once the live members agree on a live one (polled every 20 ms)."""
+        until = time.monotonic() + deadline
+        while (found := self.current_leader()) is None:
+            if time.monotonic() > until:
+                raise RuntimeError(f"no etcd leader agreed on within {deadline}s")
+            time.sleep(0.02)
+        return found
 
     def endpoints(self, first: int = 0) -> str:
         """An ``etcd://`` store URL listing every member, starting at member ``first``."""
@@ -148,6 +169,6 @@ def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str,
     return [(d["kind"], d["time"], d["message"]) for d in docs]
 
 
-def shown_events(merged: list[dict], node: str) -> list[tuple[str, float, str]]:
+def shown_events(merged: list[dict[str, Any]], node: str) -> list[tuple[str, float, str]]:
     """One node's events in a merged /events answer, in the merged order."""
     return [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == node]

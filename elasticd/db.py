@@ -114,7 +114,7 @@ class Database:
         ``landed(stored)`` is called with the event and its seq once it is on
         disk; True when that happened before returning.
         """
-        return self.backlog.submit(lambda: self.append_event(event), landed)
+        return self.backlog.submit(lambda: self.append_event(event), landed, tag=event.job_id)
 
     def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         rows = self.conn.execute(
@@ -154,7 +154,7 @@ class Database:
 
     def record_worker(self, record: WorkerRecord) -> None:
         """Remember a spawned worker until its group is stopped (queued if the disk refuses)."""
-        self.backlog.submit(lambda: self._record_worker(record), _ignore)
+        self.backlog.submit(lambda: self._record_worker(record), _ignore, keep=True)
 
     def _record_worker(self, record: WorkerRecord) -> None:
         self.conn.execute(
@@ -178,6 +178,7 @@ class Database:
                 "DELETE FROM workers WHERE pid = ? AND start_time = ?", rows
             ),
             _ignore,
+            keep=True,
         )
 
     def recorded_workers(self) -> list[WorkerRecord]:

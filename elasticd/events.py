@@ -123,6 +123,7 @@ class EventLog:
         self, db: Database, node: str, clock: Clock = SYSTEM_CLOCK, store: Store | None = None
     ) -> None:
         self._db = db
+        db.backlog.on_drained = self._dropped
         self._node = node
         self._clock = clock
         self._store = store
@@ -170,6 +171,19 @@ class EventLog:
             except Exception:  # a listener must never break event recording
                 log.exception("event listener failed")
         return stored
+
+    def _dropped(self, by_job: dict[str, int]) -> None:
+        """The disk took writes again, but events were dropped past the backlog's bound: say so."""
+        for job_id, count in sorted(by_job.items()):
+            if job_id:
+                self.emit(
+                    job_id,
+                    "daemon",
+                    "events.dropped",
+                    f"{count} events of this job on {self._node} were lost: the state disk "
+                    "refused writes for longer than the in-memory backlog could hold",
+                    count=count,
+                )
 
     def _landed_into(self, out: list[Event]) -> Callable[[Event], None]:
         def landed(stored: Event) -> None:

@@ -183,7 +183,7 @@ class WriteBacklog:
         health: StorageHealth,
         *,
         limit: int = BACKLOG_LIMIT,
-        on_drained: Callable[[int], None] | None = None,
+        on_drained: Callable[[dict[str, int]], None] | None = None,
     ) -> None:
         self.source = source
         self._health = health
@@ -194,14 +194,27 @@ class WriteBacklog:
         self._task: asyncio.Task[None] | None = None
         self._empty = asyncio.Event()
         self._empty.set()
-        self.dropped = 0
-        self._on_drained = on_drained
+        self.dropped: dict[str, int] = {}  # writes dropped past the limit, by tag (job id)
+        self.on_drained = on_drained  # told what was dropped, once the backlog is written
 
     def __len__(self) -> int:
         return len(self._queue)
 
-    def submit(self, write: Callable[[], Any], landed: Callable[[Any], None]) -> bool:
-        """Write now if possible; True when it landed now, False when it was queued or dropped."""
+    def submit(
+        self,
+        write: Callable[[], Any],
+        landed: Callable[[Any], None],
+        *,
+        tag: str = "",
+        keep: bool = False,
+    ) -> bool:
+        """Write now if possible; True when it landed now, False when it was queued or dropped.
+
+        Past the limit a write is dropped and counted under ``tag`` (reported
+        through ``on_drained`` once the backlog is written), unless ``keep``:
+        writes the daemon's safety depends on (the worker table, read by the
+        orphan sweep) are small and few, and always queued.
+        """
         if not self._queue:
             try:
                 result = write()
@@ -212,8 +225,8 @@ class WriteBacklog:
             else:
                 landed(result)
                 return True
-        if len(self._queue) >= self._limit:
-            self.dropped += 1
+        if len(self._queue) >= self._limit and not keep:
+            self.dropped[tag] = self.dropped.get(tag, 0) + 1
             return False
         self._queue.append((write, landed))
         self._empty.clear()
@@ -251,9 +264,15 @@ class WriteBacklog:
                         log.exception("%s: a landed write's callback failed", self.source)
                     delay = BACKOFF_FIRST
             self._health.ok(self.source)
-            dropped, self.dropped = self.dropped, 0
-            if dropped and self._on_drained is not None:
-                self._on_drained(dropped)
+            dropped, self.dropped = self.dropped, {}
+            if dropped:
+                log.error(
+                    "%s: %d writes were dropped while it refused",
+                    self.source,
+                    sum(dropped.values()),
+                )
+                if self.on_drained is not None:
+                    self.on_drained(dropped)
         finally:
             self._task = None
             if not self._queue:

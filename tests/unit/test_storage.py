@@ -132,23 +132,44 @@ async def test_backlog_keeps_order_and_lands_everything_once_the_disk_takes_it()
 
 
 async def test_backlog_is_bounded_and_counts_what_it_drops() -> None:
-    """Past its limit the backlog drops new writes and counts them."""
+    """Past its limit the backlog drops new writes and counts them by tag, except the
+    writes it must keep (the worker table the orphan sweep reads)."""
     health = StorageHealth()
-    drained: list[int] = []
+    drained: list[dict[str, int]] = []
     backlog = WriteBacklog("state file t", health, limit=3, on_drained=drained.append)
     full = True
+    landed: list[int] = []
 
-    def write() -> None:
+    def write(n: int) -> int:
         if full:
             raise OSError(errno.ENOSPC, "No space left on device")
+        return n
 
-    for _ in range(5):
-        backlog.submit(write, lambda _: None)
-    assert len(backlog) == 3 and backlog.dropped == 2
+    for n in range(5):
+        backlog.submit(lambda n=n: write(n), landed.append, tag="job-a" if n < 4 else "job-b")
+    backlog.submit(lambda: write(99), landed.append, keep=True)
+    assert len(backlog) == 4 and backlog.dropped == {"job-a": 1, "job-b": 1}
     full = False
     async with asyncio.timeout(10):
         await backlog.wait_empty()
-    assert drained == [2] and health.reason is None
+    assert landed == [0, 1, 2, 99] and health.reason is None
+    assert drained == [{"job-a": 1, "job-b": 1}] and backlog.dropped == {}
+
+
+async def test_events_dropped_past_the_backlog_are_reported_per_job(tmp_path) -> None:
+    """The event log says, in the job's own events, how many were lost past the bound."""
+    from elasticd.db import Database
+    from elasticd.events import EventLog
+
+    db = Database(tmp_path / "state.sqlite3")
+    db.open()
+    log = EventLog(db, "n0")
+    db.backlog.dropped = {"job-a": 3}
+    db.backlog.on_drained({"job-a": 3}) if db.backlog.on_drained else None
+    (event,) = [e for e in db.list_events("job-a", 0, 10) if e.kind == "events.dropped"]
+    assert event.count == 3 and "3 events" in event.message and event.node == "n0"
+    assert log is not None
+    db.close()
 
 
 async def test_backlog_raises_what_is_not_a_disk_fault() -> None:

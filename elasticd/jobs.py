@@ -27,8 +27,10 @@ refuses writes, since accepting means a durable record; running jobs go on
 ``storage.back`` event when the disk takes writes again. An agent task that
 dies of an exception its own error path could not handle is never silent:
 its workers are stopped, ``agent.crashed`` is recorded and the job resumes as
-a new attempt like after a daemon crash (FAILED after ``MAX_AGENT_CRASHES``;
-``_after_agent_crash``), rather than left RUNNING unwatched.
+a new attempt like after a daemon crash (after ``MAX_AGENT_CRASHES`` within
+``AGENT_CRASH_WINDOW`` this node gives the job up until it restarts, and the
+job is never FAILED for it; ``_after_agent_crash``), rather than left
+RUNNING unwatched.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ DAEMON_CRASHED = (
 )
 #: Agent deaths (internal errors) after which a job is FAILED instead of resumed.
 MAX_AGENT_CRASHES = 3
+#: Seconds within which MAX_AGENT_CRASHES deaths make this node give a job up.
+AGENT_CRASH_WINDOW = 600.0
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
 
@@ -157,7 +161,8 @@ class JobService:
         self._watched = False
         self._recording: set[asyncio.Task[None]] = set()
         #: How often each job's agent died of an internal error in this daemon's life.
-        self._agent_crashes: dict[str, int] = {}
+        self._agent_crashes: dict[str, list[float]] = {}  # job -> when its agents died
+        self._crashing: set[str] = set()  # jobs whose dead agent is being cleaned up
         if storage is not None:
             storage.on_state_back(self._storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
@@ -683,11 +688,17 @@ class JobService:
             # Deleted (by a user, or by retention) on some daemon: drop our records too.
             self.events.forget(gone)
             self._done_here.discard(gone)
+            self._agent_crashes.pop(gone, None)
         self._known = known
         if not self._accepting:
             return
         for job in sorted(jobs, key=lambda j: j.created_at):
-            if job.state not in JOB_ACTIVE or job.id in self._agents or job.id in self._done_here:
+            if (
+                job.state not in JOB_ACTIVE
+                or job.id in self._agents
+                or job.id in self._done_here
+                or job.id in self._crashing  # its dead agent's workers are still being stopped
+            ):
                 continue
             spec = job.spec
             if not selector_matches(spec.node_selector, self.config.labels):
@@ -785,8 +796,13 @@ class JobService:
                     crash,
                     exc_info=crash,
                 )
+                # No new agent until the dead one's workers are stopped and its slots,
+                # taken now, are given back (a new agent would get the same ones).
+                self._crashing.add(job_id)
+                slots = self._allocated.pop(job_id, [])
                 after = asyncio.get_running_loop().create_task(
-                    self._after_agent_crash(job_id, agent, crash), name=f"agent-crash-{job_id}"
+                    self._after_agent_crash(job_id, agent, crash, slots),
+                    name=f"agent-crash-{job_id}",
                 )
                 self._recording.add(after)
                 after.add_done_callback(self._recording.discard)
@@ -819,7 +835,9 @@ class JobService:
         self._free.sort()
         self._publish_slots()
 
-    async def _after_agent_crash(self, job_id: str, agent: JobAgent, crash: BaseException) -> None:
+    async def _after_agent_crash(
+        self, job_id: str, agent: JobAgent, crash: BaseException, slots: list[int]
+    ) -> None:
         """An agent task died of an exception its own handler could not deal with.
 
         Decision: that is this daemon's fault, not the job's workers', so it is
@@ -827,26 +845,29 @@ class JobService:
         are stopped and it leaves the rendezvous, ``agent.crashed`` names the
         error, the job is RESTARTING and resumes as a new attempt under a new
         agent, no restart charged. A bug that kills every agent would loop, so
-        after :data:`MAX_AGENT_CRASHES` deaths in this daemon's life the job
-        is FAILED naming the error instead. Never left RUNNING unwatched.
+        after :data:`MAX_AGENT_CRASHES` deaths within :data:`AGENT_CRASH_WINDOW`
+        this node gives the job up until the daemon restarts (other nodes carry
+        on without it). The job is never FAILED for it: only its workers or its
+        budget may fail a job. Never left RUNNING unwatched.
         """
-        crashes = self._agent_crashes[job_id] = self._agent_crashes.get(job_id, 0) + 1
+        now = self.clock.monotonic()
+        recent = [t for t in self._agent_crashes.get(job_id, []) if now - t < AGENT_CRASH_WINDOW]
+        recent.append(now)
+        self._agent_crashes[job_id] = recent
         error = f"{type(crash).__name__}: {crash}"
-        give_up = crashes >= MAX_AGENT_CRASHES
+        give_up = len(recent) >= MAX_AGENT_CRASHES
         try:
             with contextlib.suppress(Exception):
                 await agent.abandon()
             if give_up:
-                reason = (
-                    f"the agent on {self.node} died of an internal error {crashes} times; "
-                    f"last: {error}"
+                self.events.emit(
+                    job_id,
+                    "daemon",
+                    "agent.crashed",
+                    f"the agent on {self.node} died of an internal error {len(recent)} times in "
+                    f"{AGENT_CRASH_WINDOW:.0f} s (last: {error}); this node gives the job up "
+                    "until the daemon restarts: report it as a bug of elasticd",
                 )
-                self.events.emit(job_id, "daemon", "agent.crashed", reason, state="FAILED")
-                with contextlib.suppress(InvalidTransition, JobNotFound):
-                    job = await self.get(job_id)
-                    if not job.state.is_terminal:
-                        await self.update_job(job_id, state=JobState.FAILED, reason=reason)
-                        await self._close_rendezvous(job_id)
             else:
                 self.events.emit(
                     job_id,
@@ -855,16 +876,19 @@ class JobService:
                     f"the agent on {self.node} died of an internal error ({error}); the job "
                     "resumes as a new attempt, no restart charged",
                 )
-                with contextlib.suppress(InvalidTransition, JobNotFound):
-                    job = await self.get(job_id)
-                    if job.state is JobState.RUNNING:
-                        await self.update_job(
-                            job_id, state=JobState.RESTARTING, reason="the agent crashed"
-                        )
+            with contextlib.suppress(InvalidTransition, JobNotFound):
+                job = await self.get(job_id)
+                if job.state is JobState.RUNNING:
+                    await self.update_job(
+                        job_id, state=JobState.RESTARTING, reason="the agent crashed"
+                    )
         except Exception as exc:
             log.error("job %s: could not record the agent's death: %s", job_id, exc)
         finally:
-            self._release(job_id)
+            self._free.extend(slots)
+            self._free.sort()
+            self._publish_slots()
+            self._crashing.discard(job_id)
             if give_up:
                 self._done_here.add(job_id)
             elif self._accepting:

@@ -89,6 +89,8 @@ ConsoleSink = Callable[[ConsoleLine], None]
 JobUpdater = Callable[..., Awaitable[Job]]
 #: Bound on the rendezvous steps of a stopping agent.
 LEAVE_TIMEOUT = 5.0
+#: Bound on the wait, after the workers are stopped, for the "leaving" write (best effort).
+LEAVING_TIMEOUT = 2.0
 
 
 @dataclass
@@ -1020,7 +1022,13 @@ class JobAgent:
                 leaving.cancel()
             raise
         if leaving is not None:
-            await leaving
+            # Best effort, and bounded: a store that does not answer (a full disk under
+            # the embedded store) must not hold up what comes after the stop.
+            done, _ = await asyncio.wait({leaving}, timeout=LEAVING_TIMEOUT)
+            if not done:
+                leaving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await leaving
 
     async def _stop_group(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None

@@ -270,6 +270,7 @@ class StoreRendezvous:
         self._absorber_key = absorber_key(job_id)
         self._absorber_version = 0
         self._announced: NodeInfo | None = None  # this node's presence key as last written
+        self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
         self._absorber_until = 0.0
         self._absorber_from = absorber_from
         self._me = node
@@ -382,7 +383,13 @@ class StoreRendezvous:
                     await self._announce(info)
                     continue
                 action = decide_join(
-                    state, me, settings, self._clock.time(), present, join_deadline
+                    state,
+                    me,
+                    settings,
+                    self._clock.time(),
+                    present,
+                    join_deadline,
+                    self._seen_open(state),
                 )
                 if action.kind is Kind.WRITE:
                     assert action.state is not None
@@ -463,7 +470,7 @@ class StoreRendezvous:
             holding = await self._take_absorber(join_deadline)
             return (_Step.DECIDE if holding else _Step.AGAIN), state, info, holding
         if not state.complete and self._me in state.participants:
-            look = next_look(state, self._settings, self._clock.time())
+            look = next_look(state, self._settings, self._clock.time(), self._seen_open(state))
             until = min(look if look is not None else join_deadline, join_deadline)
             mine = self._my_deadline(state, until)
             if mine is None or self._clock.time() < mine:
@@ -474,6 +481,12 @@ class StoreRendezvous:
                     return _Step.DECIDE, state, info, holding
                 return _Step.AGAIN, state, info, holding
         return _Step.DECIDE, state, info, holding
+
+    def _seen_open(self, state: State) -> float:
+        """When this node first saw ``state``'s round, by its own clock."""
+        if self._round_seen is None or self._round_seen[0] != state.round:
+            self._round_seen = (state.round, self._clock.time())
+        return self._round_seen[1]
 
     def _my_deadline(self, state: State, until: float | None) -> float | None:
         """When this node acts on an open round's deadline ``until``.

@@ -343,21 +343,46 @@ def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, no
     )
 
 
+def _presume_at(state: State, settings: Settings, seen_at: float | None) -> float | None:
+    """From when a waiting node that never said it is coming may be presumed dead.
+
+    ``ack_timeout`` after the round opened, as the opener's clock says
+    (:attr:`State.opened_at`) or as this node saw it (``seen_at``, its own
+    clock), whichever is later: an opener whose clock runs behind cannot make
+    live nodes look dead.
+    """
+    if state.opened_at is None:
+        return None
+    start = state.opened_at if seen_at is None else max(state.opened_at, seen_at)
+    return start + settings.ack_timeout
+
+
 def _presumed_dead(
-    state: State, node: str, present: Mapping[str, NodeInfo], settings: Settings, now: float
+    state: State,
+    node: str,
+    present: Mapping[str, NodeInfo],
+    settings: Settings,
+    now: float,
+    seen_at: float | None = None,
 ) -> bool:
     """Has a waiting node failed to say it is on its way within ``ack_timeout``?"""
     info = present.get(node)
+    presume_at = _presume_at(state, settings, seen_at)
     return (
         info is not None
         and info.heading_for < state.round
-        and state.opened_at is not None
-        and now >= state.opened_at + settings.ack_timeout
+        and presume_at is not None
+        and now >= presume_at
     )
 
 
 def _everyone_joined(
-    state: State, me: str, present: Mapping[str, NodeInfo], settings: Settings, now: float
+    state: State,
+    me: str,
+    present: Mapping[str, NodeInfo],
+    settings: Settings,
+    now: float,
+    seen_at: float | None = None,
 ) -> bool:
     """After a failure the live set is known: no straggler is worth a last call.
 
@@ -369,10 +394,14 @@ def _everyone_joined(
     """
     if state.round == 0 or not (frozenset(present) | {me}) <= state.members():
         return False
-    return all(_presumed_dead(state, node, present, settings, now) for node in state.wait_list)
+    return all(
+        _presumed_dead(state, node, present, settings, now, seen_at) for node in state.wait_list
+    )
 
 
-def next_look(state: State, settings: Settings, now: float) -> float | None:
+def next_look(
+    state: State, settings: Settings, now: float, seen_at: float | None = None
+) -> float | None:
     """When a participant of an open round looks again if nothing changes.
 
     At the last call's deadline; in a re-rendezvous also once the nodes that
@@ -380,10 +409,9 @@ def next_look(state: State, settings: Settings, now: float) -> float | None:
     """
     if state.deadline is None:
         return None
-    if state.round > 0 and state.opened_at is not None and state.wait_list:
-        presume_at = state.opened_at + settings.ack_timeout
-        if now < presume_at:
-            return min(state.deadline, presume_at)
+    presume_at = _presume_at(state, settings, seen_at)
+    if state.round > 0 and presume_at is not None and state.wait_list and now < presume_at:
+        return min(state.deadline, presume_at)
     return state.deadline
 
 
@@ -397,11 +425,13 @@ def decide_join(
     now: float,
     present: Mapping[str, NodeInfo],
     join_deadline: float,
+    seen_at: float | None = None,
 ) -> Action:
     """One step of joining the next complete round.
 
     ``present`` maps every node with a live presence key (``me`` included,
-    once announced) to its join info.
+    once announced) to its join info. ``seen_at`` is when this node first saw
+    the current round open, by its own clock (see :func:`_presume_at`).
     """
     alive = frozenset(present)
     clean = sanitize(state, alive | {me}, settings)
@@ -434,10 +464,12 @@ def decide_join(
     if me in state.participants:
         if n >= settings.min_nodes and (
             (state.deadline is not None and now >= state.deadline)
-            or _everyone_joined(state, me, present, settings, now)
+            or _everyone_joined(state, me, present, settings, now, seen_at)
         ):
             return Action(Kind.WRITE, _complete(state), why=f"completing the round with {n} nodes")
-        until = next_look(state, settings, now) if n >= settings.min_nodes else join_deadline
+        until = (
+            next_look(state, settings, now, seen_at) if n >= settings.min_nodes else join_deadline
+        )
         return Action(
             Kind.WAIT,
             until=min(until or join_deadline, join_deadline),

@@ -424,3 +424,24 @@ def test_heading_for_round_trips_and_never_falls_below_the_round():
     state = State(round=2, opened_at=12.5)
     assert State.decode(state.encode()).opened_at == 12.5
     assert State.decode(State(round=2).encode()).opened_at is None
+
+
+@pytest.mark.parametrize(
+    ("seen_at", "now", "expected"),
+    [
+        (None, 100.1, Kind.WRITE),  # the opener's clock alone: 99.0 + 0.25 has passed
+        (100.0, 100.1, Kind.WAIT),  # this node saw the round open at 100.0: not yet
+        (100.0, 100.25, Kind.WRITE),
+        (98.0, 99.3, Kind.WRITE),  # seen before the opener's time: the later one counts
+    ],
+)
+def test_presumption_counts_from_when_this_node_saw_the_round_open(seen_at, now, expected):
+    """An opener whose clock runs behind cannot make live nodes look dead at once."""
+    s = Settings(min_nodes=2, max_nodes=4, last_call_timeout=5.0, ack_timeout=0.25)
+    st_, _ = join(State(), "a", s, 0, "abc")
+    st_, _ = join(st_, "a", s, 5.5, "abc")
+    st_ = decide_exit(st_, "a", s, now=99.0).state  # the opener's clock is 1 s behind
+    seen = {"a": info("a", 1), "b": info("b", 1), "c": info("c", 0)}
+    st_ = decide_join(st_, "a", s, 99.0, seen, FAR).state
+    assert st_ is not None and st_.wait_list == {"c"}
+    assert decide_join(st_, "a", s, now, seen, FAR, seen_at).kind is expected

@@ -179,6 +179,13 @@ class StoreBatchRequest(_Wire):
 
     items: list[StoreBatchItem] = Field(max_length=MAX_BATCH_KEYS)
 
+    @field_validator("items")
+    @classmethod
+    def _each_key_once(cls, items: list[StoreBatchItem]) -> list[StoreBatchItem]:
+        if len({item.key for item in items}) != len(items):
+            raise ValueError("a batch names a key twice: write each key once")
+        return items
+
 
 class StoreBatchResponse(_Wire):
     """The entries as written, in the order given."""
@@ -326,10 +333,7 @@ def store_router(
     async def put_batch(body: StoreBatchRequest) -> StoreBatchResponse:
         """Write several keys unconditionally, all or nothing (one writer keeps its order)."""
         items = [(item.key, _decode_b64(item.value)) for item in body.items]
-        try:
-            entries = await get_store().put_batch(items)
-        except ValueError as exc:  # a key named twice
-            raise HTTPException(400, str(exc)) from None
+        entries = await get_store().put_batch(items)  # each key once: checked above (422)
         return StoreBatchResponse(entries=[StoreEntry.of(e) for e in entries])
 
     @router.post("/cas", response_model=StoreCasResponse)

@@ -157,6 +157,10 @@ def prefix_end(prefix: bytes) -> bytes:
 #: stream a few election timeouts after it lost its leader (a plain watch on a
 #: member cut off from quorum stays open and silent for ever).
 REQUIRE_LEADER = {"Grpc-Metadata-Hasleader": "true"}
+#: What a member says while the cluster elects a leader (retried, see ``_during_election``).
+NO_LEADER = "no leader"
+#: Longest a call without a deadline waits out an election.
+ELECTION_WAIT = 3.0
 
 
 def _auth_header(token: str | None) -> dict[str, str]:
@@ -396,8 +400,12 @@ class EtcdStore(Store):
         """
         try:
             async with asyncio.timeout(self._deadline):
-                return await self._authenticated(
-                    lambda token: self._post_once(path, body, idempotent=idempotent, token=token)
+                return await self._during_election(
+                    lambda: self._authenticated(
+                        lambda token: self._post_once(
+                            path, body, idempotent=idempotent, token=token
+                        )
+                    )
                 )
         except TimeoutError:
             outcome = (
@@ -409,6 +417,31 @@ class EtcdStore(Store):
                 f"{self._where()} did not answer {path} within {self._deadline:g}s (no quorum?)"
                 + outcome
             ) from None
+
+    async def _during_election(
+        self, call: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """``call()``, tried again while every member answers "no leader".
+
+        During a leader election (about a second after a leader dies) members
+        refuse requests with "no leader" before doing anything, so a write is
+        not applied either and trying again is safe. Bounded by the call's
+        deadline, or :data:`ELECTION_WAIT` without one; a real quorum loss
+        then surfaces as :class:`StoreUnavailable`.
+        """
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + ELECTION_WAIT
+        pause = 0.05
+        while True:
+            try:
+                return await call()
+            except StoreUnavailable as exc:
+                if NO_LEADER not in str(exc) or (
+                    self._deadline is None and loop.time() + pause > give_up
+                ):
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.25)
 
     async def _post_once(
         self, path: str, body: dict[str, Any], *, idempotent: bool, token: str | None

@@ -146,8 +146,10 @@ async def _uvicorn_backend(tmp_path: Path) -> AsyncIterator[Backend]:
             return HttpStore(url, TOKEN)
 
         # Client and server share one core here; the "http" backend runs the same
-        # server code with the full 10,000 increments.
-        backend = Backend("uvicorn", make, compact, counter_total=2_000)
+        # server code with the full 10,000 increments. Client, server and the store's
+        # journal also share one event loop: a 0.5 s lease kept alive every 0.125 s
+        # lapsed once under a full CI run, so this backend's leases get 1 s.
+        backend = Backend("uvicorn", make, compact, counter_total=2_000, lease_ttl=1.0)
         try:
             yield backend
         finally:

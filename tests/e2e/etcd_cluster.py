@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tests.e2e.cluster import LocalCluster
 
+from tests.e2e.cluster import LocalCluster
 from tests.store.etcd_server import etcd_binary, free_port
 
 
@@ -172,3 +173,9 @@ def own_events(cluster: LocalCluster, node: str, job_id: str) -> list[tuple[str,
 def shown_events(merged: list[dict[str, Any]], node: str) -> list[tuple[str, float, str]]:
     """One node's events in a merged /events answer, in the merged order."""
     return [(e["kind"], e["time"], e["message"]) for e in merged if e["node"] == node]
+
+
+def daemons_on(tmp_path: Path, lease_ttl: float) -> LocalCluster:
+    """A LocalCluster beside the ``etcd`` fixture's folder (use it as a context manager)."""
+    (tmp_path / "daemons").mkdir()
+    return LocalCluster(tmp_path / "daemons", lease_ttl=lease_ttl)

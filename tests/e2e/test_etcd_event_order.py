@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tests.e2e.cluster import LocalCluster, job_ended
-from tests.e2e.etcd_cluster import EtcdCluster, own_events, shown_events
+from tests.e2e.cluster import job_ended
+from tests.e2e.etcd_cluster import daemons_on, own_events, shown_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -27,15 +27,8 @@ CRASHER = "import time; time.sleep(1.5); raise SystemExit(3)"
 
 
 @pytest.fixture
-def etcd(tmp_path):
-    with EtcdCluster(tmp_path / "etcd") as cluster:
-        yield cluster
-
-
-@pytest.fixture
 def cluster(tmp_path, etcd):
-    (tmp_path / "daemons").mkdir()
-    with LocalCluster(tmp_path / "daemons", lease_ttl=LEASE_TTL) as c:
+    with daemons_on(tmp_path, LEASE_TTL) as c:
         yield c
 
 

@@ -19,11 +19,11 @@ import asyncio
 import sys
 import time
 
-import httpx
 import pytest
 
+from tests.conftest import events_of
 from tests.e2e.cluster import LocalCluster
-from tests.e2e.etcd_cluster import EtcdCluster, own_events, shown_events
+from tests.e2e.etcd_cluster import EtcdCluster, daemons_on, own_events, shown_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,22 +34,9 @@ API_BOUND = 3.0
 
 
 @pytest.fixture
-def etcd(tmp_path):
-    with EtcdCluster(tmp_path / "etcd") as cluster:
-        yield cluster
-
-
-@pytest.fixture
 def cluster(tmp_path, etcd):
-    (tmp_path / "daemons").mkdir()
-    with LocalCluster(tmp_path / "daemons", lease_ttl=LEASE_TTL) as c:
+    with daemons_on(tmp_path, LEASE_TTL) as c:
         yield c
-
-
-async def events_of(c: httpx.AsyncClient, job_id: str) -> list[dict]:
-    r = await c.get(f"/jobs/{job_id}/events")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 async def start_job(cluster: LocalCluster, etcd: EtcdCluster, job_id: str) -> None:

@@ -11,6 +11,7 @@ process group or session. The 3-member etcd cluster of the etcd cases is
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,13 @@ async def end_without_strays(
         return not job_processes(job_id, token_file)
 
     await until(no_strays, 10, f"no process of {job_id} left")
+
+
+async def submit(c: httpx.AsyncClient, job_id: str, worker: Path, out: Path, **fields: Any) -> None:
+    """Submit a job of the note-writing worker (``worker out``); 201 or the test fails."""
+    job = {"id": job_id, "entrypoint": sys.executable, "args": [str(worker), str(out)], **fields}
+    r = await c.post("/jobs", json=job)
+    assert r.status_code == 201, r.text
 
 
 async def groups(c: httpx.AsyncClient, job_id: str) -> dict[str, dict[str, Any]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from tests.e2e.fault_support import (
     pid_alive,
     report,
     starts,
+    submit,
     until,
 )
 
@@ -77,18 +77,7 @@ async def test_node_restart_rejoins_and_the_job_reforms_to_three(tmp_path: Path)
     with LocalCluster(tmp_path) as cluster:
         await cluster.start_all("n0", "n1", "n2")
         async with cluster.client("n0") as c:
-            r = await c.post(
-                "/jobs",
-                json={
-                    "id": "fm-rejoin",
-                    "entrypoint": sys.executable,
-                    "args": [str(worker), str(out)],
-                    "min_nodes": 2,
-                    "max_nodes": 3,
-                    "termination_grace": 2,
-                },
-            )
-            assert r.status_code == 201, r.text
+            await submit(c, "fm-rejoin", worker, out, min_nodes=2, max_nodes=3, termination_grace=2)
 
             async def three() -> bool:
                 found = await groups(c, "fm-rejoin")
@@ -168,18 +157,15 @@ async def test_cancel_of_workers_that_ignore_sigterm_kills_them_after_the_grace(
     with LocalCluster(tmp_path) as cluster:
         await cluster.start_all("n0")
         async with cluster.client("n0") as c:
-            r = await c.post(
-                "/jobs",
-                json={
-                    "id": "fm-stubborn",
-                    "entrypoint": sys.executable,
-                    "args": [str(worker), str(out)],
-                    "env": {"IGNORE_TERM": "1"},
-                    "nproc_per_node": 2,
-                    "termination_grace": GRACE,
-                },
+            await submit(
+                c,
+                "fm-stubborn",
+                worker,
+                out,
+                env={"IGNORE_TERM": "1"},
+                nproc_per_node=2,
+                termination_grace=GRACE,
             )
-            assert r.status_code == 201, r.text
 
             async def both_noted() -> bool:
                 return len(read_notes(out)) == 2
@@ -226,19 +212,16 @@ async def test_a_group_restart_escalates_to_sigkill_for_a_worker_that_ignores_si
     with LocalCluster(tmp_path) as cluster:
         await cluster.start_all("n0")
         async with cluster.client("n0") as c:
-            r = await c.post(
-                "/jobs",
-                json={
-                    "id": "fm-stubborn-restart",
-                    "entrypoint": sys.executable,
-                    "args": [str(worker), str(out)],
-                    "env": {"IGNORE_TERM": "1", "CRASH_ONCE": "1"},
-                    "nproc_per_node": 2,
-                    "max_restarts": 2,
-                    "termination_grace": GRACE,
-                },
+            await submit(
+                c,
+                "fm-stubborn-restart",
+                worker,
+                out,
+                env={"IGNORE_TERM": "1", "CRASH_ONCE": "1"},
+                nproc_per_node=2,
+                max_restarts=2,
+                termination_grace=GRACE,
             )
-            assert r.status_code == 201, r.text
 
             async def ended() -> bool:
                 job = (await c.get("/jobs/fm-stubborn-restart")).json()
@@ -289,18 +272,9 @@ async def test_etcd_leader_loss_with_quorum_kept_fences_nothing(tmp_path: Path) 
         with LocalCluster(tmp_path, lease_ttl=ETCD_LEASE_TTL, store_url=url) as cluster:
             await cluster.start_all("n0", "n1")
             async with cluster.client("n0") as c0, cluster.client("n1") as c1:
-                r = await c0.post(
-                    "/jobs",
-                    json={
-                        "id": "fm-leader",
-                        "entrypoint": sys.executable,
-                        "args": [str(worker), str(out)],
-                        "min_nodes": 2,
-                        "max_nodes": 2,
-                        "termination_grace": 2,
-                    },
+                await submit(
+                    c0, "fm-leader", worker, out, min_nodes=2, max_nodes=2, termination_grace=2
                 )
-                assert r.status_code == 201, r.text
 
                 async def running() -> bool:
                     found = await groups(c0, "fm-leader")

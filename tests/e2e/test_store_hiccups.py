@@ -56,12 +56,20 @@ class CuttableProxy:
         if self.cut:
             writer.transport.abort()
             return
+        self._writers.add(writer)  # a cut while the upstream connects aborts it too
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         except OSError:
             writer.transport.abort()
             return
-        self._writers |= {writer, up_writer}
+        if self.cut or writer not in self._writers:
+            # Cut while connecting upstream: this link must not outlive the cut (under
+            # load the window is wide, and a link that survived let n1 renew its lease
+            # through the outage while its other calls failed).
+            writer.transport.abort()
+            up_writer.transport.abort()
+            return
+        self._writers.add(up_writer)
         for src, dst in ((reader, up_writer), (up_reader, writer)):
             task = asyncio.create_task(self._pump(src, dst))
             self._tasks.add(task)

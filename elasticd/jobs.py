@@ -43,7 +43,6 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
@@ -64,6 +63,7 @@ from elasticd.errors import (
 )
 from elasticd.events import EventLog
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
+from elasticd.logs import LogLayout, stream_file
 from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
@@ -91,16 +91,6 @@ MAX_AGENT_CRASHES = 3
 AGENT_CRASH_WINDOW = 600.0
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
-
-
-def last_attempt(job_log_dir: Path) -> int:
-    """The highest ``attempt_<n>`` under a job's log folder (-1 if none): names only, no opens."""
-    try:
-        names = os.listdir(job_log_dir)
-    except OSError:
-        return -1
-    numbers = [int(n[8:]) for n in names if n.startswith("attempt_") and n[8:].isdigit()]
-    return max(numbers, default=-1)
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
@@ -141,6 +131,7 @@ class JobService:
         storage: StorageHealth | None = None,
     ) -> None:
         self.config = config
+        self.logs = LogLayout(config.logs)
         self.storage = storage
         self.events = events
         self.store = store
@@ -542,17 +533,7 @@ class JobService:
 
     def log_attempts(self, job_id: str) -> list[int]:
         """The attempts of the job that have a log folder on this node, oldest first."""
-        if not valid_job_id(job_id):
-            return []
-        try:
-            names = os.listdir(self.config.logs / job_id)  # the daemon's own folder
-        except OSError:
-            return []
-        return sorted(
-            int(name.removeprefix("attempt_"))
-            for name in names
-            if name.startswith("attempt_") and name.removeprefix("attempt_").isdigit()
-        )
+        return self.logs.attempts(job_id) if valid_job_id(job_id) else []
 
     def open_log(
         self,
@@ -575,9 +556,9 @@ class JobService:
                 raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
             attempt = attempts[-1]
         where = f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.node}"
-        worker_dir = self.config.logs / job_id / f"attempt_{attempt}" / str(local_rank)
+        worker_dir = self.logs.worker_dir(job_id, attempt, local_rank)
         try:
-            fd = open_worker_file(worker_dir, f"{stream}.log")
+            fd = open_worker_file(worker_dir, stream_file(stream))
         except FileNotFoundError:
             raise LogNotFound(f"no {stream} log for {where}") from None
         except UnsafeWorkerFile:
@@ -754,7 +735,7 @@ class JobService:
             node=self.node,
             advertise_addr=self.config.advertise,
             daemon_url=self.config.url,
-            log_root=self.config.logs,
+            logs=self.logs,
             store=self.store,
             events=self.events,
             update_job=self.update_job,
@@ -773,7 +754,7 @@ class JobService:
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
-        agent.attempt = last_attempt(self.config.logs / job.id)
+        agent.attempt = self.logs.last_attempt(job.id)
         self._agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self._tasks[job.id] = task

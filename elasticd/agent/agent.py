@@ -47,6 +47,7 @@ from elasticd.errors import (
 from elasticd.events import EventLog
 from elasticd.health import checks_for_job, run_health_checks
 from elasticd.keys import barrier_prefix, group_key, job_key
+from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     GroupView,
     Job,
@@ -100,7 +101,7 @@ class AgentContext:
     node: str
     advertise_addr: str
     daemon_url: str
-    log_root: Path
+    logs: LogLayout
     store: Store
     events: EventLog
     update_job: JobUpdater
@@ -690,7 +691,8 @@ class JobAgent:
                 f"asks for nproc_per_node = {self.spec.nproc_per_node}: refusing the round"
             )
         self._ranks = ranks
-        attempt_dir = self.ctx.log_root / self.job_id / f"attempt_{self.attempt}"
+        logs = self.ctx.logs
+        attempt_dir = logs.attempt_dir(self.job_id, self.attempt)
         info = AttemptInfo(
             job_id=self.job_id,
             run_id=self.job_id,
@@ -702,7 +704,10 @@ class JobAgent:
             token_file=self.ctx.token_file,
             cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
-        heartbeats = {r.local_rank: attempt_dir / str(r.local_rank) / "heartbeat" for r in ranks}
+        heartbeats = {
+            r.local_rank: logs.heartbeat_file(self.job_id, self.attempt, r.local_rank)
+            for r in ranks
+        }
         if self._progress is not None:
             self._progress.close()  # the previous attempt's descriptors
         self._progress = ProgressMonitor(
@@ -718,14 +723,14 @@ class JobAgent:
         self._all_exited = asyncio.Event()
         launches = []
         for r in ranks:
-            log_dir = attempt_dir / str(r.local_rank)
+            log_dir = logs.worker_dir(self.job_id, self.attempt, r.local_rank)
             out, err = console_streams(self.spec, r.local_rank)
             env = worker_env(
                 self.ctx.base_env,
                 self.spec.env,
                 r,
                 info,
-                error_file=str(log_dir / "error.json"),
+                error_file=str(logs.error_file(self.job_id, self.attempt, r.local_rank)),
                 heartbeat_file=str(heartbeats[r.local_rank]),
             )
             # Unique per group start across the cluster (in-process restart keys).
@@ -1129,7 +1134,7 @@ class JobAgent:
         )
         if pid is None:
             return None
-        stderr_log = self._log_dir(hang.local_rank) / "stderr.log"
+        stderr_log = self._log_dir(hang.local_rank) / stream_file("stderr")
         size = file_size(stderr_log)
         stacks = await dump_stacks(pid)
         if stacks.to_stderr:
@@ -1359,7 +1364,7 @@ class JobAgent:
             await self.ctx.update_job(self.job_id, mutate=merge_recovery(mine))
 
     def _log_dir(self, local_rank: int) -> Path:
-        return self.ctx.log_root / self.job_id / f"attempt_{self.attempt}" / str(local_rank)
+        return self.ctx.logs.worker_dir(self.job_id, self.attempt, local_rank)
 
     def _root_cause(self, result: GroupResult) -> RootCause:
         failure = result.root_cause

@@ -23,6 +23,7 @@ from types import TracebackType
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
+from elasticd.logs import attempt_of, stream_file
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
 from elasticd.workers.cgroup import AttemptContainment
@@ -382,7 +383,7 @@ class WorkerGroupProcesses:
             if self._containment is None and policy.containment is not None:
                 self._containment = policy.containment.open_attempt(
                     launch.job_id or launch.env.get("ELASTICD_JOB_ID", ""),
-                    launch.attempt if launch.attempt is not None else _attempt_of(launch),
+                    launch.attempt if launch.attempt is not None else attempt_of(launch.log_dir),
                     launch.env.get("ELASTICD_ATTEMPT"),
                 )
                 if policy.containment.partial:
@@ -432,7 +433,7 @@ class WorkerGroupProcesses:
         return await OutputPipe.open(
             launch.local_rank,
             stream,
-            launch.log_dir / f"{stream}.log",
+            launch.log_dir / stream_file(stream),
             sink,
             owner=owner,
             health=self._storage,
@@ -460,7 +461,9 @@ class WorkerGroupProcesses:
                     start_time=start_time,
                     boot_id=boot_id(),
                     job_id=launch.job_id or launch.env.get("ELASTICD_JOB_ID", ""),
-                    attempt=launch.attempt if launch.attempt is not None else _attempt_of(launch),
+                    attempt=launch.attempt
+                    if launch.attempt is not None
+                    else attempt_of(launch.log_dir),
                     local_rank=launch.local_rank,
                 )
             )
@@ -597,13 +600,6 @@ def _warn_if_not_main_thread() -> None:
             "when that thread exits (parent-death signal)",
             threading.current_thread().name,
         )
-
-
-def _attempt_of(launch: WorkerLaunch) -> int | None:
-    name = launch.log_dir.parent.name
-    if name.startswith("attempt_") and name[8:].isdigit():
-        return int(name[8:])
-    return None
 
 
 def _remove_stale_error_file(launch: WorkerLaunch) -> None:

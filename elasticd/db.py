@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from elasticd.models import Event
 from elasticd.storage import StorageHealth, WriteBacklog
-from elasticd.workers.spawn import WorkerRecord
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -51,6 +51,19 @@ CREATE TABLE IF NOT EXISTS workers (
     PRIMARY KEY (pid, start_time)
 );
 """
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One spawned worker as the daemon's database remembers it."""
+
+    pid: int
+    start_time: int
+    """Field 22 of ``/proc/<pid>/stat``: when the process started, in clock ticks since boot."""
+    boot_id: str
+    job_id: str
+    attempt: int | None
+    local_rank: int
 
 
 class Database:

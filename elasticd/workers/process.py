@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.db import WorkerRecord
 from elasticd.errors import WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
 from elasticd.security import Identity, prepare_worker_dir
@@ -30,7 +31,6 @@ from elasticd.workers.cgroup import AttemptContainment
 from elasticd.workers.errorfile import WorkerError, read_error_file
 from elasticd.workers.output import OutputPipe, OutputSink, Stream
 from elasticd.workers.spawn import (
-    WorkerRecord,
     WorkerRegistry,
     boot_id,
     current_policy,

@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from elasticd.db import WorkerRecord
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, JobUsers
 from elasticd.workers.env import WITHHELD
@@ -91,7 +92,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "RESOLVER",
     "SpawnPolicy",
-    "WorkerRecord",
     "WorkerRegistry",
     "boot_id",
     "current_policy",
@@ -448,19 +448,6 @@ def _verdict_error(
 
 
 # -- the registry of spawned workers -----------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    """One spawned worker as the daemon's database remembers it."""
-
-    pid: int
-    start_time: int
-    """Field 22 of ``/proc/<pid>/stat``: when the process started, in clock ticks since boot."""
-    boot_id: str
-    job_id: str
-    attempt: int | None
-    local_rank: int
 
 
 class WorkerRegistry(Protocol):

@@ -7,7 +7,10 @@ One agent runs per job on each node that takes part. Its loop is::
         → succeed (every worker exited 0) → exit barrier
         → fail (budget spent) | cancel
 
-It decides in pure functions (the job-document edits ``record_failure``,
-``settle_failure`` and ``merge_recovery`` in :mod:`elasticd.agent.agent`) and applies the
-decisions in :mod:`elasticd.agent.agent`. Exits are awaited, never polled.
+It decides in pure functions and applies the decisions in
+:mod:`elasticd.agent.agent`: how an attempt ended (a result, a hang, a
+rendezvous change, the exit barrier) maps to the next step in
+:mod:`elasticd.agent.decide` (a table); the job-document edits are
+``record_failure``, ``settle_failure`` and ``merge_recovery`` in
+:mod:`elasticd.agent.agent`. Exits are awaited, never polled.
 """

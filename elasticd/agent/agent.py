@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticd.agent.decide import Outcome, Plan, Step, decide_after_barrier, decide_attempt
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.console import ConsoleLine
@@ -533,44 +534,58 @@ class JobAgent:
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
         await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
         outcome = await self._monitor(group, round_)
-        while isinstance(outcome, Hang) and self.spec.inprocess_restart:
+        plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
+        while plan.step is Step.KILL_HUNG_RANK:
             # In-process restart: kill only the stuck rank; its death is reported to the
             # others, which carry on without it (the wrapper's hard_timeout backstop).
+            assert isinstance(outcome, Hang)
             await self._kill_hung_rank(outcome)
             outcome = await self._monitor(group, round_)
-        if isinstance(outcome, Hang):
-            await self._on_hang(outcome, round_)
-            return False
-        if isinstance(outcome, Change):
-            self._begin_recovery(outcome.value, self.ctx.clock.time())
-            if outcome is not Change.CLOSED:
-                self._say_leaving(round_)
-            await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-            if outcome is Change.CLOSED:
-                await self._finish_closed()
-                return True
-            await self._membership_change(outcome)
-            return False
-        if outcome.succeeded:
+            plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
+        return await self._apply(plan, outcome, round_)
+
+    async def _apply(self, plan: Plan, outcome: Outcome | None, round_: RoundInfo) -> bool:
+        """Carry out a decision of :mod:`elasticd.agent.decide`; True when the job is over here."""
+        if plan.step is Step.BARRIER:
             await self._release_group()  # every worker exited: nothing of the attempt stays
             change = await self._exit_barrier(round_)
-            if change is None or change is Change.CLOSED:
+            return await self._apply(decide_after_barrier(change), change, round_)
+        if plan.step is Step.RESTART_HUNG:
+            assert isinstance(outcome, Hang)
+            await self._on_hang(outcome, round_)  # its own order: UNHEALTHY, stacks, stop
+            return plan.ends_agent
+        if plan.recovery_cause is not None:
+            detected = self.ctx.clock.time()
+            if isinstance(outcome, GroupResult):  # from the first worker's exit
+                detected = min((f.exited_at for f in outcome.failures), default=detected)
+            self._begin_recovery(plan.recovery_cause, detected)
+        if plan.say_leaving:
+            self._say_leaving(round_)
+        match plan.step:
+            case Step.CLOSE:
+                await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
+                await self._finish_closed()
+            case Step.REFORM:
+                assert isinstance(outcome, Change)
+                await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
+                await self._membership_change(outcome)
+            case Step.SUCCEED:
                 await self._finish_succeeded(round_)
-                return True
-            self._begin_recovery(change.value, self.ctx.clock.time())
-            self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
-            self._recovery_stopped()
-            await self._membership_change(change)
-            return False
-        first = min((f.exited_at for f in outcome.failures), default=self.ctx.clock.time())
-        self._begin_recovery("worker failure", first)
-        self._say_leaving(round_)
-        await self._stop_workers(WorkerState.STOPPED)  # the survivors; HEALTHY -> STOPPED
-        root = self._root_cause(outcome)
-        await self._restart_after(
-            round_, root, f"rank {root.rank} failed on {self.ctx.node}: {root.message}"
-        )
-        return False
+            case Step.REFORM_AFTER_BARRIER:
+                assert isinstance(outcome, Change)
+                self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
+                self._recovery_stopped()
+                await self._membership_change(outcome)
+            case Step.RESTART_FAILED:
+                assert isinstance(outcome, GroupResult)
+                await self._stop_workers(WorkerState.STOPPED)  # the survivors
+                root = self._root_cause(outcome)
+                await self._restart_after(
+                    round_, root, f"rank {root.rank} failed on {self.ctx.node}: {root.message}"
+                )
+            case _:  # pragma: no cover - KILL_HUNG_RANK is looped on by the caller
+                raise AssertionError(f"no way to apply {plan.step}")
+        return plan.ends_agent
 
     async def _membership_change(self, change: Change) -> None:
         self.ctx.events.emit(

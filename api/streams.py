@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
 from elasticd.errors import JobNotFound, LogNotFound, StoreError, TooManyStreams
 from elasticd.models import Event
 from elasticd.states import JobState
+from elasticd.tasks import cancel_and_wait, race
 
 if TYPE_CHECKING:
     from elasticd.daemon import Daemon
@@ -124,13 +125,11 @@ async def _wait_or_close(
     after a pause, so that a lasting outage is not a busy loop.
     """
     follower = asyncio.ensure_future(follow)
-    stopper = asyncio.ensure_future(closing.wait())
     try:
-        await asyncio.wait({follower, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        with contextlib.suppress(Exception):  # a failed follow is read below
+            await race(asyncio.shield(follower), closing.wait())
     finally:
-        for task in (follower, stopper):
-            task.cancel()
-        await asyncio.gather(follower, stopper, return_exceptions=True)
+        await cancel_and_wait(follower)  # a no-op when it is done
     if closing.is_set() or follower.cancelled():
         return None
     if follower.exception() is not None:

@@ -40,6 +40,7 @@ from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.models import JobSpec
 from elasticd.states import JobState
+from elasticd.tasks import cancel_and_wait, race
 
 log = logging.getLogger("elasticd")
 
@@ -321,16 +322,12 @@ async def _run(args: argparse.Namespace) -> int:
             )
             follower = asyncio.create_task(_print_events(daemon, job.id))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
-            stop = asyncio.create_task(daemon.stop_requested())
-            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
+            await race(asyncio.shield(waiter), daemon.stop_requested())
             if not waiter.done():
                 _note("interrupted: stopping the workers")
-                waiter.cancel()
+                await cancel_and_wait(waiter)
                 await daemon.shutdown()
-            follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follower
+            await cancel_and_wait(follower)
             if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
                 # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
                 # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.

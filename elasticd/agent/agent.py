@@ -67,6 +67,7 @@ from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
+from elasticd.tasks import cancel_and_wait, race
 from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import (
     AttemptInfo,
@@ -655,6 +656,7 @@ class JobAgent:
         await self.ctx.store.put(prefix + self.ctx.node, b"done")
         wanted = set(round_.participants)
         change_task = asyncio.create_task(self.ctx.rendezvous.wait_for_change(round_.round))
+        watching: Awaitable[Change | list[Any]]
         try:
             async with asyncio.timeout(self.spec.exit_barrier_timeout):
                 while True:
@@ -662,16 +664,14 @@ class JobAgent:
                     done = {e.key[len(prefix) :] for e in listing.entries}
                     if wanted <= done:
                         break
-                    watch = asyncio.create_task(
-                        self.ctx.store.watch(prefix, listing.revision, 30.0, prefix=True)
-                    )
-                    finished, _ = await asyncio.wait(
-                        {watch, change_task}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if change_task in finished:
-                        watch.cancel()
+                    if change_task.done():
                         return change_task.result()
-                    watch.result()
+                    watching = self.ctx.store.watch(prefix, listing.revision, 30.0, prefix=True)
+                    changing: Awaitable[Change | list[Any]] = asyncio.shield(change_task)
+                    which, result = await race(changing, watching)
+                    if which == 0:
+                        assert isinstance(result, Change)
+                        return result
         except TimeoutError:
             self.ctx.events.emit(
                 self.job_id,
@@ -681,7 +681,7 @@ class JobAgent:
                 "finishing anyway",
             )
         finally:
-            change_task.cancel()
+            await cancel_and_wait(change_task)
         self.ctx.events.emit(
             self.job_id,
             "agent",
@@ -908,23 +908,14 @@ class JobAgent:
         self, group: WorkerGroupProcesses, round_: RoundInfo
     ) -> GroupResult | Change | Hang:
         """The attempt's result, a hang, or the rendezvous change that interrupts it."""
-        waiter = asyncio.create_task(self._outcome(group))
-        change = asyncio.create_task(self._watch_round(round_.round))
-        tasks: set[asyncio.Task[Any]] = {waiter, change}
-        hang: asyncio.Task[Hang] | None = None
+        # In order of precedence when several are ready at once: the group's own
+        # result, then a hang, then a rendezvous change.
+        contenders: list[Awaitable[GroupResult | Change | Hang]] = [self._outcome(group)]
         if self._progress is not None and self._progress.settings.enabled:
-            hang = asyncio.create_task(self._progress.wait_for_hang())
-            tasks.add(hang)
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in tasks:
-                task.cancel()
-        if waiter in done:
-            return waiter.result()
-        if hang is not None and hang in done:
-            return hang.result()
-        return change.result()
+            contenders.append(self._progress.wait_for_hang())
+        contenders.append(self._watch_round(round_.round))
+        _, outcome = await race(*contenders)
+        return outcome
 
     async def _outcome(self, group: WorkerGroupProcesses) -> GroupResult:
         """torchrun's rule: the first failure ends the attempt.
@@ -955,20 +946,17 @@ class JobAgent:
         # expired they re-form without this node, whatever the round watch says.
         # A watch can hang silently (a member cut off from quorum, a black hole),
         # so the lapse is awaited on its own timer, not inferred from watch errors.
-        watch = asyncio.create_task(self._watch_round_only(my_round))
-        lapse = asyncio.create_task(self.ctx.lease_lapsed())
-        try:
-            done, _ = await asyncio.wait({watch, lapse}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            lapse.cancel()
-        if watch in done:
-            return watch.result()
+        watch: Awaitable[Change | float] = self._watch_round_only(my_round)
+        lapse: Awaitable[Change | float] = self.ctx.lease_lapsed()
+        which, result = await race(watch, lapse)
+        if which == 0:
+            assert isinstance(result, Change)
+            return result
         self.ctx.events.emit(
             self.job_id,
             "agent",
             "agent.fenced",
-            f"{self.ctx.node} lost the store for {lapse.result():.1f}s (no lease renewal got "
+            f"{self.ctx.node} lost the store for {result:.1f}s (no lease renewal got "
             "through for the lease TTL; the other nodes count it as gone); stopping its workers",
         )
         return Change.FENCED

@@ -62,6 +62,7 @@ from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
+from elasticd.tasks import race
 from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
 from elasticd.workers.env import WITHHELD
@@ -317,8 +318,7 @@ class ProgressMonitor:
             deadline, hang = next_deadline(beats, self._clock.monotonic(), self.settings)
             if hang is not None:
                 return hang
-            changed = asyncio.ensure_future(self._changed.wait())
-            waits: set[asyncio.Future[Any]] = {changed}
+            waits: list[Awaitable[Any]] = [self._changed.wait()]
             if (
                 deadline is None
                 and self.settings.progress_timeout is not None
@@ -328,13 +328,8 @@ class ProgressMonitor:
                 # but its first ping starts one: look again one progress_timeout later.
                 deadline = self._clock.monotonic() + self.settings.progress_timeout
             if deadline is not None:
-                delay = max(0.0, deadline - self._clock.monotonic())
-                waits.add(asyncio.ensure_future(self._sleep(delay)))
-            try:
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for waiting in waits:
-                    waiting.cancel()
+                waits.append(self._sleep(max(0.0, deadline - self._clock.monotonic())))
+            await race(*waits)
 
     def remove_files(self) -> None:
         """Close and delete the heartbeat files (after the attempt); what is in the way stays."""

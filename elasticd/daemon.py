@@ -20,13 +20,21 @@ writers keep what they could not write and retry (:mod:`elasticd.storage`),
 ``/healthz`` stays 200 (the process is alive), new jobs are refused with
 507, and everything resumes by itself once the disk takes writes again.
 
+Each start-up step pushes its undo onto an ``AsyncExitStack``: a start that
+fails half-way releases what it had acquired, in reverse order, and leaves
+the daemon ``CLOSED`` (:class:`DaemonState`: ``NEW → STARTING → RUNNING →
+STOPPING → CLOSED``, forward only). The spawn policy (who jobs run as, the
+spawn registry, the containment) is built here and handed to the job
+service, which gives it to each agent: nothing about spawning is process-wide.
+
 Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
 process group, the job's grace, SIGKILL, awaited; each leaves its
 rendezvous) → events are already on disk, checkpoint the database → publish
-the queued events to the store (bounded) and leave the cluster (revoke the
-node's lease, so peers see it gone at once) → stop the HTTP server → close
-the store.
+the queued events to the store (bounded) → then the start-up's undo stack:
+stop the retention and watchdog tasks, leave the cluster (revoke the node's
+lease, so peers see it gone at once), release the cgroup subtree, stop the
+HTTP server, close the store, close the database.
 
 Signal handlers only set an event; uvicorn's own handlers are switched off.
 """
@@ -35,12 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import shutil
 import signal
 import socket
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from types import TracebackType
 from typing import Self
 
@@ -78,10 +87,10 @@ from elasticd.store import (
     open_store,
 )
 from elasticd.store.embedded import EmbeddedStore
+from elasticd.tasks import cancel_and_wait
 from elasticd.workers.cgroup import Containment
 from elasticd.workers.spawn import (
     SpawnPolicy,
-    install_policy,
     live_children,
     start_process,
     sweep_orphans,
@@ -160,6 +169,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
 NODE_PROBE_KEY = keys.PROBE
 
 
+class DaemonState(enum.Enum):
+    """Where a :class:`Daemon` is in its life; it only moves forward."""
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    CLOSED = "closed"
+
+
 class Daemon:
     """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
 
@@ -182,9 +201,8 @@ class Daemon:
         self._store_password = read_store_password(config)
         self.job_users = resolve_job_users(config)
         check_job_users_need_token(config, self.token, self.job_users)
-        self._uninstall_spawn_policy: Callable[[], None] | None = None
-        self._watchdog_task: asyncio.Task[None] | None = None
-        self._retention_task: asyncio.Task[None] | None = None
+        #: What start() acquired, released in reverse order (a failed start rolls back).
+        self._resources: contextlib.AsyncExitStack | None = None
         self._injected_store = store
         self._serve_http = serve_http
         self._console = console
@@ -195,7 +213,7 @@ class Daemon:
         self.closing_streams = asyncio.Event()
         self._server: _Server | None = None
         self._server_task: asyncio.Task[None] | None = None
-        self._state = "new"
+        self._state = DaemonState.NEW
         #: Why the store cannot be used yet (start-up waits for it), None once it answered.
         self._store_wait: str | None = None
         #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
@@ -217,21 +235,39 @@ class Daemon:
         """Why the daemon does not accept jobs now (``/readyz``); None when it does."""
         if self._store_wait is not None:
             return f"waiting for the store: {self._store_wait}"
-        if self._state == "running":
+        if self._state is DaemonState.RUNNING:
             if not self.jobs.accepting:
                 return "not accepting jobs (shutting down)"
             return self.storage.reason
-        return {"stopping": "shutting down", "closed": "stopped"}.get(self._state, "starting")
+        return {DaemonState.STOPPING: "shutting down", DaemonState.CLOSED: "stopped"}.get(
+            self._state, "starting"
+        )
+
+    @property
+    def state(self) -> DaemonState:
+        return self._state
 
     # lifecycle
 
     async def start(self) -> None:
-        if self._state != "new":
-            raise RuntimeError(f"daemon cannot start from state {self._state}")
-        self._state = "starting"
+        """Acquire everything in order; if a step fails, what was acquired is released."""
+        if self._state is not DaemonState.NEW:
+            raise RuntimeError(f"daemon cannot start from state {self._state.value}")
+        self._state = DaemonState.STARTING
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await self._start(stack)
+                self._resources = stack.pop_all()  # released by shutdown()
+        except BaseException:
+            self._state = DaemonState.CLOSED  # rolled back: nothing of it is left
+            raise
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
         self.config.state_dir.mkdir(parents=True, exist_ok=True)
         self.config.logs.mkdir(parents=True, exist_ok=True)
         self.db.open()
+        stack.callback(self.db.close)
         self.store = self._injected_store or open_store(
             self.config.store_url,
             token=self.token,
@@ -248,6 +284,7 @@ class Daemon:
             ),
             lease_ttl=self.config.lease_ttl,
         )
+        stack.push_async_callback(self.store.close)
         if isinstance(self.store, EmbeddedStore):
             self.store.health = self.storage  # a full disk under its journal is reported too
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
@@ -261,6 +298,7 @@ class Daemon:
         token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
         if self._serve_http:
             await self._start_http()  # binds first: the port is part of this node's record
+            stack.push_async_callback(self._stop_http)
         record = NodeRecord(
             name=self.config.node_name,
             url=self.config.url,
@@ -298,25 +336,31 @@ class Daemon:
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
         await self.events.start()
+        stack.push_async_callback(self._stop_events)
         self.containment = self._contain()
-        self._uninstall_spawn_policy = install_policy(
-            SpawnPolicy(users=self.job_users, registry=self.db, containment=self.containment)
+        stack.callback(self.containment.close)  # the daemon's cgroup subtree, once empty
+        self.jobs.spawn_policy = SpawnPolicy(
+            users=self.job_users, registry=self.db, containment=self.containment
         )
         self._sweep_orphans()
+        stack.push_async_callback(self._stop_jobs)
         await self.jobs.recover()
         if not self.config.store_only:
+            stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
-        self._state = "running"
+        self._state = DaemonState.RUNNING
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
         )
         if self.config.job_retention > 0 and not self.config.store_only:
-            self._retention_task = asyncio.create_task(self._retain(), name="job-retention")
+            retention = asyncio.create_task(self._retain(), name="job-retention")
+            stack.push_async_callback(cancel_and_wait, retention)
         interval = systemd.watchdog_interval(self._environ)
         if interval is not None:
-            self._watchdog_task = asyncio.create_task(
+            watchdog = asyncio.create_task(
                 systemd.watchdog(interval, self._environ), name="systemd-watchdog"
             )
+            stack.push_async_callback(cancel_and_wait, watchdog)
         log.info(
             "elasticd %s ready on %s:%s (%d slots, state in %s)",
             self.config.node_name,
@@ -471,12 +515,12 @@ class Daemon:
                 log.warning("job retention: %s", exc)
 
     def _on_refused_job(self, key: str, reason: str) -> None:
-        if self._state in ("running", "starting"):
+        if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_refused(key, reason)
 
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)
-        if self._state in ("running", "starting"):
+        if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_jobs(jobs)
 
     def request_stop(self, sig: signal.Signals | None = None) -> None:
@@ -500,26 +544,39 @@ class Daemon:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        if self._state in ("stopping", "closed"):
+        """Stop in order (see the module); safe to call in any state, and more than once."""
+        if self._state in (DaemonState.STOPPING, DaemonState.CLOSED):
             return
-        self._state = "stopping"
+        self._state = DaemonState.STOPPING
         systemd.notify("STOPPING=1\nSTATUS=stopping workers", self._environ)
         log.info("shutting down: stop accepting jobs, stop workers, flush, exit")
-        if self._retention_task is not None:
-            self._retention_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retention_task
+        if self._resources is not None:
+            # The graceful part first (workers stopped, events published), while the
+            # node is still in the cluster; then the rest, in reverse order of start.
+            await self._stop_jobs()
+            with contextlib.suppress(Exception):
+                self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            await self._stop_events()
+            await self._resources.aclose()
+        self._state = DaemonState.CLOSED
+        log.info("elasticd stopped")
+
+    async def _stop_jobs(self) -> None:
         self.jobs.stop_accepting()
         await self.jobs.stop_agents()
-        with contextlib.suppress(Exception):
-            self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def _stop_events(self) -> None:
         with contextlib.suppress(Exception):
             # Bounded: publish what is queued to the store (briefly when the disk refuses).
             await self.events.stop(self._write_bound(5.0))
+
+    async def _leave_cluster(self) -> None:
         with contextlib.suppress(Exception):  # bounded: a full disk may hold the revoke back
             async with asyncio.timeout(self._write_bound(5.0)):
                 await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
-        self.closing_streams.set()
+
+    async def _stop_http(self) -> None:
+        self.closing_streams.set()  # open streams (SSE, log follow) end first
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
@@ -527,17 +584,6 @@ class Daemon:
         if self.config.unix_socket is not None:
             with contextlib.suppress(OSError):
                 self.config.unix_socket.unlink()
-        await self.store.close()
-        if self._uninstall_spawn_policy is not None:
-            self._uninstall_spawn_policy()
-            self.containment.close()  # the daemon's cgroup subtree, once empty
-        self.db.close()
-        if self._watchdog_task is not None:
-            self._watchdog_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog_task
-        self._state = "closed"
-        log.info("elasticd stopped")
 
     def _write_bound(self, seconds: float) -> float:
         """How long a stopping daemon waits on a write: 1 s while the state disk refuses."""

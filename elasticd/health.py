@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity
-from elasticd.workers.spawn import start_process
+from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy, start_process
 
 __all__ = [
     "GPU_QUERY_FIELDS",
@@ -152,30 +152,37 @@ def checks_for_job(
 
 
 async def run_health_checks(
-    checks: Sequence[HealthCheck], env: Mapping[str, str], timeout: float = 60.0
+    checks: Sequence[HealthCheck],
+    env: Mapping[str, str],
+    timeout: float = 60.0,
+    *,
+    policy: SpawnPolicy = DEFAULT_POLICY,
 ) -> list[HealthResult]:
     """Run every check concurrently; results in the order of ``checks``.
 
     ``env`` is the operator's environment: the complete environment of the
     checks that carry none of their own (its ``PATH`` finds them and
     ``nvidia-smi``); never put anything of a job's in it. ``timeout``
-    applies to each check that has none of its own.
+    applies to each check that has none of its own. ``policy`` is the
+    daemon's spawn policy (how a check is started, like a worker).
     """
-    return list(await asyncio.gather(*(_run_one(check, env, timeout) for check in checks)))
+    return list(await asyncio.gather(*(_run_one(check, env, timeout, policy) for check in checks)))
 
 
-async def _run_one(check: HealthCheck, env: Mapping[str, str], timeout: float) -> HealthResult:
+async def _run_one(
+    check: HealthCheck, env: Mapping[str, str], timeout: float, policy: SpawnPolicy
+) -> HealthResult:
     started = time.monotonic()
     limit = check.timeout if check.timeout is not None else timeout
     if isinstance(check, GpuCheck):
-        ok, skipped, message = await _gpu(check, env, limit)
+        ok, skipped, message = await _gpu(check, env, limit, policy)
     else:
-        ok, skipped, message = await _command(check, env, limit)
+        ok, skipped, message = await _command(check, env, limit, policy)
     return HealthResult(check.name, ok, skipped, message, time.monotonic() - started)
 
 
 async def _command(
-    check: CommandCheck, env: Mapping[str, str], timeout: float
+    check: CommandCheck, env: Mapping[str, str], timeout: float, policy: SpawnPolicy
 ) -> tuple[bool, bool, str]:
     argv = list(check.argv)
     if not argv:
@@ -186,6 +193,7 @@ async def _command(
         timeout,
         identity=check.identity,
         cwd=check.cwd,
+        policy=policy,
     )
     shown = " ".join(argv)
     if timed_out:
@@ -197,7 +205,9 @@ async def _command(
     return True, False, f"{shown!r} passed{_tail(output)}"
 
 
-async def _gpu(check: GpuCheck, env: Mapping[str, str], timeout: float) -> tuple[bool, bool, str]:
+async def _gpu(
+    check: GpuCheck, env: Mapping[str, str], timeout: float, policy: SpawnPolicy
+) -> tuple[bool, bool, str]:
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
         return True, True, f"skipped: the job has no GPUs (CUDA_VISIBLE_DEVICES={visible!r})"
@@ -209,7 +219,7 @@ async def _gpu(check: GpuCheck, env: Mapping[str, str], timeout: float) -> tuple
     argv = [exe, f"--query-gpu={','.join(GPU_QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
     if visible and not visible.startswith("MIG-"):
         argv += ["-i", visible.strip()]
-    code, output, timed_out = await _execute(argv, env, timeout)
+    code, output, timed_out = await _execute(argv, env, timeout, policy=policy)
     if timed_out:
         return False, False, f"nvidia-smi did not answer within {timeout:g} s{_tail(output)}"
     if code is None:
@@ -258,6 +268,7 @@ async def _execute(
     *,
     identity: Identity | None = None,
     cwd: str | None = None,
+    policy: SpawnPolicy = DEFAULT_POLICY,
 ) -> tuple[int | None, str, bool]:
     """Run ``argv``; ``(returncode, output tail, timed_out)``; returncode None if not started."""
     try:
@@ -268,6 +279,7 @@ async def _execute(
             cwd=cwd,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            policy=policy,
         )
     except WorkerSpawnError as exc:
         return None, str(exc), False

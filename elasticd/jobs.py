@@ -70,6 +70,7 @@ from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
+from elasticd.workers.spawn import DEFAULT_POLICY
 
 log = logging.getLogger("elasticd.jobs")
 
@@ -132,6 +133,8 @@ class JobService:
     ) -> None:
         self.config = config
         self.logs = LogLayout(config.logs)
+        #: How workers are spawned (users, registry, containment): the daemon sets it.
+        self.spawn_policy = DEFAULT_POLICY
         self.storage = storage
         self.events = events
         self.store = store
@@ -750,6 +753,7 @@ class JobService:
             node_health_check=self.config.health_check,
             nvidia_smi=self.config.nvidia_smi,
             storage=self.storage,
+            policy=self.spawn_policy,
         )
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next

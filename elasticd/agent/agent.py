@@ -82,7 +82,7 @@ from elasticd.workers.process import (
     WorkerGroupProcesses,
     WorkerLaunch,
 )
-from elasticd.workers.spawn import current_policy
+from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy
 
 log = logging.getLogger("elasticd.agent")
 
@@ -125,6 +125,8 @@ class AgentContext:
     nvidia_smi: str | None = None
     #: Where log files that refuse writes are reported (the daemon's storage facts).
     storage: StorageHealth | None = None
+    #: The daemon's spawn policy: who jobs run as, the spawn registry, containment.
+    policy: SpawnPolicy = DEFAULT_POLICY
 
 
 def root_cause_of(
@@ -731,6 +733,7 @@ class JobAgent:
             user=self.spec.user,  # the worker's own user must write its file
             on_check=self._on_progress,
             on_replaced=self._on_heartbeat_replaced,
+            policy=self.ctx.policy,
         )
         self._progress.prepare()  # before the spawn: workers open the file at their first ping
         self._attempt_tag = f"{round_.round}.{restart_count}"
@@ -797,6 +800,7 @@ class JobAgent:
             on_exit=self._on_exit,
             clock=self.ctx.clock,
             storage=self.ctx.storage,
+            policy=self.ctx.policy,
         )
         self._group = group
         if group.containment_partial is not None and not self._said_partial:
@@ -1177,7 +1181,7 @@ class JobAgent:
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
         try:
-            self._identity = current_policy().identity_for(self.spec.user)
+            self._identity = self.ctx.policy.identity_for(self.spec.user)
         except WorkerSpawnError as exc:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
             reason = f"the job cannot run on {self.ctx.node}: {exc}"
@@ -1220,7 +1224,9 @@ class JobAgent:
         if not checks:
             return None
         env = operator_env(self.ctx.base_env, job_id=self.job_id, cuda_visible_devices=cuda)
-        results = await run_health_checks(checks, env, self.spec.health_check_timeout)
+        results = await run_health_checks(
+            checks, env, self.spec.health_check_timeout, policy=self.ctx.policy
+        )
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:
             kind = "health.skipped" if r.skipped else "health.passed" if r.ok else "health.failed"

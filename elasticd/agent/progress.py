@@ -66,7 +66,7 @@ from elasticd.tasks import race
 from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
 from elasticd.workers.env import WITHHELD
-from elasticd.workers.spawn import current_policy
+from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy
 
 __all__ = [
     "Beat",
@@ -193,8 +193,8 @@ class ProgressMonitor:
     per deadline): a free moment to refresh ``last_progress_at`` in the
     group view. ``on_replaced(local_rank, what)`` is called once per worker
     whose file was replaced by something else. The files belong to
-    ``owner`` (uid, gid) when given, else to the identity the spawn policy
-    gives ``user`` (None: the daemon's own). The heartbeat holds
+    ``owner`` (uid, gid) when given, else to the identity ``policy`` (the
+    daemon's spawn policy) gives ``user`` (None: the daemon's own). The heartbeat holds
     ``CLOCK_MONOTONIC``, so ``clock`` must be the system clock outside tests
     of the pure parts.
     """
@@ -210,8 +210,10 @@ class ProgressMonitor:
         user: str | None = None,
         on_check: Callable[[list[Beat]], None] | None = None,
         on_replaced: Callable[[int, str], None] | None = None,
+        policy: SpawnPolicy = DEFAULT_POLICY,
     ) -> None:
         self.files = dict(files)
+        self._policy = policy
         self._on_check = on_check
         self._on_replaced = on_replaced
         self._user = user
@@ -234,7 +236,7 @@ class ProgressMonitor:
         """
         owner = self._owner
         if owner is None:
-            identity = current_policy().identity_for(self._user)
+            identity = self._policy.identity_for(self._user)
             owner = (identity.uid, identity.gid) if identity is not None else None
         self.close()
         for rank, path in self.files.items():

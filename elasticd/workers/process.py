@@ -31,9 +31,10 @@ from elasticd.workers.cgroup import AttemptContainment
 from elasticd.workers.errorfile import WorkerError, read_error_file
 from elasticd.workers.output import OutputPipe, OutputSink, Stream
 from elasticd.workers.spawn import (
+    DEFAULT_POLICY,
+    SpawnPolicy,
     WorkerRegistry,
     boot_id,
-    current_policy,
     group_has_live_members,
     process_start_time,
     start_process,
@@ -225,6 +226,7 @@ class WorkerGroupProcesses:
         self._decided = asyncio.Event()
         self._stop_task: asyncio.Task[GroupResult] | None = None
         self._registry: WorkerRegistry | None = None
+        self._policy = DEFAULT_POLICY
         self._recorded: list[tuple[int, int]] = []
         self._containment: AttemptContainment | None = None
         #: Pids killed at the stop that had left the workers' process groups (strays).
@@ -240,6 +242,7 @@ class WorkerGroupProcesses:
         on_exit: Callable[[WorkerExit], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
         storage: StorageHealth | None = None,
+        policy: SpawnPolicy = DEFAULT_POLICY,
     ) -> WorkerGroupProcesses:
         """Spawn every worker (concurrently) and start watching them.
 
@@ -249,6 +252,7 @@ class WorkerGroupProcesses:
         """
         _check_launches(launches)
         group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
+        group._policy = policy
         group._expected = len(launches)
         try:
             # Concurrently: each spawn waits for its child to join the attempt's cgroup
@@ -358,7 +362,7 @@ class WorkerGroupProcesses:
     async def _spawn(self, launch: WorkerLaunch) -> None:
         rank = launch.local_rank
         argv = [str(arg) for arg in launch.argv]
-        policy = current_policy()
+        policy = self._policy
         self._registry = policy.registry
         try:
             identity = policy.identity_for(launch.user)

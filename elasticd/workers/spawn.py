@@ -74,7 +74,7 @@ import signal
 import subprocess
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -94,9 +94,8 @@ __all__ = [
     "SpawnPolicy",
     "WorkerRegistry",
     "boot_id",
-    "current_policy",
+    "DEFAULT_POLICY",
     "group_has_live_members",
-    "install_policy",
     "live_children",
     "process_start_time",
     "start_argv",
@@ -304,7 +303,7 @@ async def start_process(
     daemon, puts the process in that cgroup before anything of the job runs
     (:data:`CGROUP_STAGE`; :mod:`elasticd.workers.cgroup`).
     """
-    policy = policy or current_policy()
+    policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
     full_env = {k: v for k, v in env.items() if k not in WITHHELD}
     credentials: dict[str, object] = {}
@@ -499,28 +498,8 @@ def _my_name() -> str:
         return str(os.geteuid())
 
 
-_policies: list[SpawnPolicy] = []
-_DEFAULT = SpawnPolicy()
-
-
-def current_policy() -> SpawnPolicy:
-    """The policy of the most recently started daemon in this process (the default without one)."""
-    return _policies[-1] if _policies else _DEFAULT
-
-
-def install_policy(policy: SpawnPolicy) -> Callable[[], None]:
-    """Make ``policy`` apply to every worker spawned from now on; returns the undo.
-
-    Process-wide on purpose: the daemon is the only spawner of workers in its
-    process, and the agents that ask for spawns need not carry it.
-    """
-    _policies.append(policy)
-
-    def uninstall() -> None:
-        with contextlib.suppress(ValueError):
-            _policies.remove(policy)
-
-    return uninstall
+#: The policy of a spawn that names none: jobs run as the spawner, nothing recorded or contained.
+DEFAULT_POLICY = SpawnPolicy()
 
 
 # -- /proc -------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from elasticd.workers.spawn import (
     PY_WRAPPER,
     SpawnPolicy,
     find_setpriv,
-    install_policy,
     wrap_argv,
 )
 from tests.hardening.support import eventually, pid_alive, proc_uid
@@ -40,17 +39,17 @@ import asyncio, os, sys, time
 from pathlib import Path
 from elasticd.security import JobUsers, lookup_user
 from elasticd.workers import WorkerGroupProcesses, WorkerLaunch
-from elasticd.workers.spawn import SpawnPolicy, install_policy
+from elasticd.workers.spawn import SpawnPolicy
 
 wrapper, user, log_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 users = JobUsers(default=lookup_user(user)) if user != "-" else None
-install_policy(SpawnPolicy(users=users, setpriv=True if wrapper == "setpriv" else False))
+policy = SpawnPolicy(users=users, setpriv=True if wrapper == "setpriv" else False)
 
 async def main():
     # /bin/sh, not this Python: another user may not be able to run this one.
     code = "exec sleep 600 # pdeathsig-test-worker"
     launch = WorkerLaunch(0, ["/bin/sh", "-c", code], dict(os.environ), "/", log_dir)
-    group = await WorkerGroupProcesses.start([launch])
+    group = await WorkerGroupProcesses.start([launch], policy=policy)
     pid = group.pids[0]
     deadline = time.monotonic() + 20
     while Path(f"/proc/{pid}/cmdline").read_bytes().split(bytes(1))[0] != b"sleep":
@@ -181,15 +180,12 @@ async def test_a_job_asking_for_a_user_the_daemon_does_not_allow_fails_to_spawn(
     tmp_path: Path,
 ) -> None:
     """The spawn refuses a user outside the policy, naming the rank and the allowed users."""
-    uninstall = install_policy(SpawnPolicy(users=JobUsers(default=None, allowed={})))
-    try:
-        launch = WorkerLaunch(
-            0, [sys.executable, "-c", "pass"], dict(os.environ), None, tmp_path, user="bin"
-        )
-        with pytest.raises(WorkerSpawnError, match="local rank 0: .*'bin'.*allowed_users: none"):
-            await WorkerGroupProcesses.start([launch])
-    finally:
-        uninstall()
+    policy = SpawnPolicy(users=JobUsers(default=None, allowed={}))
+    launch = WorkerLaunch(
+        0, [sys.executable, "-c", "pass"], dict(os.environ), None, tmp_path, user="bin"
+    )
+    with pytest.raises(WorkerSpawnError, match="local rank 0: .*'bin'.*allowed_users: none"):
+        await WorkerGroupProcesses.start([launch], policy=policy)
 
 
 @AS_ROOT
@@ -198,17 +194,14 @@ async def test_a_worker_of_another_user_owns_its_folder_but_not_the_ones_above(
 ) -> None:
     """As `nobody`: the rank folder and logs are nobody's, job/attempt folders stay root's 0750."""
     nobody = lookup_user("nobody")
-    uninstall = install_policy(SpawnPolicy(users=JobUsers(default=nobody)))
+    policy = SpawnPolicy(users=JobUsers(default=nobody))
     log_dir = open_tmp / "logs" / "j" / "attempt_0" / "0"
     code = 'id -u; echo "$HOME"; echo x > "$LOGS/mine"'
     env = {**os.environ, "LOGS": str(log_dir)}
-    try:
-        launch = WorkerLaunch(0, ["/bin/sh", "-c", code], env, "/", log_dir)
-        async with await WorkerGroupProcesses.start([launch]) as group:
-            result = await group.wait()
-        assert result.succeeded, (log_dir / "stderr.log").read_text()
-    finally:
-        uninstall()
+    launch = WorkerLaunch(0, ["/bin/sh", "-c", code], env, "/", log_dir)
+    async with await WorkerGroupProcesses.start([launch], policy=policy) as group:
+        result = await group.wait()
+    assert result.succeeded, (log_dir / "stderr.log").read_text()
     assert (log_dir / "stdout.log").read_text().split() == [str(nobody.uid), nobody.home]
     for path in (log_dir, log_dir / "stdout.log", log_dir / "mine"):
         assert path.stat().st_uid == nobody.uid, path

@@ -31,6 +31,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
 
+from elasticd.eventkinds import EventKind
 from elasticd.errors import JobNotFound, LogNotFound, StoreError, TooManyStreams
 from elasticd.models import Event
 from elasticd.states import JobState
@@ -143,7 +144,7 @@ async def _wait_or_close(
 async def _final_event_seen(daemon: Daemon, job_id: str, state: str) -> bool:
     """Whether the ``job.state`` event of the job's final state is in the log yet."""
     events = await daemon.jobs.list_events(job_id, 0, 1_000_000)
-    return any(e.kind == "job.state" and e.state == state for e in events)
+    return any(e.kind == EventKind.JOB_STATE and e.state == state for e in events)
 
 
 async def event_stream(
@@ -161,7 +162,7 @@ async def event_stream(
             if events:
                 after = events[-1].seq
                 final_seen = final_seen or any(
-                    e.kind == "job.state" and _terminal(e.state) for e in events
+                    e.kind == EventKind.JOB_STATE and _terminal(e.state) for e in events
                 )
                 yield "".join(sse_message(e) for e in events)
                 continue

@@ -38,6 +38,7 @@ from elasticd.client import DEFAULT_URL
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
+from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
@@ -343,13 +344,13 @@ def _note(text: str) -> None:
 async def _print_events(daemon: Any, job_id: str) -> None:
     """Print the job's notable events; while a rendezvous is pending, a live status line."""
     shown = {
-        "group.restarting",
-        "workers.started",
-        "worker.exited",
-        "job.state",
-        "workers.spawn_failed",
-        "rendezvous.change",
-        "worker.hang",
+        EventKind.GROUP_RESTARTING,
+        EventKind.WORKERS_STARTED,
+        EventKind.WORKER_EXITED,
+        EventKind.JOB_STATE,
+        EventKind.WORKERS_SPAWN_FAILED,
+        EventKind.RENDEZVOUS_CHANGE,
+        EventKind.WORKER_HANG,
     }
     status = StatusLine(sys.stderr)
     pending_since: float | None = time.monotonic()  # a new job waits for its first round
@@ -359,10 +360,10 @@ async def _print_events(daemon: Any, job_id: str) -> None:
         events = await daemon.events.follow(job_id, after, 1.0 if pending_since else 60.0)
         for event in events:
             after = event.seq
-            if event.kind == "rendezvous.complete":
+            if event.kind == EventKind.RENDEZVOUS_COMPLETE:
                 pending_since = None
                 status.clear()
-            elif event.kind in ("group.restarting", "rendezvous.change"):
+            elif event.kind in (EventKind.GROUP_RESTARTING, EventKind.RENDEZVOUS_CHANGE):
                 pending_since = time.monotonic()
             if event.kind in shown:
                 status.clear()

@@ -75,6 +75,7 @@ from elasticd.errors import (
     StoreError,
     WorkerSpawnError,
 )
+from elasticd.eventkinds import EventKind
 from elasticd.events import EventLog
 from elasticd.jobs import JobService
 from elasticd.metrics import Metrics
@@ -479,7 +480,7 @@ class Daemon:
             self.events.emit(
                 record.job_id,
                 "daemon",
-                "worker.orphan_killed",
+                EventKind.WORKER_ORPHAN_KILLED,
                 f"killed {what} pid {record.pid} (local rank {record.local_rank}, attempt "
                 f"{record.attempt}) left running by a previous run of the daemon: "
                 f"{len(orphan.pids)} process(es)",
@@ -494,7 +495,7 @@ class Daemon:
             self.events.emit(
                 leftover.name.job_id,
                 "daemon",
-                "workers.strays",
+                EventKind.WORKERS_STRAYS,
                 f"killed {len(pids)} process(es) of attempt {leftover.name.attempt} on "
                 f"{self.config.node_name} left running by a previous run of the daemon "
                 f"(found in its cgroup): pids {', '.join(str(p) for p in pids)}",

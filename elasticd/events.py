@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.db import Database
 from elasticd.errors import StoreCompacted, StoreError
+from elasticd.eventkinds import EventKind
 from elasticd.keys import event_key, event_prefix
 from elasticd.models import Event, EventSource
 from elasticd.storage import is_storage_fault
@@ -142,7 +143,7 @@ class EventLog:
         self,
         job_id: str,
         source: EventSource,
-        kind: str,
+        kind: EventKind,
         message: str = "",
         **fields: Any,
     ) -> Event:
@@ -157,7 +158,7 @@ class EventLog:
             job_id=job_id,
             node=fields.pop("node", None) or self._node,
             source=source,
-            kind=kind,
+            kind=kind.value,
             message=message,
             **fields,
         )
@@ -179,7 +180,7 @@ class EventLog:
                 self.emit(
                     job_id,
                     "daemon",
-                    "events.dropped",
+                    EventKind.EVENTS_DROPPED,
                     f"{count} events of this job on {self._node} were lost: the state disk "
                     "refused writes for longer than the in-memory backlog could hold",
                     count=count,

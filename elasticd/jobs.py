@@ -61,6 +61,7 @@ from elasticd.errors import (
     ValueTooLarge,
     WorkerSpawnError,
 )
+from elasticd.eventkinds import EventKind
 from elasticd.events import EventLog
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
 from elasticd.logs import LogLayout, stream_file
@@ -195,7 +196,7 @@ class JobService:
                 continue
             if ours is None and self.node not in members and not self._started_here(job.id):
                 continue
-            self.events.emit(job.id, "daemon", "job.resumed", DAEMON_CRASHED)
+            self.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, DAEMON_CRASHED)
             if job.state is JobState.RUNNING:
                 with contextlib.suppress(InvalidTransition):
                     await self.update_job(
@@ -220,7 +221,7 @@ class JobService:
         """Whether this node's own event log says it started workers of the job."""
         after = 0
         while batch := self.events.read(job_id, after=after, limit=1000):
-            if any(e.kind == "workers.started" for e in batch):
+            if any(e.kind == EventKind.WORKERS_STARTED for e in batch):
                 return True
             after = batch[-1].seq
         return False
@@ -264,7 +265,7 @@ class JobService:
             if job.state.is_terminal or await self._live_members(job_id) - {self.node}:
                 return
             # Not the job's failure: it resumes when this daemon (or another node) is back.
-            self.events.emit(job_id, "daemon", "daemon.stopped", DAEMON_STOPPED)
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_STOPPED, DAEMON_STOPPED)
             if job.state is JobState.RUNNING:
                 await self.update_job(
                     job_id, state=JobState.RESTARTING, reason="the daemon stopped"
@@ -323,7 +324,7 @@ class JobService:
         self.events.emit(
             job_id,
             "daemon",
-            "job.submitted",
+            EventKind.JOB_SUBMITTED,
             f"job accepted by {self.node}: {spec.nproc_per_node} x {spec.entrypoint} "
             f"{' '.join(spec.args)}".rstrip(),
             state=JobState.PENDING.value,
@@ -337,7 +338,7 @@ class JobService:
                 f"job {job_id!r} already ended as {job.state.value}; nothing to cancel"
             )
         self.events.emit(
-            job_id, "daemon", "job.cancel_requested", f"cancel requested on {self.node}"
+            job_id, "daemon", EventKind.JOB_CANCEL_REQUESTED, f"cancel requested on {self.node}"
         )
         job = await self.update_job(job_id, state=JobState.CANCELLED, reason="cancelled by user")
         # Closing the rendezvous tells every node's agent to stop its workers.
@@ -420,7 +421,7 @@ class JobService:
                     self.events.emit(
                         job_id,
                         "daemon",
-                        "job.state",
+                        EventKind.JOB_STATE,
                         f"job {job.state.value} -> {new.state.value}"
                         + (f": {new.reason}" if new.reason else ""),
                         state=new.state.value,
@@ -646,7 +647,7 @@ class JobService:
             "through the API"
         )
         if key.startswith(JOB_PREFIX) and valid_job_id(job_id):
-            self.events.emit(job_id, "daemon", "job.refused", message)
+            self.events.emit(job_id, "daemon", EventKind.JOB_REFUSED, message)
             return
         record = json.dumps(
             {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
@@ -701,7 +702,7 @@ class JobService:
             "per node (set --slots, or lower nproc_per_node)"
         )
         self._done_here.add(job.id)
-        self.events.emit(job.id, "daemon", "job.unschedulable", reason, state="FAILED")
+        self.events.emit(job.id, "daemon", EventKind.JOB_UNSCHEDULABLE, reason, state="FAILED")
         with contextlib.suppress(InvalidTransition, StoreError):
             await self.update_job(job.id, state=JobState.FAILED, reason=reason)
 
@@ -808,7 +809,7 @@ class JobService:
             self.events.emit(
                 job_id,
                 "daemon",
-                "storage.back",
+                EventKind.STORAGE_BACK,
                 f"{self.node} could not write its state for {seconds:.1f} s ({first.source}: "
                 f"{first.reason}); what happened meanwhile was kept in memory and is now "
                 "recorded, in order",
@@ -848,7 +849,7 @@ class JobService:
                 self.events.emit(
                     job_id,
                     "daemon",
-                    "agent.crashed",
+                    EventKind.AGENT_CRASHED,
                     f"the agent on {self.node} died of an internal error {len(recent)} times in "
                     f"{AGENT_CRASH_WINDOW:.0f} s (last: {error}); this node gives the job up "
                     "until the daemon restarts: report it as a bug of elasticd",
@@ -857,7 +858,7 @@ class JobService:
                 self.events.emit(
                     job_id,
                     "daemon",
-                    "agent.crashed",
+                    EventKind.AGENT_CRASHED,
                     f"the agent on {self.node} died of an internal error ({error}); the job "
                     "resumes as a new attempt, no restart charged",
                 )

@@ -20,7 +20,7 @@ Two tables say which events feed what, so a new event kind from the agent
 needs one line here, not a new code path:
 
 * :data:`PHASE_BY_KIND`: events carrying ``duration_s`` whose duration is a
-  recovery phase (``recovery.<phase>`` kinds are taken as they come);
+  recovery phase;
 * :data:`EXIT_REASON_BY_KIND`: events that count as a worker exit of a given
   reason besides ``worker.exited`` (hangs, failed health checks).
 
@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from elasticd.eventkinds import EventKind, known_kind
 from elasticd.models import Event, Job
 from elasticd.states import JobState, WorkerState
 
@@ -62,17 +63,22 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 KEEP_FINISHED_JOBS = 100
 
 #: Event kinds (with ``duration_s``) that time one phase of a recovery, and the
-#: phase label they feed. The agent emits ``recovery.<phase>`` events (detected →
-#: stop_workers → rendezvous → spawn, and total), which need no entry.
-PHASE_BY_KIND: dict[str, str] = {}
+#: phase label they feed (detected → stop_workers → rendezvous → spawn, total, and
+#: the new workers' first progress).
+PHASE_BY_KIND: dict[EventKind, str] = {
+    EventKind.RECOVERY_DETECTED: "detected",
+    EventKind.RECOVERY_STOP_WORKERS: "stop_workers",
+    EventKind.RECOVERY_RENDEZVOUS: "rendezvous",
+    EventKind.RECOVERY_SPAWN: "spawn",
+    EventKind.RECOVERY_TOTAL: "total",
+    EventKind.RECOVERY_FIRST_PROGRESS: "first_progress",
+}
 
 #: Event kinds that count as a worker exit of this reason (the agent's hang and
 #: health-check detection); ``worker.exited`` is classified by :func:`exit_reason`.
-EXIT_REASON_BY_KIND: dict[str, str] = {
-    "worker.hang": "hang",
-    "worker.hung": "hang",
-    "worker.unhealthy": "health_check",
-    "worker.health_check_failed": "health_check",
+EXIT_REASON_BY_KIND: dict[EventKind, str] = {
+    EventKind.WORKER_HANG: "hang",
+    EventKind.WORKER_HEALTH_CHECK_FAILED: "health_check",
 }
 
 #: Every label value of ``elasticd_worker_exits_total{reason}``, shown from zero.
@@ -132,9 +138,10 @@ def flakiness(*, failed: bool, restart_count: int, max_restarts: int) -> float:
 
 def exit_reason(event: Event) -> str | None:
     """The ``reason`` label of a worker exit event, or None if the event is not one."""
-    if event.kind in EXIT_REASON_BY_KIND:
-        return EXIT_REASON_BY_KIND[event.kind]
-    if event.kind != "worker.exited":
+    kind = known_kind(event.kind)
+    if kind in EXIT_REASON_BY_KIND:
+        return EXIT_REASON_BY_KIND[kind]
+    if kind is not EventKind.WORKER_EXITED:
         return None
     if event.state == WorkerState.STOPPED.value:
         return "stopped"  # the agent stopped it; not a failure of its own
@@ -147,11 +154,8 @@ def exit_reason(event: Event) -> str | None:
 
 def recovery_phase(kind: str) -> str | None:
     """The ``phase`` label an event kind's ``duration_s`` feeds, or None."""
-    if kind in PHASE_BY_KIND:
-        return PHASE_BY_KIND[kind]
-    if kind.startswith("recovery.") and len(kind) > len("recovery."):
-        return kind.removeprefix("recovery.")
-    return None
+    known = known_kind(kind)
+    return PHASE_BY_KIND.get(known) if known is not None else None
 
 
 class _StoreSeries(Collector):
@@ -317,23 +321,23 @@ class Metrics:
             if reason in ("exit_code", "signal", "hang", "health_check"):
                 self._failure_at.setdefault(job_id, event.time)
         if event.duration_s is not None:
-            if kind == "rendezvous.complete":
+            if kind == EventKind.RENDEZVOUS_COMPLETE:
                 self.rendezvous_duration.observe(event.duration_s)
             phase = recovery_phase(kind)
             if phase is not None:
                 self.phase_duration.labels(phase).observe(event.duration_s)
-        if kind == "rendezvous.complete":
+        if kind == EventKind.RENDEZVOUS_COMPLETE:
             self.rendezvous_rounds.inc()
-        elif kind == "group.restarting":
+        elif kind == EventKind.GROUP_RESTARTING:
             self.restarts.inc()
             self._recovering.add(job_id)
-        elif kind == "rendezvous.change":
+        elif kind == EventKind.RENDEZVOUS_CHANGE:
             self._recovering.add(job_id)
             self._failure_at.setdefault(job_id, event.time)
-        elif kind == "workers.started":
+        elif kind == EventKind.WORKERS_STARTED:
             self._failure_at.pop(job_id, None)
             self._recovering.discard(job_id)
-        elif kind == "group.state" and event.state is not None:
+        elif kind == EventKind.GROUP_STATE and event.state is not None:
             self._ran_here.add(job_id)
             self.group_states[(job_id, event.node)] = event.state
 

@@ -45,6 +45,7 @@ from elasticd.errors import (
     StoreUnavailable,
     WorkerSpawnError,
 )
+from elasticd.eventkinds import EventKind, recovery_phase_kind
 from elasticd.events import EventLog
 from elasticd.health import checks_for_job, run_health_checks
 from elasticd.keys import barrier_prefix, group_key, job_key
@@ -389,7 +390,9 @@ class JobAgent:
                 self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
             await self._stop_workers(WorkerState.FAILED)
             reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
-            self.ctx.events.emit(self.job_id, "agent", "agent.error", reason, state="FAILED")
+            self.ctx.events.emit(
+                self.job_id, "agent", EventKind.AGENT_ERROR, reason, state="FAILED"
+            )
             with contextlib.suppress(ElasticdError):
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
                 await self.ctx.rendezvous.close()
@@ -438,7 +441,7 @@ class JobAgent:
                     self.ctx.events.emit(
                         self.job_id,
                         "agent",
-                        "store.lost",
+                        EventKind.STORE_LOST,
                         f"{self.ctx.node} cannot reach the store ({exc}); "
                         "its workers are stopped until the store is back",
                     )
@@ -453,7 +456,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "store.back",
+            EventKind.STORE_BACK,
             f"{self.ctx.node} reaches the store again after {lost_for:.1f} s",
             duration_s=lost_for,
         )
@@ -489,7 +492,7 @@ class JobAgent:
         except RendezvousError as exc:  # the join timed out
             reason = f"rendezvous failed on {self.ctx.node}: {exc}"
             self.ctx.events.emit(
-                self.job_id, "rendezvous", "rendezvous.failed", reason, state="FAILED"
+                self.job_id, "rendezvous", EventKind.RENDEZVOUS_FAILED, reason, state="FAILED"
             )
             with contextlib.suppress(InvalidTransition):
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
@@ -499,7 +502,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "rendezvous",
-            "rendezvous.complete",
+            EventKind.RENDEZVOUS_COMPLETE,
             f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
             f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
             f"master {round_.master_addr}:{round_.master_port}",
@@ -519,7 +522,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "workers.spawn_failed",
+                EventKind.WORKERS_SPAWN_FAILED,
                 reason,
                 state="FAILED",
                 attempt=self.attempt,
@@ -594,7 +597,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "rendezvous",
-            "rendezvous.change",
+            EventKind.RENDEZVOUS_CHANGE,
             f"re-forming the group: {change.value} (no restart spent)",
             attempt=self.attempt,
         )
@@ -627,7 +630,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "agent.finished",
+                EventKind.AGENT_FINISHED,
                 f"the job is {job.state.value}; agent on {self.ctx.node} done",
                 state=self.state.value,
             )
@@ -678,7 +681,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "exit_barrier.timeout",
+                EventKind.EXIT_BARRIER_TIMEOUT,
                 f"not every node finished within {self.spec.exit_barrier_timeout}s; "
                 "finishing anyway",
             )
@@ -687,7 +690,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "exit_barrier.done",
+            EventKind.EXIT_BARRIER_DONE,
             "every node of the round finished",
             duration_s=self.ctx.clock.monotonic() - started,
         )
@@ -808,7 +811,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "containment.partial",
+                EventKind.CONTAINMENT_PARTIAL,
                 f"{self.ctx.node} cannot put the job's processes in a cgroup "
                 f"({group.containment_partial}); a process that leaves a worker's process "
                 "group is found only if it is re-parented to the daemon (child subreaper)",
@@ -823,7 +826,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "workers.started",
+            EventKind.WORKERS_STARTED,
             f"attempt {self.attempt} on {self.ctx.node}: {len(ranks)} workers started "
             f"(ranks {ranks[0].rank}-{ranks[-1].rank} of {ranks[0].world_size}), "
             f"pids {', '.join(str(p) for p in group.pids.values())}",
@@ -838,7 +841,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "worker.heartbeat_replaced",
+            EventKind.WORKER_HEARTBEAT_REPLACED,
             f"rank {rank} on {self.ctx.node}: its heartbeat file was replaced by {what}; "
             "the daemon reads only the file it created, and pings that miss it are no progress",
             attempt=self.attempt,
@@ -884,7 +887,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "worker",
-            "worker.exited",
+            EventKind.WORKER_EXITED,
             f"rank {ranks.rank} on {self.ctx.node}: {exit_.describe()}{suffix}",
             state=state.value,
             attempt=self.attempt,
@@ -959,7 +962,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "agent.fenced",
+            EventKind.AGENT_FENCED,
             f"{self.ctx.node} lost the store for {result:.1f}s (no lease renewal got "
             "through for the lease TTL; the other nodes count it as gone); stopping its workers",
         )
@@ -977,7 +980,7 @@ class JobAgent:
                     self.ctx.events.emit(
                         self.job_id,
                         "agent",
-                        "agent.fenced",
+                        EventKind.AGENT_FENCED,
                         f"{self.ctx.node} lost the store for {loss.lost_for(now):.1f}s "
                         f"({exc}); stopping its workers",
                     )
@@ -1016,7 +1019,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "workers.strays",
+            EventKind.WORKERS_STRAYS,
             f"attempt {self.attempt} on {self.ctx.node}: killed {len(group.strays)} process(es) "
             f"that had left the workers' process groups: pids "
             f"{', '.join(str(p) for p in group.strays)}",
@@ -1056,7 +1059,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "workers.stopped",
+                EventKind.WORKERS_STOPPED,
                 f"attempt {self.attempt} on {self.ctx.node}: workers stopped",
                 attempt=self.attempt,
                 duration_s=self.ctx.clock.monotonic() - started,
@@ -1080,7 +1083,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "logs.lost",
+            EventKind.LOGS_LOST,
             f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output could "
             f"not be written to the log files ({per_rank})",
             attempt=self.attempt,
@@ -1130,7 +1133,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "worker.hang",
+            EventKind.WORKER_HANG,
             f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}{suffix}",
             state=state,
             attempt=self.attempt,
@@ -1151,7 +1154,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "worker",
-            "worker.stacks",
+            EventKind.WORKER_STACKS,
             f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks.text}",
             attempt=self.attempt,
             rank=ranks.rank,
@@ -1166,7 +1169,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "group.restarting",
+            EventKind.GROUP_RESTARTING,
             f"{what}; re-forming the group",
             state=WorkerState.STOPPED.value,
             attempt=self.attempt,
@@ -1186,7 +1189,7 @@ class JobAgent:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
             reason = f"the job cannot run on {self.ctx.node}: {exc}"
             self.ctx.events.emit(
-                self.job_id, "agent", "workers.spawn_failed", reason, state="FAILED"
+                self.job_id, "agent", EventKind.WORKERS_SPAWN_FAILED, reason, state="FAILED"
             )
             with contextlib.suppress(InvalidTransition):
                 await self.ctx.update_job(
@@ -1229,7 +1232,13 @@ class JobAgent:
         )
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:
-            kind = "health.skipped" if r.skipped else "health.passed" if r.ok else "health.failed"
+            kind = (
+                EventKind.HEALTH_SKIPPED
+                if r.skipped
+                else EventKind.HEALTH_PASSED
+                if r.ok
+                else EventKind.HEALTH_FAILED
+            )
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
@@ -1243,7 +1252,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "worker.health_check_failed",
+            EventKind.WORKER_HEALTH_CHECK_FAILED,
             f"node {self.ctx.node} is unhealthy for this job: {reason}",
             state="UNHEALTHY",
         )
@@ -1265,7 +1274,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "agent.finished",
+                EventKind.AGENT_FINISHED,
                 f"{self.ctx.node} left the job: it failed its health check",
             )
             return True
@@ -1284,7 +1293,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "recovery.first_progress",
+                EventKind.RECOVERY_FIRST_PROGRESS,
                 f"first progress ping on {self.ctx.node} after the recovery",
                 attempt=self.attempt,
                 duration_s=max(0.0, first - spawned),
@@ -1314,7 +1323,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "recovery.detected",
+            EventKind.RECOVERY_DETECTED,
             f"recovery started on {self.ctx.node}: {cause}",
             attempt=self.attempt,
             time=detected_at,
@@ -1327,7 +1336,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                "recovery.stop_workers",
+                EventKind.RECOVERY_STOP_WORKERS,
                 f"workers stopped on {self.ctx.node}",
                 attempt=self.attempt,
                 duration_s=rec["stopped_at"] - rec["detected_at"],
@@ -1354,7 +1363,7 @@ class JobAgent:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
-                f"recovery.{phase}",
+                recovery_phase_kind(phase),
                 f"recovery phase {phase} on {self.ctx.node}",
                 attempt=self.attempt,
                 duration_s=seconds,
@@ -1362,7 +1371,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "recovery.total",
+            EventKind.RECOVERY_TOTAL,
             f"recovered on {self.ctx.node} in {mine.total_s:.3f}s ({mine.cause}): "
             f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
             f"spawn {mine.spawn_s:.3f}s",
@@ -1400,7 +1409,7 @@ class JobAgent:
         self.ctx.events.emit(
             self.job_id,
             "agent",
-            "group.state",
+            EventKind.GROUP_STATE,
             f"worker group on {self.ctx.node}: {previous.value} -> {target.value}",
             state=target.value,
             attempt=self.attempt,

@@ -60,13 +60,14 @@ def test_publication_batches_keep_order_drop_repeats_and_bound_size() -> None:
 async def test_events_emitted_before_start_are_published_once_in_order(tmp_path) -> None:
     """Emitted before the publisher starts: each published once, the node's order kept."""
     from elasticd.db import Database
+    from elasticd.eventkinds import EventKind
     from elasticd.events import EventLog
     from elasticd.store.memory import MemoryStore
 
     async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:
         log = EventLog(db, "n0", store=store)
         for i in range(150):  # more than one publication batch
-            log.emit("j", "daemon", "k", f"event {i}")
+            log.emit("j", "daemon", EventKind.JOB_STATE, f"event {i}")
         await log.start()
         await log.flush()
         merged = await log.cluster_events("j")

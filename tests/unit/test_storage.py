@@ -20,6 +20,7 @@ import pytest
 
 from elasticd.clock import FakeClock
 from elasticd.db import Database
+from elasticd.eventkinds import EventKind
 from elasticd.events import EventLog
 from elasticd.storage import (
     BACKOFF_MAX,
@@ -249,16 +250,16 @@ async def test_event_log_never_raises_on_a_full_disk_and_lands_events_in_order(
         db = Database(filler.parent / "elasticd.sqlite3").open()
         try:
             events = EventLog(db, "n1")
-            events.emit("j", "agent", "first")
+            events.emit("j", "agent", EventKind.JOB_STATE, "first")
             fill(filler)
             for n in range(50):
-                events.emit("j", "agent", f"full-{n}", "y" * 200)
+                events.emit("j", "agent", EventKind.WORKER_EXITED, f"full-{n}" + "y" * 200)
             assert db.health.reason is not None and "disk full" in db.health.reason
             filler.unlink()
             async with asyncio.timeout(10):
                 await db.backlog.wait_empty()
-            kinds = [e.kind for e in events.read("j")]
-            assert kinds == ["first", *(f"full-{n}" for n in range(50))]
+            said = [e.message.rstrip("y") for e in events.read("j")]
+            assert said == ["first", *(f"full-{n}" for n in range(50))]
             assert db.health.reason is None
         finally:
             await db.backlog.stop()

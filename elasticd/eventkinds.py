@@ -1,0 +1,141 @@
+"""Every kind of job event, one enum (issue 13 point 3).
+
+``EventLog.emit`` takes an :class:`EventKind`, so a misspelled or renamed kind
+is a type error, and the readers (metrics, the CLI, the event streams)
+match members, never prefixes. An :class:`~elasticd.models.Event` read back
+(from the store, written by any node) keeps ``kind`` a string: a kind this
+version does not know is shown as it is, not refused.
+
+Which side of the boundary: shared (pure names).
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["MEANING", "EventKind", "known_kind", "recovery_phase_kind", "reference"]
+
+
+class EventKind(enum.StrEnum):
+    """The ``kind`` of an event: ``<subject>.<what happened>`` (meanings: :data:`MEANING`)."""
+
+    JOB_SUBMITTED = "job.submitted"
+    JOB_STATE = "job.state"
+    JOB_RESUMED = "job.resumed"
+    JOB_REFUSED = "job.refused"
+    JOB_CANCEL_REQUESTED = "job.cancel_requested"
+    JOB_UNSCHEDULABLE = "job.unschedulable"
+    DAEMON_STOPPED = "daemon.stopped"
+    AGENT_ERROR = "agent.error"
+    AGENT_CRASHED = "agent.crashed"
+    AGENT_FENCED = "agent.fenced"
+    AGENT_FINISHED = "agent.finished"
+    STORE_LOST = "store.lost"
+    STORE_BACK = "store.back"
+    STORAGE_BACK = "storage.back"
+    EVENTS_DROPPED = "events.dropped"
+    LOGS_LOST = "logs.lost"
+    RENDEZVOUS_COMPLETE = "rendezvous.complete"
+    RENDEZVOUS_CHANGE = "rendezvous.change"
+    RENDEZVOUS_FAILED = "rendezvous.failed"
+    GROUP_STATE = "group.state"
+    GROUP_RESTARTING = "group.restarting"
+    WORKERS_STARTED = "workers.started"
+    WORKERS_STOPPED = "workers.stopped"
+    WORKERS_SPAWN_FAILED = "workers.spawn_failed"
+    WORKERS_STRAYS = "workers.strays"
+    WORKER_EXITED = "worker.exited"
+    WORKER_HANG = "worker.hang"
+    WORKER_STACKS = "worker.stacks"
+    WORKER_HEARTBEAT_REPLACED = "worker.heartbeat_replaced"
+    WORKER_HEALTH_CHECK_FAILED = "worker.health_check_failed"
+    WORKER_ORPHAN_KILLED = "worker.orphan_killed"
+    CONTAINMENT_PARTIAL = "containment.partial"
+    EXIT_BARRIER_DONE = "exit_barrier.done"
+    EXIT_BARRIER_TIMEOUT = "exit_barrier.timeout"
+    HEALTH_PASSED = "health.passed"
+    HEALTH_FAILED = "health.failed"
+    HEALTH_SKIPPED = "health.skipped"
+    RECOVERY_DETECTED = "recovery.detected"
+    RECOVERY_STOP_WORKERS = "recovery.stop_workers"
+    RECOVERY_RENDEZVOUS = "recovery.rendezvous"
+    RECOVERY_SPAWN = "recovery.spawn"
+    RECOVERY_TOTAL = "recovery.total"
+    RECOVERY_FIRST_PROGRESS = "recovery.first_progress"
+
+
+#: What each kind means (``docs/events.md`` is made from it).
+MEANING: dict[EventKind, str] = {
+    EventKind.JOB_SUBMITTED: "Accepted (POST /jobs) by this node.",
+    EventKind.JOB_STATE: "The job document changed state.",
+    EventKind.JOB_RESUMED: "A job left active by a daemon that stopped goes on as a new attempt.",
+    EventKind.JOB_REFUSED: "A job document in the store failed the daemon's checks.",
+    EventKind.JOB_CANCEL_REQUESTED: "A user asked to cancel.",
+    EventKind.JOB_UNSCHEDULABLE: "No node of the cluster could ever run it.",
+    EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
+    EventKind.AGENT_ERROR: "The agent hit an internal error.",
+    EventKind.AGENT_CRASHED: "The agent task died; its workers were stopped.",
+    EventKind.AGENT_FENCED: "The node lost the store for its lease: its workers stop.",
+    EventKind.AGENT_FINISHED: "The agent on this node is done with the job.",
+    EventKind.STORE_LOST: "The node cannot reach the store.",
+    EventKind.STORE_BACK: "The node reaches the store again.",
+    EventKind.STORAGE_BACK: "The local disk takes writes again.",
+    EventKind.EVENTS_DROPPED: "Events lost past the write backlog's bound.",
+    EventKind.LOGS_LOST: "Worker output that could not be written.",
+    EventKind.RENDEZVOUS_COMPLETE: "A round formed.",
+    EventKind.RENDEZVOUS_CHANGE: "The group re-forms (no restart spent).",
+    EventKind.RENDEZVOUS_FAILED: "The join timed out.",
+    EventKind.GROUP_STATE: "The node's worker group changed state.",
+    EventKind.GROUP_RESTARTING: "A failure: the group re-forms (a restart is charged).",
+    EventKind.WORKERS_STARTED: "The attempt's workers run.",
+    EventKind.WORKERS_STOPPED: "The attempt's workers were stopped.",
+    EventKind.WORKERS_SPAWN_FAILED: "The workers could not be started.",
+    EventKind.WORKERS_STRAYS: "Processes of the attempt outlived its workers and were killed.",
+    EventKind.WORKER_EXITED: "A worker exited.",
+    EventKind.WORKER_HANG: "A worker missed its progress deadline.",
+    EventKind.WORKER_STACKS: "The stacks of a hung worker.",
+    EventKind.WORKER_HEARTBEAT_REPLACED: "A worker's heartbeat file was replaced.",
+    EventKind.WORKER_HEALTH_CHECK_FAILED: "A health check failed before the attempt.",
+    EventKind.WORKER_ORPHAN_KILLED: "A worker of an earlier daemon run was killed at start-up.",
+    EventKind.CONTAINMENT_PARTIAL: "The attempt's processes could not all be put in a cgroup.",
+    EventKind.EXIT_BARRIER_DONE: "Every node of the round finished.",
+    EventKind.EXIT_BARRIER_TIMEOUT: "Not every node finished within exit_barrier_timeout.",
+    EventKind.HEALTH_PASSED: "A health check passed.",
+    EventKind.HEALTH_FAILED: "A health check failed.",
+    EventKind.HEALTH_SKIPPED: "A health check was skipped.",
+    EventKind.RECOVERY_DETECTED: "A recovery began (its cause).",
+    EventKind.RECOVERY_STOP_WORKERS: "Recovery phase: the workers were stopped.",
+    EventKind.RECOVERY_RENDEZVOUS: "Recovery phase: the round formed.",
+    EventKind.RECOVERY_SPAWN: "Recovery phase: the new workers were spawned.",
+    EventKind.RECOVERY_TOTAL: "Recovery: from detection to the new workers.",
+    EventKind.RECOVERY_FIRST_PROGRESS: "Recovery: to the first heartbeat of the new workers.",
+}
+
+
+def recovery_phase_kind(phase: str) -> EventKind:
+    """The kind that times one recovery phase (``recovery.<phase>``); ValueError if none."""
+    return EventKind(f"recovery.{phase}")
+
+
+def known_kind(kind: str) -> EventKind | None:
+    """The member for an event's ``kind`` as read back, or None for a kind this version lacks."""
+    try:
+        return EventKind(kind)
+    except ValueError:
+        return None
+
+
+def reference() -> str:
+    """``docs/events.md``: every kind and what it means (``python -m elasticd.eventkinds``)."""
+    rows = "\n".join(f"| `{k.value}` | {MEANING[k]} |" for k in EventKind)
+    return (
+        "# Event kinds\n\n"
+        "Generated from `elasticd/eventkinds.py` by `python -m elasticd.eventkinds > "
+        "docs/events.md` (a test fails when it drifts). Every event of a job "
+        "(`GET /jobs/{id}/events`, the SSE stream, `elasticd events`) has one of these kinds.\n\n"
+        "| kind | meaning |\n|---|---|\n" + rows + "\n"
+    )
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -45,6 +45,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO, Literal
 
+from typing_extensions import Unpack
+
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
@@ -65,7 +67,17 @@ from elasticd.eventkinds import EventKind
 from elasticd.events import EventLog
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
 from elasticd.logs import LogLayout, stream_file
-from elasticd.models import Event, GroupView, Job, JobList, JobSpec, WorkersView, valid_job_id
+from elasticd.models import (
+    Event,
+    GroupView,
+    Job,
+    JobEdit,
+    JobList,
+    JobMutation,
+    JobSpec,
+    WorkersView,
+    valid_job_id,
+)
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
@@ -396,9 +408,13 @@ class JobService:
         with contextlib.suppress(StoreError):
             await rdzv.close()
 
-    async def update_job(self, job_id: str, **changes: Any) -> Job:
+    async def update_job(
+        self, job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+    ) -> Job:
         """Change the job document by compare-and-set; state changes are checked and evented.
 
+        ``changes`` are set as given; ``mutate(job)`` decides more from the
+        current document (and may run again when another node's write wins).
         A ``state`` that is already the job's state is not a change. Terminal
         states are final: asking to leave one raises ``InvalidTransition``.
         """
@@ -407,7 +423,7 @@ class JobService:
             if entry is None:
                 raise JobNotFound(f"no job with id {job_id!r}")
             job = parse_job(job_id, entry.value)
-            new = self._apply(job, dict(changes))
+            new = self._apply(job, changes, mutate)
             if new == job:
                 return job
             if new.state is not job.state:
@@ -435,12 +451,9 @@ class JobService:
                 return new
         raise StoreError(f"job {job_id}: too many concurrent updates")  # pragma: no cover
 
-    def _apply(self, job: Job, changes: dict[str, Any]) -> Job:
-        target: JobState | None = changes.pop("state", None)
-        mutate: Callable[[Job], dict[str, Any]] | None = changes.pop("mutate", None)
-        if mutate is not None:
-            changes.update(mutate(job))
-            target = changes.pop("state", target)
+    def _apply(self, job: Job, given: JobEdit, mutate: JobMutation | None) -> Job:
+        changes: JobEdit = {**given, **(mutate(job) if mutate is not None else {})}
+        target = changes.pop("state", None)
         now = self.clock.time()
         updates: dict[str, Any] = {k: v for k, v in changes.items() if getattr(job, k) != v}
         if target is not None and target is not job.state:

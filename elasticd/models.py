@@ -8,7 +8,8 @@ is served. Everything is parsed from JSON into these; nothing is unpickled.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import (
     BaseModel,
@@ -332,6 +333,30 @@ class Job(BaseModel):
         if self.spec.id is not None and self.spec.id != self.id:
             raise ValueError(f"the job's id {self.id!r} differs from its spec's {self.spec.id!r}")
         return self
+
+
+class JobEdit(TypedDict, total=False):
+    """The fields of a job document that may change after submission, typed.
+
+    ``JobService.update_job(job_id, state=..., reason=...)`` takes these as
+    keywords and an edit function (:data:`JobMutation`) returns one, so a
+    misspelled field or a wrong type is a mypy error, not a silent no-op.
+    """
+
+    state: JobState
+    reason: str | None
+    error: RootCause | None
+    round: int
+    restart_count: int
+    pending_failure: PendingFailure | None
+    charged_round: int
+    last_recovery: Recovery | None
+    recovery_totals: RecoveryTotals
+
+
+#: A job-document edit decided from the current document (applied by compare-and-set,
+#: so it may run more than once: it must be a pure function of the job).
+JobMutation = Callable[[Job], JobEdit]
 
 
 class JobList(BaseModel):

@@ -30,7 +30,9 @@ import signal as signals
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from typing_extensions import Unpack
 
 from elasticd.agent.decide import Outcome, Plan, Step, decide_after_barrier, decide_attempt
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
@@ -53,6 +55,8 @@ from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     GroupView,
     Job,
+    JobEdit,
+    JobMutation,
     JobSpec,
     PendingFailure,
     Recovery,
@@ -89,8 +93,16 @@ log = logging.getLogger("elasticd.agent")
 
 #: Receives the worker output that reaches the launcher's console (see elasticd.console).
 ConsoleSink = Callable[[ConsoleLine], None]
-#: ``update_job(job_id, state=..., mutate=..., **fields)``: CAS update of the job document.
-JobUpdater = Callable[..., Awaitable[Job]]
+
+
+class JobUpdater(Protocol):
+    """``JobService.update_job``: a compare-and-set update of the job document."""
+
+    async def __call__(
+        self, job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+    ) -> Job: ...
+
+
 #: Bound on the rendezvous steps of a stopping agent.
 LEAVE_TIMEOUT = 5.0
 #: Bound on the wait, after the workers are stopped, for the "leaving" write (best effort).
@@ -163,10 +175,10 @@ def root_cause_of(
     )
 
 
-def record_failure(round_: RoundInfo, root: RootCause) -> Callable[[Job], dict[str, Any]]:
+def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
     """Job-document edit: remember the round's earliest failure until the next round forms."""
 
-    def edit(job: Job) -> dict[str, Any]:
+    def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
             return {}
         pending = job.pending_failure
@@ -176,7 +188,7 @@ def record_failure(round_: RoundInfo, root: RootCause) -> Callable[[Job], dict[s
             and root.sort_key() >= pending.error.sort_key()
         ):
             return {}  # an earlier failure of this round is already recorded
-        changes: dict[str, Any] = {
+        changes: JobEdit = {
             "pending_failure": PendingFailure(
                 round=round_.round, participants=sorted(round_.participants), error=root
             ),
@@ -192,10 +204,10 @@ def record_failure(round_: RoundInfo, root: RootCause) -> Callable[[Job], dict[s
     return edit
 
 
-def charge_now(root: RootCause) -> Callable[[Job], dict[str, Any]]:
+def charge_now(root: RootCause) -> JobMutation:
     """Job-document edit: spend one restart now (a failed health check), or fail the job."""
 
-    def edit(job: Job) -> dict[str, Any]:
+    def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
             return {}
         if job.restart_count >= job.max_restarts:
@@ -209,10 +221,10 @@ def charge_now(root: RootCause) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
-def settle_failure(round_: RoundInfo) -> Callable[[Job], dict[str, Any]]:
+def settle_failure(round_: RoundInfo) -> JobMutation:
     """Job-document edit run when a round completes: charge the previous round's failure once."""
 
-    def edit(job: Job) -> dict[str, Any]:
+    def edit(job: Job) -> JobEdit:
         pending = job.pending_failure
         if job.state.is_terminal or pending is None or pending.round >= round_.round:
             return {}
@@ -241,14 +253,14 @@ def settle_failure(round_: RoundInfo) -> Callable[[Job], dict[str, Any]]:
     return edit
 
 
-def merge_recovery(mine: Recovery) -> Callable[[Job], dict[str, Any]]:
+def merge_recovery(mine: Recovery) -> JobMutation:
     """Job-document edit: fold this node's view of a recovery into the job's summary.
 
     Nodes recover in parallel; the job's recovery spans from the earliest
     detection to the last node's spawn, each phase the slowest node's.
     """
 
-    def edit(job: Job) -> dict[str, Any]:
+    def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
             return {}
         old = job.last_recovery

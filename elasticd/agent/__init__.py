@@ -10,7 +10,9 @@ One agent runs per job on each node that takes part. Its loop is::
 It decides in pure functions and applies the decisions in
 :mod:`elasticd.agent.agent`: how an attempt ended (a result, a hang, a
 rendezvous change, the exit barrier) maps to the next step in
-:mod:`elasticd.agent.decide` (a table); the job-document edits are
-``record_failure``, ``settle_failure`` and ``merge_recovery`` in
-:mod:`elasticd.agent.agent`. Exits are awaited, never polled.
+:mod:`elasticd.agent.decide` (a table); the job-document edits
+(``record_failure``, ``settle_failure``, ``charge_now``, ``merge_recovery``)
+are in :mod:`elasticd.agent.edits`; what an attempt starts (ranks, env, log
+paths, the group view) is planned by :func:`elasticd.agent.attempt.plan_attempt`.
+Exits are awaited, never polled.
 """

@@ -34,7 +34,15 @@ from typing import Any, Protocol
 
 from typing_extensions import Unpack
 
+from elasticd.agent.attempt import NodeFacts, plan_attempt
 from elasticd.agent.decide import Outcome, Plan, Step, decide_after_barrier, decide_attempt
+from elasticd.agent.edits import (
+    charge_now,
+    merge_recovery,
+    record_failure,
+    root_cause_of,
+    settle_failure,
+)
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.console import ConsoleLine
@@ -58,16 +66,12 @@ from elasticd.models import (
     JobEdit,
     JobMutation,
     JobSpec,
-    PendingFailure,
     Recovery,
-    RecoveryTotals,
     RootCause,
-    WorkerView,
-    console_streams,
     std_for_rank,
 )
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
-from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
+from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.storage import StorageHealth
@@ -75,17 +79,13 @@ from elasticd.store import Store
 from elasticd.tasks import cancel_and_wait, race
 from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import (
-    AttemptInfo,
     job_check_env,
     operator_env,
-    worker_args,
-    worker_env,
 )
 from elasticd.workers.process import (
     GroupResult,
     WorkerExit,
     WorkerGroupProcesses,
-    WorkerLaunch,
 )
 from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy
 
@@ -140,158 +140,6 @@ class AgentContext:
     storage: StorageHealth | None = None
     #: The daemon's spawn policy: who jobs run as, the spawn registry, containment.
     policy: SpawnPolicy = DEFAULT_POLICY
-
-
-def root_cause_of(
-    failure: WorkerExit, ranks: WorkerRanks, node: str, attempt: int, round_: int, log_dir: Path
-) -> RootCause:
-    """What the job reports about one failed worker."""
-    sig_name = None
-    if failure.signal is not None:
-        try:
-            sig_name = signals.Signals(failure.signal).name
-        except ValueError:
-            sig_name = f"signal {failure.signal}"
-    if failure.error is not None:
-        message = failure.error.message
-    elif sig_name is not None:
-        message = f"worker was killed by {sig_name}"
-    else:
-        message = f"worker exited with code {failure.exit_code}"
-    return RootCause(
-        message=message,
-        node=node,
-        local_rank=failure.local_rank,
-        rank=ranks.rank,
-        exit_code=failure.exit_code,
-        signal=failure.signal,
-        signal_name=sig_name,
-        traceback=failure.error.traceback if failure.error else None,
-        timestamp=failure.error.timestamp if failure.error else failure.exited_at,
-        attempt=attempt,
-        round=round_,
-        exited_at=failure.exited_at,
-        log_dir=str(log_dir),
-    )
-
-
-def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
-    """Job-document edit: remember the round's earliest failure until the next round forms."""
-
-    def edit(job: Job) -> JobEdit:
-        if job.state.is_terminal:
-            return {}
-        pending = job.pending_failure
-        if (
-            pending is not None
-            and pending.round == round_.round
-            and root.sort_key() >= pending.error.sort_key()
-        ):
-            return {}  # an earlier failure of this round is already recorded
-        changes: JobEdit = {
-            "pending_failure": PendingFailure(
-                round=round_.round, participants=sorted(round_.participants), error=root
-            ),
-            "error": root,
-        }
-        if job.state is JobState.RUNNING:
-            changes["state"] = JobState.RESTARTING
-            changes["reason"] = (
-                f"rank {root.rank} on {root.node} failed: {root.message}; restarting the group"
-            )
-        return changes
-
-    return edit
-
-
-def charge_now(root: RootCause) -> JobMutation:
-    """Job-document edit: spend one restart now (a failed health check), or fail the job."""
-
-    def edit(job: Job) -> JobEdit:
-        if job.state.is_terminal:
-            return {}
-        if job.restart_count >= job.max_restarts:
-            return {
-                "state": JobState.FAILED,
-                "error": root,
-                "reason": f"restart budget spent ({job.max_restarts} restarts); {root.message}",
-            }
-        return {"restart_count": job.restart_count + 1, "error": root}
-
-    return edit
-
-
-def settle_failure(round_: RoundInfo) -> JobMutation:
-    """Job-document edit run when a round completes: charge the previous round's failure once."""
-
-    def edit(job: Job) -> JobEdit:
-        pending = job.pending_failure
-        if job.state.is_terminal or pending is None or pending.round >= round_.round:
-            return {}
-        if pending.round <= job.charged_round:
-            return {"pending_failure": None}
-        lost = sorted(set(pending.participants) - set(round_.participants))
-        if lost:  # a participant did not come back: a membership change, free
-            return {"pending_failure": None, "charged_round": pending.round}
-        if job.restart_count >= job.max_restarts:
-            err = pending.error
-            return {
-                "pending_failure": None,
-                "charged_round": pending.round,
-                "state": JobState.FAILED,
-                "reason": (
-                    f"restart budget spent ({job.max_restarts} restarts); root cause: "
-                    f"rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
-                ),
-            }
-        return {
-            "pending_failure": None,
-            "charged_round": pending.round,
-            "restart_count": job.restart_count + 1,
-        }
-
-    return edit
-
-
-def merge_recovery(mine: Recovery) -> JobMutation:
-    """Job-document edit: fold this node's view of a recovery into the job's summary.
-
-    Nodes recover in parallel; the job's recovery spans from the earliest
-    detection to the last node's spawn, each phase the slowest node's.
-    """
-
-    def edit(job: Job) -> JobEdit:
-        if job.state.is_terminal:
-            return {}
-        old = job.last_recovery
-        totals = job.recovery_totals
-        if old is not None and old.round == mine.round:
-            detected = min(old.detected_at, mine.detected_at)
-            spawned = max(old.spawned_at or 0.0, mine.spawned_at or 0.0)
-
-            def slowest(a: float | None, b: float | None) -> float | None:
-                return max(x for x in (a, b) if x is not None) if a or b else None
-
-            new = Recovery(
-                round=mine.round,
-                cause=old.cause,
-                detected_at=detected,
-                stop_s=slowest(old.stop_s, mine.stop_s),
-                rendezvous_s=slowest(old.rendezvous_s, mine.rendezvous_s),
-                spawn_s=slowest(old.spawn_s, mine.spawn_s),
-                spawned_at=spawned,
-                total_s=spawned - detected,
-            )
-            delta = (new.total_s or 0.0) - (old.total_s or 0.0)
-            totals = RecoveryTotals(count=totals.count, total_s=totals.total_s + delta)
-        else:
-            new = mine
-            totals = RecoveryTotals(
-                count=totals.count + 1, total_s=totals.total_s + (mine.total_s or 0.0)
-            )
-        return {"last_recovery": new, "recovery_totals": totals}
-
-    return edit
 
 
 #: Seconds a passed health check stays good for a start that a failed round delayed.
@@ -714,36 +562,29 @@ class JobAgent:
         self._checked_at = None  # the next (re)start runs the health checks again
         self.attempt += 1
         self._round = round_
-        ranks = assign_ranks(round_.nodes, round_.group_rank)
-        if len(ranks) != self.spec.nproc_per_node:
-            # The round document is shared state anyone with store access can write:
-            # never start more (or fewer) workers than the job asked this node for.
-            raise WorkerSpawnError(
-                f"the rendezvous round gives {self.ctx.node} {len(ranks)} workers; the job "
-                f"asks for nproc_per_node = {self.spec.nproc_per_node}: refusing the round"
-            )
-        self._ranks = ranks
-        logs = self.ctx.logs
-        attempt_dir = logs.attempt_dir(self.job_id, self.attempt)
-        info = AttemptInfo(
-            job_id=self.job_id,
-            run_id=self.job_id,
-            master_addr=round_.master_addr,
-            master_port=round_.master_port,
+        plan = plan_attempt(
+            self.job_id,
+            self.spec,
+            round_,
             restart_count=restart_count,
-            max_restarts=self.spec.max_restarts,
-            daemon_url=self.ctx.daemon_url,
-            token_file=self.ctx.token_file,
-            cuda_visible_devices=self.ctx.cuda_visible_devices,
+            attempt=self.attempt,
+            node=NodeFacts(
+                node=self.ctx.node,
+                logs=self.ctx.logs,
+                base_env=self.ctx.base_env,
+                daemon_url=self.ctx.daemon_url,
+                token_file=self.ctx.token_file,
+                cuda_visible_devices=self.ctx.cuda_visible_devices,
+            ),
+            state=self.state,
+            now=self.ctx.clock.time(),
         )
-        heartbeats = {
-            r.local_rank: logs.heartbeat_file(self.job_id, self.attempt, r.local_rank)
-            for r in ranks
-        }
+        ranks = self._ranks = plan.ranks
+        launches = plan.launches
         if self._progress is not None:
             self._progress.close()  # the previous attempt's descriptors
         self._progress = ProgressMonitor(
-            heartbeats,
+            plan.heartbeats,
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
             user=self.spec.user,  # the worker's own user must write its file
             on_check=self._on_progress,
@@ -751,63 +592,10 @@ class JobAgent:
             policy=self.ctx.policy,
         )
         self._progress.prepare()  # before the spawn: workers open the file at their first ping
-        self._attempt_tag = f"{round_.round}.{restart_count}"
+        self._attempt_tag = plan.tag
         self._exited = set()
         self._all_exited = asyncio.Event()
-        launches = []
-        for r in ranks:
-            log_dir = logs.worker_dir(self.job_id, self.attempt, r.local_rank)
-            out, err = console_streams(self.spec, r.local_rank)
-            env = worker_env(
-                self.ctx.base_env,
-                self.spec.env,
-                r,
-                info,
-                error_file=str(logs.error_file(self.job_id, self.attempt, r.local_rank)),
-                heartbeat_file=str(heartbeats[r.local_rank]),
-            )
-            # Unique per group start across the cluster (in-process restart keys).
-            env["ELASTICD_ATTEMPT"] = self._attempt_tag
-            launches.append(
-                WorkerLaunch(
-                    local_rank=r.local_rank,
-                    argv=[self.spec.entrypoint, *worker_args(self.spec.args, r.local_rank)],
-                    env=env,
-                    cwd=self.spec.cwd,
-                    log_dir=log_dir,
-                    console_stdout=out,
-                    console_stderr=err,
-                    user=self.spec.user,
-                    job_id=self.job_id,
-                    attempt=self.attempt,
-                )
-            )
-        self._view = GroupView(
-            node=self.ctx.node,
-            state=self.state,
-            role=self.spec.role,
-            group_rank=round_.group_rank,
-            group_world_size=round_.group_world_size,
-            attempt=self.attempt,
-            round=round_.round,
-            restart_count=restart_count,
-            master_addr=round_.master_addr,
-            master_port=round_.master_port,
-            log_dir=str(attempt_dir),
-            updated_at=self.ctx.clock.time(),
-            workers=[
-                WorkerView(
-                    local_rank=r.local_rank,
-                    rank=r.rank,
-                    role_rank=r.role_rank,
-                    world_size=r.world_size,
-                    role_world_size=r.role_world_size,
-                    local_world_size=r.local_world_size,
-                    state=WorkerState.INIT,
-                )
-                for r in ranks
-            ],
-        )
+        self._view = plan.view
         on_output = self._forward_output if self.ctx.console is not None else None
         group = await WorkerGroupProcesses.start(
             launches,

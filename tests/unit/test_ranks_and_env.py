@@ -148,7 +148,7 @@ def _round(n: int, participants=("a",)):
 
 def test_restart_policy_is_torchruns():
     """A failure restarts while restarts remain; the budget spent means FAILED."""
-    from elasticd.agent.agent import settle_failure
+    from elasticd.agent.edits import settle_failure
     from elasticd.states import JobState
 
     assert settle_failure(_round(1))(_job(0, 1, 0)) == {
@@ -164,7 +164,7 @@ def test_restart_policy_is_torchruns():
 
 def test_a_lost_participant_is_a_free_membership_change():
     """When a node of the failed round did not come back, the failure costs no restart."""
-    from elasticd.agent.agent import settle_failure
+    from elasticd.agent.edits import settle_failure
 
     edit = settle_failure(_round(1, ("a",)))(_job(0, 0, 0, participants=("a", "b")))
     assert edit == {"pending_failure": None, "charged_round": 0}

@@ -1,0 +1,141 @@
+"""What one attempt starts on this node: a pure plan, made before anything is spawned.
+
+:func:`plan_attempt` takes the round this node joined and the job, and
+returns an :class:`AttemptPlan`: the ranks of the local workers, each
+worker's launch (argv with torchrun's ``${local_rank}`` substituted, the
+environment contract, its folder under the log layout, its console streams),
+the heartbeat files and the group view to publish. The agent then acts on it
+(heartbeat files, the spawn, events). A round that gives this node more or
+fewer workers than the job asks for is refused here: the round document is
+shared state that anyone with store access can write.
+
+Which side of the boundary: the daemon; pure (paths are built, not opened).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from elasticd.errors import WorkerSpawnError
+from elasticd.logs import LogLayout
+from elasticd.models import GroupView, JobSpec, WorkerView, console_streams
+from elasticd.rendezvous import RoundInfo
+from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
+from elasticd.states import WorkerState
+from elasticd.workers.env import AttemptInfo, worker_args, worker_env
+from elasticd.workers.process import WorkerLaunch
+
+__all__ = ["AttemptPlan", "NodeFacts", "plan_attempt"]
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the plan needs to know about this node and its daemon."""
+
+    node: str
+    logs: LogLayout
+    base_env: Mapping[str, str]
+    daemon_url: str
+    token_file: str | None = None
+    cuda_visible_devices: str | None = None
+
+
+@dataclass(frozen=True)
+class AttemptPlan:
+    attempt: int
+    tag: str
+    """``ELASTICD_ATTEMPT``: ``<round>.<restart count>``, unique per group start."""
+    ranks: list[WorkerRanks]
+    launches: list[WorkerLaunch]
+    heartbeats: dict[int, Path]
+    view: GroupView
+    """The group view to publish, workers INIT (pids come with the spawn)."""
+
+
+def plan_attempt(
+    job_id: str,
+    spec: JobSpec,
+    round_: RoundInfo,
+    *,
+    restart_count: int,
+    attempt: int,
+    node: NodeFacts,
+    state: WorkerState,
+    now: float,
+) -> AttemptPlan:
+    """The plan of attempt ``attempt`` in ``round_`` (see the module)."""
+    ranks = assign_ranks(round_.nodes, round_.group_rank)
+    if len(ranks) != spec.nproc_per_node:
+        raise WorkerSpawnError(
+            f"the rendezvous round gives {node.node} {len(ranks)} workers; the job "
+            f"asks for nproc_per_node = {spec.nproc_per_node}: refusing the round"
+        )
+    logs = node.logs
+    info = AttemptInfo(
+        job_id=job_id,
+        run_id=job_id,
+        master_addr=round_.master_addr,
+        master_port=round_.master_port,
+        restart_count=restart_count,
+        max_restarts=spec.max_restarts,
+        daemon_url=node.daemon_url,
+        token_file=node.token_file,
+        cuda_visible_devices=node.cuda_visible_devices,
+    )
+    tag = f"{round_.round}.{restart_count}"
+    heartbeats = {r.local_rank: logs.heartbeat_file(job_id, attempt, r.local_rank) for r in ranks}
+    launches = []
+    for r in ranks:
+        out, err = console_streams(spec, r.local_rank)
+        env = worker_env(
+            node.base_env,
+            spec.env,
+            r,
+            info,
+            error_file=str(logs.error_file(job_id, attempt, r.local_rank)),
+            heartbeat_file=str(heartbeats[r.local_rank]),
+        )
+        env["ELASTICD_ATTEMPT"] = tag  # in-process restart keys of this group start
+        launches.append(
+            WorkerLaunch(
+                local_rank=r.local_rank,
+                argv=[spec.entrypoint, *worker_args(spec.args, r.local_rank)],
+                env=env,
+                cwd=spec.cwd,
+                log_dir=logs.worker_dir(job_id, attempt, r.local_rank),
+                console_stdout=out,
+                console_stderr=err,
+                user=spec.user,
+                job_id=job_id,
+                attempt=attempt,
+            )
+        )
+    view = GroupView(
+        node=node.node,
+        state=state,
+        role=spec.role,
+        group_rank=round_.group_rank,
+        group_world_size=round_.group_world_size,
+        attempt=attempt,
+        round=round_.round,
+        restart_count=restart_count,
+        master_addr=round_.master_addr,
+        master_port=round_.master_port,
+        log_dir=str(logs.attempt_dir(job_id, attempt)),
+        updated_at=now,
+        workers=[
+            WorkerView(
+                local_rank=r.local_rank,
+                rank=r.rank,
+                role_rank=r.role_rank,
+                world_size=r.world_size,
+                role_world_size=r.role_world_size,
+                local_world_size=r.local_world_size,
+                state=WorkerState.INIT,
+            )
+            for r in ranks
+        ],
+    )
+    return AttemptPlan(attempt, tag, ranks, launches, heartbeats, view)

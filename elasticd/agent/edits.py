@@ -1,0 +1,189 @@
+"""The job-document edits of the agent: pure functions of the current document.
+
+Each returns a :data:`~elasticd.models.JobMutation` that
+``JobService.update_job(mutate=...)`` applies by compare-and-set (so it may
+run more than once, on whatever document won the race, and must decide from
+that document alone):
+
+* :func:`record_failure`: remember the round's earliest failure (the job goes
+  RESTARTING) until the next round forms;
+* :func:`settle_failure`: when a round forms, charge the previous round's
+  failure once, or free it when a participant did not come back (a node loss);
+* :func:`charge_now`: spend a restart at once (a failed health check);
+* :func:`merge_recovery`: fold one node's recovery timeline into the job's.
+
+Which side of the boundary: the daemon; pure, no IO.
+"""
+
+from __future__ import annotations
+
+import signal as signals
+from pathlib import Path
+
+from elasticd.models import (
+    Job,
+    JobEdit,
+    JobMutation,
+    PendingFailure,
+    Recovery,
+    RecoveryTotals,
+    RootCause,
+)
+from elasticd.rendezvous import RoundInfo
+from elasticd.rendezvous.ranks import WorkerRanks
+from elasticd.states import JobState
+from elasticd.workers.process import WorkerExit
+
+__all__ = ["charge_now", "merge_recovery", "record_failure", "root_cause_of", "settle_failure"]
+
+
+def root_cause_of(
+    failure: WorkerExit, ranks: WorkerRanks, node: str, attempt: int, round_: int, log_dir: Path
+) -> RootCause:
+    """What the job reports about one failed worker."""
+    sig_name = None
+    if failure.signal is not None:
+        try:
+            sig_name = signals.Signals(failure.signal).name
+        except ValueError:
+            sig_name = f"signal {failure.signal}"
+    if failure.error is not None:
+        message = failure.error.message
+    elif sig_name is not None:
+        message = f"worker was killed by {sig_name}"
+    else:
+        message = f"worker exited with code {failure.exit_code}"
+    return RootCause(
+        message=message,
+        node=node,
+        local_rank=failure.local_rank,
+        rank=ranks.rank,
+        exit_code=failure.exit_code,
+        signal=failure.signal,
+        signal_name=sig_name,
+        traceback=failure.error.traceback if failure.error else None,
+        timestamp=failure.error.timestamp if failure.error else failure.exited_at,
+        attempt=attempt,
+        round=round_,
+        exited_at=failure.exited_at,
+        log_dir=str(log_dir),
+    )
+
+
+def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
+    """Job-document edit: remember the round's earliest failure until the next round forms."""
+
+    def edit(job: Job) -> JobEdit:
+        if job.state.is_terminal:
+            return {}
+        pending = job.pending_failure
+        if (
+            pending is not None
+            and pending.round == round_.round
+            and root.sort_key() >= pending.error.sort_key()
+        ):
+            return {}  # an earlier failure of this round is already recorded
+        changes: JobEdit = {
+            "pending_failure": PendingFailure(
+                round=round_.round, participants=sorted(round_.participants), error=root
+            ),
+            "error": root,
+        }
+        if job.state is JobState.RUNNING:
+            changes["state"] = JobState.RESTARTING
+            changes["reason"] = (
+                f"rank {root.rank} on {root.node} failed: {root.message}; restarting the group"
+            )
+        return changes
+
+    return edit
+
+
+def charge_now(root: RootCause) -> JobMutation:
+    """Job-document edit: spend one restart now (a failed health check), or fail the job."""
+
+    def edit(job: Job) -> JobEdit:
+        if job.state.is_terminal:
+            return {}
+        if job.restart_count >= job.max_restarts:
+            return {
+                "state": JobState.FAILED,
+                "error": root,
+                "reason": f"restart budget spent ({job.max_restarts} restarts); {root.message}",
+            }
+        return {"restart_count": job.restart_count + 1, "error": root}
+
+    return edit
+
+
+def settle_failure(round_: RoundInfo) -> JobMutation:
+    """Job-document edit run when a round completes: charge the previous round's failure once."""
+
+    def edit(job: Job) -> JobEdit:
+        pending = job.pending_failure
+        if job.state.is_terminal or pending is None or pending.round >= round_.round:
+            return {}
+        if pending.round <= job.charged_round:
+            return {"pending_failure": None}
+        lost = sorted(set(pending.participants) - set(round_.participants))
+        if lost:  # a participant did not come back: a membership change, free
+            return {"pending_failure": None, "charged_round": pending.round}
+        if job.restart_count >= job.max_restarts:
+            err = pending.error
+            return {
+                "pending_failure": None,
+                "charged_round": pending.round,
+                "state": JobState.FAILED,
+                "reason": (
+                    f"restart budget spent ({job.max_restarts} restarts); root cause: "
+                    f"rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+                ),
+            }
+        return {
+            "pending_failure": None,
+            "charged_round": pending.round,
+            "restart_count": job.restart_count + 1,
+        }
+
+    return edit
+
+
+def merge_recovery(mine: Recovery) -> JobMutation:
+    """Job-document edit: fold this node's view of a recovery into the job's summary.
+
+    Nodes recover in parallel; the job's recovery spans from the earliest
+    detection to the last node's spawn, each phase the slowest node's.
+    """
+
+    def edit(job: Job) -> JobEdit:
+        if job.state.is_terminal:
+            return {}
+        old = job.last_recovery
+        totals = job.recovery_totals
+        if old is not None and old.round == mine.round:
+            detected = min(old.detected_at, mine.detected_at)
+            spawned = max(old.spawned_at or 0.0, mine.spawned_at or 0.0)
+
+            def slowest(a: float | None, b: float | None) -> float | None:
+                return max(x for x in (a, b) if x is not None) if a or b else None
+
+            new = Recovery(
+                round=mine.round,
+                cause=old.cause,
+                detected_at=detected,
+                stop_s=slowest(old.stop_s, mine.stop_s),
+                rendezvous_s=slowest(old.rendezvous_s, mine.rendezvous_s),
+                spawn_s=slowest(old.spawn_s, mine.spawn_s),
+                spawned_at=spawned,
+                total_s=spawned - detected,
+            )
+            delta = (new.total_s or 0.0) - (old.total_s or 0.0)
+            totals = RecoveryTotals(count=totals.count, total_s=totals.total_s + delta)
+        else:
+            new = mine
+            totals = RecoveryTotals(
+                count=totals.count + 1, total_s=totals.total_s + (mine.total_s or 0.0)
+            )
+        return {"last_recovery": new, "recovery_totals": totals}
+
+    return edit

@@ -1,6 +1,7 @@
 """Long-lived responses: a job's events as Server-Sent Events, and a worker's log as it grows.
 
-Both wake on the event log's notification (:meth:`~elasticd.events.EventLog.follow`)
+Both wake on a notification (the event log's,
+:meth:`~elasticd.events.EventLog.follow`; for a log, also the output pipe's)
 rather than on a timer, both end when the job is terminal (after delivering
 what is left), and both end at once when the daemon sets
 ``Daemon.closing_streams`` during shutdown, so that an open stream never holds
@@ -14,11 +15,11 @@ nothing is missed and nothing repeated. A comment line every
 last message is ``event: end`` with the job's final state, so clients know
 the stream ended on purpose and need not reconnect.
 
-A worker's log is opened only through ``JobService.open_log`` (no link, no
-FIFO, a regular file of the worker's own), and opened and read in a thread,
-so a job that swaps its log file can neither redirect nor stall the stream.
-At most ``max_streams`` streams run at once (:class:`StreamLimit`); more get
-a 429 problem.
+A worker's log is followed by the daemon's :mod:`elasticd.logfollow` (it
+wakes when the output pipe writes the file, never on a timer, and opens the
+file only through ``JobService.open_log``, in a thread). At most
+``max_streams`` streams run at once (:class:`StreamLimit`); more get a 429
+problem.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import weakref
 from collections.abc import AsyncIterator, Coroutine
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from elasticd import logfollow
+from elasticd.errors import JobNotFound, StoreError, TooManyStreams
 from elasticd.eventkinds import EventKind
-from elasticd.errors import JobNotFound, LogNotFound, StoreError, TooManyStreams
 from elasticd.models import Event
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
@@ -52,10 +53,6 @@ FINAL_EVENT_GRACE_S = 5.0
 ERROR_PAUSE_S = 1.0
 #: What SSE clients are told to wait before reconnecting, in milliseconds.
 RETRY_MS = 2000
-#: Seconds between checks of a followed log file for new bytes (see follow_log).
-LOG_POLL_S = 0.25
-_CHUNK = 64 * 1024
-_TAIL_WINDOW = 8 * 1024 * 1024
 
 
 class StreamLimit:
@@ -209,49 +206,6 @@ def _terminal(state: str | None) -> bool:
     return state in {s.value for s in JobState if s.is_terminal}
 
 
-def _tail_start(fh: BinaryIO, size: int, lines: int) -> int:
-    """The offset where the last ``lines`` lines (of the first ``size`` bytes) begin."""
-    start = max(0, size - _TAIL_WINDOW)
-    fh.seek(start)
-    data = fh.read(size - start)
-    if lines == 0:
-        return size
-    cut = len(data)
-    if data.endswith(b"\n"):
-        cut -= 1
-    for _ in range(lines):
-        cut = data.rfind(b"\n", 0, cut)
-        if cut < 0:
-            return start
-    return start + cut + 1
-
-
-def _open_log(
-    daemon: Daemon,
-    job_id: str,
-    local_rank: int,
-    stream: Literal["stdout", "stderr"],
-    attempt: int,
-    tail: int | None,
-) -> BinaryIO:
-    """The log opened safely (see ``JobService.open_log``), at its last ``tail`` lines. Blocking."""
-    fh = daemon.jobs.open_log(job_id, local_rank, stream, attempt)
-    try:
-        if tail is not None:
-            fh.seek(_tail_start(fh, os.fstat(fh.fileno()).st_size, tail))
-    except BaseException:
-        fh.close()
-        raise
-    return fh
-
-
-async def _read_new(fh: BinaryIO) -> bytes:
-    """The next chunk past the read position, read in a thread; ``b""`` when there is none."""
-    if os.fstat(fh.fileno()).st_size <= fh.tell():
-        return b""
-    return await asyncio.to_thread(fh.read, _CHUNK)
-
-
 async def follow_log(
     daemon: Daemon,
     job_id: str,
@@ -260,78 +214,15 @@ async def follow_log(
     attempt: int | None,
     tail: int | None,
 ) -> AsyncIterator[bytes]:
-    """A worker's log as it grows; with ``attempt=None`` it moves on to each new attempt.
-
-    The log files are appended by the daemon's output pipes
-    (:mod:`elasticd.workers.output`), which announce nothing per write. So
-    the loop wakes on the job's events (a new attempt, the end of the job)
-    and, between them, looks at the file once every :data:`LOG_POLL_S`
-    seconds: a ``read`` at EOF is a cheap syscall, and a bounded interval
-    keeps a followed log at most that far behind.
-    """
-    jobs = daemon.jobs
-    current = attempt
-    fh: BinaryIO | None = None
-    after = 0
-    final = False
-    last_byte = b"\n"
-    first = True
-    try:
-        while True:
-            if fh is None:
-                if attempt is None:  # the newest attempt, until its file appears
-                    found = jobs.log_attempts(job_id)
-                    current = found[-1] if found else None
-                if current is not None:
-                    try:
-                        fh = await asyncio.to_thread(
-                            _open_log,
-                            daemon,
-                            job_id,
-                            local_rank,
-                            stream,
-                            current,
-                            tail if first else None,
-                        )
-                    except LogNotFound:
-                        fh = None  # not there (yet), or replaced by the job: nothing to read
-                    if fh is not None:
-                        if not first:
-                            sep = b"" if last_byte == b"\n" else b"\n"
-                            yield sep + f"==> attempt {current} <==\n".encode()
-                        first = False
-            if fh is not None:
-                data = await _read_new(fh)
-                if data:
-                    last_byte = data[-1:]
-                    yield data
-                    continue
-            if attempt is None and fh is not None:
-                found = jobs.log_attempts(job_id)
-                if found and current is not None and found[-1] > current:
-                    fh.close()
-                    fh, current = None, found[-1]
-                    continue
-            if final:
-                return
-            try:
-                job = await jobs.get(job_id)
-            except StoreError:
-                job = None  # the store is away for a moment: keep following the file
-            if job is not None and job.state.is_terminal:
-                final = True  # one more pass reads what was written up to the end
-                continue
-            if daemon.closing_streams.is_set():
-                final = True  # the daemon is stopping: read to the end once more, then end
-                continue
-            got = await _wait_or_close(
-                jobs.follow_events(job_id, after, LOG_POLL_S), daemon.closing_streams
-            )
-            if got is None:
-                final = True
-                continue
-            if got:
-                after = got[-1].seq
-    finally:
-        if fh is not None:
-            fh.close()
+    """A worker's log as it grows (the daemon's :func:`elasticd.logfollow.follow_log`)."""
+    async for chunk in logfollow.follow_log(
+        daemon.jobs,
+        daemon.jobs.log_growth,
+        daemon.closing_streams,
+        job_id,
+        local_rank,
+        stream,
+        attempt,
+        tail,
+    ):
+        yield chunk

@@ -66,6 +66,7 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.events import EventLog
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
+from elasticd.logfollow import LogGrowth
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     Event,
@@ -146,6 +147,8 @@ class JobService:
     ) -> None:
         self.config = config
         self.logs = LogLayout(config.logs)
+        #: Log followers wait on it; the agents' output pipes tell it when a log grew.
+        self.log_growth = LogGrowth()
         #: How workers are spawned (users, registry, containment): the daemon sets it.
         self.spawn_policy = DEFAULT_POLICY
         self.storage = storage
@@ -768,6 +771,7 @@ class JobService:
             nvidia_smi=self.config.nvidia_smi,
             storage=self.storage,
             policy=self.spawn_policy,
+            log_growth=self.log_growth,
         )
         agent = JobAgent(job, ctx)
         # A job this node ran before (before a daemon restart) goes on with the next

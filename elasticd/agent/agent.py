@@ -59,6 +59,7 @@ from elasticd.eventkinds import EventKind, recovery_phase_kind
 from elasticd.events import EventLog
 from elasticd.health import checks_for_job, run_health_checks
 from elasticd.keys import barrier_prefix, group_key, job_key
+from elasticd.logfollow import LogGrowth
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     GroupView,
@@ -140,6 +141,8 @@ class AgentContext:
     storage: StorageHealth | None = None
     #: The daemon's spawn policy: who jobs run as, the spawn registry, containment.
     policy: SpawnPolicy = DEFAULT_POLICY
+    #: Told each time a worker's log file grows (log followers wait on it).
+    log_growth: LogGrowth | None = None
 
 
 #: Seconds a passed health check stays good for a start that a failed round delayed.
@@ -604,6 +607,7 @@ class JobAgent:
             clock=self.ctx.clock,
             storage=self.ctx.storage,
             policy=self.ctx.policy,
+            on_written=self.ctx.log_growth.grew if self.ctx.log_growth is not None else None,
         )
         self._group = group
         if group.containment_partial is not None and not self._said_partial:

@@ -79,8 +79,10 @@ class OutputPipe:
         write_fd: int,
         sink: OutputSink | None,
         health: StorageHealth | None = None,
+        on_written: Callable[[Path], None] | None = None,
     ) -> None:
         self.local_rank = local_rank
+        self._on_written = on_written
         self.stream: Stream = stream
         self.log_path = log_path
         self._file: BinaryIO | None = file
@@ -106,6 +108,7 @@ class OutputPipe:
         *,
         owner: tuple[int, int] | None = None,
         health: StorageHealth | None = None,
+        on_written: Callable[[Path], None] | None = None,
     ) -> OutputPipe:
         """Open `log_path` for appending and a pipe whose read end the loop watches.
 
@@ -113,6 +116,8 @@ class OutputPipe:
         regular file without other hard links, and an existing one must be
         the daemon's or the worker's (a worker may own the folder it lies
         in). With `owner` (uid, gid) the file is handed to the worker's user.
+        ``on_written(log_path)`` is called after each chunk lands in the file
+        (log followers wait on it: :mod:`elasticd.logfollow`).
         Raises OSError when the file cannot be opened or is refused; nothing
         is left open then.
         """
@@ -124,7 +129,7 @@ class OutputPipe:
             raise
         with contextlib.suppress(OSError):
             fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
-        pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health)
+        pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health, on_written)
         try:
             reader = os.fdopen(read_fd, "rb", buffering=0)
         except BaseException:
@@ -209,6 +214,11 @@ class OutputPipe:
                 if self._health is not None:
                     self._health.failing(self._source, describe(exc))
             return
+        if self._on_written is not None:
+            try:
+                self._on_written(self.log_path)
+            except Exception:  # a follower's wake-up must never cost output
+                log.exception("log growth callback failed")
         if self._write_failed:
             self._write_failed = False
             log.warning(

@@ -227,6 +227,7 @@ class WorkerGroupProcesses:
         self._stop_task: asyncio.Task[GroupResult] | None = None
         self._registry: WorkerRegistry | None = None
         self._policy = DEFAULT_POLICY
+        self._on_written: Callable[[Path], None] | None = None
         self._recorded: list[tuple[int, int]] = []
         self._containment: AttemptContainment | None = None
         #: Pids killed at the stop that had left the workers' process groups (strays).
@@ -243,6 +244,7 @@ class WorkerGroupProcesses:
         clock: Clock = SYSTEM_CLOCK,
         storage: StorageHealth | None = None,
         policy: SpawnPolicy = DEFAULT_POLICY,
+        on_written: Callable[[Path], None] | None = None,
     ) -> WorkerGroupProcesses:
         """Spawn every worker (concurrently) and start watching them.
 
@@ -253,6 +255,7 @@ class WorkerGroupProcesses:
         _check_launches(launches)
         group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
         group._policy = policy
+        group._on_written = on_written
         group._expected = len(launches)
         try:
             # Concurrently: each spawn waits for its child to join the attempt's cgroup
@@ -441,6 +444,7 @@ class WorkerGroupProcesses:
             sink,
             owner=owner,
             health=self._storage,
+            on_written=self._on_written,
         )
 
     def lost_output(self) -> dict[int, int]:

@@ -155,3 +155,51 @@ def test_resume_point_ignores_a_bad_last_event_id(header):
     assert streams.resume_point(4, header) == 4
     assert streams.resume_point(4, "9") == 9
     assert streams.resume_point(12, "9") == 12
+
+
+async def test_a_followed_log_is_woken_by_its_growth_not_by_a_timer(live, tmp_path, monkeypatch):
+    """The worker prints a line each time the test asks (no job event in between): each line
+    reaches the follower, though the follower's event wait is far longer than the test."""
+    from elasticd import logfollow
+
+    monkeypatch.setattr(logfollow, "EVENT_WAIT_S", 3600.0)
+    go = tmp_path / "go"
+    path = script(
+        tmp_path,
+        "echo.py",
+        f"""
+        import os, time
+        for n in range(3):
+            while not os.path.exists({str(go)!r} + str(n)):
+                time.sleep(0.01)
+            print("line", n, flush=True)
+        """,
+    )
+    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+        job_id = await submit(c, {"entrypoint": PY, "args": [path]})
+        params = {"follow": "true"}
+        async with asyncio.timeout(30), c.stream("GET", f"/jobs/{job_id}/logs", params=params) as r:
+            chunks = r.aiter_text()
+            seen = ""
+            for n in range(3):
+                (tmp_path / f"go{n}").touch()
+                while f"line {n}\n" not in seen:
+                    seen += await anext(chunks)
+        assert seen == "line 0\nline 1\nline 2\n"
+
+
+def test_log_growth_wakes_the_armed_waiters_of_that_file_only(tmp_path):
+    from elasticd.logfollow import LogGrowth
+
+    async def main() -> None:
+        growth = LogGrowth()
+        a, b = tmp_path / "a", tmp_path / "b"
+        wa, wb = growth.arm(a), growth.arm(b)
+        growth.grew(a)
+        await asyncio.sleep(0)
+        assert wa.done() and not wb.done()
+        wb.cancel()
+        await asyncio.sleep(0)
+        assert growth._waiting == {}  # nothing kept for futures that are done
+
+    asyncio.run(main())

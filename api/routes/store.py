@@ -40,8 +40,6 @@ every route.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
@@ -57,6 +55,7 @@ from elasticd.store.base import (
     Store,
     WatchEvent,
 )
+from elasticd.store.codec import decode_value, encode_value
 
 #: Longest long-poll a client may ask for, in seconds.
 MAX_WATCH_SECONDS = 600.0
@@ -74,19 +73,6 @@ def _too_large(limit: int) -> HTTPException:
     return HTTPException(
         413, f"the request body is over {limit} bytes; store values are limited in size"
     )
-
-
-def _decode_b64(value: str) -> bytes:
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(
-            "value must be standard base64 (A-Z a-z 0-9 + /, with = padding)"
-        ) from None
-
-
-def _encode_b64(value: bytes) -> str:
-    return base64.b64encode(value).decode("ascii")
 
 
 # -- wire models -------------------------------------------------------------
@@ -109,7 +95,7 @@ class StoreEntry(_Wire):
     def of(cls, entry: Entry) -> StoreEntry:
         return cls(
             key=entry.key,
-            value=_encode_b64(entry.value),
+            value=encode_value(entry.value),
             version=entry.version,
             created=entry.created,
             lease=entry.lease,
@@ -136,7 +122,7 @@ class StorePutRequest(_Wire):
     @field_validator("value")
     @classmethod
     def _check_b64(cls, value: str) -> str:
-        _decode_b64(value)
+        decode_value(value)
         return value
 
 
@@ -170,7 +156,7 @@ class StoreBatchItem(_Wire):
     @field_validator("value")
     @classmethod
     def _check_b64(cls, value: str) -> str:
-        _decode_b64(value)
+        decode_value(value)
         return value
 
 
@@ -242,7 +228,7 @@ class StoreWatchEvent(_Wire):
 
     @classmethod
     def of(cls, event: WatchEvent) -> StoreWatchEvent:
-        value = _encode_b64(event.value) if event.value is not None else None
+        value = encode_value(event.value) if event.value is not None else None
         return cls(kind=event.kind, key=event.key, value=value, revision=event.revision)
 
 
@@ -318,7 +304,7 @@ def store_router(
     @router.put("/kv", response_model=StorePutResponse)
     async def put_key(body: StorePutRequest) -> StorePutResponse:
         """Write a key unconditionally."""
-        entry = await get_store().put(body.key, _decode_b64(body.value), lease=body.lease)
+        entry = await get_store().put(body.key, decode_value(body.value), lease=body.lease)
         return StorePutResponse(entry=StoreEntry.of(entry))
 
     @router.delete("/kv", response_model=StoreDeleteResponse)
@@ -332,7 +318,7 @@ def store_router(
     @router.post("/batch", response_model=StoreBatchResponse)
     async def put_batch(body: StoreBatchRequest) -> StoreBatchResponse:
         """Write several keys unconditionally, all or nothing (one writer keeps its order)."""
-        items = [(item.key, _decode_b64(item.value)) for item in body.items]
+        items = [(item.key, decode_value(item.value)) for item in body.items]
         entries = await get_store().put_batch(items)  # each key once: checked above (422)
         return StoreBatchResponse(entries=[StoreEntry.of(e) for e in entries])
 
@@ -340,7 +326,7 @@ def store_router(
     async def compare_and_set(body: StoreCasRequest) -> StoreCasResponse:
         """Compare-and-set on the key's version; a lost race is ``ok: false``, not an error."""
         result = await get_store().compare_and_set(
-            body.key, _decode_b64(body.value), body.expected_version, lease=body.lease
+            body.key, decode_value(body.value), body.expected_version, lease=body.lease
         )
         return StoreCasResponse(ok=result.ok, entry=_entry_or_none(result.entry))
 

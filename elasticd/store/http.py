@@ -24,7 +24,6 @@ several polls.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import builtins
 import importlib.util
@@ -57,6 +56,12 @@ from elasticd.store.base import (
     check_batch,
     check_listing_size,
 )
+from elasticd.store.codec import (
+    decode_entry,
+    decode_entry_or_none,
+    decode_events,
+    encode_value,
+)
 from elasticd.store.memory import check_value, validate_key
 from elasticd.store.wire import WireClient, WireError, WireResponse
 
@@ -70,29 +75,6 @@ MAX_POLL_SECONDS = 300.0
 # makes the failure instant; httpcore then assumes asyncio, which is right here.
 if importlib.util.find_spec("sniffio") is None:
     sys.modules.setdefault("sniffio", None)  # type: ignore[arg-type]
-
-
-def _b64(value: bytes) -> str:
-    return base64.b64encode(value).decode("ascii")
-
-
-def _unb64(value: str) -> bytes:
-    return base64.b64decode(value, validate=True)
-
-
-def _entry(data: dict[str, Any]) -> Entry:
-    lease = data.get("lease")
-    return Entry(
-        key=str(data["key"]),
-        value=_unb64(data["value"]),
-        version=int(data["version"]),
-        created=int(data["created"]),
-        lease=int(lease) if lease is not None else None,
-    )
-
-
-def _entry_or_none(data: dict[str, Any] | None) -> Entry | None:
-    return _entry(data) if data is not None else None
 
 
 def transport_reason(exc: BaseException) -> str:
@@ -255,7 +237,7 @@ class HttpStore(Store):
     async def get(self, key: str) -> Entry | None:
         validate_key(key)
         data = await self._call("GET", "/store/kv", params={"key": key})
-        result: Entry | None = self._parsed("GET", lambda d: _entry_or_none(d["entry"]), data)
+        result: Entry | None = self._parsed("GET", lambda d: decode_entry_or_none(d["entry"]), data)
         return result
 
     async def compare_and_set(
@@ -270,14 +252,14 @@ class HttpStore(Store):
         value = check_value(value, self.max_value_bytes)
         body = {
             "key": key,
-            "value": _b64(value),
+            "value": encode_value(value),
             "expected_version": expected_version,
             "lease": lease,
         }
         data = await self._call("POST", "/store/cas", body=body)
         result: CasResult = self._parsed(
             "CAS",
-            lambda d: CasResult(ok=bool(d["ok"]), entry=_entry_or_none(d["entry"])),
+            lambda d: CasResult(ok=bool(d["ok"]), entry=decode_entry_or_none(d["entry"])),
             data,
         )
         return result
@@ -285,9 +267,9 @@ class HttpStore(Store):
     async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
         validate_key(key)
         value = check_value(value, self.max_value_bytes)
-        body = {"key": key, "value": _b64(value), "lease": lease}
+        body = {"key": key, "value": encode_value(value), "lease": lease}
         data = await self._call("PUT", "/store/kv", body=body)
-        result: Entry = self._parsed("PUT", lambda d: _entry(d["entry"]), data)
+        result: Entry = self._parsed("PUT", lambda d: decode_entry(d["entry"]), data)
         return result
 
     async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
@@ -295,12 +277,14 @@ class HttpStore(Store):
         body_items = []
         for key, value in items:
             validate_key(key)
-            body_items.append({"key": key, "value": _b64(check_value(value, self.max_value_bytes))})
+            body_items.append(
+                {"key": key, "value": encode_value(check_value(value, self.max_value_bytes))}
+            )
         if not body_items:
             return []
         data = await self._call("POST", "/store/batch", body={"items": body_items})
         result: builtins.list[Entry] = self._parsed(
-            "batch put", lambda d: [_entry(e) for e in d["entries"]], data
+            "batch put", lambda d: [decode_entry(e) for e in d["entries"]], data
         )
         return result
 
@@ -325,7 +309,7 @@ class HttpStore(Store):
         result: Listing = self._parsed(
             "list",
             lambda d: Listing(
-                entries=[_entry(e) for e in d["entries"]], revision=int(d["revision"])
+                entries=[decode_entry(e) for e in d["entries"]], revision=int(d["revision"])
             ),
             data,
         )
@@ -367,7 +351,7 @@ class HttpStore(Store):
             data = await self._call(
                 "GET", "/store/watch", params=params, timeout=poll + self._timeout
             )
-            events: builtins.list[WatchEvent] = self._parsed("watch", _events, data)
+            events: builtins.list[WatchEvent] = self._parsed("watch", decode_events, data)
             remaining -= poll
             if events or remaining <= 0:
                 return events
@@ -379,21 +363,3 @@ class HttpStore(Store):
         await self._client.aclose()
         if self._wire is not None:
             await self._wire.aclose()
-
-
-def _events(data: dict[str, Any]) -> builtins.list[WatchEvent]:
-    events = []
-    for item in data["events"]:
-        kind = item["kind"]
-        if kind not in ("put", "delete"):
-            raise ValueError(f"unknown event kind {kind!r}")
-        value = item.get("value")
-        events.append(
-            WatchEvent(
-                kind=kind,
-                key=str(item["key"]),
-                value=_unb64(value) if value is not None else None,
-                revision=int(item["revision"]),
-            )
-        )
-    return events

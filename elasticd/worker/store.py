@@ -36,18 +36,18 @@ both into ``torch.distributed.DistStoreError``).
 
 from __future__ import annotations
 
-import base64
 import binascii
 import datetime
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from elasticd.store.base import Entry, WatchEvent
+from elasticd.store.codec import decode_entry, decode_entry_or_none, decode_events, encode_value
 from elasticd.tokens import TokenFileError, read_token_file
 from elasticd.worker.names import attempt_tag, default_namespace, escape_key
 
@@ -72,39 +72,6 @@ _RETRY_MAX = 1.0
 
 class StoreUnreachable(RuntimeError):
     """The daemon's store API could not be reached, refused us, or answered nonsense."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One key's value and version, as the store API returns it."""
-
-    key: str
-    value: bytes
-    version: int
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """One change seen by a watch."""
-
-    kind: str
-    key: str
-    value: bytes | None
-    revision: int
-
-
-def _b64(value: bytes) -> str:
-    return base64.b64encode(value).decode("ascii")
-
-
-def _entry(data: Any) -> Entry | None:
-    if data is None:
-        return None
-    return Entry(
-        key=str(data["key"]),
-        value=base64.b64decode(data["value"], validate=True),
-        version=int(data["version"]),
-    )
 
 
 class ClusterStoreClient:
@@ -264,18 +231,18 @@ class ClusterStoreClient:
     def read(self, full_key: str) -> Entry | None:
         """The entry at ``full_key`` (not namespaced), or None."""
         data = self._call("GET", "/store/kv", params={"key": full_key})
-        result: Entry | None = self._parsed("GET", lambda d: _entry(d["entry"]), data)
+        result: Entry | None = self._parsed("GET", lambda d: decode_entry_or_none(d["entry"]), data)
         return result
 
     def write(self, full_key: str, value: bytes) -> int:
         """Write ``full_key`` (not namespaced); return the new version."""
-        data = self._call("PUT", "/store/kv", body={"key": full_key, "value": _b64(value)})
+        data = self._call("PUT", "/store/kv", body={"key": full_key, "value": encode_value(value)})
         version: int = self._parsed("PUT", lambda d: int(d["entry"]["version"]), data)
         return version
 
     def create(self, full_key: str, value: bytes) -> bool:
         """Create ``full_key`` only if it is absent; True if this call created it."""
-        body = {"key": full_key, "value": _b64(value), "expected_version": None}
+        body = {"key": full_key, "value": encode_value(value), "expected_version": None}
         data = self._call("POST", "/store/cas", body=body)
         ok: bool = self._parsed("CAS", lambda d: bool(d["ok"]), data)
         return ok
@@ -285,7 +252,7 @@ class ClusterStoreClient:
         data = self._call("GET", "/store/list", params={"prefix": prefix})
 
         def parse(d: Any) -> tuple[list[Entry], int]:
-            entries = [e for e in (_entry(x) for x in d["entries"]) if e is not None]
+            entries = [decode_entry(x) for x in d["entries"]]
             return entries, int(d["revision"])
 
         result: tuple[list[Entry], int] = self._parsed("list", parse, data)
@@ -316,21 +283,7 @@ class ClusterStoreClient:
         if data is None:
             return []
 
-        def parse(d: Any) -> list[WatchEvent]:
-            events = []
-            for item in d["events"]:
-                raw = item.get("value")
-                events.append(
-                    WatchEvent(
-                        kind=str(item["kind"]),
-                        key=str(item["key"]),
-                        value=base64.b64decode(raw, validate=True) if raw is not None else None,
-                        revision=int(item["revision"]),
-                    )
-                )
-            return events
-
-        result: list[WatchEvent] = self._parsed("watch", parse, data)
+        result: list[WatchEvent] = self._parsed("watch", decode_events, data)
         return result
 
     def wait_for(self, full_key: str, timeout: float | None = None) -> bytes:
@@ -394,7 +347,7 @@ class ClusterStoreClient:
                 return entry.value
             else:
                 version = entry.version
-            body = {"key": full, "value": _b64(desired), "expected_version": version}
+            body = {"key": full, "value": encode_value(desired), "expected_version": version}
             data = self._call("POST", "/store/cas", body=body)
             if self._parsed("CAS", lambda d: bool(d["ok"]), data):
                 return desired

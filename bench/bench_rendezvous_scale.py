@@ -17,7 +17,7 @@ Backends (``--backends``):
               store: memory + SQLite journal, ``synchronous=FULL``), shared
               by every node;
 ``memory``    :class:`MemoryStore` in this process (no disk; a reference);
-``http``      a real ``python -m elasticd.store.server`` subprocess (embedded
+``http``      a real ``python -m api.store_server`` subprocess (embedded
               store, FULL) reached through :class:`HttpStore`; with ``N``
               nodes in one process the nodes share ``--http-clients`` HttpStore
               instances (default 1: one keep-alive connection pool, one
@@ -206,7 +206,7 @@ class Backend:
 
 
 def start_store_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m elasticd.store.server`` on a free loopback port; (process, url)."""
+    """``python -m api.store_server`` on a free loopback port; (process, url)."""
     token_file = root / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
@@ -215,7 +215,7 @@ def start_store_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
         [
             PYTHON,
             "-m",
-            "elasticd.store.server",
+            "api.store_server",
             "--host",
             "127.0.0.1",
             "--port",
@@ -318,7 +318,7 @@ async def open_backend(name: str, root: Path, http_clients: int) -> Backend:
         backend = Backend(
             name,
             [HttpStore(url, TOKEN, timeout=60) for _ in range(http_clients)],
-            f"python -m elasticd.store.server (EmbeddedStore, FULL) + {http_clients} shared "
+            f"python -m api.store_server (EmbeddedStore, FULL) + {http_clients} shared "
             "HttpStore client(s)",
             server=proc,
         )

@@ -7,7 +7,7 @@ Measures, in one run on this machine:
 * watch wake-up latency: the time from starting a write to the moment a
   client blocked in ``watch`` on that key returns with it (p50 and p99);
 
-for the embedded store served by ``python -m elasticd.store.server`` (a real
+for the embedded store served by ``python -m api.store_server`` (a real
 subprocess, SQLite ``synchronous=FULL``), twice: once through a lean raw
 HTTP/1.1 load generator (the server's capacity: httpx spends ~10x the CPU per
 request that the server does, so through HttpStore the client process
@@ -206,7 +206,7 @@ async def bench_store(name: str, factory: object, args: argparse.Namespace) -> R
 
 
 def start_embedded(state_dir: Path, synchronous: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m elasticd.store.server`` on a free port; returns it and its URL."""
+    """``python -m api.store_server`` on a free port; returns it and its URL."""
     token_file = state_dir / "token"
     token_file.write_text(TOKEN)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -214,7 +214,7 @@ def start_embedded(state_dir: Path, synchronous: str) -> tuple[subprocess.Popen[
         [
             sys.executable,
             "-m",
-            "elasticd.store.server",
+            "api.store_server",
             "--port",
             "0",
             "--state-dir",

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from api.store_server import create_store_app, serve_store
 from elasticd.store.base import Store
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.store.etcd import EtcdStore
 from elasticd.store.http import HttpStore
 from elasticd.store.memory import MemoryStore
-from elasticd.store.server import create_store_app, serve_store
 
 from .etcd_server import EtcdProcess
 

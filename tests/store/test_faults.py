@@ -12,12 +12,12 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from api.store_server import create_store_app
 from elasticd.errors import InvalidKey, StoreError, StoreUnavailable, ValueTooLarge
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.store.etcd import EtcdStore
 from elasticd.store.http import HttpStore
 from elasticd.store.memory import MemoryStore
-from elasticd.store.server import create_store_app
 
 from .conftest import TOKEN, serving
 from .etcd_server import EtcdProcess, free_port

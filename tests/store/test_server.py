@@ -1,4 +1,4 @@
-"""``python -m elasticd.store.server`` as a real process: start-up, SIGTERM, kill -9 mid-write."""
+"""``python -m api.store_server`` as a real process: start-up, SIGTERM, kill -9 mid-write."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ async def _start(state_dir: Path, token_file: Path, *extra: str) -> asyncio.subp
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "elasticd.store.server",
+        "api.store_server",
         "--host",
         "127.0.0.1",
         "--port",
@@ -97,7 +97,7 @@ async def test_refuses_non_loopback_without_token(tmp_path: Path) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "elasticd.store.server",
+        "api.store_server",
         "--host",
         "0.0.0.0",
         "--port",

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from api.store_server import serve_store
 from elasticd.store.memory import MemoryStore
-from elasticd.store.server import serve_store
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

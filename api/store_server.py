@@ -5,7 +5,7 @@ bearer token, with the problem+json error table. The daemon mounts the same
 router in its own app; ``elasticd serve --store-only`` and this module's
 entry point serve just this::
 
-    python -m elasticd.store.server --host 127.0.0.1 --port 7070 \\
+    python -m api.store_server --host 127.0.0.1 --port 7070 \\
         --state-dir /var/lib/elasticd [--token-file /etc/elasticd/token]
 
 The process keeps the embedded SQLite store at ``<state-dir>/store.sqlite3``,
@@ -169,7 +169,7 @@ async def serve_store(
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m elasticd.store.server",
+        prog="python -m api.store_server",
         description="Serve the embedded elasticd cluster store (no agent) over HTTP.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -1,0 +1,88 @@
+"""Dependencies point one way (issue 13 point 7): a test reads every import and fails on one
+that goes against the layering, so a shortcut cannot creep back in."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (lazy imports inside functions count)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+
+
+def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for path in modules(package):
+        name = str(path.relative_to(ROOT))
+        if any(name == a or (a.endswith("/") and name.startswith(a)) for a in allow):
+            continue
+        for imported in imports_of(path):
+            if any(imported == f or imported.startswith(f + ".") for f in forbidden):
+                out.append(f"{name} imports {imported}")
+    return sorted(out)
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden", "allow"),
+    [
+        # The API is a thin layer over the daemon's services; only the composition root
+        # (and the CLI that starts it) builds the app.
+        ("elasticd", ("api",), ("elasticd/daemon.py", "elasticd/cli.py")),
+        # The store knows nothing of jobs, agents or the API.
+        ("elasticd.store", ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon"), ()),
+        # Ranks and the protocol belong to the rendezvous; it never reaches up to the agent.
+        ("elasticd.rendezvous", ("elasticd.agent", "elasticd.jobs", "elasticd.workers"), ()),
+        # The database stores rows; it does not know how workers are spawned.
+        ("elasticd.db", ("elasticd.workers", "elasticd.agent", "elasticd.jobs"), ()),
+        # In-worker code runs in the training process: nothing of the daemon's side.
+        (
+            "elasticd.worker",
+            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.workers"),
+            (),
+        ),
+        (
+            "elasticd.inprocess",
+            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.workers"),
+            (),
+        ),
+        # The daemon side never imports torch (code that runs in workers may).
+        (
+            "elasticd",
+            ("torch",),
+            ("elasticd/launch_worker.py", "elasticd/worker/", "elasticd/inprocess/"),
+        ),
+    ],
+)
+def test_no_import_goes_against_the_layering(
+    package: str, forbidden: tuple[str, ...], allow: tuple[str, ...]
+) -> None:
+    if package == "elasticd.db":
+        paths = [ROOT / "elasticd" / "db.py"]
+        assert offenders_of(paths, forbidden) == []
+        return
+    assert offenders(package, forbidden, allow) == []
+
+
+def offenders_of(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
+    return [
+        f"{p.relative_to(ROOT)} imports {i}"
+        for p in paths
+        for i in imports_of(p)
+        if any(i == f or i.startswith(f + ".") for f in forbidden)
+    ]

@@ -44,6 +44,8 @@ from elasticd.agent.edits import (
     settle_failure,
 )
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
+from elasticd.agent.publish import GroupPublisher
+from elasticd.agent.recovery import RecoveryTimeline
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.console import ConsoleLine
 from elasticd.errors import (
@@ -67,7 +69,6 @@ from elasticd.models import (
     JobEdit,
     JobMutation,
     JobSpec,
-    Recovery,
     RootCause,
     std_for_rank,
 )
@@ -196,11 +197,9 @@ class JobAgent:
         self._view: GroupView | None = None
         self._ranks: list[WorkerRanks] = []
         self._round: RoundInfo | None = None
-        self._publish_wanted = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self._view)
         #: The recovery in progress: (cause, detected_at, stopped_at, rendezvous_started).
-        self._recovery: dict[str, Any] | None = None
+        self._recovery = RecoveryTimeline()
         self._progress: ProgressMonitor | None = None
         self._exited: set[int] = set()
         self._all_exited = asyncio.Event()
@@ -232,7 +231,7 @@ class JobAgent:
 
     async def run(self) -> None:
         """The agent's whole life; returns when the job is over for this node."""
-        publisher = asyncio.create_task(self._publisher(), name=f"publish-{self.job_id}")
+        self._publisher.start(f"publish-{self.job_id}")
         try:
             await self._run()
         except asyncio.CancelledError:
@@ -260,7 +259,7 @@ class JobAgent:
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
                 await self.ctx.rendezvous.close()
         finally:
-            await self._flush_publisher(publisher)
+            await self._publisher.flush()
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
@@ -1121,9 +1120,8 @@ class JobAgent:
     # recovery timeline
 
     def _begin_recovery(self, cause: str, detected_at: float) -> None:
-        if self._recovery is not None:
+        if not self._recovery.begin(cause, detected_at):
             return  # already recovering (e.g. a failure while re-forming)
-        self._recovery = {"cause": cause, "detected_at": detected_at, "stopped_at": None}
         self.ctx.events.emit(
             self.job_id,
             "agent",
@@ -1134,35 +1132,23 @@ class JobAgent:
         )
 
     def _recovery_stopped(self) -> None:
-        rec = self._recovery
-        if rec is not None and rec["stopped_at"] is None:
-            rec["stopped_at"] = self.ctx.clock.time()
+        seconds = self._recovery.stopped(self.ctx.clock.time())
+        if seconds is not None:
             self.ctx.events.emit(
                 self.job_id,
                 "agent",
                 EventKind.RECOVERY_STOP_WORKERS,
                 f"workers stopped on {self.ctx.node}",
                 attempt=self.attempt,
-                duration_s=rec["stopped_at"] - rec["detected_at"],
+                duration_s=seconds,
             )
 
     async def _finish_recovery(self, round_: RoundInfo, *, rendezvous_done: float) -> None:
-        rec, self._recovery = self._recovery, None
-        if rec is None:
-            return
         spawned = self.ctx.clock.time()
+        mine = self._recovery.finish(round_.round, rendezvous_done=rendezvous_done, spawned=spawned)
+        if mine is None:
+            return
         self._awaiting_first_progress = spawned
-        stopped = rec["stopped_at"] or rec["detected_at"]
-        mine = Recovery(
-            round=round_.round,
-            cause=rec["cause"],
-            detected_at=rec["detected_at"],
-            stop_s=stopped - rec["detected_at"],
-            rendezvous_s=max(0.0, rendezvous_done - stopped),
-            spawn_s=max(0.0, spawned - rendezvous_done),
-            spawned_at=spawned,
-            total_s=spawned - rec["detected_at"],
-        )
         for phase, seconds in (("rendezvous", mine.rendezvous_s), ("spawn", mine.spawn_s)):
             self.ctx.events.emit(
                 self.job_id,
@@ -1221,38 +1207,7 @@ class JobAgent:
         self._request_publish()
 
     def _request_publish(self) -> None:
-        self._idle.clear()
-        self._publish_wanted.set()
-
-    async def _publisher(self) -> None:
-        """Writes the latest group view to the store whenever it changed (coalescing bursts)."""
-        key = group_key(self.job_id, self.ctx.node)
-        backoff = 0.1
-        while True:
-            await self._publish_wanted.wait()
-            self._publish_wanted.clear()
-            if self._view is not None:
-                try:
-                    await self.ctx.store.put(key, self._view.model_dump_json().encode())
-                    backoff = 0.1
-                except ElasticdError as exc:
-                    # The published view must end up as the agent's (a fenced group shown
-                    # HEALTHY with dead pids misleads): try again until the store is back.
-                    log.warning("job %s: cannot publish group view: %s", self.job_id, exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    self._publish_wanted.set()
-                    continue
-            if not self._publish_wanted.is_set():
-                self._idle.set()
-
-    async def _flush_publisher(self, publisher: asyncio.Task[None]) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(5):
-                await self._idle.wait()
-        publisher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await publisher
+        self._publisher.request()
 
 
 def _retrieve(task: asyncio.Future[None]) -> None:

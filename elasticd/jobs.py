@@ -83,6 +83,7 @@ from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
+from elasticd.tasks import TaskSet
 from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
 from elasticd.workers.spawn import DEFAULT_POLICY
 
@@ -169,7 +170,9 @@ class JobService:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
         self._watched = False
-        self._recording: set[asyncio.Task[None]] = set()
+        #: Work nobody awaits where it starts (slot counts, refusals, a dead agent's
+        #: clean-up): owned here, finished or cancelled by stop_agents.
+        self._background = TaskSet("jobs")
         #: How often each job's agent died of an internal error in this daemon's life.
         self._agent_crashes: dict[str, list[float]] = {}  # job -> when its agents died
         self._crashing: set[str] = set()  # jobs whose dead agent is being cleaned up
@@ -272,6 +275,9 @@ class JobService:
                     await self._record_stop(job_id)
             except TimeoutError:
                 log.warning("job %s: could not record the daemon stop in time", job_id)
+        # A dead agent's clean-up stops its workers: let it finish (bounded) before the rest
+        # is cancelled, so nothing of the service outlives it.
+        await self._background.aclose(grace=max(0.0, deadline - asyncio.get_running_loop().time()))
 
     async def _record_stop(self, job_id: str) -> None:
         """After this daemon stopped its agent: the job resumes later, and says why."""
@@ -669,11 +675,9 @@ class JobService:
             {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
         ).encode()
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-        task = asyncio.get_running_loop().create_task(
-            self._record_refusal(refusal_key(self.node, digest), record)
+        self._background.spawn(
+            self._record_refusal(refusal_key(self.node, digest), record), name="record-refusal"
         )
-        self._recording.add(task)  # a task nobody references may be collected mid-way
-        task.add_done_callback(self._recording.discard)
 
     async def _record_refusal(self, key: str, record: bytes) -> None:
         try:
@@ -706,7 +710,7 @@ class JobService:
                 continue
             if spec.nproc_per_node > self._slots:
                 if spec.max_nodes == 1:  # no other node could take it either way
-                    asyncio.get_running_loop().create_task(self._unschedulable(job))
+                    self._background.spawn(self._unschedulable(job), name=f"unschedulable-{job.id}")
                 continue
             if spec.nproc_per_node > len(self._free):
                 continue
@@ -803,12 +807,10 @@ class JobService:
                 # taken now, are given back (a new agent would get the same ones).
                 self._crashing.add(job_id)
                 slots = self._allocated.pop(job_id, [])
-                after = asyncio.get_running_loop().create_task(
+                self._background.spawn(
                     self._after_agent_crash(job_id, agent, crash, slots),
                     name=f"agent-crash-{job_id}",
                 )
-                self._recording.add(after)
-                after.add_done_callback(self._recording.discard)
                 return
             self._release(job_id)
             if not task.cancelled():
@@ -899,7 +901,9 @@ class JobService:
 
     def _publish_slots(self) -> None:
         if self._accepting:
-            asyncio.get_running_loop().create_task(self.cluster.publish(free_slots=len(self._free)))
+            self._background.spawn(
+                self.cluster.publish(free_slots=len(self._free)), name="publish-slots"
+            )
 
     def view_of(self, job_id: str) -> GroupView | None:
         agent = self._agents.get(job_id)

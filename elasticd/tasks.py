@@ -8,6 +8,13 @@ race itself is cancelled, every contender is cancelled and awaited first.
 It replaces the hand-written ``asyncio.wait(..., FIRST_COMPLETED)`` blocks,
 which cancelled the losers without waiting for them.
 
+:class:`TaskSet` is the owner of background work that nobody awaits at the
+call site (publishing a slot count, recording a refusal, telling peers a
+rank died): it keeps a reference to each task (an unreferenced task may be
+collected mid-way), logs a failure instead of losing it, and
+:meth:`TaskSet.aclose` cancels and awaits what is left, so the owner's
+shutdown leaves nothing behind.
+
 Which side of the boundary: the daemon (and the launcher); no IO.
 """
 
@@ -15,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait", "race"]
+__all__ = ["TaskSet", "cancel_and_wait", "race"]
 
 log = logging.getLogger("elasticd.tasks")
 
@@ -65,3 +72,40 @@ async def race(*contenders: Awaitable[T]) -> tuple[int, T]:
     index = next(i for i, task in enumerate(tasks) if task.done())
     await cancel_and_wait(*(t for i, t in enumerate(tasks) if i != index))
     return index, tasks[index].result()
+
+
+class TaskSet:
+    """Background tasks with one owner; see the module."""
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def spawn(
+        self, coro: Coroutine[Any, Any, Any], name: str | None = None
+    ) -> asyncio.Task[Any] | None:
+        """Run ``coro`` in the background, owned by this set (dropped, None, once closed)."""
+        if self._closed:
+            coro.close()  # the owner is stopping: never a task that would outlive it
+            log.debug("%s: closed; %s not started", self._owner, name or "a background task")
+            return None
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("%s: background task %s failed: %r", self._owner, task.get_name(), exc)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        """Let the tasks finish for up to ``grace`` seconds, then cancel and await the rest."""
+        self._closed = True
+        if grace > 0 and self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace)
+        await cancel_and_wait(*self._tasks)

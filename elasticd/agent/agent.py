@@ -78,7 +78,7 @@ from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
-from elasticd.tasks import cancel_and_wait, race
+from elasticd.tasks import TaskSet, cancel_and_wait, race
 from elasticd.worker.names import attempt_tag
 from elasticd.workers.env import (
     job_check_env,
@@ -194,6 +194,8 @@ class JobAgent:
         self.state = WorkerState.INIT
         self._group: WorkerGroupProcesses | None = None
         self._leaving: asyncio.Task[None] | None = None  # see _say_leaving
+        #: Work started where nobody awaits it (telling survivors a rank died): owned here.
+        self._background = TaskSet(f"agent {job.id}")
         self._view: GroupView | None = None
         self._ranks: list[WorkerRanks] = []
         self._round: RoundInfo | None = None
@@ -259,6 +261,7 @@ class JobAgent:
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
                 await self.ctx.rendezvous.close()
         finally:
+            await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
@@ -671,7 +674,7 @@ class JobAgent:
         if self.spec.inprocess_restart and exit_.failed and not exit_.stopped:
             # Tell the surviving ranks at once, so they restart in-process instead of
             # waiting for a collective to time out.
-            asyncio.get_running_loop().create_task(self._report_terminated(exit_, ranks))
+            self._background.spawn(self._report_terminated(exit_, ranks), name="report-terminated")
         if exit_.stopped:
             state = WorkerState.STOPPED  # we stopped it; not a failure of its own
         elif exit_.failed:
@@ -837,7 +840,7 @@ class JobAgent:
             await self._stop_group(target)
         except BaseException:
             if leaving is not None:
-                leaving.cancel()
+                await cancel_and_wait(leaving)
             raise
         if leaving is not None:
             # Best effort, and bounded: a store that does not answer (a full disk under

@@ -84,3 +84,45 @@ async def test_cancel_and_wait_logs_a_failure_instead_of_losing_it(caplog):
     with caplog.at_level(logging.DEBUG, logger="elasticd.tasks"):
         await cancel_and_wait(task)
     assert "lost" in caplog.text
+
+
+async def test_a_task_set_keeps_its_tasks_logs_failures_and_closes_them(caplog):
+    from elasticd.tasks import TaskSet
+
+    ended = asyncio.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+
+    async def failing() -> None:
+        raise OSError("disk gone")
+
+    owned = TaskSet("test")
+    with caplog.at_level(logging.WARNING, logger="elasticd.tasks"):
+        owned.spawn(failing(), name="failing")
+        owned.spawn(forever(), name="forever")
+        await asyncio.sleep(0.01)
+    assert "failing" in caplog.text and "disk gone" in caplog.text
+    assert len(owned) == 1  # the failed one is forgotten, the running one kept
+    await owned.aclose()
+    assert ended.is_set() and len(owned) == 0
+    late = forever()
+    assert owned.spawn(late) is None  # closed: nothing new outlives the owner
+
+
+async def test_a_task_set_lets_its_tasks_finish_within_the_grace():
+    from elasticd.tasks import TaskSet
+
+    done: list[str] = []
+
+    async def short() -> None:
+        await asyncio.sleep(0.05)
+        done.append("short")
+
+    owned = TaskSet("test")
+    owned.spawn(short())
+    await owned.aclose(grace=5)
+    assert done == ["short"]

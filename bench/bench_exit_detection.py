@@ -4,7 +4,7 @@ Each run starts a worker group whose workers read the wall clock and call
 ``os._exit`` straight after, having first written that time to a file
 opened in advance; the group's ``on_exit`` callback reads the clock when it
 is called. The difference, over many runs, is the exit-detection latency
-of :class:`elasticd.workers.WorkerGroupProcesses`: kernel exit -> child
+of :class:`elasticd.supervise.WorkerGroupProcesses`: kernel exit -> child
 watcher -> event loop -> callback. ``wait()`` is timed the same way.
 
 For comparison, torch's agent looks at its workers every ``monitor_interval``
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from elasticd.workers import WorkerExit, WorkerGroupProcesses, WorkerLaunch
+from elasticd.supervise import WorkerExit, WorkerGroupProcesses, WorkerLaunch
 
 # The time is written before os._exit, so the latency below includes that
 # one small write (a few microseconds): it errs on the slow side.

@@ -150,7 +150,7 @@ class Config(BaseModel):
     )
     containment: Literal["auto", "cgroup", "subreaper"] = Field(
         default="auto",
-        description="How the processes of a job attempt are contained (elasticd.workers.cgroup): "
+        description="How the processes of a job attempt are contained (elasticd.supervise.cgroup): "
         "cgroup: a cgroup v2 per attempt, killed when it stops (the daemon refuses to start "
         "without one); subreaper: the daemon becomes a child subreaper (partial: an event says "
         "so); auto: cgroup where one can be made, else subreaper.",

@@ -8,8 +8,8 @@ this event loop (it binds first: the port is part of this node's record;
 (the nodes of a cluster start in any order: retried with backoff, logged
 once, ``/readyz`` says what is awaited; a store that refuses this daemon's
 credentials is a configuration error, raised at once), kill the workers a
-previous run left behind (:func:`elasticd.workers.spawn.sweep_orphans`, then
-the attempt cgroups left in the daemon's subtree: :mod:`elasticd.workers.cgroup`),
+previous run left behind (:func:`elasticd.supervise.spawn.sweep_orphans`, then
+the attempt cgroups left in the daemon's subtree: :mod:`elasticd.supervise.cgroup`),
 recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
 has one.
@@ -88,14 +88,14 @@ from elasticd.store import (
     open_store,
 )
 from elasticd.store.embedded import EmbeddedStore
-from elasticd.tasks import cancel_and_wait
-from elasticd.workers.cgroup import Containment
-from elasticd.workers.spawn import (
+from elasticd.supervise.cgroup import Containment
+from elasticd.supervise.spawn import (
     SpawnPolicy,
     live_children,
     start_process,
     sweep_orphans,
 )
+from elasticd.tasks import cancel_and_wait
 
 log = logging.getLogger("elasticd.daemon")
 

@@ -163,7 +163,7 @@ class Database:
                 "UPDATE events SET published = 1 WHERE seq = ?", [(s,) for s in seqs]
             )
 
-    # spawned workers (elasticd.workers.spawn: the start-up sweep of orphans)
+    # spawned workers (elasticd.supervise.spawn: the start-up sweep of orphans)
 
     def record_worker(self, record: WorkerRecord) -> None:
         """Remember a spawned worker until its group is stopped (queued if the disk refuses)."""

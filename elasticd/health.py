@@ -19,7 +19,7 @@ Two kinds, run concurrently by :func:`run_health_checks`:
 
 Who runs what, with which environment
     Every check is started like a worker, by
-    :func:`elasticd.workers.spawn.start_process` (parent-death wrapper, the
+    :func:`elasticd.supervise.spawn.start_process` (parent-death wrapper, the
     program looked up by the process itself, ``ELASTICD_TOKEN``,
     ``NOTIFY_SOCKET`` and the other withheld variables never passed). A
     *job's* check (``health_check`` in its spec) carries the job's user,
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity
-from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy, start_process
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, start_process
 
 __all__ = [
     "GPU_QUERY_FIELDS",

@@ -17,7 +17,7 @@ events one order that keeps each node's own.
 Job documents are read back through one check (``parse_job``, the cluster's
 :func:`~elasticd.cluster.check_job_document`), so a document written into the
 store by hand never names a folder outside the log root. Worker logs are
-read through :func:`~elasticd.workers.files.open_worker_file` (no link, no
+read through :func:`~elasticd.supervise.files.open_worker_file` (no link, no
 FIFO, a regular file of the worker's own), in a thread.
 
 A full or failing state disk (:mod:`elasticd.storage`): ``submit`` refuses
@@ -83,9 +83,9 @@ from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
+from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
+from elasticd.supervise.spawn import DEFAULT_POLICY
 from elasticd.tasks import TaskSet
-from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
-from elasticd.workers.spawn import DEFAULT_POLICY
 
 log = logging.getLogger("elasticd.jobs")
 
@@ -571,7 +571,7 @@ class JobService:
         """One worker log of this node, opened for reading; ``LogNotFound`` when there is none.
 
         Blocking (run it in a thread from the event loop). The file is opened
-        through :func:`~elasticd.workers.files.open_worker_file` only: a link,
+        through :func:`~elasticd.supervise.files.open_worker_file` only: a link,
         a FIFO or a hard link the worker put in its place is refused, never read.
         """
         if not valid_job_id(job_id):

@@ -1,7 +1,7 @@
 """Following a worker's log as it grows: the daemon-side service behind ``GET .../logs?follow``.
 
 The daemon is the only writer of its workers' log files (the output pipes of
-:mod:`elasticd.workers.output` append every chunk the moment it arrives), so
+:mod:`elasticd.supervise.output` append every chunk the moment it arrives), so
 it knows when a file grew: each pipe calls :meth:`LogGrowth.grew` after a
 write, and a follower waits for that, for the job's next event (a new
 attempt, the end of the job) or for the daemon's stop, whichever comes

@@ -18,7 +18,7 @@ Which side of the boundary: the daemon. The folders from the attempt down
 are the job's (made by :func:`elasticd.security.prepare_worker_dir`, owned
 by the job's user); this module only builds names and lists the job's folder
 (``os.listdir``: names, no opens, nothing followed). Opening a file in a
-worker folder goes through :func:`elasticd.workers.files.open_worker_file`.
+worker folder goes through :func:`elasticd.supervise.files.open_worker_file`.
 """
 
 from __future__ import annotations

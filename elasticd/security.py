@@ -17,7 +17,7 @@ Job users
     before anything of the job runs (its health check included); a refused
     user fails the job with the reason.
 
-    The switch itself happens in the worker spawn (:mod:`elasticd.workers.spawn`):
+    The switch itself happens in the worker spawn (:mod:`elasticd.supervise.spawn`):
     ``subprocess`` sets the groups, gid and uid between fork and exec in C
     (no ``preexec_fn``, which is unsafe in a threaded process), and only
     then the parent-death signal is set, because a credential change clears it.

@@ -7,7 +7,7 @@ A daemon writes three kinds of things to its local disk: its event log
 (``elasticd.sqlite3``, :mod:`elasticd.events`), the embedded store's journal
 (``store.sqlite3``: job documents, state transitions, group views,
 :mod:`elasticd.store.embedded`) and the workers' log files
-(:mod:`elasticd.workers.output`). A full disk (``ENOSPC``, SQLite's
+(:mod:`elasticd.supervise.output`). A full disk (``ENOSPC``, SQLite's
 "database or disk is full") or an I/O error there is a *storage fault*, and
 the rules are:
 

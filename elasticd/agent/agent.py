@@ -78,18 +78,18 @@ from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
-from elasticd.tasks import TaskSet, cancel_and_wait, race
-from elasticd.worker.names import attempt_tag
-from elasticd.workers.env import (
+from elasticd.supervise.env import (
     job_check_env,
     operator_env,
 )
-from elasticd.workers.process import (
+from elasticd.supervise.process import (
     GroupResult,
     WorkerExit,
     WorkerGroupProcesses,
 )
-from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
+from elasticd.tasks import TaskSet, cancel_and_wait, race
+from elasticd.worker.names import attempt_tag
 
 log = logging.getLogger("elasticd.agent")
 

@@ -24,8 +24,8 @@ from elasticd.models import GroupView, JobSpec, WorkerView, console_streams
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
 from elasticd.states import WorkerState
-from elasticd.workers.env import AttemptInfo, worker_args, worker_env
-from elasticd.workers.process import WorkerLaunch
+from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
+from elasticd.supervise.process import WorkerLaunch
 
 __all__ = ["AttemptPlan", "NodeFacts", "plan_attempt"]
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from elasticd.agent.progress import Hang
 from elasticd.rendezvous import Change
-from elasticd.workers.process import GroupResult
+from elasticd.supervise.process import GroupResult
 
 __all__ = ["Outcome", "Plan", "Step", "decide_after_barrier", "decide_attempt"]
 

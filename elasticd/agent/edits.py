@@ -32,7 +32,7 @@ from elasticd.models import (
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.states import JobState
-from elasticd.workers.process import WorkerExit
+from elasticd.supervise.process import WorkerExit
 
 __all__ = ["charge_now", "merge_recovery", "record_failure", "root_cause_of", "settle_failure"]
 

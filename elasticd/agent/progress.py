@@ -14,7 +14,7 @@ the path again: nothing there can block the event loop or be read on the
 worker's behalf. A worker whose pings miss that file (it maps what it put
 at the path instead) reports no progress, so its deadlines apply as usual,
 and ``on_replaced`` tells the agent once, with what lies there now. The
-file belongs to the job's user (the one :mod:`elasticd.workers.spawn` will
+file belongs to the job's user (the one :mod:`elasticd.supervise.spawn` will
 run the worker as), who must write it.
 
 The rules (settings of the job):
@@ -62,11 +62,11 @@ from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import WorkerSpawnError
+from elasticd.supervise.env import WITHHELD
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
 from elasticd.tasks import race
 from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
-from elasticd.workers.env import WITHHELD
-from elasticd.workers.spawn import DEFAULT_POLICY, SpawnPolicy
 
 __all__ = [
     "Beat",

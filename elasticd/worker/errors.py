@@ -1,7 +1,7 @@
 """``record``: torch's ``@record`` without importing torch.
 
 The daemon reads ``$TORCHELASTIC_ERROR_FILE`` after a failure to report the
-root cause (see :mod:`elasticd.workers.errorfile`). torch's decorator writes
+root cause (see :mod:`elasticd.supervise.errorfile`). torch's decorator writes
 it, but importing torch costs seconds; this one writes the very same JSON::
 
     {"message": {"message": "<Type>: <msg>",

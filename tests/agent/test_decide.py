@@ -22,7 +22,7 @@ import pytest
 from elasticd.agent.decide import Plan, Step, decide_after_barrier, decide_attempt
 from elasticd.agent.progress import Hang
 from elasticd.rendezvous import Change
-from elasticd.workers.process import GroupResult, WorkerExit
+from elasticd.supervise.process import GroupResult, WorkerExit
 
 
 def exit_(rank: int, code: int) -> WorkerExit:

@@ -30,8 +30,8 @@ import pytest
 import elasticd
 from elasticd.agent.progress import ProgressMonitor, ProgressSettings
 from elasticd.errors import WorkerSpawnError
+from elasticd.supervise.output import OutputPipe
 from elasticd.worker.heartbeat import HeartbeatFile, create_heartbeat_file, read_heartbeat
-from elasticd.workers.output import OutputPipe
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, pid_alive, serve
 

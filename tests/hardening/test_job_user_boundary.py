@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from elasticd.errors import WorkerSpawnError
-from elasticd.workers.spawn import start_process
+from elasticd.supervise.spawn import start_process
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, make_token_file, serve
 

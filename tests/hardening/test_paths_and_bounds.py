@@ -26,8 +26,8 @@ import pytest
 
 from elasticd.errors import StoreCompacted
 from elasticd.store.memory import MemoryStore
-from elasticd.workers.errorfile import read_error_file
-from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
+from elasticd.supervise.errorfile import read_error_file
+from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 from tests.conftest import wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, make_token_file, serve
 

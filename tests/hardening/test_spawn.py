@@ -13,8 +13,8 @@ import pytest
 from elasticd.config import load_config
 from elasticd.errors import ConfigError, WorkerSpawnError
 from elasticd.security import JobUsers, lookup_user, resolve_job_users
-from elasticd.workers import WorkerGroupProcesses, WorkerLaunch
-from elasticd.workers.spawn import (
+from elasticd.supervise import WorkerGroupProcesses, WorkerLaunch
+from elasticd.supervise.spawn import (
     PY_WRAPPER,
     SpawnPolicy,
     find_setpriv,
@@ -38,8 +38,8 @@ PARENT = """
 import asyncio, os, sys, time
 from pathlib import Path
 from elasticd.security import JobUsers, lookup_user
-from elasticd.workers import WorkerGroupProcesses, WorkerLaunch
-from elasticd.workers.spawn import SpawnPolicy
+from elasticd.supervise import WorkerGroupProcesses, WorkerLaunch
+from elasticd.supervise.spawn import SpawnPolicy
 
 wrapper, user, log_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 users = JobUsers(default=lookup_user(user)) if user != "-" else None

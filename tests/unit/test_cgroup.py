@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.errors import WorkerSpawnError
-from elasticd.workers.cgroup import (
+from elasticd.supervise.cgroup import (
     AttemptName,
     Cgroup,
     Containment,
@@ -23,7 +23,7 @@ from elasticd.workers.cgroup import (
     strays,
     subtree_name,
 )
-from elasticd.workers.spawn import live_children, start_process
+from elasticd.supervise.spawn import live_children, start_process
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -210,7 +210,7 @@ def test_auto_without_cgroups_falls_back_to_a_subreaper(tmp_path: Path) -> None:
     (fake / "mountinfo").write_text(NONE)
     (fake / "cgroup").write_text("0::/\n")
     code = (
-        "import sys; from pathlib import Path; from elasticd.workers.cgroup import Containment\n"
+        "import sys; from pathlib import Path; from elasticd.supervise.cgroup import Containment\n"
         f"c = Containment.setup('auto', node='n', state_dir=Path({str(tmp_path)!r}), "
         f"proc=Path({str(fake)!r}))\n"
         "print(c.mode, c.partial, c.reason)\n"
@@ -222,7 +222,7 @@ def test_auto_without_cgroups_falls_back_to_a_subreaper(tmp_path: Path) -> None:
     assert "no cgroup2" in out
     probe = (
         "import ctypes; from pathlib import Path\n"
-        "from elasticd.workers.cgroup import Containment\n"
+        "from elasticd.supervise.cgroup import Containment\n"
         f"Containment.setup('subreaper', node='n', state_dir=Path({str(tmp_path)!r}))\n"
         "v = ctypes.c_int(); ctypes.CDLL(None).prctl(37, ctypes.byref(v), 0, 0, 0)\n"
         "print(v.value)\n"
@@ -249,7 +249,7 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
     import pwd
 
     from elasticd.security import Identity
-    from elasticd.workers.spawn import SpawnPolicy
+    from elasticd.supervise.spawn import SpawnPolicy
 
     nobody = pwd.getpwnam("nobody")
     identity = Identity(

@@ -47,18 +47,18 @@ def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] =
         # The store knows nothing of jobs, agents or the API.
         ("elasticd.store", ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon"), ()),
         # Ranks and the protocol belong to the rendezvous; it never reaches up to the agent.
-        ("elasticd.rendezvous", ("elasticd.agent", "elasticd.jobs", "elasticd.workers"), ()),
+        ("elasticd.rendezvous", ("elasticd.agent", "elasticd.jobs", "elasticd.supervise"), ()),
         # The database stores rows; it does not know how workers are spawned.
-        ("elasticd.db", ("elasticd.workers", "elasticd.agent", "elasticd.jobs"), ()),
+        ("elasticd.db", ("elasticd.supervise", "elasticd.agent", "elasticd.jobs"), ()),
         # In-worker code runs in the training process: nothing of the daemon's side.
         (
             "elasticd.worker",
-            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.workers"),
+            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.supervise"),
             (),
         ),
         (
             "elasticd.inprocess",
-            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.workers"),
+            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.supervise"),
             (),
         ),
         # The daemon side never imports torch (code that runs in workers may).

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticd.rendezvous.ranks import NodeSlot, assign_ranks
-from elasticd.workers.env import AttemptInfo, worker_args, worker_env
+from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
 
 TORCHRUN_VARS = {
     "RANK",

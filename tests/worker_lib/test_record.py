@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.supervise.errorfile import read_error_file
 from elasticd.worker import record
 from elasticd.worker.errors import ENV_VAR
-from elasticd.workers.errorfile import read_error_file
 
 from .support import child_env
 

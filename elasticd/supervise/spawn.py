@@ -27,7 +27,7 @@ Who the worker runs as
 One way to start anything: :func:`start_process`
     Workers and a job's own health check are started the same way (the
     operator's checks too, as the daemon): the environment less
-    :data:`~elasticd.workers.env.WITHHELD`, the user switch, the wrapper,
+    :data:`~elasticd.supervise.env.WITHHELD`, the user switch, the wrapper,
     then :data:`RESOLVER`, a few lines of ``/bin/sh`` that run *as the
     process's user*: enter the working folder, find the program on the
     environment's ``PATH``, check that it can be run, exec it. The daemon
@@ -50,7 +50,7 @@ The start-up sweep
     :func:`sweep_orphans` kills the process group of every recorded worker
     that is still alive with the same start time, and the leftovers of a
     recorded group whose leader is gone. What left the process groups is
-    caught by the attempt cgroups (:mod:`elasticd.workers.cgroup`).
+    caught by the attempt cgroups (:mod:`elasticd.supervise.cgroup`).
 
 Into a cgroup before the job's code runs: :data:`CGROUP_STAGE`
     Given a ``cgroup.procs`` descriptor, :func:`start_process` execs a
@@ -82,10 +82,10 @@ from typing import TYPE_CHECKING, Protocol
 from elasticd.db import WorkerRecord
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity, JobUsers
-from elasticd.workers.env import WITHHELD
+from elasticd.supervise.env import WITHHELD
 
 if TYPE_CHECKING:
-    from elasticd.workers.cgroup import Containment
+    from elasticd.supervise.cgroup import Containment
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ async def start_process(
     ``stdout``/``stderr`` are file descriptors or ``asyncio.subprocess`` constants.
     ``cgroup_procs``, a descriptor of a cgroup's ``cgroup.procs`` opened by the
     daemon, puts the process in that cgroup before anything of the job runs
-    (:data:`CGROUP_STAGE`; :mod:`elasticd.workers.cgroup`).
+    (:data:`CGROUP_STAGE`; :mod:`elasticd.supervise.cgroup`).
     """
     policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.workers import WorkerExit, WorkerGroupProcesses, WorkerLaunch
+from elasticd.supervise import WorkerExit, WorkerGroupProcesses, WorkerLaunch
 
 
 def pid_alive(pid: int) -> bool:

@@ -32,7 +32,7 @@ Where the cgroups are
     pids would need the daemon in a leaf (``<unit>/daemon``) first: not done.
 
 How a worker gets in before the job's code runs
-    :func:`~elasticd.workers.spawn.start_process` is given a descriptor of the
+    :func:`~elasticd.supervise.spawn.start_process` is given a descriptor of the
     attempt's ``cgroup.procs``, opened by the daemon. Then the first program
     the child execs is a short ``python -I -S`` stage that runs as root with
     an *empty* environment (so no ``LD_PRELOAD`` or other setting of the job

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elasticd.workers import read_error_file
+from elasticd.supervise import read_error_file
 
 from .support import Workers
 

@@ -13,7 +13,7 @@ import pytest
 
 from elasticd.clock import FakeClock
 from elasticd.errors import WorkerSpawnError
-from elasticd.workers import GroupResult, WorkerError, WorkerExit, WorkerGroupProcesses
+from elasticd.supervise import GroupResult, WorkerError, WorkerExit, WorkerGroupProcesses
 
 from .support import Workers, eventually, pid_alive
 

@@ -27,10 +27,10 @@ from elasticd.errors import WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
-from elasticd.workers.cgroup import AttemptContainment
-from elasticd.workers.errorfile import WorkerError, read_error_file
-from elasticd.workers.output import OutputPipe, OutputSink, Stream
-from elasticd.workers.spawn import (
+from elasticd.supervise.cgroup import AttemptContainment
+from elasticd.supervise.errorfile import WorkerError, read_error_file
+from elasticd.supervise.output import OutputPipe, OutputSink, Stream
+from elasticd.supervise.spawn import (
     DEFAULT_POLICY,
     SpawnPolicy,
     WorkerRegistry,
@@ -75,10 +75,10 @@ class WorkerLaunch:
     local_rank: int
     argv: Sequence[str]
     """``[entrypoint, *args]``; an entrypoint without a slash is looked up on ``env["PATH"]``,
-    by the worker's own process, as its user (:func:`~elasticd.workers.spawn.start_process`)."""
+    by the worker's own process, as its user (:func:`~elasticd.supervise.spawn.start_process`)."""
     env: Mapping[str, str]
     """The complete environment of the worker; nothing is inherited from the daemon, and
-    :data:`~elasticd.workers.env.WITHHELD` never passes."""
+    :data:`~elasticd.supervise.env.WITHHELD` never passes."""
     cwd: str | None
     log_dir: Path
     """Gets ``stdout.log`` and ``stderr.log`` (appended); created if missing."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.workers.errorfile import MAX_ERROR_FILE_BYTES, WorkerError, read_error_file
+from elasticd.supervise.errorfile import MAX_ERROR_FILE_BYTES, WorkerError, read_error_file
 
 EXITED = 1_700_000_999.5
 

@@ -1,5 +1,7 @@
-"""The local worker group: the processes of one job attempt on one node.
+"""The daemon's supervision of worker processes: the local group of one job attempt.
 
+This is the daemon's side of the process boundary (it runs as root, in the
+daemon); its counterpart inside the training process is :mod:`elasticd.worker`.
 The agent decides *when* workers start and stop; this package is *how*. It
 is torch's ``SubprocessContext`` (``PContext``) rebuilt for a long-lived
 asyncio daemon, and differs from it where a daemon needs it to.
@@ -96,9 +98,9 @@ write), :mod:`.env` (the environment contract),
 Nothing here imports torch.
 """
 
-from elasticd.workers.errorfile import WorkerError, read_error_file
-from elasticd.workers.output import OutputSink, Stream
-from elasticd.workers.process import (
+from elasticd.supervise.errorfile import WorkerError, read_error_file
+from elasticd.supervise.output import OutputSink, Stream
+from elasticd.supervise.process import (
     DEFAULT_STOP_GRACE,
     GroupResult,
     WorkerExit,

@@ -10,7 +10,7 @@ raises, a JSON file at ``$TORCHELASTIC_ERROR_FILE``::
 Older and hand-written files put a plain string under ``"message"`` (with an
 optional top-level ``"timestamp"``). The file is written by user code in a
 folder the worker owns, so it is treated as untrusted input: it is opened
-only through :func:`elasticd.workers.files.open_worker_file` (relative to
+only through :func:`elasticd.supervise.files.open_worker_file` (relative to
 the folder's descriptor, ``O_NOFOLLOW | O_NONBLOCK``) and read only when it
 is a regular file with no other hard link, parsed as JSON only (never
 unpickled), read up to :data:`MAX_ERROR_FILE_BYTES` (its message and
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticd.workers.files import UnsafeWorkerFile, open_worker_file
+from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 
 __all__ = ["MAX_ERROR_FILE_BYTES", "WorkerError", "read_error_file"]
 

@@ -1,0 +1,1 @@
+"""Tests of elasticd.supervise, mirroring the package."""

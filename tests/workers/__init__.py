@@ -1,1 +1,0 @@
-"""Tests of elasticd.workers, mirroring the package."""

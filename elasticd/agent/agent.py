@@ -64,6 +64,7 @@ from elasticd.keys import barrier_prefix, group_key, job_key
 from elasticd.logfollow import LogGrowth
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
+    EventSource,
     GroupView,
     Job,
     JobEdit,
@@ -254,12 +255,8 @@ class JobAgent:
                 self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
             await self._stop_workers(WorkerState.FAILED)
             reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
-            self.ctx.events.emit(
-                self.job_id, "agent", EventKind.AGENT_ERROR, reason, state="FAILED"
-            )
             with contextlib.suppress(ElasticdError):
-                await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
-                await self.ctx.rendezvous.close()
+                await self._fail_job(EventKind.AGENT_ERROR, reason)
         finally:
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
@@ -356,12 +353,7 @@ class JobAgent:
             return True
         except RendezvousError as exc:  # the join timed out
             reason = f"rendezvous failed on {self.ctx.node}: {exc}"
-            self.ctx.events.emit(
-                self.job_id, "rendezvous", EventKind.RENDEZVOUS_FAILED, reason, state="FAILED"
-            )
-            with contextlib.suppress(InvalidTransition):
-                await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
-            await self.ctx.rendezvous.close()
+            await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
             return True
         self._store_reached()
         self.ctx.events.emit(
@@ -383,23 +375,12 @@ class JobAgent:
             group = await self._start_workers(round_, job.restart_count)
         except WorkerSpawnError as exc:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-            reason = f"workers could not be started on {self.ctx.node}: {exc}"
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            await self._fail_job(
                 EventKind.WORKERS_SPAWN_FAILED,
-                reason,
-                state="FAILED",
+                f"workers could not be started on {self.ctx.node}: {exc}",
+                error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
                 attempt=self.attempt,
             )
-            with contextlib.suppress(InvalidTransition):
-                await self.ctx.update_job(
-                    self.job_id,
-                    state=JobState.FAILED,
-                    reason=reason,
-                    error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                )
-            await self.ctx.rendezvous.close()
             return True
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
@@ -457,6 +438,27 @@ class JobAgent:
             case _:  # pragma: no cover - KILL_HUNG_RANK is looped on by the caller
                 raise AssertionError(f"no way to apply {plan.step}")
         return plan.ends_agent
+
+    async def _fail_job(
+        self,
+        kind: EventKind,
+        reason: str,
+        *,
+        source: EventSource = "agent",
+        error: RootCause | None = None,
+        attempt: int | None = None,
+    ) -> None:
+        """The job cannot go on (a join timeout, a spawn that failed, an internal error):
+        the event, the job FAILED with the reason, the rendezvous closed for every node."""
+        self.ctx.events.emit(self.job_id, source, kind, reason, state="FAILED", attempt=attempt)
+        with contextlib.suppress(InvalidTransition):
+            if error is None:
+                await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+            else:
+                await self.ctx.update_job(
+                    self.job_id, state=JobState.FAILED, reason=reason, error=error
+                )
+        await self.ctx.rendezvous.close()
 
     async def _membership_change(self, change: Change) -> None:
         self.ctx.events.emit(
@@ -993,19 +995,11 @@ class JobAgent:
             self._identity = self.ctx.policy.identity_for(self.spec.user)
         except WorkerSpawnError as exc:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-            reason = f"the job cannot run on {self.ctx.node}: {exc}"
-            self.ctx.events.emit(
-                self.job_id, "agent", EventKind.WORKERS_SPAWN_FAILED, reason, state="FAILED"
+            await self._fail_job(
+                EventKind.WORKERS_SPAWN_FAILED,
+                f"the job cannot run on {self.ctx.node}: {exc}",
+                error=RootCause(message=str(exc), node=self.ctx.node),
             )
-            with contextlib.suppress(InvalidTransition):
-                await self.ctx.update_job(
-                    self.job_id,
-                    state=JobState.FAILED,
-                    reason=reason,
-                    error=RootCause(message=str(exc), node=self.ctx.node),
-                )
-            with contextlib.suppress(ElasticdError):
-                await self.ctx.rendezvous.close()
             return False
         return True
 

@@ -352,3 +352,14 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
             assert not [t for t in asyncio.all_tasks() if t.get_name() == "job-retention"]
         finally:
             await kept.shutdown()
+
+
+async def test_a_join_that_times_out_fails_the_job_with_the_reason(client):
+    """min_nodes 2 on a one-node cluster: the join times out, the job is FAILED and says why."""
+    spec = {"entrypoint": PY, "args": ["-c", "pass"], "min_nodes": 2, "max_nodes": 2}
+    r = await client.post("/jobs", json={**spec, "join_timeout": 1})
+    assert r.status_code == 201, r.text
+    job = await wait_job(client, r.json()["id"], timeout=30)
+    assert job["state"] == "FAILED" and "rendezvous failed" in job["reason"], job
+    (failed,) = [e for e in await events_of(client, job["id"]) if e["kind"] == "rendezvous.failed"]
+    assert failed["source"] == "rendezvous" and failed["state"] == "FAILED"

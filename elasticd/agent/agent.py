@@ -300,9 +300,7 @@ class JobAgent:
                     continue
                 if self._store_lost_at is None:  # one event for the whole outage
                     self._store_lost_at = self.ctx.clock.monotonic()
-                    self.ctx.events.emit(
-                        self.job_id,
-                        "agent",
+                    self._emit(
                         EventKind.STORE_LOST,
                         f"{self.ctx.node} cannot reach the store ({exc}); "
                         "its workers are stopped until the store is back",
@@ -315,9 +313,7 @@ class JobAgent:
             return
         lost_for = self.ctx.clock.monotonic() - self._store_lost_at
         self._store_lost_at = None
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.STORE_BACK,
             f"{self.ctx.node} reaches the store again after {lost_for:.1f} s",
             duration_s=lost_for,
@@ -356,14 +352,13 @@ class JobAgent:
             await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
             return True
         self._store_reached()
-        self.ctx.events.emit(
-            self.job_id,
-            "rendezvous",
+        self._emit(
             EventKind.RENDEZVOUS_COMPLETE,
             f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
             f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
             f"master {round_.master_addr}:{round_.master_port}",
             duration_s=self.ctx.clock.monotonic() - started,
+            source="rendezvous",
         )
         rendezvous_done = self.ctx.clock.time()
         job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
@@ -439,6 +434,12 @@ class JobAgent:
                 raise AssertionError(f"no way to apply {plan.step}")
         return plan.ends_agent
 
+    def _emit(
+        self, kind: EventKind, message: str, source: EventSource = "agent", **fields: Any
+    ) -> None:
+        """One event of this job from this node's agent."""
+        self.ctx.events.emit(self.job_id, source, kind, message, **fields)
+
     async def _fail_job(
         self,
         kind: EventKind,
@@ -450,7 +451,7 @@ class JobAgent:
     ) -> None:
         """The job cannot go on (a join timeout, a spawn that failed, an internal error):
         the event, the job FAILED with the reason, the rendezvous closed for every node."""
-        self.ctx.events.emit(self.job_id, source, kind, reason, state="FAILED", attempt=attempt)
+        self._emit(kind, reason, source, state="FAILED", attempt=attempt)
         with contextlib.suppress(InvalidTransition):
             if error is None:
                 await self.ctx.update_job(self.job_id, state=JobState.FAILED, reason=reason)
@@ -461,12 +462,11 @@ class JobAgent:
         await self.ctx.rendezvous.close()
 
     async def _membership_change(self, change: Change) -> None:
-        self.ctx.events.emit(
-            self.job_id,
-            "rendezvous",
+        self._emit(
             EventKind.RENDEZVOUS_CHANGE,
             f"re-forming the group: {change.value} (no restart spent)",
             attempt=self.attempt,
+            source="rendezvous",
         )
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(
@@ -494,9 +494,7 @@ class JobAgent:
                 self._set_state(WorkerState.FAILED)
             elif not self.state.is_terminal and self.state is not WorkerState.STOPPED:
                 self._set_state(WorkerState.STOPPED)
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.AGENT_FINISHED,
                 f"the job is {job.state.value}; agent on {self.ctx.node} done",
                 state=self.state.value,
@@ -545,18 +543,14 @@ class JobAgent:
                         assert isinstance(result, Change)
                         return result
         except TimeoutError:
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.EXIT_BARRIER_TIMEOUT,
                 f"not every node finished within {self.spec.exit_barrier_timeout}s; "
                 "finishing anyway",
             )
         finally:
             await cancel_and_wait(change_task)
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.EXIT_BARRIER_DONE,
             "every node of the round finished",
             duration_s=self.ctx.clock.monotonic() - started,
@@ -616,9 +610,7 @@ class JobAgent:
         self._group = group
         if group.containment_partial is not None and not self._said_partial:
             self._said_partial = True
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.CONTAINMENT_PARTIAL,
                 f"{self.ctx.node} cannot put the job's processes in a cgroup "
                 f"({group.containment_partial}); a process that leaves a worker's process "
@@ -631,9 +623,7 @@ class JobAgent:
             w.started_at = group.started_at.get(w.local_rank)
             w.state = WorkerState.HEALTHY
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.WORKERS_STARTED,
             f"attempt {self.attempt} on {self.ctx.node}: {len(ranks)} workers started "
             f"(ranks {ranks[0].rank}-{ranks[-1].rank} of {ranks[0].world_size}), "
@@ -646,9 +636,7 @@ class JobAgent:
     def _on_heartbeat_replaced(self, local_rank: int, what: str) -> None:
         """A worker put something else at its heartbeat path: say so once (no progress follows)."""
         rank = self._ranks[local_rank].rank if local_rank < len(self._ranks) else local_rank
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.WORKER_HEARTBEAT_REPLACED,
             f"rank {rank} on {self.ctx.node}: its heartbeat file was replaced by {what}; "
             "the daemon reads only the file it created, and pings that miss it are no progress",
@@ -692,9 +680,7 @@ class JobAgent:
                     w.state = state
         suffix = ", stopped by the agent" if exit_.stopped else ""
         round_no = self._round.round if self._round else 0
-        self.ctx.events.emit(
-            self.job_id,
-            "worker",
+        self._emit(
             EventKind.WORKER_EXITED,
             f"rank {ranks.rank} on {self.ctx.node}: {exit_.describe()}{suffix}",
             state=state.value,
@@ -716,6 +702,7 @@ class JobAgent:
                 if exit_.error is not None
                 else None
             ),
+            source="worker",
         )
         self._request_publish()
 
@@ -767,9 +754,7 @@ class JobAgent:
         if which == 0:
             assert isinstance(result, Change)
             return result
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.AGENT_FENCED,
             f"{self.ctx.node} lost the store for {result:.1f}s (no lease renewal got "
             "through for the lease TTL; the other nodes count it as gone); stopping its workers",
@@ -785,9 +770,7 @@ class JobAgent:
             except StoreError as exc:
                 now = self.ctx.clock.monotonic()
                 if loss.failed(now):
-                    self.ctx.events.emit(
-                        self.job_id,
-                        "agent",
+                    self._emit(
                         EventKind.AGENT_FENCED,
                         f"{self.ctx.node} lost the store for {loss.lost_for(now):.1f}s "
                         f"({exc}); stopping its workers",
@@ -824,9 +807,7 @@ class JobAgent:
     def _report_strays(self, group: WorkerGroupProcesses) -> None:
         if not group.strays:
             return
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.WORKERS_STRAYS,
             f"attempt {self.attempt} on {self.ctx.node}: killed {len(group.strays)} process(es) "
             f"that had left the workers' process groups: pids "
@@ -864,9 +845,7 @@ class JobAgent:
                 for w in self._view.workers:
                     if w.state is WorkerState.HEALTHY:
                         w.state = WorkerState.STOPPED
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.WORKERS_STOPPED,
                 f"attempt {self.attempt} on {self.ctx.node}: workers stopped",
                 attempt=self.attempt,
@@ -888,9 +867,7 @@ class JobAgent:
             return
         total = sum(lost.values())
         per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in lost.items())
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.LOGS_LOST,
             f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output could "
             f"not be written to the log files ({per_rank})",
@@ -938,9 +915,7 @@ class JobAgent:
         """The ``worker.hang`` event, then the stuck worker's stacks; returns its pid."""
         ranks = self._ranks[hang.local_rank]
         pid = self._group.pids.get(hang.local_rank) if self._group is not None else None
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.WORKER_HANG,
             f"rank {ranks.rank} on {self.ctx.node}: {hang.describe()}{suffix}",
             state=state,
@@ -959,24 +934,21 @@ class JobAgent:
             # faulthandler writes from the worker's signal handler into its stderr
             # pipe; give it a moment to land before the worker is stopped.
             await wait_for_growth(stderr_log, size, timeout=2.0)
-        self.ctx.events.emit(
-            self.job_id,
-            "worker",
+        self._emit(
             EventKind.WORKER_STACKS,
             f"stacks of rank {ranks.rank} (pid {pid}):\n{stacks.text}",
             attempt=self.attempt,
             rank=ranks.rank,
             local_rank=hang.local_rank,
             pid=pid,
+            source="worker",
         )
         return pid
 
     async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
         """Record the round's failure (charged when the next round forms) and go again."""
         await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.GROUP_RESTARTING,
             f"{what}; re-forming the group",
             state=WorkerState.STOPPED.value,
@@ -1039,9 +1011,7 @@ class JobAgent:
                 if r.ok
                 else EventKind.HEALTH_FAILED
             )
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 kind,
                 f"{r.name} on {self.ctx.node}: {r.message}",
                 duration_s=r.duration_s,
@@ -1049,9 +1019,7 @@ class JobAgent:
         if not failed:
             return None
         reason = "; ".join(f"{r.name}: {r.message}" for r in failed)
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.WORKER_HEALTH_CHECK_FAILED,
             f"node {self.ctx.node} is unhealthy for this job: {reason}",
             state="UNHEALTHY",
@@ -1071,9 +1039,7 @@ class JobAgent:
         if self.spec.max_nodes > 1:
             with contextlib.suppress(ElasticdError):
                 await self.ctx.rendezvous.leave()
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.AGENT_FINISHED,
                 f"{self.ctx.node} left the job: it failed its health check",
             )
@@ -1090,9 +1056,7 @@ class JobAgent:
         if self._awaiting_first_progress is not None and pinged:
             spawned, self._awaiting_first_progress = self._awaiting_first_progress, None
             first = min(pinged)
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.RECOVERY_FIRST_PROGRESS,
                 f"first progress ping on {self.ctx.node} after the recovery",
                 attempt=self.attempt,
@@ -1119,9 +1083,7 @@ class JobAgent:
     def _begin_recovery(self, cause: str, detected_at: float) -> None:
         if not self._recovery.begin(cause, detected_at):
             return  # already recovering (e.g. a failure while re-forming)
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.RECOVERY_DETECTED,
             f"recovery started on {self.ctx.node}: {cause}",
             attempt=self.attempt,
@@ -1131,9 +1093,7 @@ class JobAgent:
     def _recovery_stopped(self) -> None:
         seconds = self._recovery.stopped(self.ctx.clock.time())
         if seconds is not None:
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 EventKind.RECOVERY_STOP_WORKERS,
                 f"workers stopped on {self.ctx.node}",
                 attempt=self.attempt,
@@ -1147,17 +1107,13 @@ class JobAgent:
             return
         self._awaiting_first_progress = spawned
         for phase, seconds in (("rendezvous", mine.rendezvous_s), ("spawn", mine.spawn_s)):
-            self.ctx.events.emit(
-                self.job_id,
-                "agent",
+            self._emit(
                 recovery_phase_kind(phase),
                 f"recovery phase {phase} on {self.ctx.node}",
                 attempt=self.attempt,
                 duration_s=seconds,
             )
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.RECOVERY_TOTAL,
             f"recovered on {self.ctx.node} in {mine.total_s:.3f}s ({mine.cause}): "
             f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
@@ -1193,9 +1149,7 @@ class JobAgent:
         if self._view is not None:
             self._view.state = self.state
             self._view.updated_at = self.ctx.clock.time()
-        self.ctx.events.emit(
-            self.job_id,
-            "agent",
+        self._emit(
             EventKind.GROUP_STATE,
             f"worker group on {self.ctx.node}: {previous.value} -> {target.value}",
             state=target.value,

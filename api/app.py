@@ -26,7 +26,7 @@ from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 
 if TYPE_CHECKING:
-    from elasticd.daemon import Daemon
+    from elasticd.node.daemon import Daemon
 
 DESCRIPTION = (
     "elasticd's control plane: submit torchrun-style jobs, watch their worker groups, "

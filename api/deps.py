@@ -8,8 +8,8 @@ from fastapi import Request
 
 if TYPE_CHECKING:
     from api.streams import StreamLimit
-    from elasticd.daemon import Daemon
-    from elasticd.jobs import JobService
+    from elasticd.node.daemon import Daemon
+    from elasticd.node.jobs import JobService
 
 
 def daemon_of(request: Request) -> Daemon:

@@ -1,7 +1,7 @@
 """Long-lived responses: a job's events as Server-Sent Events, and a worker's log as it grows.
 
 Both wake on a notification (the event log's,
-:meth:`~elasticd.events.EventLog.follow`; for a log, also the output pipe's)
+:meth:`~elasticd.node.events.EventLog.follow`; for a log, also the output pipe's)
 rather than on a timer, both end when the job is terminal (after delivering
 what is left), and both end at once when the daemon sets
 ``Daemon.closing_streams`` during shutdown, so that an open stream never holds
@@ -15,7 +15,7 @@ nothing is missed and nothing repeated. A comment line every
 last message is ``event: end`` with the job's final state, so clients know
 the stream ended on purpose and need not reconnect.
 
-A worker's log is followed by the daemon's :mod:`elasticd.logfollow` (it
+A worker's log is followed by the daemon's :mod:`elasticd.node.logfollow` (it
 wakes when the output pipe writes the file, never on a timer, and opens the
 file only through ``JobService.open_log``, in a thread). At most
 ``max_streams`` streams run at once (:class:`StreamLimit`); more get a 429
@@ -31,15 +31,15 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from elasticd import logfollow
 from elasticd.errors import JobNotFound, StoreError, TooManyStreams
 from elasticd.eventkinds import EventKind
 from elasticd.models import Event
+from elasticd.node import logfollow
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
 
 if TYPE_CHECKING:
-    from elasticd.daemon import Daemon
+    from elasticd.node.daemon import Daemon
 
 T = TypeVar("T")
 
@@ -214,7 +214,7 @@ async def follow_log(
     attempt: int | None,
     tail: int | None,
 ) -> AsyncIterator[bytes]:
-    """A worker's log as it grows (the daemon's :func:`elasticd.logfollow.follow_log`)."""
+    """A worker's log as it grows (the daemon's :func:`elasticd.node.logfollow.follow_log`)."""
     async for chunk in logfollow.follow_log(
         daemon.jobs,
         daemon.jobs.log_growth,

@@ -186,7 +186,7 @@ from tests.e2e.cluster import LocalCluster, job_ended  # noqa: E402
 SELF = str(Path(__file__).resolve())
 TRAIN = str(ROOT / "examples" / "train_elastic.py")
 SECTIONS = ("rendezvous", "crash", "loss")
-#: elasticd's default lease TTL (elasticd.cluster.DEFAULT_LEASE_TTL); the harness uses 2 s.
+#: elasticd's default lease TTL (elasticd.node.cluster.DEFAULT_LEASE_TTL); the harness uses 2 s.
 LEASE_TTL = 3.0
 #: Labels of the four daemons: a job's node_selector picks exactly 2, 3 or 4 of them.
 LABELS = {

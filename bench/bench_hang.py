@@ -31,8 +31,8 @@ import textwrap
 from pathlib import Path
 
 from elasticd.config import load_config
-from elasticd.daemon import Daemon
 from elasticd.models import JobSpec
+from elasticd.node.daemon import Daemon
 from elasticd.testing import MemoryStore
 
 WORKER = """

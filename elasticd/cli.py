@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from elasticd.daemon import Daemon
+    from elasticd.node.daemon import Daemon
 
     flags = {
         k: getattr(args, k)
@@ -265,7 +265,7 @@ def _command(words: list[str], *, no_python: bool = False, module: bool = False)
 async def _nproc_per_node(value: str) -> int:
     gpus = None
     if value in ("gpu", "auto"):
-        from elasticd.daemon import detect_gpus
+        from elasticd.node.daemon import detect_gpus
 
         found = await detect_gpus()
         gpus = len(found) if found else None
@@ -273,8 +273,8 @@ async def _nproc_per_node(value: str) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from elasticd.daemon import Daemon
     from elasticd.launcher import write_run_token
+    from elasticd.node.daemon import Daemon
 
     command = _command(list(args.program), no_python=args.no_python, module=args.module)
     nproc = await _nproc_per_node(args.nproc_per_node)

@@ -183,7 +183,7 @@ class Launcher:
     async def run_async(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
         """The same, in the caller's event loop."""
         from elasticd.config import load_config
-        from elasticd.daemon import Daemon
+        from elasticd.node.daemon import Daemon
 
         payload = _json_args(args, kwargs)
         s = self._settings

@@ -4,7 +4,7 @@ Runs in the daemon, on the daemon's side of the trust boundary: nothing here
 opens a path; it only classifies errors the writers hit and keeps the facts.
 
 A daemon writes three kinds of things to its local disk: its event log
-(``elasticd.sqlite3``, :mod:`elasticd.events`), the embedded store's journal
+(``elasticd.sqlite3``, :mod:`elasticd.node.events`), the embedded store's journal
 (``store.sqlite3``: job documents, state transitions, group views,
 :mod:`elasticd.store.embedded`) and the workers' log files
 (:mod:`elasticd.supervise.output`). A full disk (``ENOSPC``, SQLite's

@@ -15,7 +15,7 @@ import pytest
 
 from api.app import create_app
 from elasticd.config import load_config
-from elasticd.daemon import Daemon
+from elasticd.node.daemon import Daemon
 from elasticd.testing import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent

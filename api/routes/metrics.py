@@ -1,4 +1,4 @@
-"""``/metrics``: the daemon's Prometheus metrics (see :mod:`elasticd.metrics`).
+"""``/metrics``: the daemon's Prometheus metrics (see :mod:`elasticd.node.metrics`).
 
 Bearer-token protected like every other endpoint. With ``metrics_public`` a
 scraper on the same host (a loopback client address) needs no token; anything
@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from api.auth import bearer_auth
 from api.deps import daemon_of
 from elasticd.config import is_loopback
-from elasticd.metrics import CONTENT_TYPE
+from elasticd.node.metrics import CONTENT_TYPE
 
 
 def metrics_router(token: str | None, *, metrics_public: bool = False) -> APIRouter:

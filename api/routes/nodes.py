@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from api.deps import daemon_of
-from elasticd.cluster import NodeRecord
+from elasticd.node.cluster import NodeRecord
 
 router = APIRouter(tags=["nodes"])
 

@@ -58,10 +58,7 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind, recovery_phase_kind
-from elasticd.events import EventLog
-from elasticd.health import checks_for_job, run_health_checks
 from elasticd.keys import barrier_prefix, group_key, job_key
-from elasticd.logfollow import LogGrowth
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     EventSource,
@@ -73,6 +70,9 @@ from elasticd.models import (
     RootCause,
     std_for_rank,
 )
+from elasticd.node.events import EventLog
+from elasticd.node.health import checks_for_job, run_health_checks
+from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity

@@ -63,7 +63,13 @@ from pathlib import Path
 from typing import Literal
 
 from elasticd.errors import StoreUnavailable
-from elasticd.storage import BACKOFF_FIRST, StorageHealth, describe, is_storage_fault, next_backoff
+from elasticd.storage import (
+    BACKOFF_FIRST,
+    StorageHealth,
+    describe,
+    is_storage_fault,
+    next_backoff,
+)
 from elasticd.store.base import DEFAULT_MAX_LIST_BYTES, DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
 from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore, _Lease
 

@@ -117,7 +117,7 @@ class OutputPipe:
         the daemon's or the worker's (a worker may own the folder it lies
         in). With `owner` (uid, gid) the file is handed to the worker's user.
         ``on_written(log_path)`` is called after each chunk lands in the file
-        (log followers wait on it: :mod:`elasticd.logfollow`).
+        (log followers wait on it: :mod:`elasticd.node.logfollow`).
         Raises OSError when the file cannot be opened or is refused; nothing
         is left open then.
         """

@@ -22,9 +22,9 @@ from pathlib import Path
 from types import TracebackType
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.db import WorkerRecord
 from elasticd.errors import WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
+from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
 from elasticd.supervise.cgroup import AttemptContainment
@@ -86,7 +86,8 @@ class WorkerLaunch:
     """Also pass this worker's stdout lines to the group's output sink (torchrun's tee)."""
     console_stderr: bool = False
     user: str | None = None
-    """The user the job asks to run as; the daemon's policy decides (:mod:`elasticd.security`)."""
+    """The user the job asks to run as; the daemon's policy decides
+    (:mod:`elasticd.security`)."""
     job_id: str | None = None
     """For the daemon's record of spawned workers; default: ``env["ELASTICD_JOB_ID"]``."""
     attempt: int | None = None

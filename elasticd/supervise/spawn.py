@@ -79,8 +79,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from elasticd.db import WorkerRecord
 from elasticd.errors import WorkerSpawnError
+from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, JobUsers
 from elasticd.supervise.env import WITHHELD
 
@@ -450,7 +450,7 @@ def _verdict_error(
 
 
 class WorkerRegistry(Protocol):
-    """Where spawned workers are recorded (the daemon's :class:`elasticd.db.Database`)."""
+    """Where spawned workers are recorded (the daemon's :class:`elasticd.node.db.Database`)."""
 
     def record_worker(self, record: WorkerRecord) -> None: ...
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from elasticd.db import Database
+from elasticd.node.db import Database
 from tests.hardening.support import make_token_file, serve
 
 pytestmark = pytest.mark.slow
@@ -98,7 +98,7 @@ async def test_acknowledged_events_survive_twenty_sigkills(tmp_path: Path) -> No
 WRITER = """
 import sys
 from pathlib import Path
-from elasticd.db import Database
+from elasticd.node.db import Database
 from elasticd.models import Event
 db = Database(Path(sys.argv[1])).open()
 n = 0

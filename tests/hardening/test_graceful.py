@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd import systemd
+from elasticd.node import systemd
 from tests.e2e.cluster import LocalCluster, follow_until
 from tests.e2e.fault_support import assert_kept, assert_never_failed, end_without_strays, report
 from tests.hardening.support import PY, pid_alive, script, serve

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from elasticd.agent.agent import JobAgent
-from elasticd.jobs import MAX_AGENT_CRASHES
+from elasticd.node.jobs import MAX_AGENT_CRASHES
 from tests.conftest import PY, events_of, script, wait_job
 
 pytestmark = pytest.mark.timeout(90)

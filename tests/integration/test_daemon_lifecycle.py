@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from api.app import create_app
-from elasticd.daemon import DaemonState
 from elasticd.errors import ConfigError, StoreUnavailable
+from elasticd.node.daemon import DaemonState
 from tests.conftest import PY, make_daemon, wait_job
 
 pytestmark = pytest.mark.timeout(60)

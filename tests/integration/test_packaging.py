@@ -72,8 +72,8 @@ def test_termination_grace_fits_in_timeout_stop_sec():
 def test_daemon_side_never_imports_torch():
     """Importing the daemon, the API and the CLI pulls in no torch (start-up time, memory)."""
     code = (
-        "import sys, elasticd.daemon, elasticd.cli, elasticd.jobs, api.app, api.openapi\n"
-        "import elasticd.inprocess.keys, elasticd.agent.progress, elasticd.health\n"
+        "import sys, elasticd.node.daemon, elasticd.cli, elasticd.node.jobs, api.app, api.openapi\n"
+        "import elasticd.inprocess.keys, elasticd.agent.progress, elasticd.node.health\n"
         "api.app.create_app(None)\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.daemon import Daemon
+from elasticd.node.daemon import Daemon
 from tests.observability.support import live_daemon
 
 

@@ -10,7 +10,7 @@ import httpx
 
 from elasticd.client import ServerSentEvent, SSEParser
 from elasticd.config import load_config
-from elasticd.daemon import Daemon
+from elasticd.node.daemon import Daemon
 from elasticd.testing import MemoryStore
 
 CRASH_ONCE = """

@@ -81,7 +81,7 @@ def test_import_elasticd_does_not_import_the_daemon():
     """`import elasticd` stays light: the launcher (and the daemon) load on first use."""
     code = (
         "import sys, elasticd\n"
-        "assert 'elasticd.daemon' not in sys.modules and 'elasticd.launcher' not in sys.modules\n"
+        "assert 'elasticd.node.daemon' not in sys.modules and 'elasticd.launcher' not in sys.modules\n"
         "elasticd.launch\n"
         "assert 'elasticd.launcher' in sys.modules\n"
     )

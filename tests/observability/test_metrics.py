@@ -10,9 +10,9 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.routes.metrics import metrics_router
-from elasticd import metrics as m
-from elasticd.metrics import Metrics, exit_reason, flakiness, recovery_phase
 from elasticd.models import Event, Job, JobSpec
+from elasticd.node import metrics as m
+from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase
 from elasticd.states import JobState
 from tests.conftest import PY, make_daemon, script, wait_job
 from tests.observability.support import CRASH_ONCE

@@ -160,7 +160,7 @@ def test_resume_point_ignores_a_bad_last_event_id(header):
 async def test_a_followed_log_is_woken_by_its_growth_not_by_a_timer(live, tmp_path, monkeypatch):
     """The worker prints a line each time the test asks (no job event in between): each line
     reaches the follower, though the follower's event wait is far longer than the test."""
-    from elasticd import logfollow
+    from elasticd.node import logfollow
 
     monkeypatch.setattr(logfollow, "EVENT_WAIT_S", 3600.0)
     go = tmp_path / "go"
@@ -189,7 +189,7 @@ async def test_a_followed_log_is_woken_by_its_growth_not_by_a_timer(live, tmp_pa
 
 
 def test_log_growth_wakes_the_armed_waiters_of_that_file_only(tmp_path):
-    from elasticd.logfollow import LogGrowth
+    from elasticd.node.logfollow import LogGrowth
 
     async def main() -> None:
         growth = LogGrowth()

@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 from elasticd.eventkinds import MEANING, EventKind, known_kind, recovery_phase_kind, reference
-from elasticd.metrics import EXIT_REASON_BY_KIND, PHASE_BY_KIND, exit_reason, recovery_phase
 from elasticd.models import Event
+from elasticd.node.metrics import EXIT_REASON_BY_KIND, PHASE_BY_KIND, exit_reason, recovery_phase
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.events import (
+from elasticd.models import Event
+from elasticd.node.events import (
     PUBLISH_BATCH_BYTES,
     PUBLISH_BATCH_EVENTS,
     SEQ_STRIDE,
@@ -13,7 +14,6 @@ from elasticd.events import (
     publication_batches,
     published_key,
 )
-from elasticd.models import Event
 
 
 def ev(node: str, seq: int, message: str = "", job: str = "j") -> Event:
@@ -59,9 +59,9 @@ def test_publication_batches_keep_order_drop_repeats_and_bound_size() -> None:
 @pytest.mark.timeout(10)
 async def test_events_emitted_before_start_are_published_once_in_order(tmp_path) -> None:
     """Emitted before the publisher starts: each published once, the node's order kept."""
-    from elasticd.db import Database
     from elasticd.eventkinds import EventKind
-    from elasticd.events import EventLog
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
     from elasticd.store.memory import MemoryStore
 
     async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:

@@ -23,7 +23,9 @@ def imports_of(path: Path) -> set[str]:
 
 
 def modules(package: str) -> list[Path]:
-    return sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+    found = sorted((ROOT / package.replace(".", "/")).rglob("*.py"))
+    assert found, f"no module in {package}: the rule would pass for nothing"
+    return found
 
 
 def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] = ()) -> list[str]:
@@ -43,23 +45,41 @@ def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] =
     [
         # The API is a thin layer over the daemon's services; only the composition root
         # (and the CLI that starts it) builds the app.
-        ("elasticd", ("api",), ("elasticd/daemon.py", "elasticd/cli.py")),
+        ("elasticd", ("api",), ("elasticd/node/daemon.py", "elasticd/cli.py")),
         # The store knows nothing of jobs, agents or the API.
-        ("elasticd.store", ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon"), ()),
+        (
+            "elasticd.store",
+            ("api", "elasticd.agent", "elasticd.node"),
+            (),
+        ),
         # Ranks and the protocol belong to the rendezvous; it never reaches up to the agent.
-        ("elasticd.rendezvous", ("elasticd.agent", "elasticd.jobs", "elasticd.supervise"), ()),
+        ("elasticd.rendezvous", ("elasticd.agent", "elasticd.node.jobs", "elasticd.supervise"), ()),
         # The database stores rows; it does not know how workers are spawned.
-        ("elasticd.db", ("elasticd.supervise", "elasticd.agent", "elasticd.jobs"), ()),
+        ("elasticd.node.db", ("elasticd.supervise", "elasticd.agent", "elasticd.node.jobs"), ()),
         # In-worker code runs in the training process: nothing of the daemon's side.
         (
             "elasticd.worker",
-            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.supervise"),
+            ("api", "elasticd.agent", "elasticd.node", "elasticd.supervise"),
             (),
         ),
         (
             "elasticd.inprocess",
-            ("api", "elasticd.agent", "elasticd.jobs", "elasticd.daemon", "elasticd.supervise"),
+            ("api", "elasticd.agent", "elasticd.node", "elasticd.supervise"),
             (),
+        ),
+        # The client side (the CLI's client, the Python clients, the console) and the shared
+        # modules know nothing of the node daemon's services.
+        (
+            "elasticd",
+            ("elasticd.node",),
+            (
+                "elasticd/node/",
+                "elasticd/agent/",
+                "elasticd/supervise/",
+                "elasticd/cli.py",
+                "elasticd/launcher.py",
+                "elasticd/__main__.py",
+            ),
         ),
         # The daemon side never imports torch (code that runs in workers may).
         (
@@ -72,8 +92,8 @@ def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] =
 def test_no_import_goes_against_the_layering(
     package: str, forbidden: tuple[str, ...], allow: tuple[str, ...]
 ) -> None:
-    if package == "elasticd.db":
-        paths = [ROOT / "elasticd" / "db.py"]
+    if package == "elasticd.node.db":
+        paths = [ROOT / "elasticd" / "node" / "db.py"]
         assert offenders_of(paths, forbidden) == []
         return
     assert offenders(package, forbidden, allow) == []

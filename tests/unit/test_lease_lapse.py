@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.cluster import lease_lapse
+from elasticd.node.cluster import lease_lapse
 
 
 @pytest.mark.parametrize(

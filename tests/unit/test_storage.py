@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from elasticd.clock import FakeClock
-from elasticd.db import Database
 from elasticd.eventkinds import EventKind
-from elasticd.events import EventLog
+from elasticd.node.db import Database
+from elasticd.node.events import EventLog
 from elasticd.storage import (
     BACKOFF_MAX,
     StorageHealth,
@@ -159,8 +159,8 @@ async def test_backlog_is_bounded_and_counts_what_it_drops() -> None:
 
 async def test_events_dropped_past_the_backlog_are_reported_per_job(tmp_path) -> None:
     """The event log says, in the job's own events, how many were lost past the bound."""
-    from elasticd.db import Database
-    from elasticd.events import EventLog
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
 
     db = Database(tmp_path / "state.sqlite3")
     db.open()

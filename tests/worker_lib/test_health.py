@@ -8,7 +8,7 @@ import stat
 import time
 from pathlib import Path
 
-from elasticd.health import (
+from elasticd.node.health import (
     CommandCheck,
     GpuCheck,
     checks_for_job,

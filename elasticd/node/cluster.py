@@ -39,7 +39,7 @@ from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import NODE_NAME_PATTERN, Job, valid_job_id
 from elasticd.store import Entry, Store
 
-log = logging.getLogger("elasticd.cluster")
+log = logging.getLogger("elasticd.node.cluster")
 
 NODE_PREFIX = keys.NODES
 JOB_PREFIX = keys.JOBS

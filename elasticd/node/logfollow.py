@@ -31,7 +31,7 @@ from elasticd.logs import Stream
 from elasticd.tasks import race
 
 if TYPE_CHECKING:
-    from elasticd.jobs import JobService
+    from elasticd.node.jobs import JobService
 
 __all__ = ["LogGrowth", "follow_log"]
 

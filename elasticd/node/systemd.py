@@ -22,7 +22,7 @@ import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
 
-log = logging.getLogger("elasticd.systemd")
+log = logging.getLogger("elasticd.node.systemd")
 
 
 def notify(message: str, environ: Mapping[str, str] | None = None) -> bool:

@@ -55,10 +55,9 @@ from typing import Self
 
 import uvicorn
 
-from elasticd import __version__, keys, systemd
+from elasticd import __version__, keys
 from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.cluster import Cluster, NodeRecord
 from elasticd.config import (
     Config,
     check_bind,
@@ -67,7 +66,6 @@ from elasticd.config import (
     read_store_password,
     read_token,
 )
-from elasticd.db import Database
 from elasticd.errors import (
     ConfigError,
     ElasticdError,
@@ -76,10 +74,13 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
-from elasticd.events import EventLog
-from elasticd.jobs import JobService
-from elasticd.metrics import Metrics
 from elasticd.models import Job
+from elasticd.node import systemd
+from elasticd.node.cluster import Cluster, NodeRecord
+from elasticd.node.db import Database
+from elasticd.node.events import EventLog
+from elasticd.node.jobs import JobService
+from elasticd.node.metrics import Metrics
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.storage import StorageHealth
 from elasticd.store import (
@@ -97,7 +98,7 @@ from elasticd.supervise.spawn import (
 )
 from elasticd.tasks import cancel_and_wait
 
-log = logging.getLogger("elasticd.daemon")
+log = logging.getLogger("elasticd.node.daemon")
 
 
 class _Server(uvicorn.Server):

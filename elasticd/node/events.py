@@ -47,16 +47,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.db import Database
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
 from elasticd.keys import event_key, event_prefix
 from elasticd.models import Event, EventSource
+from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
 from elasticd.store import Store
 from elasticd.store.base import MAX_BATCH_KEYS
 
-log = logging.getLogger("elasticd.events")
+log = logging.getLogger("elasticd.node.events")
 
 
 #: Merged-view seqs per store revision: room for every event one batch can create.

@@ -11,11 +11,11 @@ of those agents actually run workers.
 Events are recorded in this daemon's SQLite first (so an acknowledged event
 is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
 merged, cluster-wide view; an event's ``seq`` in the API comes from the store
-revision that created it (see :mod:`elasticd.events`), which gives all nodes'
+revision that created it (see :mod:`elasticd.node.events`), which gives all nodes'
 events one order that keeps each node's own.
 
 Job documents are read back through one check (``parse_job``, the cluster's
-:func:`~elasticd.cluster.check_job_document`), so a document written into the
+:func:`~elasticd.node.cluster.check_job_document`), so a document written into the
 store by hand never names a folder outside the log root. Worker logs are
 read through :func:`~elasticd.supervise.files.open_worker_file` (no link, no
 FIFO, a regular file of the worker's own), in a thread.
@@ -49,7 +49,6 @@ from typing_extensions import Unpack
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
 from elasticd.config import Config
 from elasticd.errors import (
     InvalidTransition,
@@ -64,9 +63,7 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
-from elasticd.events import EventLog
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
-from elasticd.logfollow import LogGrowth
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
     Event,
@@ -79,6 +76,9 @@ from elasticd.models import (
     WorkersView,
     valid_job_id,
 )
+from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
+from elasticd.node.events import EventLog
+from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
@@ -87,7 +87,7 @@ from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 from elasticd.supervise.spawn import DEFAULT_POLICY
 from elasticd.tasks import TaskSet
 
-log = logging.getLogger("elasticd.jobs")
+log = logging.getLogger("elasticd.node.jobs")
 
 #: Seconds a stopping daemon spends recording why its jobs stopped (the store may not
 #: acknowledge writes: a full disk under the embedded store). A restart resumes them anyway.
@@ -112,7 +112,7 @@ CAS_ATTEMPTS = 100
 def parse_job(job_id: str, raw: bytes) -> Job:
     """A job document from the store; a refused one is a clear JobConflict, not a crash.
 
-    The same rule as the cluster's watch (:func:`elasticd.cluster.check_job_document`):
+    The same rule as the cluster's watch (:func:`elasticd.node.cluster.check_job_document`):
     a valid job whose id is the one in its key.
     """
     job, reason = check_job_document(job_key(job_id), raw)
@@ -485,7 +485,7 @@ class JobService:
         return parse_job(job_id, entry.value)
 
     async def _all_jobs(self) -> list[Job]:
-        from elasticd.cluster import parse_jobs
+        from elasticd.node.cluster import parse_jobs
 
         return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
 

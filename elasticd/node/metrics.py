@@ -55,7 +55,7 @@ __all__ = [
     "recovery_phase",
 ]
 
-log = logging.getLogger("elasticd.metrics")
+log = logging.getLogger("elasticd.node.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

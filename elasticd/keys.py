@@ -16,6 +16,7 @@ The cluster store holds, with one owner for each subtree::
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
     jobs/<id>/inprocess/<attempt>/... in-process restart's coordination  (inprocess.keys)
     elasticd/probe                    read to see the store answer       (daemon)
+    sched/plan                        the fleet's placement and queue    (node.scheduler)
 
 ``job/`` and ``jobs/`` differ on purpose: every daemon lists and watches
 ``job/`` for job documents, and nothing that workers write may land there.
@@ -35,6 +36,7 @@ __all__ = [
     "PROBE",
     "REFUSED",
     "RENDEZVOUS",
+    "SCHED_PLAN",
     "WORKER_SPACE",
     "barrier_prefix",
     "event_key",
@@ -58,6 +60,8 @@ BARRIERS = "barrier/"
 RENDEZVOUS = "rdzv/"
 WORKER_SPACE = "jobs/"
 PROBE = "elasticd/probe"
+#: One document, written by compare-and-set only: which nodes run each job, and the queue.
+SCHED_PLAN = "sched/plan"
 
 
 def node_key(node: str) -> str:

@@ -188,6 +188,13 @@ class JobSpec(BaseModel):
         pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
         description="Run the workers as this user; the node must list it in allowed_users.",
     )
+    priority: int = Field(
+        default=0,
+        ge=-1000,
+        le=1000,
+        description="Queue order: a higher priority is placed first (FIFO within one) and may "
+        "preempt running jobs of a lower priority, which go back to the queue.",
+    )
     inprocess_restart: bool = Field(
         default=False,
         description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "

@@ -1,0 +1,472 @@
+"""Fleet placement, pure: which nodes run each job, which jobs wait, and in what order.
+
+:func:`schedule` is a function of the stored :class:`Plan`, the active jobs, the
+live nodes and ``now``; it returns the next plan and what changed
+(:class:`Notice`). The daemon's thin loop (:mod:`elasticd.node.scheduler`)
+reads the three inputs from the store, calls it, and writes the plan back by
+compare-and-set on one key (:data:`elasticd.keys.SCHED_PLAN`), so placements
+of different jobs can never count the same slot twice; every daemon then
+starts agents only for the jobs the plan places on it.
+
+The rules, in the order they are applied:
+
+* **Guaranteed, then lent.** A placed job keeps ``min_nodes`` of its live
+  nodes (its *hard* share). Nodes above ``min_nodes`` (up to ``max_nodes``)
+  and hot spares are *lent*: they are counted as free when a waiting job is
+  placed, and given back (the job shrinks, the spare stops) only when that
+  makes the waiting job fit. A spare therefore never holds capacity another
+  job could use.
+* **Order.** Waiting jobs are taken by ``priority`` (higher first), then
+  FIFO (``created_at``, then id).
+* **Gang admission.** A job is placed only when ``min_nodes`` matching nodes
+  each have ``nproc_per_node`` free slots at once; it never holds part of
+  the fleet while it waits, so two jobs cannot split it and wait on each
+  other.
+* **Spread.** Among the nodes that fit, the least loaded (fraction of slots
+  in use), then the one with the fewest jobs, then the name.
+* **Preemption.** A job that does not fit may stop running jobs of a
+  *lower* priority (lowest priority first, newest first, no more than it
+  needs); they go back to the queue (:attr:`Plan.preempted` names who
+  preempted them) and resume as a new attempt when capacity returns.
+* **Reservation and backfill.** A job that still does not fit reserves
+  ``nproc_per_node`` slots on its ``min_nodes`` best nodes (those with the
+  most free slots). Jobs behind it may start only on what those
+  reservations leave (backfill): on other nodes, or on slots of a reserved
+  node beyond what the reserving job will need there. elasticd has no
+  run-time limits, so it cannot compute Slurm's "earliest start"; the
+  reservation is what guarantees that backfilled jobs never take the slots
+  the waiting job is waiting for.
+* **Unplaceable.** A job that no set of live nodes could ever hold (fewer
+  than ``min_nodes`` matching nodes have ``nproc_per_node`` slots in all)
+  is flagged ``unplaceable`` with the numbers, never left waiting silently.
+* **Lending last.** Once every waiting job has had its turn, placed jobs
+  grow toward ``max_nodes`` and then take one hot spare each, on capacity
+  no reservation holds; a lent node it already had is kept first, so the
+  plan is stable when nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+#: Hot spares a job takes, at most, once it runs on ``max_nodes`` nodes.
+SPARES_PER_JOB = 1
+
+QueueReason = Literal["capacity", "unplaceable"]
+NoticeKind = Literal["placed", "queued", "unplaceable", "preempted", "shrunk"]
+
+
+class Placement(BaseModel):
+    """Where one job runs: ``nodes`` (its hard share first) and its hot ``spares``."""
+
+    nodes: list[str]
+    spares: list[str] = Field(default_factory=list)
+    placed_at: float
+
+
+class QueueEntry(BaseModel):
+    """A job that waits, and why (``GET /queue``)."""
+
+    job: str
+    position: int = Field(description="1 is the next job to be placed.")
+    priority: int
+    reason: QueueReason = Field(
+        description="capacity: not enough free slots now; unplaceable: the live nodes could "
+        "never hold it (too few match the selector with enough slots)."
+    )
+    message: str
+    since: float = Field(description="When the job started waiting (this time).")
+    preempted_by: str | None = Field(
+        default=None, description="The job whose placement stopped this one, if it was preempted."
+    )
+    reserved: list[str] = Field(
+        default_factory=list, description="Nodes whose slots are held for it against backfill."
+    )
+
+
+class Preemption(BaseModel):
+    """Why a job is back in the queue: the job that took its place."""
+
+    by: str
+    at: float
+
+
+class Plan(BaseModel):
+    """The fleet's placement document (one key, written by compare-and-set)."""
+
+    placements: dict[str, Placement] = Field(default_factory=dict)
+    queue: list[QueueEntry] = Field(default_factory=list)
+    preempted: dict[str, Preemption] = Field(default_factory=dict)
+
+    def nodes_of(self, job_id: str) -> list[str]:
+        """Every node that runs or stands by for the job (empty when it waits)."""
+        p = self.placements.get(job_id)
+        return [*p.nodes, *p.spares] if p is not None else []
+
+    def entry(self, job_id: str) -> QueueEntry | None:
+        return next((e for e in self.queue if e.job == job_id), None)
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """A live node as the scheduler sees it."""
+
+    name: str
+    slots: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What an active job asks of the fleet."""
+
+    id: str
+    nproc: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    priority: int = 0
+    created_at: float = 0.0
+    selector: Mapping[str, str] = field(default_factory=dict)
+
+    def matches(self, node: NodeCapacity) -> bool:
+        return all(node.labels.get(k) == v for k, v in self.selector.items())
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A change worth an event of ``job``; ``by`` is the job that caused it, if another."""
+
+    job: str
+    kind: NoticeKind
+    message: str
+    by: str | None = None
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    notices: list[Notice]
+
+
+def order_key(job: Demand) -> tuple[int, float, str]:
+    """Higher priority first, then first come, first served."""
+    return (-job.priority, job.created_at, job.id)
+
+
+@dataclass
+class _Ledger:
+    """Slots per node: the hard shares, the reservations, the lent ones (this pass)."""
+
+    nodes: dict[str, NodeCapacity]
+    hard: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)
+    lent: dict[str, int] = field(default_factory=dict)
+    jobs_on: dict[str, int] = field(default_factory=dict)
+
+    def free(self, node: str, *, lent: bool = False, reserved: bool = True) -> int:
+        used = self.hard.get(node, 0)
+        if lent:
+            used += self.lent.get(node, 0)
+        if reserved:
+            used += self.reserved.get(node, 0)
+        return self.nodes[node].slots - used
+
+    def take(self, book: dict[str, int], node: str, n: int) -> None:
+        book[node] = book.get(node, 0) + n
+        self.jobs_on[node] = self.jobs_on.get(node, 0) + 1
+
+    def give(self, book: dict[str, int], node: str, n: int) -> None:
+        book[node] = book.get(node, 0) - n
+        self.jobs_on[node] = self.jobs_on.get(node, 0) - 1
+
+    def preference(self, node: str, prev_lent: Mapping[str, int]) -> tuple[float, int, int, str]:
+        """Least loaded first; a node whose lent slots would be taken back comes after."""
+        slots = max(1, self.nodes[node].slots)
+        load = self.hard.get(node, 0) + self.reserved.get(node, 0) + prev_lent.get(node, 0)
+        return (load / slots, self.jobs_on.get(node, 0), 0, node)
+
+
+def _selector_text(job: Demand) -> str:
+    if not job.selector:
+        return ""
+    return " matching " + ",".join(f"{k}={v}" for k, v in sorted(job.selector.items()))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def schedule(
+    plan: Plan, jobs: Iterable[Demand], nodes: Iterable[NodeCapacity], now: float
+) -> Outcome:
+    """The next plan for these active jobs on these live nodes, and what changed."""
+    live = {n.name: n for n in nodes}
+    order = sorted(jobs, key=order_key)
+    by_id = {j.id: j for j in order}
+    book = _Ledger(live)
+
+    # 1. What each placed job keeps: its live, matching nodes; the first min_nodes are hard.
+    hard: dict[str, list[str]] = {}
+    prev_lent_nodes: dict[str, list[str]] = {}  # job -> its lent nodes (above min), in order
+    prev_spares: dict[str, list[str]] = {}
+    prev_lent_slots: dict[str, int] = {}  # node -> slots lent before this pass
+    for job in order:
+        old = plan.placements.get(job.id)
+        if old is None:
+            continue
+        pool = _dedupe(n for n in [*old.nodes, *old.spares] if n in live and job.matches(live[n]))
+        if not pool:
+            continue
+        hard[job.id] = pool[: job.min_nodes]
+        rest = pool[job.min_nodes :]
+        room = job.max_nodes - len(hard[job.id])
+        prev_lent_nodes[job.id] = rest[:room]
+        prev_spares[job.id] = rest[room:]
+        for n in hard[job.id]:
+            book.take(book.hard, n, job.nproc)
+        for n in rest:
+            prev_lent_slots[n] = prev_lent_slots.get(n, 0) + job.nproc
+
+    # 2. Waiting jobs (and placed ones short of min_nodes), in order.
+    queued: list[tuple[Demand, QueueReason, str, list[str]]] = []
+    preempted: dict[str, Preemption] = {
+        k: v for k, v in plan.preempted.items() if k in by_id and k not in hard
+    }
+    notices: list[Notice] = []
+    for job in order:
+        if job.id in hard:
+            if len(hard[job.id]) < job.min_nodes:
+                for n in _best(book, job, live, exclude=hard[job.id], prev_lent=prev_lent_slots)[
+                    : job.min_nodes - len(hard[job.id])
+                ]:
+                    hard[job.id].append(n)
+                    book.take(book.hard, n, job.nproc)
+            continue
+        able = [n for n in live.values() if job.matches(n) and n.slots >= job.nproc]
+        if len(able) < job.min_nodes:
+            matching = sum(1 for n in live.values() if job.matches(n))
+            message = (
+                f"needs {_plural(job.min_nodes, 'node')} with {_plural(job.nproc, 'slot')}"
+                f"{_selector_text(job)}; the cluster has {len(able)} such "
+                f"{'node' if len(able) == 1 else 'nodes'} ({_plural(matching, 'live node')} "
+                "match the selector): it cannot start until more such nodes join "
+                "(add nodes or slots, or lower nproc_per_node or min_nodes)"
+            )
+            queued.append((job, "unplaceable", message, []))
+            continue
+        fit = _best(book, job, live, exclude=[], prev_lent=prev_lent_slots)
+        if len(fit) < job.min_nodes:
+            victims = _victims(book, job, hard, by_id, live)
+            if victims is not None:
+                for victim in victims:
+                    for n in hard.pop(victim):
+                        book.give(book.hard, n, by_id[victim].nproc)
+                    prev_lent_nodes.pop(victim, None)
+                    prev_spares.pop(victim, None)
+                    preempted[victim] = Preemption(by=job.id, at=now)
+                    notices.append(
+                        Notice(
+                            victim,
+                            "preempted",
+                            f"preempted by job {job.id} (priority {job.priority} over "
+                            f"{by_id[victim].priority}): its workers get SIGTERM and their "
+                            "termination grace, then it waits in the queue and resumes as a "
+                            "new attempt when capacity returns; no restart is charged",
+                            by=job.id,
+                        )
+                    )
+                fit = _best(book, job, live, exclude=[], prev_lent=prev_lent_slots)
+        if len(fit) >= job.min_nodes:
+            hard[job.id] = fit[: job.min_nodes]
+            for n in hard[job.id]:
+                book.take(book.hard, n, job.nproc)
+            preempted.pop(job.id, None)
+            continue
+        # Wait, and hold the best nodes against backfill by the jobs behind.
+        reserve = sorted(
+            (n.name for n in able),
+            key=lambda n: (-book.free(n), book.jobs_on.get(n, 0), n),
+        )[: job.min_nodes]
+        for n in reserve:
+            book.reserved[n] = book.reserved.get(n, 0) + job.nproc
+        message = (
+            f"needs {_plural(job.min_nodes, 'node')} with {_plural(job.nproc, 'free slot')}"
+            f"{_selector_text(job)}; {len(fit)} matching "
+            f"{'node has' if len(fit) == 1 else 'nodes have'} them now"
+        )
+        queued.append((job, "capacity", message, reserve))
+
+    # 3. Lending: grow toward max_nodes, then one spare each, kept ones first.
+    placements: dict[str, Placement] = {}
+    for job in order:
+        if job.id not in hard:
+            continue
+        mine = list(hard[job.id])
+        for n in prev_lent_nodes.get(job.id, []):
+            if len(mine) < job.max_nodes and book.free(n, lent=True, reserved=False) >= job.nproc:
+                mine.append(n)
+                book.take(book.lent, n, job.nproc)
+        for n in _lendable(book, job, live, mine):
+            if len(mine) >= job.max_nodes:
+                break
+            mine.append(n)
+            book.take(book.lent, n, job.nproc)
+        spares: list[str] = []
+        if len(mine) >= job.max_nodes:
+            for n in prev_spares.get(job.id, []):
+                if (
+                    len(spares) < SPARES_PER_JOB
+                    and book.free(n, lent=True, reserved=False) >= job.nproc
+                ):
+                    spares.append(n)
+                    book.take(book.lent, n, job.nproc)
+            for n in _lendable(book, job, live, mine + spares):
+                if len(spares) >= SPARES_PER_JOB:
+                    break
+                spares.append(n)
+                book.take(book.lent, n, job.nproc)
+        old = plan.placements.get(job.id)
+        placed_at = old.placed_at if old is not None else now
+        placements[job.id] = Placement(nodes=mine, spares=spares, placed_at=placed_at)
+
+    # 4. The queue, and what changed since the stored plan.
+    queue: list[QueueEntry] = []
+    for position, (job, reason, message, reserve) in enumerate(queued, start=1):
+        before = plan.entry(job.id)
+        by = preempted[job.id].by if job.id in preempted else None
+        if by is not None:
+            message += f"; preempted by job {by}"
+        entry = QueueEntry(
+            job=job.id,
+            position=position,
+            priority=job.priority,
+            reason=reason,
+            message=message,
+            since=before.since if before is not None else now,
+            preempted_by=by,
+            reserved=reserve,
+        )
+        queue.append(entry)
+        if before is None or before.reason != reason:
+            kind: NoticeKind = "unplaceable" if reason == "unplaceable" else "queued"
+            notices.append(Notice(job.id, kind, message))
+    for job_id, now_placed in placements.items():
+        old = plan.placements.get(job_id)
+        if old is None:
+            where = ", ".join(now_placed.nodes)
+            spare = f" (hot spare {', '.join(now_placed.spares)})" if now_placed.spares else ""
+            notices.append(Notice(job_id, "placed", f"placed on {where}{spare}"))
+            continue
+        for n in old.nodes + old.spares:
+            if n in now_placed.nodes or n in now_placed.spares or n not in live:
+                continue
+            takers = [
+                j
+                for j, p in placements.items()
+                if j != job_id and n in p.nodes and n not in plan.nodes_of(j)
+            ]
+            by = takers[0] if takers else None
+            role = "hot spare" if n in old.spares else "node above min_nodes"
+            cause = f" for job {by}" if by else ""
+            notices.append(
+                Notice(
+                    job_id,
+                    "shrunk",
+                    f"its {role} {n} is given back{cause} (nodes above min_nodes and spares "
+                    "are lent); the job goes on with the others",
+                    by=by,
+                )
+            )
+    return Outcome(Plan(placements=placements, queue=queue, preempted=preempted), notices)
+
+
+def _dedupe(names: Iterable[str]) -> list[str]:
+    seen: dict[str, None] = {}
+    for n in names:
+        seen.setdefault(n, None)
+    return list(seen)
+
+
+def _best(
+    book: _Ledger,
+    job: Demand,
+    live: Mapping[str, NodeCapacity],
+    *,
+    exclude: Sequence[str],
+    prev_lent: Mapping[str, int],
+) -> list[str]:
+    """Matching nodes with room for one more share of ``job``, best first."""
+    fit = [
+        n.name
+        for n in live.values()
+        if n.name not in exclude and job.matches(n) and book.free(n.name) >= job.nproc
+    ]
+    # Prefer nodes where the share fits without taking back what is lent.
+    return sorted(
+        fit,
+        key=lambda n: (
+            book.free(n) - prev_lent.get(n, 0) < job.nproc,
+            *book.preference(n, prev_lent),
+        ),
+    )
+
+
+def _lendable(
+    book: _Ledger, job: Demand, live: Mapping[str, NodeCapacity], mine: Sequence[str]
+) -> list[str]:
+    """Nodes that could lend ``job`` a share without touching a hard share or a reservation."""
+    fit = [
+        n.name
+        for n in live.values()
+        if n.name not in mine and job.matches(n) and book.free(n.name, lent=True) >= job.nproc
+    ]
+    return sorted(fit, key=lambda n: book.preference(n, book.lent))
+
+
+def _victims(
+    book: _Ledger,
+    job: Demand,
+    hard: Mapping[str, list[str]],
+    by_id: Mapping[str, Demand],
+    live: Mapping[str, NodeCapacity],
+) -> list[str] | None:
+    """The fewest lower-priority jobs whose stop lets ``job`` fit; None when none would."""
+    candidates = sorted(
+        (j for j in hard if by_id[j].priority < job.priority),
+        key=lambda j: (by_id[j].priority, -by_id[j].created_at, j),
+    )
+    if not candidates:
+        return None
+    freed: dict[str, int] = {}
+
+    def fits() -> bool:
+        able = [
+            n
+            for n in live.values()
+            if job.matches(n) and book.free(n.name) + freed.get(n.name, 0) >= job.nproc
+        ]
+        return len(able) >= job.min_nodes
+
+    chosen: list[str] = []
+    for victim in candidates:
+        if fits():
+            break
+        chosen.append(victim)
+        for n in hard[victim]:
+            freed[n] = freed.get(n, 0) + by_id[victim].nproc
+    if not fits():
+        return None
+    # Spare the ones that turned out not to be needed (the last taken first).
+    for victim in reversed(list(chosen)):
+        for n in hard[victim]:
+            freed[n] -= by_id[victim].nproc
+        if fits():
+            chosen.remove(victim)
+        else:
+            for n in hard[victim]:
+                freed[n] += by_id[victim].nproc
+    return chosen

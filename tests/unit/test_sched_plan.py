@@ -1,0 +1,242 @@
+"""The fleet scheduler's pure decisions, case by case (elasticd.sched.plan.schedule)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.sched.plan import Demand, NodeCapacity, Placement, Plan, schedule
+
+
+def nodes(n: int, slots: int = 1, **labels: str) -> list[NodeCapacity]:
+    return [NodeCapacity(f"n{i}", slots, dict(labels)) for i in range(n)]
+
+
+def job(
+    jid: str,
+    nproc: int = 1,
+    lo: int = 1,
+    hi: int | None = None,
+    prio: int = 0,
+    t: float = 0.0,
+    **sel: str,
+) -> Demand:
+    return Demand(jid, nproc, lo, hi or lo, prio, t, dict(sel))
+
+
+def run(jobs, fleet, plan=None, now=10.0):
+    return schedule(plan or Plan(), jobs, fleet, now)
+
+
+def placed(plan: Plan) -> dict[str, list[str]]:
+    return {j: p.nodes for j, p in plan.placements.items()}
+
+
+def kinds(outcome) -> list[tuple[str, str, str | None]]:
+    return sorted((n.job, n.kind, n.by) for n in outcome.notices)
+
+
+def test_single_node_jobs_spread_over_the_fleet():
+    """50 one-slot jobs on 3 nodes x 2 slots: every slot busy, 2 jobs per node, the rest queued in order."""
+    out = run([job(f"j{i:02}", t=i) for i in range(50)], nodes(3, slots=2))
+    per_node = {}
+    for p in out.plan.placements.values():
+        for n in p.nodes:
+            per_node[n] = per_node.get(n, 0) + 1
+    assert per_node == {"n0": 2, "n1": 2, "n2": 2}
+    assert sorted(out.plan.placements) == [f"j{i:02}" for i in range(6)]
+    assert [e.job for e in out.plan.queue] == [f"j{i:02}" for i in range(6, 50)]
+    assert [e.position for e in out.plan.queue] == list(range(1, 45))
+
+
+def test_least_loaded_then_fewest_jobs():
+    fleet = [NodeCapacity("a", 4), NodeCapacity("b", 4)]
+    plan = Plan(placements={"x": Placement(nodes=["a"], placed_at=0)})
+    out = run([job("x", nproc=2), job("y", nproc=1, t=1)], fleet, plan)
+    assert placed(out.plan)["y"] == ["b"]
+
+
+def test_gang_admission_two_jobs_cannot_split_the_fleet():
+    """Two jobs of min_nodes=3 on 4 nodes: one takes 3 nodes whole, the other waits whole."""
+    out = run([job("a", lo=3, t=1), job("b", lo=3, t=1)], nodes(4))
+    assert placed(out.plan) == {"a": ["n0", "n1", "n2"]}
+    (entry,) = out.plan.queue
+    assert entry.job == "b" and entry.reason == "capacity"
+    assert entry.message == "needs 3 nodes with 1 free slot; 1 matching node has them now"
+    # a ends: b is placed in the very next pass.
+    out = run([job("b", lo=3, t=1)], nodes(4), out.plan)
+    assert len(placed(out.plan)["b"]) == 3 and out.plan.queue == []
+    assert ("b", "placed", None) in kinds(out)
+
+
+def test_spares_take_only_what_nothing_else_wants():
+    """A spare stands by on a free node and is given back the moment a queued job needs it."""
+    fleet = nodes(3)
+    out = run([job("a", lo=2)], fleet)
+    assert out.plan.placements["a"].nodes == ["n0", "n1"]
+    assert out.plan.placements["a"].spares == ["n2"]
+    out = run([job("a", lo=2), job("b", t=1)], fleet, out.plan)
+    assert out.plan.placements["a"].spares == []
+    assert placed(out.plan)["b"] == ["n2"]
+    assert ("a", "shrunk", "b") in kinds(out)
+
+
+def test_three_two_node_jobs_on_four_one_slot_nodes_run_two_at_once():
+    out = run([job(j, lo=2, t=i) for i, j in enumerate("abc")], nodes(4))
+    assert sorted(placed(out.plan)) == ["a", "b"]
+    assert all(p.spares == [] for p in out.plan.placements.values())
+    assert [e.job for e in out.plan.queue] == ["c"]
+
+
+def test_an_elastic_job_shrinks_to_min_nodes_for_a_waiting_job():
+    fleet = nodes(4)
+    out = run([job("a", lo=1, hi=4)], fleet)
+    assert len(placed(out.plan)["a"]) == 4
+    out = run([job("a", lo=1, hi=4), job("b", lo=3, t=1)], fleet, out.plan)
+    assert len(placed(out.plan)["a"]) == 1 and len(placed(out.plan)["b"]) == 3
+    assert kinds(out).count(("a", "shrunk", "b")) == 3
+
+
+def test_lent_nodes_stay_while_taking_them_back_would_not_help():
+    """No churn: a waiting job that would not fit even with the lent nodes leaves them lent."""
+    fleet = nodes(4)
+    out = run([job("a", lo=2, hi=4)], fleet)
+    out = run([job("a", lo=2, hi=4), job("b", lo=3, t=1)], fleet, out.plan)
+    assert len(placed(out.plan)["a"]) == 4
+    assert out.plan.queue[0].job == "b"
+    assert not [n for n in out.notices if n.kind == "shrunk"]
+
+
+def test_a_higher_priority_job_preempts_the_newest_lowest_priority_job():
+    fleet = nodes(3)
+    plan = Plan(
+        placements={
+            "old": Placement(nodes=["n0"], placed_at=0),
+            "new": Placement(nodes=["n1"], placed_at=0),
+            "mid": Placement(nodes=["n2"], placed_at=0),
+        }
+    )
+    jobs = [job("old", t=1), job("new", t=2), job("mid", prio=1, t=3), job("hi", prio=5, t=4)]
+    out = run(jobs, fleet, plan)
+    assert placed(out.plan) == {"old": ["n0"], "mid": ["n2"], "hi": ["n1"]}
+    assert out.plan.preempted["new"].by == "hi"
+    assert ("new", "preempted", "hi") in kinds(out)
+    (entry,) = out.plan.queue
+    assert (
+        entry.job == "new" and entry.preempted_by == "hi" and "preempted by job hi" in entry.message
+    )
+    # Capacity returns: the preempted job is placed again and no longer marked.
+    out = run([job("old", t=1), job("new", t=2), job("mid", prio=1, t=3)], fleet, out.plan)
+    assert "new" in out.plan.placements and out.plan.preempted == {}
+
+
+def test_no_preemption_of_equal_priority_or_when_it_would_not_help():
+    fleet = nodes(2)
+    plan = Plan(placements={"a": Placement(nodes=["n0"], placed_at=0)})
+    out = run([job("a", t=1), job("b", lo=2, t=2)], fleet, plan)
+    assert "a" in out.plan.placements and out.plan.preempted == {}
+    # Higher priority but unable to fit even on an empty fleet of this size: nobody is stopped.
+    out = run([job("a", t=1), job("c", lo=2, nproc=2, prio=9, t=3)], fleet, plan)
+    assert "a" in out.plan.placements and out.plan.preempted == {}
+    assert out.plan.entry("c").reason == "unplaceable"
+
+
+def test_preemption_stops_no_more_jobs_than_needed():
+    fleet = nodes(2, slots=2)
+    plan = Plan(
+        placements={
+            "x": Placement(nodes=["n0"], placed_at=0),
+            "y": Placement(nodes=["n1"], placed_at=0),
+        }
+    )
+    jobs = [job("x", nproc=2, t=1), job("y", nproc=1, t=2), job("h", nproc=1, prio=1, t=3)]
+    out = run(jobs, fleet, plan)
+    assert placed(out.plan) == {"x": ["n0"], "y": ["n1"], "h": ["n1"]}  # room on n1: nobody stops
+    jobs = [job("x", nproc=2, t=1), job("y", nproc=1, t=2), job("h", nproc=2, prio=1, t=3)]
+    out = run(jobs, fleet, plan)
+    assert out.plan.preempted.keys() == {"y"}
+    assert placed(out.plan)["h"] == ["n1"]
+
+
+def test_unplaceable_job_is_flagged_once_with_the_numbers():
+    fleet = nodes(2, slots=2, gpu="a100")
+    out = run([job("big", nproc=3)], fleet)
+    (entry,) = out.plan.queue
+    assert entry.reason == "unplaceable"
+    assert (
+        "needs 1 node with 3 slots" in entry.message
+        and "the cluster has 0 such nodes" in entry.message
+    )
+    assert kinds(out) == [("big", "unplaceable", None)]
+    again = run([job("big", nproc=3)], fleet, out.plan, now=20.0)
+    assert again.notices == [] and again.plan.queue[0].since == 10.0
+    sel = run([job("h", gpu="h100")], fleet)
+    assert (
+        "matching gpu=h100" in sel.plan.queue[0].message
+        and "0 live nodes" in sel.plan.queue[0].message
+    )
+
+
+def test_backfill_uses_only_what_the_waiting_job_cannot_use():
+    """A small job behind a blocked big one starts on slots the big one will never need."""
+    fleet = nodes(3, slots=2)
+    plan = Plan(placements={"run": Placement(nodes=["n0"], placed_at=0)})
+    jobs = [
+        job("run", nproc=2, t=0),
+        job("big", nproc=1, lo=3, t=1),
+        job("small", nproc=1, t=2),
+        job("wide", nproc=2, t=3),
+    ]
+    out = run(jobs, fleet, plan)
+    assert out.plan.entry("big").reserved == ["n1", "n2", "n0"]
+    assert "small" in out.plan.placements  # backfilled on a slot big leaves free
+    assert out.plan.entry("wide").reason == "capacity"  # would take a slot big waits for
+    # run ends: big starts at once, not delayed by the backfilled job.
+    out = run(jobs[1:], fleet, out.plan)
+    assert len(placed(out.plan)["big"]) == 3
+
+
+def test_queue_order_is_priority_then_fifo():
+    out = run(
+        [
+            job("a", lo=5, t=1),
+            job("b", lo=5, t=2, prio=3),
+            job("c", lo=5, t=0),
+            job("d", lo=5, t=0, prio=3),
+        ],
+        nodes(4),
+    )
+    assert [e.job for e in out.plan.queue] == ["d", "b", "c", "a"]
+
+
+def test_a_lost_node_is_replaced_and_a_spare_is_promoted():
+    plan = Plan(placements={"a": Placement(nodes=["n0", "n1"], spares=["n2"], placed_at=1)})
+    fleet = [n for n in nodes(4) if n.name != "n1"]
+    out = run([job("a", lo=2)], fleet, plan)
+    assert out.plan.placements["a"].nodes == ["n0", "n2"]
+    assert out.plan.placements["a"].spares == ["n3"]
+    assert out.plan.placements["a"].placed_at == 1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_plan_is_stable_when_nothing_changes(seed):
+    fleet = nodes(4, slots=2)
+    jobs = [
+        job(f"j{i}", nproc=1 + (i + seed) % 2, lo=1 + (i * seed) % 3, hi=3, prio=i % 2, t=i)
+        for i in range(7)
+    ]
+    first = run(jobs, fleet)
+    second = run(jobs, fleet, first.plan, now=99.0)
+    assert second.plan == first.plan
+    assert second.notices == []
+
+
+def test_slots_are_never_overcommitted():
+    fleet = nodes(3, slots=3)
+    jobs = [job(f"j{i}", nproc=1 + i % 3, lo=1 + i % 2, hi=3, t=i) for i in range(12)]
+    out = run(jobs, fleet)
+    use = {n.name: 0 for n in fleet}
+    need = {j.id: j.nproc for j in jobs}
+    for jid, p in out.plan.placements.items():
+        for n in p.nodes + p.spares:
+            use[n] += need[jid]
+    assert all(v <= 3 for v in use.values()), use

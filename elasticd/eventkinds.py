@@ -25,6 +25,10 @@ class EventKind(enum.StrEnum):
     JOB_REFUSED = "job.refused"
     JOB_CANCEL_REQUESTED = "job.cancel_requested"
     JOB_UNSCHEDULABLE = "job.unschedulable"
+    JOB_QUEUED = "job.queued"
+    JOB_PLACED = "job.placed"
+    JOB_PREEMPTED = "job.preempted"
+    JOB_SHRUNK = "job.shrunk"
     DAEMON_STOPPED = "daemon.stopped"
     AGENT_ERROR = "agent.error"
     AGENT_CRASHED = "agent.crashed"
@@ -71,7 +75,19 @@ MEANING: dict[EventKind, str] = {
     EventKind.JOB_RESUMED: "A job left active by a daemon that stopped goes on as a new attempt.",
     EventKind.JOB_REFUSED: "A job document in the store failed the daemon's checks.",
     EventKind.JOB_CANCEL_REQUESTED: "A user asked to cancel.",
-    EventKind.JOB_UNSCHEDULABLE: "No node of the cluster could ever run it.",
+    EventKind.JOB_UNSCHEDULABLE: (
+        "No set of live nodes could ever hold it (too few match with enough slots); it waits, "
+        "flagged, until such nodes join."
+    ),
+    EventKind.JOB_QUEUED: "It waits in the fleet queue for capacity (the message says what).",
+    EventKind.JOB_PLACED: "The fleet scheduler chose the nodes that run it (and its hot spare).",
+    EventKind.JOB_PREEMPTED: (
+        "A higher-priority job (named) took its nodes: its workers are stopped with their grace "
+        "and it goes back to the queue, no restart charged."
+    ),
+    EventKind.JOB_SHRUNK: (
+        "A lent node (above min_nodes) or its hot spare was given back for another job (named)."
+    ),
     EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
     EventKind.AGENT_ERROR: "The agent hit an internal error.",
     EventKind.AGENT_CRASHED: "The agent task died; its workers were stopped.",

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from elasticd.sched.plan import Placement, QueueEntry
 from elasticd.states import JobState, WorkerState
 
 MAX_ARGS = 4096
@@ -334,12 +335,30 @@ class Job(BaseModel):
         default=None, description="Phase durations of the latest recovery."
     )
     recovery_totals: RecoveryTotals = Field(default_factory=RecoveryTotals)
+    queue: QueueEntry | None = Field(
+        default=None,
+        description="While the job waits for nodes: its place in the fleet's queue and why "
+        "(filled in when served, never stored).",
+    )
+    nodes: list[str] | None = Field(
+        default=None,
+        description="The nodes the fleet scheduler placed it on, hot spares last (when served).",
+    )
 
     @model_validator(mode="after")
     def _ids_agree(self) -> Job:
         if self.spec.id is not None and self.spec.id != self.id:
             raise ValueError(f"the job's id {self.id!r} differs from its spec's {self.spec.id!r}")
         return self
+
+
+class QueueView(BaseModel):
+    """``GET /queue``: the jobs that wait, in the order they will be placed, and the placements."""
+
+    queue: list[QueueEntry]
+    placements: dict[str, Placement] = Field(
+        description="Job id -> the nodes that run it (hard share first) and its hot spares."
+    )
 
 
 class JobEdit(TypedDict, total=False):

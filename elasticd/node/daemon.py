@@ -81,6 +81,7 @@ from elasticd.node.db import Database
 from elasticd.node.events import EventLog
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
+from elasticd.node.scheduler import FleetScheduler
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.storage import StorageHealth
 from elasticd.store import (
@@ -225,6 +226,7 @@ class Daemon:
         self.events: EventLog
         self.jobs: JobService
         self.cluster: Cluster
+        self.scheduler: FleetScheduler | None = None
         self.metrics: Metrics
         self.containment: Containment
 
@@ -350,6 +352,11 @@ class Daemon:
         if not self.config.store_only:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
+            self.scheduler = FleetScheduler(
+                self.store, self.events, on_plan=self.jobs.on_plan, clock=self.clock
+            )
+            stack.push_async_callback(self.scheduler.stop)
+            await self.scheduler.start()
         self._state = DaemonState.RUNNING
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ
@@ -524,6 +531,8 @@ class Daemon:
         self.metrics.on_jobs(jobs)
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_jobs(jobs)
+            if self.scheduler is not None:
+                self.scheduler.wake()
 
     def request_stop(self, sig: signal.Signals | None = None) -> None:
         """Ask the daemon to shut down (what SIGTERM/SIGINT do; ``sig`` is remembered)."""
@@ -564,6 +573,8 @@ class Daemon:
         log.info("elasticd stopped")
 
     async def _stop_jobs(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()  # no new placement from a node that is leaving
         self.jobs.stop_accepting()
         await self.jobs.stop_agents()
 

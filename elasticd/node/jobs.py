@@ -73,6 +73,7 @@ from elasticd.models import (
     JobList,
     JobMutation,
     JobSpec,
+    QueueView,
     WorkersView,
     valid_job_id,
 )
@@ -80,6 +81,7 @@ from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, valid
 from elasticd.node.events import EventLog
 from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
+from elasticd.sched.plan import Plan
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
@@ -170,6 +172,10 @@ class JobService:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._known: dict[str, Job] = {}
         self._watched = False
+        #: The fleet's plan as last seen (``sched/plan``): agents run only where it places them.
+        self.plan: Plan | None = None
+        #: Jobs whose agent here is being stopped because the plan no longer places them here.
+        self._unplaced: set[str] = set()
         #: Work nobody awaits where it starts (slot counts, refusals, a dead agent's
         #: clean-up): owned here, finished or cancelled by stop_agents.
         self._background = TaskSet("jobs")
@@ -482,7 +488,22 @@ class JobService:
         entry = await self.store.get(job_key(job_id))
         if entry is None:
             raise JobNotFound(f"no job with id {job_id!r}")
-        return parse_job(job_id, entry.value)
+        return self._as_served(parse_job(job_id, entry.value))
+
+    def _as_served(self, job: Job) -> Job:
+        """The job with its place in the fleet's plan (queue entry, nodes) filled in."""
+        if self.plan is None or job.state.is_terminal:
+            return job
+        nodes = self.plan.nodes_of(job.id)
+        return job.model_copy(update={"queue": self.plan.entry(job.id), "nodes": nodes or None})
+
+    def queue(self) -> QueueView:
+        """The fleet's queue in order, and where the placed jobs run (``GET /queue``)."""
+        plan = self.plan or Plan()
+        return QueueView(
+            queue=list(plan.queue),
+            placements={j: p.model_copy() for j, p in plan.placements.items()},
+        )
 
     async def _all_jobs(self) -> list[Job]:
         from elasticd.node.cluster import parse_jobs
@@ -495,7 +516,7 @@ class JobService:
             wanted = set(state)
             jobs = [j for j in jobs if j.state in wanted]
         jobs.sort(key=lambda j: (-j.created_at, j.id))
-        page = jobs[offset : offset + limit]
+        page = [self._as_served(j) for j in jobs[offset : offset + limit]]
         next_offset = offset + len(page) if offset + len(page) < len(jobs) else None
         return JobList(jobs=page, total=len(jobs), next_offset=next_offset)
 
@@ -686,7 +707,7 @@ class JobService:
             log.warning("cannot record the refusal under %s: %s", key, exc)
 
     def on_jobs(self, jobs: list[Job]) -> None:
-        """Called with every job document whenever one changes: start agents we should run."""
+        """Called with every job document whenever one changes."""
         self._watched = True  # _known now mirrors the store
         known = {j.id: j for j in jobs}
         for gone in self._known.keys() - known.keys():
@@ -695,36 +716,61 @@ class JobService:
             self._done_here.discard(gone)
             self._agent_crashes.pop(gone, None)
         self._known = known
-        if not self._accepting:
+        self._reconcile()
+
+    def on_plan(self, plan: Plan) -> None:
+        """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
+        self.plan = plan
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Start the agents the plan places here; stop the ones it no longer places here.
+
+        A placement is a share of this node's slots held for the job; the
+        agent starts as soon as the slots are free here (a job the plan took
+        them from may still be stopping its workers within their grace).
+        """
+        if not self._accepting or self.plan is None:
             return
-        for job in sorted(jobs, key=lambda j: j.created_at):
+        plan = self.plan
+        for job in sorted(self._known.values(), key=lambda j: (-j.spec.priority, j.created_at)):
+            if job.state not in JOB_ACTIVE:
+                continue
+            here = self.node in plan.nodes_of(job.id)
+            if job.id in self._agents:
+                if not here and job.id not in self._unplaced:
+                    self._stop_unplaced(job.id)
+                continue
             if (
-                job.state not in JOB_ACTIVE
-                or job.id in self._agents
+                not here
                 or job.id in self._done_here
                 or job.id in self._crashing  # its dead agent's workers are still being stopped
+                or job.spec.nproc_per_node > len(self._free)
             ):
-                continue
-            spec = job.spec
-            if not selector_matches(spec.node_selector, self.config.labels):
-                continue
-            if spec.nproc_per_node > self._slots:
-                if spec.max_nodes == 1:  # no other node could take it either way
-                    self._background.spawn(self._unschedulable(job), name=f"unschedulable-{job.id}")
-                continue
-            if spec.nproc_per_node > len(self._free):
                 continue
             self._start_agent(job)
 
-    async def _unschedulable(self, job: Job) -> None:
-        reason = (
-            f"node {self.node} has {self._slots} slots; the job needs {job.spec.nproc_per_node} "
-            "per node (set --slots, or lower nproc_per_node)"
-        )
-        self._done_here.add(job.id)
-        self.events.emit(job.id, "daemon", EventKind.JOB_UNSCHEDULABLE, reason, state="FAILED")
-        with contextlib.suppress(InvalidTransition, StoreError):
-            await self.update_job(job.id, state=JobState.FAILED, reason=reason)
+    def _stop_unplaced(self, job_id: str) -> None:
+        """The plan took this node from the job (preempted, shrunk, spare given back)."""
+        self._unplaced.add(job_id)
+        task = self._tasks.get(job_id)
+        if task is not None:
+            log.info("job %s: no longer placed on %s; stopping its agent", job_id, self.node)
+            task.cancel()  # stops the workers with their grace and leaves the rendezvous
+
+    async def _after_unplaced(self, job_id: str) -> None:
+        """A job the plan no longer places anywhere goes back to PENDING (queued), uncharged."""
+        plan = self.plan
+        if plan is None or plan.nodes_of(job_id):
+            return  # still placed elsewhere (shrunk) or here again: nothing to record
+        entry = plan.entry(job_id)
+        reason = f"waiting in the queue: {entry.message}" if entry else "waiting in the queue"
+        try:
+            job = await self.get(job_id)
+            if job.state in (JobState.RUNNING, JobState.RESTARTING):
+                await self.update_job(job_id, state=JobState.PENDING, reason=reason)
+        except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
+            log.warning("job %s: could not record its return to the queue: %s", job_id, exc)
 
     def _rendezvous(self, job: Job) -> StoreRendezvous:
         spec = job.spec
@@ -813,9 +859,12 @@ class JobService:
                 )
                 return
             self._release(job_id)
-            if not task.cancelled():
+            if job_id in self._unplaced:
+                self._unplaced.discard(job_id)
+                self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")
+            elif not task.cancelled():
                 self._done_here.add(job_id)
-                self.on_jobs(list(self._known.values()))
+            self._reconcile()
 
         return done
 
@@ -897,7 +946,7 @@ class JobService:
             if give_up:
                 self._done_here.add(job_id)
             elif self._accepting:
-                self.on_jobs(list(self._known.values()))  # a new agent takes the job up
+                self._reconcile()  # a new agent takes the job up
 
     def _publish_slots(self) -> None:
         if self._accepting:

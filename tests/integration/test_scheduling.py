@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from api.app import create_app
-from tests.conftest import PY, make_daemon, script, wait_job
+from tests.conftest import PY, events_of, make_daemon, script, wait_job
 
 
 @pytest.fixture
@@ -52,12 +52,28 @@ async def test_jobs_queue_for_free_slots(small, tmp_path):
     assert (await wait_job(small, b["id"]))["state"] == "SUCCEEDED"
 
 
-async def test_job_larger_than_the_node_fails_with_a_reason(small):
-    """nproc_per_node above the node's slots fails at once, saying how to fix it."""
-    r = await small.post("/jobs", json={"entrypoint": PY, "nproc_per_node": 3})
-    job = await wait_job(small, r.json()["id"])
-    assert job["state"] == "FAILED"
-    assert "2 slots" in job["reason"] and "needs 3" in job["reason"]
+async def test_job_larger_than_the_fleet_is_flagged_not_failed(small):
+    """nproc_per_node above every node's slots: flagged unplaceable with the numbers, never FAILED.
+
+    Nodes may join later; a job fails only for its own workers or its budget.
+    """
+    r = await small.post("/jobs", json={"id": "big", "entrypoint": PY, "nproc_per_node": 3})
+    assert r.status_code == 201
+    async with asyncio.timeout(10):
+        while True:
+            job = (await small.get("/jobs/big")).json()
+            if job["queue"] is not None:
+                break
+            await asyncio.sleep(0.02)
+    assert job["state"] == "PENDING"
+    assert job["queue"]["reason"] == "unplaceable"
+    assert "needs 1 node with 3 slots" in job["queue"]["message"]
+    assert "the cluster has 0 such nodes" in job["queue"]["message"]
+    kinds = [e["kind"] for e in await events_of(small, "big")]
+    assert kinds.count("job.unschedulable") == 1
+    queue = (await small.get("/queue")).json()
+    assert [e["job"] for e in queue["queue"]] == ["big"]
+    await small.post("/jobs/big/cancel", json={})
 
 
 async def test_node_selector_is_honoured(small):

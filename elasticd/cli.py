@@ -411,7 +411,9 @@ def _report(job: dict[str, Any]) -> int:
 
 # client commands: talk to a running daemon
 
-CLIENT_COMMANDS = frozenset({"submit", "jobs", "status", "workers", "events", "logs", "cancel"})
+CLIENT_COMMANDS = frozenset(
+    {"submit", "jobs", "queue", "status", "workers", "events", "logs", "cancel"}
+)
 
 
 def _client_commands(sub: Any) -> None:
@@ -436,6 +438,11 @@ def _client_commands(sub: Any) -> None:
     submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
     submit.add_argument("--max-restarts", "--max_restarts", type=int)
     submit.add_argument("--role")
+    submit.add_argument(
+        "--priority",
+        type=int,
+        help="queue order (default 0): higher is placed first and may preempt lower",
+    )
     submit.add_argument("--redirects", "-r")
     submit.add_argument("--tee", "-t")
     submit.add_argument("--local-ranks-filter", "--local_ranks_filter")
@@ -457,6 +464,9 @@ def _client_commands(sub: Any) -> None:
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
     jobs.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
     jobs.add_argument("--limit", type=int, default=50)
+    sub.add_parser(
+        "queue", parents=[common], help="the fleet's queue in placement order, and why each waits"
+    )
 
     for name, text in (
         ("status", "one job: state, restarts, root cause"),
@@ -583,6 +593,7 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
         "master_addr": args.master_addr,
         "master_port": args.master_port,
         "cwd": args.cwd,
+        "priority": args.priority,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
     if args.nnodes:
@@ -643,6 +654,29 @@ def _cmd_jobs(client: Any, args: argparse.Namespace) -> int:
     print(_table(rows, ["ID", "STATE", "RESTARTS", "NODESxPROCS", "AGE", "COMMAND"]))
     if page.next_offset is not None:
         print(f"... {page.total - len(page.jobs)} more (use --limit)")
+    return 0
+
+
+def _cmd_queue(client: Any, args: argparse.Namespace) -> int:
+    view = client.queue()
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return 0
+    if not view.queue:
+        print(f"no job waits ({len(view.placements)} placed)")
+        return 0
+    rows = [
+        [
+            str(e.position),
+            e.job,
+            str(e.priority),
+            e.reason,
+            _age(e.since),
+            e.message,
+        ]
+        for e in view.queue
+    ]
+    print(_table(rows, ["POS", "ID", "PRIO", "REASON", "WAITING", "WHY"]))
     return 0
 
 
@@ -764,6 +798,7 @@ def _cmd_cancel(client: Any, args: argparse.Namespace) -> int:
 _HANDLERS = {
     "submit": _cmd_submit,
     "jobs": _cmd_jobs,
+    "queue": _cmd_queue,
     "status": _cmd_status,
     "workers": _cmd_workers,
     "events": _cmd_events,

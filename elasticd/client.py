@@ -35,7 +35,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from elasticd import tokens
 from elasticd.errors import ElasticdError
-from elasticd.models import Event, Job, JobList, JobSpec, WorkersView
+from elasticd.models import Event, Job, JobList, JobSpec, QueueView, WorkersView
 from elasticd.states import JobState
 
 __all__ = [
@@ -319,6 +319,10 @@ class Client:
     def cancel(self, job_id: str) -> Job:
         return _parse(Job, self._request("POST", f"/jobs/{job_id}/cancel", json={}))
 
+    def queue(self) -> QueueView:
+        """The fleet's queue in placement order, and where placed jobs run."""
+        return _parse(QueueView, self._request("GET", "/queue"))
+
     def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, self._request("GET", f"/jobs/{job_id}/workers"))
 
@@ -475,6 +479,10 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> Job:
         return _parse(Job, await self._request("POST", f"/jobs/{job_id}/cancel", json={}))
+
+    async def queue(self) -> QueueView:
+        """The fleet's queue in placement order, and where placed jobs run."""
+        return _parse(QueueView, await self._request("GET", "/queue"))
 
     async def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, await self._request("GET", f"/jobs/{job_id}/workers"))

@@ -50,6 +50,7 @@ class LocalCluster:
     nodes: dict[str, Node] = field(default_factory=dict)
     store_url: str | None = None
     daemon_flags: tuple[str, ...] = ()
+    slots: int = 2
 
     def __post_init__(self) -> None:
         self.token_file = self.root / "token"
@@ -83,7 +84,7 @@ class LocalCluster:
             "--state-dir",
             str(state),
             "--slots",
-            "2",
+            str(self.slots),
             "--token-file",
             str(self.token_file),
             *extra,

@@ -354,12 +354,20 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
             await kept.shutdown()
 
 
-async def test_a_join_that_times_out_fails_the_job_with_the_reason(client):
-    """min_nodes 2 on a one-node cluster: the join times out, the job is FAILED and says why."""
+async def test_a_join_that_times_out_fails_the_job_with_the_reason(client, daemon):
+    """Placed on two nodes, one of which never joins: the join times out, FAILED, and says why.
+
+    The scheduler places a gang only on live nodes, so the second node here is a
+    record bound to a lease the test keeps alive, with no daemon behind it.
+    """
+    lease = await daemon.store.grant(30)
+    ghost = daemon.cluster.record.model_copy(update={"name": "ghost", "url": "http://127.0.0.1:9"})
+    await daemon.store.put("nodes/ghost", ghost.model_dump_json().encode(), lease=lease)
     spec = {"entrypoint": PY, "args": ["-c", "pass"], "min_nodes": 2, "max_nodes": 2}
     r = await client.post("/jobs", json={**spec, "join_timeout": 1})
     assert r.status_code == 201, r.text
     job = await wait_job(client, r.json()["id"], timeout=30)
+    await daemon.store.revoke(lease)
     assert job["state"] == "FAILED" and "rendezvous failed" in job["reason"], job
     (failed,) = [e for e in await events_of(client, job["id"]) if e["kind"] == "rendezvous.failed"]
     assert failed["source"] == "rendezvous" and failed["state"] == "FAILED"

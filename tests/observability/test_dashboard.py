@@ -113,6 +113,14 @@ async def test_dashboard_shows_workers_and_the_restart(tmp_path):
                     assert "signal 9" in timeline or "SIGKILL" in timeline
                     jobs_table = await page.inner_text("#jobs")
                     assert "resnet-demo" in jobs_table and "RUNNING" in jobs_table
+                    # A job that needs more slots than are free waits, and the page says why.
+                    r = await api.post(
+                        "/jobs", json={"id": "waiting", "entrypoint": PY, "nproc_per_node": 8}
+                    )
+                    assert r.status_code == 201
+                    await page.wait_for_selector('tr.queue-row[data-job="waiting"]')
+                    queue_text = await page.inner_text("#queue")
+                    assert "needs 1 node with 8 free slots" in queue_text
                     await page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
                 finally:
                     await browser.close()

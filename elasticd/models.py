@@ -419,6 +419,8 @@ class Event(BaseModel):
     """How many things the event is about (``workers.strays``: processes killed)."""
     pids: list[int] | None = None
     """The processes it is about (``workers.strays``: the ones killed)."""
+    by: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    """The job that caused it (``job.preempted``, ``job.shrunk``)."""
 
 
 class WorkerView(BaseModel):

@@ -214,7 +214,7 @@ async def test_queue_lists_priority_then_fifo_and_a_slot_freeing_starts_the_next
     with LocalCluster(tmp_path, slots=1) as cluster:
         await cluster.start_all("n0")
         async with cluster.client() as c:
-            await post(c, sleeper("blocker", 600))
+            await post(c, sleeper("blocker", 600, priority=10))  # nobody preempts it
             await until(c, "blocker", lambda j: j["state"] == "RUNNING")
             for body in (sleeper("a", 0.1), sleeper("b", 0.1), sleeper("c", 0.1, priority=5)):
                 await post(c, body)
@@ -232,7 +232,6 @@ async def test_queue_lists_priority_then_fifo_and_a_slot_freeing_starts_the_next
             await c.post("/jobs/blocker/cancel", json={})
             for job_id in ("c", "a", "b"):
                 await until(c, job_id, lambda j: j["state"] == "SUCCEEDED", 30)
-            order = sorted(("c", "a", "b"), key=lambda j: 0)
-            started = {j: (await state_of(c, j))["started_at"] for j in order}
+            started = {j: (await state_of(c, j))["started_at"] for j in ("c", "a", "b")}
             assert started["c"] < started["a"] < started["b"], started
             assert started["c"] > t0

@@ -327,6 +327,14 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(runs_jobs:
     second node: the job FAILS naming the malformed document; the daemon keeps serving."""
     key = state_key("garbled")
     with _client(runs_jobs) as c:
+        # A second live node (a record bound to a lease, no daemon behind it), so that the
+        # fleet scheduler places the two-node job and this node's agent joins and waits.
+        lease = c.post("/store/leases", json={"ttl": 120}).json()["lease"]
+        me = c.get("/nodes").json()[0]
+        ghost = {**me, "name": "ghost", "url": "http://127.0.0.1:9"}
+        value = base64.b64encode(json.dumps(ghost).encode()).decode()
+        r = c.put("/store/kv", json={"key": "nodes/ghost", "value": value, "lease": lease})
+        assert r.status_code == 200, r.text
         r = c.post(
             "/jobs",
             json={"id": "garbled", "entrypoint": "/bin/true", "min_nodes": 2, "join_timeout": 60},

@@ -220,3 +220,32 @@ async def test_cli_token_and_unreachable(tmp_path, capsys, monkeypatch):
     assert rc == 1 and "cannot reach the elasticd daemon" in err
     rc, _, err = await run_cli(capsys, "jobs", "--token-file", str(Path(tmp_path, "missing")))
     assert rc == 1 and "cannot read the token file" in err
+
+
+async def test_cli_queue_and_priority(live, tmp_path, capsys, monkeypatch):
+    """`elasticd submit --priority` and `elasticd queue`: the order the fleet will place jobs in."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    monkeypatch.delenv("ELASTICD_TOKEN_FILE", raising=False)
+    sleep = ["--", PY, "-c", "import time; time.sleep(60)"]
+    rc, out, _ = await run_cli(capsys, "queue")
+    assert (rc, out) == (0, "no job waits (0 placed)\n")
+    # The node has 8 slots: the blocker takes them all, at a priority nobody below preempts.
+    for job_id, prio in (("blocker", "9"), ("low", "0"), ("high", "3")):
+        argv = ["submit", "--id", job_id, "--nproc-per-node", "8", "--priority", prio]
+        rc, _, err = await run_cli(capsys, *argv, "--termination-grace", "1", *sleep)
+        assert rc == 0, err
+    async with asyncio.timeout(20):
+        while True:
+            rc, out, _ = await run_cli(capsys, "queue", "--json")
+            if len(json.loads(out)["queue"]) == 2:
+                break
+            await asyncio.sleep(0.05)
+    rc, out, _ = await run_cli(capsys, "queue")
+    header, first, second = out.splitlines()
+    assert header.split() == ["POS", "ID", "PRIO", "REASON", "WAITING", "WHY"]
+    assert first.split()[:4] == ["1", "high", "3", "capacity"]
+    assert second.split()[:4] == ["2", "low", "0", "capacity"]
+    assert "needs 1 node with 8 free slots; 0 matching nodes have them now" in first
+    for job_id in ("blocker", "low", "high"):
+        rc, _, _ = await run_cli(capsys, "cancel", job_id)
+        assert rc == 0

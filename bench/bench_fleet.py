@@ -171,6 +171,8 @@ async def handoff(root: Path, reps: int) -> dict[str, Any]:
 async def measure(quick: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         root = Path(tmp)
+        for part in ("burst", "gangs", "handoff"):
+            (root / part).mkdir()
         return {
             "machine": machine_info(),
             "burst": await burst(root / "burst", 20 if quick else 50),

@@ -70,6 +70,28 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
             time.sleep(0.5)
         assert job["state"] == "SUCCEEDED", (job, text[-4000:])
         assert len(get("http://127.0.0.1:7071/nodes", token)) == 3
+        # The next recipe, on the same cluster: priority, the queue, `elasticd queue`, --priority.
+        fleet = subprocess.run(
+            ["bash", "-c", recipe("### Sharing the fleet")],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert fleet.returncode == 0, fleet.stdout + fleet.stderr
+        assert '"queue":' in fleet.stdout and "submitted" in fleet.stdout, fleet.stdout
+        submitted = re.search(r"job (\S+) submitted", fleet.stdout)
+        assert submitted, fleet.stdout
+        for job_id in ("urgent", submitted.group(1)):
+            deadline = time.monotonic() + 60
+            while (job := get(f"http://127.0.0.1:7070/jobs/{job_id}", token))["state"] not in (
+                "SUCCEEDED",
+                "FAILED",
+            ):
+                assert time.monotonic() < deadline, job
+                time.sleep(0.2)
+            assert job["state"] == "SUCCEEDED", job
     finally:
         os.killpg(shell.pid, signal.SIGTERM)
         deadline = time.monotonic() + 60

@@ -82,6 +82,7 @@ from elasticd.node.events import EventLog
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
+from elasticd.sched.plan import Plan
 from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
 from elasticd.storage import StorageHealth
 from elasticd.store import (
@@ -353,7 +354,7 @@ class Daemon:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
             self.scheduler = FleetScheduler(
-                self.store, self.events, on_plan=self.jobs.on_plan, clock=self.clock
+                self.store, self.events, on_plan=self._on_plan, clock=self.clock
             )
             stack.push_async_callback(self.scheduler.stop)
             await self.scheduler.start()
@@ -526,6 +527,10 @@ class Daemon:
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_refused(key, reason)
+
+    def _on_plan(self, plan: Plan) -> None:
+        self.metrics.on_plan(plan)
+        self.jobs.on_plan(plan)
 
     def _on_jobs(self, jobs: list[Job]) -> None:
         self.metrics.on_jobs(jobs)

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.models import Event, Job
+from elasticd.sched.plan import Plan
 from elasticd.states import JobState, WorkerState
 
 __all__ = [
@@ -224,6 +225,32 @@ class _JobSeries(Collector):
                 flaky.add_metric([job_id, role], value)
         yield flaky
 
+        queued = GaugeMetricFamily(
+            "elasticd_queued_jobs",
+            "Jobs waiting in the fleet's queue, by reason (capacity, unplaceable).",
+            labels=["reason"],
+        )
+        waiting = dict.fromkeys(("capacity", "unplaceable"), 0)
+        for entry in m.plan.queue:
+            waiting[entry.reason] = waiting.get(entry.reason, 0) + 1
+        for reason, count in waiting.items():
+            queued.add_metric([reason], count)
+        yield queued
+        placed = GaugeMetricFamily(
+            "elasticd_placed_slots",
+            "Slots the fleet's plan gives to jobs on each node (hot spares included).",
+            labels=["node"],
+        )
+        slots: dict[str, int] = {}
+        for job_id, placement in m.plan.placements.items():
+            placed_job = m.jobs.get(job_id)
+            if placed_job is not None:
+                for node in [*placement.nodes, *placement.spares]:
+                    slots[node] = slots.get(node, 0) + placed_job.spec.nproc_per_node
+        for node, count in sorted(slots.items()):
+            placed.add_metric([node], count)
+        yield placed
+
 
 class Metrics:
     """One daemon's metrics: feed it with :meth:`on_event` and :meth:`on_jobs`, scrape
@@ -233,6 +260,8 @@ class Metrics:
         self.keep_finished = keep_finished
         #: The latest job documents, by id.
         self.jobs: dict[str, Job] = {}
+        #: The fleet's latest plan (the scheduler's plan watch hands it over).
+        self.plan = Plan()
         #: (job, node) -> the current state of a worker group this node runs or ran.
         self.group_states: dict[tuple[str, str], str] = {}
         #: job -> (role, flakiness) of the finished jobs this node ran.
@@ -259,6 +288,11 @@ class Metrics:
         )
         for reason in EXIT_REASONS:
             self.worker_exits.labels(reason)
+        self.preemptions = Counter(
+            "elasticd_preemptions",
+            "Jobs this node's scheduler preempted (job.preempted events it wrote).",
+            registry=r,
+        )
         self.rendezvous_rounds = Counter(
             "elasticd_rendezvous_rounds", "Rendezvous rounds this node completed.", registry=r
         )
@@ -301,6 +335,10 @@ class Metrics:
 
     # inputs
 
+    def on_plan(self, plan: Plan) -> None:
+        """Take the fleet's current plan (queue and placements)."""
+        self.plan = plan
+
     def on_jobs(self, jobs: Iterable[Job]) -> None:
         """Take the cluster's current job documents (all of them)."""
         self.jobs = {job.id: job for job in jobs}
@@ -328,6 +366,8 @@ class Metrics:
                 self.phase_duration.labels(phase).observe(event.duration_s)
         if kind == EventKind.RENDEZVOUS_COMPLETE:
             self.rendezvous_rounds.inc()
+        if kind == EventKind.JOB_PREEMPTED:
+            self.preemptions.inc()
         elif kind == EventKind.GROUP_RESTARTING:
             self.restarts.inc()
             self._recovering.add(job_id)

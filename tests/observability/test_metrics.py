@@ -137,6 +137,26 @@ def test_per_job_series_keep_only_recent_finished_jobs():
     assert value(scrape, "elasticd_jobs", state="SUCCEEDED") == 5
 
 
+def test_queue_and_placement_series_come_from_the_plan():
+    from elasticd.sched.plan import Placement, Plan, QueueEntry
+
+    sink = Metrics()
+    sink.on_jobs([job("a", JobState.RUNNING), job("b", JobState.PENDING)])
+    entry = QueueEntry(job="b", position=1, priority=0, reason="capacity", message="m", since=0)
+    sink.on_plan(
+        Plan(
+            placements={"a": Placement(nodes=["n0", "n1"], spares=["n2"], placed_at=0)},
+            queue=[entry],
+        )
+    )
+    sink.on_event(event("job.preempted", "b"))
+    scrape = samples(sink.render().decode())
+    assert value(scrape, "elasticd_queued_jobs", reason="capacity") == 1
+    assert value(scrape, "elasticd_queued_jobs", reason="unplaceable") == 0
+    assert value(scrape, "elasticd_placed_slots", node="n2") == 1
+    assert value(scrape, "elasticd_preemptions_total") == 1
+
+
 def test_store_requests_are_observed():
     """observe_store_request feeds the latency histogram and the error counter."""
     m.observe_store_request("get_test", 0.002)

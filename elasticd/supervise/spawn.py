@@ -36,8 +36,9 @@ One way to start anything: :func:`start_process`
     would tell the job about them. (``subprocess``'s own ``cwd=`` is not
     used for that reason: it changes folder *before* the user switch.) The
     shell reports a failure through its stdin, the write end of a pipe the
-    daemon reads to EOF; the exec replaces stdin with ``/dev/null``, so EOF
-    with nothing written means the program runs. A failure becomes a clear
+    daemon reads to EOF; the exec replaces stdin with ``/dev/null`` (or, for
+    ``elasticd run``'s workers, the launcher's stdin: ``SpawnPolicy.worker_stdin``),
+    so EOF with nothing written means the program runs. A failure becomes a clear
     :class:`~elasticd.errors.WorkerSpawnError` (ENOENT, ENOTDIR or EACCES
     and the path, as the user sees them). The program's ``argv[0]`` is the
     path it was found at.

@@ -199,3 +199,28 @@ def test_torchrun_agents_restart_a_crashed_worker_on_the_daemons_rendezvous(
     assert state["closed"] is True and state["round"] >= 1
     assert not [k for k in keys if k.startswith("rdzv/tr1/m/node/")]
     assert store_keys(node, "jobs/tr1/torchrun/1/")  # the agents' store of the second round
+
+    # Operators see the run, read-only: its document, both nodes, and their events.
+    with httpx.Client(
+        base_url=node.nodes["n0"].url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    ) as api:
+        assert "tr1" in [j["id"] for j in api.get("/jobs").json()["jobs"]]
+        job = api.get("/jobs/tr1").json()
+        assert (job["launcher"], job["state"]) == ("torchrun", "SUCCEEDED"), job
+        assert job["round"] >= 1 and job["restart_count"] == 1  # one round ended in a crash
+        spec = job["spec"]
+        assert (spec["entrypoint"], spec["nproc_per_node"], spec["max_restarts"]) == (
+            "torchrun",
+            1,
+            2,
+        )
+        assert (spec["min_nodes"], spec["max_nodes"]) == (2, 4)
+        assert "--rdzv-backend=elasticd" in spec["args"]
+        groups = api.get("/jobs/tr1/workers").json()["groups"]
+        assert len(groups) == 2 and {g["state"] for g in groups} == {"SUCCEEDED"}
+        kinds = [e["kind"] for e in api.get("/jobs/tr1/events", params={"after": 0}).json()]
+        assert kinds[0] == "job.submitted" and kinds.count("job.submitted") == 1
+        assert kinds.count("rendezvous.complete") >= 4  # two nodes, two rounds
+        assert "rendezvous.change" in kinds and "job.state" in kinds
+        refused = api.post("/jobs/tr1/cancel", json={})
+        assert refused.status_code == 409 and "torchrun" in refused.text

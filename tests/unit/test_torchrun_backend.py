@@ -1,12 +1,27 @@
-"""The torchrun backend's pure decisions: endpoint, settings, and what num_nodes_waiting says."""
+"""The torchrun backend's pure decisions: endpoint, settings, num_nodes_waiting, the run's record."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from elasticd.config import parse_labels
 from elasticd.keys import keys_of_job, torchrun_store_prefix
+from elasticd.models import Job, JobSpec
 from elasticd.rendezvous import Change
-from elasticd.torchrun_backend import backend_config, endpoint_url, node_name, waiting_nodes
+from elasticd.states import JobState
+from elasticd.torchrun_backend import (
+    NEVER_SCHEDULED,
+    RunStep,
+    backend_config,
+    endpoint_url,
+    node_name,
+    run_edit,
+    run_spec,
+    waiting_nodes,
+)
 
 
 @pytest.mark.parametrize(
@@ -120,3 +135,96 @@ def test_the_agent_store_is_fresh_per_round_and_deleted_with_the_job() -> None:
     assert torchrun_store_prefix("job1", 3) == "jobs/job1/torchrun/3/"
     assert torchrun_store_prefix("job1", 3) != torchrun_store_prefix("job1", 4)
     assert any(torchrun_store_prefix("job1", 3).startswith(p) for p in keys_of_job("job1"))
+
+
+SPEC = JobSpec(id="job1", entrypoint="torchrun", min_nodes=2, max_nodes=4, max_restarts=2)
+
+
+def doc(state: JobState, round_: int = 0, **fields: object) -> Job:
+    return Job(
+        id="job1",
+        spec=SPEC,
+        state=state,
+        max_restarts=2,
+        round=round_,
+        created_at=1.0,
+        launcher="torchrun",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+P, R, S, F = JobState.PENDING, JobState.RUNNING, JobState.RESTARTING, JobState.SUCCEEDED
+FAILED = JobState.FAILED
+
+
+@pytest.mark.parametrize(
+    ("current", "step", "expect"),
+    [
+        # (state, round, restart_count) after the step; None: no write
+        (None, RunStep(P), (P, 0, 0)),  # the first torchrun makes the document
+        (doc(P), RunStep(P), None),  # the others find it
+        (doc(P), RunStep(R, 0), (R, 0, 0)),
+        (doc(R, 0), RunStep(R, 0), None),  # every node says it; one write
+        (doc(R, 0), RunStep(S, 0, "a node left"), (S, 0, 0)),
+        (doc(S, 0), RunStep(S, 0, "a node left"), None),
+        (doc(S, 0), RunStep(R, 0), None),  # a stale word about the round already left
+        (doc(S, 0), RunStep(R, 1), (R, 1, 0)),
+        (doc(R, 2), RunStep(R, 1), None),  # older round
+        (doc(R, 1), RunStep(S, 0), None),  # re-forming a round already left
+        # a failure charges one restart per round, whoever says it first
+        (doc(R, 0), RunStep(S, 0, "workers failed", failed=True), (S, 0, 1)),
+        (doc(S, 0), RunStep(S, 0, "workers failed", failed=True), (S, 0, 1)),
+        (doc(S, 0, restart_count=1, charged_round=0), RunStep(S, 0, failed=True), None),
+        # the end: first terminal state wins; a run that never formed a round failed
+        (doc(R, 1), RunStep(F), (F, 1, 0)),
+        (doc(R, 1), RunStep(FAILED, reason="boom"), (FAILED, 1, 0)),
+        (doc(F, 1), RunStep(FAILED, reason="boom"), None),
+        (doc(P), RunStep(F), (FAILED, 0, 0)),
+    ],
+)
+def test_the_run_document_follows_the_torchruns_words(
+    current: Job | None, step: RunStep, expect: tuple[JobState, int, int] | None
+) -> None:
+    new = run_edit(current, step, run_id="job1", spec=SPEC, node="a", now=5.0)
+    if expect is None:
+        assert new is None
+        return
+    assert new is not None
+    assert (new.state, new.round, new.restart_count) == expect
+    assert new.launcher == "torchrun"
+    assert (new.finished_at == 5.0) is new.state.is_terminal
+    if new.state is JobState.FAILED and current is not None and current.state is P:
+        assert new.reason == "torchrun ended before any round formed"
+
+
+def test_a_daemons_job_id_is_refused() -> None:
+    """torch's agents never write a job the daemons run."""
+    ours = doc(R).model_copy(update={"launcher": "elasticd"})
+    with pytest.raises(ValueError, match="names a job the elasticd daemons run"):
+        run_edit(ours, RunStep(R, 1), run_id="job1", spec=SPEC, node="a", now=5.0)
+
+
+def test_the_run_spec_is_the_command_and_never_scheduled() -> None:
+    c = config({"last_call_timeout": "1"})
+    argv = ["torchrun", "--nnodes=2:4", "train.py", "--lr", "0.1"]
+    spec = run_spec(c, argv, nproc_per_node=4, max_restarts=1, role="trainer")
+    assert (spec.entrypoint, spec.args) == ("torchrun", argv[1:])
+    assert (spec.nproc_per_node, spec.max_restarts, spec.role) == (4, 1, "trainer")
+    assert (spec.min_nodes, spec.max_nodes, spec.last_call_timeout) == (2, 4, 1.0)
+    assert spec.node_selector == NEVER_SCHEDULED
+    assert not parse_labels("elasticd=torchrun,a=b").keys() & NEVER_SCHEDULED.keys()
+    # what the parser could not read keeps the defaults; an odd command keeps the essentials
+    assert run_spec(c, ["torchrun"]).nproc_per_node == 1
+    odd = run_spec(c, ["torchrun", "x" * 100_000])
+    assert (odd.args, odd.node_selector) == ([], NEVER_SCHEDULED)
+
+
+def test_loading_the_entry_point_imports_no_torch() -> None:
+    """torch loads every out-of-tree backend when torchrun starts; ours costs no torch import
+    until torch asks it for a handler (and the daemon never imports it at all)."""
+    code = (
+        "import sys, elasticd.torchrun_backend as b\n"
+        "creator = b.create_handler()\n"
+        "assert callable(creator) and 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -67,13 +67,13 @@ def store_keys(cluster: LocalCluster, prefix: str) -> dict[str, dict[str, Any]]:
     return {e["key"]: e for e in r.json()["entries"]}
 
 
-def core(cluster: LocalCluster, run_id: str, name: str, **conf: object) -> Any:
+def core(cluster: LocalCluster, run_id: str, name: str, min_nodes: int = 2, **conf: object) -> Any:
     from elasticd.torchrun_backend import TorchrunRendezvous, backend_config
 
     config = backend_config(
         endpoint=f"127.0.0.1:{cluster.nodes['n0'].port}",
         run_id=run_id,
-        min_nodes=2,
+        min_nodes=min_nodes,
         max_nodes=2,
         local_addr="127.0.0.1",
         conf={"token_file": str(cluster.token_file), "last_call_timeout": 1, **conf},
@@ -112,6 +112,51 @@ def test_two_backends_form_rounds_reform_and_close(node: LocalCluster) -> None:
     finally:
         a.shutdown()
         b.shutdown(close=False)
+
+
+DIES = """
+import sys
+from elasticd.torchrun_backend import TorchrunRendezvous, backend_config
+config = backend_config(endpoint=sys.argv[1], run_id="r2", min_nodes=1, max_nodes=2,
+    local_addr="127.0.0.1", conf={"token_file": sys.argv[2], "lease_ttl": 1,
+    "last_call_timeout": 1}, environ={})
+core = TorchrunRendezvous(config, node="dies")
+print("round", core.next_round().round, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_torchrun_killed_without_a_word_is_dropped_when_its_lease_expires(
+    node: LocalCluster, tmp_path: Path
+) -> None:
+    """kill -9 of one torchrun: its lease expires (lease_ttl 1 s), the survivor's watch sees the
+    loss at once (num_nodes_waiting 1) and the next round forms without it."""
+    survivor = core(node, "r2", "survivor", min_nodes=1, lease_ttl=1)
+    with subprocess.Popen(
+        [sys.executable, "-c", DIES, f"127.0.0.1:{node.nodes['n0'].port}", str(node.token_file)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as dies:
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                mine = pool.submit(survivor.next_round)
+                assert dies.stdout is not None
+                assert dies.stdout.readline().split()[0] == "round"
+                first = mine.result(30)
+            assert first.group_world_size == 2  # both in within the last call (1 s)
+            dies.kill()
+            dies.wait(10)
+            killed_at = time.monotonic()
+            wait_until(lambda: survivor.num_nodes_waiting() == 1, 10, "the loss to be seen")
+            assert time.monotonic() - killed_at < 1 + 2  # lease_ttl, and the store's expiry sweep
+            second = survivor.next_round()
+            assert (second.group_world_size, second.group_rank) == (1, 0)
+        finally:
+            dies.kill()
+            survivor.shutdown()
 
 
 def entry_point_env(tmp_path: Path) -> dict[str, str]:
@@ -224,3 +269,27 @@ def test_torchrun_agents_restart_a_crashed_worker_on_the_daemons_rendezvous(
         assert "rendezvous.change" in kinds and "job.state" in kinds
         refused = api.post("/jobs/tr1/cancel", json={})
         assert refused.status_code == 409 and "torchrun" in refused.text
+
+
+ALWAYS_FAILS = """
+import sys
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_run_whose_workers_fail_for_good_ends_failed(node: LocalCluster, tmp_path: Path) -> None:
+    """--max-restarts=0 and workers that exit 3: both torchruns fail as torchrun does, and the
+    run's document says FAILED with the first failure (recorded at torch's shutdown call)."""
+    train = script(tmp_path, "train.py", ALWAYS_FAILS)
+    env = entry_point_env(tmp_path)
+    procs = [torchrun(node, "tr2", env, "--max-restarts=0", train) for _ in range(2)]
+    outputs = [p.communicate(timeout=50)[0] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], "\n".join(o[-3000:] for o in outputs)
+    with httpx.Client(
+        base_url=node.nodes["n0"].url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    ) as api:
+        job = api.get("/jobs/tr2").json()
+    assert (job["launcher"], job["state"]) == ("torchrun", "FAILED"), job
+    reason = job["reason"]
+    assert reason.startswith("the workers failed: rank ") and reason.endswith("code 3"), reason

@@ -7,7 +7,7 @@ boundary. It builds names; it reads and writes nothing.
 The cluster store holds, with one owner for each subtree::
 
     nodes/<node>                      node record, lease-bound           (cluster)
-    job/<id>                          the job document, written by CAS  (jobs)
+    job/<id>                          the job document, written by CAS  (jobs; torchrun_backend)
     refused/<node>/<digest>           an unreadable job document         (jobs)
     ev/<id>/<node>/<seq>              a node's events, in its order      (events)
     group/<id>/<node>                 a node's published worker group    (agent)

@@ -272,6 +272,19 @@ async def _nproc_per_node(value: str) -> int:
     return local_world_size(value, gpus, len(os.sched_getaffinity(0)))
 
 
+def _stdin_for_workers() -> int | None:
+    """A copy of this process's stdin for the workers, as torchrun's inherit it (None: closed).
+
+    A copy, not 0 itself: a worker's 0 is its spawn verdict pipe until its
+    program runs. Only ``elasticd run`` passes stdin on: its embedded daemon
+    runs as the user who typed the command, never as root for another user.
+    """
+    try:
+        return os.dup(0)
+    except OSError:
+        return None
+
+
 async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
@@ -313,7 +326,10 @@ async def _run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        daemon = Daemon(config, console=write_line)
+        stdin = _stdin_for_workers()
+        if stdin is not None:
+            stack.callback(os.close, stdin)
+        daemon = Daemon(config, console=write_line, worker_stdin=stdin)
         daemon.install_signal_handlers()
         async with daemon:
             job, _ = await daemon.jobs.submit(spec)

@@ -70,7 +70,7 @@ class EventKind(enum.StrEnum):
 
 #: What each kind means (``docs/events.md`` is made from it).
 MEANING: dict[EventKind, str] = {
-    EventKind.JOB_SUBMITTED: "Accepted (POST /jobs) by this node.",
+    EventKind.JOB_SUBMITTED: "Accepted (POST /jobs) by this node, or a torchrun run registered.",
     EventKind.JOB_STATE: "The job document changed state.",
     EventKind.JOB_RESUMED: "A job left active by a daemon that stopped goes on as a new attempt.",
     EventKind.JOB_REFUSED: "A job document in the store failed the daemon's checks.",

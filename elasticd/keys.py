@@ -7,7 +7,7 @@ boundary. It builds names; it reads and writes nothing.
 The cluster store holds, with one owner for each subtree::
 
     nodes/<node>                      node record, lease-bound           (cluster)
-    job/<id>                          the job document, written by CAS  (jobs)
+    job/<id>                          the job document, written by CAS  (jobs; torchrun_backend)
     refused/<node>/<digest>           an unreadable job document         (jobs)
     ev/<id>/<node>/<seq>              a node's events, in its order      (events)
     group/<id>/<node>                 a node's published worker group    (agent)
@@ -15,6 +15,7 @@ The cluster store holds, with one owner for each subtree::
     rdzv/<id>/...                     the job's rendezvous               (rendezvous.handler)
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
     jobs/<id>/inprocess/<attempt>/... in-process restart's coordination  (inprocess.keys)
+    jobs/<id>/torchrun/<round>/...    torch's agent store, one per round  (torchrun_backend)
     elasticd/probe                    read to see the store answer       (daemon)
     sched/plan                        the fleet's placement and queue    (node.scheduler)
 
@@ -48,6 +49,7 @@ __all__ = [
     "node_key",
     "refusal_key",
     "rendezvous_prefix",
+    "torchrun_store_prefix",
     "worker_prefix",
 ]
 
@@ -106,6 +108,17 @@ def rendezvous_prefix(job_id: str) -> str:
 def worker_prefix(job_id: str) -> str:
     """What the job's workers write (torch store, in-process restart); ``job_id`` escaped."""
     return f"{WORKER_SPACE}{job_id}/"
+
+
+def torchrun_store_prefix(job_id: str, round_: int) -> str:
+    """The store torch's agent gets for one round under ``torchrun --rdzv-backend=elasticd``.
+
+    Fresh for every round, so that a re-formed group never reads a key the
+    last one left (torch's own handler reuses one store: pytorch#135712).
+    Under :func:`worker_prefix`: the agent runs on the job's side, and
+    deleting the job deletes it.
+    """
+    return f"{worker_prefix(job_id)}torchrun/{round_}/"
 
 
 def keys_of_job(job_id: str) -> tuple[str, ...]:

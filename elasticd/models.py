@@ -344,6 +344,14 @@ class Job(BaseModel):
         default=None,
         description="The nodes the fleet scheduler placed it on, hot spares last (when served).",
     )
+    launcher: Literal["elasticd", "torchrun"] = Field(
+        default="elasticd",
+        description=(
+            "Who runs the workers. `torchrun`: torch's own agents, under "
+            "`torchrun --rdzv-backend=elasticd`, write this document; the daemons show it "
+            "and never run, cancel or resume it."
+        ),
+    )
 
     @model_validator(mode="after")
     def _ids_agree(self) -> Job:

@@ -195,8 +195,11 @@ class Daemon:
         console: ConsoleSink | None = None,
         clock: Clock = SYSTEM_CLOCK,
         environ: dict[str, str] | None = None,
+        worker_stdin: int | None = None,
     ) -> None:
         self.config = config
+        #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
+        self._worker_stdin = worker_stdin
         self.clock = clock
         self._environ = dict(os.environ if environ is None else environ)
         self.token = read_token(config, self._environ)
@@ -345,7 +348,10 @@ class Daemon:
         self.containment = self._contain()
         stack.callback(self.containment.close)  # the daemon's cgroup subtree, once empty
         self.jobs.spawn_policy = SpawnPolicy(
-            users=self.job_users, registry=self.db, containment=self.containment
+            users=self.job_users,
+            registry=self.db,
+            containment=self.containment,
+            worker_stdin=self._worker_stdin,
         )
         self._sweep_orphans()
         stack.push_async_callback(self._stop_jobs)

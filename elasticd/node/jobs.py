@@ -210,7 +210,7 @@ class JobService:
             log.error("cannot recover the jobs of this node: %s", exc)
             return
         for job in jobs:
-            if job.state not in JOB_ACTIVE:
+            if job.state not in JOB_ACTIVE or job.launcher != "elasticd":
                 continue
             ours = await self.store.get(group_key(job.id, self.node))
             if ours is not None:
@@ -360,6 +360,11 @@ class JobService:
 
     async def cancel(self, job_id: str) -> Job:
         job = await self.get(job_id)
+        if job.launcher != "elasticd":
+            raise JobConflict(
+                f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "
+                f"{job.launcher} processes"
+            )
         if job.state.is_terminal:
             raise JobConflict(
                 f"job {job_id!r} already ended as {job.state.value}; nothing to cancel"
@@ -743,6 +748,7 @@ class JobService:
                 continue
             if (
                 not here
+                or job.launcher != "elasticd"  # torch's agents run it: shown, never run
                 or job.id in self._done_here
                 or job.id in self._crashing  # its dead agent's workers are still being stopped
                 or job.spec.nproc_per_node > len(self._free)

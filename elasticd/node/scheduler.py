@@ -152,7 +152,7 @@ class FleetScheduler:
                     selector=dict(j.spec.node_selector),
                 )
                 for j in jobs
-                if j.state in JOB_ACTIVE
+                if j.state in JOB_ACTIVE and j.launcher == "elasticd"  # torchrun runs its own
             ]
             outcome = schedule(stored or Plan(), demands, nodes, self.clock.time())
             if stored is not None and outcome.plan == stored:

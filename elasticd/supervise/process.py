@@ -412,6 +412,7 @@ class WorkerGroupProcesses:
                 stderr=stderr.write_fd,
                 policy=policy,
                 cgroup_procs=self._containment.procs_fd if self._containment else None,
+                stdin=policy.worker_stdin,
             )
         except BaseException as exc:
             stdout.close()

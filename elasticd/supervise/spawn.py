@@ -36,8 +36,9 @@ One way to start anything: :func:`start_process`
     would tell the job about them. (``subprocess``'s own ``cwd=`` is not
     used for that reason: it changes folder *before* the user switch.) The
     shell reports a failure through its stdin, the write end of a pipe the
-    daemon reads to EOF; the exec replaces stdin with ``/dev/null``, so EOF
-    with nothing written means the program runs. A failure becomes a clear
+    daemon reads to EOF; the exec replaces stdin with ``/dev/null`` (or, for
+    ``elasticd run``'s workers, the launcher's stdin: ``SpawnPolicy.worker_stdin``),
+    so EOF with nothing written means the program runs. A failure becomes a clear
     :class:`~elasticd.errors.WorkerSpawnError` (ENOENT, ENOTDIR or EACCES
     and the path, as the user sees them). The program's ``argv[0]`` is the
     path it was found at.
@@ -232,14 +233,17 @@ def wrap_argv(executable: str, argv: Sequence[str], *, setpriv: str | None) -> l
 #: The shell :data:`RESOLVER` runs in (POSIX: always there, runnable by every user).
 SH = "/bin/sh"
 
-#: Runs after the wrapper, as the process's own user: ``$1`` is the working
-#: folder ("" to stay), ``$2`` the program, the rest its arguments. A failure
-#: is written to stdin (a pipe the daemon reads) as ``what NUL ERRNO-NAME NUL
-#: path``; the exec swaps stdin for /dev/null, so EOF alone means it started.
+#: Runs after the wrapper, as the process's own user: ``$1`` is the descriptor
+#: the program gets as its stdin ("" for /dev/null), ``$2`` the working folder
+#: ("" to stay), ``$3`` the program, the rest its arguments. A failure is
+#: written to stdin (a pipe the daemon reads) as ``what NUL ERRNO-NAME NUL
+#: path``; the exec swaps stdin for /dev/null (or the descriptor, which it
+#: then closes), so EOF alone means it started.
 #: ``CDPATH`` never applies (a relative folder gets ``./``); an empty ``PATH``
 #: entry is the working folder, as for ``execvp``.
 RESOLVER = r"""fail() { printf '%s\0%s\0%s' "$1" "$2" "$3" >&0; exit 127; }
-cwd=$1; shift
+in=$1; cwd=$2; shift 2
+case $in in ''|[0-9]) ;; *) fail stdin EBADF "$in" ;; esac
 if [ -n "$cwd" ]; then
   case $cwd in /*) dir=$cwd ;; *) dir=./$cwd ;; esac
   cd -- "$dir" 2>/dev/null || {
@@ -259,7 +263,8 @@ esac
 [ -d "$exe" ] && fail program EACCES "$exe"
 [ -x "$exe" ] || fail program EACCES "$exe"
 shift
-exec "$exe" "$@" </dev/null
+[ -z "$in" ] && exec "$exe" "$@" </dev/null
+eval "exec \"\$exe\" \"\$@\" <&$in $in<&-"
 """
 
 #: How long the daemon waits for the resolver's verdict; past it the program
@@ -273,9 +278,35 @@ _VERDICT_BYTES = 8192
 _VERDICT_ERRORS = {"ENOENT": errno.ENOENT, "ENOTDIR": errno.ENOTDIR, "EACCES": errno.EACCES}
 
 
+#: Where :data:`STDIN_MOVER` puts a worker's stdin for the resolver: dash (``/bin/sh``
+#: on Debian) names only descriptors 0 to 9 in a redirection.
+STDIN_SLOT = 9
+
+#: Run before the resolver when a worker gets a stdin: argv is ``fd program args...``;
+#: moves ``fd`` (any number) to :data:`STDIN_SLOT` and execs the rest. Nothing else is
+#: open in the child by then (the cgroup stage has closed its descriptors).
+STDIN_MOVER = (
+    "import os,sys\n"
+    "n=int(sys.argv[1])\n"
+    f"if n!={STDIN_SLOT}:os.dup2(n,{STDIN_SLOT});os.close(n)\n"
+    "os.execv(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def resolver_argv(
+    argv: Sequence[str], cwd: str | None, stdin: int | None = None
+) -> tuple[str, list[str]]:
+    """(program, argv) that start ``argv`` in ``cwd`` through :data:`RESOLVER`, with
+    ``stdin`` (None: /dev/null) moved to 0 by :data:`STDIN_MOVER` and the resolver."""
+    if stdin is None:
+        return SH, [SH, "-c", RESOLVER, "elasticd-start", "", cwd or "", *argv]
+    resolver = [SH, "-c", RESOLVER, "elasticd-start", str(STDIN_SLOT), cwd or "", *argv]
+    return sys.executable, [sys.executable, "-I", "-S", "-c", STDIN_MOVER, str(stdin), *resolver]
+
+
 def start_argv(argv: Sequence[str], cwd: str | None, *, setpriv: str | None) -> list[str]:
     """The command line that starts ``argv`` in ``cwd`` through the wrapper and :data:`RESOLVER`."""
-    return wrap_argv(SH, [SH, "-c", RESOLVER, "elasticd-start", cwd or "", *argv], setpriv=setpriv)
+    return wrap_argv(*resolver_argv(argv, cwd), setpriv=setpriv)
 
 
 async def start_process(
@@ -288,6 +319,7 @@ async def start_process(
     stderr: int | None = None,
     policy: SpawnPolicy | None = None,
     cgroup_procs: int | None = None,
+    stdin: int | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
 
@@ -301,7 +333,11 @@ async def start_process(
     ``stdout``/``stderr`` are file descriptors or ``asyncio.subprocess`` constants.
     ``cgroup_procs``, a descriptor of a cgroup's ``cgroup.procs`` opened by the
     daemon, puts the process in that cgroup before anything of the job runs
-    (:data:`CGROUP_STAGE`; :mod:`elasticd.supervise.cgroup`).
+    (:data:`CGROUP_STAGE`; :mod:`elasticd.supervise.cgroup`). ``stdin``, a
+    descriptor, becomes the program's stdin (None: ``/dev/null``); it is
+    passed down under its own number and moved to 0 just before the program
+    runs (:data:`STDIN_MOVER`, then the resolver), because until then the
+    process's 0 is the verdict pipe.
     """
     policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
@@ -316,25 +352,26 @@ async def start_process(
             "group": identity.gid,
             "extra_groups": list(identity.groups),
         }
-    resolver = [SH, "-c", RESOLVER, "elasticd-start", cwd or "", *argv]
+    program, resolver = resolver_argv(argv, cwd, stdin)
     env_fd: int | None = None
-    pass_fds: tuple[int, ...] = ()
+    pass_fds: tuple[int, ...] = () if stdin is None else (stdin,)
     if cgroup_procs is None:
-        command = wrap_argv(SH, resolver, setpriv=policy.wrapper())
+        command = wrap_argv(program, resolver, setpriv=policy.wrapper())
         exec_env = full_env
     else:
         # The stage runs as root: it gets an empty environment, the job's comes in a
         # memfd, and the user switch is the stage's own (not subprocess's).
         env_fd = _env_memfd(full_env)
         command = cgroup_argv(
-            SH,
+            program,
             resolver,
             procs_fd=cgroup_procs,
             env_fd=env_fd,
             identity=identity,
             setpriv=policy.wrapper(),
         )
-        exec_env, credentials, pass_fds = {}, {}, (cgroup_procs, env_fd)
+        exec_env, credentials = {}, {}
+        pass_fds = (*pass_fds, cgroup_procs, env_fd)
     verdict_r, verdict_w = os.pipe()
     try:
         try:
@@ -471,6 +508,10 @@ class SpawnPolicy:
     """True: ``setpriv`` when usable, else the Python wrapper; a path; False: always Python."""
     containment: Containment | None = None
     """Puts each worker group in a cgroup of its own (or says it cannot); None: nothing."""
+    worker_stdin: int | None = None
+    """A descriptor every worker gets as its stdin; None: ``/dev/null``. Only ``elasticd
+    run``'s embedded daemon sets it (its own stdin, the same user's, as torchrun passes
+    it on); a daemon serving jobs never does: it would hand its terminal to a job."""
 
     def wrapper(self) -> str | None:
         if self.setpriv is True:

@@ -31,7 +31,9 @@ print(f"rank {os.environ['LOCAL_RANK']} argv {sys.argv[1:]}")
 """
 
 
-def run(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run(
+    tmp_path, body: str, *args: str, stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
@@ -59,6 +61,8 @@ def run(tmp_path, body: str, *args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=90,
         cwd=tmp_path,
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
     )
 
 
@@ -210,3 +214,18 @@ def test_teed_output_is_prefixed_on_the_console(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "<0> rank 0 argv ['y']" in done.stdout and "<1> rank 1 argv ['y']" in done.stdout
+
+
+READ_INPUT = """
+import os
+if os.environ["LOCAL_RANK"] == "0":
+    print(f"rank 0 read {input()!r}")
+"""
+
+
+def test_workers_get_the_launchers_stdin_as_under_torchrun(tmp_path):
+    """`echo hi | elasticd run ... python -c 'print(input())'` prints hi (torchrun's workers inherit
+    its stdin; a served daemon's keep /dev/null)."""
+    done = run(tmp_path, READ_INPUT, stdin="hi\n")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 read 'hi'" in done.stdout + done.stderr

@@ -14,6 +14,7 @@ import pytest
 from elasticd.clock import FakeClock
 from elasticd.errors import WorkerSpawnError
 from elasticd.supervise import GroupResult, WorkerError, WorkerExit, WorkerGroupProcesses
+from elasticd.supervise.spawn import SpawnPolicy
 
 from .support import Workers, eventually, pid_alive
 
@@ -275,3 +276,41 @@ def _processes_with(marker: str) -> list[int]:
         if marker.encode() in cmdline and pid_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+READ_STDIN = """
+import os, sys
+print("stdin", os.readlink("/proc/self/fd/0"), repr(sys.stdin.read()))
+print("fds", sorted(int(fd) for fd in os.listdir("/proc/self/fd")))
+"""
+
+
+async def test_workers_read_dev_null_unless_the_policy_passes_a_stdin(
+    workers: Workers, tmp_path: Path
+) -> None:
+    """By default a worker's stdin is /dev/null; with ``worker_stdin`` (elasticd run's stdin)
+    every worker reads that descriptor as its stdin, and the copy under its own number is closed."""
+    async with asyncio.timeout(20):
+        group = await workers.start(workers.launch(0, READ_STDIN))
+        assert (await group.wait()).succeeded
+        line = await workers.output.line_starting(0, b"stdin ")
+        assert line.strip() == b"stdin /dev/null ''"
+        plain_fds = (await workers.output.line_starting(0, b"fds ")).strip()
+
+        read_end, write_end = os.pipe()
+        os.write(write_end, b"hi\n")
+        os.close(write_end)
+        try:
+            policy = SpawnPolicy(worker_stdin=read_end)
+            other = Workers(tmp_path / "with-stdin")
+            group = await WorkerGroupProcesses.start(
+                [other.launch(0, READ_STDIN)], on_output=other.output, policy=policy
+            )
+            async with group:
+                assert (await group.wait()).succeeded
+        finally:
+            os.close(read_end)
+        line = (await other.output.line_starting(0, b"stdin ")).strip()
+        assert line.startswith(b"stdin pipe:") and line.endswith(b"'hi\\n'")
+        # the same descriptors as a worker without it: the copy was closed after the move to 0
+        assert (await other.output.line_starting(0, b"fds ")).strip() == plain_fds

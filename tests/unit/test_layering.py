@@ -81,12 +81,22 @@ def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] =
                 "elasticd/__main__.py",
             ),
         ),
-        # The daemon side never imports torch (code that runs in workers may).
+        # The daemon side never imports torch (code that runs in workers, or in torchrun's
+        # process, may).
         (
             "elasticd",
             ("torch",),
-            ("elasticd/launch_worker.py", "elasticd/worker/", "elasticd/inprocess/"),
+            (
+                "elasticd/launch_worker.py",
+                "elasticd/worker/",
+                "elasticd/inprocess/",
+                "elasticd/torchrun_backend.py",
+            ),
         ),
+        # The torchrun backend runs in torchrun's process (the job's side): the daemon and
+        # the API never import it, so they cannot reach torch through it.
+        ("elasticd", ("elasticd.torchrun_backend",), ("elasticd/torchrun_backend.py",)),
+        ("api", ("elasticd.torchrun_backend",), ()),
     ],
 )
 def test_no_import_goes_against_the_layering(
@@ -106,3 +116,10 @@ def offenders_of(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
         for i in imports_of(p)
         if any(i == f or i.startswith(f + ".") for f in forbidden)
     ]
+
+
+def test_the_torchrun_backend_reaches_nothing_of_the_daemon() -> None:
+    """It runs in torchrun's process: the rendezvous and the store, never the daemon's services."""
+    path = ROOT / "elasticd" / "torchrun_backend.py"
+    forbidden = ("api", "elasticd.node", "elasticd.agent", "elasticd.supervise")
+    assert offenders_of([path], forbidden) == []

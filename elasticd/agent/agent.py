@@ -200,6 +200,8 @@ class JobAgent:
         self._view: GroupView | None = None
         self._ranks: list[WorkerRanks] = []
         self._round: RoundInfo | None = None
+        #: Set before the agent is cancelled for the fleet's plan: leave before stopping.
+        self.leave_first = False
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self._view)
         #: The recovery in progress: (cause, detected_at, stopped_at, rendezvous_started).
         self._recovery = RecoveryTimeline()
@@ -238,8 +240,15 @@ class JobAgent:
         try:
             await self._run()
         except asyncio.CancelledError:
-            # The daemon is stopping: stop the workers (shielded), leave the rendezvous
-            # so the other nodes re-form at once, then let the cancellation go on.
+            # The daemon is stopping, or the fleet's plan took this node from the job:
+            # stop the workers (shielded), leave the rendezvous so the other nodes re-form
+            # at once, then let the cancellation go on. Taken by the plan, the node leaves
+            # first: its peers see the change before their workers notice ours stopping,
+            # so nothing of it is charged as a failure.
+            if self.leave_first:
+                with contextlib.suppress(ElasticdError, TimeoutError):
+                    async with asyncio.timeout(LEAVE_TIMEOUT):
+                        await self.ctx.rendezvous.leave()
             await self._stop_workers(WorkerState.STOPPED)
             leave = asyncio.ensure_future(self.ctx.rendezvous.leave())
             # Past the timeout the leave goes on alone (a store that cannot write, e.g. a

@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, ValidationError
 from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
-from elasticd.models import NODE_NAME_PATTERN, Job, valid_job_id
+from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN, Job, valid_job_id
 from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.node.cluster")
@@ -59,6 +59,12 @@ class NodeRecord(BaseModel):
     gpus: list[str] | None = None
     version: str
     started_at: float
+    declined: list[Annotated[str, Field(pattern=JOB_ID_PATTERN)]] = Field(
+        default_factory=list,
+        max_length=10_000,
+        description="Active jobs this node gave up (it left them for good): the fleet "
+        "scheduler places them elsewhere.",
+    )
 
 
 def lease_lapse(renewed_at: float | None, lease_ttl: float, now: float) -> float | None:

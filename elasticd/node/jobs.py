@@ -760,6 +760,9 @@ class JobService:
         """The plan took this node from the job (preempted, shrunk, spare given back)."""
         self._unplaced.add(job_id)
         task = self._tasks.get(job_id)
+        agent = self._agents.get(job_id)
+        if agent is not None:
+            agent.leave_first = True
         if task is not None:
             log.info("job %s: no longer placed on %s; stopping its agent", job_id, self.node)
             task.cancel()  # stops the workers with their grace and leaves the rendezvous
@@ -771,10 +774,22 @@ class JobService:
             return  # still placed elsewhere (shrunk) or here again: nothing to record
         entry = plan.entry(job_id)
         reason = f"waiting in the queue: {entry.message}" if entry else "waiting in the queue"
+
+        def back_to_queue(job: Job) -> JobEdit:
+            # Its workers were stopped for another job: a failure they met on the way out
+            # (a peer already stopped) is never charged; not even one recorded later.
+            edit: JobEdit = {
+                "pending_failure": None,
+                "charged_round": max(job.charged_round, job.round),
+            }
+            if job.state in (JobState.RUNNING, JobState.RESTARTING):
+                edit |= {"state": JobState.PENDING, "reason": reason}
+            return edit
+
         try:
             job = await self.get(job_id)
-            if job.state in (JobState.RUNNING, JobState.RESTARTING):
-                await self.update_job(job_id, state=JobState.PENDING, reason=reason)
+            if not job.state.is_terminal:
+                await self.update_job(job_id, mutate=back_to_queue)
         except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
             log.warning("job %s: could not record its return to the queue: %s", job_id, exc)
 
@@ -864,12 +879,12 @@ class JobService:
                     name=f"agent-crash-{job_id}",
                 )
                 return
-            self._release(job_id)
             if job_id in self._unplaced:
                 self._unplaced.discard(job_id)
                 self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")
             elif not task.cancelled():
-                self._done_here.add(job_id)
+                self._done_here.add(job_id)  # declined (published with the slots) if active
+            self._release(job_id)
             self._reconcile()
 
         return done
@@ -947,17 +962,25 @@ class JobService:
         finally:
             self._free.extend(slots)
             self._free.sort()
-            self._publish_slots()
-            self._crashing.discard(job_id)
             if give_up:
                 self._done_here.add(job_id)
-            elif self._accepting:
+            self._publish_slots()
+            self._crashing.discard(job_id)
+            if not give_up and self._accepting:
                 self._reconcile()  # a new agent takes the job up
 
     def _publish_slots(self) -> None:
+        """Publish the free slots, and the active jobs this node gave up (the scheduler's
+        ``declined``: it places them on other nodes)."""
         if self._accepting:
+            declined = sorted(
+                j
+                for j in self._done_here
+                if (job := self._known.get(j)) is not None and job.state in JOB_ACTIVE
+            )
             self._background.spawn(
-                self.cluster.publish(free_slots=len(self._free)), name="publish-slots"
+                self.cluster.publish(free_slots=len(self._free), declined=declined),
+                name="publish-slots",
             )
 
     def view_of(self, job_id: str) -> GroupView | None:

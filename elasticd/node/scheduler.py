@@ -76,7 +76,11 @@ def live_nodes(entries: list[Entry]) -> list[NodeCapacity]:
         except ValidationError:
             continue
         if keys.node_key(record.name) == entry.key:
-            out.append(NodeCapacity(record.name, record.slots, dict(record.labels)))
+            out.append(
+                NodeCapacity(
+                    record.name, record.slots, dict(record.labels), frozenset(record.declined)
+                )
+            )
     return out
 
 
@@ -97,7 +101,9 @@ class FleetScheduler:
         self._on_plan = on_plan
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._fleet: frozenset[tuple[str, int, tuple[tuple[str, str], ...]]] | None = None
+        self._fleet: (
+            frozenset[tuple[str, int, tuple[tuple[str, str], ...], frozenset[str]]] | None
+        ) = None
         #: The latest plan seen (served by ``GET /queue``).
         self.plan = Plan()
 
@@ -154,7 +160,10 @@ class FleetScheduler:
                 for j in jobs
                 if j.state in JOB_ACTIVE and j.launcher == "elasticd"  # torchrun runs its own
             ]
-            outcome = schedule(stored or Plan(), demands, nodes, self.clock.time())
+            # A plan that does not parse (written by hand, or by a hostile store writer) is
+            # replaced, deciding from the last good one seen, not from nothing: that would
+            # move every job without a word.
+            outcome = schedule(stored or self.plan, demands, nodes, self.clock.time())
             if stored is not None and outcome.plan == stored:
                 return False
             result = await self.store.compare_and_set(
@@ -196,10 +205,12 @@ class FleetScheduler:
             return
         self.plan = plan
         self._on_plan(plan)
+        self.wake()  # a plan is re-checked by every pass: one written by hand is corrected
 
     def _nodes_seen(self, entries: list[Entry]) -> None:
         fleet = frozenset(
-            (n.name, n.slots, tuple(sorted(n.labels.items()))) for n in live_nodes(entries)
+            (n.name, n.slots, tuple(sorted(n.labels.items())), n.declined)
+            for n in live_nodes(entries)
         )
         if fleet != self._fleet:  # free-slot updates alone do not change a placement
             self._fleet = fleet

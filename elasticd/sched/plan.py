@@ -25,9 +25,11 @@ The rules, in the order they are applied:
 * **Spread.** Among the nodes that fit, the least loaded (fraction of slots
   in use), then the one with the fewest jobs, then the name.
 * **Preemption.** A job that does not fit may stop running jobs of a
-  *lower* priority (lowest priority first, newest first, no more than it
-  needs); they go back to the queue (:attr:`Plan.preempted` names who
-  preempted them) and resume as a new attempt when capacity returns.
+  *lower* priority (lowest priority first, then newest first; any of them
+  that turns out not to be needed is spared); they go back to the queue
+  (:attr:`Plan.preempted` names who preempted them) and resume as a new
+  attempt when capacity returns. The reservations a waiting job made are
+  kept from pass to pass while they can still serve it.
 * **Reservation and backfill.** A job that still does not fit reserves
   ``nproc_per_node`` slots on its ``min_nodes`` best nodes (those with the
   most free slots). Jobs behind it may start only on what those
@@ -36,6 +38,11 @@ The rules, in the order they are applied:
   run-time limits, so it cannot compute Slurm's "earliest start"; the
   reservation is what guarantees that backfilled jobs never take the slots
   the waiting job is waiting for.
+* **Whole or not at all.** A placed job that lost nodes and cannot be
+  topped up to ``min_nodes`` gives back what it holds and waits whole, so
+  two short gangs can never hold each other's missing nodes. Shares a stored
+  plan claims beyond a node's slots are not kept (the plan is read from the
+  store and re-checked on every pass).
 * **Unplaceable.** A job that no set of live nodes could ever hold (fewer
   than ``min_nodes`` matching nodes have ``nproc_per_node`` slots in all)
   is flagged ``unplaceable`` with the numbers, never left waiting silently.
@@ -49,55 +56,70 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 #: Hot spares a job takes, at most, once it runs on ``max_nodes`` nodes.
 SPARES_PER_JOB = 1
 
 QueueReason = Literal["capacity", "unplaceable"]
+
+#: What names in a stored plan may look like (the API's job-id and node-name rules):
+#: the plan is read from the store, which the daemon does not trust.
+JOB_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+NODE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+_STRICT = ConfigDict(allow_inf_nan=False, extra="forbid")
+_Node = Annotated[str, Field(pattern=NODE_NAME)]
 NoticeKind = Literal["placed", "queued", "unplaceable", "preempted", "shrunk"]
 
 
 class Placement(BaseModel):
     """Where one job runs: ``nodes`` (its hard share first) and its hot ``spares``."""
 
-    nodes: list[str]
-    spares: list[str] = Field(default_factory=list)
+    model_config = _STRICT
+    nodes: list[_Node] = Field(max_length=100_000)
+    spares: list[_Node] = Field(default_factory=list, max_length=100_000)
     placed_at: float
 
 
 class QueueEntry(BaseModel):
     """A job that waits, and why (``GET /queue``)."""
 
-    job: str
+    model_config = _STRICT
+    job: str = Field(pattern=JOB_ID)
     position: int = Field(description="1 is the next job to be placed.")
     priority: int
     reason: QueueReason = Field(
         description="capacity: not enough free slots now; unplaceable: the live nodes could "
         "never hold it (too few match the selector with enough slots)."
     )
-    message: str
+    message: str = Field(max_length=2000)
     since: float = Field(description="When the job started waiting (this time).")
     preempted_by: str | None = Field(
-        default=None, description="The job whose placement stopped this one, if it was preempted."
+        default=None,
+        pattern=JOB_ID,
+        description="The job whose placement stopped this one, if it was preempted.",
     )
-    reserved: list[str] = Field(
-        default_factory=list, description="Nodes whose slots are held for it against backfill."
+    reserved: list[_Node] = Field(
+        max_length=100_000,
+        default_factory=list,
+        description="Nodes whose slots are held for it against backfill.",
     )
 
 
 class Preemption(BaseModel):
     """Why a job is back in the queue: the job that took its place."""
 
-    by: str
+    model_config = _STRICT
+    by: str = Field(pattern=JOB_ID)
     at: float
 
 
 class Plan(BaseModel):
     """The fleet's placement document (one key, written by compare-and-set)."""
 
+    model_config = _STRICT
     placements: dict[str, Placement] = Field(default_factory=dict)
     queue: list[QueueEntry] = Field(default_factory=list)
     preempted: dict[str, Preemption] = Field(default_factory=dict)
@@ -118,6 +140,8 @@ class NodeCapacity:
     name: str
     slots: int
     labels: Mapping[str, str] = field(default_factory=dict)
+    #: Jobs this node gave up (it left them for good, e.g. a failed health check).
+    declined: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -133,7 +157,9 @@ class Demand:
     selector: Mapping[str, str] = field(default_factory=dict)
 
     def matches(self, node: NodeCapacity) -> bool:
-        return all(node.labels.get(k) == v for k, v in self.selector.items())
+        return self.id not in node.declined and all(
+            node.labels.get(k) == v for k, v in self.selector.items()
+        )
 
 
 @dataclass(frozen=True)
@@ -209,7 +235,9 @@ def schedule(
     by_id = {j.id: j for j in order}
     book = _Ledger(live)
 
-    # 1. What each placed job keeps: its live, matching nodes; the first min_nodes are hard.
+    # 1. What each placed job keeps: its live, matching nodes whose slots are still there
+    #    (in order, so a stored plan can never make a node hold more than it has); the
+    #    first min_nodes are hard, the rest were lent.
     hard: dict[str, list[str]] = {}
     prev_lent_nodes: dict[str, list[str]] = {}  # job -> its lent nodes (above min), in order
     prev_spares: dict[str, list[str]] = {}
@@ -219,15 +247,18 @@ def schedule(
         if old is None:
             continue
         pool = _dedupe(n for n in [*old.nodes, *old.spares] if n in live and job.matches(live[n]))
-        if not pool:
+        mine: list[str] = []
+        for n in pool:
+            if len(mine) < job.min_nodes and book.free(n) >= job.nproc:
+                mine.append(n)
+                book.take(book.hard, n, job.nproc)
+        if not mine:
             continue
-        hard[job.id] = pool[: job.min_nodes]
-        rest = pool[job.min_nodes :]
-        room = job.max_nodes - len(hard[job.id])
-        prev_lent_nodes[job.id] = rest[:room]
-        prev_spares[job.id] = rest[room:]
-        for n in hard[job.id]:
-            book.take(book.hard, n, job.nproc)
+        hard[job.id] = mine
+        rest = [n for n in pool if n not in mine]
+        room = job.max_nodes - job.min_nodes
+        prev_lent_nodes[job.id] = rest[:room] if len(mine) >= job.min_nodes else []
+        prev_spares[job.id] = rest[room:] if len(mine) >= job.min_nodes else []
         for n in rest:
             prev_lent_slots[n] = prev_lent_slots.get(n, 0) + job.nproc
 
@@ -236,16 +267,24 @@ def schedule(
     preempted: dict[str, Preemption] = {
         k: v for k, v in plan.preempted.items() if k in by_id and k not in hard
     }
+    victims_of: dict[str, str] = {}  # victim -> the job that preempted it in this pass
     notices: list[Notice] = []
     for job in order:
         if job.id in hard:
-            if len(hard[job.id]) < job.min_nodes:
-                for n in _best(book, job, live, exclude=hard[job.id], prev_lent=prev_lent_slots)[
-                    : job.min_nodes - len(hard[job.id])
-                ]:
+            short = job.min_nodes - len(hard[job.id])
+            if short <= 0:
+                continue
+            fit = _best(book, job, live, exclude=hard[job.id], prev_lent=prev_lent_slots)
+            if len(fit) >= short:
+                for n in fit[:short]:
                     hard[job.id].append(n)
                     book.take(book.hard, n, job.nproc)
-            continue
+                continue
+            # A gang short of min_nodes never holds part of the fleet: it waits whole.
+            for n in hard.pop(job.id):
+                book.give(book.hard, n, job.nproc)
+            prev_lent_nodes.pop(job.id, None)
+            prev_spares.pop(job.id, None)
         able = [n for n in live.values() if job.matches(n) and n.slots >= job.nproc]
         if len(able) < job.min_nodes:
             matching = sum(1 for n in live.values() if job.matches(n))
@@ -268,17 +307,7 @@ def schedule(
                     prev_lent_nodes.pop(victim, None)
                     prev_spares.pop(victim, None)
                     preempted[victim] = Preemption(by=job.id, at=now)
-                    notices.append(
-                        Notice(
-                            victim,
-                            "preempted",
-                            f"preempted by job {job.id} (priority {job.priority} over "
-                            f"{by_id[victim].priority}): its workers get SIGTERM and their "
-                            "termination grace, then it waits in the queue and resumes as a "
-                            "new attempt when capacity returns; no restart is charged",
-                            by=job.id,
-                        )
-                    )
+                    victims_of[victim] = job.id
                 fit = _best(book, job, live, exclude=[], prev_lent=prev_lent_slots)
         if len(fit) >= job.min_nodes:
             hard[job.id] = fit[: job.min_nodes]
@@ -286,10 +315,13 @@ def schedule(
                 book.take(book.hard, n, job.nproc)
             preempted.pop(job.id, None)
             continue
-        # Wait, and hold the best nodes against backfill by the jobs behind.
+        # Wait, and hold the best nodes against backfill by the jobs behind: the ones held
+        # before first (a reservation that moved would let backfill delay the job).
+        before = plan.entry(job.id)
+        held = set(before.reserved) if before is not None else set()
         reserve = sorted(
             (n.name for n in able),
-            key=lambda n: (-book.free(n), book.jobs_on.get(n, 0), n),
+            key=lambda n: (n not in held, -book.free(n), book.jobs_on.get(n, 0), n),
         )[: job.min_nodes]
         for n in reserve:
             book.reserved[n] = book.reserved.get(n, 0) + job.nproc
@@ -298,40 +330,53 @@ def schedule(
             f"{_selector_text(job)}; {len(fit)} matching "
             f"{'node has' if len(fit) == 1 else 'nodes have'} them now"
         )
-        queued.append((job, "capacity", message, reserve))
+        queued.append((job, "capacity", message, sorted(reserve)))
 
-    # 3. Lending: grow toward max_nodes, then one spare each, kept ones first.
-    placements: dict[str, Placement] = {}
+    # 3. Lending, last: first every lent node and spare a job already had (while it
+    #    fits beside the hard shares), then new ones toward max_nodes and one spare each,
+    #    on capacity no reservation holds.
+    mine_of = {j: list(nodes_) for j, nodes_ in hard.items()}
+    spares_of: dict[str, list[str]] = {j: [] for j in hard}
     for job in order:
         if job.id not in hard:
             continue
-        mine = list(hard[job.id])
+        mine = mine_of[job.id]
         for n in prev_lent_nodes.get(job.id, []):
             if len(mine) < job.max_nodes and book.free(n, lent=True, reserved=False) >= job.nproc:
                 mine.append(n)
                 book.take(book.lent, n, job.nproc)
-        for n in _lendable(book, job, live, mine):
+        for n in prev_spares.get(job.id, []):
+            if (
+                len(spares_of[job.id]) < SPARES_PER_JOB
+                and n not in mine
+                and book.free(n, lent=True, reserved=False) >= job.nproc
+            ):
+                spares_of[job.id].append(n)
+                book.take(book.lent, n, job.nproc)
+    for job in order:
+        if job.id not in hard:
+            continue
+        mine, spares = mine_of[job.id], spares_of[job.id]
+        for n in _lendable(book, job, live, mine + spares):
             if len(mine) >= job.max_nodes:
                 break
             mine.append(n)
             book.take(book.lent, n, job.nproc)
-        spares: list[str] = []
         if len(mine) >= job.max_nodes:
-            for n in prev_spares.get(job.id, []):
-                if (
-                    len(spares) < SPARES_PER_JOB
-                    and book.free(n, lent=True, reserved=False) >= job.nproc
-                ):
-                    spares.append(n)
-                    book.take(book.lent, n, job.nproc)
             for n in _lendable(book, job, live, mine + spares):
                 if len(spares) >= SPARES_PER_JOB:
                     break
                 spares.append(n)
                 book.take(book.lent, n, job.nproc)
-        old = plan.placements.get(job.id)
-        placed_at = old.placed_at if old is not None else now
-        placements[job.id] = Placement(nodes=mine, spares=spares, placed_at=placed_at)
+    placements: dict[str, Placement] = {}
+    for job in order:
+        if job.id in hard:
+            old = plan.placements.get(job.id)
+            placements[job.id] = Placement(
+                nodes=mine_of[job.id],
+                spares=spares_of[job.id],
+                placed_at=old.placed_at if old is not None and job.id not in victims_of else now,
+            )
 
     # 4. The queue, and what changed since the stored plan.
     queue: list[QueueEntry] = []
@@ -354,14 +399,32 @@ def schedule(
         if before is None or before.reason != reason:
             kind: NoticeKind = "unplaceable" if reason == "unplaceable" else "queued"
             notices.append(Notice(job.id, kind, message))
+    for victim, by in victims_of.items():
+        now_placed = placements.get(victim)
+        after = (
+            f"it is placed again at once on {', '.join(now_placed.nodes)} and restarts there"
+            if now_placed is not None
+            else "it waits in the queue and resumes when capacity returns"
+        )
+        notices.append(
+            Notice(
+                victim,
+                "preempted",
+                f"preempted by job {by} (priority {by_id[by].priority} over "
+                f"{by_id[victim].priority}): its workers get SIGTERM and their termination "
+                f"grace; {after}, as a new attempt; no restart is charged",
+                by=by,
+            )
+        )
     for job_id, now_placed in placements.items():
         old = plan.placements.get(job_id)
-        if old is None:
-            where = ", ".join(now_placed.nodes)
-            spare = f" (hot spare {', '.join(now_placed.spares)})" if now_placed.spares else ""
-            notices.append(Notice(job_id, "placed", f"placed on {where}{spare}"))
+        if old is None or job_id in victims_of:
+            if old is None:
+                where = ", ".join(now_placed.nodes)
+                spare = f" (hot spare {', '.join(now_placed.spares)})" if now_placed.spares else ""
+                notices.append(Notice(job_id, "placed", f"placed on {where}{spare}"))
             continue
-        for n in old.nodes + old.spares:
+        for n in _dedupe([*old.nodes, *old.spares]):
             if n in now_placed.nodes or n in now_placed.spares or n not in live:
                 continue
             takers = [
@@ -370,7 +433,7 @@ def schedule(
                 if j != job_id and n in p.nodes and n not in plan.nodes_of(j)
             ]
             by = takers[0] if takers else None
-            role = "hot spare" if n in old.spares else "node above min_nodes"
+            role = "hot spare" if n in old.spares else "lent node"
             cause = f" for job {by}" if by else ""
             notices.append(
                 Notice(

@@ -187,7 +187,7 @@ def test_backfill_uses_only_what_the_waiting_job_cannot_use():
         job("wide", nproc=2, t=3),
     ]
     out = run(jobs, fleet, plan)
-    assert out.plan.entry("big").reserved == ["n1", "n2", "n0"]
+    assert out.plan.entry("big").reserved == ["n0", "n1", "n2"]
     assert "small" in out.plan.placements  # backfilled on a slot big leaves free
     assert out.plan.entry("wide").reason == "capacity"  # would take a slot big waits for
     # run ends: big starts at once, not delayed by the backfilled job.
@@ -240,3 +240,110 @@ def test_slots_are_never_overcommitted():
         for n in p.nodes + p.spares:
             use[n] += need[jid]
     assert all(v <= 3 for v in use.values()), use
+
+
+def test_two_gangs_short_of_nodes_give_them_back_and_wait_whole():
+    """Found in review: two placed gangs that each lost a node held the rest and waited forever."""
+    fleet = [NodeCapacity(n, 1) for n in "ABCDEF"]
+    jobs = [job("j1", lo=3, t=1), job("j2", lo=3, t=2)]
+    out = run(jobs, fleet)
+    assert placed(out.plan) == {"j1": ["A", "B", "C"], "j2": ["D", "E", "F"]}
+    lost = [n for n in fleet if n.name not in ("C", "F")]
+    out = run(jobs, lost, out.plan)
+    assert placed(out.plan) == {} and [e.job for e in out.plan.queue] == ["j1", "j2"]
+    out = run(jobs, lost, out.plan)  # the next pass places the first whole
+    assert placed(out.plan) == {"j1": ["A", "B", "D"]}
+    assert out.plan.entry("j2").reason == "capacity"
+
+
+def test_a_short_gang_is_topped_up_from_free_nodes():
+    plan = Plan(placements={"a": Placement(nodes=["n0", "n1"], placed_at=1)})
+    fleet = [n for n in nodes(3) if n.name != "n1"]
+    out = run([job("a", lo=2)], fleet, plan)
+    assert placed(out.plan) == {"a": ["n0", "n2"]}
+
+
+def test_a_reservation_stays_put_so_backfill_cannot_delay_the_head_job():
+    """Found in review: the reservation moved to the node that freed first, and a later job
+    backfilled the node the head job had been waiting for."""
+    fleet = [NodeCapacity("A", 4), NodeCapacity("B", 4)]
+    x, y = job("X", nproc=2, t=1), job("Y", nproc=3, t=2)
+    head, j, k = job("H", nproc=4, t=3), job("J", nproc=1, t=4), job("K", nproc=2, t=5)
+    plan = Plan(
+        placements={
+            "X": Placement(nodes=["A"], placed_at=0),
+            "Y": Placement(nodes=["B"], placed_at=0),
+        }
+    )
+    out = run([x, y, head, j], fleet, plan)
+    assert out.plan.entry("H").reserved == ["A"]
+    out = run([x, head, j], fleet, out.plan)  # Y ends: B frees first
+    assert out.plan.entry("H").reserved == ["A"]
+    out = run([x, head, j, k], fleet, out.plan)  # K arrives: backfills B, never A
+    assert "A" not in placed(out.plan).get("K", [])
+    out = run([head, j, k], fleet, out.plan)  # X ends: H starts at once on A
+    assert placed(out.plan)["H"] == ["A"]
+
+
+def test_a_stored_plan_can_never_overcommit_a_node():
+    """The plan is read from the store: shares beyond a node's slots are dropped, not kept."""
+    fleet = [NodeCapacity("A", 4)]
+    plan = Plan(
+        placements={
+            "X": Placement(nodes=["A"], placed_at=0),
+            "Y": Placement(nodes=["A", "A"], placed_at=0),
+        }
+    )
+    out = run([job("X", nproc=4, t=0), job("Y", nproc=4, t=1)], fleet, plan)
+    assert placed(out.plan) == {"X": ["A"]}
+    assert out.plan.entry("Y").reason == "capacity"
+
+
+def test_lending_keeps_what_was_lent_before_taking_new():
+    """Found in review: a job earlier in the order took another job's lent node (churn)."""
+    fleet = [NodeCapacity(n, 1) for n in "ABCD"]
+    plan = Plan(
+        placements={
+            "L": Placement(nodes=["A", "B"], placed_at=0),
+            "H": Placement(nodes=["C"], placed_at=0),
+        }
+    )
+    jobs = [job("L", lo=1, hi=2, t=2), job("H", lo=1, hi=2, prio=1, t=1)]
+    out = run(jobs, fleet, plan)
+    assert placed(out.plan) == {"L": ["A", "B"], "H": ["C", "D"]}
+    assert not [n for n in out.notices if n.kind == "shrunk"]
+
+
+def test_a_victim_placed_again_at_once_gets_one_notice_saying_so():
+    """Found in review: a victim moved in the same pass was told it waits, and 'shrunk' twice."""
+    a100 = {"gpu": "a100"}
+    fleet = [NodeCapacity("A", 1, a100), NodeCapacity("B", 1, a100), NodeCapacity("C", 1)]
+    low, high = job("L", t=1), job("H", lo=2, prio=5, t=2, gpu="a100")
+    out = run([low], fleet)
+    assert placed(out.plan) == {"L": ["A"]}
+    out = run([low, high], fleet, out.plan)
+    assert placed(out.plan) == {"H": ["A", "B"], "L": ["C"]}
+    (notice,) = [n for n in out.notices if n.job == "L"]
+    assert notice.kind == "preempted" and notice.by == "H"
+    assert "placed again at once on C" in notice.message
+
+
+def test_a_node_that_declined_a_job_is_not_given_it_again():
+    fleet = [NodeCapacity("A", 1, declined=frozenset({"j"})), NodeCapacity("B", 1)]
+    out = run([job("j")], fleet)
+    assert placed(out.plan) == {"j": ["B"]}
+    out = run([job("j")], fleet[:1])
+    assert out.plan.entry("j").reason == "unplaceable"
+
+
+def test_a_stored_plan_with_bad_names_or_numbers_does_not_parse():
+    import pydantic
+
+    for raw in (
+        '{"placements": {"j": {"nodes": ["A"], "placed_at": NaN}}}',
+        '{"preempted": {"v": {"by": "' + "x" * 300 + '", "at": 0}}}',
+        '{"placements": {"j": {"nodes": ["../etc"], "placed_at": 0}}}',
+        '{"queue": [], "extra": 1}',
+    ):
+        with pytest.raises(pydantic.ValidationError):
+            Plan.model_validate_json(raw)

@@ -36,7 +36,8 @@ Where it runs, and why it is shaped so:
   reads what the last one left. ``use_agent_store`` is False: workers get
   ``MASTER_ADDR``/``MASTER_PORT`` of the round (group rank 0's address and a
   port it picked, fresh every round) and build their own store there, as
-  with torch's c10d backend.
+  torch's c10d backend's workers do with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+  (by default c10d shares its agent's TCPStore with them).
 * The rendezvous options are torch's (``--rdzv-conf join_timeout=...,
   last_call_timeout=...``, torch's defaults 600 and 30 s); a re-formation
   after a failure completes as soon as every live node is back, without the
@@ -64,6 +65,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import importlib
+import ipaddress
 import logging
 import os
 import re
@@ -85,6 +87,7 @@ from elasticd.errors import (
     RendezvousClosed,
     RendezvousError,
     RendezvousTimeout,
+    StoreAuthError,
     StoreError,
 )
 from elasticd.eventkinds import EventKind
@@ -372,9 +375,13 @@ def _address_towards(url: str) -> str:
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
             sock.connect(address)
             local: str = sock.getsockname()[0]
-            return local
     except OSError:
         return socket.getfqdn()
+    if ipaddress.ip_address(local.split("%", 1)[0]).is_loopback:
+        # A daemon on this host: a loopback address would name every node's own host to
+        # the others' workers. torch's c10d takes the host's name then; so does this.
+        return socket.getfqdn()
+    return local
 
 
 class _LoopThread:
@@ -627,6 +634,12 @@ class TorchrunRendezvous:
         while True:
             try:
                 change = await self._rdzv.wait_for_change(my_round)
+                break
+            except StoreAuthError as exc:
+                # A refused token never heals by retrying: the lease lapses too, and the
+                # others re-form without this node. Tell torch to re-form now.
+                log.warning("%s: the daemon refuses this run's token: %s", self.node, exc)
+                change = Change.FENCED
                 break
             except StoreError as exc:
                 log.debug("%s: watch failed: %s", self.node, exc)

@@ -409,10 +409,14 @@ class JobService:
         """Forget a finished job: its document, events, groups and rendezvous keys.
 
         Worker log files stay on disk (they are the user's data). A job that
-        has not ended cannot be deleted: cancel it first.
+        has not ended cannot be deleted: cancel it first; a torchrun-launched
+        run with no live torchrun left may be deleted in any state.
         """
         job = await self.get(job_id)
-        if not job.state.is_terminal:
+        abandoned = job.launcher != "elasticd" and not await self._live_members(job_id)
+        if not job.state.is_terminal and not abandoned:
+            # A torchrun run whose torchruns are all gone (stopped by a signal, torch's
+            # launcher skips its shutdown then) keeps its last state for ever: it may go.
             raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
         entry = await self.store.get(job_key(job_id))
         if entry is None or not await self.store.delete(job_key(job_id), entry.version):

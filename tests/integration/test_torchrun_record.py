@@ -53,3 +53,27 @@ async def test_a_torchrun_run_is_listed_but_never_run_resumed_or_cancelled(
         assert refused.status_code == 409
         assert "torchrun" in refused.json()["detail"]
         assert (await client.get("/jobs/tr1/workers")).json()["groups"] == []
+
+        # Its torchruns are all gone (stopped by a signal: no shutdown ran): DELETE removes it.
+        # While one of them is alive (its presence key), the run is not deleted.
+        lease = await daemon.store.grant(30)
+        from elasticd.rendezvous import presence_prefix
+
+        presence = presence_prefix("tr1") + "t"
+        await daemon.store.put(presence, b"{}", lease=lease)
+        busy = await client.delete("/jobs/tr1")
+        assert busy.status_code == 409
+        await daemon.store.revoke(lease)
+        gone = await client.delete("/jobs/tr1")
+        assert gone.status_code == 204, gone.text
+        assert (await client.get("/jobs/tr1")).status_code == 404
+
+
+def test_a_torchrun_on_the_daemons_host_advertises_the_host_name_not_loopback() -> None:
+    """Found in review: every node advertised 127.0.0.1 when pointed at its local daemon."""
+    import socket
+
+    from elasticd.torchrun_backend import _address_towards
+
+    assert _address_towards("http://127.0.0.1:7070") == socket.getfqdn()
+    assert _address_towards("http://[::1]:7070") == socket.getfqdn()

@@ -18,6 +18,7 @@ The cluster store holds, with one owner for each subtree::
     jobs/<id>/torchrun/<round>/...    torch's agent store, one per round  (torchrun_backend)
     elasticd/probe                    read to see the store answer       (daemon)
     sched/plan                        the fleet's placement and queue    (node.scheduler)
+    sched/leader                      the daemon that decides, lease-bound (node.scheduler)
 
 ``job/`` and ``jobs/`` differ on purpose: every daemon lists and watches
 ``job/`` for job documents, and nothing that workers write may land there.
@@ -37,6 +38,7 @@ __all__ = [
     "PROBE",
     "REFUSED",
     "RENDEZVOUS",
+    "SCHED_LEADER",
     "SCHED_PLAN",
     "WORKER_SPACE",
     "barrier_prefix",
@@ -64,6 +66,8 @@ WORKER_SPACE = "jobs/"
 PROBE = "elasticd/probe"
 #: One document, written by compare-and-set only: which nodes run each job, and the queue.
 SCHED_PLAN = "sched/plan"
+#: The node whose scheduler decides (bound to its lease; the others only apply the plan).
+SCHED_LEADER = "sched/leader"
 
 
 def node_key(node: str) -> str:

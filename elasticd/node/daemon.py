@@ -360,7 +360,12 @@ class Daemon:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
             self.scheduler = FleetScheduler(
-                self.store, self.events, on_plan=self._on_plan, clock=self.clock
+                self.store,
+                self.events,
+                on_plan=self._on_plan,
+                node=self.config.node_name,
+                lease=self.cluster.lease,
+                clock=self.clock,
             )
             stack.push_async_callback(self.scheduler.stop)
             await self.scheduler.start()

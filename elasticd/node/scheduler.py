@@ -1,6 +1,13 @@
 """The fleet scheduler's thin loop: read, decide (:func:`elasticd.sched.plan.schedule`), CAS.
 
-Every daemon runs one. A pass reads the plan (``sched/plan``), then the job
+Every daemon runs one; one of them at a time decides, the **leader**: the
+daemon that holds ``sched/leader``, a key created if absent and bound to its
+node lease, so that it vanishes with the daemon and another one takes it
+(within a lease TTL). Leadership only saves work: N daemons deciding on
+every change would cost N reads of every job and node. Correctness never
+depends on it: a daemon that believes it leads while another does too (a
+lease that lapsed in a partition) writes through the same compare-and-set.
+A pass reads the plan (``sched/plan``), then the job
 documents, then the live node records (in that order, so that every job a
 stored placement names is in the listing), calls the pure decision and
 writes the result back by compare-and-set on the plan's version; a lost
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
@@ -93,9 +100,15 @@ class FleetScheduler:
         events: EventLog,
         *,
         on_plan: Callable[[Plan], None],
+        node: str = "",
+        lease: Callable[[], Awaitable[int]] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.store = store
+        self.node = node
+        self._lease = lease
+        #: Whether this daemon decides now (always, without a lease to bind leadership to).
+        self.leading = lease is None
         self.events = events
         self.clock = clock
         self._on_plan = on_plan
@@ -114,6 +127,8 @@ class FleetScheduler:
             asyncio.create_task(self._watch_plan(), name="sched-plan-watch"),
             asyncio.create_task(self._watch_nodes(), name="sched-node-watch"),
         ]
+        if self._lease is not None:
+            self._tasks.append(asyncio.create_task(self._lead(), name="sched-leader"))
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
@@ -126,11 +141,48 @@ class FleetScheduler:
 
     # deciding
 
+    async def _lead(self) -> None:
+        """Take ``sched/leader`` when it is free; watch it while another daemon holds it."""
+        assert self._lease is not None
+        backoff = 0.05
+        while True:
+            try:
+                lease = await self._lease()
+                result = await self.store.compare_and_set(
+                    keys.SCHED_LEADER, self.node.encode(), None, lease=lease
+                )
+                holder = result.entry
+                if result.ok or (
+                    holder is not None
+                    and holder.value == self.node.encode()
+                    and holder.lease == lease
+                ):
+                    if not self.leading:
+                        log.info("%s decides the fleet's placement now", self.node)
+                    self.leading = True
+                    self.wake()
+                else:
+                    self.leading = False
+                assert holder is not None or result.ok
+                version = holder.version if holder is not None else 0
+                # Wait until the key changes (its holder's lease ended, or it was deleted).
+                while not await self.store.watch(keys.SCHED_LEADER, version, 30.0):
+                    pass
+                backoff = 0.05
+            except StoreCompacted:
+                continue
+            except StoreError as exc:
+                log.debug("scheduler leadership: %s", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
     async def _decide(self) -> None:
         backoff = 0.05
         while True:
             await self._dirty.wait()
             self._dirty.clear()
+            if not self.leading:
+                continue  # the leader decides; this daemon applies what it writes
             try:
                 await self.run_pass()
                 backoff = 0.05

@@ -7,6 +7,7 @@ tiny non-torch workers; it submits as a user would and reads what the API says.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -235,3 +236,37 @@ async def test_queue_lists_priority_then_fifo_and_a_slot_freeing_starts_the_next
             started = {j: (await state_of(c, j))["started_at"] for j in ("c", "a", "b")}
             assert started["c"] < started["a"] < started["b"], started
             assert started["c"] > t0
+
+
+async def test_when_the_deciding_daemon_dies_another_takes_over(tmp_path: Path) -> None:
+    """One daemon decides (it holds sched/leader, bound to its lease); kill -9 it and a job
+    submitted afterwards is still placed, by the daemon that took the role over."""
+    import base64
+
+    with LocalCluster(tmp_path, slots=1) as cluster:
+        cluster.start("store", "--store-only")
+        async with cluster.client("store") as s, asyncio.timeout(30):
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await s.get("/readyz")).status_code == 200:
+                        break
+                await asyncio.sleep(0.05)
+        cluster.start("n1")
+        cluster.start("n2")
+        await asyncio.gather(cluster.wait_ready("n1", via="n1"), cluster.wait_ready("n2"))
+        async with cluster.client("store") as s:
+
+            async def leader() -> str | None:
+                entry = (await s.get("/store/kv", params={"key": "sched/leader"})).json()["entry"]
+                return base64.b64decode(entry["value"]).decode() if entry else None
+
+            async with asyncio.timeout(20):
+                while (first := await leader()) is None:
+                    await asyncio.sleep(0.05)
+            other = "n2" if first == "n1" else "n1"
+            cluster.kill9(first, [])
+            async with cluster.client(other) as c:
+                await post(c, sleeper("after", 0.1))
+                job = await until(c, "after", lambda j: j["state"] == "SUCCEEDED", 30)
+                assert job["restart_count"] == 0
+            assert await leader() == other

@@ -109,6 +109,9 @@ class FleetScheduler:
         self._lease = lease
         #: Whether this daemon decides now (always, without a lease to bind leadership to).
         self.leading = lease is None
+        self._leads = asyncio.Event()  # set while leading: only the leader watches nodes/
+        self._follows = asyncio.Event()  # set while another daemon leads
+        (self._leads if self.leading else self._follows).set()
         self.events = events
         self.clock = clock
         self._on_plan = on_plan
@@ -160,9 +163,13 @@ class FleetScheduler:
                     if not self.leading:
                         log.info("%s decides the fleet's placement now", self.node)
                     self.leading = True
+                    self._follows.clear()
+                    self._leads.set()
                     self.wake()
                 else:
                     self.leading = False
+                    self._leads.clear()
+                    self._follows.set()
                 assert holder is not None or result.ok
                 version = holder.version if holder is not None else 0
                 # Wait until the key changes (its holder's lease ended, or it was deleted).
@@ -245,7 +252,15 @@ class FleetScheduler:
         await self._watch(keys.SCHED_PLAN, self._plan_seen)
 
     async def _watch_nodes(self) -> None:
-        await self._watch(keys.NODES, self._nodes_seen)
+        """The leader's watch on the fleet: every node record change re-lists ``nodes/``."""
+        while True:
+            await self._leads.wait()
+            self._fleet = None  # a new leader decides from a fresh look
+            watch = asyncio.create_task(self._watch(keys.NODES, self._nodes_seen))
+            try:
+                await self._follows.wait()
+            finally:
+                await cancel_and_wait(watch)
 
     def _plan_seen(self, entries: list[Entry]) -> None:
         plan = decode_plan(next((e.value for e in entries if e.key == keys.SCHED_PLAN), None))

@@ -290,3 +290,46 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
             await proc.wait()
         attempt.cgroup.stop_now()  # a no-op when the test got that far
         containment.close()
+
+
+@NEEDS_CGROUPS
+async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path: Path) -> None:
+    """The gate: the program's very first look at /proc/self/cgroup already shows the attempt's
+    cgroup (the daemon moved the process before it let it go)."""
+    containment = Containment.setup("cgroup", node="unit-gate", state_dir=tmp_path)
+    attempt = containment.open_attempt("gate", 0, None)
+    assert attempt.cgroup is not None and attempt.procs_fd is not None
+    out = tmp_path / "cgroup.txt"
+    proc = await start_process(
+        ["sh", "-c", f"cat /proc/self/cgroup > {out}"],
+        {"PATH": "/usr/bin:/bin"},
+        identity=None,
+        cgroup_procs=attempt.procs_fd,
+    )
+    try:
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert out.read_text().strip().endswith("/" + attempt.cgroup.path.name)
+    finally:
+        attempt.cgroup.stop_now()
+        containment.close()
+
+
+@NEEDS_CGROUPS
+async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(tmp_path: Path) -> None:
+    """When the daemon cannot move the process (here: a cgroup.procs descriptor that refuses the
+    write), the spawn fails clearly and nothing of the job has run."""
+    marker = tmp_path / "ran"
+    r, w = os.pipe()  # a read-only end: writing the pid to it fails (EBADF)
+    try:
+        with pytest.raises(WorkerSpawnError, match="cannot join its cgroup"):
+            await start_process(
+                ["sh", "-c", f"touch {marker}"],
+                {"PATH": "/usr/bin:/bin"},
+                identity=None,
+                cgroup_procs=r,
+            )
+    finally:
+        os.close(r)
+        os.close(w)
+    assert not marker.exists()
+    assert not live_children()

@@ -155,33 +155,38 @@ class FleetScheduler:
                     keys.SCHED_LEADER, self.node.encode(), None, lease=lease
                 )
                 holder = result.entry
-                if result.ok or (
-                    holder is not None
-                    and holder.value == self.node.encode()
-                    and holder.lease == lease
-                ):
-                    if not self.leading:
-                        log.info("%s decides the fleet's placement now", self.node)
-                    self.leading = True
-                    self._follows.clear()
-                    self._leads.set()
-                    self.wake()
-                else:
-                    self.leading = False
-                    self._leads.clear()
-                    self._follows.set()
-                assert holder is not None or result.ok
-                version = holder.version if holder is not None else 0
-                # Wait until the key changes (its holder's lease ended, or it was deleted).
-                while not await self.store.watch(keys.SCHED_LEADER, version, 30.0):
-                    pass
+                mine = holder is not None and (holder.value, holder.lease) == (
+                    self.node.encode(),
+                    lease,
+                )
+                self._set_leading(result.ok or mine)
+                # Watch from the store's revision now (a key's own version may predate a
+                # restart of the store, whose history is then gone): a change, or the key
+                # gone with its holder's lease, means decide again.
+                listing = await self.store.list(keys.SCHED_LEADER)
+                now = next((e for e in listing.entries if e.key == keys.SCHED_LEADER), None)
+                if now is not None and holder is not None and now.version == holder.version:
+                    while not await self.store.watch(
+                        keys.SCHED_LEADER, listing.revision, 30.0, prefix=True
+                    ):
+                        pass
                 backoff = 0.05
-            except StoreCompacted:
-                continue
-            except StoreError as exc:
+            except (StoreError, StoreCompacted) as exc:
                 log.debug("scheduler leadership: %s", exc)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(backoff)  # never a busy loop, whatever the store says
                 backoff = min(backoff * 2, 2.0)
+
+    def _set_leading(self, leading: bool) -> None:
+        if leading and not self.leading:
+            log.info("%s decides the fleet's placement now", self.node)
+        self.leading = leading
+        if leading:
+            self._follows.clear()
+            self._leads.set()
+            self.wake()
+        else:
+            self._leads.clear()
+            self._follows.set()
 
     async def _decide(self) -> None:
         backoff = 0.05

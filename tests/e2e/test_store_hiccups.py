@@ -13,6 +13,7 @@ import contextlib
 import os
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,8 @@ class CuttableProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._all: list[asyncio.StreamWriter] = []  # every link's ends, aborted at close
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -45,6 +47,9 @@ class CuttableProxy:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for writer in self._all:  # no end outlives the proxy (an unclosed one warns at exit)
+            writer.transport.abort()
+        await asyncio.sleep(0)  # one turn of the loop: the aborted sockets close
 
     def sever(self) -> None:
         """Close every open connection (both sides)."""
@@ -53,6 +58,11 @@ class CuttableProxy:
         self._writers.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        if me is not None:
+            self._tasks.add(me)
+            me.add_done_callback(self._tasks.discard)
+        self._all.append(writer)
         if self.cut:
             writer.transport.abort()
             return
@@ -62,6 +72,7 @@ class CuttableProxy:
         except OSError:
             writer.transport.abort()
             return
+        self._all.append(up_writer)
         if self.cut or writer not in self._writers:
             # Cut while connecting upstream: this link must not outlive the cut (under
             # load the window is wide, and a link that survived let n1 renew its lease

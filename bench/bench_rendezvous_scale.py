@@ -205,8 +205,14 @@ class Backend:
                 step()
 
 
-def start_store_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """``python -m api.store_server`` on a free loopback port; (process, url)."""
+def start_store_server(
+    root: Path, profile: str | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m api.store_server`` on a free loopback port; (process, url).
+
+    With ``profile`` the server runs under cProfile and writes its stats there when
+    it stops (SIGTERM ends it normally).
+    """
     token_file = root / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
@@ -214,6 +220,7 @@ def start_store_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen(
         [
             PYTHON,
+            *(["-m", "cProfile", "-o", profile] if profile else []),
             "-m",
             "api.store_server",
             "--host",
@@ -300,7 +307,9 @@ def start_etcd(root: Path) -> tuple[subprocess.Popen[bytes], str]:
         time.sleep(0.05)
 
 
-async def open_backend(name: str, root: Path, http_clients: int) -> Backend:
+async def open_backend(
+    name: str, root: Path, http_clients: int, server_profile: str | None = None
+) -> Backend:
     os.makedirs(root, exist_ok=True)
     if name == "memory":
         from elasticd.store.memory import MemoryStore
@@ -314,7 +323,7 @@ async def open_backend(name: str, root: Path, http_clients: int) -> Backend:
     if name == "http":
         from elasticd.store.http import HttpStore
 
-        proc, url = start_store_server(root)
+        proc, url = start_store_server(root, server_profile)
         backend = Backend(
             name,
             [HttpStore(url, TOKEN, timeout=60) for _ in range(http_clients)],
@@ -670,7 +679,7 @@ def profile(spec: str, args: argparse.Namespace) -> int:
 
     async def go() -> RoundResult:
         with scratch("elasticd-scale-prof-", keep=args.keep) as root:
-            backend = await open_backend(name, root / name, args.http_clients)
+            backend = await open_backend(name, root / name, args.http_clients, args.server_profile)
             try:
                 profiler = cProfile.Profile()
                 profiler.enable()
@@ -713,6 +722,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--lease-ttl", type=float, help="each node's lease TTL (default: the budget + 120 s)"
     )
     parser.add_argument("--profile", metavar="BACKEND:N", help="cProfile one round and exit")
+    parser.add_argument(
+        "--server-profile",
+        metavar="PATH",
+        help="with --profile http:N: run the store server under cProfile, stats to PATH",
+    )
     parser.add_argument("--json", help="write the figures (or, with --profile, the pstats) here")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument(

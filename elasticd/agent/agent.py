@@ -352,10 +352,19 @@ class JobAgent:
             await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
             return True
         self._store_reached()
+        if not round_.roster_known:
+            # A large round's seat names no peers; failures and the exit barrier do.
+            try:
+                round_ = await self.ctx.rendezvous.roster(round_)
+            except RendezvousError as exc:  # the round moved on meanwhile: join the next
+                log.info("%s: %s", self.job_id, exc)
+                return False
+        names = sorted(round_.participants)
+        who = ", ".join(names) if len(names) <= 16 else f"{names[0]} … {names[-1]}"
         self._emit(
             EventKind.RENDEZVOUS_COMPLETE,
             f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
-            f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
+            f"{round_.group_world_size} ({who}), "
             f"master {round_.master_addr}:{round_.master_port}",
             duration_s=self.ctx.clock.monotonic() - started,
             source="rendezvous",

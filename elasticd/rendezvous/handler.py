@@ -32,6 +32,8 @@ write is still a compare-and-set that a stale writer loses.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -50,22 +52,29 @@ from elasticd.errors import (
 )
 from elasticd.keys import rendezvous_prefix
 from elasticd.rendezvous.protocol import (
+    Absorber,
     Action,
     Change,
+    Head,
     Kind,
+    Look,
     NodeInfo,
+    Seat,
     Settings,
     State,
     decide_close,
     decide_exit,
     decide_join,
+    look,
     needs_placing,
     next_look,
+    seats,
+    skip_exit,
     watch_reason,
 )
 from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.store import Store
-from elasticd.store.base import CasResult
+from elasticd.store.base import MAX_BATCH_KEYS, CasResult
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -80,6 +89,10 @@ ABSORBER_FROM = 16
 ABSORBER_HOLD = 5.0
 #: A holder that keeps the role renews its hold this long before it runs out.
 ABSORBER_RENEW = 1.0
+#: In jobs of ``ABSORBER_FROM`` nodes or more, the participants of group rank
+#: below this watch the membership while workers run (and start the next round
+#: on a loss or an arrival); the others watch the small head key only.
+SENTINELS = 3
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,29 @@ class RoundInfo:
     master_addr: str
     master_port: int
     participants: dict[str, int]
+    #: This node's ranks, computed by the node that completed the round (jobs of
+    #: ``ABSORBER_FROM`` nodes or more). Then ``nodes`` is empty, and so is
+    #: ``participants`` in rounds of more than ``ROSTER_INLINE`` nodes
+    #: (:meth:`StoreRendezvous.roster` reads them).
+    seat: Seat | None = None
+
+    @property
+    def roster_known(self) -> bool:
+        """Does ``participants`` name every participant?"""
+        return len(self.participants) == self.group_world_size
+
+    @staticmethod
+    def of_seat(seat: Seat) -> RoundInfo:
+        return RoundInfo(
+            round=seat.round,
+            group_rank=seat.group_rank,
+            group_world_size=seat.group_world_size,
+            nodes=[],
+            master_addr=seat.master_addr,
+            master_port=seat.master_port,
+            participants=dict(seat.participants or {}),
+            seat=seat,
+        )
 
 
 class _Step(Enum):
@@ -131,6 +167,10 @@ class Rendezvous(Protocol):
 
     async def leave(self) -> None:
         """Leave every list for good (the daemon is stopping)."""
+        ...
+
+    async def roster(self, round_: RoundInfo) -> RoundInfo:
+        """``round_`` with every participant named (read when the round did not carry them)."""
         ...
 
 
@@ -203,6 +243,10 @@ class Presence(Mapping[str, NodeInfo]):
 _DECODED: dict[tuple[bytes, int], State] = {}
 
 
+def _roster(state: State) -> bytes:
+    return json.dumps(state.participants, sort_keys=True).encode()
+
+
 def decode_state(raw: bytes, version: int) -> State:
     """``State.decode`` with a small cache: a process running many agents for one job
     (tests, simulations) decodes each version of the document once."""
@@ -236,6 +280,21 @@ def presence_prefix(job_id: str) -> str:
     return membership_prefix(job_id) + "node/"
 
 
+def signal_prefix(job_id: str) -> str:
+    """The head (``done``) and the absorber role: what joining nodes of a large job watch."""
+    return rendezvous_prefix(job_id) + "signal/"
+
+
+def seat_key(job_id: str, node: str) -> str:
+    """A node's seat in the latest complete round it took part in (see ``protocol.Seat``)."""
+    return rendezvous_prefix(job_id) + "seat/" + node
+
+
+def roster_key(job_id: str, round_: int) -> str:
+    """The participants of a complete round of a large job (for the agent, not the join)."""
+    return rendezvous_prefix(job_id) + f"roster/{round_}"
+
+
 class StoreRendezvous:
     """The dynamic rendezvous of one job, for one node, over the cluster store."""
 
@@ -254,6 +313,7 @@ class StoreRendezvous:
         master_port: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
         absorber_from: int = ABSORBER_FROM,
+        seats_from: int = ABSORBER_FROM,
     ) -> None:
         self._store = store
         self._job = job_id
@@ -273,6 +333,14 @@ class StoreRendezvous:
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
         self._absorber_until = 0.0
         self._absorber_from = absorber_from
+        # Jobs this large join from the head and their own seat (O(1) bytes each),
+        # never the document, unless a deadline is due (see _gather).
+        self._large = settings.max_nodes >= max(seats_from, absorber_from)
+        self._signal_prefix = signal_prefix(job_id)
+        self._signals: dict[str, bytes] = {}  # the head and the absorber as last seen
+        self._signals_rev: int | None = None
+        self._seat: Seat | None = None  # this node's latest seat
+        self._seat_read = False  # looked for a seat of an earlier incarnation
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -345,10 +413,26 @@ class StoreRendezvous:
                 version = result.entry.version
 
     async def _notify(self, before: State, after: State) -> None:
-        if notice_worthy(before, after):
-            await self._store.put(self._done_key, str(after.round).encode())
+        if not notice_worthy(before, after):
+            return
+        if self._large and after.complete and not after.closed:
+            await self._write_seats(after)
+        await self._store.put(self._done_key, Head.of(after).encode())
 
-    async def _join(self, info: NodeInfo, join_deadline: float) -> State:
+    async def _write_seats(self, state: State) -> None:
+        """Every participant's seat and the round's roster, before the head says it is complete."""
+        batches: list[list[tuple[str, bytes]]] = [[]]
+        for node, seat in seats(state).items():
+            if len(batches[-1]) == MAX_BATCH_KEYS:
+                batches.append([])
+            batches[-1].append((seat_key(self._job, node), seat.encode()))
+        batches.append([(roster_key(self._job, state.round), _roster(state))])
+        await asyncio.gather(*(self._store.put_batch(batch) for batch in batches))
+        if state.round >= 2:  # the agent reads a roster just after its round: keep two
+            with contextlib.suppress(StoreError):
+                await self._store.delete(roster_key(self._job, state.round - 2))
+
+    async def _join(self, info: NodeInfo, join_deadline: float, *, holding: bool = False) -> State:
         """Apply join decisions until this node is a participant of a complete round.
 
         CLOSED and TIMEOUT raise. The node reads the state key alone first
@@ -360,8 +444,7 @@ class StoreRendezvous:
         others read one small key each.
         """
         me, settings = self._me, self._settings
-        light = True  # read the state key alone before listing anything
-        holding = False
+        light = not holding  # read the state key alone before listing anything
         view: tuple[State, int | None, Presence, int] | None = None
         try:
             while True:
@@ -414,11 +497,18 @@ class StoreRendezvous:
                             await self._wait_open_round(there, result.entry.version, there.deadline)
                             light = True
                     continue
-                if holding and action.kind is Kind.WAIT and not action.presence and state.wait_list:
+                if (
+                    holding
+                    and action.kind is Kind.WAIT
+                    and not action.presence
+                    and (state.wait_list or self._large)
+                ):
                     # Placed in an open round that waits for the last round's participants
                     # to come back: keep the role and place them as their announcements
                     # arrive, from the watch's events, rather than handing the role (and
-                    # a listing of every key) to each of them in turn.
+                    # a listing of every key) to each of them in turn. In a large job
+                    # the holder also places the first round's arrivals this way:
+                    # its waiting peers watch the head only, not the role's releases.
                     view, holding = await self._follow(
                         state, version, present, revision, action.until
                     )
@@ -626,6 +716,152 @@ class StoreRendezvous:
         if info is not None and info.heading_for <= my_round:
             await self._announce(replace(info, seen=my_round + 1))
 
+    # large jobs: the head, the absorber role and this node's seat
+
+    async def _read_signals(self) -> None:
+        """The head and the absorber role, and the revision to watch them from (one read)."""
+        listing = await self._store.list(self._signal_prefix)
+        self._signals = {e.key: e.value for e in listing.entries}
+        self._signals_rev = listing.revision
+
+    async def _watch_signals(self, until: float) -> bool:
+        """Wait until the head or the absorber changes (True) or ``until`` (False)."""
+        if self._signals_rev is None:
+            await self._read_signals()
+            return True
+        timeout = max(0.0, min(MAX_WATCH, until - self._clock.time()))
+        if timeout <= 0:
+            return False
+        try:
+            events = await self._store.watch(
+                self._signal_prefix, self._signals_rev, timeout, prefix=True
+            )
+        except StoreCompacted:
+            await self._read_signals()
+            return True
+        for event in events:
+            self._signals_rev = max(self._signals_rev, event.revision)
+            if event.value is None:
+                self._signals.pop(event.key, None)
+            else:
+                self._signals[event.key] = event.value
+        return bool(events)
+
+    def _head(self) -> Head | None:
+        return Head.decode(self._signals.get(self._done_key))
+
+    def _absorber_seen(self) -> Absorber:
+        raw = self._signals.get(self._absorber_key)
+        if raw is None:
+            return Absorber()
+        try:
+            doc = json.loads(raw)
+            return Absorber(holder=str(doc["node"]), until=float(doc["until"]))
+        except (ValueError, KeyError, TypeError):
+            return Absorber(holder="?", until=0.0)  # malformed: overdue, displaced on a take
+
+    async def _read_seat(self) -> Seat | None:
+        entry = await self._store.get(seat_key(self._job, self._me))
+        self._seat_read = True
+        if entry is None:
+            return None
+        try:
+            return Seat.decode(entry.value)
+        except RendezvousError as exc:
+            log.warning("%s: ignoring a malformed seat: %s", self._me, exc)
+            return None
+
+    async def _next_round_large(self, info: NodeInfo) -> Seat:
+        """``next_round`` in a large job: O(1) reads but for the few nodes that write.
+
+        Leaving reads the document only when this node may be a participant of
+        the complete round (:func:`~.protocol.skip_exit`); joining waits on
+        the head and the absorber role (:meth:`_gather`), and ends with a read
+        of this node's own seat.
+        """
+        me, settings = self._me, self._settings
+        if self._signals_rev is None or self._head() is None:
+            await self._read_signals()  # a read shared with the other agents of this process
+        head = self._head()
+        if self._seat is None and not self._seat_read and head is not None and head.complete:
+            self._seat = await self._read_seat()  # an earlier incarnation of this node may sit
+        announce = skip_exit(head, self._seat.round if self._seat is not None else None)
+        if announce is None:
+            now = self._clock.time()
+            left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
+            announce = left.round + (1 if left.complete else 0)
+        info = replace(info, round=announce)
+        await self._announce(info)
+        seat = await self._gather(info, self._clock.time() + settings.join_timeout)
+        self._seat = seat
+        return seat
+
+    async def _gather(self, info: NodeInfo, join_deadline: float) -> Seat:
+        """Wait for this node's seat, from the head and the absorber role (:func:`~.protocol.look`).
+
+        One node holds the absorber role and places everybody (:meth:`_join`,
+        holding it); the others wait for the head to say the round is
+        complete and read their seat. A node reads the document only when a
+        deadline is due, its seat is missing, or it holds the role.
+        """
+        tried = False
+        while True:
+            head = self._head() or Head()
+            step, until = look(
+                head,
+                self._absorber_seen(),
+                self._me,
+                info.round,
+                self._clock.time(),
+                join_deadline,
+                STRAGGLER_GRACE,
+                tried,
+            )
+            if step is Look.CLOSED:
+                raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+            if step is Look.SEAT:
+                seat = await self._read_seat()
+                if seat is not None and seat.round == head.round:
+                    return seat
+                step = Look.DECIDE  # not seated in the complete round (a spare, or odd)
+            if step is Look.DECIDE:
+                return await self._decided(info, join_deadline, holding=False)
+            if step is Look.REANNOUNCE:
+                info = replace(info, round=head.round)
+                await self._announce(info)
+                continue
+            if step is Look.TAKE:
+                tried = True
+                if await self._try_absorber():
+                    return await self._decided(info, join_deadline, holding=True)
+                continue
+            assert until is not None
+            before = self._signals.get(self._absorber_key)
+            await self._watch_signals(until)
+            if self._signals.get(self._absorber_key) != before:
+                tried = False  # the role changed hands: free again, perhaps
+
+    async def _decided(self, info: NodeInfo, join_deadline: float, *, holding: bool) -> Seat:
+        """The document's way (:meth:`_join`), for the few nodes that write or a deadline."""
+        state = await self._join(info, join_deadline, holding=holding)
+        return seats(state)[self._me]
+
+    async def _try_absorber(self) -> bool:
+        """One attempt at the absorber role; a stale hold (ours, or overdue) is deleted."""
+        result = await self._hold_absorber(None)
+        if result.ok:
+            return True
+        held = result.entry
+        if held is None:
+            self._signals.pop(self._absorber_key, None)
+            return False
+        self._signals[self._absorber_key] = held.value
+        seen = self._absorber_seen()
+        if seen.holder == self._me or self._clock.time() >= seen.until:
+            await self._store.delete(self._absorber_key, held.version)
+            self._signals.pop(self._absorber_key, None)
+        return False
+
     # the agent's interface
 
     async def next_round(self) -> RoundInfo:
@@ -636,6 +872,8 @@ class StoreRendezvous:
             local_world_size=self._lws,
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
+        if self._large:
+            return RoundInfo.of_seat(await self._next_round_large(info))
         now = self._clock.time()
         left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
         # Announce after leaving (our workers are stopped): for the round now open
@@ -659,7 +897,13 @@ class StoreRendezvous:
     async def wait_for_change(
         self, my_round: int, on_contact: Callable[[], None] | None = None
     ) -> Change:
-        """Read the membership once, then follow the watch's events (see :meth:`_next_view`)."""
+        """Read the membership once, then follow the watch's events (see :meth:`_next_view`).
+
+        In a large job only the sentinels (group ranks below ``SENTINELS``) do;
+        the others watch the head, which the next round's opener writes.
+        """
+        if self._large and self._seat is not None and self._seat.group_rank >= SENTINELS:
+            return await self._follow_head(my_round, on_contact)
         state, version, present, revision = await self.snapshot()
         while True:
             if on_contact is not None:
@@ -672,6 +916,36 @@ class StoreRendezvous:
             state, version, present, revision = await self._next_view(
                 state, version, present, revision, MAX_WATCH
             )
+
+    async def _follow_head(self, my_round: int, on_contact: Callable[[], None] | None) -> Change:
+        """A non-sentinel's watch: the round changes when the head names another (or closes)."""
+        if self._signals_rev is None:
+            await self._read_signals()
+        while True:
+            if on_contact is not None:
+                on_contact()
+            head = self._head()
+            if head is not None and head.closed:
+                return Change.CLOSED
+            if head is not None and head.round != my_round:
+                return Change.NEW_ROUND
+            await self._watch_signals(self._clock.time() + MAX_WATCH)
+
+    async def roster(self, round_: RoundInfo) -> RoundInfo:
+        """``round_`` with every participant named: from its roster key, else the document."""
+        if round_.roster_known:
+            return round_
+        entry = await self._store.get(roster_key(self._job, round_.round))
+        if entry is not None:
+            try:
+                doc = json.loads(entry.value)
+                return replace(round_, participants={str(k): int(v) for k, v in doc.items()})
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise RendezvousError(f"the roster of round {round_.round} is malformed") from exc
+        state, _, _ = await self._state_only()
+        if state.round == round_.round and state.complete:
+            return replace(round_, participants=dict(state.participants))
+        raise RendezvousError(f"the participants of round {round_.round} are no longer known")
 
     async def close(self) -> None:
         await self._apply(decide_close)

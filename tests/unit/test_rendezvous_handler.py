@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections import Counter
 
@@ -13,6 +14,14 @@ from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, Settings, StoreRendezvous
 from elasticd.rendezvous.handler import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
+
+SEATS_FROM = 16
+
+
+@pytest.fixture(autouse=True, params=[16, 1], ids=["document", "seats"])
+def _seats_from(request, monkeypatch):
+    """Every test runs twice: jobs joining by the document, and by seats (large jobs' way)."""
+    monkeypatch.setattr(sys.modules[__name__], "SEATS_FROM", request.param)
 
 
 async def node(
@@ -34,6 +43,7 @@ async def node(
         settings=settings,
         lease=current_lease,
         absorber_from=absorber_from,
+        seats_from=SEATS_FROM,
     )
     return rdzv, lease
 
@@ -48,7 +58,10 @@ async def test_two_nodes_agree_on_ranks_and_master():
     assert (ra.round, rb.round) == (0, 0)
     assert {ra.group_rank, rb.group_rank} == {0, 1}
     assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port)
-    assert [n.local_world_size for n in ra.nodes] == [2, 2]
+    if ra.seat is None:
+        assert [n.local_world_size for n in ra.nodes] == [2, 2]
+    else:  # the completer computed the ranks: no node list travels
+        assert (ra.seat.world_size, ra.seat.base_rank) == (4, 2 * ra.group_rank)
 
 
 async def test_failed_node_rejoins_and_the_other_reforms_without_livelock():
@@ -101,15 +114,29 @@ class CountingStore:
         self.inner = inner
         self.latency = latency
         self.lists: Counter[str] = Counter()
+        self.watches = 0
+        self.read_bytes = 0  # keys and values that list and get answered
 
     async def list(self, prefix: str):
         self.lists[prefix] += 1
         await asyncio.sleep(self.latency)  # the network: other nodes run meanwhile
-        return await self.inner.list(prefix)
+        listing = await self.inner.list(prefix)
+        self.read_bytes += sum(len(e.key) + len(e.value) for e in listing.entries)
+        return listing
+
+    async def get(self, key: str):
+        await asyncio.sleep(self.latency)
+        entry = await self.inner.get(key)
+        self.read_bytes += 0 if entry is None else len(entry.key) + len(entry.value)
+        return entry
+
+    async def watch(self, *args, **kwargs):
+        self.watches += 1
+        return await self.inner.watch(*args, **kwargs)
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
-        if name not in ("compare_and_set", "put", "get", "delete"):
+        if name not in ("compare_and_set", "put", "put_batch", "delete"):
             return attr
 
         async def after_a_round_trip(*args, **kwargs):
@@ -180,7 +207,7 @@ async def test_a_re_rendezvous_of_many_nodes_costs_each_a_constant_number_of_req
         first = await asyncio.gather(*(r.next_round() for r in nodes))
         store.lists.clear()
         watching = [asyncio.create_task(r.wait_for_change(0)) for r in nodes[1:]]
-        while store.lists[membership_prefix("job")] < n - 1:  # every watcher has read once
+        while store.watches < n - 1:  # every survivor watches (sentinels read first)
             await asyncio.sleep(0.005)
         store.lists.clear()
         writes_before = store.inner.revision

@@ -1,0 +1,142 @@
+"""Concurrent watches of one key share one request to a remote store.
+
+A process that runs many agents of one job (a simulation of thousands of
+nodes, or a daemon running several jobs' rendezvous) parks many long-polls
+on the same few keys: every node of a rendezvous waits on the round's notice
+key. Each long-poll holds a connection of its own for its whole wait, so ten
+thousand waiters were ten thousand connections, past what a store server
+accepts (``api.protocol.MAX_CONNECTIONS``). :class:`SharedWatches` lets them
+share: a watch of ``(key, prefix)`` from revision ``after`` joins a request
+already in flight for the same key from a revision at or below ``after``
+(it cannot miss an event the later watch wants), and each watcher keeps only
+the events above its own ``after``. A watcher whose share answered nothing
+for it (the events were at or below its ``after``, or the request's own
+timeout came first) asks again for the time it has left, so sharing never
+changes what :meth:`~elasticd.store.base.Store.watch` returns, only how many
+requests carry it. The request is cancelled when its last watcher leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from elasticd.store.base import WatchEvent
+
+T = TypeVar("T")
+
+Watch = Callable[[str, int, float, bool], Awaitable[builtins.list[WatchEvent]]]
+
+
+@dataclass
+class _Request:
+    after: int
+    task: asyncio.Task[builtins.list[WatchEvent]]
+    watchers: int = 0
+    done: bool = field(default=False)
+
+
+class SharedWatches:
+    """Coalesces concurrent watches of the same key (see the module docstring)."""
+
+    def __init__(self, watch: Watch) -> None:
+        self._watch = watch
+        self._requests: dict[tuple[str, bool], _Request] = {}
+
+    async def watch(
+        self, key: str, after: int, timeout: float, prefix: bool
+    ) -> builtins.list[WatchEvent]:
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            left = deadline - time.monotonic()
+            request = self._join(key, after, max(left, 0.0), prefix)
+            if request is None:  # a request from a later revision is in flight: ask alone
+                return await self._watch(key, after, max(left, 0.0), prefix)
+            request.watchers += 1
+            try:
+                async with asyncio.timeout(max(left, 0.0) if left > 0 else None):
+                    events = await asyncio.shield(request.task)
+            except TimeoutError:
+                return []
+            finally:
+                request.watchers -= 1
+                if request.watchers == 0 and not request.task.done():
+                    request.task.cancel()
+                    self._forget(key, prefix, request)
+            mine = [e for e in events if e.revision > after]
+            if mine or deadline - time.monotonic() <= 0:
+                return mine
+
+    def _join(self, key: str, after: int, timeout: float, prefix: bool) -> _Request | None:
+        slot = (key, prefix)
+        request = self._requests.get(slot)
+        if request is not None and not request.task.done():
+            return request if request.after <= after else None
+        task = asyncio.ensure_future(self._watch(key, after, timeout, prefix))
+        request = _Request(after=after, task=task)
+        self._requests[slot] = request
+        task.add_done_callback(lambda _: self._forget(key, prefix, request))
+        # A cancelled or failed request nobody awaits must not log "never retrieved".
+        task.add_done_callback(_consume)
+        return request
+
+    def _forget(self, key: str, prefix: bool, request: _Request) -> None:
+        if self._requests.get((key, prefix)) is request:
+            del self._requests[(key, prefix)]
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+class _LeaderGone(Exception):
+    """The read a caller waited on was cancelled before it was sent: ask again."""
+
+
+class Gate:
+    """At most ``limit`` requests in flight; identical reads waiting for a turn share one.
+
+    Sharing a read is safe only while it has not been sent: its answer then
+    reflects the store at some moment after every sharer made its call, as
+    if each had sent its own. A read already sent is never joined.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._turns = asyncio.Semaphore(limit)
+        self._waiting: dict[Hashable, asyncio.Future[Any]] = {}
+
+    async def run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` once a turn is free."""
+        async with self._turns:
+            return await call()
+
+    async def read(self, slot: Hashable, call: Callable[[], Awaitable[T]]) -> T:
+        """``call()`` once a turn is free, shared with identical reads queued meanwhile."""
+        while (waiting := self._waiting.get(slot)) is not None:
+            try:
+                result: T = await asyncio.shield(waiting)
+                return result
+            except _LeaderGone:
+                continue
+        mine: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        mine.add_done_callback(_consume)
+        self._waiting[slot] = mine
+        try:
+            async with self._turns:
+                if self._waiting.get(slot) is mine:
+                    del self._waiting[slot]  # about to be sent: later reads ask again
+                result = await call()
+        except BaseException as exc:
+            if self._waiting.get(slot) is mine:
+                del self._waiting[slot]
+            if not mine.done():
+                gone = isinstance(exc, asyncio.CancelledError)
+                mine.set_exception(_LeaderGone() if gone else exc)
+            raise
+        mine.set_result(result)
+        return result

@@ -74,7 +74,7 @@ from elasticd.rendezvous.protocol import (
 )
 from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.store import Store
-from elasticd.store.base import MAX_BATCH_KEYS, CasResult
+from elasticd.store.base import MAX_BATCH_KEYS, CasResult, Entry
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -86,9 +86,13 @@ STRAGGLER_GRACE = 1.0
 #: placed lists the few presence keys itself: two requests fewer on the restart path.
 ABSORBER_FROM = 16
 #: Seconds one node may hold the absorber role before the others may take it over.
-ABSORBER_HOLD = 5.0
+ABSORBER_HOLD = 15.0
 #: A holder that keeps the role renews its hold this long before it runs out.
-ABSORBER_RENEW = 1.0
+ABSORBER_RENEW = 5.0
+#: In a large job, a node whose announcement was not among the first this many
+#: writes after it looked waits ABSORBER_PATIENCE for one of those to take the role.
+CANDIDATES = 4
+ABSORBER_PATIENCE = 5.0
 #: In jobs of ``ABSORBER_FROM`` nodes or more, the participants of group rank
 #: below this watch the membership while workers run (and start the next round
 #: on a loss or an arrival); the others watch the small head key only.
@@ -697,13 +701,14 @@ class StoreRendezvous:
         """
         await self._wait(self._done_key, False, revision, self._my_deadline(state, until))
 
-    async def _announce(self, info: NodeInfo) -> None:
+    async def _announce(self, info: NodeInfo) -> Entry:
         """(Re)write this node's presence key, bound to its current lease."""
         lease = await self._lease()
-        await self._store.put(
+        entry = await self._store.put(
             self._node_prefix + self._me, json.dumps(info.to_json()).encode(), lease=lease
         )
         self._announced = info
+        return entry
 
     async def leaving(self, my_round: int) -> None:
         """Say, before stopping this round's workers, that this node heads for the next.
@@ -785,18 +790,28 @@ class StoreRendezvous:
         head = self._head()
         if self._seat is None and not self._seat_read and head is not None and head.complete:
             self._seat = await self._read_seat()  # an earlier incarnation of this node may sit
+        looked_at = self._signals_rev or 0
         announce = skip_exit(head, self._seat.round if self._seat is not None else None)
+        opened = False
         if announce is None:
             now = self._clock.time()
             left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
+            opened = left.round > (head.round if head is not None else 0)
             announce = left.round + (1 if left.complete else 0)
         info = replace(info, round=announce)
-        await self._announce(info)
-        seat = await self._gather(info, self._clock.time() + settings.join_timeout)
+        written = await self._announce(info)
+        # Who asks for the absorber role at once: the node that opened this round,
+        # or one of the first to announce since it looked. The crowd behind them
+        # waits for the role to be taken (effort only: it takes it after that).
+        first = opened or written.version <= looked_at + CANDIDATES
+        patience = None if first else self._clock.time() + ABSORBER_PATIENCE
+        seat = await self._gather(info, self._clock.time() + settings.join_timeout, patience)
         self._seat = seat
         return seat
 
-    async def _gather(self, info: NodeInfo, join_deadline: float) -> Seat:
+    async def _gather(
+        self, info: NodeInfo, join_deadline: float, patient_until: float | None = None
+    ) -> Seat:
         """Wait for this node's seat, from the head and the absorber role (:func:`~.protocol.look`).
 
         One node holds the absorber role and places everybody (:meth:`_join`,
@@ -816,6 +831,7 @@ class StoreRendezvous:
                 join_deadline,
                 STRAGGLER_GRACE,
                 tried,
+                patient_until,
             )
             if step is Look.CLOSED:
                 raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
@@ -857,7 +873,7 @@ class StoreRendezvous:
             return False
         self._signals[self._absorber_key] = held.value
         seen = self._absorber_seen()
-        if seen.holder == self._me or self._clock.time() >= seen.until:
+        if seen.holder == self._me or self._clock.time() >= seen.until + STRAGGLER_GRACE:
             await self._store.delete(self._absorber_key, held.version)
             self._signals.pop(self._absorber_key, None)
         return False

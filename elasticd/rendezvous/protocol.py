@@ -120,8 +120,24 @@ class NodeInfo:
             "seen": self.heading_for,
         }
 
+    def to_row(self) -> list[Any]:
+        """The compact form the document keeps (a 10,000-node document must fit in 1 MiB)."""
+        return [
+            self.addr,
+            self.role,
+            self.local_world_size,
+            self.port,
+            self.round,
+            self.heading_for,
+        ]
+
     @staticmethod
     def from_json(raw: Any) -> NodeInfo:
+        """From :meth:`to_json` (a presence key) or :meth:`to_row` (the document)."""
+        if isinstance(raw, list):
+            addr, role, lws, port, round_, seen = raw
+            raw = {"addr": addr, "role": role, "lws": lws, "port": port, "round": round_}
+            raw["seen"] = seen
         info = NodeInfo(
             addr=str(raw["addr"]),
             role=str(raw["role"]),
@@ -163,10 +179,11 @@ class State:
                 "participants": self.participants,
                 "wait_list": sorted(self.wait_list),
                 "redundancy_list": sorted(self.redundancy_list),
-                "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
+                "nodes": {k: v.to_row() for k, v in sorted(self.nodes.items())},
                 "opened_at": self.opened_at,
             },
             sort_keys=True,
+            separators=(",", ":"),
         ).encode()
 
     @staticmethod
@@ -809,15 +826,20 @@ def look(
     join_deadline: float,
     grace: float,
     tried: bool,
+    patient_until: float | None = None,
 ) -> tuple[Look, float | None]:
     """A joining node's next step from the head and the absorber role alone, and until when.
 
     ``tried``: this node already failed to take the role since it last saw
-    it free (it waits for a change rather than asking again). WAIT comes
-    with the time to look again at (the last call's deadline, plus ``grace``
-    for all but its first participant; a stuck absorber's hold; the join
-    deadline); DECIDE at that time reads the document, as a node that has
-    no head does.
+    it free (it waits for a change rather than asking again). A hold counts
+    until ``grace`` after its time (a holder's renewal may queue behind a
+    crowd's requests; a stuck holder is displaced after that). A node that
+    is not among the first to announce waits ``patient_until`` for one of
+    them to take the free role rather than asking with the whole crowd.
+    WAIT comes with the time to look again at (the last call's deadline,
+    plus ``grace`` for all but its first participant; a stuck absorber's
+    hold; the patience; the join deadline); DECIDE at that time reads the
+    document, as a node that has no head does.
     """
     if head is not None and head.closed:
         return Look.CLOSED, None
@@ -827,12 +849,14 @@ def look(
         return Look.REANNOUNCE, None
     if head is not None and head.complete and head.round == my_round:
         return Look.SEAT, None
-    held = absorber.holder is not None and now < absorber.until
-    if not held and not tried:
-        return Look.TAKE, None
+    held = absorber.holder is not None and now < absorber.until + grace
     until = join_deadline
+    if not held and not tried:
+        if patient_until is None or now >= patient_until:
+            return Look.TAKE, None
+        until = min(until, patient_until)
     if held:
-        until = min(until, absorber.until)
+        until = min(until, absorber.until + grace)
     if head is not None and head.deadline is not None:
         due = head.deadline + (0.0 if head.first == me else grace)
         if now >= due:

@@ -71,6 +71,9 @@ MAX_KEY_BYTES = 4096
 #: How many changes the in-memory history keeps for watches.
 DEFAULT_HISTORY = 10_000
 
+#: Sorts after every character a key may hold: ``prefix + _TOP`` bounds the keys under it.
+_TOP = "\U0010ffff"
+
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -170,6 +173,7 @@ class MemoryStore(Store):
         self._sorted: builtins.list[str] = []  # the keys of _entries, sorted (for listings)
         #: Per key, the revisions of its changes still in _history, oldest first.
         self._key_changes: dict[str, deque[int]] = {}
+        self._changed_keys: builtins.list[str] = []  # the keys of _key_changes, sorted
         self._revision = 0
         self._visible = 0  # highest revision watchers may see
         self._compacted = 0  # every change with a higher revision is in _history
@@ -433,6 +437,7 @@ class MemoryStore(Store):
         changes = self._key_changes.get(event.key)
         if changes is None:
             changes = self._key_changes[event.key] = deque()
+            bisect.insort(self._changed_keys, event.key)
         changes.append(event.revision)
         # Bounded in bytes too, so large values cannot pile up in memory (and no watch
         # answer is larger than a listing may be): the oldest changes are compacted.
@@ -449,6 +454,7 @@ class MemoryStore(Store):
             changes.popleft()  # a key's changes leave the history in the order they came
             if not changes:
                 del self._key_changes[dropped.key]
+                del self._changed_keys[bisect.bisect_left(self._changed_keys, dropped.key)]
         return dropped
 
     def _arm(self, lease: _Lease) -> None:
@@ -485,22 +491,40 @@ class MemoryStore(Store):
         if not prefix:
             # The key's own changes, found through its index: O(its changes), not
             # O(everybody's changes since ``after``).
-            changes = self._key_changes.get(key)
-            if not changes or changes[-1] <= after:
-                return []
+            return self._changes_of(key, after, visible, first)
+        keys = self._changed_keys
+        lo = bisect.bisect_left(keys, key)
+        hi = bisect.bisect_left(keys, key + _TOP, lo)
+        if hi - lo < visible - after:
+            # Fewer keys under the prefix than changes to look at: ask each key's index
+            # (a watch on a small prefix from long ago does not scan everybody's changes).
             found = []
-            for revision in reversed(changes):
-                if revision <= after:
-                    break
-                if revision <= visible:
-                    found.append(history[revision - first])
-            found.reverse()
+            for i in range(lo, hi):
+                found.extend(self._changes_of(keys[i], after, visible, first))
+            found.sort(key=lambda e: e.revision)
             return found
         start = max(after + 1 - first, 0)
         stop = visible - first + 1
         size = len(history)
         recent = itertools.islice(reversed(history), size - stop, size - start)
         found = [e for e in recent if e.key.startswith(key)]
+        found.reverse()
+        return found
+
+    def _changes_of(
+        self, key: str, after: int, visible: int, first: int
+    ) -> builtins.list[WatchEvent]:
+        """The changes of ``key`` in ``(after, visible]``, oldest first, from its index."""
+        changes = self._key_changes.get(key)
+        if not changes or changes[-1] <= after:
+            return []
+        history = self._history
+        found = []
+        for revision in reversed(changes):
+            if revision <= after:
+                break
+            if revision <= visible:
+                found.append(history[revision - first])
         found.reverse()
         return found
 

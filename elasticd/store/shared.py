@@ -22,7 +22,7 @@ import asyncio
 import builtins
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from elasticd.store.base import WatchEvent
@@ -35,9 +35,8 @@ Watch = Callable[[str, int, float, bool], Awaitable[builtins.list[WatchEvent]]]
 @dataclass
 class _Request:
     after: int
-    task: asyncio.Task[builtins.list[WatchEvent]]
+    task: asyncio.Future[builtins.list[WatchEvent]]
     watchers: int = 0
-    done: bool = field(default=False)
 
 
 class SharedWatches:
@@ -51,14 +50,17 @@ class SharedWatches:
         self, key: str, after: int, timeout: float, prefix: bool
     ) -> builtins.list[WatchEvent]:
         deadline = time.monotonic() + max(timeout, 0.0)
+        slot = (key, prefix)
         while True:
-            left = deadline - time.monotonic()
-            request = self._join(key, after, max(left, 0.0), prefix)
-            if request is None:  # a request from a later revision is in flight: ask alone
-                return await self._watch(key, after, max(left, 0.0), prefix)
+            left = max(deadline - time.monotonic(), 0.0)
+            request = self._requests.get(slot)
+            if request is None or request.task.done() or request.after > after:
+                # None to join, or it could miss what we want: a new one, from our
+                # revision, which later watchers join (the one in flight runs on).
+                request = self._start(key, after, left, prefix)
             request.watchers += 1
             try:
-                async with asyncio.timeout(max(left, 0.0) if left > 0 else None):
+                async with asyncio.timeout(left if left > 0 else None):
                     events = await asyncio.shield(request.task)
             except TimeoutError:
                 return []
@@ -66,27 +68,28 @@ class SharedWatches:
                 request.watchers -= 1
                 if request.watchers == 0 and not request.task.done():
                     request.task.cancel()
-                    self._forget(key, prefix, request)
+                    self._forget(slot, request)
             mine = [e for e in events if e.revision > after]
             if mine or deadline - time.monotonic() <= 0:
                 return mine
+            if events:
+                # The answer held every change up to its last one and none was ours:
+                # ask from there, with the watchers that already have (it converges).
+                after = max(after, events[-1].revision)
 
-    def _join(self, key: str, after: int, timeout: float, prefix: bool) -> _Request | None:
+    def _start(self, key: str, after: int, timeout: float, prefix: bool) -> _Request:
         slot = (key, prefix)
-        request = self._requests.get(slot)
-        if request is not None and not request.task.done():
-            return request if request.after <= after else None
         task = asyncio.ensure_future(self._watch(key, after, timeout, prefix))
         request = _Request(after=after, task=task)
         self._requests[slot] = request
-        task.add_done_callback(lambda _: self._forget(key, prefix, request))
+        task.add_done_callback(lambda _: self._forget(slot, request))
         # A cancelled or failed request nobody awaits must not log "never retrieved".
         task.add_done_callback(_consume)
         return request
 
-    def _forget(self, key: str, prefix: bool, request: _Request) -> None:
-        if self._requests.get((key, prefix)) is request:
-            del self._requests[(key, prefix)]
+    def _forget(self, slot: tuple[str, bool], request: _Request) -> None:
+        if self._requests.get(slot) is request:
+            del self._requests[slot]
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

@@ -43,7 +43,7 @@ import itertools
 import re
 import secrets
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import (
@@ -132,7 +132,7 @@ def parse_counter(key: str, value: bytes | None) -> int:
 
 def new_lease_id(taken: Iterable[int] = ()) -> int:
     """A random positive lease id that fits exactly in a JSON number (52 bits)."""
-    used = set(taken)
+    used = taken if isinstance(taken, Container) else set(taken)  # no copy per grant
     while True:
         lease = secrets.randbits(52)
         if lease and lease not in used:

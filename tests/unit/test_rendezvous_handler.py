@@ -243,3 +243,26 @@ async def test_survivors_reform_at_once_without_waiting_out_the_last_call(absorb
         assert {await w for w in watching} == {Change.LOSS}
         ra, rb = await asyncio.gather(a.next_round(), b.next_round())
     assert ra.group_world_size == rb.group_world_size == 2 and ra.round == rb.round == 1
+
+
+@pytest.mark.parametrize("n", [70, 210])  # above ROSTER_INLINE: seats carry no roster
+async def test_in_a_large_job_a_node_reads_its_own_seat_not_the_document(n):
+    """Joining costs each node O(1) bytes whatever N is: the head, the absorber role and its
+    own seat; only the node that places everybody (and completes the round) reads O(N)."""
+    store = MemoryStore()
+    s = Settings(min_nodes=n, max_nodes=n)
+    proxies = [CountingStore(store, latency=0.0005) for _ in range(n)]
+    nodes = []
+    for i, proxy in enumerate(proxies):
+        rdzv, _ = await node(store, f"n{i:03}", s, absorber_from=16)
+        rdzv._store = proxy  # this node's own view of the store, counted
+        nodes.append(rdzv)
+    async with asyncio.timeout(30):
+        rounds = await asyncio.gather(*(r.next_round() for r in nodes))
+    assert sorted(r.group_rank for r in rounds) == list(range(n))
+    assert all(r.seat is not None and r.nodes == [] for r in rounds)
+    document = await store.get("rdzv/job/m/state")
+    assert document is not None and len(document.value) > 40 * n
+    readers = sorted(p.read_bytes for p in proxies)
+    assert readers[-2] < 800, readers  # all but the absorber: a few hundred bytes each
+    assert sum(1 for p in proxies if p.lists[membership_prefix("job")]) <= 1

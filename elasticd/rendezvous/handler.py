@@ -486,6 +486,13 @@ class StoreRendezvous:
                     if result.ok:
                         log.debug("%s: %s", me, action.why)
                         await self._notify(state, action.state)
+                        if holding and self._large and result.entry is not None:
+                            # Decide again on what we wrote, with the presence we hold: the
+                            # next watch (from the view's revision) brings whatever changed
+                            # meanwhile. Listing ten thousand keys after each write would
+                            # cost the holder O(N) per batch of arrivals.
+                            view = (action.state, result.entry.version, present, revision)
+                            continue
                         # Decide again on a fresh view: everyone may have joined now (no
                         # last call to wait out), or, holding the role, more have arrived.
                         continue
@@ -792,10 +799,19 @@ class StoreRendezvous:
             self._seat = await self._read_seat()  # an earlier incarnation of this node may sit
         looked_at = self._signals_rev or 0
         announce = skip_exit(head, self._seat.round if self._seat is not None else None)
-        opened = False
+        opened = holding = False
         if announce is None:
+            # Likely to open the next round for all: take the absorber role first, so
+            # that the crowd this wakes finds it taken (a take queued behind their
+            # announcements would come after their patience).
+            holding = await self._try_absorber()
             now = self._clock.time()
-            left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
+            try:
+                left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
+            except BaseException:
+                if holding:
+                    await self._release_absorber()
+                raise
             opened = left.round > (head.round if head is not None else 0)
             announce = left.round + (1 if left.complete else 0)
         info = replace(info, round=announce)
@@ -805,7 +821,11 @@ class StoreRendezvous:
         # waits for the role to be taken (effort only: it takes it after that).
         first = opened or written.version <= looked_at + CANDIDATES
         patience = None if first else self._clock.time() + ABSORBER_PATIENCE
-        seat = await self._gather(info, self._clock.time() + settings.join_timeout, patience)
+        join_deadline = self._clock.time() + settings.join_timeout
+        if holding:
+            seat = await self._decided(info, join_deadline, holding=True)
+        else:
+            seat = await self._gather(info, join_deadline, patience)
         self._seat = seat
         return seat
 

@@ -6,7 +6,11 @@ Keys of one job, all under ``rdzv/<job>/``:
 * ``m/node/<name>``: a node's lease-bound *presence* key holding its join info;
 * ``signal/done``: written by whoever completes or closes a round or sets its
   deadline (what nodes placed inside an open round wait for);
-* ``signal/absorber``: the advisory *absorber* role, see below.
+* ``signal/absorber``: the advisory *absorber* role, see below;
+* ``seat/<name>``: a node's seat in the latest complete round it took part
+  in (:class:`~.protocol.Seat`: its ranks and the master), and
+  ``roster/<round>``: a complete round's participants (jobs of
+  ``ABSORBER_FROM`` nodes or more, written by the node that completes it).
 
 A running node, a waiting one and a hot spare watch ``m/``, so that a lease
 expiry (a presence key deleted) wakes them at once. Nothing sleeps on a
@@ -28,6 +32,29 @@ finds nobody new. The others wait for the role to be released (or its
 holder's lease to expire, or its hold to run out), and then usually find
 themselves placed. The role never guards correctness, only effort: every
 write is still a compare-and-set that a stale writer loses.
+
+**In jobs of ``ABSORBER_FROM`` nodes or more a node reads O(1) bytes**
+(issue 16). The document holds every node, so a node that reads it reads
+O(N) bytes, and N nodes O(N²): 10,000 nodes could not form a round over HTTP
+in 120 s. There, a node never reads the document unless it writes it:
+
+* the node that completes a round writes every participant's *seat* (its
+  ranks, computed for all in one pass as torch's rank 0 does since
+  pytorch/pytorch#124982, and the master), the round's roster, then the
+  *head* (``signal/done``: the round's number and status, :class:`~.protocol.Head`);
+* a joining node reads the head and the absorber role (one listing of
+  ``signal/``, which the agents of one process share), announces itself, and
+  waits on ``signal/`` for the head to say its round is complete; then it
+  reads its seat (:meth:`StoreRendezvous._gather`, :func:`~.protocol.look`).
+  It leaves a round without reading the document when the head shows a
+  newer round (:func:`~.protocol.skip_exit`); the node that opens the next
+  round for all takes the absorber role first and places everybody;
+* while workers run, the participants of group rank below ``SENTINELS``
+  watch the membership (a loss, an arrival) and start the next round; the
+  others watch the head only.
+
+The document is read, as before, only by the absorber, by whoever opens or
+closes a round, and by a node whose deadline is due.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ for it (the events were at or below its ``after``, or the request's own
 timeout came first) asks again for the time it has left, so sharing never
 changes what :meth:`~elasticd.store.base.Store.watch` returns, only how many
 requests carry it. The request is cancelled when its last watcher leaves.
+
+:class:`Gate` bounds the other requests a client has in flight (each holds a
+connection), and lets identical reads that wait for a turn share one
+request: one that has not been sent yet answers as of a moment after every
+sharer called, as its own would have.
 """
 
 from __future__ import annotations

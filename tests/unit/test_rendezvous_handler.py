@@ -266,3 +266,6 @@ async def test_in_a_large_job_a_node_reads_its_own_seat_not_the_document(n):
     readers = sorted(p.read_bytes for p in proxies)
     assert readers[-2] < 800, readers  # all but the absorber: a few hundred bytes each
     assert sum(1 for p in proxies if p.lists[membership_prefix("job")]) <= 1
+    # The agent reads the round's participants once (exit barrier, failure accounting).
+    named = await nodes[-1].roster(rounds[-1])
+    assert named.participants == {f"n{i:03}": i for i in range(n)}

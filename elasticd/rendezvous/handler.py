@@ -363,6 +363,10 @@ class StoreRendezvous:
         self._announced: NodeInfo | None = None  # this node's presence key as last written
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
         self._absorber_until = 0.0
+        # Large jobs: a task renews the hold while the role is held, whatever the
+        # holder is busy with (writing ten thousand seats, say): a hold that lapses
+        # under load would send every waiting node to displace it at once.
+        self._keeper: asyncio.Task[None] | None = None
         self._absorber_from = absorber_from
         # Jobs this large join from the head and their own seat (O(1) bytes each),
         # never the document, unless a deadline is due (see _gather).
@@ -671,9 +675,13 @@ class StoreRendezvous:
         Returns the updated view (``None`` when the role was lost) and whether
         the role is still held. The hold is renewed while it lasts.
         """
-        due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
-        if due and not (await self._hold_absorber(self._absorber_version)).ok:
-            return None, False  # taken over meanwhile
+        if self._keeper is not None:
+            if self._keeper.done():
+                return None, False  # the keeper lost the role: taken over meanwhile
+        else:
+            due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
+            if due and not (await self._hold_absorber(self._absorber_version)).ok:
+                return None, False  # taken over meanwhile
         wake = self._absorber_until - ABSORBER_RENEW
         mine = self._my_deadline(state, until)
         if mine is not None:
@@ -718,10 +726,35 @@ class StoreRendezvous:
         )
         if result.ok and result.entry is not None:
             self._absorber_version, self._absorber_until = result.entry.version, until
+            if self._large and expected_version is None:
+                await self._stop_keeper()
+                self._keeper = asyncio.create_task(self._keep_absorber())
         return result
+
+    async def _keep_absorber(self) -> None:
+        """Renew the hold ABSORBER_RENEW seconds before it runs out; return once it is lost."""
+        while True:
+            # A timer to a deadline, not a poll: nothing else says when a hold is due.
+            await asyncio.sleep(
+                max(0.0, self._absorber_until - ABSORBER_RENEW - self._clock.time())
+            )
+            try:
+                if not (await self._hold_absorber(self._absorber_version)).ok:
+                    return
+            except StoreError as exc:  # try again at the next turn; a lapsed hold is displaced
+                log.debug("%s: could not renew the absorber role: %s", self._me, exc)
+                return
+
+    async def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and not keeper.done():
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
     async def _release_absorber(self) -> None:
         """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
+        await self._stop_keeper()
         try:
             await self._store.delete(self._absorber_key, self._absorber_version)
         except StoreError as exc:
@@ -842,7 +875,12 @@ class StoreRendezvous:
             opened = left.round > (head.round if head is not None else 0)
             announce = left.round + (1 if left.complete else 0)
         info = replace(info, round=announce)
-        written = await self._announce(info)
+        try:
+            written = await self._announce(info)
+        except BaseException:
+            if holding:
+                await self._release_absorber()
+            raise
         # Who asks for the absorber role at once: the node that opened this round,
         # or one of the first to announce since it looked. The crowd behind them
         # waits for the role to be taken (effort only: it takes it after that).

@@ -68,8 +68,9 @@ from elasticd.store.base import (
 #: Longest key (UTF-8 bytes) any backend accepts.
 MAX_KEY_BYTES = 4096
 
-#: How many changes the in-memory history keeps for watches.
-DEFAULT_HISTORY = 10_000
+#: How many changes the in-memory history keeps for watches (a round of 10,000 nodes
+#: writes 20,000: a presence key and a seat each; the byte bound still applies).
+DEFAULT_HISTORY = 100_000
 
 #: Sorts after every character a key may hold: ``prefix + _TOP`` bounds the keys under it.
 _TOP = "\U0010ffff"

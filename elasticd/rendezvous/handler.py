@@ -932,9 +932,10 @@ class StoreRendezvous:
                 await self._announce(info)
                 continue
             if step is Look.TAKE:
-                tried = True
                 if await self._try_absorber():
                     return await self._decided(info, join_deadline, holding=True)
+                # Lost to a holder: wait for it. Found a stale hold and deleted it: ask again.
+                tried = self._absorber_key in self._signals
                 continue
             assert until is not None
             before = self._signals.get(self._absorber_key)

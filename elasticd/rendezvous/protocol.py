@@ -790,6 +790,12 @@ def skip_exit(head: Head | None, seat_round: int | None) -> int | None:
     next round for all, :func:`dissolve`); otherwise a newer round is open
     and the node is in its wait list (placed only once it announces for it),
     or it was never seated and has nothing to leave. None: read the document.
+
+    One case this cannot see: a node whose daemon restarted while it was a
+    participant of an *open* round keeps its place there with its old
+    announcement (its master port, should it become group rank 0) instead
+    of leaving and being placed again; the round still forms, and a stale
+    port fails that round's workers, which re-form the next one.
     """
     if head is None or head.closed:
         return None if seat_round is not None else 0

@@ -115,7 +115,7 @@ ABSORBER_FROM = 16
 #: Seconds one node may hold the absorber role before the others may take it over.
 ABSORBER_HOLD = 15.0
 #: A holder that keeps the role renews its hold this long before it runs out.
-ABSORBER_RENEW = 5.0
+ABSORBER_RENEW = 10.0
 #: In a large job, a node whose announcement was not among the first this many
 #: writes after it looked waits ABSORBER_PATIENCE for one of those to take the role.
 CANDIDATES = 4
@@ -345,6 +345,7 @@ class StoreRendezvous:
         clock: Clock = SYSTEM_CLOCK,
         absorber_from: int = ABSORBER_FROM,
         seats_from: int = ABSORBER_FROM,
+        absorber_overdue: float = ABSORBER_HOLD,
     ) -> None:
         self._store = store
         self._job = job_id
@@ -372,6 +373,9 @@ class StoreRendezvous:
         # never the document, unless a deadline is due (see _gather).
         self._large = settings.max_nodes >= max(seats_from, absorber_from)
         self._signal_prefix = signal_prefix(job_id)
+        # How long past its time a hold still counts in a large job (a renewal may
+        # queue behind the crowd's requests; a dead holder frees the role anyway).
+        self._overdue = absorber_overdue
         self._signals: dict[str, bytes] = {}  # the head and the absorber as last seen
         self._signals_rev: int | None = None
         self._seat: Seat | None = None  # this node's latest seat
@@ -682,7 +686,13 @@ class StoreRendezvous:
             due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
             if due and not (await self._hold_absorber(self._absorber_version)).ok:
                 return None, False  # taken over meanwhile
-        wake = self._absorber_until - ABSORBER_RENEW
+        if self._keeper is not None:
+            # The keeper renews the hold; waking for it here would spin (deciding on
+            # ten thousand nodes in a loop) until its renewal, queued behind the
+            # crowd's requests, lands.
+            wake = self._clock.time() + MAX_WATCH
+        else:
+            wake = self._absorber_until - ABSORBER_RENEW
         mine = self._my_deadline(state, until)
         if mine is not None:
             wake = min(wake, mine)
@@ -917,6 +927,7 @@ class StoreRendezvous:
                 STRAGGLER_GRACE,
                 tried,
                 patient_until,
+                self._overdue,
             )
             if step is Look.CLOSED:
                 raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
@@ -959,7 +970,7 @@ class StoreRendezvous:
             return False
         self._signals[self._absorber_key] = held.value
         seen = self._absorber_seen()
-        if seen.holder == self._me or self._clock.time() >= seen.until + STRAGGLER_GRACE:
+        if seen.holder == self._me or self._clock.time() >= seen.until + self._overdue:
             await self._store.delete(self._absorber_key, held.version)
             self._signals.pop(self._absorber_key, None)
         return False

@@ -833,13 +833,15 @@ def look(
     grace: float,
     tried: bool,
     patient_until: float | None = None,
+    overdue: float | None = None,
 ) -> tuple[Look, float | None]:
     """A joining node's next step from the head and the absorber role alone, and until when.
 
     ``tried``: this node already failed to take the role since it last saw
     it free (it waits for a change rather than asking again). A hold counts
-    until ``grace`` after its time (a holder's renewal may queue behind a
-    crowd's requests; a stuck holder is displaced after that). A node that
+    until ``overdue`` (default ``grace``) after its time: a holder's renewal
+    may queue behind a crowd's requests, and a stuck holder is displaced
+    only after that (a dead one frees the role with its lease). A node that
     is not among the first to announce waits ``patient_until`` for one of
     them to take the free role rather than asking with the whole crowd.
     WAIT comes with the time to look again at (the last call's deadline,
@@ -855,14 +857,15 @@ def look(
         return Look.REANNOUNCE, None
     if head is not None and head.complete and head.round == my_round:
         return Look.SEAT, None
-    held = absorber.holder is not None and now < absorber.until + grace
+    margin = grace if overdue is None else overdue
+    held = absorber.holder is not None and now < absorber.until + margin
     until = join_deadline
     if not held and not tried:
         if patient_until is None or now >= patient_until:
             return Look.TAKE, None
         until = min(until, patient_until)
     if held:
-        until = min(until, absorber.until + grace)
+        until = min(until, absorber.until + margin)
     if head is not None and head.deadline is not None:
         due = head.deadline + (0.0 if head.first == me else grace)
         if now >= due:

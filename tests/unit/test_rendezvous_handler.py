@@ -44,6 +44,7 @@ async def node(
         lease=current_lease,
         absorber_from=absorber_from,
         seats_from=SEATS_FROM,
+        absorber_overdue=0.5,  # large jobs give a late hold ABSORBER_HOLD more; tests less
     )
     return rdzv, lease
 

@@ -181,3 +181,12 @@ def test_slots_agree_with_seats_on_the_node_list():
     state = complete_round([("default", 2), ("default", 3)])
     assert state.slots() == [NodeSlot(0, "default", 2), NodeSlot(1, "default", 3)]
     assert [s.base_rank for s in seats(state).values()] == [0, 2]
+
+
+def test_a_hold_counts_until_its_overdue_margin_has_passed_too():
+    """Large jobs give a holder whose renewal queues a whole hold more before displacing it."""
+    late = Absorber("n007", NOW - GRACE - 0.1)
+    assert look(Head(), late, "a", 0, NOW, JOIN_BY, GRACE, False, None, 15.0) == (
+        Look.WAIT,
+        late.until + 15.0,
+    )

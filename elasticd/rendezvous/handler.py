@@ -119,7 +119,7 @@ ABSORBER_RENEW = 10.0
 #: In a large job, a node whose announcement was not among the first this many
 #: writes after it looked waits ABSORBER_PATIENCE for one of those to take the role.
 CANDIDATES = 4
-ABSORBER_PATIENCE = 5.0
+ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
 #: In jobs of ``ABSORBER_FROM`` nodes or more, the participants of group rank
 #: below this watch the membership while workers run (and start the next round
 #: on a loss or an arrival); the others watch the small head key only.

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo check lint types test test-fast openapi bench clean
+.PHONY: venv demo check lint types test test-fast openapi bench bench-quick clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,16 @@ openapi: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
+
+comma := ,
+#: The scale figure's backends: etcd when it is installed.
+SCALE_BACKENDS ?= embedded,http$(if $(shell command -v etcd 2>/dev/null),$(comma)etcd)
+
+## bench-quick: the rendezvous scale figure at 300 / 1,000 / 3,000 nodes, first round and
+## re-rendezvous after a failure, every backend (a few minutes; the full figure is in docs/benchmarks.md)
+bench-quick: $(STAMP)
+	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS)
+	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS) --restart
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -361,15 +361,23 @@ class JobAgent:
             await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
             return True
         self._store_reached()
+        names = sorted(round_.participants)
+        who = ", ".join(names) if round_.roster_known else "nodes named in the round's roster"
         self._emit(
             EventKind.RENDEZVOUS_COMPLETE,
             f"round {round_.round}: {self.ctx.node} is group rank {round_.group_rank} of "
-            f"{round_.group_world_size} ({', '.join(sorted(round_.participants))}), "
+            f"{round_.group_world_size} ({who}), "
             f"master {round_.master_addr}:{round_.master_port}",
             duration_s=self.ctx.clock.monotonic() - started,
             source="rendezvous",
         )
         rendezvous_done = self.ctx.clock.time()
+        if not round_.roster_known:
+            # A large round's seat names no peers (O(1) bytes per node); settling a
+            # failure of the last round compares its participants with this one's.
+            pending = (await self._job()).pending_failure
+            if pending is not None and pending.round < round_.round:
+                round_ = await self._named(round_)
         job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
         if job.state.is_terminal:
             await self.ctx.rendezvous.close()
@@ -528,11 +536,22 @@ class JobAgent:
             raise ElasticdError(f"job {self.job_id} vanished from the store")
         return Job.model_validate_json(entry.value)
 
+    async def _named(self, round_: RoundInfo) -> RoundInfo:
+        """``round_`` with every participant named, read only when needed (large rounds)."""
+        if round_.roster_known:
+            return round_
+        try:
+            return await self.ctx.rendezvous.roster(round_)
+        except RendezvousError as exc:  # the roster is gone: callers fall back to counts
+            log.info("%s: %s", self.job_id, exc)
+            return round_
+
     async def _exit_barrier(self, round_: RoundInfo) -> Change | None:
         """Wait for every participant of the round to finish too (up to exit_barrier_timeout)."""
         started = self.ctx.clock.monotonic()
         prefix = barrier_prefix(self.job_id, round_.round)
         await self.ctx.store.put(prefix + self.ctx.node, b"done")
+        round_ = await self._named(round_)
         wanted = set(round_.participants)
         change_task = asyncio.create_task(self.ctx.rendezvous.wait_for_change(round_.round))
         watching: Awaitable[Change | list[Any]]
@@ -541,7 +560,7 @@ class JobAgent:
                 while True:
                     listing = await self.ctx.store.list(prefix)
                     done = {e.key[len(prefix) :] for e in listing.entries}
-                    if wanted <= done:
+                    if wanted <= done and len(done) >= round_.group_world_size:
                         break
                     if change_task.done():
                         return change_task.result()
@@ -956,6 +975,7 @@ class JobAgent:
 
     async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
         """Record the round's failure (charged when the next round forms) and go again."""
+        round_ = await self._named(round_)  # the failure names the round's participants
         await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
         self._emit(
             EventKind.GROUP_RESTARTING,

@@ -22,7 +22,7 @@ from elasticd.errors import WorkerSpawnError
 from elasticd.logs import LogLayout
 from elasticd.models import GroupView, JobSpec, WorkerView, console_streams
 from elasticd.rendezvous import RoundInfo
-from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks
+from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks, ranks_from
 from elasticd.states import WorkerState
 from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
 from elasticd.supervise.process import WorkerLaunch
@@ -66,7 +66,20 @@ def plan_attempt(
     now: float,
 ) -> AttemptPlan:
     """The plan of attempt ``attempt`` in ``round_`` (see the module)."""
-    ranks = assign_ranks(round_.nodes, round_.group_rank)
+    seat = round_.seat
+    if seat is None:
+        ranks = assign_ranks(round_.nodes, round_.group_rank)
+    else:  # computed by the node that completed the round (large jobs)
+        ranks = ranks_from(
+            base_rank=seat.base_rank,
+            world_size=seat.world_size,
+            base_role_rank=seat.base_role_rank,
+            role_world_size=seat.role_world_size,
+            local_world_size=seat.local_world_size,
+            group_rank=seat.group_rank,
+            group_world_size=seat.group_world_size,
+            role=seat.role,
+        )
     if len(ranks) != spec.nproc_per_node:
         raise WorkerSpawnError(
             f"the rendezvous round gives {node.node} {len(ranks)} workers; the job "

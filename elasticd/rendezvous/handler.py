@@ -6,7 +6,11 @@ Keys of one job, all under ``rdzv/<job>/``:
 * ``m/node/<name>``: a node's lease-bound *presence* key holding its join info;
 * ``signal/done``: written by whoever completes or closes a round or sets its
   deadline (what nodes placed inside an open round wait for);
-* ``signal/absorber``: the advisory *absorber* role, see below.
+* ``signal/absorber``: the advisory *absorber* role, see below;
+* ``seat/<name>``: a node's seat in the latest complete round it took part
+  in (:class:`~.protocol.Seat`: its ranks and the master), and
+  ``roster/<round>``: a complete round's participants (jobs of
+  ``ABSORBER_FROM`` nodes or more, written by the node that completes it).
 
 A running node, a waiting one and a hot spare watch ``m/``, so that a lease
 expiry (a presence key deleted) wakes them at once. Nothing sleeps on a
@@ -28,10 +32,35 @@ finds nobody new. The others wait for the role to be released (or its
 holder's lease to expire, or its hold to run out), and then usually find
 themselves placed. The role never guards correctness, only effort: every
 write is still a compare-and-set that a stale writer loses.
+
+**In jobs of ``ABSORBER_FROM`` nodes or more a node reads O(1) bytes**
+(issue 16). The document holds every node, so a node that reads it reads
+O(N) bytes, and N nodes O(N²): 10,000 nodes could not form a round over HTTP
+in 120 s. There, a node never reads the document unless it writes it:
+
+* the node that completes a round writes every participant's *seat* (its
+  ranks, computed for all in one pass as torch's rank 0 does since
+  pytorch/pytorch#124982, and the master), the round's roster, then the
+  *head* (``signal/done``: the round's number and status, :class:`~.protocol.Head`);
+* a joining node reads the head and the absorber role (one listing of
+  ``signal/``, which the agents of one process share), announces itself, and
+  waits on ``signal/`` for the head to say its round is complete; then it
+  reads its seat (:meth:`StoreRendezvous._gather`, :func:`~.protocol.look`).
+  It leaves a round without reading the document when the head shows a
+  newer round (:func:`~.protocol.skip_exit`); the node that opens the next
+  round for all takes the absorber role first and places everybody;
+* while workers run, the participants of group rank below ``SENTINELS``
+  watch the membership (a loss, an arrival) and start the next round; the
+  others watch the head only.
+
+The document is read, as before, only by the absorber, by whoever opens or
+closes a round, and by a node whose deadline is due.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -50,22 +79,29 @@ from elasticd.errors import (
 )
 from elasticd.keys import rendezvous_prefix
 from elasticd.rendezvous.protocol import (
+    Absorber,
     Action,
     Change,
+    Head,
     Kind,
+    Look,
     NodeInfo,
+    Seat,
     Settings,
     State,
     decide_close,
     decide_exit,
     decide_join,
+    look,
     needs_placing,
     next_look,
+    seats,
+    skip_exit,
     watch_reason,
 )
 from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.store import Store
-from elasticd.store.base import CasResult
+from elasticd.store.base import MAX_BATCH_KEYS, CasResult, Entry
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -77,9 +113,17 @@ STRAGGLER_GRACE = 1.0
 #: placed lists the few presence keys itself: two requests fewer on the restart path.
 ABSORBER_FROM = 16
 #: Seconds one node may hold the absorber role before the others may take it over.
-ABSORBER_HOLD = 5.0
+ABSORBER_HOLD = 15.0
 #: A holder that keeps the role renews its hold this long before it runs out.
-ABSORBER_RENEW = 1.0
+ABSORBER_RENEW = 10.0
+#: In a large job, a node whose announcement was not among the first this many
+#: writes after it looked waits ABSORBER_PATIENCE for one of those to take the role.
+CANDIDATES = 4
+ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
+#: In jobs of ``ABSORBER_FROM`` nodes or more, the participants of group rank
+#: below this watch the membership while workers run (and start the next round
+#: on a loss or an arrival); the others watch the small head key only.
+SENTINELS = 3
 
 
 @dataclass(frozen=True)
@@ -93,6 +137,29 @@ class RoundInfo:
     master_addr: str
     master_port: int
     participants: dict[str, int]
+    #: This node's ranks, computed by the node that completed the round (jobs of
+    #: ``ABSORBER_FROM`` nodes or more). Then ``nodes`` is empty, and so is
+    #: ``participants`` in rounds of more than ``ROSTER_INLINE`` nodes
+    #: (:meth:`StoreRendezvous.roster` reads them).
+    seat: Seat | None = None
+
+    @property
+    def roster_known(self) -> bool:
+        """Does ``participants`` name every participant?"""
+        return len(self.participants) == self.group_world_size
+
+    @staticmethod
+    def of_seat(seat: Seat) -> RoundInfo:
+        return RoundInfo(
+            round=seat.round,
+            group_rank=seat.group_rank,
+            group_world_size=seat.group_world_size,
+            nodes=[],
+            master_addr=seat.master_addr,
+            master_port=seat.master_port,
+            participants=dict(seat.participants or {}),
+            seat=seat,
+        )
 
 
 class _Step(Enum):
@@ -131,6 +198,10 @@ class Rendezvous(Protocol):
 
     async def leave(self) -> None:
         """Leave every list for good (the daemon is stopping)."""
+        ...
+
+    async def roster(self, round_: RoundInfo) -> RoundInfo:
+        """``round_`` with every participant named (read when the round did not carry them)."""
         ...
 
 
@@ -203,6 +274,10 @@ class Presence(Mapping[str, NodeInfo]):
 _DECODED: dict[tuple[bytes, int], State] = {}
 
 
+def _roster(state: State) -> bytes:
+    return json.dumps(state.participants, sort_keys=True).encode()
+
+
 def decode_state(raw: bytes, version: int) -> State:
     """``State.decode`` with a small cache: a process running many agents for one job
     (tests, simulations) decodes each version of the document once."""
@@ -236,6 +311,21 @@ def presence_prefix(job_id: str) -> str:
     return membership_prefix(job_id) + "node/"
 
 
+def signal_prefix(job_id: str) -> str:
+    """The head (``done``) and the absorber role: what joining nodes of a large job watch."""
+    return rendezvous_prefix(job_id) + "signal/"
+
+
+def seat_key(job_id: str, node: str) -> str:
+    """A node's seat in the latest complete round it took part in (see ``protocol.Seat``)."""
+    return rendezvous_prefix(job_id) + "seat/" + node
+
+
+def roster_key(job_id: str, round_: int) -> str:
+    """The participants of a complete round of a large job (for the agent, not the join)."""
+    return rendezvous_prefix(job_id) + f"roster/{round_}"
+
+
 class StoreRendezvous:
     """The dynamic rendezvous of one job, for one node, over the cluster store."""
 
@@ -254,6 +344,8 @@ class StoreRendezvous:
         master_port: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
         absorber_from: int = ABSORBER_FROM,
+        seats_from: int = ABSORBER_FROM,
+        absorber_overdue: float = ABSORBER_HOLD,
     ) -> None:
         self._store = store
         self._job = job_id
@@ -272,7 +364,22 @@ class StoreRendezvous:
         self._announced: NodeInfo | None = None  # this node's presence key as last written
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
         self._absorber_until = 0.0
+        # Large jobs: a task renews the hold while the role is held, whatever the
+        # holder is busy with (writing ten thousand seats, say): a hold that lapses
+        # under load would send every waiting node to displace it at once.
+        self._keeper: asyncio.Task[None] | None = None
         self._absorber_from = absorber_from
+        # Jobs this large join from the head and their own seat (O(1) bytes each),
+        # never the document, unless a deadline is due (see _gather).
+        self._large = settings.max_nodes >= max(seats_from, absorber_from)
+        self._signal_prefix = signal_prefix(job_id)
+        # How long past its time a hold still counts in a large job (a renewal may
+        # queue behind the crowd's requests; a dead holder frees the role anyway).
+        self._overdue = absorber_overdue
+        self._signals: dict[str, bytes] = {}  # the head and the absorber as last seen
+        self._signals_rev: int | None = None
+        self._seat: Seat | None = None  # this node's latest seat
+        self._seat_read = False  # looked for a seat of an earlier incarnation
         self._me = node
         self._role = role
         self._lws = local_world_size
@@ -345,10 +452,26 @@ class StoreRendezvous:
                 version = result.entry.version
 
     async def _notify(self, before: State, after: State) -> None:
-        if notice_worthy(before, after):
-            await self._store.put(self._done_key, str(after.round).encode())
+        if not notice_worthy(before, after):
+            return
+        if self._large and after.complete and not after.closed:
+            await self._write_seats(after)
+        await self._store.put(self._done_key, Head.of(after).encode())
 
-    async def _join(self, info: NodeInfo, join_deadline: float) -> State:
+    async def _write_seats(self, state: State) -> None:
+        """Every participant's seat and the round's roster, before the head says it is complete."""
+        batches: list[list[tuple[str, bytes]]] = [[]]
+        for node, seat in seats(state).items():
+            if len(batches[-1]) == MAX_BATCH_KEYS:
+                batches.append([])
+            batches[-1].append((seat_key(self._job, node), seat.encode()))
+        batches.append([(roster_key(self._job, state.round), _roster(state))])
+        await asyncio.gather(*(self._store.put_batch(batch) for batch in batches))
+        if state.round >= 2:  # the agent reads a roster just after its round: keep two
+            with contextlib.suppress(StoreError):
+                await self._store.delete(roster_key(self._job, state.round - 2))
+
+    async def _join(self, info: NodeInfo, join_deadline: float, *, holding: bool = False) -> State:
         """Apply join decisions until this node is a participant of a complete round.
 
         CLOSED and TIMEOUT raise. The node reads the state key alone first
@@ -360,8 +483,7 @@ class StoreRendezvous:
         others read one small key each.
         """
         me, settings = self._me, self._settings
-        light = True  # read the state key alone before listing anything
-        holding = False
+        light = not holding  # read the state key alone before listing anything
         view: tuple[State, int | None, Presence, int] | None = None
         try:
             while True:
@@ -399,6 +521,13 @@ class StoreRendezvous:
                     if result.ok:
                         log.debug("%s: %s", me, action.why)
                         await self._notify(state, action.state)
+                        if holding and self._large and result.entry is not None:
+                            # Decide again on what we wrote, with the presence we hold: the
+                            # next watch (from the view's revision) brings whatever changed
+                            # meanwhile. Listing ten thousand keys after each write would
+                            # cost the holder O(N) per batch of arrivals.
+                            view = (action.state, result.entry.version, present, revision)
+                            continue
                         # Decide again on a fresh view: everyone may have joined now (no
                         # last call to wait out), or, holding the role, more have arrived.
                         continue
@@ -414,11 +543,18 @@ class StoreRendezvous:
                             await self._wait_open_round(there, result.entry.version, there.deadline)
                             light = True
                     continue
-                if holding and action.kind is Kind.WAIT and not action.presence and state.wait_list:
+                if (
+                    holding
+                    and action.kind is Kind.WAIT
+                    and not action.presence
+                    and (state.wait_list or self._large)
+                ):
                     # Placed in an open round that waits for the last round's participants
                     # to come back: keep the role and place them as their announcements
                     # arrive, from the watch's events, rather than handing the role (and
-                    # a listing of every key) to each of them in turn.
+                    # a listing of every key) to each of them in turn. In a large job
+                    # the holder also places the first round's arrivals this way:
+                    # its waiting peers watch the head only, not the role's releases.
                     view, holding = await self._follow(
                         state, version, present, revision, action.until
                     )
@@ -543,10 +679,20 @@ class StoreRendezvous:
         Returns the updated view (``None`` when the role was lost) and whether
         the role is still held. The hold is renewed while it lasts.
         """
-        due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
-        if due and not (await self._hold_absorber(self._absorber_version)).ok:
-            return None, False  # taken over meanwhile
-        wake = self._absorber_until - ABSORBER_RENEW
+        if self._keeper is not None:
+            if self._keeper.done():
+                return None, False  # the keeper lost the role: taken over meanwhile
+        else:
+            due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
+            if due and not (await self._hold_absorber(self._absorber_version)).ok:
+                return None, False  # taken over meanwhile
+        if self._keeper is not None:
+            # The keeper renews the hold; waking for it here would spin (deciding on
+            # ten thousand nodes in a loop) until its renewal, queued behind the
+            # crowd's requests, lands.
+            wake = self._clock.time() + MAX_WATCH
+        else:
+            wake = self._absorber_until - ABSORBER_RENEW
         mine = self._my_deadline(state, until)
         if mine is not None:
             wake = min(wake, mine)
@@ -590,10 +736,35 @@ class StoreRendezvous:
         )
         if result.ok and result.entry is not None:
             self._absorber_version, self._absorber_until = result.entry.version, until
+            if self._large and expected_version is None:
+                await self._stop_keeper()
+                self._keeper = asyncio.create_task(self._keep_absorber())
         return result
+
+    async def _keep_absorber(self) -> None:
+        """Renew the hold ABSORBER_RENEW seconds before it runs out; return once it is lost."""
+        while True:
+            # A timer to a deadline, not a poll: nothing else says when a hold is due.
+            await asyncio.sleep(
+                max(0.0, self._absorber_until - ABSORBER_RENEW - self._clock.time())
+            )
+            try:
+                if not (await self._hold_absorber(self._absorber_version)).ok:
+                    return
+            except StoreError as exc:  # try again at the next turn; a lapsed hold is displaced
+                log.debug("%s: could not renew the absorber role: %s", self._me, exc)
+                return
+
+    async def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None and not keeper.done():
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
 
     async def _release_absorber(self) -> None:
         """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
+        await self._stop_keeper()
         try:
             await self._store.delete(self._absorber_key, self._absorber_version)
         except StoreError as exc:
@@ -607,13 +778,14 @@ class StoreRendezvous:
         """
         await self._wait(self._done_key, False, revision, self._my_deadline(state, until))
 
-    async def _announce(self, info: NodeInfo) -> None:
+    async def _announce(self, info: NodeInfo) -> Entry:
         """(Re)write this node's presence key, bound to its current lease."""
         lease = await self._lease()
-        await self._store.put(
+        entry = await self._store.put(
             self._node_prefix + self._me, json.dumps(info.to_json()).encode(), lease=lease
         )
         self._announced = info
+        return entry
 
     async def leaving(self, my_round: int) -> None:
         """Say, before stopping this round's workers, that this node heads for the next.
@@ -626,6 +798,183 @@ class StoreRendezvous:
         if info is not None and info.heading_for <= my_round:
             await self._announce(replace(info, seen=my_round + 1))
 
+    # large jobs: the head, the absorber role and this node's seat
+
+    async def _read_signals(self) -> None:
+        """The head and the absorber role, and the revision to watch them from (one read)."""
+        listing = await self._store.list(self._signal_prefix)
+        self._signals = {e.key: e.value for e in listing.entries}
+        self._signals_rev = listing.revision
+
+    async def _watch_signals(self, until: float) -> bool:
+        """Wait until the head or the absorber changes (True) or ``until`` (False)."""
+        if self._signals_rev is None:
+            await self._read_signals()
+            return True
+        timeout = max(0.0, min(MAX_WATCH, until - self._clock.time()))
+        if timeout <= 0:
+            return False
+        try:
+            events = await self._store.watch(
+                self._signal_prefix, self._signals_rev, timeout, prefix=True
+            )
+        except StoreCompacted:
+            await self._read_signals()
+            return True
+        for event in events:
+            self._signals_rev = max(self._signals_rev, event.revision)
+            if event.value is None:
+                self._signals.pop(event.key, None)
+            else:
+                self._signals[event.key] = event.value
+        return bool(events)
+
+    def _head(self) -> Head | None:
+        return Head.decode(self._signals.get(self._done_key))
+
+    def _absorber_seen(self) -> Absorber:
+        raw = self._signals.get(self._absorber_key)
+        if raw is None:
+            return Absorber()
+        try:
+            doc = json.loads(raw)
+            return Absorber(holder=str(doc["node"]), until=float(doc["until"]))
+        except (ValueError, KeyError, TypeError):
+            return Absorber(holder="?", until=0.0)  # malformed: overdue, displaced on a take
+
+    async def _read_seat(self) -> Seat | None:
+        entry = await self._store.get(seat_key(self._job, self._me))
+        self._seat_read = True
+        if entry is None:
+            return None
+        try:
+            return Seat.decode(entry.value)
+        except RendezvousError as exc:
+            log.warning("%s: ignoring a malformed seat: %s", self._me, exc)
+            return None
+
+    async def _next_round_large(self, info: NodeInfo) -> Seat:
+        """``next_round`` in a large job: O(1) reads but for the few nodes that write.
+
+        Leaving reads the document only when this node may be a participant of
+        the complete round (:func:`~.protocol.skip_exit`); joining waits on
+        the head and the absorber role (:meth:`_gather`), and ends with a read
+        of this node's own seat.
+        """
+        me, settings = self._me, self._settings
+        if self._signals_rev is None or self._head() is None:
+            await self._read_signals()  # a read shared with the other agents of this process
+        head = self._head()
+        if self._seat is None and not self._seat_read and head is not None and head.complete:
+            self._seat = await self._read_seat()  # an earlier incarnation of this node may sit
+        looked_at = self._signals_rev or 0
+        announce = skip_exit(head, self._seat.round if self._seat is not None else None)
+        opened = holding = False
+        if announce is None:
+            # Likely to open the next round for all: take the absorber role first, so
+            # that the crowd this wakes finds it taken (a take queued behind their
+            # announcements would come after their patience).
+            holding = await self._try_absorber()
+            now = self._clock.time()
+            try:
+                left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
+            except BaseException:
+                if holding:
+                    await self._release_absorber()
+                raise
+            opened = left.round > (head.round if head is not None else 0)
+            announce = left.round + (1 if left.complete else 0)
+        info = replace(info, round=announce)
+        try:
+            written = await self._announce(info)
+        except BaseException:
+            if holding:
+                await self._release_absorber()
+            raise
+        # Who asks for the absorber role at once: the node that opened this round,
+        # or one of the first to announce since it looked. The crowd behind them
+        # waits for the role to be taken (effort only: it takes it after that).
+        first = opened or written.version <= looked_at + CANDIDATES
+        patience = None if first else self._clock.time() + ABSORBER_PATIENCE
+        join_deadline = self._clock.time() + settings.join_timeout
+        if holding:
+            seat = await self._decided(info, join_deadline, holding=True)
+        else:
+            seat = await self._gather(info, join_deadline, patience)
+        self._seat = seat
+        return seat
+
+    async def _gather(
+        self, info: NodeInfo, join_deadline: float, patient_until: float | None = None
+    ) -> Seat:
+        """Wait for this node's seat, from the head and the absorber role (:func:`~.protocol.look`).
+
+        One node holds the absorber role and places everybody (:meth:`_join`,
+        holding it); the others wait for the head to say the round is
+        complete and read their seat. A node reads the document only when a
+        deadline is due, its seat is missing, or it holds the role.
+        """
+        tried = False
+        while True:
+            head = self._head() or Head()
+            step, until = look(
+                head,
+                self._absorber_seen(),
+                self._me,
+                info.round,
+                self._clock.time(),
+                join_deadline,
+                STRAGGLER_GRACE,
+                tried,
+                patient_until,
+                self._overdue,
+            )
+            if step is Look.CLOSED:
+                raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
+            if step is Look.SEAT:
+                seat = await self._read_seat()
+                if seat is not None and seat.round == head.round:
+                    return seat
+                step = Look.DECIDE  # not seated in the complete round (a spare, or odd)
+            if step is Look.DECIDE:
+                return await self._decided(info, join_deadline, holding=False)
+            if step is Look.REANNOUNCE:
+                info = replace(info, round=head.round)
+                await self._announce(info)
+                continue
+            if step is Look.TAKE:
+                if await self._try_absorber():
+                    return await self._decided(info, join_deadline, holding=True)
+                # Lost to a holder: wait for it. Found a stale hold and deleted it: ask again.
+                tried = self._absorber_key in self._signals
+                continue
+            assert until is not None
+            before = self._signals.get(self._absorber_key)
+            await self._watch_signals(until)
+            if self._signals.get(self._absorber_key) != before:
+                tried = False  # the role changed hands: free again, perhaps
+
+    async def _decided(self, info: NodeInfo, join_deadline: float, *, holding: bool) -> Seat:
+        """The document's way (:meth:`_join`), for the few nodes that write or a deadline."""
+        state = await self._join(info, join_deadline, holding=holding)
+        return seats(state)[self._me]
+
+    async def _try_absorber(self) -> bool:
+        """One attempt at the absorber role; a stale hold (ours, or overdue) is deleted."""
+        result = await self._hold_absorber(None)
+        if result.ok:
+            return True
+        held = result.entry
+        if held is None:
+            self._signals.pop(self._absorber_key, None)
+            return False
+        self._signals[self._absorber_key] = held.value
+        seen = self._absorber_seen()
+        if seen.holder == self._me or self._clock.time() >= seen.until + self._overdue:
+            await self._store.delete(self._absorber_key, held.version)
+            self._signals.pop(self._absorber_key, None)
+        return False
+
     # the agent's interface
 
     async def next_round(self) -> RoundInfo:
@@ -636,6 +985,8 @@ class StoreRendezvous:
             local_world_size=self._lws,
             port=self._master_port or free_port(self._addr),  # fresh for every round
         )
+        if self._large:
+            return RoundInfo.of_seat(await self._next_round_large(info))
         now = self._clock.time()
         left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
         # Announce after leaving (our workers are stopped): for the round now open
@@ -659,7 +1010,13 @@ class StoreRendezvous:
     async def wait_for_change(
         self, my_round: int, on_contact: Callable[[], None] | None = None
     ) -> Change:
-        """Read the membership once, then follow the watch's events (see :meth:`_next_view`)."""
+        """Read the membership once, then follow the watch's events (see :meth:`_next_view`).
+
+        In a large job only the sentinels (group ranks below ``SENTINELS``) do;
+        the others watch the head, which the next round's opener writes.
+        """
+        if self._large and self._seat is not None and self._seat.group_rank >= SENTINELS:
+            return await self._follow_head(my_round, on_contact)
         state, version, present, revision = await self.snapshot()
         while True:
             if on_contact is not None:
@@ -672,6 +1029,36 @@ class StoreRendezvous:
             state, version, present, revision = await self._next_view(
                 state, version, present, revision, MAX_WATCH
             )
+
+    async def _follow_head(self, my_round: int, on_contact: Callable[[], None] | None) -> Change:
+        """A non-sentinel's watch: the round changes when the head names another (or closes)."""
+        if self._signals_rev is None:
+            await self._read_signals()
+        while True:
+            if on_contact is not None:
+                on_contact()
+            head = self._head()
+            if head is not None and head.closed:
+                return Change.CLOSED
+            if head is not None and head.round != my_round:
+                return Change.NEW_ROUND
+            await self._watch_signals(self._clock.time() + MAX_WATCH)
+
+    async def roster(self, round_: RoundInfo) -> RoundInfo:
+        """``round_`` with every participant named: from its roster key, else the document."""
+        if round_.roster_known:
+            return round_
+        entry = await self._store.get(roster_key(self._job, round_.round))
+        if entry is not None:
+            try:
+                doc = json.loads(entry.value)
+                return replace(round_, participants={str(k): int(v) for k, v in doc.items()})
+            except (ValueError, TypeError, AttributeError) as exc:
+                raise RendezvousError(f"the roster of round {round_.round} is malformed") from exc
+        state, _, _ = await self._state_only()
+        if state.round == round_.round and state.complete:
+            return replace(round_, participants=dict(state.participants))
+        raise RendezvousError(f"the participants of round {round_.round} are no longer known")
 
     async def close(self) -> None:
         await self._apply(decide_close)

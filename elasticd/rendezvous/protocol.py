@@ -120,8 +120,24 @@ class NodeInfo:
             "seen": self.heading_for,
         }
 
+    def to_row(self) -> list[Any]:
+        """The compact form the document keeps (a 10,000-node document must fit in 1 MiB)."""
+        return [
+            self.addr,
+            self.role,
+            self.local_world_size,
+            self.port,
+            self.round,
+            self.heading_for,
+        ]
+
     @staticmethod
     def from_json(raw: Any) -> NodeInfo:
+        """From :meth:`to_json` (a presence key) or :meth:`to_row` (the document)."""
+        if isinstance(raw, list):
+            addr, role, lws, port, round_, seen = raw
+            raw = {"addr": addr, "role": role, "lws": lws, "port": port, "round": round_}
+            raw["seen"] = seen
         info = NodeInfo(
             addr=str(raw["addr"]),
             role=str(raw["role"]),
@@ -163,10 +179,11 @@ class State:
                 "participants": self.participants,
                 "wait_list": sorted(self.wait_list),
                 "redundancy_list": sorted(self.redundancy_list),
-                "nodes": {k: v.to_json() for k, v in sorted(self.nodes.items())},
+                "nodes": {k: v.to_row() for k, v in sorted(self.nodes.items())},
                 "opened_at": self.opened_at,
             },
             sort_keys=True,
+            separators=(",", ":"),
         ).encode()
 
     @staticmethod
@@ -580,3 +597,278 @@ def watch_reason(
     if not frozenset(state.participants) <= alive:
         return Change.LOSS
     return None
+
+
+# What a node reads instead of the document (issue 16). The document holds
+# every node: reading it costs O(N) bytes, and N nodes reading it cost
+# O(N²). So the node that completes a round writes each participant's own
+# *seat* (what it needs to start its workers, O(1) bytes) under a key of its
+# own, and a small *head* (the round's number and status) that every node
+# waits on. Only the few nodes that write the document read it.
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One participant's share of a complete round: all its agent needs, O(1) bytes.
+
+    The worker ranks are computed once for every node by the node that
+    completes the round (:func:`seats`), as torch's rank 0 does since
+    pytorch/pytorch#124982, instead of by each node from the whole node list.
+    """
+
+    round: int
+    group_rank: int
+    group_world_size: int
+    master_addr: str
+    master_port: int
+    role: str
+    local_world_size: int
+    #: Global rank of this node's local rank 0, and the job's world size.
+    base_rank: int
+    world_size: int
+    #: Role rank of this node's local rank 0, and the role's world size.
+    base_role_rank: int
+    role_world_size: int
+    #: Every participant's group rank, for rounds small enough to carry it
+    #: (at most :data:`ROSTER_INLINE` nodes); otherwise read from the roster key.
+    participants: dict[str, int] | None = None
+
+    def encode(self) -> bytes:
+        doc: dict[str, Any] = {
+            "round": self.round,
+            "group_rank": self.group_rank,
+            "group_world_size": self.group_world_size,
+            "master": [self.master_addr, self.master_port],
+            "role": self.role,
+            "lws": self.local_world_size,
+            "base_rank": self.base_rank,
+            "world_size": self.world_size,
+            "base_role_rank": self.base_role_rank,
+            "role_world_size": self.role_world_size,
+        }
+        if self.participants is not None:
+            doc["participants"] = self.participants
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @staticmethod
+    def decode(raw: bytes) -> Seat:
+        """Parse a stored seat; anything malformed is a RendezvousError."""
+        try:
+            doc = json.loads(raw)
+            roster = doc.get("participants")
+            seat = Seat(
+                round=int(doc["round"]),
+                group_rank=int(doc["group_rank"]),
+                group_world_size=int(doc["group_world_size"]),
+                master_addr=str(doc["master"][0]),
+                master_port=int(doc["master"][1]),
+                role=str(doc["role"]),
+                local_world_size=int(doc["lws"]),
+                base_rank=int(doc["base_rank"]),
+                world_size=int(doc["world_size"]),
+                base_role_rank=int(doc["base_role_rank"]),
+                role_world_size=int(doc["role_world_size"]),
+                participants=None
+                if roster is None
+                else {str(k): int(v) for k, v in roster.items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise RendezvousError(f"a rendezvous seat is malformed: {exc}") from None
+        if not 1 <= seat.local_world_size <= MAX_LOCAL_WORLD_SIZE:
+            raise RendezvousError(f"local world size {seat.local_world_size} out of bounds")
+        if not 0 <= seat.group_rank < seat.group_world_size:
+            raise RendezvousError("a rendezvous seat's group rank is out of bounds")
+        return seat
+
+
+#: Rounds of at most this many participants carry the roster in every seat.
+ROSTER_INLINE = 64
+
+
+def seats(state: State) -> dict[str, Seat]:
+    """Every participant's seat in a complete round, in one O(N) pass.
+
+    The same ranks as :func:`elasticd.rendezvous.ranks.assign_ranks` gives
+    each node (global ranks contiguous by group rank, role ranks contiguous
+    per role), computed with running sums instead of once per node.
+    """
+    master = state.master()
+    if master is None:
+        raise RendezvousError("only a complete round has seats")
+    ordered = sorted(state.participants.items(), key=lambda kv: kv[1])
+    world_size = sum(state.nodes[node].local_world_size for node, _ in ordered)
+    role_sizes: dict[str, int] = {}
+    for node, _ in ordered:
+        info = state.nodes[node]
+        role_sizes[info.role] = role_sizes.get(info.role, 0) + info.local_world_size
+    roster = dict(state.participants) if len(ordered) <= ROSTER_INLINE else None
+    base, role_base = 0, dict.fromkeys(role_sizes, 0)
+    out: dict[str, Seat] = {}
+    for node, rank in ordered:
+        info = state.nodes[node]
+        out[node] = Seat(
+            round=state.round,
+            group_rank=rank,
+            group_world_size=len(ordered),
+            master_addr=master[0],
+            master_port=master[1],
+            role=info.role,
+            local_world_size=info.local_world_size,
+            base_rank=base,
+            world_size=world_size,
+            base_role_rank=role_base[info.role],
+            role_world_size=role_sizes[info.role],
+            participants=roster,
+        )
+        base += info.local_world_size
+        role_base[info.role] += info.local_world_size
+    return out
+
+
+@dataclass(frozen=True)
+class Head:
+    """The round's number and status, written after every change nodes wait for.
+
+    Written (``signal/done``) after the document's compare-and-set that made
+    the change, and after the seats of a completed round: a node that reads a
+    complete head finds its seat written. It may lag the document, never lead it.
+    """
+
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline: float | None = None
+    #: The participant (by name) who completes an open round at its deadline.
+    first: str | None = None
+
+    @staticmethod
+    def of(state: State) -> Head:
+        return Head(
+            round=state.round,
+            complete=state.complete,
+            closed=state.closed,
+            deadline=state.deadline,
+            first=min(state.participants) if state.participants else None,
+        )
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "round": self.round,
+                "complete": self.complete,
+                "closed": self.closed,
+                "deadline": self.deadline,
+                "first": self.first,
+            },
+            sort_keys=True,
+        ).encode()
+
+    @staticmethod
+    def decode(raw: bytes | None) -> Head | None:
+        """Parse a head; ``None`` when absent or malformed (the node then reads the document)."""
+        if raw is None:
+            return None
+        try:
+            doc = json.loads(raw)
+            return Head(
+                round=int(doc["round"]),
+                complete=bool(doc["complete"]),
+                closed=bool(doc["closed"]),
+                deadline=None if doc.get("deadline") is None else float(doc["deadline"]),
+                first=None if doc.get("first") is None else str(doc["first"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+
+def skip_exit(head: Head | None, seat_round: int | None) -> int | None:
+    """May a node leave its round without reading the document? The round to announce for.
+
+    ``seat_round`` is the round of the node's latest seat (None: it never sat
+    in a complete round). Leaving reads the document only when the node may
+    be a participant of the complete round the head names (it must open the
+    next round for all, :func:`dissolve`); otherwise a newer round is open
+    and the node is in its wait list (placed only once it announces for it),
+    or it was never seated and has nothing to leave. None: read the document.
+
+    One case this cannot see: a node whose daemon restarted while it was a
+    participant of an *open* round keeps its place there with its old
+    announcement (its master port, should it become group rank 0) instead
+    of leaving and being placed again; the round still forms, and a stale
+    port fails that round's workers, which re-form the next one.
+    """
+    if head is None or head.closed:
+        return None if seat_round is not None else 0
+    if head.complete and seat_round is not None and seat_round >= head.round:
+        return None  # a participant of the complete round: dissolve it
+    return head.round + (1 if head.complete else 0)
+
+
+class Look(Enum):
+    """What a joining node that has not read the document does next (:func:`look`)."""
+
+    SEAT = "read its seat"  # the head says our round is complete
+    CLOSED = "the rendezvous is closed"
+    REANNOUNCE = "a newer round opened: announce for it"
+    TAKE = "try to take the absorber role"
+    WAIT = "wait for the head or the absorber to change"
+    DECIDE = "read the document and decide (a deadline is due, or something is odd)"
+
+
+@dataclass(frozen=True)
+class Absorber:
+    """The absorber key as a joining node last saw it (None fields: not held)."""
+
+    holder: str | None = None
+    until: float = 0.0
+
+
+def look(
+    head: Head | None,
+    absorber: Absorber,
+    me: str,
+    my_round: int,
+    now: float,
+    join_deadline: float,
+    grace: float,
+    tried: bool,
+    patient_until: float | None = None,
+    overdue: float | None = None,
+) -> tuple[Look, float | None]:
+    """A joining node's next step from the head and the absorber role alone, and until when.
+
+    ``tried``: this node already failed to take the role since it last saw
+    it free (it waits for a change rather than asking again). A hold counts
+    until ``overdue`` (default ``grace``) after its time: a holder's renewal
+    may queue behind a crowd's requests, and a stuck holder is displaced
+    only after that (a dead one frees the role with its lease). A node that
+    is not among the first to announce waits ``patient_until`` for one of
+    them to take the free role rather than asking with the whole crowd.
+    WAIT comes with the time to look again at (the last call's deadline,
+    plus ``grace`` for all but its first participant; a stuck absorber's
+    hold; the patience; the join deadline); DECIDE at that time reads the
+    document, as a node that has no head does.
+    """
+    if head is not None and head.closed:
+        return Look.CLOSED, None
+    if now > join_deadline:
+        return Look.DECIDE, None
+    if head is not None and head.round > my_round:
+        return Look.REANNOUNCE, None
+    if head is not None and head.complete and head.round == my_round:
+        return Look.SEAT, None
+    margin = grace if overdue is None else overdue
+    held = absorber.holder is not None and now < absorber.until + margin
+    until = join_deadline
+    if not held and not tried:
+        if patient_until is None or now >= patient_until:
+            return Look.TAKE, None
+        until = min(until, patient_until)
+    if held:
+        until = min(until, absorber.until + margin)
+    if head is not None and head.deadline is not None:
+        due = head.deadline + (0.0 if head.first == me else grace)
+        if now >= due:
+            return Look.DECIDE, None
+        until = min(until, due)
+    return Look.WAIT, until

@@ -9,7 +9,10 @@ torch.distributed.elastic's agent does:
 * ``LOCAL_WORLD_SIZE`` is the node's own worker count.
 
 Each node needs the round's node list only, which the rendezvous state
-already carries, so assignment costs no extra store round-trip per node.
+already carries, so assignment costs no extra store round-trip per node. In
+large jobs the node that completes the round computes every node's bases
+once (``protocol.seats``) and each node expands its own (:func:`ranks_from`),
+so no node reads the whole list.
 """
 
 from __future__ import annotations
@@ -66,4 +69,32 @@ def assign_ranks(nodes: Sequence[NodeSlot], group_rank: int) -> list[WorkerRanks
             role_name=me.role,
         )
         for i in range(me.local_world_size)
+    ]
+
+
+def ranks_from(
+    *,
+    base_rank: int,
+    world_size: int,
+    base_role_rank: int,
+    role_world_size: int,
+    local_world_size: int,
+    group_rank: int,
+    group_world_size: int,
+    role: str,
+) -> list[WorkerRanks]:
+    """The ranks of one node's workers from its bases (what :func:`assign_ranks` computes)."""
+    return [
+        WorkerRanks(
+            local_rank=i,
+            rank=base_rank + i,
+            role_rank=base_role_rank + i,
+            world_size=world_size,
+            role_world_size=role_world_size,
+            local_world_size=local_world_size,
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            role_name=role,
+        )
+        for i in range(local_world_size)
     ]

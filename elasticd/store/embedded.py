@@ -198,6 +198,7 @@ class EmbeddedStore(MemoryStore):
             self._entries[key] = Entry(
                 key=key, value=bytes(value), version=version, created=created, lease=lease
             )
+        self._sorted = sorted(self._entries)
         # Their timers start at the first use (there may be no event loop yet).
         self._unarmed.extend(self._leases.values())
         self._revision = self._visible = self._compacted = revision

@@ -112,8 +112,9 @@ from elasticd.store.base import (
     check_batch,
     check_listing_size,
 )
-from elasticd.store.http import transport_reason
+from elasticd.store.http import MAX_IN_FLIGHT, transport_reason
 from elasticd.store.memory import check_value, parse_counter, validate_key
+from elasticd.store.shared import Gate, SharedWatches
 from elasticd.store.wire import WireClient, WireConnectError, WireError, WireResponse
 
 log = logging.getLogger("elasticd.store.etcd")
@@ -292,6 +293,8 @@ class EtcdStore(Store):
         self._adds: dict[str, list[tuple[int, asyncio.Future[int]]]] = {}
         self._add_runners: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._shared = SharedWatches(self._watch)
+        self._gate = Gate(MAX_IN_FLIGHT)
 
     def __repr__(self) -> str:
         return f"EtcdStore({self.endpoints!r})"
@@ -398,6 +401,19 @@ class EtcdStore(Store):
         :class:`StoreUnavailable`. Each attempt is bounded by ``timeout``,
         shorter, so that a member that hangs leaves time to try the next.
         """
+
+        async def send() -> dict[str, Any]:
+            return await self._post_ungated(path, body, idempotent=idempotent)
+
+        # A bounded number of connections (see MAX_IN_FLIGHT); identical reads
+        # waiting for a turn share one request.
+        if path == "/kv/range":
+            return await self._gate.read(json.dumps(body, sort_keys=True), send)
+        return await self._gate.run(send)
+
+    async def _post_ungated(
+        self, path: str, body: dict[str, Any], *, idempotent: bool
+    ) -> dict[str, Any]:
         try:
             async with asyncio.timeout(self._deadline):
                 return await self._during_election(
@@ -877,6 +893,12 @@ class EtcdStore(Store):
         prefix: bool = False,
     ) -> builtins.list[WatchEvent]:
         validate_key(key, prefix=prefix)
+        return await self._shared.watch(key, after_version, timeout, prefix)
+
+    async def _watch(
+        self, key: str, after_version: int, timeout: float, prefix: bool
+    ) -> builtins.list[WatchEvent]:
+        """One watch stream, not shared (see :mod:`elasticd.store.shared`)."""
         create = self._range_of(key, prefix)
         create["start_revision"] = str(max(after_version + 1, 1))
         body = {"create_request": create}

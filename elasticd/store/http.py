@@ -63,10 +63,17 @@ from elasticd.store.codec import (
     encode_value,
 )
 from elasticd.store.memory import check_value, validate_key
+from elasticd.store.shared import Gate, SharedWatches
 from elasticd.store.wire import WireClient, WireError, WireResponse
 
 #: Longest single long-poll; a longer watch is split into several.
 MAX_POLL_SECONDS = 300.0
+
+#: Requests other than watches one client sends at once; more wait for a turn.
+#: Each request in flight holds a connection, and a store server accepts a
+#: bounded number (``api.protocol.MAX_CONNECTIONS``): a process running
+#: thousands of agents must not open a connection for each of their requests.
+MAX_IN_FLIGHT = 128
 
 # httpcore runs ``import sniffio`` each time it sets up a lock or an event,
 # several times per request. When sniffio is not installed (newer anyio no
@@ -128,6 +135,8 @@ class HttpStore(Store):
         except (httpx.InvalidURL, ValueError) as exc:
             raise ConfigError(f"store URL {base_url!r} is not a valid URL: {exc}") from exc
         self._closed = False
+        self._gate = Gate(MAX_IN_FLIGHT)
+        self._shared = SharedWatches(self._watch)
         self._wire: WireClient | None = None
         parsed = urlsplit(self.base_url)
         if transport is None and parsed.scheme == "http" and parsed.hostname and not parsed.path:
@@ -146,7 +155,18 @@ class HttpStore(Store):
         params: dict[str, Any] | None = None,
         body: dict[str, Any] | None = None,
         timeout: float | None = None,
+        gated: bool = True,
     ) -> Any:
+        if gated:
+
+            async def send() -> Any:
+                return await self._call(
+                    method, path, params=params, body=body, timeout=timeout, gated=False
+                )
+
+            if method == "GET":  # a read: identical ones waiting for a turn share it
+                return await self._gate.read((path, tuple(sorted((params or {}).items()))), send)
+            return await self._gate.run(send)
         if self._closed:
             raise StoreUnavailable(f"the client of the store at {self.base_url} is closed")
         limit = self._timeout if timeout is None else timeout
@@ -339,6 +359,12 @@ class HttpStore(Store):
         prefix: bool = False,
     ) -> builtins.list[WatchEvent]:
         validate_key(key, prefix=prefix)
+        return await self._shared.watch(key, after_version, timeout, prefix)
+
+    async def _watch(
+        self, key: str, after_version: int, timeout: float, prefix: bool
+    ) -> builtins.list[WatchEvent]:
+        """One watch request (long-polls of at most MAX_POLL_SECONDS), not shared."""
         remaining = max(timeout, 0.0)
         while True:
             poll = min(remaining, MAX_POLL_SECONDS)
@@ -349,7 +375,11 @@ class HttpStore(Store):
                 "prefix": "true" if prefix else "false",
             }
             data = await self._call(
-                "GET", "/store/watch", params=params, timeout=poll + self._timeout
+                "GET",
+                "/store/watch",
+                params=params,
+                timeout=poll + self._timeout,
+                gated=False,  # a long-poll holds its connection: it must not hold a turn
             )
             events: builtins.list[WatchEvent] = self._parsed("watch", decode_events, data)
             remaining -= poll

@@ -16,9 +16,15 @@ construction: an operation decides and applies its change without an
   (reads go through :meth:`MemoryStore._settle_read`, which the embedded
   store lets answer from memory while its disk refuses writes).
 * **Watch** answers from history when it can. Otherwise it parks one future
-  in a waiter table (per key, or in the prefix list) and awaits it under the
+  in a waiter table (per key, or per prefix) and awaits it under the
   timeout. A change wakes exactly the waiters whose key or prefix it touches,
   so an idle watch costs no CPU and a wake-up is never spurious.
+* **Nothing is O(keys) or O(watchers) per request** (issue 16: ten thousand
+  nodes each reading and watching their own key). A sorted index of the keys
+  answers a listing by bisection (O(log n + what it returns)); each key's
+  changes in the history are indexed by revision, so a key watch finds its
+  events without scanning everybody else's; a change looks up the waiters of
+  its key and of each of its prefixes, not every parked prefix watch.
 * **Leases** expire through ``loop.call_later`` timers, rescheduled by
   ``keep_alive``; there is no polling loop. Expiry and ``revoke`` delete the
   lease's keys one change at a time, so watchers see each delete. Tests that
@@ -31,12 +37,13 @@ client still holds from an earlier process never names a new lease.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import builtins
 import itertools
 import re
 import secrets
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import (
@@ -61,8 +68,12 @@ from elasticd.store.base import (
 #: Longest key (UTF-8 bytes) any backend accepts.
 MAX_KEY_BYTES = 4096
 
-#: How many changes the in-memory history keeps for watches.
-DEFAULT_HISTORY = 10_000
+#: How many changes the in-memory history keeps for watches (a round of 10,000 nodes
+#: writes 20,000: a presence key and a seat each; the byte bound still applies).
+DEFAULT_HISTORY = 100_000
+
+#: Sorts after every character a key may hold: ``prefix + _TOP`` bounds the keys under it.
+_TOP = "\U0010ffff"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
@@ -122,7 +133,7 @@ def parse_counter(key: str, value: bytes | None) -> int:
 
 def new_lease_id(taken: Iterable[int] = ()) -> int:
     """A random positive lease id that fits exactly in a JSON number (52 bits)."""
-    used = set(taken)
+    used = taken if isinstance(taken, Container) else set(taken)  # no copy per grant
     while True:
         lease = secrets.randbits(52)
         if lease and lease not in used:
@@ -160,6 +171,10 @@ class MemoryStore(Store):
         self.max_value_bytes = max_value_bytes
         self.max_list_bytes = max_list_bytes
         self._entries: dict[str, Entry] = {}
+        self._sorted: builtins.list[str] = []  # the keys of _entries, sorted (for listings)
+        #: Per key, the revisions of its changes still in _history, oldest first.
+        self._key_changes: dict[str, deque[int]] = {}
+        self._changed_keys: builtins.list[str] = []  # the keys of _key_changes, sorted
         self._revision = 0
         self._visible = 0  # highest revision watchers may see
         self._compacted = 0  # every change with a higher revision is in _history
@@ -168,6 +183,7 @@ class MemoryStore(Store):
         self._leases: dict[int, _Lease] = {}
         self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._prefix_waiters: dict[asyncio.Future[None], str] = {}
+        self._waiters_by_prefix: dict[str, set[asyncio.Future[None]]] = {}
         self._closed = False
 
     # -- public API --------------------------------------------------------
@@ -252,12 +268,14 @@ class MemoryStore(Store):
         validate_key(prefix, prefix=True)
         entries = []
         size = 0
-        for key, entry in self._entries.items():
-            if key.startswith(prefix):
-                entries.append(entry)
-                size += len(key) + len(entry.value)
-                check_listing_size(prefix, size, len(entries), self.max_list_bytes)
-        entries.sort(key=lambda e: e.key)
+        keys = self._sorted
+        at = bisect.bisect_left(keys, prefix)
+        while at < len(keys) and keys[at].startswith(prefix):
+            entry = self._entries[keys[at]]
+            entries.append(entry)
+            size += len(entry.key) + len(entry.value)
+            check_listing_size(prefix, size, len(entries), self.max_list_bytes)
+            at += 1
         revision = self._revision
         await self._settle_read()
         return Listing(entries=entries, revision=revision)
@@ -298,7 +316,7 @@ class MemoryStore(Store):
         target = self._revision if revision is None else min(revision, self._revision)
         history = self._history
         while history and history[0].revision <= target:
-            self._history_bytes -= _size(history.popleft())
+            self._drop_oldest()
         self._compacted = max(self._compacted, target)
 
     async def watch(
@@ -323,6 +341,7 @@ class MemoryStore(Store):
                     waiter: asyncio.Future[None] = loop.create_future()
                     if prefix:
                         self._prefix_waiters[waiter] = key
+                        self._waiters_by_prefix.setdefault(key, set()).add(waiter)
                     else:
                         self._key_waiters.setdefault(key, set()).add(waiter)
                     try:
@@ -392,12 +411,16 @@ class MemoryStore(Store):
             created=previous.created if previous is not None else revision,
             lease=lease,
         )
+        if previous is None:
+            bisect.insort(self._sorted, key)
         self._entries[key] = entry
         self._record(WatchEvent(kind="put", key=key, value=value, revision=revision), entry)
         return entry
 
     def _delete(self, key: str) -> None:
         previous = self._entries.pop(key)
+        at = bisect.bisect_left(self._sorted, key)
+        del self._sorted[at]
         if previous.lease is not None:
             lease = self._leases.get(previous.lease)
             if lease is not None:
@@ -409,16 +432,31 @@ class MemoryStore(Store):
         history = self._history
         if len(history) == history.maxlen:
             self._compacted = history[0].revision
-            self._history_bytes -= _size(history[0])
+            self._drop_oldest()
         history.append(event)
         self._history_bytes += _size(event)
+        changes = self._key_changes.get(event.key)
+        if changes is None:
+            changes = self._key_changes[event.key] = deque()
+            bisect.insort(self._changed_keys, event.key)
+        changes.append(event.revision)
         # Bounded in bytes too, so large values cannot pile up in memory (and no watch
         # answer is larger than a listing may be): the oldest changes are compacted.
         while self._history_bytes > self.max_list_bytes and len(history) > 1:
-            dropped = history.popleft()
-            self._history_bytes -= _size(dropped)
-            self._compacted = dropped.revision
+            self._compacted = self._drop_oldest().revision
         self._changed(event, entry)
+
+    def _drop_oldest(self) -> WatchEvent:
+        """Forget the oldest change of the history (and its entry in the key's index)."""
+        dropped = self._history.popleft()
+        self._history_bytes -= _size(dropped)
+        changes = self._key_changes.get(dropped.key)
+        if changes:
+            changes.popleft()  # a key's changes leave the history in the order they came
+            if not changes:
+                del self._key_changes[dropped.key]
+                del self._changed_keys[bisect.bisect_left(self._changed_keys, dropped.key)]
+        return dropped
 
     def _arm(self, lease: _Lease) -> None:
         if lease.timer is not None:
@@ -451,14 +489,43 @@ class MemoryStore(Store):
             return []
         history = self._history
         first = history[0].revision  # history is contiguous: event i has revision first + i
+        if not prefix:
+            # The key's own changes, found through its index: O(its changes), not
+            # O(everybody's changes since ``after``).
+            return self._changes_of(key, after, visible, first)
+        keys = self._changed_keys
+        lo = bisect.bisect_left(keys, key)
+        hi = bisect.bisect_left(keys, key + _TOP, lo)
+        if hi - lo < visible - after:
+            # Fewer keys under the prefix than changes to look at: ask each key's index
+            # (a watch on a small prefix from long ago does not scan everybody's changes).
+            found = []
+            for i in range(lo, hi):
+                found.extend(self._changes_of(keys[i], after, visible, first))
+            found.sort(key=lambda e: e.revision)
+            return found
         start = max(after + 1 - first, 0)
         stop = visible - first + 1
         size = len(history)
         recent = itertools.islice(reversed(history), size - stop, size - start)
-        if prefix:
-            found = [e for e in recent if e.key.startswith(key)]
-        else:
-            found = [e for e in recent if e.key == key]
+        found = [e for e in recent if e.key.startswith(key)]
+        found.reverse()
+        return found
+
+    def _changes_of(
+        self, key: str, after: int, visible: int, first: int
+    ) -> builtins.list[WatchEvent]:
+        """The changes of ``key`` in ``(after, visible]``, oldest first, from its index."""
+        changes = self._key_changes.get(key)
+        if not changes or changes[-1] <= after:
+            return []
+        history = self._history
+        found = []
+        for revision in reversed(changes):
+            if revision <= after:
+                break
+            if revision <= visible:
+                found.append(history[revision - first])
         found.reverse()
         return found
 
@@ -469,14 +536,29 @@ class MemoryStore(Store):
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(None)
-            if self._prefix_waiters:
-                for waiter, prefix in self._prefix_waiters.items():
-                    if not waiter.done() and event.key.startswith(prefix):
+            by_prefix = self._waiters_by_prefix
+            if not by_prefix:
+                continue
+            # Only the waiters of this key's prefixes: the fewer of the key's own
+            # prefixes and the prefixes watched are looked at, never every watcher.
+            key = event.key
+            if len(by_prefix) <= len(key):
+                prefixes: Iterable[str] = [p for p in by_prefix if key.startswith(p)]
+            else:
+                prefixes = [key[:i] for i in range(len(key) + 1) if key[:i] in by_prefix]
+            for prefix in prefixes:
+                for waiter in by_prefix.pop(prefix, ()):
+                    if not waiter.done():
                         waiter.set_result(None)
 
     def _forget_waiter(self, waiter: asyncio.Future[None], key: str, prefix: bool) -> None:
         if prefix:
             self._prefix_waiters.pop(waiter, None)
+            same = self._waiters_by_prefix.get(key)
+            if same is not None:
+                same.discard(waiter)
+                if not same:
+                    del self._waiters_by_prefix[key]
             return
         waiters = self._key_waiters.get(key)
         if waiters is not None:

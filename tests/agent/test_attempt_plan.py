@@ -11,6 +11,7 @@ from elasticd.errors import WorkerSpawnError
 from elasticd.logs import LogLayout
 from elasticd.models import JobSpec
 from elasticd.rendezvous import RoundInfo
+from elasticd.rendezvous.protocol import NodeInfo, State, seats
 from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.states import WorkerState
 
@@ -89,3 +90,31 @@ def test_a_round_that_gives_this_node_another_worker_count_is_refused(
             state=WorkerState.INIT,
             now=0.0,
         )
+
+
+def test_a_large_rounds_seat_gives_the_same_ranks_as_the_node_list(tmp_path: Path) -> None:
+    """A large job's round carries this node's seat, not the node list: same ranks and env."""
+    listed = round_of([2, 2, 2], me=1)
+    state = State(
+        round=4,
+        complete=True,
+        participants=listed.participants,
+        nodes={n: NodeInfo("10.0.0.1", "default", 2, 29500) for n in listed.participants},
+    )
+    seated = RoundInfo.of_seat(seats(state)["n1"])
+    assert seated.nodes == [] and seated.seat is not None
+
+    def plan(round_: RoundInfo):
+        return plan_attempt(
+            "j",
+            spec(),
+            round_,
+            restart_count=0,
+            attempt=1,
+            node=facts(tmp_path),
+            state=WorkerState.INIT,
+            now=1.0,
+        )
+
+    assert plan(seated).ranks == plan(listed).ranks
+    assert [w.env["RANK"] for w in plan(seated).launches] == ["2", "3"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections import Counter
 
@@ -13,6 +14,14 @@ from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, Settings, StoreRendezvous
 from elasticd.rendezvous.handler import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
+
+SEATS_FROM = 16
+
+
+@pytest.fixture(autouse=True, params=[16, 1], ids=["document", "seats"])
+def _seats_from(request, monkeypatch):
+    """Every test runs twice: jobs joining by the document, and by seats (large jobs' way)."""
+    monkeypatch.setattr(sys.modules[__name__], "SEATS_FROM", request.param)
 
 
 async def node(
@@ -34,6 +43,8 @@ async def node(
         settings=settings,
         lease=current_lease,
         absorber_from=absorber_from,
+        seats_from=SEATS_FROM,
+        absorber_overdue=0.5,  # large jobs give a late hold ABSORBER_HOLD more; tests less
     )
     return rdzv, lease
 
@@ -48,7 +59,10 @@ async def test_two_nodes_agree_on_ranks_and_master():
     assert (ra.round, rb.round) == (0, 0)
     assert {ra.group_rank, rb.group_rank} == {0, 1}
     assert (ra.master_addr, ra.master_port) == (rb.master_addr, rb.master_port)
-    assert [n.local_world_size for n in ra.nodes] == [2, 2]
+    if ra.seat is None:
+        assert [n.local_world_size for n in ra.nodes] == [2, 2]
+    else:  # the completer computed the ranks: no node list travels
+        assert (ra.seat.world_size, ra.seat.base_rank) == (4, 2 * ra.group_rank)
 
 
 async def test_failed_node_rejoins_and_the_other_reforms_without_livelock():
@@ -101,15 +115,29 @@ class CountingStore:
         self.inner = inner
         self.latency = latency
         self.lists: Counter[str] = Counter()
+        self.watches = 0
+        self.read_bytes = 0  # keys and values that list and get answered
 
     async def list(self, prefix: str):
         self.lists[prefix] += 1
         await asyncio.sleep(self.latency)  # the network: other nodes run meanwhile
-        return await self.inner.list(prefix)
+        listing = await self.inner.list(prefix)
+        self.read_bytes += sum(len(e.key) + len(e.value) for e in listing.entries)
+        return listing
+
+    async def get(self, key: str):
+        await asyncio.sleep(self.latency)
+        entry = await self.inner.get(key)
+        self.read_bytes += 0 if entry is None else len(entry.key) + len(entry.value)
+        return entry
+
+    async def watch(self, *args, **kwargs):
+        self.watches += 1
+        return await self.inner.watch(*args, **kwargs)
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
-        if name not in ("compare_and_set", "put", "get", "delete"):
+        if name not in ("compare_and_set", "put", "put_batch", "delete"):
             return attr
 
         async def after_a_round_trip(*args, **kwargs):
@@ -180,7 +208,7 @@ async def test_a_re_rendezvous_of_many_nodes_costs_each_a_constant_number_of_req
         first = await asyncio.gather(*(r.next_round() for r in nodes))
         store.lists.clear()
         watching = [asyncio.create_task(r.wait_for_change(0)) for r in nodes[1:]]
-        while store.lists[membership_prefix("job")] < n - 1:  # every watcher has read once
+        while store.watches < n - 1:  # every survivor watches (sentinels read first)
             await asyncio.sleep(0.005)
         store.lists.clear()
         writes_before = store.inner.revision
@@ -216,3 +244,29 @@ async def test_survivors_reform_at_once_without_waiting_out_the_last_call(absorb
         assert {await w for w in watching} == {Change.LOSS}
         ra, rb = await asyncio.gather(a.next_round(), b.next_round())
     assert ra.group_world_size == rb.group_world_size == 2 and ra.round == rb.round == 1
+
+
+@pytest.mark.parametrize("n", [70, 210])  # above ROSTER_INLINE: seats carry no roster
+async def test_in_a_large_job_a_node_reads_its_own_seat_not_the_document(n):
+    """Joining costs each node O(1) bytes whatever N is: the head, the absorber role and its
+    own seat; only the node that places everybody (and completes the round) reads O(N)."""
+    store = MemoryStore()
+    s = Settings(min_nodes=n, max_nodes=n)
+    proxies = [CountingStore(store, latency=0.0005) for _ in range(n)]
+    nodes = []
+    for i, proxy in enumerate(proxies):
+        rdzv, _ = await node(store, f"n{i:03}", s, absorber_from=16)
+        rdzv._store = proxy  # this node's own view of the store, counted
+        nodes.append(rdzv)
+    async with asyncio.timeout(30):
+        rounds = await asyncio.gather(*(r.next_round() for r in nodes))
+    assert sorted(r.group_rank for r in rounds) == list(range(n))
+    assert all(r.seat is not None and r.nodes == [] for r in rounds)
+    document = await store.get("rdzv/job/m/state")
+    assert document is not None and len(document.value) > 40 * n
+    readers = sorted(p.read_bytes for p in proxies)
+    assert readers[-2] < 800, readers  # all but the absorber: a few hundred bytes each
+    assert sum(1 for p in proxies if p.lists[membership_prefix("job")]) <= 1
+    # The agent reads the round's participants once (exit barrier, failure accounting).
+    named = await nodes[-1].roster(rounds[-1])
+    assert named.participants == {f"n{i:03}": i for i in range(n)}

@@ -6,10 +6,10 @@ its first step in attempt 0 (TORCHELASTIC_RESTART_COUNT == 0). Both launchers ru
 a finished run writes ``rank<RANK>.json``: world size, steps, restart count.
 
 `elasticd run` must finish: exit 0 and both ranks' records from attempt 1. torchrun 2.13's
-restart is unreliable on this CPU gloo setup: its restarted workers meet in the agent's store on
-the same MASTER_PORT, and gloo's `connectFullMesh` often reads a dead worker's address from the
-first attempt ("Connection refused"), so the run fails (exit 1) or hangs; sometimes it finishes
-(seen with plain torch and each of these frameworks). So torchrun's run is bounded (until
+restart is unreliable on this CPU gloo setup: its restarted workers meet again in the agent's
+store on the same MASTER_PORT, and there gloo's `connectFullMesh` often fails ("Connection
+refused") or hangs, so the run exits 1 or never ends (seen with plain torch and with each of
+these frameworks); sometimes it finishes. So torchrun's run is bounded (until
 `elasticd run` is done plus TORCHRUN_GRACE seconds) and its outcome is printed (`pytest -rA`
 shows it), not asserted; when torchrun finishes, its records must equal `elasticd run`'s.
 

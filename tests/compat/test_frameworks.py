@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(150)]
 
 SCRIPTS = Path(__file__).resolve().parent / "frameworks"
 TORCHRUN_GRACE = 15.0
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}  # build from configs only
 FRAMEWORKS = {  # script -> the module it needs
     "accelerate_train.py": "accelerate",
     "transformers_train.py": "transformers",
@@ -58,7 +59,7 @@ def test_framework_recovers_from_a_crash_of_rank_1(tmp_path, script):
         str(SCRIPTS / script),
         "{out}",
     ]
-    with started(tmp_path, args) as procs:
+    with started(tmp_path, args, env=OFFLINE) as procs:
         elasticd, elasticd_out = procs["elasticd"]
         torchrun, torchrun_out = procs["torchrun"]
         elasticd.wait(120)

@@ -17,8 +17,8 @@ from transformers import (
 STEPS = 4
 
 
-class CrashOnce(TrainerCallback):  # type: ignore[misc]
-    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+class CrashOnce(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
         crash_on_first_attempt(state.global_step)
 
 

@@ -139,6 +139,17 @@ def collect(
     return outcomes
 
 
+# torch 2.13's gloo sometimes aborts a worker at interpreter exit, after its work is done
+# (this line, then SIGABRT), under torchrun and `elasticd run` alike and more often on a loaded
+# machine; torch's own init_method script does not call destroy_process_group. A run that shows
+# it is run once more, under both launchers; a second abort fails the test.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def exit_abort(outcomes: Mapping[str, Outcome]) -> bool:
+    return any(EXIT_ABORT in outcome.stderr for outcome in outcomes.values())
+
+
 def run_both(
     tmp_path: Path,
     args: Sequence[str],
@@ -149,8 +160,13 @@ def run_both(
     timeout: float = 90,
 ) -> dict[str, Outcome]:
     """Run ``args`` under both launchers and return their outcomes by launcher name."""
-    with started(tmp_path, args, env=env, cwd=cwd, stdin=stdin) as procs:
-        return collect(procs, timeout)
+    for attempt in range(2):
+        home = tmp_path / f"try{attempt}"
+        with started(home, args, env=env, cwd=cwd, stdin=stdin) as procs:
+            outcomes = collect(procs, timeout)
+        if not exit_abort(outcomes):
+            break
+    return outcomes
 
 
 def copy_script(src: Path, dest_dir: Path) -> Path:

@@ -30,7 +30,7 @@ def main() -> None:
             break
     accelerator.wait_for_everyone()
     write_artifact(accelerator.num_processes, steps, float(loss))
-    # Without it gloo's threads may still run at exit: `terminate called ...`, SIGABRT.
+    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
     torch.distributed.destroy_process_group()
 
 

@@ -32,7 +32,7 @@ def main() -> None:
             break
     fabric.barrier()
     write_artifact(fabric.world_size, steps, float(loss))
-    # Without it gloo's threads may still run at exit: `terminate called ...`, SIGABRT.
+    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
     torch.distributed.destroy_process_group()
 
 

@@ -44,7 +44,7 @@ def main() -> None:
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[CrashOnce()])
         result = trainer.train()
         write_artifact(args.world_size, trainer.state.global_step, float(result.training_loss))
-    # Without it gloo's threads may still run at exit: `terminate called ...`, SIGABRT.
+    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
     torch.distributed.destroy_process_group()
 
 

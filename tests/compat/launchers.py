@@ -114,10 +114,17 @@ def started(
             procs[name] = (proc, out)
         yield procs
     finally:
-        for proc, _ in procs.values():
+        for proc, out in procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)  # a launcher stops its workers on SIGTERM
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            # torchrun's workers run in sessions of their own: none may outlive the test
+            for pid in processes_with_arg(str(out)):
+                os.kill(pid, signal.SIGKILL)
 
 
 def collect(
@@ -174,6 +181,21 @@ def copy_script(src: Path, dest_dir: Path) -> Path:
     dest = dest_dir / src.name
     shutil.copy2(src, dest)
     return dest
+
+
+def processes_with_arg(text: str) -> list[int]:
+    """Pids of processes with an argument containing ``text`` (a test's own folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(text.encode() in arg for arg in argv):
+            pids.append(int(entry.name))
+    return pids
 
 
 def workers_running(script: Path) -> list[int]:

@@ -231,7 +231,8 @@ def test_echo_output_is_bare_on_stdout_and_stderr(tmp_path):
     ("script", "args", "message"),
     [
         ("echo1.py", ["--exitcode=${local_rank}", "hello"], "exit 1 from 1"),
-        ("echo2.py", ["--raises=True", "hello"], "RuntimeError: raised from "),
+        # torchrun's workers share its stderr: their tracebacks may interleave mid-line
+        ("echo2.py", ["--raises=True", "hello"], "raised from "),
         ("echo3.py", ["--segfault=True", "hello"], None),
     ],
     ids=["exit-code", "raises", "segfault"],

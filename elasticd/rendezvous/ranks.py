@@ -56,20 +56,16 @@ def assign_ranks(nodes: Sequence[NodeSlot], group_rank: int) -> list[WorkerRanks
     same_role = [n for n in ordered if n.role == me.role]
     role_world_size = sum(n.local_world_size for n in same_role)
     base_role_rank = sum(n.local_world_size for n in same_role if n.group_rank < group_rank)
-    return [
-        WorkerRanks(
-            local_rank=i,
-            rank=base_rank + i,
-            role_rank=base_role_rank + i,
-            world_size=world_size,
-            role_world_size=role_world_size,
-            local_world_size=me.local_world_size,
-            group_rank=group_rank,
-            group_world_size=len(ordered),
-            role_name=me.role,
-        )
-        for i in range(me.local_world_size)
-    ]
+    return ranks_from(
+        base_rank=base_rank,
+        world_size=world_size,
+        base_role_rank=base_role_rank,
+        role_world_size=role_world_size,
+        local_world_size=me.local_world_size,
+        group_rank=group_rank,
+        group_world_size=len(ordered),
+        role=me.role,
+    )
 
 
 def ranks_from(

@@ -293,3 +293,57 @@ def test_a_run_whose_workers_fail_for_good_ends_failed(node: LocalCluster, tmp_p
     assert (job["launcher"], job["state"]) == ("torchrun", "FAILED"), job
     reason = job["reason"]
     assert reason.startswith("the workers failed: rank ") and reason.endswith("code 3"), reason
+
+
+CONTRACT = """
+import sys
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousInfo
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+params = RendezvousParameters(
+    backend="elasticd", endpoint=sys.argv[1], run_id="contract", min_nodes=1, max_nodes=1,
+    token_file=sys.argv[2], last_call_timeout=1,
+)
+handler = get_rendezvous_handler(params)  # through torch's registry: the entry point
+assert handler.get_backend() == "elasticd", handler.get_backend()
+assert handler.get_run_id() == "contract"
+assert handler.use_agent_store is False
+assert not handler.is_closed()
+info = handler.next_rendezvous()
+assert isinstance(info, RendezvousInfo)
+assert (info.rank, info.world_size) == (0, 1), (info.rank, info.world_size)
+assert info.bootstrap_store_info.master_addr and info.bootstrap_store_info.master_port > 0
+info.store.set("k", b"v")
+assert info.store.get("k") == b"v"
+assert handler.num_nodes_waiting() == 0
+handler.set_closed()
+assert handler.is_closed()
+try:
+    handler.next_rendezvous()
+except RendezvousClosedError:
+    pass
+else:
+    raise AssertionError("next_rendezvous after set_closed must raise RendezvousClosedError")
+assert handler.shutdown() is True
+print("contract ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_torchs_handler_contract_through_its_own_registry(
+    node: LocalCluster, tmp_path: Path
+) -> None:
+    """The cases torch's handler tests check of every handler, asked the way torch's agent asks:
+    the handler comes from torch's registry (the entry point); backend and run id, no agent store,
+    a first round of one node with a working store and bootstrap info, nobody waiting, set_closed
+    then is_closed, next_rendezvous refused once closed, shutdown."""
+    endpoint = f"127.0.0.1:{node.nodes['n0'].port}"
+    done = subprocess.run(
+        [sys.executable, "-c", CONTRACT, endpoint, str(node.token_file)],
+        env=entry_point_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert done.returncode == 0 and "contract ok" in done.stdout, done.stdout + done.stderr

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -299,7 +300,7 @@ async def _run(args: argparse.Namespace) -> int:
         config = load_config(
             {
                 "host": "127.0.0.1",
-                "port": args.port,
+                "port": _api_port(args.port, args.master_port),
                 "state_dir": state_dir,
                 "log_dir": log_dir,
                 "node_name": "localhost",
@@ -694,6 +695,23 @@ def _cmd_queue(client: Any, args: argparse.Namespace) -> int:
     ]
     print(_table(rows, ["POS", "ID", "PRIO", "REASON", "WAITING", "WHY"]))
     return 0
+
+
+def _api_port(port: int, master_port: int | None) -> int:
+    """The embedded daemon's API port: any free one, never the workers' ``--master-port``.
+
+    With port 0 the kernel may hand the API the very port the user chose for
+    the workers' store (free until rank 0 binds it): the workers then fail
+    with EADDRINUSE. Picked here instead, avoiding that port.
+    """
+    if port != 0 or master_port is None:
+        return port
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            picked = int(probe.getsockname()[1])
+        if picked != master_port:
+            return picked
 
 
 def _shorten(text: str, width: int) -> str:

@@ -45,3 +45,19 @@ def test_no_token_means_loopback_only():
     with pytest.raises(ConfigError, match="without a token"):
         check_bind(load_config({"host": "0.0.0.0"}, environ={}), None)
     check_bind(load_config({"host": "0.0.0.0"}, environ={}), "tok")
+
+
+def test_elasticd_runs_api_port_is_never_the_workers_master_port():
+    """Found by CI: the embedded daemon's API got the port chosen for --master-port (free until
+    rank 0 bound it), and the workers failed with EADDRINUSE."""
+    import socket
+
+    from elasticd.cli import _api_port
+
+    assert _api_port(7070, 7070) == 7070  # a port asked for is the user's business
+    assert _api_port(0, None) == 0
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            recent = probe.getsockname()[1]  # just freed: the kernel's likely next pick
+        assert _api_port(0, recent) != recent

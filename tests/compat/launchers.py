@@ -8,7 +8,9 @@ same time (they are mostly waiting), each with its own output folder and port in
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -36,9 +38,26 @@ def launcher_command(name: str) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free port *below* the kernel's ephemeral range, for a ``--master-port``.
+
+    Both launchers run at once and bind ports of their own with port 0 (torchrun's store,
+    elasticd run's API): a port taken from the ephemeral range and freed again could be
+    handed to the other launcher before the workers bind it (seen in CI: EADDRINUSE). No
+    bind to port 0 ever returns a port below the range.
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = list(range(max(1024, low - 8000), low))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def base_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from common import crash_on_first_attempt, write_artifact
+from common import crash_on_first_attempt, finish, write_artifact
 from torch.utils.data import DataLoader, TensorDataset
 
 STEPS = 4
@@ -30,8 +30,7 @@ def main() -> None:
             break
     accelerator.wait_for_everyone()
     write_artifact(accelerator.num_processes, steps, float(loss))
-    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
-    torch.distributed.destroy_process_group()
+    finish()  # a barrier, then out without torch's teardown (see common.finish)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from common import crash_on_first_attempt, write_artifact
+from common import crash_on_first_attempt, finish, write_artifact
 from lightning_fabric import Fabric
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -32,8 +32,7 @@ def main() -> None:
             break
     fabric.barrier()
     write_artifact(fabric.world_size, steps, float(loss))
-    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
-    torch.distributed.destroy_process_group()
+    finish()  # a barrier, then out without torch's teardown (see common.finish)
 
 
 if __name__ == "__main__":

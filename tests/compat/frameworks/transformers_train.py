@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from common import crash_on_first_attempt, write_artifact
+from common import crash_on_first_attempt, finish, write_artifact
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -44,8 +44,7 @@ def main() -> None:
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[CrashOnce()])
         result = trainer.train()
         write_artifact(args.world_size, trainer.state.global_step, float(result.training_loss))
-    # Not left to interpreter exit (torch warns then); gloo may still abort at exit, see EXIT_ABORT.
-    torch.distributed.destroy_process_group()
+    finish()  # a barrier, then out without torch's teardown (see common.finish)
 
 
 if __name__ == "__main__":

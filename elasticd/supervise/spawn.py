@@ -53,16 +53,13 @@ The start-up sweep
     recorded group whose leader is gone. What left the process groups is
     caught by the attempt cgroups (:mod:`elasticd.supervise.cgroup`).
 
-Into a cgroup before the job's code runs: :data:`GATE`
-    Given a ``cgroup.procs`` descriptor, :func:`start_process` starts the
-    process as usual (user switch, wrapper, resolver) but the resolver's shell
-    first waits at :data:`GATE` for a line on its stdin, a socket to the
-    daemon. The daemon writes the child's pid to ``cgroup.procs`` (as root,
-    through its own descriptor) and only then sends the go, so nothing of the
-    job runs, and nothing it forks, outside the cgroup. It costs a ``read`` in
-    a shell that runs anyway, where a Python stage used to cost an interpreter
-    start (~15 ms) on every worker's start and restart. The job's environment
-    still never reaches a process with more privilege than the job.
+Into a cgroup before the job's code runs: :data:`CGROUP_STAGE`
+    Given a ``cgroup.procs`` descriptor, :func:`start_process` execs a
+    ``python -I -S`` stage first, as root with an empty environment: it joins
+    the cgroup, closes the descriptor, switches user itself, sets the
+    parent-death signal and execs the resolver with the job's environment
+    (passed in a memfd). The job's environment thus still never reaches a
+    process with more privilege than the job.
 """
 
 from __future__ import annotations
@@ -75,7 +72,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import weakref
@@ -119,6 +115,74 @@ PY_WRAPPER = (
     "try:os.execv(sys.argv[2],sys.argv[3:])\n"
     "except OSError as e:sys.exit(f'elasticd: cannot start {sys.argv[2]!r}: {e}')\n"
 )
+
+
+#: The first program of a process started into a cgroup, run as root with an EMPTY
+#: environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv executable argv0
+#: args...`` (uid -1: no switch; setpriv "": none). It joins the cgroup through the
+#: daemon's descriptor and closes it, reads the environment from ``env_fd`` (``K=V``
+#: NUL-separated), switches user, and execs with that environment: through ``setpriv
+#: --pdeathsig KILL`` (as :func:`wrap_argv` does; saves importing ctypes here), else
+#: setting the parent-death signal itself (after the switch, which clears it) and
+#: making sure the parent did not die before that. A failure to join is reported on
+#: stdin (the verdict pipe) like the resolver's.
+CGROUP_STAGE = (
+    "import os,sys\n"
+    "a=sys.argv\n"
+    "try:os.write(int(a[1]),b'0')\n"
+    "except OSError as e:\n"
+    " import errno;n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
+    " os.write(0,b'cgroup\\0'+n+b'\\0');sys.exit(127)\n"
+    "os.close(int(a[1]))\n"
+    "with open(int(a[2]),'rb') as f:d=f.read()\n"
+    "env=dict(x.split(b'=',1) for x in d.split(b'\\0') if b'=' in x)\n"
+    "if not a[7]:import ctypes  # before the switch: the job's user may not read the stdlib\n"
+    "u,g=int(a[4]),int(a[5])\n"
+    "if u>=0:\n"
+    " os.setgroups([int(x) for x in a[6].split(',') if x])\n"
+    " os.setresgid(g,g,g);os.setresuid(u,u,u)\n"
+    "if a[7]:exe,argv=a[7],[a[7],'--pdeathsig','KILL','--',a[8],*a[10:]]\n"
+    "else:\n"
+    " if ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)!=0:\n"
+    "  sys.exit('elasticd: prctl(PR_SET_PDEATHSIG) failed')\n"
+    " if os.getppid()!=int(a[3]):os.kill(os.getpid(),9)\n"
+    " exe,argv=a[8],a[9:]\n"
+    "try:os.execve(exe,argv,env)\n"
+    "except OSError as e:sys.exit(f'elasticd: cannot start {exe!r}: {e}')\n"
+)
+
+
+def cgroup_argv(
+    executable: str,
+    argv: Sequence[str],
+    *,
+    procs_fd: int,
+    env_fd: int,
+    identity: Identity | None,
+    setpriv: str | None,
+) -> list[str]:
+    """The command line that runs ``argv`` (program ``executable``) through :data:`CGROUP_STAGE`."""
+    uid, gid, groups = (
+        (-1, -1, "")
+        if identity is None
+        else (identity.uid, identity.gid, ",".join(str(g) for g in identity.groups))
+    )
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        CGROUP_STAGE,
+        str(procs_fd),
+        str(env_fd),
+        str(os.getpid()),
+        str(uid),
+        str(gid),
+        groups,
+        setpriv or "",
+        executable,
+        *argv,
+    ]
 
 
 #: Every process :func:`start_process` started, while the daemon holds it: a child of
@@ -220,7 +284,7 @@ STDIN_SLOT = 9
 
 #: Run before the resolver when a worker gets a stdin: argv is ``fd program args...``;
 #: moves ``fd`` (any number) to :data:`STDIN_SLOT` and execs the rest. Nothing else is
-#: open in the child by then (``pass_fds`` holds only it).
+#: open in the child by then (the cgroup stage has closed its descriptors).
 STDIN_MOVER = (
     "import os,sys\n"
     "n=int(sys.argv[1])\n"
@@ -229,23 +293,14 @@ STDIN_MOVER = (
 )
 
 
-#: Put before :data:`RESOLVER` when the process must join a cgroup first: the shell
-#: waits for the daemon's go (a line on its stdin, a socket) before anything else; the
-#: daemon sends it once it has moved the process into the cgroup. EOF instead of the go
-#: (the daemon could not move it) ends it before anything of the job's runs.
-GATE = "IFS= read -r go || exit 127\n"
-
-
 def resolver_argv(
-    argv: Sequence[str], cwd: str | None, stdin: int | None = None, *, gated: bool = False
+    argv: Sequence[str], cwd: str | None, stdin: int | None = None
 ) -> tuple[str, list[str]]:
     """(program, argv) that start ``argv`` in ``cwd`` through :data:`RESOLVER`, with
-    ``stdin`` (None: /dev/null) moved to 0 by :data:`STDIN_MOVER` and the resolver;
-    ``gated``: behind :data:`GATE`."""
-    script = GATE + RESOLVER if gated else RESOLVER
+    ``stdin`` (None: /dev/null) moved to 0 by :data:`STDIN_MOVER` and the resolver."""
     if stdin is None:
-        return SH, [SH, "-c", script, "elasticd-start", "", cwd or "", *argv]
-    resolver = [SH, "-c", script, "elasticd-start", str(STDIN_SLOT), cwd or "", *argv]
+        return SH, [SH, "-c", RESOLVER, "elasticd-start", "", cwd or "", *argv]
+    resolver = [SH, "-c", RESOLVER, "elasticd-start", str(STDIN_SLOT), cwd or "", *argv]
     return sys.executable, [sys.executable, "-I", "-S", "-c", STDIN_MOVER, str(stdin), *resolver]
 
 
@@ -278,7 +333,7 @@ async def start_process(
     ``stdout``/``stderr`` are file descriptors or ``asyncio.subprocess`` constants.
     ``cgroup_procs``, a descriptor of a cgroup's ``cgroup.procs`` opened by the
     daemon, puts the process in that cgroup before anything of the job runs
-    (:data:`GATE`; :mod:`elasticd.supervise.cgroup`). ``stdin``, a
+    (:data:`CGROUP_STAGE`; :mod:`elasticd.supervise.cgroup`). ``stdin``, a
     descriptor, becomes the program's stdin (None: ``/dev/null``); it is
     passed down under its own number and moved to 0 just before the program
     runs (:data:`STDIN_MOVER`, then the resolver), because until then the
@@ -297,16 +352,27 @@ async def start_process(
             "group": identity.gid,
             "extra_groups": list(identity.groups),
         }
-    gated = cgroup_procs is not None
-    program, resolver = resolver_argv(argv, cwd, stdin, gated=gated)
+    program, resolver = resolver_argv(argv, cwd, stdin)
+    env_fd: int | None = None
     pass_fds: tuple[int, ...] = () if stdin is None else (stdin,)
-    command = wrap_argv(program, resolver, setpriv=policy.wrapper())
-    if gated:
-        # Both ways: the shell reads the go on it, and writes a verdict on it.
-        ours, theirs = (s.detach() for s in socket.socketpair())
-        verdict_r, verdict_w = ours, theirs
+    if cgroup_procs is None:
+        command = wrap_argv(program, resolver, setpriv=policy.wrapper())
+        exec_env = full_env
     else:
-        verdict_r, verdict_w = os.pipe()
+        # The stage runs as root: it gets an empty environment, the job's comes in a
+        # memfd, and the user switch is the stage's own (not subprocess's).
+        env_fd = _env_memfd(full_env)
+        command = cgroup_argv(
+            program,
+            resolver,
+            procs_fd=cgroup_procs,
+            env_fd=env_fd,
+            identity=identity,
+            setpriv=policy.wrapper(),
+        )
+        exec_env, credentials = {}, {}
+        pass_fds = (*pass_fds, cgroup_procs, env_fd)
+    verdict_r, verdict_w = os.pipe()
     try:
         try:
             process = await asyncio.create_subprocess_exec(
@@ -315,7 +381,7 @@ async def start_process(
                 stdin=verdict_w,
                 stdout=stdout,
                 stderr=stderr,
-                env=full_env,
+                env=exec_env,
                 # Own session, so own process group: signals reach the program's
                 # children too, and a terminal's Ctrl-C on the daemon does not.
                 start_new_session=True,
@@ -326,9 +392,9 @@ async def start_process(
             raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
         finally:
             os.close(verdict_w)  # the child has its copy; ours would keep EOF away
+            if env_fd is not None:
+                os.close(env_fd)
         _started.add(process)
-        if cgroup_procs is not None:
-            await _join_cgroup(process, cgroup_procs, verdict_r, argv)
         try:
             verdict = await _read_verdict(verdict_r)
         except BaseException:
@@ -342,23 +408,19 @@ async def start_process(
     raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath))
 
 
-async def _join_cgroup(
-    process: asyncio.subprocess.Process, procs: int, gate: int, argv: Sequence[str]
-) -> None:
-    """Move the process, still waiting at :data:`GATE`, into the cgroup, then let it go.
-
-    The daemon writes the pid (its own unreaped child: the number cannot be
-    reused meanwhile) to the cgroup's ``cgroup.procs``; only then does the
-    process run anything but the gate, so the job's code and every process it
-    forks start inside the cgroup.
-    """
+def _env_memfd(env: Mapping[str, str]) -> int:
+    """A memfd holding ``env`` as ``K=V`` NUL-separated, read from the start by the stage."""
+    fd = os.memfd_create("elasticd-env", os.MFD_CLOEXEC)
     try:
-        os.write(procs, str(process.pid).encode())
-        os.write(gate, b"go\n")
-    except OSError as exc:
-        await _discard(process)  # EOF at the gate: it exits before the job's code
-        error = WorkerSpawnError(f"cannot start {argv[0]!r}: cannot join its cgroup: {exc}")
-        raise error from exc
+        data = b"\0".join(f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in env.items())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 async def _discard(process: asyncio.subprocess.Process) -> None:

@@ -244,24 +244,14 @@ def _status_and_environ(pid: int) -> tuple[str, dict[str, str]]:
 async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
     tmp_path: Path, setpriv: bool
 ) -> None:
-    """Held at the gate until the daemon moved it into the cgroup, the process runs as nobody
-    with exactly the job's environment, with setpriv for the parent-death signal or without it."""
+    """The root stage joins the cgroup, switches to nobody and hands over exactly the job's
+    environment, with setpriv for the parent-death signal or without it."""
     import pwd
-    import subprocess as sp
 
     from elasticd.security import Identity
     from elasticd.supervise.spawn import SpawnPolicy
 
     nobody = pwd.getpwnam("nobody")
-    if not setpriv:
-        try:
-            sp.run(  # noqa: ASYNC221 - a one-off probe before the test starts anything
-                [sys.executable, "-c", "pass"], user=nobody.pw_uid, check=True, timeout=30
-            )
-        except (OSError, sp.CalledProcessError):
-            pytest.skip(
-                f"nobody cannot run {sys.executable} (the fallback wrapper runs as the job user)"
-            )
     identity = Identity(
         user="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir, groups=()
     )

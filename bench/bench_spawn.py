@@ -4,7 +4,8 @@ For each mode, 10 times: a fresh attempt cgroup (as the agent makes one per
 attempt), then ``start_process`` of ``python -c`` that writes ``time.time()``
 as its first statement. Reported (p50, ms): until ``start_process`` returns
 (the program has been exec'd: the resolver's verdict), and until the
-program's first statement. Also the time of each write to ``cgroup.procs``:
+program's first statement. Writes to ``cgroup.procs`` made by the daemon
+itself are timed too (the root stage writes its own in the child, untimed):
 the first migration into a new cgroup waits for an RCU grace period unless
 the cgroup2 file system is mounted with ``favordynmods`` (printed).
 

@@ -284,8 +284,8 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
 
 @NEEDS_CGROUPS
 async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path: Path) -> None:
-    """The gate: the program's very first look at /proc/self/cgroup already shows the attempt's
-    cgroup (the daemon moved the process before it let it go)."""
+    """The program's very first look at /proc/self/cgroup already shows the attempt's cgroup
+    (the root stage joined it before anything of the job ran)."""
     containment = Containment.setup("cgroup", node="unit-gate", state_dir=tmp_path)
     attempt = containment.open_attempt("gate", 0, None)
     assert attempt.cgroup is not None and attempt.procs_fd is not None
@@ -306,7 +306,7 @@ async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path
 
 @NEEDS_CGROUPS
 async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(tmp_path: Path) -> None:
-    """When the daemon cannot move the process (here: a cgroup.procs descriptor that refuses the
+    """When the process cannot join its cgroup (here: a cgroup.procs descriptor that refuses the
     write), the spawn fails clearly and nothing of the job has run."""
     marker = tmp_path / "ran"
     r, w = os.pipe()  # a read-only end: writing the pid to it fails (EBADF)

@@ -126,10 +126,6 @@ def parse_job(job_id: str, raw: bytes) -> Job:
     return job
 
 
-def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
 class JobService:
     """Jobs of the cluster as this daemon sees them, and the agents it runs."""
 

@@ -45,9 +45,12 @@ comma := ,
 #: The scale figure's backends: etcd when it is installed.
 SCALE_BACKENDS ?= embedded,http$(if $(shell command -v etcd 2>/dev/null),$(comma)etcd)
 
-## bench-quick: the rendezvous scale figure at 300 / 1,000 / 3,000 nodes, first round and
-## re-rendezvous after a failure, every backend (a few minutes; the full figure is in docs/benchmarks.md)
+## bench-quick: issue 16's figures in a few minutes: the restart (crash -> every replacement's
+## first statement, 1 / 2 / 4 nodes, elasticd and torchrun in one run), then the rendezvous scale
+## figure at 300 / 1,000 / 3,000 nodes, first round and re-rendezvous, every backend
+## (the full figures are in docs/benchmarks.md)
 bench-quick: $(STAMP)
+	$(BIN)/python bench/bench_restart.py --quick
 	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS)
 	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS) --restart
 

@@ -429,6 +429,9 @@ class Event(BaseModel):
     """The processes it is about (``workers.strays``: the ones killed)."""
     by: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     """The job that caused it (``job.preempted``, ``job.shrunk``)."""
+    early: bool | None = None
+    """``workers.started``: started before the store had formed their round (the
+    restart of a job no other node can join); the store then confirmed it."""
 
 
 class WorkerView(BaseModel):

@@ -184,6 +184,28 @@ class StoreLoss:
         return 0.0 if self.since is None else now - self.since
 
 
+@dataclass
+class FastRestart:
+    """A restart that starts its workers before the store has recorded it.
+
+    For a job that no other node can join (``max_nodes = 1``) the next round
+    is known locally (:meth:`Rendezvous.solo_round`) and so is the restart
+    count it will carry (the failure is charged when the round forms). The
+    workers are started with them while ``store`` records the failure, forms
+    the round (with the same master port) and charges it, in that order.
+    When the store's answer differs (the job ended, another node took the
+    round, the document changed) the early workers are stopped before they
+    count and the round's own are started: the store stays the authority.
+    """
+
+    round: RoundInfo
+    restart_count: int
+    store: asyncio.Task[tuple[RoundInfo, Job, float]]
+
+    def confirmed_by(self, round_: RoundInfo, job: Job) -> bool:
+        return round_ == self.round and job.restart_count == self.restart_count
+
+
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
@@ -219,6 +241,12 @@ class JobAgent:
         self._identity: Identity | None = None
         #: ``containment.partial`` was emitted (once per job per node).
         self._said_partial = False
+        #: The job document as the last round found it (an early restart's guess).
+        self._last_job: Job | None = None
+        #: A restart whose workers start before its store work is done (see _restart_after).
+        self._fast: FastRestart | None = None
+        #: Exits of early workers, reported (in order) once their start is confirmed.
+        self._held_exits: list[WorkerExit] | None = None
 
     @property
     def view(self) -> GroupView | None:
@@ -267,6 +295,8 @@ class JobAgent:
             with contextlib.suppress(ElasticdError):
                 await self._fail_job(EventKind.AGENT_ERROR, reason)
         finally:
+            if self._fast is not None:
+                await cancel_and_wait(self._fast.store)
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
         with contextlib.suppress(ElasticdError, TimeoutError):
@@ -346,20 +376,78 @@ class JobAgent:
         if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
             verdict = await self._health_checks()
             if verdict is not None:
+                await self._drop_fast()  # its record lands first; the next round re-forms
                 return verdict
             # Passed: not run again (nor evented) while rounds fail on a lost store,
             # until workers start or the result is stale.
             self._checked_at = now
-        started = self.ctx.clock.monotonic()
+        fast, self._fast = self._fast, None
+        group: WorkerGroupProcesses | None = None
         try:
-            round_ = await self.ctx.rendezvous.next_round()
+            if fast is None:
+                round_, job, rendezvous_done = await self._form_round()
+            else:
+                group = await self._launch_early(fast)
+                round_, job, rendezvous_done = await fast.store
         except RendezvousClosed:
+            await self._stop_group(None)  # workers started early: the job ended meanwhile
             await self._finish_closed()
             return True
         except RendezvousError as exc:  # the join timed out
+            await self._stop_group(None)
             reason = f"rendezvous failed on {self.ctx.node}: {exc}"
             await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
             return True
+        if job.state.is_terminal:
+            await self._stop_group(None)
+            await self.ctx.rendezvous.close()
+            await self._finish_closed()
+            return True
+        if group is not None and fast is not None and not fast.confirmed_by(round_, job):
+            # Guessed wrong (another node took the job's round, its document changed):
+            # those workers never ran as this round's; start the round's own.
+            log.info("job %s on %s: the early start did not match the round", *self._who)
+            await self._stop_group(None)
+            group = None
+        early = group is not None
+        if group is None:
+            try:
+                group = await self._launch(round_, job.restart_count)
+            except WorkerSpawnError as exc:
+                self._set_state(WorkerState.FAILED)  # INIT -> FAILED
+                await self._fail_job(
+                    EventKind.WORKERS_SPAWN_FAILED,
+                    f"workers could not be started on {self.ctx.node}: {exc}",
+                    error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
+                    attempt=self.attempt,
+                )
+                return True
+        self._started(group, early=early)
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
+        await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
+        outcome = await self._monitor(group, round_)
+        plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
+        while plan.step is Step.KILL_HUNG_RANK:
+            # In-process restart: kill only the stuck rank; its death is reported to the
+            # others, which carry on without it (the wrapper's hard_timeout backstop).
+            assert isinstance(outcome, Hang)
+            await self._kill_hung_rank(outcome)
+            outcome = await self._monitor(group, round_)
+            plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
+        return await self._apply(plan, outcome, round_)
+
+    @property
+    def _who(self) -> tuple[str, str]:
+        return self.job_id, self.ctx.node
+
+    async def _form_round(self, *, port: int | None = None) -> tuple[RoundInfo, Job, float]:
+        """Rendezvous, then charge the last round's failure: (round, job, when it formed).
+
+        Raises what :meth:`Rendezvous.next_round` raises (closed, timed out, the store).
+        """
+        started = self.ctx.clock.monotonic()
+        round_ = await self.ctx.rendezvous.next_round(port=port)
         self._store_reached()
         names = sorted(round_.participants)
         who = ", ".join(names) if round_.roster_known else "nodes named in the round's roster"
@@ -379,34 +467,31 @@ class JobAgent:
             if pending is not None and pending.round < round_.round:
                 round_ = await self._named(round_)
         job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
-        if job.state.is_terminal:
-            await self.ctx.rendezvous.close()
-            await self._finish_closed()
-            return True
+        self._last_job = job
+        return round_, job, rendezvous_done
+
+    async def _launch_early(self, fast: FastRestart) -> WorkerGroupProcesses | None:
+        """Start the workers of a restart whose round is known before the store says so.
+
+        None when they could not be started: the round's own start (after the
+        store) tries again and reports the error as any start does.
+        """
         try:
-            group = await self._start_workers(round_, job.restart_count)
+            return await self._launch(fast.round, fast.restart_count, early=True)
         except WorkerSpawnError as exc:
-            self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-            await self._fail_job(
-                EventKind.WORKERS_SPAWN_FAILED,
-                f"workers could not be started on {self.ctx.node}: {exc}",
-                error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                attempt=self.attempt,
-            )
-            return True
-        with contextlib.suppress(InvalidTransition):
-            await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
-        await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
-        outcome = await self._monitor(group, round_)
-        plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
-        while plan.step is Step.KILL_HUNG_RANK:
-            # In-process restart: kill only the stuck rank; its death is reported to the
-            # others, which carry on without it (the wrapper's hard_timeout backstop).
-            assert isinstance(outcome, Hang)
-            await self._kill_hung_rank(outcome)
-            outcome = await self._monitor(group, round_)
-            plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
-        return await self._apply(plan, outcome, round_)
+            log.info("job %s: early start failed (%s); starting after the round", self.job_id, exc)
+            return None
+        except BaseException:
+            await cancel_and_wait(fast.store)
+            raise
+
+    async def _drop_fast(self) -> None:
+        """A restart prepared to start early will not (a health check failed): let its
+        store work land (its record, its round), then go on as without it."""
+        fast, self._fast = self._fast, None
+        if fast is not None:
+            with contextlib.suppress(RendezvousError):
+                await fast.store
 
     async def _apply(self, plan: Plan, outcome: Outcome | None, round_: RoundInfo) -> bool:
         """Carry out a decision of :mod:`elasticd.agent.decide`; True when the job is over here."""
@@ -587,7 +672,16 @@ class JobAgent:
 
     # workers
 
-    async def _start_workers(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
+    async def _launch(
+        self, round_: RoundInfo, restart_count: int, *, early: bool = False
+    ) -> WorkerGroupProcesses:
+        """Spawn the attempt's workers (the group stays INIT until :meth:`_started`).
+
+        ``early``: the store has not formed the round yet; exits are held until
+        :meth:`_started` (or the stop) reports them, after ``workers.started``.
+        """
+        self._release_exits()
+        self._held_exits = [] if early else None
         self._checked_at = None  # the next (re)start runs the health checks again
         self.attempt += 1
         self._round = round_
@@ -608,7 +702,7 @@ class JobAgent:
             state=self.state,
             now=self.ctx.clock.time(),
         )
-        ranks = self._ranks = plan.ranks
+        self._ranks = plan.ranks
         launches = plan.launches
         if self._progress is not None:
             self._progress.close()  # the previous attempt's descriptors
@@ -645,6 +739,13 @@ class JobAgent:
                 "group is found only if it is re-parented to the daemon (child subreaper)",
                 attempt=self.attempt,
             )
+        return group
+
+    def _started(self, group: WorkerGroupProcesses, *, early: bool = False) -> None:
+        """The attempt's workers run as the round's: HEALTHY, ``workers.started``."""
+        assert self._progress is not None
+        assert self._view is not None
+        ranks = self._ranks
         self._progress.started()
         for w in self._view.workers:
             w.pid = group.pids.get(w.local_rank)
@@ -658,8 +759,15 @@ class JobAgent:
             f"pids {', '.join(str(p) for p in group.pids.values())}",
             state=WorkerState.HEALTHY.value,
             attempt=self.attempt,
+            early=early or None,
         )
-        return group
+        self._release_exits()
+
+    def _release_exits(self) -> None:
+        """Report the exits held while the workers' start was unconfirmed, in order."""
+        held, self._held_exits = self._held_exits, None
+        for exit_ in held or ():
+            self._on_exit(exit_)
 
     def _on_heartbeat_replaced(self, local_rank: int, what: str) -> None:
         """A worker put something else at its heartbeat path: say so once (no progress follows)."""
@@ -682,7 +790,10 @@ class JobAgent:
         )
 
     def _on_exit(self, exit_: WorkerExit) -> None:
-        """Called the moment a worker process exits."""
+        """Called the moment a worker process exits (held while its start is unconfirmed)."""
+        if self._held_exits is not None:
+            self._held_exits.append(exit_)  # reported once the round is the store's
+            return
         ranks = self._ranks[exit_.local_rank]
         if self._progress is not None:
             self._progress.finished(exit_.local_rank)
@@ -864,6 +975,7 @@ class JobAgent:
 
     async def _stop_group(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
+        self._release_exits()  # early workers that were never confirmed: their exits first
         if group is not None:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
@@ -974,7 +1086,38 @@ class JobAgent:
         return pid
 
     async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
-        """Record the round's failure (charged when the next round forms) and go again."""
+        """Record the round's failure (charged when the next round forms) and go again.
+
+        A job no other node can join restarts early (:class:`FastRestart`): its
+        next round is known here, so the workers start while the record, the
+        round and the charge are written, instead of after.
+        """
+        job = self._last_job
+        solo = self.ctx.rendezvous.solo_round(round_) if job is not None else None
+        if (
+            job is not None
+            and solo is not None
+            and not job.state.is_terminal
+            and job.restart_count < job.max_restarts
+        ):
+            self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+            self._fast = FastRestart(
+                round=solo,
+                restart_count=job.restart_count + 1,
+                store=asyncio.create_task(self._reform(round_, root, what, solo.master_port)),
+            )
+            return
+        await self._record_restart(round_, root, what)
+        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+
+    async def _reform(
+        self, round_: RoundInfo, root: RootCause, what: str, port: int
+    ) -> tuple[RoundInfo, Job, float]:
+        """An early restart's store work, in the order of a restart's: record, round, charge."""
+        await self._record_restart(round_, root, what)
+        return await self._form_round(port=port)
+
+    async def _record_restart(self, round_: RoundInfo, root: RootCause, what: str) -> None:
         round_ = await self._named(round_)  # the failure names the round's participants
         await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
         self._emit(
@@ -988,7 +1131,6 @@ class JobAgent:
             signal=root.signal,
             error=root,
         )
-        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
 
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""

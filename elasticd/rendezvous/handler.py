@@ -173,8 +173,24 @@ class _Step(Enum):
 class Rendezvous(Protocol):
     """The agent's view of a rendezvous."""
 
-    async def next_round(self) -> RoundInfo:
-        """Leave the current round if in one, join the next and return once it is complete."""
+    async def next_round(self, *, port: int | None = None) -> RoundInfo:
+        """Leave the current round if in one, join the next and return once it is complete.
+
+        ``port``: this node's master port for the round (default: a fresh one,
+        as :meth:`solo_round` picks it).
+        """
+        ...
+
+    def solo_round(self, last: RoundInfo) -> RoundInfo | None:
+        """The round :meth:`next_round` forms after ``last`` when no other node can join.
+
+        Only for a job of one node (``max_nodes = 1``) whose ``last`` round had
+        this node alone: the next round is then known before the store is asked
+        (the next number, the same slot, a fresh master port), so a restart can
+        start its workers while :meth:`next_round` records it (pass the
+        round's ``master_port`` to it). None when the next round is not
+        determined locally.
+        """
         ...
 
     async def wait_for_change(
@@ -977,13 +993,35 @@ class StoreRendezvous:
 
     # the agent's interface
 
-    async def next_round(self) -> RoundInfo:
+    def _fresh_port(self) -> int:
+        return self._master_port or free_port(self._addr)  # fresh for every round
+
+    def solo_round(self, last: RoundInfo) -> RoundInfo | None:
+        if (
+            self._settings.max_nodes != 1
+            or self._large
+            or last.seat is not None
+            or last.participants != {self._me: 0}
+            or len(last.nodes) != 1
+        ):
+            return None
+        return RoundInfo(
+            round=last.round + 1,
+            group_rank=0,
+            group_world_size=1,
+            nodes=list(last.nodes),
+            master_addr=self._master_addr or self._addr,
+            master_port=self._fresh_port(),
+            participants={self._me: 0},
+        )
+
+    async def next_round(self, *, port: int | None = None) -> RoundInfo:
         me, settings = self._me, self._settings
         info = NodeInfo(
             addr=self._master_addr or self._addr,
             role=self._role,
             local_world_size=self._lws,
-            port=self._master_port or free_port(self._addr),  # fresh for every round
+            port=port or self._fresh_port(),
         )
         if self._large:
             return RoundInfo.of_seat(await self._next_round_large(info))

@@ -270,3 +270,27 @@ async def test_in_a_large_job_a_node_reads_its_own_seat_not_the_document(n):
     # The agent reads the round's participants once (exit barrier, failure accounting).
     named = await nodes[-1].roster(rounds[-1])
     assert named.participants == {f"n{i:03}": i for i in range(n)}
+
+
+async def test_a_one_node_job_knows_its_next_round_before_the_store_forms_it():
+    """``solo_round`` is exactly what ``next_round`` (given its port) then forms, round after
+    round; None where another node could join or the round is not this node's alone."""
+    store = MemoryStore()
+    a, _ = await node(store, "a", Settings(min_nodes=1, max_nodes=1))
+    async with asyncio.timeout(10):
+        last = await a.next_round()
+        for _ in range(3):
+            guess = a.solo_round(last)
+            if last.seat is not None:  # large jobs' way: ranks come from the seat, never guessed
+                assert guess is None
+                break
+            assert guess is not None
+            assert guess.round == last.round + 1
+            last = await a.next_round(port=guess.master_port)
+            assert last == guess
+        other = type(last)(**{**last.__dict__, "participants": {"b": 0}})
+        assert a.solo_round(other) is None
+        b, _ = await node(MemoryStore(), "b", Settings(1, 2, last_call_timeout=0.05))
+        alone = await b.next_round()
+        assert alone.group_world_size == 1
+        assert b.solo_round(alone) is None  # a second node may join its next round

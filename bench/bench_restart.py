@@ -1,0 +1,270 @@
+"""Issue 16's restart figure: crash -> every replacement worker's first statement, on 1, 2 and 4
+nodes, elasticd and torchrun side by side in one run.
+
+The same worker (``bench_cluster.py --worker --mode crash``: no torch) runs
+under both. Global rank 1 exits 1 one second into each attempt, ``--crashes``
+times per job, writing the time just before ``os._exit``; every worker writes
+the time of its own first statement. A sample is one crash -> the last of the
+``nodes x nproc`` replacement workers' first statements after it (all
+times ``time.time()`` on this one machine).
+
+* **elasticd**: four ``elasticd serve`` daemons on 127.0.0.1 sharing n0's
+  embedded store (the e2e harness); labels pin a job to n0 (1 node), n0+n1
+  or all four; ``max_restarts`` = the crashes. A one-node job restarts early
+  (its round is known locally; see docs/design.md, "Early restart").
+* **torchrun** 2.13: one agent per node, ``--rdzv-backend=c10d
+  --rdzv-endpoint=127.0.0.1:PORT --monitor-interval=0.1``, the rendezvous
+  store not shared with the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+  as the issue's steering benchmark ran it; on one node also ``--standalone``
+  (its own store on a free port), which is what ``torchrun`` users type.
+
+The figure is the ratio torchrun ÷ elasticd of the p50s from the same run.
+
+Usage::
+
+    .venv/bin/python bench/bench_restart.py            # 5 crashes per job
+    .venv/bin/python bench/bench_restart.py --quick    # 3 crashes
+    .venv/bin/python bench/bench_restart.py --json out.json --keep
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+from _common import (  # noqa: E402
+    Deadline,
+    Stats,
+    fmt,
+    free_port,
+    machine_info,
+    md_table,
+    new_tag,
+    reap_tagged,
+    scratch,
+    signal_group,
+    tagged_env,
+    torchrun_path,
+)
+from bench_cluster import Elasticd, crash_times, worker_cmd  # noqa: E402
+
+#: Which daemons a job of N nodes runs on (label rN).
+LABELS = {"n0": "r1=1,r2=1,r4=1", "n1": "r2=1,r4=1", "n2": "r4=1", "n3": "r4=1"}
+
+#: (nodes, workers per node) measured.
+SHAPES = ((1, 2), (2, 1), (4, 1))
+
+
+class Daemons(Elasticd):
+    """The four daemons of ``bench_cluster``, labelled for jobs of 1, 2 and 4 nodes."""
+
+    async def __aenter__(self) -> Daemons:
+        try:
+            for name, labels in LABELS.items():
+                self.start(name, labels)
+                if name == "n0":
+                    await self.cluster.wait_ready("n0")
+            await asyncio.gather(*(self.cluster.wait_ready(n) for n in list(LABELS)[1:]))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+
+def first_statements(folder: Path) -> list[float]:
+    return sorted(json.loads(p.read_text())["first_stmt"] for p in folder.glob("start-*.json"))
+
+
+def samples(folder: Path, workers: int) -> list[float]:
+    """Per crash: crash -> the last of the ``workers`` first statements that follow it."""
+    crashes = crash_times(folder)
+    firsts = first_statements(folder)
+    out = []
+    for i, crashed in enumerate(crashes):
+        upper = crashes[i + 1] if i + 1 < len(crashes) else float("inf")
+        after = [t for t in firsts if crashed < t < upper]
+        if len(after) >= workers:
+            out.append(after[workers - 1] - crashed)
+    return out
+
+
+async def elasticd_run(
+    ed: Daemons, root: Path, nodes: int, nproc: int, crashes: int
+) -> list[float]:
+    job = f"restart-{nodes}x{nproc}-{uuid.uuid4().hex[:6]}"
+    folder = root / job
+    folder.mkdir()
+    argv = worker_cmd(folder, "crash", crashes=crashes, crash_rank=1, crash_after=1.0)
+    spec = ed.spec(
+        job,
+        argv,
+        min_nodes=nodes,
+        max_nodes=nodes,
+        group=f"r{nodes}",
+        max_restarts=crashes,
+        nproc_per_node=nproc,
+    )
+    async with ed.client("n0") as c:
+        await ed.submit(c, spec)
+        state = await ed.until_ended(c, job, 40 + 6 * crashes)
+        if state != "SUCCEEDED":
+            raise RuntimeError(f"{job} ended {state}")
+        events = await ed.events(c, job)
+    early = sum(1 for e in events if e["kind"] == "workers.started" and e.get("early"))
+    got = samples(folder, nodes * nproc)
+    if len(got) != crashes:
+        raise RuntimeError(f"{job}: {len(got)} of {crashes} restarts measured")
+    print(f"  elasticd {nodes}x{nproc}: {early} of {crashes} restarts started early", flush=True)
+    return got
+
+
+def torchrun_run(
+    root: Path, nodes: int, nproc: int, crashes: int, *, standalone: bool = False
+) -> list[float]:
+    name = f"tr-{'sa' if standalone else 'c10d'}-{nodes}x{nproc}-{uuid.uuid4().hex[:6]}"
+    folder = root / name
+    folder.mkdir()
+    argv = worker_cmd(folder, "crash", crashes=crashes, crash_rank=1, crash_after=1.0)[1:]
+    rdzv = (
+        ["--standalone"]
+        if standalone
+        else [
+            f"--nnodes={nodes}:{nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id={name}",
+        ]
+    )
+    command = [
+        torchrun_path(),
+        *rdzv,
+        f"--nproc-per-node={nproc}",
+        "--monitor-interval=0.1",
+        f"--max-restarts={crashes}",
+        *argv,
+    ]
+    extra = {"PYTHONUNBUFFERED": "1"}
+    if not standalone:
+        extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    tag = new_tag()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for k in range(nodes):
+            with (root / f"{name}-agent{k}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        command,
+                        cwd=ROOT,
+                        env=tagged_env(tag, extra),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        deadline = Deadline(60 + 8 * crashes)
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=deadline.remaining()))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        if codes != [0] * nodes:
+            raise RuntimeError(f"{name}: agents exited {codes}; see {root}/{name}-agent0.log")
+    finally:
+        for p in procs:
+            signal_group(p.pid, signal.SIGKILL)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+        reap_tagged(tag)
+    got = samples(folder, nodes * nproc)
+    if len(got) != crashes:
+        raise RuntimeError(f"{name}: {len(got)} of {crashes} restarts measured")
+    return got
+
+
+async def measure(root: Path, crashes: int) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    async with Daemons(root) as ed:
+        for nodes, nproc in SHAPES:
+            key = f"{nodes}x{nproc}"
+            print(f"[bench_restart] {nodes} node(s) x {nproc} worker(s) ...", flush=True)
+            ed_s = await elasticd_run(ed, root, nodes, nproc, crashes)
+            tr_s = torchrun_run(root, nodes, nproc, crashes)
+            figures[key] = {"elasticd": ed_s, "torchrun": tr_s}
+            if nodes == 1:
+                figures[key]["torchrun_standalone"] = torchrun_run(
+                    root, nodes, nproc, crashes, standalone=True
+                )
+    return figures
+
+
+def report(figures: dict[str, Any], info: dict[str, str], seconds: float) -> str:
+    rows = []
+    for key, f in figures.items():
+        ed = Stats.of(f["elasticd"], 1000.0)
+        for label in ("torchrun", "torchrun_standalone"):
+            if label not in f:
+                continue
+            tr = Stats.of(f[label], 1000.0)
+            how = "c10d, store not shared" if label == "torchrun" else "--standalone"
+            nodes, nproc = key.split("x")
+            rows.append(
+                [
+                    f"{nodes} x {nproc}",
+                    f"{fmt(ed.p50, 1)} ({fmt(ed.min, 1)}–{fmt(ed.max, 1)}, n={ed.n})",
+                    f"{fmt(tr.p50, 1)} ({fmt(tr.min, 1)}–{fmt(tr.max, 1)}, n={tr.n}) {how}",
+                    f"**{tr.p50 / ed.p50:.1f}×**",
+                ]
+            )
+    head = (
+        f"## Restart: crash → every replacement's first statement ({seconds:.0f} s)\n\n"
+        f"Machine: {', '.join(f'{k} {v}' for k, v in info.items())}\n\n"
+    )
+    return head + md_table(
+        ["nodes x workers", "elasticd p50 ms (min–max)", "torchrun p50 ms (min–max)", "ratio"],
+        rows,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 crashes per job instead of 5")
+    p.add_argument("--crashes", type=int, help="crashes per job")
+    p.add_argument("--json", help="write every sample here")
+    p.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    args = p.parse_args(argv)
+    crashes = args.crashes or (3 if args.quick else 5)
+    started = time.monotonic()
+    info = {"loadavg_at_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
+    with scratch("elasticd-bench-restart-", keep=args.keep) as root:
+        if args.keep:
+            print(f"[bench_restart] scratch: {root}", flush=True)
+        figures = asyncio.run(measure(root, crashes))
+    info = {**machine_info(), **info}
+    info["loadavg_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    print(report(figures, info, time.monotonic() - started))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": info, "samples_s": figures}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

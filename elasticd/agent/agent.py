@@ -191,8 +191,9 @@ class FastRestart:
     For a job that no other node can join (``max_nodes = 1``) the next round
     is known locally (:meth:`Rendezvous.solo_round`) and so is the restart
     count it will carry (the failure is charged when the round forms). The
-    workers are started with them while ``store`` records the failure, forms
-    the round (with the same master port) and charges it, in that order.
+    failure is recorded first (as for any restart); then the workers are
+    started with them while the store forms the round (with the same master
+    port) and charges it.
     When the store's answer differs (the job ended, another node took the
     round, the document changed) the early workers are stopped before they
     count and the round's own are started: the store stays the authority.
@@ -200,7 +201,6 @@ class FastRestart:
 
     round: RoundInfo
     restart_count: int
-    store: asyncio.Task[tuple[RoundInfo, Job, float]]
 
     def confirmed_by(self, round_: RoundInfo, job: Job) -> bool:
         return round_ == self.round and job.restart_count == self.restart_count
@@ -241,10 +241,10 @@ class JobAgent:
         self._identity: Identity | None = None
         #: ``containment.partial`` was emitted (once per job per node).
         self._said_partial = False
-        #: The job document as the last round found it (an early restart's guess).
-        self._last_job: Job | None = None
         #: A restart whose workers start before its store work is done (see _restart_after).
         self._fast: FastRestart | None = None
+        #: The store work of an early restart while it runs (cancelled with the agent).
+        self._store_task: asyncio.Task[tuple[RoundInfo, Job, float]] | None = None
         #: Exits of early workers, reported (in order) once their start is confirmed.
         self._held_exits: list[WorkerExit] | None = None
 
@@ -268,6 +268,7 @@ class JobAgent:
         try:
             await self._run()
         except asyncio.CancelledError:
+            await self._cancel_store_task()  # no write of an early restart after the leave
             # The daemon is stopping, or the fleet's plan took this node from the job:
             # stop the workers (shielded), leave the rendezvous so the other nodes re-form
             # at once, then let the cancellation go on. Taken by the plan, the node leaves
@@ -287,6 +288,7 @@ class JobAgent:
                     await asyncio.shield(leave)
             raise
         except Exception as exc:
+            await self._cancel_store_task()
             log.exception("agent for job %s failed", self.job_id)
             if not self.state.is_terminal:
                 self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
@@ -295,13 +297,18 @@ class JobAgent:
             with contextlib.suppress(ElasticdError):
                 await self._fail_job(EventKind.AGENT_ERROR, reason)
         finally:
-            if self._fast is not None:
-                await cancel_and_wait(self._fast.store)
+            await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
+
+    async def _cancel_store_task(self) -> None:
+        task, self._store_task = self._store_task, None
+        self._fast = None
+        if task is not None and not task.done():  # a done one was awaited where it ended
+            await cancel_and_wait(task)
 
     async def abandon(self) -> None:
         """Stop the workers this agent still has and leave the rendezvous (its task died).
@@ -328,6 +335,7 @@ class JobAgent:
                 # store answers, then go again. One event when it is lost, one when
                 # it is back: no round is tried (and nothing evented) meanwhile.
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
+                await self._cancel_store_task()  # an early restart is the store's to confirm
                 if self._group is not None or self.state.is_running:
                     await self._stop_workers(WorkerState.STOPPED)
                 if self.state is WorkerState.STOPPED:
@@ -376,19 +384,37 @@ class JobAgent:
         if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
             verdict = await self._health_checks()
             if verdict is not None:
-                await self._drop_fast()  # its record lands first; the next round re-forms
+                self._fast = None  # a failed check: the next round is the store's to form
                 return verdict
             # Passed: not run again (nor evented) while rounds fail on a lost store,
             # until workers start or the result is stale.
             self._checked_at = now
         fast, self._fast = self._fast, None
         group: WorkerGroupProcesses | None = None
+        spawned: float | None = None
         try:
             if fast is None:
                 round_, job, rendezvous_done = await self._form_round()
             else:
-                group = await self._launch_early(fast)
-                round_, job, rendezvous_done = await fast.store
+                store = self._store_task = asyncio.create_task(
+                    self._form_round(port=fast.round.master_port)
+                )
+                group = await self._launch_early(fast, store)
+                spawned = self.ctx.clock.time() if group is not None else None
+                if group is not None:
+                    # Unconfirmed workers run without a round watch: bounded, like a
+                    # node that loses the store (fence_after), they stop when it is slow.
+                    done, _ = await asyncio.wait({store}, timeout=self.ctx.fence_after)
+                    if not done:
+                        log.warning(
+                            "job %s on %s: the store is slow; stopping the early "
+                            "workers until it forms the round",
+                            *self._who,
+                        )
+                        await self._stop_group(None)
+                        group = spawned = None
+                round_, job, rendezvous_done = await store
+                self._store_task = None
         except RendezvousClosed:
             await self._stop_group(None)  # workers started early: the job ended meanwhile
             await self._finish_closed()
@@ -408,7 +434,7 @@ class JobAgent:
             # those workers never ran as this round's; start the round's own.
             log.info("job %s on %s: the early start did not match the round", *self._who)
             await self._stop_group(None)
-            group = None
+            group = spawned = None
         early = group is not None
         if group is None:
             try:
@@ -425,7 +451,7 @@ class JobAgent:
         self._started(group, early=early)
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
-        await self._finish_recovery(round_, rendezvous_done=rendezvous_done)
+        await self._finish_recovery(round_, rendezvous_done=rendezvous_done, spawned=spawned)
         outcome = await self._monitor(group, round_)
         plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
         while plan.step is Step.KILL_HUNG_RANK:
@@ -467,10 +493,11 @@ class JobAgent:
             if pending is not None and pending.round < round_.round:
                 round_ = await self._named(round_)
         job = await self.ctx.update_job(self.job_id, mutate=settle_failure(round_))
-        self._last_job = job
         return round_, job, rendezvous_done
 
-    async def _launch_early(self, fast: FastRestart) -> WorkerGroupProcesses | None:
+    async def _launch_early(
+        self, fast: FastRestart, store: asyncio.Task[tuple[RoundInfo, Job, float]]
+    ) -> WorkerGroupProcesses | None:
         """Start the workers of a restart whose round is known before the store says so.
 
         None when they could not be started: the round's own start (after the
@@ -482,16 +509,8 @@ class JobAgent:
             log.info("job %s: early start failed (%s); starting after the round", self.job_id, exc)
             return None
         except BaseException:
-            await cancel_and_wait(fast.store)
+            await cancel_and_wait(store)
             raise
-
-    async def _drop_fast(self) -> None:
-        """A restart prepared to start early will not (a health check failed): let its
-        store work land (its record, its round), then go on as without it."""
-        fast, self._fast = self._fast, None
-        if fast is not None:
-            with contextlib.suppress(RendezvousError):
-                await fast.store
 
     async def _apply(self, plan: Plan, outcome: Outcome | None, round_: RoundInfo) -> bool:
         """Carry out a decision of :mod:`elasticd.agent.decide`; True when the job is over here."""
@@ -1089,37 +1108,25 @@ class JobAgent:
         """Record the round's failure (charged when the next round forms) and go again.
 
         A job no other node can join restarts early (:class:`FastRestart`): its
-        next round is known here, so the workers start while the record, the
-        round and the charge are written, instead of after.
+        next round is known here, so after the record (and the health checks)
+        the workers start while the round is formed and charged, not after.
         """
-        job = self._last_job
-        solo = self.ctx.rendezvous.solo_round(round_) if job is not None else None
+        job = await self._record_restart(round_, root, what)
+        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+        solo = self.ctx.rendezvous.solo_round(round_)
         if (
-            job is not None
-            and solo is not None
+            solo is not None
             and not job.state.is_terminal
             and job.restart_count < job.max_restarts
+            and job.pending_failure is not None
+            and job.pending_failure.round == round_.round
         ):
-            self._set_state(WorkerState.INIT)  # STOPPED -> INIT
-            self._fast = FastRestart(
-                round=solo,
-                restart_count=job.restart_count + 1,
-                store=asyncio.create_task(self._reform(round_, root, what, solo.master_port)),
-            )
-            return
-        await self._record_restart(round_, root, what)
-        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+            # The failure is charged when the round forms: one more than now.
+            self._fast = FastRestart(round=solo, restart_count=job.restart_count + 1)
 
-    async def _reform(
-        self, round_: RoundInfo, root: RootCause, what: str, port: int
-    ) -> tuple[RoundInfo, Job, float]:
-        """An early restart's store work, in the order of a restart's: record, round, charge."""
-        await self._record_restart(round_, root, what)
-        return await self._form_round(port=port)
-
-    async def _record_restart(self, round_: RoundInfo, root: RootCause, what: str) -> None:
+    async def _record_restart(self, round_: RoundInfo, root: RootCause, what: str) -> Job:
         round_ = await self._named(round_)  # the failure names the round's participants
-        await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
+        job = await self.ctx.update_job(self.job_id, mutate=record_failure(round_, root))
         self._emit(
             EventKind.GROUP_RESTARTING,
             f"{what}; re-forming the group",
@@ -1131,6 +1138,7 @@ class JobAgent:
             signal=root.signal,
             error=root,
         )
+        return job
 
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
@@ -1271,8 +1279,12 @@ class JobAgent:
                 duration_s=seconds,
             )
 
-    async def _finish_recovery(self, round_: RoundInfo, *, rendezvous_done: float) -> None:
-        spawned = self.ctx.clock.time()
+    async def _finish_recovery(
+        self, round_: RoundInfo, *, rendezvous_done: float, spawned: float | None = None
+    ) -> None:
+        """The recovery's end: the workers' spawn (``spawned``: an early one, before the
+        round formed; its spawn phase is then 0, the rendezvous phase spans the overlap)."""
+        spawned = spawned if spawned is not None else self.ctx.clock.time()
         mine = self._recovery.finish(round_.round, rendezvous_done=rendezvous_done, spawned=spawned)
         if mine is None:
             return

@@ -43,11 +43,19 @@ async def test_a_one_node_restart_starts_early_and_loses_nothing(client, tmp_pat
     out.mkdir()
     path = script(tmp_path, "crash.py", CRASH_TWICE)
     r = await client.post(
-        "/jobs", json={"entrypoint": PY, "args": [path, str(out)], "nproc_per_node": 2}
+        "/jobs",
+        json={
+            "entrypoint": PY,
+            "args": [path, str(out)],
+            "nproc_per_node": 2,
+            "gpu_health_check": False,  # no check at all: nothing awaited before the spawn
+        },
     )
     job = await wait_job(client, r.json()["id"])
     assert job["state"] == "SUCCEEDED" and job["restart_count"] == 2
     events = await events_of(client, job["id"])
+    restarting = [e for e in events if e["kind"] == "group.restarting"]
+    assert [e["attempt"] for e in restarting] == [0, 1]  # the attempt that failed
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     started = [e for e in events if e["kind"] == "workers.started"]
     assert [bool(e.get("early")) for e in started] == [False, True, True]
@@ -176,3 +184,41 @@ async def test_a_job_other_nodes_may_join_does_not_start_early(client, tmp_path)
     assert job["state"] == "SUCCEEDED" and job["restart_count"] == 1
     started = [e for e in await events_of(client, job["id"]) if e["kind"] == "workers.started"]
     assert [bool(e.get("early")) for e in started] == [False, False]
+
+
+async def test_a_failed_health_check_leaves_the_restart_to_the_store(client, tmp_path):
+    """The check before the restart fails once (one restart spent at once): the workers are
+    not started early, the next round is formed after a passing check, and both restarts
+    are charged once each."""
+    runs = tmp_path / "runs"
+    check = script(
+        tmp_path,
+        "check.py",
+        f"""
+        import os, sys
+        n = len(os.listdir({str(runs)!r}))
+        open(os.path.join({str(runs)!r}, str(n)), "w").close()
+        sys.exit(1 if n == 1 else 0)  # the check before the first restart fails
+        """,
+    )
+    runs.mkdir()
+    path = script(
+        tmp_path,
+        "crash.py",
+        """
+        import os, sys
+        sys.exit(3 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" else 0)
+        """,
+    )
+    r = await client.post(
+        "/jobs",
+        json={"entrypoint": PY, "args": [path], "health_check": [PY, check], "max_restarts": 3},
+    )
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "SUCCEEDED" and job["restart_count"] == 2
+    events = await events_of(client, job["id"])
+    started = [e for e in events if e["kind"] == "workers.started"]
+    assert [bool(e.get("early")) for e in started] == [False, False]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("worker.health_check_failed") == 1
+    assert kinds.count("rendezvous.complete") == 2  # no round formed and then abandoned

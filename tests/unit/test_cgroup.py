@@ -23,7 +23,7 @@ from elasticd.supervise.cgroup import (
     strays,
     subtree_name,
 )
-from elasticd.supervise.spawn import live_children, start_process
+from elasticd.supervise.spawn import SpawnPolicy, find_perl, live_children, start_process
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -239,39 +239,51 @@ def _status_and_environ(pid: int) -> tuple[str, dict[str, str]]:
     return Path(f"/proc/{pid}/status").read_text(), environ
 
 
+STAGES = pytest.mark.parametrize("stage", [True, False], ids=["perl-stage", "python-stage"])
+
+
 @NEEDS_CGROUPS
+@STAGES
 @pytest.mark.parametrize("setpriv", [True, False], ids=["through-setpriv", "python-only"])
+@pytest.mark.parametrize("groups", [(), (4, 20)], ids=["no-groups", "two-groups"])
 async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
-    tmp_path: Path, setpriv: bool
+    tmp_path: Path, setpriv: bool, stage: bool, groups: tuple[int, ...]
 ) -> None:
-    """The root stage joins the cgroup, switches to nobody and hands over exactly the job's
-    environment, with setpriv for the parent-death signal or without it."""
+    """The root stage (Perl, or Python where Perl is missing) joins the cgroup, switches to
+    nobody (real, effective and saved ids, exactly the supplementary groups) and hands over
+    exactly the job's environment, with setpriv for the parent-death signal or without it."""
+    if stage and find_perl() is None:
+        pytest.skip("no usable perl here: the Python stage is the one used")
     import pwd
 
     from elasticd.security import Identity
-    from elasticd.supervise.spawn import SpawnPolicy
 
     nobody = pwd.getpwnam("nobody")
     identity = Identity(
-        user="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir, groups=()
+        user="nobody", uid=nobody.pw_uid, gid=nobody.pw_gid, home=nobody.pw_dir, groups=groups
     )
     containment = Containment.setup("cgroup", node="unit-stage", state_dir=tmp_path)
     attempt = containment.open_attempt("stage", 0, None)
     assert attempt.cgroup is not None and attempt.procs_fd is not None
-    env = {"PATH": "/usr/bin:/bin", "MARKER": "a=b c\nd"}
+    env = {"PATH": "/usr/bin:/bin", "MARKER": "a=b c\nd", "EMPTY": "", "X": "=\u00e9"}
     proc = await start_process(
         ["sleep", "60"],
         env,
         identity=identity,
         cgroup_procs=attempt.procs_fd,
-        policy=SpawnPolicy(setpriv=setpriv),
+        policy=SpawnPolicy(setpriv=setpriv, stage=stage),
     )
     try:
         assert attempt.cgroup.pids() == [proc.pid]
         status, environ = _status_and_environ(proc.pid)
-        assert f"Uid:\t{nobody.pw_uid}\t{nobody.pw_uid}\t{nobody.pw_uid}" in status
+        u, g = nobody.pw_uid, nobody.pw_gid
+        assert f"Uid:\t{u}\t{u}\t{u}\t{u}\n" in status
+        assert f"Gid:\t{g}\t{g}\t{g}\t{g}\n" in status
+        sup = next(line for line in status.splitlines() if line.startswith("Groups:"))
+        assert sorted(int(x) for x in sup.split()[1:]) == sorted(groups)
         assert environ["MARKER"] == "a=b c\nd" and environ["USER"] == "nobody"
-        assert set(environ) <= {"PATH", "MARKER", "HOME", "USER", "LOGNAME", "PWD"}
+        assert environ["EMPTY"] == "" and environ["X"] == "=\u00e9"
+        assert set(environ) <= {"PATH", "MARKER", "EMPTY", "X", "HOME", "USER", "LOGNAME", "PWD"}
         assert await attempt.stop(set()) == [proc.pid]  # not in a worker group: a stray
         assert await asyncio.wait_for(proc.wait(), 10) == -9
     finally:
@@ -283,7 +295,10 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
 
 
 @NEEDS_CGROUPS
-async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path: Path) -> None:
+@STAGES
+async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(
+    tmp_path: Path, stage: bool
+) -> None:
     """The program's very first look at /proc/self/cgroup already shows the attempt's cgroup
     (the root stage joined it before anything of the job ran)."""
     containment = Containment.setup("cgroup", node="unit-gate", state_dir=tmp_path)
@@ -295,6 +310,7 @@ async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path
         {"PATH": "/usr/bin:/bin"},
         identity=None,
         cgroup_procs=attempt.procs_fd,
+        policy=SpawnPolicy(stage=stage),
     )
     try:
         assert await asyncio.wait_for(proc.wait(), 10) == 0
@@ -305,7 +321,10 @@ async def test_the_job_code_runs_in_its_cgroup_from_its_first_statement(tmp_path
 
 
 @NEEDS_CGROUPS
-async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(tmp_path: Path) -> None:
+@STAGES
+async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(
+    tmp_path: Path, stage: bool
+) -> None:
     """When the process cannot join its cgroup (here: a cgroup.procs descriptor that refuses the
     write), the spawn fails clearly and nothing of the job has run."""
     marker = tmp_path / "ran"
@@ -317,6 +336,7 @@ async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(tmp_path
                 {"PATH": "/usr/bin:/bin"},
                 identity=None,
                 cgroup_procs=r,
+                policy=SpawnPolicy(stage=stage),
             )
     finally:
         os.close(r)

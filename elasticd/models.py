@@ -215,8 +215,8 @@ class JobSpec(BaseModel):
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         for name, val in value.items():
-            if "=" in name or "\x00" in name or "\x00" in val:
-                raise ValueError(f"env name {name!r} must not contain '=' or NUL")
+            if not name or "=" in name or "\x00" in name or "\x00" in val:
+                raise ValueError(f"env name {name!r} must be non-empty, without '=' or NUL")
         return value
 
     @field_validator("redirects", "tee", mode="before")

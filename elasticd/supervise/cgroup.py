@@ -34,7 +34,8 @@ Where the cgroups are
 How a worker gets in before the job's code runs
     :func:`~elasticd.supervise.spawn.start_process` is given a descriptor of the
     attempt's ``cgroup.procs``, opened by the daemon. Then the first program
-    the child execs is a short ``python -I -S`` stage that runs as root with
+    the child execs is a short stage (``perl -e``, else ``python -I -S``;
+    :mod:`elasticd.supervise.spawn`) that runs as root with
     an *empty* environment (so no ``LD_PRELOAD`` or other setting of the job
     is seen by a privileged process): it writes ``0`` (itself) to the
     descriptor and closes it, reads the job's environment from a memfd,

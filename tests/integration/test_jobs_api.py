@@ -226,6 +226,7 @@ async def test_unknown_ids_are_404_problems(client):
         ({"entrypoint": "x", "nproc_per_node": -2}, "nproc_per_node"),
         ({"entrypoint": "x", "min_nodes": 4, "max_nodes": 2}, "min_nodes"),
         ({"entrypoint": "x", "env": {"A": 5}}, "env.A"),
+        ({"entrypoint": "x", "env": {"": "x"}}, "env"),  # no process could be given it
         ({"entrypoint": "x", "surprise": True}, "surprise"),
         ({"args": ["x"]}, "entrypoint"),
     ],

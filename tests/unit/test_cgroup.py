@@ -283,6 +283,7 @@ async def test_a_process_is_born_in_its_cgroup_as_the_job_user_with_the_job_env(
         assert sorted(int(x) for x in sup.split()[1:]) == sorted(groups)
         assert environ["MARKER"] == "a=b c\nd" and environ["USER"] == "nobody"
         assert environ["EMPTY"] == "" and environ["X"] == "=\u00e9"
+        assert "SigIgn:\t0000000000000000\n" in status  # nothing of the stage's own
         assert set(environ) <= {"PATH", "MARKER", "EMPTY", "X", "HOME", "USER", "LOGNAME", "PWD"}
         assert await attempt.stop(set()) == [proc.pid]  # not in a worker group: a stray
         assert await asyncio.wait_for(proc.wait(), 10) == -9
@@ -343,3 +344,47 @@ async def test_a_process_that_cannot_join_its_cgroup_never_runs_the_job(
         os.close(w)
     assert not marker.exists()
     assert not live_children()
+
+
+@pytest.mark.skipif(find_perl() is None, reason="no usable perl here")
+@pytest.mark.parametrize(
+    ("env_write_only", "program", "verdict"),
+    [
+        (True, "/bin/sh", b"env\0EIO\0"),  # the environment cannot be read: nothing runs
+        (False, "sh", b"exec\0ENOENT\0"),  # a bare name would be looked up on the job's PATH
+    ],
+)
+def test_the_perl_stage_reports_a_failed_step_and_runs_nothing(
+    tmp_path: Path, env_write_only: bool, program: str, verdict: bytes
+) -> None:
+    """Each step after the cgroup's reports its failure on the verdict pipe (a clear
+    WorkerSpawnError for the daemon) and exits before anything of the job runs."""
+    from elasticd.supervise.spawn import perl_stage
+
+    stage = perl_stage()
+    perl = find_perl()
+    assert stage is not None and perl is not None
+    marker = tmp_path / "ran"
+    procs_r, procs_w = os.pipe()  # stands in for cgroup.procs: the join's write succeeds
+    env_r, env_w = os.pipe()
+    os.write(env_w, b"PATH=/usr/bin:/bin")
+    os.close(env_w)
+    env_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY) if env_write_only else env_r
+    verdict_r, verdict_w = os.pipe()
+    try:
+        fds = (procs_w, env_fd)
+        argv = [perl, "-e", stage, "--", str(procs_w), str(env_fd), str(os.getpid())]
+        argv += ["-1", "-1", "", "", program, "sh", "-c", f"touch {marker}"]
+        done = subprocess.run(argv, stdin=verdict_w, pass_fds=fds, env={}, timeout=30)
+        os.close(verdict_w)
+        verdict_w = -1
+        assert os.read(verdict_r, 100) == verdict
+        assert done.returncode == 127
+        assert os.read(procs_r, 10) == b"0"
+        assert not marker.exists()
+    finally:
+        for fd in (procs_r, procs_w, env_r, verdict_r, verdict_w):
+            if fd >= 0:
+                os.close(fd)
+        if env_write_only:
+            os.close(env_fd)

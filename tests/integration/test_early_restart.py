@@ -16,9 +16,12 @@ import json
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.conftest import PY, events_of, script, wait_job
+from api.app import create_app
+from elasticd.rendezvous import StoreRendezvous
+from tests.conftest import PY, events_of, make_daemon, script, wait_job
 
 #: Each worker writes its contract variables; rank 1 fails in its first two attempts.
 CRASH_TWICE = """
@@ -222,3 +225,44 @@ async def test_a_failed_health_check_leaves_the_restart_to_the_store(client, tmp
     kinds = [e["kind"] for e in events]
     assert kinds.count("worker.health_check_failed") == 1
     assert kinds.count("rendezvous.complete") == 2  # no round formed and then abandoned
+
+
+async def test_early_workers_stop_when_the_store_is_slower_than_the_fence(tmp_path, monkeypatch):
+    """Unconfirmed workers have no round watch: when the store takes longer than the node's
+    fence to form their round, they are stopped, and the round's own start when it forms."""
+    slow = StoreRendezvous.next_round
+
+    async def next_round(self, *, port=None):
+        if port is not None:  # the early restart's round: the store "hangs" past the fence
+            await asyncio.sleep(2.0)
+        return await slow(self, port=port)
+
+    monkeypatch.setattr(StoreRendezvous, "next_round", next_round)
+    daemon = make_daemon(tmp_path, lease_ttl=1.0)
+    async with asyncio.timeout(30):
+        await daemon.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(daemon))
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+            path = script(
+                tmp_path,
+                "crash.py",
+                """
+                import os, sys, time
+                if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+                    sys.exit(3)
+                time.sleep(0.5)
+                """,
+            )
+            r = await client.post("/jobs", json={"entrypoint": PY, "args": [path]})
+            job = await wait_job(client, r.json()["id"])
+            events = await events_of(client, job["id"])
+    finally:
+        async with asyncio.timeout(60):
+            await daemon.shutdown()
+    assert job["state"] == "SUCCEEDED" and job["restart_count"] == 1
+    kinds = [(e["kind"], e.get("attempt"), bool(e.get("early"))) for e in events]
+    started = [k for k in kinds if k[0] == "workers.started"]
+    assert started == [("workers.started", 0, False), ("workers.started", 2, False)]
+    stopped = [k for k in kinds if k[0] == "workers.stopped"]
+    assert ("workers.stopped", 1, False) in stopped  # the early attempt, never confirmed

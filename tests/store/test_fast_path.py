@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -97,9 +98,19 @@ CASES: list[tuple[str, str, dict[str, Any] | None, dict[str, str], bytes | None]
 FAST = set(range(20))
 
 
-async def _answers(fast_path: bool) -> tuple[list[tuple[int, list[tuple[str, str]], bytes]], int]:
+def _daemon_app(store: MemoryStore) -> Any:
+    """The daemon's own app (which serves the same /store routes), over ``store``."""
+    from api.app import create_app
+
+    daemon = SimpleNamespace(token=TOKEN, store=store, config=SimpleNamespace())
+    return create_app(daemon)  # type: ignore[arg-type]
+
+
+async def _answers(
+    fast_path: bool, daemon: bool = False
+) -> tuple[list[tuple[int, list[tuple[str, str]], bytes]], int]:
     store = MemoryStore()
-    app = create_store_app(store, TOKEN, fast_path=fast_path)
+    app = _daemon_app(store) if daemon else create_store_app(store, TOKEN, fast_path=fast_path)
     routed = 0
     inner = app.router
 
@@ -136,6 +147,14 @@ async def test_fast_path_answers_as_the_routes_do() -> None:
         assert a == b, case[:3]
     statuses = {status for status, _, _ in fast}
     assert {200, 401, 404, 405, 413, 422} <= statuses  # the cases reach every kind of answer
+
+
+async def test_the_daemon_app_answers_as_the_store_routes_do() -> None:
+    """The daemon serves /store too, with the fast path in front: the same answers."""
+    fast, _ = await _answers(fast_path=True, daemon=True)
+    slow, _ = await _answers(fast_path=False)
+    for case, a, b in zip(CASES, fast, slow, strict=True):
+        assert a == b, case[:3]
 
 
 async def test_a_client_that_leaves_mid_watch_ends_it() -> None:

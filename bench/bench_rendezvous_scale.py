@@ -42,6 +42,11 @@ Usage::
         [--sizes 10,100,1000] [--budget 60] [--json out.json]
     .venv/bin/python bench/bench_rendezvous_scale.py --profile embedded:300   # cProfile one run
 
+The collector: the simulation's own objects are frozen out of it, and full
+collections wait for the end of each round (``--full-gc``: they run during
+it); see :func:`one_round`. Young collections are timed ("of which GC"), and
+so is the full collection right after the round ("full GC after").
+
 Only loopback is used; every process started is in its own session and is
 killed at the end. No torch.
 """

@@ -22,8 +22,11 @@ from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
+from api.routes.store import body_limit
+from api.store_fast import StoreFastPath
 from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
+from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES
 
 if TYPE_CHECKING:
     from elasticd.node.daemon import Daemon
@@ -57,6 +60,14 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     install_error_handlers(app)
     config = daemon.config if daemon is not None else None
     max_bytes = getattr(config, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+    if daemon is not None:  # the hot /store routes, answered as the routes would (innermost)
+        store_limit = getattr(config, "store_max_value_bytes", None)
+        app.add_middleware(
+            StoreFastPath,
+            get_store=lambda: daemon.store,
+            token=token,
+            body_limit=body_limit(store_limit or DEFAULT_MAX_VALUE_BYTES),
+        )
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)
     app.add_middleware(RequestGuard, tokenless=token is None)  # added last: runs first
 

@@ -59,6 +59,15 @@ def status_for(exc: errors.ElasticdError) -> tuple[int, str]:
     return 500, "Internal error"  # pragma: no cover - ElasticdError is the last row
 
 
+def error_problem(exc: errors.ElasticdError) -> JSONResponse:
+    """The problem an elasticd error is answered with (the one table above)."""
+    status, title = status_for(exc)
+    extra: dict[str, Any] = {}
+    if isinstance(exc, errors.StoreCompacted):
+        extra["revision"] = exc.revision
+    return problem(status, title, str(exc) or title, **extra)
+
+
 def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     return ".".join(parts) or "body"
@@ -69,11 +78,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_elasticd_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, errors.ElasticdError)
-        status, title = status_for(exc)
-        extra: dict[str, Any] = {}
-        if isinstance(exc, errors.StoreCompacted):
-            extra["revision"] = exc.revision
-        return problem(status, title, str(exc) or title, **extra)
+        return error_problem(exc)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -41,29 +41,41 @@ from api.auth import bearer_auth
 from api.guard import RequestGuard
 from api.problems import install_error_handlers
 from api.protocol import uvicorn_settings
-from api.routes.store import store_router
+from api.routes.store import body_limit, store_router
+from api.store_fast import StoreFastPath
 from elasticd import __version__, tokens
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.store.base import Store
+from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Store
 
 #: Seconds uvicorn waits for in-flight requests at shutdown.
 SHUTDOWN_GRACE = 5.0
 
 
-def create_store_app(store: Store, token: str | None) -> FastAPI:
-    """A FastAPI app serving ``store`` at ``/store/...``; every route needs ``token``."""
+def create_store_app(store: Store, token: str | None, *, fast_path: bool = True) -> FastAPI:
+    """A FastAPI app serving ``store`` at ``/store/...``; every route needs ``token``.
+
+    With ``fast_path`` (the default) :class:`api.store_fast.StoreFastPath`
+    answers the plainly well-formed requests of the hot routes without
+    FastAPI's per-request machinery, the same as the routes would; without
+    it every request goes through the routes (the tests compare the two).
+    """
     app = FastAPI(
         title="elasticd store",
         version=__version__,
         dependencies=[Depends(bearer_auth(token))],
     )
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, tokenless=token is None)  # Host, Origin, Content-Type
     limit = getattr(store, "max_value_bytes", None)
-    if isinstance(limit, int):
-        app.include_router(store_router(lambda: store, max_value_bytes=limit))
-    else:
-        app.include_router(store_router(lambda: store))
+    max_value_bytes = limit if isinstance(limit, int) else DEFAULT_MAX_VALUE_BYTES
+    if fast_path:  # added first: runs after the guard, in front of the routes
+        app.add_middleware(
+            StoreFastPath,
+            get_store=lambda: store,
+            token=token,
+            body_limit=body_limit(max_value_bytes),
+        )
+    app.add_middleware(RequestGuard, tokenless=token is None)  # Host, Origin, Content-Type
+    app.include_router(store_router(lambda: store, max_value_bytes=max_value_bytes))
     return app
 
 

@@ -380,17 +380,41 @@ async def _read_head(
     except ValueError as exc:
         raise WireError(f"not an HTTP answer: {status_line[:80]!r}") from exc
     headers: dict[str, str] = {}
+    line = await reader.readline()
+    if line.endswith(b"\r\n") and line != b"\r\n":
+        # The usual CRLF head: the rest of it in two reads, not a read per line (a
+        # gateway's answer has ten header lines; each read is a coroutine step).
+        # After a line, the next two bytes are the empty line that ends the head,
+        # or the start of one more field whose end "\n\r\n" (its CRLF, then the
+        # empty line) ends the head.
+        block = line
+        start = await reader.readexactly(2)
+        if start != b"\r\n":
+            try:
+                block += start + await reader.readuntil(b"\n\r\n")
+            except asyncio.LimitOverrunError as exc:  # over the reader's limit (64 KiB)
+                raise WireError("the answer's headers are too large") from exc
+            block = block[:-2]
+        if len(block) > MAX_HEADER_BYTES:
+            raise WireError("the answer's headers are too large")
+        for field_line in block[:-2].split(b"\r\n"):
+            _header(headers, field_line)
+        return status, reason[0] if reason else "", headers
     size = 0
-    while True:
-        line = await reader.readline()
+    while True:  # bare LF line ends (or no header at all): line by line
         size += len(line)
         if size > MAX_HEADER_BYTES:
             raise WireError("the answer's headers are too large")
         if line in (b"\r\n", b"\n", b""):
             break
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
+        _header(headers, line)
+        line = await reader.readline()
     return status, reason[0] if reason else "", headers
+
+
+def _header(headers: dict[str, str], line: bytes) -> None:
+    name, _, value = line.decode("latin-1").partition(":")
+    headers[name.strip().lower()] = value.strip()
 
 
 async def _read_chunk(reader: asyncio.StreamReader) -> bytes | None:

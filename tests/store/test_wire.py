@@ -193,3 +193,56 @@ async def test_ipv6_host_header_is_bracketed() -> None:
         await client.request("GET", "/x", timeout=5)
         await client.aclose()
     assert server.requests[0][1]["host"] == server.address
+
+
+async def _head(data: bytes, *, eof: bool = True) -> tuple[int, str, dict[str, str], bytes]:
+    """``_read_head`` over ``data`` (after its status line); also what it left unread."""
+    from elasticd.store.wire import _read_head
+
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    status_line = await reader.readline()
+    status, reason, headers = await _read_head(reader, status_line)
+    return status, reason, headers, await reader.read(100) if eof else b""
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [
+        (b"HTTP/1.1 200 OK\r\n\r\n", {}),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\n\r\n", {"a": "1"}),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\nB:2\r\n\r\n", {"a": "1", "b": "2"}),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\nX:\r\nC: x y\r\n\r\n", {"a": "1", "x": "", "c": "x y"}),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\nB\r\n\r\n", {"a": "1", "b": ""}),
+        (b"HTTP/1.1 200 OK\nA: 1\nB: 2\n\n", {"a": "1", "b": "2"}),  # bare LF line ends
+        (
+            b"HTTP/1.1 200 OK\r\n"
+            + b"".join(b"H%d: v%d\r\n" % (i, i) for i in range(12))
+            + b"\r\n",
+            {f"h{i}": f"v{i}" for i in range(12)},
+        ),
+    ],
+)
+async def test_answer_heads_are_read_whole_and_no_further(
+    head: bytes, expected: dict[str, str]
+) -> None:
+    """However many fields, the head ends at its empty line; the body is left to read."""
+    status, reason, headers, rest = await _head(head + b"BODY\r\n\r\nmore")
+    assert (status, reason, headers) == (200, "OK", expected)
+    assert rest == b"BODY\r\n\r\nmore"
+
+
+async def test_answer_head_over_the_limit_is_an_error() -> None:
+    big = b"HTTP/1.1 200 OK\r\nA: 1\r\n" + b"X: " + b"y" * 70_000 + b"\r\n\r\n"
+    with pytest.raises((WireError, ValueError)):
+        await _head(big)
+    many = b"HTTP/1.1 200 OK\r\nA: 1\r\n" + b"X: y\r\n" * 12_000 + b"\r\n"
+    with pytest.raises(WireError, match="too large"):
+        await _head(many)
+
+
+async def test_answer_head_cut_short_is_an_incomplete_read() -> None:
+    with pytest.raises(asyncio.IncompleteReadError):
+        await _head(b"HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\n")

@@ -294,3 +294,41 @@ async def test_a_one_node_job_knows_its_next_round_before_the_store_forms_it():
         alone = await b.next_round()
         assert alone.group_world_size == 1
         assert b.solo_round(alone) is None  # a second node may join its next round
+
+
+async def test_the_absorber_renews_its_hold_only_when_it_is_due(monkeypatch):
+    """The keeper renews ABSORBER_RENEW before the hold runs out, not sooner.
+
+    Every renewal wakes every node waiting on the head, so it must not come
+    earlier than it has to.
+    """
+    from elasticd.rendezvous import handler
+
+    monkeypatch.setattr(handler, "ABSORBER_HOLD", 2.0)
+    monkeypatch.setattr(handler, "ABSORBER_RENEW", 0.5)  # due 1.5 s after the take
+    store = MemoryStore()
+    rdzv, _ = await node(store, "a", Settings(min_nodes=16, max_nodes=16))
+    key = absorber_key("job")
+    async with asyncio.timeout(10):
+        taken = await rdzv._hold_absorber(None)
+        assert taken.ok and taken.entry is not None
+        await asyncio.sleep(1.0)
+        assert (await store.get(key)).version == taken.entry.version  # not yet due
+        await asyncio.sleep(1.2)
+        renewed = await store.get(key)
+        assert renewed is not None and renewed.version > taken.entry.version
+        assert json.loads(renewed.value)["node"] == "a"
+        await rdzv._release_absorber()
+    assert await store.get(key) is None
+
+
+def test_a_round_of_ten_thousand_nodes_needs_no_renewal_of_the_hold():
+    """Rounds of 10,000 nodes take under 10 s: no renewal wakes the crowd during one.
+
+    And a renewal that queues behind the crowd's requests still has 20 s to
+    land before a waiter may displace the hold (a whole hold past its end).
+    """
+    from elasticd.rendezvous import handler
+
+    assert handler.ABSORBER_HOLD - handler.ABSORBER_RENEW >= 10.0
+    assert handler.ABSORBER_RENEW + handler.ABSORBER_HOLD >= 20.0

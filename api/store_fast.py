@@ -94,6 +94,10 @@ def _query(scope: Scope, required: tuple[str, ...], optional: tuple[str, ...]) -
 def _nonempty(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise _Fallback
+    try:
+        value.encode("utf-8")  # a lone surrogate: the model refuses it (its own 422)
+    except UnicodeEncodeError:
+        raise _Fallback from None
     return value
 
 
@@ -175,8 +179,8 @@ class StoreFastPath:
             return
         method, path = scope["method"], scope["path"]
         route = self._routes.get((method, path))
-        if route is None and method == "POST" and path.startswith("/store/leases/"):
-            route = (self._keepalive, True)
+        if route is None and method == "POST" and _KEEPALIVE.fullmatch(path):
+            route = (self._keepalive, True)  # matched before any body is read
         if route is None or not self._authorised(scope):
             await self.app(scope, receive, send)
             return
@@ -226,7 +230,10 @@ class StoreFastPath:
                 length = value
             elif name == b"transfer-encoding":
                 return None
-        if length is None or not length.isdigit() or int(length) > self._body_limit:
+        # At most 20 digits: int() refuses strings of over 4,300 (a 500 otherwise).
+        if length is None or not length.isdigit() or len(length) > 20:
+            return None
+        if int(length) > self._body_limit:
             return None
         chunks: list[bytes] = []
         while True:

@@ -264,7 +264,13 @@ def _limited_route(limit: int) -> type[APIRoute]:
 
             async def limited(request: Request) -> Response:
                 length = request.headers.get("content-length")
-                if length is not None and length.isdigit() and int(length) > limit:
+                if (
+                    length is not None
+                    and length.isdigit()
+                    and (
+                        len(length) > 20 or int(length) > limit  # int() refuses 4,300+ digits
+                    )
+                ):
                     raise _too_large(limit)
                 wrapped = _LimitedRequest(request.scope, request.receive)
                 wrapped.limit = limit

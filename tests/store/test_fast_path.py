@@ -68,6 +68,9 @@ CASES: list[tuple[str, str, dict[str, Any] | None, dict[str, str], bytes | None]
     ("PUT", "/store/kv", None, JSON, b'{"key":"a","value":"eA==","extra":1}'),
     ("PUT", "/store/kv", None, JSON, b'{"key":"","value":"eA=="}'),
     ("PUT", "/store/kv", None, JSON, b'{"key":5,"value":"eA=="}'),
+    ("PUT", "/store/kv", None, JSON, b'{"key":"\\ud800x","value":"eA=="}'),  # lone surrogate
+    ("PUT", "/store/kv", None, {**JSON, "Content-Length": "0" * 5000 + "26"}, b'{"key":"a"}'),
+    ("POST", "/store/leases/5", None, JSON, b"{}"),  # not the keepalive: the router answers
     ("PUT", "/store/kv", None, JSON, b'{"key":"a","value":"eA==","lease":"7"}'),
     ("PUT", "/store/kv", None, JSON, b'{"key":"a","value":"eA==","lease":true}'),
     ("PUT", "/store/kv", None, JSON, b'{"key":"a"}'),
@@ -209,3 +212,22 @@ async def test_keepalive_of_a_live_lease_answers_as_the_route_does() -> None:
         await store.close()
     assert answers[0] == answers[1]
     assert answers[0][0] == 200
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+async def test_a_content_length_of_thousands_of_digits_is_too_large_not_a_crash(
+    fast_path: bool,
+) -> None:
+    """int() refuses strings of over 4,300 digits: both paths answer 413, never a 500."""
+    store = MemoryStore()
+    app = create_store_app(store, TOKEN, fast_path=fast_path)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+        for headers in (JSON, {"Content-Type": "application/json"}):  # with a token, without
+            response = await client.put(
+                "/store/kv",
+                headers={**headers, "Content-Length": "0" * 5000 + "11"},
+                content=b'{"key":"a"}',
+            )
+            assert response.status_code == 413, response.text
+    await store.close()

@@ -1,17 +1,18 @@
 """Issue 16's restart figure: crash -> every replacement worker's first statement, on 1, 2 and 4
 nodes, elasticd and torchrun side by side in one run.
 
-The same worker (``bench_cluster.py --worker --mode crash``: no torch) runs
-under both. Global rank 1 exits 1 one second into each attempt, ``--crashes``
+The same small worker (``bench/workers/crash_files.py``: no torch, compiled
+in well under a millisecond) runs under both. Global rank 1 exits 1 one second into each attempt, ``--crashes``
 times per job, writing the time just before ``os._exit``; every worker writes
 the time of its own first statement. A sample is one crash -> the last of the
 ``nodes x nproc`` replacement workers' first statements after it (all
 times ``time.time()`` on this one machine).
 
-* **elasticd**: four ``elasticd serve`` daemons on 127.0.0.1 sharing n0's
-  embedded store (the e2e harness); labels pin a job to n0 (1 node), n0+n1
-  or all four; ``max_restarts`` = the crashes. A one-node job restarts early
-  (its round is known locally; see docs/design.md, "Early restart").
+* **elasticd**: one node is one ``elasticd serve`` with its embedded store,
+  alone, as on a single machine (a one-node job restarts early: its round is
+  known locally; docs/design.md, "Early restart"); 2 and 4 nodes are four
+  daemons on 127.0.0.1 sharing n0's embedded store (the e2e harness), labels
+  pinning the job to n0+n1 or to all four. ``max_restarts`` = the crashes.
 * **torchrun** 2.13: one agent per node, ``--rdzv-backend=c10d
   --rdzv-endpoint=127.0.0.1:PORT --monitor-interval=0.1``, the rendezvous
   store not shared with the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
@@ -48,7 +49,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 from _common import (  # noqa: E402
+    PYTHON,
     Deadline,
+    ElasticdServer,
     Stats,
     fmt,
     free_port,
@@ -61,7 +64,9 @@ from _common import (  # noqa: E402
     tagged_env,
     torchrun_path,
 )
-from bench_cluster import Elasticd, crash_times, worker_cmd  # noqa: E402
+from bench_cluster import Elasticd, crash_times  # noqa: E402
+
+WORKER = str(BENCH / "workers" / "crash_files.py")
 
 #: Which daemons a job of N nodes runs on (label rN).
 LABELS = {"n0": "r1=1,r2=1,r4=1", "n1": "r2=1,r4=1", "n2": "r4=1", "n3": "r4=1"}
@@ -109,7 +114,7 @@ async def elasticd_run(
     job = f"restart-{nodes}x{nproc}-{uuid.uuid4().hex[:6]}"
     folder = root / job
     folder.mkdir()
-    argv = worker_cmd(folder, "crash", crashes=crashes, crash_rank=1, crash_after=1.0)
+    argv = ["-u", WORKER, str(folder), str(crashes)]
     spec = ed.spec(
         job,
         argv,
@@ -139,7 +144,7 @@ def torchrun_run(
     name = f"tr-{'sa' if standalone else 'c10d'}-{nodes}x{nproc}-{uuid.uuid4().hex[:6]}"
     folder = root / name
     folder.mkdir()
-    argv = worker_cmd(folder, "crash", crashes=crashes, crash_rank=1, crash_after=1.0)[1:]
+    argv = [WORKER, str(folder), str(crashes)]  # torchrun adds "python -u" itself
     rdzv = (
         ["--standalone"]
         if standalone
@@ -199,19 +204,55 @@ def torchrun_run(
     return got
 
 
+def elasticd_one_node(root: Path, nproc: int, crashes: int) -> list[float]:
+    """A one-node job on a daemon of its own (its embedded store on the same node)."""
+    job = f"restart-1x{nproc}-{uuid.uuid4().hex[:6]}"
+    folder = root / job
+    folder.mkdir()
+    with ElasticdServer(root, "one-node") as server:
+        server.submit(
+            {
+                "id": job,
+                "entrypoint": PYTHON,
+                "args": ["-u", WORKER, str(folder), str(crashes)],
+                "nproc_per_node": nproc,
+                "max_restarts": crashes,
+                "termination_grace": 3,
+            }
+        )
+        done = server.wait_terminal(job, 40 + 6 * crashes)
+        if done["state"] != "SUCCEEDED":
+            raise RuntimeError(f"{job} ended {done['state']}\n{server.diagnose(job)}")
+        events = server.events(job)
+    early = sum(1 for e in events if e["kind"] == "workers.started" and e.get("early"))
+    got = samples(folder, nproc)
+    if len(got) != crashes:
+        raise RuntimeError(f"{job}: {len(got)} of {crashes} restarts measured")
+    print(f"  elasticd 1x{nproc}: {early} of {crashes} restarts started early", flush=True)
+    return got
+
+
 async def measure(root: Path, crashes: int) -> dict[str, Any]:
     figures: dict[str, Any] = {}
+    for nodes, nproc in SHAPES:
+        if nodes != 1:
+            continue
+        print(f"[bench_restart] 1 node x {nproc} workers ...", flush=True)
+        figures[f"1x{nproc}"] = {
+            "elasticd": elasticd_one_node(root, nproc, crashes),
+            "torchrun": torchrun_run(root, 1, nproc, crashes),
+            "torchrun_standalone": torchrun_run(root, 1, nproc, crashes, standalone=True),
+        }
     async with Daemons(root) as ed:
         for nodes, nproc in SHAPES:
-            key = f"{nodes}x{nproc}"
-            print(f"[bench_restart] {nodes} node(s) x {nproc} worker(s) ...", flush=True)
-            ed_s = await elasticd_run(ed, root, nodes, nproc, crashes)
-            tr_s = torchrun_run(root, nodes, nproc, crashes)
-            figures[key] = {"elasticd": ed_s, "torchrun": tr_s}
             if nodes == 1:
-                figures[key]["torchrun_standalone"] = torchrun_run(
-                    root, nodes, nproc, crashes, standalone=True
-                )
+                continue
+            print(f"[bench_restart] {nodes} nodes x {nproc} worker(s) ...", flush=True)
+            ed_s = await elasticd_run(ed, root, nodes, nproc, crashes)
+            figures[f"{nodes}x{nproc}"] = {
+                "elasticd": ed_s,
+                "torchrun": torchrun_run(root, nodes, nproc, crashes),
+            }
     return figures
 
 

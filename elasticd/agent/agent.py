@@ -1284,6 +1284,7 @@ class JobAgent:
     ) -> None:
         """The recovery's end: the workers' spawn (``spawned``: an early one, before the
         round formed; its spawn phase is then 0, the rendezvous phase spans the overlap)."""
+        early = spawned is not None
         spawned = spawned if spawned is not None else self.ctx.clock.time()
         mine = self._recovery.finish(round_.round, rendezvous_done=rendezvous_done, spawned=spawned)
         if mine is None:
@@ -1300,7 +1301,8 @@ class JobAgent:
             EventKind.RECOVERY_TOTAL,
             f"recovered on {self.ctx.node} in {mine.total_s:.3f}s ({mine.cause}): "
             f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
-            f"spawn {mine.spawn_s:.3f}s",
+            f"spawn {mine.spawn_s:.3f}s"
+            + (" (the workers were started early, during the rendezvous)" if early else ""),
             attempt=self.attempt,
             duration_s=mine.total_s,
         )

@@ -57,6 +57,8 @@ async def test_a_one_node_restart_starts_early_and_loses_nothing(client, tmp_pat
     job = await wait_job(client, r.json()["id"])
     assert job["state"] == "SUCCEEDED" and job["restart_count"] == 2
     events = await events_of(client, job["id"])
+    totals = [e["message"] for e in events if e["kind"] == "recovery.total"]
+    assert len(totals) == 2 and all("started early, during the rendezvous" in m for m in totals)
     restarting = [e for e in events if e["kind"] == "group.restarting"]
     assert [e["attempt"] for e in restarting] == [0, 1]  # the attempt that failed
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)

@@ -38,7 +38,6 @@ are checked before it) and answers store errors through the one table of
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import re
@@ -49,12 +48,10 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.problems import error_problem
+from api.store_watch import MAX_WATCH_SECONDS, watch_until_gone
 from elasticd.errors import ElasticdError
-from elasticd.store.base import Entry, Store, WatchEvent
+from elasticd.store.base import Entry, Store
 from elasticd.store.codec import WireFormatError, decode_value, encode_entry, encode_event
-
-#: Longest long-poll a client may ask for, in seconds (as ``api.routes.store``).
-MAX_WATCH_SECONDS = 600.0
 
 _INT = re.compile(r"-?[0-9]{1,30}")
 _UINT = re.compile(r"[0-9]{1,30}")
@@ -136,14 +133,6 @@ _PUT_ALLOWED = frozenset({"key", "value", "lease"})
 _CAS_REQUIRED = frozenset({"key", "value", "expected_version"})
 _CAS_ALLOWED = frozenset({"key", "value", "expected_version", "lease"})
 _NOTHING: frozenset[str] = frozenset()
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Return once the client has gone away (the ASGI ``http.disconnect`` message)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 Handler = Callable[[Store, Scope, bytes, Receive], Awaitable[Any]]
@@ -301,18 +290,7 @@ class StoreFastPath:
         prefix = params.get("prefix", "false")
         if prefix not in ("true", "false"):
             raise _Fallback
-        watching = asyncio.ensure_future(store.watch(key, after, timeout, prefix=prefix == "true"))
-        if not watching.done():
-            gone = asyncio.ensure_future(_disconnected(receive))
-            try:
-                await asyncio.wait((watching, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not watching.done():
-                    watching.cancel()  # the client went away, or this request was cancelled
-            if not watching.done():
-                return {"events": []}
-        events: list[WatchEvent] = watching.result()
+        events = await watch_until_gone(store, key, after, timeout, prefix == "true", receive)
         return {"events": [encode_event(e) for e in events]}
 
 

@@ -39,7 +39,6 @@ every route.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
@@ -48,6 +47,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.schemas import Empty
+from api.store_watch import MAX_WATCH_SECONDS, watch_until_gone
 from elasticd.store.base import (
     DEFAULT_MAX_VALUE_BYTES,
     MAX_BATCH_KEYS,
@@ -56,9 +56,6 @@ from elasticd.store.base import (
     WatchEvent,
 )
 from elasticd.store.codec import decode_value, encode_value
-
-#: Longest long-poll a client may ask for, in seconds.
-MAX_WATCH_SECONDS = 600.0
 
 #: Room in a request body for everything but the value (key, JSON, numbers).
 _BODY_OVERHEAD = 64 * 1024
@@ -281,14 +278,6 @@ def _limited_route(limit: int) -> type[APIRoute]:
     return LimitedRoute
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the client has gone away (the ASGI ``http.disconnect`` message)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 # -- routes --------------------------------------------------------------------
 
 
@@ -375,19 +364,7 @@ def store_router(
         prefix: bool = False,
     ) -> StoreWatchResponse:
         """Long-poll until a change to the key (or under the prefix) above ``after`` exists."""
-        store = get_store()
-        watching = asyncio.ensure_future(store.watch(key, after, timeout, prefix=prefix))
-        if not watching.done():
-            gone = asyncio.ensure_future(_disconnected(request))
-            try:
-                await asyncio.wait((watching, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                if not watching.done():
-                    watching.cancel()  # the client went away, or this request was cancelled
-            if not watching.done():
-                return StoreWatchResponse(events=[])
-        events = watching.result()
+        events = await watch_until_gone(get_store(), key, after, timeout, prefix, request.receive)
         return StoreWatchResponse(events=[StoreWatchEvent.of(e) for e in events])
 
     return router

@@ -353,6 +353,9 @@ class Daemon:
             containment=self.containment,
             worker_stdin=self._worker_stdin,
         )
+        # The wrapper and the root stage are probed once (each runs a program): in a
+        # thread now, not on the event loop at the first worker's spawn.
+        await asyncio.to_thread(self.jobs.spawn_policy.warm)
         self._sweep_orphans()
         stack.push_async_callback(self._stop_jobs)
         await self.jobs.recover()

@@ -652,6 +652,12 @@ class SpawnPolicy:
             return None
         return self.setpriv
 
+    def warm(self) -> None:
+        """Probe the wrapper and the root stage now (cached), so no spawn waits for it."""
+        self.wrapper()
+        if self.containment is not None:
+            self.perl()
+
     def perl(self) -> str | None:
         if self.stage is True:
             return find_perl()

@@ -3,6 +3,7 @@ acquired when a step fails, and a spawn policy that is each daemon's own, passed
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -66,3 +67,22 @@ async def test_two_daemons_in_one_process_each_spawn_with_their_own_policy(
             assert second.db.recorded_workers() == []
             assert (await c.post(f"/jobs/{job_id}/cancel", json={})).status_code == 200
             assert (await wait_job(c, job_id))["state"] == "CANCELLED"
+
+
+async def test_the_spawn_probes_run_at_start_not_at_the_first_spawn(tmp_path: Path) -> None:
+    """``setpriv`` and (with cgroups) ``perl`` are each probed by running them: done once, in a
+    thread while the daemon starts, so no worker's spawn blocks the event loop on it."""
+    from elasticd.supervise.spawn import find_perl, find_setpriv
+
+    find_setpriv.cache_clear()
+    find_perl.cache_clear()
+    daemon = make_daemon(tmp_path)
+    async with asyncio.timeout(30):
+        await daemon.start()
+    try:
+        assert find_setpriv.cache_info().currsize == 1
+        expected = 1 if daemon.jobs.spawn_policy.containment is not None else 0
+        assert find_perl.cache_info().currsize == expected
+    finally:
+        async with asyncio.timeout(60):
+            await daemon.shutdown()

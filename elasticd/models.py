@@ -308,6 +308,28 @@ class PendingFailure(BaseModel):
     error: RootCause
 
 
+class JobOwner(BaseModel):
+    """Who submitted a job, and the rights of that identity the fleet applies to it.
+
+    Stamped by the daemon that took the ``POST`` (:mod:`elasticd.identity`), never
+    taken from the request: the scheduler reads ``may_preempt`` and
+    ``slot_quota`` from here, because the daemon that plans may not know the
+    submitter's identity.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9._@:-]{1,128}$", description="The identity's name.")
+    admin: bool = False
+    may_preempt: bool = Field(
+        default=True, description="Whether the job may stop lower-priority jobs to start."
+    )
+    slot_quota: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000_000,
+        description="The most slots this identity's running jobs may hold together (None: any).",
+    )
+
+
 class Job(BaseModel):
     """A submitted job and where it stands.
 
@@ -329,6 +351,10 @@ class Job(BaseModel):
     error: RootCause | None = None
     reason: str | None = Field(default=None, description="Why the job ended, in words.")
     submitted_to: str | None = Field(default=None, description="The node that took the POST.")
+    owner: JobOwner | None = Field(
+        default=None,
+        description="Who submitted it (None: a job from before identities, the admin's).",
+    )
     pending_failure: PendingFailure | None = None
     charged_round: int = -1
     last_recovery: Recovery | None = Field(

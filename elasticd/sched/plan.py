@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field
 #: Hot spares a job takes, at most, once it runs on ``max_nodes`` nodes.
 SPARES_PER_JOB = 1
 
-QueueReason = Literal["capacity", "unplaceable"]
+QueueReason = Literal["capacity", "unplaceable", "quota"]
 
 #: What names in a stored plan may look like (the API's job-id and node-name rules):
 #: the plan is read from the store, which the daemon does not trust.

@@ -144,12 +144,8 @@ def serve(
     """Start `elasticd serve` on a free loopback port (as root, jobs may run as root)."""
     port = port or free_port()
     state_dir = state_dir or root / "state"
-    if (
-        token_file is None
-        and ("--run-as" in extra or "--allowed-users" in extra)
-        and "ELASTICD_TOKEN" not in (env or {})
-    ):
-        # A daemon that runs jobs as other users refuses to serve without a token.
+    if token_file is None and "ELASTICD_TOKEN" not in (env or {}):
+        # Every daemon has a token (a daemon given none makes its own, in its state folder).
         token_file = root / f"auto-token-{port}"
         token_file.write_text(secrets.token_urlsafe(32) + "\n")
         token_file.chmod(0o600)

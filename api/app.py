@@ -1,7 +1,9 @@
 """``create_app(daemon)``: the FastAPI app, thin over the daemon's service object.
 
-Every route but ``/healthz`` (and the static ``/ui`` page) requires the
-bearer token when one is configured, ``/openapi.json`` included. There is no
+Every route but ``/healthz`` (and the static ``/ui`` page) has a caller with
+an identity (:mod:`api.auth`): a local user on the unix socket, or a bearer
+token that names one, ``/openapi.json`` included. What that identity may do
+is :func:`elasticd.identity.authorize`, asked by the job service. There is no
 ``/docs`` or ``/redoc``: those pages load their scripts from a CDN, and no
 page the daemon serves loads anything from elsewhere. Before any route,
 :class:`api.guard.RequestGuard` refuses misdirected (Host), cross-origin
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
-from api.auth import bearer_auth
+from api.auth import Authenticate, current_principal, require_principal, require_store_access
 from api.guard import SAFE_METHODS, RequestGuard
 from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
@@ -33,9 +35,10 @@ if TYPE_CHECKING:
 
 DESCRIPTION = (
     "elasticd's control plane: submit torchrun-style jobs, watch their worker groups, "
-    "events and logs. Every endpoint except /healthz needs `Authorization: Bearer <token>` "
-    "when the daemon has a token. Without a token the daemon answers only requests addressed "
-    "to a loopback name (421 otherwise). A POST, PUT or PATCH needs "
+    "events and logs. Every endpoint except /healthz needs an identity: a connection on the "
+    "daemon's unix socket (the kernel names the local user) or `Authorization: Bearer <token>` "
+    "(the daemon's own token, or an identity's). Jobs, their logs and their cancellation are "
+    "their owner's (or an admin's): 403 otherwise. A POST, PUT or PATCH needs "
     "`Content-Type: application/json` and a JSON body (`{}` when there is nothing to say; 415 "
     "otherwise); a state-changing request from a web page of another origin gets 403."
 )
@@ -55,8 +58,7 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.state.streams = StreamLimit(
         getattr(getattr(daemon, "config", None), "max_streams", DEFAULT_MAX_STREAMS)
     )
-    token = daemon.token if daemon is not None else None
-    auth = [Depends(bearer_auth(token))]
+    auth = [Depends(require_principal)]
     install_error_handlers(app)
     config = daemon.config if daemon is not None else None
     max_bytes = getattr(config, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
@@ -65,11 +67,18 @@ def create_app(daemon: Daemon | None) -> FastAPI:
         app.add_middleware(
             StoreFastPath,
             get_store=lambda: daemon.store,
-            token=token,
+            token=None,
+            authorised=_may_use_whole_store,
             body_limit=body_limit(store_limit or DEFAULT_MAX_VALUE_BYTES),
         )
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)
-    app.add_middleware(RequestGuard, tokenless=token is None)  # added last: runs first
+    if daemon is not None:  # who is asking: from the head alone, before any body is read
+        app.add_middleware(
+            Authenticate,
+            authenticator=daemon.authenticator,
+            metrics_public=_metrics_public(daemon),
+        )
+    app.add_middleware(RequestGuard, tokenless=False)  # added last: runs first
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
     async def openapi_document() -> JSONResponse:
@@ -79,11 +88,17 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.include_router(health.private, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
     app.include_router(nodes.router, dependencies=auth)
-    app.include_router(metrics_router(token, metrics_public=_metrics_public(daemon)))
+    app.include_router(metrics_router(metrics_public=_metrics_public(daemon)))
     app.include_router(ui.router)  # static page, no data: served without the token
     _include_store(app, daemon, auth)
     _document_problems(app)
     return app
+
+
+def _may_use_whole_store(_scope: object) -> bool:
+    """The store fast path serves the daemons and admins; a job's token goes to the routes."""
+    principal = current_principal.get()
+    return principal is not None and principal.may_use_store
 
 
 #: Served without the token (see the routes); every other operation may answer 401.
@@ -109,18 +124,12 @@ def _document_problems(app: FastAPI) -> None:
         for path, operations in schema.get("paths", {}).items():
             for method, operation in operations.items():
                 responses = operation.setdefault("responses", {})
-                responses.setdefault(
-                    "421",
-                    {
-                        "description": "The daemon has no token and the Host is not loopback",
-                        "content": content,
-                    },
-                )
                 if method.upper() not in SAFE_METHODS:
                     responses.setdefault(
                         "403",
                         {
-                            "description": "Forbidden, e.g. sent by a page of another origin",
+                            "description": "Forbidden: not this identity's to do, or sent by "
+                            "a page of another origin",
                             "content": content,
                         },
                     )
@@ -136,7 +145,12 @@ def _document_problems(app: FastAPI) -> None:
                     }
                 if path not in _PUBLIC_PATHS:
                     responses.setdefault(
-                        "401", {"description": "No valid bearer token", "content": content}
+                        "401",
+                        {
+                            "description": "No identity: no valid bearer token and not the "
+                            "unix socket",
+                            "content": content,
+                        },
                     )
                 if "requestBody" in operation and not path.startswith("/store/"):
                     responses.setdefault(
@@ -158,14 +172,19 @@ def _metrics_public(daemon: Daemon | None) -> bool:
 
 
 def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> None:
-    """Daemon-to-daemon store routes, served when this daemon hosts the embedded store."""
-    try:
-        from api.routes.store import store_router
-    except ImportError:  # pragma: no cover - the store routes ship with the package
-        return
+    """Daemon-to-daemon store routes, served when this daemon hosts the embedded store.
+
+    The daemons and admins see the whole store; a job's token sees only its
+    job's keys (:class:`elasticd.store.scoped.ScopedStore`); anyone else gets 403.
+    """
+    from api.routes.store import store_router
+    from elasticd.store.scoped import ScopedStore
 
     def get_store():  # type: ignore[no-untyped-def]
         assert daemon is not None
+        principal = current_principal.get()
+        if principal is not None and principal.store_prefix is not None:
+            return ScopedStore(daemon.store, principal.store_prefix)
         return daemon.store
 
     limit = getattr(getattr(daemon, "config", None), "store_max_value_bytes", None)
@@ -173,4 +192,4 @@ def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> N
         router = store_router(get_store)
     else:
         router = store_router(get_store, max_value_bytes=limit)
-    app.include_router(router, dependencies=auth)  # type: ignore[arg-type]
+    app.include_router(router, dependencies=[*auth, Depends(require_store_access)])  # type: ignore[list-item]

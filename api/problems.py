@@ -27,6 +27,7 @@ STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
     (errors.ListingTooLarge, 413, "Listing too large"),
     (errors.ValueTooLarge, 413, "Value too large"),
     (errors.InvalidKey, 422, "Invalid store key"),
+    (errors.KeyForbidden, 403, "Forbidden"),
     (errors.StoreCompacted, 410, "Store history compacted"),
     (errors.StoreUnavailable, 503, "Store unavailable"),
     (errors.ShuttingDown, 503, "Daemon shutting down"),

@@ -21,6 +21,17 @@ so before authentication:
   ``limit_concurrency`` (503 to requests while connections plus running
   requests reach it) is set one above, so it bites only on running tasks.
 
+* **Body time**: a request's body must arrive within :data:`BODY_TIMEOUT`
+  seconds of its head; else ``408`` (or, once the app answered, a plain
+  close). A connection whose response is sent before its body arrived (a
+  ``401`` is answered from the head alone, :mod:`api.auth`) is closed at
+  once, so an unfinished body holds nothing.
+
+The protocol also reads, once per unix-socket connection, the peer's
+``(pid, uid, gid)`` from the kernel (``SO_PEERCRED``) and puts it in every
+request's scope under :data:`PEER_KEY`: the caller's identity
+(:mod:`api.auth`). A TCP connection never has it, so no header can forge it.
+
 So a flood costs at most ``MAX_CONNECTIONS × MAX_HEAD_BYTES`` of buffered
 heads, each for at most ``HEAD_TIMEOUT``. ``uvicorn_settings()`` gives the
 ``uvicorn.Config`` arguments that install all this.
@@ -30,6 +41,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -38,6 +51,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 MAX_HEAD_BYTES = 64 * 1024
 #: Seconds to send a request's line and headers.
 HEAD_TIMEOUT = 10.0
+#: Seconds to send a request's body once its head arrived.
+BODY_TIMEOUT = 30.0
+#: Where a unix-socket peer's ``(pid, uid, gid)`` goes in the request's scope.
+PEER_KEY = "elasticd.peer"
 #: Connections served at once (each open stream, e.g. a log follower, holds one).
 MAX_CONNECTIONS = 1000
 
@@ -67,9 +84,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head = True  # reading a request's line and headers
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._body_pending = False
+        self._peer: tuple[int, int, int] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._peer = _peer_credentials(transport)
         if len(self.connections) > self.max_connections:
             self._refuse(
                 503,
@@ -82,6 +103,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -101,6 +123,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._peer is not None:
+            self.scope[PEER_KEY] = self._peer  # type: ignore[literal-required]
         self._in_head = True
         self._head_bytes = 0
         if self._head_timer is None:
@@ -109,7 +133,43 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm_head_timer()
+        self._body_pending = True
+        self._disarm_body_timer()
+        self._body_timer = self.loop.call_later(BODY_TIMEOUT, self._body_timed_out)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._body_pending = False
+        self._disarm_body_timer()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        if self._body_pending and not self.transport.is_closing():
+            # Answered before its body came (a 401 from the head alone): the rest
+            # of the body is nobody's business, and waiting for it holds a connection.
+            self._disarm_body_timer()
+            self.transport.close()
+            return
+        super().on_response_complete()
+
+    def _disarm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if not self._body_pending or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self.transport.close()
+            return
+        self._refuse(
+            408,
+            "Request Timeout",
+            f"the request body did not arrive within {BODY_TIMEOUT:g} s of its head",
+        )
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
@@ -134,6 +194,18 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._disarm_head_timer()
         self.transport.write(_raw_problem(status, reason, detail))
         self.transport.close()
+
+
+def _peer_credentials(transport: asyncio.BaseTransport) -> tuple[int, int, int] | None:
+    """A unix-socket peer's ``(pid, uid, gid)``, from the kernel; None on TCP."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    size = struct.calcsize("3i")
+    pid, uid, gid = struct.unpack(
+        "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, size)
+    )
+    return pid, uid, gid
 
 
 def uvicorn_settings() -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Forwarding a request to the daemon of another node (logs live where they were written).
 
-The caller's bearer token goes with the request, so the address comes only
+The caller was authorized here; the other daemon is asked with the cluster
+credential (a local caller has no token, and an identity's token is this
+daemon's to check). So the address comes only
 from a live node's record (bound to its lease, ``http(s)://host:port``, see
 ``JobService.node_url``); redirects are not followed, and of the answer only
 the status, the body and the headers in :data:`RELAYED` come back.
@@ -24,17 +26,19 @@ RELAYED = ("content-type", "cache-control", "x-accel-buffering")
 
 
 async def forward(
-    request: Request, base_url: str, *, drop: Iterable[str] = ()
+    request: Request, base_url: str, *, token: str | None, drop: Iterable[str] = ()
 ) -> StreamingResponse:
-    """Send ``request`` (same method, path, query less ``drop``, auth) to ``base_url``."""
+    """Send ``request`` (same method, path, query less ``drop``) to ``base_url`` with ``token``."""
     dropped = set(drop)
     params = httpx.QueryParams(
         [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
     )
     headers = {}
-    for name in ("authorization", "accept", "last-event-id"):
+    for name in ("accept", "last-event-id"):
         if name in request.headers:
             headers[name] = request.headers[name]
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
     client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(10.0, read=None))
     try:
         upstream = await client.send(

@@ -148,10 +148,12 @@ class StoreFastPath:
         get_store: Callable[[], Store],
         token: str | None,
         body_limit: int,
+        authorised: Callable[[Scope], bool] | None = None,
     ) -> None:
         self.app = app
         self._get_store = get_store
         self._expected = token.encode() if token else None
+        self._check = authorised
         self._body_limit = body_limit
         self._routes: dict[tuple[str, str], tuple[Handler, bool]] = {
             ("GET", "/store/kv"): (self._get, False),
@@ -194,6 +196,8 @@ class StoreFastPath:
         await _send_json(send, answer)
 
     def _authorised(self, scope: Scope) -> bool:
+        if self._check is not None:
+            return self._check(scope)
         if self._expected is None:
             return True
         given = None

@@ -29,7 +29,7 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,9 +37,6 @@ from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.store import redact_url, store_endpoints
 from elasticd.tokens import TokenFileError, read_token_file
-
-if TYPE_CHECKING:
-    from elasticd.security import JobUsers
 
 log = logging.getLogger("elasticd.config")
 
@@ -165,8 +162,26 @@ class Config(BaseModel):
     allowed_users: list[str] = Field(
         default_factory=list, description="Users a job may ask to run as (`user` in the spec)."
     )
-    unix_socket: Path | None = None
-    unix_socket_group: str | None = None
+    unix_socket: Path | None = Field(
+        default=None,
+        description="The unix socket local callers use (the kernel names them: SO_PEERCRED). "
+        "Default: <state_dir>/run/elasticd.sock. A root daemon's socket is open to every local "
+        "user (each is served as itself); another daemon's to its own user only.",
+    )
+    unix_socket_group: str | None = Field(
+        default=None, description="Only this group's members may connect to the unix socket."
+    )
+    identities_file: Path | None = Field(
+        default=None,
+        description="TOML file of token identities ([[identity]]: name, token_sha256, users, "
+        "max_priority, may_preempt, slot_quota, admin) and the rights of local callers "
+        "([local]); see docs/hardening.md, 'Who is asking'.",
+    )
+    cluster_token_file: Path | None = Field(
+        default=None,
+        description="The credential daemons use with each other and the store (0600). "
+        "Default: the token file's token, which is then both the admin's and the cluster's.",
+    )
     max_request_bytes: int = Field(
         default=1 << 20, ge=1024, description="Largest request body (413 beyond); not /store."
     )
@@ -211,6 +226,11 @@ class Config(BaseModel):
     @classmethod
     def _labels(cls, value: Any) -> Any:
         return parse_labels(value) if isinstance(value, str | Mapping) else value
+
+    @property
+    def socket_path(self) -> Path:
+        """Where the unix socket is: ``unix_socket``, else in the state folder."""
+        return self.unix_socket or self.state_dir / "run" / "elasticd.sock"
 
     @property
     def logs(self) -> Path:
@@ -261,6 +281,8 @@ _ENV_FIELDS = {
     "ALLOWED_USERS": "allowed_users",
     "UNIX_SOCKET": "unix_socket",
     "UNIX_SOCKET_GROUP": "unix_socket_group",
+    "IDENTITIES_FILE": "identities_file",
+    "CLUSTER_TOKEN_FILE": "cluster_token_file",
     "MAX_REQUEST_BYTES": "max_request_bytes",
     "MAX_STREAMS": "max_streams",
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
@@ -338,33 +360,36 @@ def _user_name(uid: int) -> str:
         return str(uid)
 
 
-def check_bind(config: Config, token: str | None) -> None:
-    """Refuse to expose an unauthenticated control plane beyond loopback."""
-    if token is None and not is_loopback(config.host):
-        raise ConfigError(
-            f"refusing to listen on {config.host} without a token: anyone who can reach it "
-            "could run programs on this node. Set --token-file (a 0600 file with a secret) "
-            "or bind to 127.0.0.1."
-        )
+def own_token(state_dir: Path) -> tuple[str, Path]:
+    """The daemon's own token when it was given none: ``<state_dir>/token``, made at first start.
 
-
-def check_job_users_need_token(config: Config, token: str | None, users: JobUsers) -> None:
-    """Refuse a tokenless API on a daemon that runs jobs as other users.
-
-    Loopback is no boundary between the operator and the jobs: a job's
-    processes run on this node too, and without a token they could use this
-    API (and its store) as the daemon's own client, to read other jobs' logs
-    or submit jobs as another allowed user.
+    0600 and this user's (like any token file); the CLI finds it there, as
+    Jupyter's clients find its server's token. Made with ``O_EXCL`` in the
+    daemon's private state folder, so two daemons starting at once agree on one.
     """
-    if token is not None or config.store_only or not users.identities:
-        return
-    names = ", ".join(sorted(i.user for i in users.identities))
-    raise ConfigError(
-        f"this daemon runs jobs as other users ({names}): without a token their processes "
-        "could use its API on 127.0.0.1 as the daemon's client (read other jobs' logs, submit "
-        "jobs as another user). Set --token-file (a 0600 file with a secret, owned by this "
-        "user) or ELASTICD_TOKEN"
-    )
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = state_dir / "token"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return _read_secret(path, "token file"), path
+    except OSError as exc:
+        raise ConfigError(f"cannot make the daemon's token {path}: {exc.strerror}") from None
+    from elasticd.identity import new_token
+
+    token = new_token()
+    try:
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return token, path
+
+
+def read_cluster_token(config: Config) -> str | None:
+    """The cluster credential of ``cluster_token_file``; None: the admin token is it too."""
+    if config.cluster_token_file is None:
+        return None
+    return _read_secret(config.cluster_token_file, "cluster_token_file")
 
 
 def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
@@ -406,11 +431,15 @@ def read_store_password(config: Config) -> str | None:
     return _read_secret(path, "store_password_file")
 
 
-def check_store(config: Config, token: str | None) -> None:
+def check_store(config: Config, token: str | None, *, serves_others: bool = False) -> None:
     """Check the ``store_*`` settings, and refuse an insecure store beyond loopback.
 
     Nothing connects: this runs before the store is opened. See the module's
-    docstring for what counts as authenticated.
+    docstring for what counts as authenticated. A daemon that runs jobs as
+    other users (``serves_others``) refuses an etcd without credentials on
+    loopback too: any local user can write to it, and a job document names
+    the user its workers run as. (A daemon's HTTP store is probed once it
+    answers: :meth:`elasticd.node.daemon.Daemon.refuse_open_store`.)
     """
     target = store_endpoints(config.store_url)
     shown = redact_url(config.store_url or "")
@@ -452,13 +481,23 @@ def check_store(config: Config, token: str | None) -> None:
             f"store_prefix {config.store_prefix!r} must end with '/' (e.g. 'elasticd/'), so "
             "that it is a folder of its own and not also the start of other keys"
         )
-    remote = [h for h in target.hosts if not is_loopback(h)]
-    if not remote:
-        return
     if target.kind == "etcd":
         authenticated = config.store_username is not None or config.store_cert_file is not None
     else:
         authenticated = token is not None
+    open_etcd = target.kind == "etcd" and not authenticated
+    if open_etcd and serves_others and not config.allow_insecure_store:
+        raise ConfigError(
+            f"refusing store_url {shown!r}: this daemon runs jobs as other users and the "
+            "store is not authenticated, so any local user could write a job into it that "
+            "runs as another user (loopback is no boundary). Set an etcd user "
+            "(store_username and store_password_file) or a TLS client certificate, and "
+            "turn etcd's auth on; allow_insecure_store = true only where every local user "
+            'is trusted (see docs/store.md, "Running etcd securely")'
+        )
+    remote = [h for h in target.hosts if not is_loopback(h)]
+    if not remote:
+        return
     if authenticated and not target.tls:
         log.warning(
             "store_url %s is plaintext: credentials and data cross the network unencrypted; "

@@ -16,7 +16,8 @@ above it handle a small, documented set::
     │   ├── LeaseNotFound        the lease expired or was revoked
     │   ├── ValueTooLarge        a value over the store's size limit
     │   │   └── ListingTooLarge  a list answer over the store's size limit
-    │   └── InvalidKey           a key the store refuses (empty, '..', control chars)
+    │   ├── InvalidKey           a key the store refuses (empty, '..', control chars)
+    │   └── KeyForbidden         a key outside what the caller may touch (a job's token)
     ├── JobError
     │   ├── JobNotFound          no job with that id
     │   ├── JobConflict          same id, different spec; or cancel of a finished job
@@ -97,6 +98,10 @@ class ListingTooLarge(ValueTooLarge):
 
 class InvalidKey(StoreError):
     """The key is not acceptable to the store."""
+
+
+class KeyForbidden(StoreError):
+    """The caller may not touch this key: a job's workers reach only their job's keys."""
 
 
 class JobError(ElasticdError):

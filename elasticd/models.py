@@ -319,6 +319,12 @@ class JobOwner(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9._@:-]{1,128}$", description="The identity's name.")
     admin: bool = False
+    unix_user: str | None = Field(
+        default=None,
+        max_length=256,
+        description="The Unix user the submitter proved to be (a unix-socket caller): its "
+        "jobs may run as that user on every node where it exists (root: only with allow_root).",
+    )
     may_preempt: bool = Field(
         default=True, description="Whether the job may stop lower-priority jobs to start."
     )

@@ -77,9 +77,16 @@ LOG_ROOT_MODE_SHARED = 0o711
 JOB_DIR_MODE = 0o750
 WORKER_DIR_MODE = 0o750
 
-#: The unix socket and the folder it is created in.
+#: The unix socket and the folder it is created in: open to one group, or to every local
+#: user (a root daemon: each connection is served as the uid the kernel names), or private.
 SOCKET_MODE = 0o660
 SOCKET_DIR_MODE = 0o750
+SOCKET_MODE_EVERYONE = 0o666
+SOCKET_DIR_MODE_EVERYONE = 0o755
+SOCKET_MODE_PRIVATE = 0o600
+SOCKET_DIR_MODE_PRIVATE = 0o700
+#: The longest path a unix socket may have (sun_path is 108 bytes, NUL included).
+UNIX_PATH_MAX = 107
 
 
 @dataclass(frozen=True)
@@ -135,8 +142,23 @@ class JobUsers:
     """Set when jobs that name no user must not run at all, with the reason."""
     daemon_uid: int = field(default_factory=os.geteuid)
 
-    def for_job(self, requested: str | None) -> Identity | None:
-        """The identity a job runs as (None: the daemon's own); ``WorkerSpawnError`` if refused."""
+    @property
+    def serves_others(self) -> bool:
+        """Whether this daemon runs jobs as users other than its own.
+
+        A root daemon does (its local callers' jobs run as themselves), and so
+        does any daemon with other users configured.
+        """
+        return self.daemon_uid == 0 or bool(self.identities)
+
+    def for_job(self, requested: str | None, *, owner_user: str | None = None) -> Identity | None:
+        """The identity a job runs as (None: the daemon's own); ``WorkerSpawnError`` if refused.
+
+        ``owner_user``: the Unix user the job's submitter proved to be (on a unix
+        socket): a root daemon runs the job as that user when it asks for
+        itself, whether or not ``allowed_users`` names it; root still needs
+        ``allow_root``.
+        """
         if requested is None:
             if self.refusal is not None:
                 raise WorkerSpawnError(self.refusal)
@@ -144,6 +166,17 @@ class JobUsers:
         identity = self.allowed.get(requested)
         if identity is None and requested.isdigit():
             identity = next((i for i in self.allowed.values() if str(i.uid) == requested), None)
+        if identity is None and requested == owner_user and self.daemon_uid == 0:
+            try:
+                found = lookup_user(requested)
+            except ConfigError as exc:
+                raise WorkerSpawnError(str(exc)) from None
+            if found.is_root:
+                raise WorkerSpawnError(
+                    "the job asks to run as root, which this node allows only with "
+                    "allow_root = true"
+                )
+            identity = found
         if identity is None:
             names = ", ".join(sorted(self.allowed)) or "none"
             raise WorkerSpawnError(
@@ -342,17 +375,29 @@ def prepare_worker_dir(log_dir: Path, identity: Identity | None) -> None:
 # -- the unix socket -----------------------------------------------------------------
 
 
-def bind_unix_socket(path: Path, *, group: str | None = None) -> socket.socket:
-    """A listening unix socket at ``path``: mode 0660, in a folder of mode 0750.
+def bind_unix_socket(
+    path: Path, *, group: str | None = None, everyone: bool = False
+) -> socket.socket:
+    """A listening unix socket at ``path``, in a folder of its own.
 
-    The folder is created if missing; an existing one must belong to this
-    user and is set to 0750. A stale socket at ``path`` is replaced; any
-    other file there is an error. With ``group``, the folder and the socket
-    belong to that group, whose members may then connect.
+    Who may connect: with ``group``, that group's members (0660 in a 0750
+    folder of that group); with ``everyone``, every local user (0666 in a
+    0755 folder: a root daemon serves each connection as the uid the kernel
+    names, :mod:`api.auth`); else this user only (0600 in 0700). The folder
+    is created if missing; an existing one must belong to this user. A stale
+    socket at ``path`` is replaced; any other file there is an error.
     """
     path = Path(path)
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise ConfigError(f"unix socket path {path} is longer than {UNIX_PATH_MAX} bytes")
+    if group is not None:
+        sock_mode, dir_mode = SOCKET_MODE, SOCKET_DIR_MODE
+    elif everyone:
+        sock_mode, dir_mode = SOCKET_MODE_EVERYONE, SOCKET_DIR_MODE_EVERYONE
+    else:
+        sock_mode, dir_mode = SOCKET_MODE_PRIVATE, SOCKET_DIR_MODE_PRIVATE
     folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True, mode=SOCKET_DIR_MODE)
+    folder.mkdir(parents=True, exist_ok=True, mode=dir_mode)
     st = folder.stat()
     if st.st_uid != os.geteuid():
         raise ConfigError(
@@ -366,7 +411,7 @@ def bind_unix_socket(path: Path, *, group: str | None = None) -> socket.socket:
         except KeyError:
             raise ConfigError(f"unix_socket_group: group {group!r} does not exist") from None
         os.chown(folder, -1, gid)
-    folder.chmod(SOCKET_DIR_MODE)
+    folder.chmod(dir_mode)
     try:
         existing = path.lstat()
     except FileNotFoundError:
@@ -380,7 +425,7 @@ def bind_unix_socket(path: Path, *, group: str | None = None) -> socket.socket:
         sock.bind(str(path))
         # bind() creates the node with the umask applied; set the mode explicitly,
         # as uvicorn would otherwise (it makes its own sockets 0666).
-        os.chmod(path, SOCKET_MODE)
+        os.chmod(path, sock_mode)
         if gid != -1:
             os.chown(path, -1, gid)
         sock.listen(2048)

@@ -65,10 +65,20 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
             await d.shutdown()
 
 
+def asgi_client(daemon: Daemon, **kwargs: Any) -> httpx.AsyncClient:
+    """An HTTP client of ``daemon``'s app over ASGI, as its admin (the daemon's own token)."""
+    headers = {"Authorization": f"Bearer {daemon.token}", **kwargs.pop("headers", {})}
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(daemon)),
+        base_url="http://localhost",
+        headers=headers,
+        **kwargs,
+    )
+
+
 @pytest.fixture
 async def client(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=create_app(daemon))
-    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+    async with asgi_client(daemon) as c:
         yield c
 
 

@@ -8,10 +8,12 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api import proxy, streams
+from api.auth import principal_of
 from api.deps import daemon_of, jobs_of, streams_of
 from api.problems import PROBLEM_JSON
 from api.schemas import Empty, Event, Job, JobList, JobSpec, Problem, WorkersView
 from elasticd.errors import LogNotFound
+from elasticd.identity import Action
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.states import JobState
 
@@ -49,7 +51,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 )
 async def submit_job(spec: JobSpec, request: Request, response: Response) -> Job:
     """Submit a job. A client-chosen ``id`` makes the call idempotent."""
-    job, created = await jobs_of(request).submit(spec)
+    job, created = await jobs_of(request).submit(spec, principal_of(request))
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/jobs/{job.id}"
     return job
@@ -62,14 +64,22 @@ async def list_jobs(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> JobList:
-    """Jobs, newest first, a page at a time."""
-    return await jobs_of(request).list_jobs(state, limit, offset)
+    """Jobs, newest first, a page at a time (another owner's without its env and args)."""
+    jobs = jobs_of(request)
+    page = await jobs.list_jobs(state, limit, offset)
+    who = principal_of(request)
+    return page.model_copy(update={"jobs": [jobs.as_seen_by(j, who) for j in page.jobs]})
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=NOT_FOUND)
 async def get_job(job_id: str, request: Request) -> Job:
-    """One job: state, restarts, times, and the root cause of a failure."""
-    return await jobs_of(request).get(job_id)
+    """One job: state, restarts, times, and the root cause of a failure.
+
+    Its spec's env and args, and the root cause, are its owner's (and an admin's).
+    """
+    who = principal_of(request)
+    jobs = jobs_of(request)
+    return jobs.as_seen_by(await jobs.authorized(job_id, who, Action.READ), who)
 
 
 @router.post(
@@ -79,7 +89,9 @@ async def get_job(job_id: str, request: Request) -> Job:
 )
 async def cancel_job(job_id: str, body: Empty, request: Request) -> Job:
     """Stop the job's workers and end it as CANCELLED. The body is ``{}``."""
-    return await jobs_of(request).cancel(job_id)
+    jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.CANCEL)
+    return await jobs.cancel(job_id)
 
 
 @router.delete(
@@ -90,14 +102,18 @@ async def cancel_job(job_id: str, body: Empty, request: Request) -> Job:
 )
 async def delete_job(job_id: str, request: Request) -> Response:
     """Forget a finished job (its record, events and groups; log files stay on disk)."""
-    await jobs_of(request).delete(job_id)
+    jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.DELETE)
+    await jobs.delete(job_id)
     return Response(status_code=204)
 
 
 @router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=NOT_FOUND)
 async def get_workers(job_id: str, request: Request) -> WorkersView:
     """The worker groups of every node in the job's current round, and their workers."""
-    return await jobs_of(request).workers(job_id)
+    jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    return await jobs.workers(job_id)
 
 
 @router.get(
@@ -128,6 +144,7 @@ async def get_events(
 ) -> list[Event] | StreamingResponse:
     """The job's events in order; as Server-Sent Events with ``Accept: text/event-stream``."""
     jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
     if "text/event-stream" in request.headers.get("accept", ""):
         await jobs.get(job_id)  # 404 before the stream starts
         start = streams.resume_point(after, last_event_id)
@@ -176,8 +193,14 @@ async def get_logs(
     With ``node`` naming another daemon, the request is proxied to it.
     """
     jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
     if node is not None and node != jobs.node:
-        return await proxy.forward(request, await jobs.node_url(node), drop=("node",))
+        return await proxy.forward(
+            request,
+            await jobs.node_url(node),
+            token=daemon_of(request).cluster_token,
+            drop=("node",),
+        )
     if follow:
         job = await jobs.get(job_id)
         if local_rank >= job.spec.nproc_per_node:

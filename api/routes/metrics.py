@@ -1,8 +1,8 @@
 """``/metrics``: the daemon's Prometheus metrics (see :mod:`elasticd.node.metrics`).
 
-Bearer-token protected like every other endpoint. With ``metrics_public`` a
-scraper on the same host (a loopback client address) needs no token; anything
-else still does. Behind a reverse proxy on the same host every request looks
+For any identity, like every other endpoint (:mod:`api.auth`). With
+``metrics_public`` a scraper on the same host (a loopback client address)
+needs none; anything else still does. Behind a reverse proxy on the same host every request looks
 local, so leave it off there.
 """
 
@@ -10,21 +10,20 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from api.auth import bearer_auth
+from api.auth import require_principal
 from api.deps import daemon_of
 from elasticd.config import is_loopback
 from elasticd.node.metrics import CONTENT_TYPE
 
 
-def metrics_router(token: str | None, *, metrics_public: bool = False) -> APIRouter:
+def metrics_router(*, metrics_public: bool = False) -> APIRouter:
     """The ``/metrics`` route; ``metrics_public`` opens it to loopback clients."""
-    check_token = bearer_auth(token)
 
     async def auth(request: Request) -> None:
         client = request.client
         if metrics_public and client is not None and is_loopback(client.host):
             return
-        await check_token(request)
+        await require_principal(request)
 
     router = APIRouter(tags=["metrics"])
 

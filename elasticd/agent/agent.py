@@ -126,6 +126,9 @@ class AgentContext:
     rendezvous: Rendezvous
     base_env: Mapping[str, str]
     token_file: str | None = None
+    #: Makes the job's own token on this node (its workers' ELASTICD_TOKEN_FILE, readable
+    #: by the job's user only) and returns the file's path; None: ``token_file`` as it is.
+    job_token: Callable[[str, Identity | None], str] | None = None
     cuda_visible_devices: str | None = None
     console: ConsoleSink | None = None
     clock: Clock = field(default=SYSTEM_CLOCK)
@@ -212,6 +215,10 @@ class JobAgent:
     def __init__(self, job: Job, ctx: AgentContext) -> None:
         self.job_id = job.id
         self.spec: JobSpec = job.spec
+        #: Who submitted it (the Unix user it proved to be may run its jobs as itself).
+        self.owner = job.owner
+        #: The workers' ELASTICD_TOKEN_FILE: the job's own token (decided with the user).
+        self._token_file = ctx.token_file
         self.ctx = ctx
         self.attempt = -1
         self.state = WorkerState.INIT
@@ -715,7 +722,7 @@ class JobAgent:
                 logs=self.ctx.logs,
                 base_env=self.ctx.base_env,
                 daemon_url=self.ctx.daemon_url,
-                token_file=self.ctx.token_file,
+                token_file=self._token_file,
                 cuda_visible_devices=self.ctx.cuda_visible_devices,
             ),
             state=self.state,
@@ -1143,7 +1150,12 @@ class JobAgent:
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
         try:
-            self._identity = self.ctx.policy.identity_for(self.spec.user)
+            owner = self.owner
+            self._identity = self.ctx.policy.identity_for(
+                self.spec.user, owner_user=owner.unix_user if owner is not None else None
+            )
+            if self.ctx.job_token is not None:
+                self._token_file = self.ctx.job_token(self.job_id, self._identity)
         except WorkerSpawnError as exc:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
             await self._fail_job(

@@ -46,10 +46,13 @@ import contextlib
 import enum
 import logging
 import os
+import pwd
 import shutil
 import signal
 import socket
+import stat
 from collections.abc import Generator, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -60,9 +63,9 @@ from elasticd.agent.agent import ConsoleSink
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.config import (
     Config,
-    check_bind,
-    check_job_users_need_token,
     check_store,
+    own_token,
+    read_cluster_token,
     read_store_password,
     read_token,
 )
@@ -74,6 +77,7 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
+from elasticd.identity import Authenticator, IdentityTable
 from elasticd.models import Job
 from elasticd.node import systemd
 from elasticd.node.cluster import Cluster, NodeRecord
@@ -83,12 +87,19 @@ from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.sched.plan import Plan
-from elasticd.security import bind_unix_socket, resolve_job_users, secure_state_dir
+from elasticd.security import (
+    UNIX_PATH_MAX,
+    bind_unix_socket,
+    resolve_job_users,
+    secure_state_dir,
+)
 from elasticd.storage import StorageHealth
 from elasticd.store import (
     EtcdOptions,
     Store,
     open_store,
+    redact_url,
+    store_endpoints,
 )
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.supervise.cgroup import Containment
@@ -169,6 +180,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
 #: Read (and never written) to learn whether the store answers.
 NODE_PROBE_KEY = keys.PROBE
 
@@ -202,12 +220,29 @@ class Daemon:
         self._worker_stdin = worker_stdin
         self.clock = clock
         self._environ = dict(os.environ if environ is None else environ)
-        self.token = read_token(config, self._environ)
-        check_bind(config, self.token)
-        check_store(config, self.token)
-        self._store_password = read_store_password(config)
+        # Every daemon has a token (there is no tokenless mode): the admin's, given or made.
+        given = read_token(config, self._environ)
+        if given is not None:
+            self.token: str = given
+            self.token_path: Path | None = config.token_file
+        else:
+            self.token, self.token_path = own_token(config.state_dir)
+        #: What this daemon shows other daemons and the store (never a user's token).
+        self.cluster_token: str = read_cluster_token(config) or self.token
         self.job_users = resolve_job_users(config)
-        check_job_users_need_token(config, self.token, self.job_users)
+        check_store(config, self.cluster_token, serves_others=self.job_users.serves_others)
+        self._store_password = read_store_password(config)
+        try:
+            table = IdentityTable.load(config.identities_file, daemon_uid=os.geteuid())
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        #: Who is asking (api.auth): the admin, the cluster, identities, local users, jobs.
+        self.authenticator = Authenticator(
+            admin_token=self.token,
+            cluster_token=self.cluster_token,
+            table=table,
+            user_name=_user_name,
+        )
         #: What start() acquired, released in reverse order (a failed start rolls back).
         self._resources: contextlib.AsyncExitStack | None = None
         self._injected_store = store
@@ -219,6 +254,8 @@ class Daemon:
         #: streams (SSE, log follow) end on it so that they never hold up shutdown.
         self.closing_streams = asyncio.Event()
         self._server: _Server | None = None
+        #: The unix socket this daemon listens on, once bound.
+        self.socket_path: Path | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._state = DaemonState.NEW
         #: Why the store cannot be used yet (start-up waits for it), None once it answered.
@@ -278,7 +315,7 @@ class Daemon:
         stack.callback(self.db.close)
         self.store = self._injected_store or open_store(
             self.config.store_url,
-            token=self.token,
+            token=self.cluster_token,
             state_dir=self.config.state_dir,
             max_value_bytes=self.config.store_max_value_bytes,
             max_list_bytes=self.config.store_max_list_bytes,
@@ -303,7 +340,7 @@ class Daemon:
         self.events.add_listener(self.metrics.on_event)
         gpus = await detect_gpus(self.config.nvidia_smi, self._environ)
         slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
-        token_file = str(self.config.token_file.resolve()) if self.config.token_file else None
+        token_file = str(self.token_path.resolve()) if self.token_path else None
         if self._serve_http:
             await self._start_http()  # binds first: the port is part of this node's record
             stack.push_async_callback(self._stop_http)
@@ -341,8 +378,12 @@ class Daemon:
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.for_job
+            self.jobs.job_tokens = self.authenticator.jobs
+            self.jobs.token_dir = self._token_dir()
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
+        if self.job_users.serves_others and not self.config.allow_insecure_store:
+            await self.refuse_open_store()
         await self.events.start()
         stack.push_async_callback(self._stop_events)
         self.containment = self._contain()
@@ -393,6 +434,34 @@ class Daemon:
             slots,
             self.config.state_dir,
         )
+
+    async def refuse_open_store(self) -> None:
+        """Refuse a daemon's HTTP store that answers without a credential (loopback too).
+
+        This daemon runs jobs as other users, and a job document names the user
+        its workers run as: a store anyone may write is a way to run programs
+        as anyone. Asked once, as no client: a store that answers ``200`` to a
+        read without the token is open. (etcd's settings are checked before
+        connecting: :func:`elasticd.config.check_store`.)
+        """
+        url = self.config.store_url
+        if url is None or store_endpoints(url).kind != "http":
+            return
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=5.0) as client:
+                answer = await client.get("/store/kv", params={"key": NODE_PROBE_KEY})
+        except httpx.HTTPError:
+            return  # unreachable now: the store client's own errors say so
+        if answer.status_code == 200:
+            raise ConfigError(
+                f"refusing store_url {redact_url(url)!r}: it answers without a token, and "
+                "this daemon runs jobs as other users, so any local user could write a job "
+                "into it that runs as another user (loopback is no boundary). Give the store "
+                "a token (python -m api.store_server --token-file, or a daemon's own store), "
+                "or set allow_insecure_store = true where every local user is trusted"
+            )
 
     async def _wait_for_store(self) -> bool:
         """Until the store answers (nodes of a cluster start in any order); False if stopped first.
@@ -452,15 +521,36 @@ class Daemon:
         sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
         sockets = [sock]
-        if self.config.unix_socket is not None:
+        path = self.config.socket_path
+        if self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
+            log.warning("no unix socket: its default path %s is too long; set unix_socket", path)
+        else:
             try:
                 sockets.append(
-                    bind_unix_socket(self.config.unix_socket, group=self.config.unix_socket_group)
+                    bind_unix_socket(
+                        path,
+                        group=self.config.unix_socket_group,
+                        everyone=os.geteuid() == 0 and self.config.unix_socket_group is None,
+                    )
                 )
             except BaseException:
                 sock.close()
                 raise
+            self.socket_path = path
         self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
+
+    def _token_dir(self) -> Path:
+        """The folder of the jobs' own token files: the daemon's, 0711 (no listing)."""
+        folder = self.config.state_dir / "tokens"
+        folder.mkdir(mode=0o711, exist_ok=True)
+        st = folder.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError(f"{folder} must be a folder of the daemon's own user")
+        folder.chmod(0o711)
+        for stale in folder.iterdir():  # a previous run's: its jobs' workers are gone
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        return folder
 
     def _contain(self) -> Containment:
         """Set up the containment of job attempts (a cgroup subtree, or the subreaper fallback)."""
@@ -613,9 +703,9 @@ class Daemon:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._server_task
-        if self.config.unix_socket is not None:
+        if self.socket_path is not None:
             with contextlib.suppress(OSError):
-                self.config.unix_socket.unlink()
+                self.socket_path.unlink()
 
     def _write_bound(self, seconds: float) -> float:
         """How long a stopping daemon waits on a write: 1 s while the state disk refuses."""

@@ -43,6 +43,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from typing_extensions import Unpack
@@ -63,6 +64,16 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
+from elasticd.identity import (
+    ADMIN,
+    Action,
+    Deny,
+    JobFacts,
+    JobTokens,
+    Principal,
+    PrincipalKind,
+    authorize,
+)
 from elasticd.keys import group_key, group_prefix, job_key, keys_of_job, refusal_key
 from elasticd.logs import LogLayout, stream_file
 from elasticd.models import (
@@ -72,6 +83,7 @@ from elasticd.models import (
     JobEdit,
     JobList,
     JobMutation,
+    JobOwner,
     JobSpec,
     QueueView,
     WorkersView,
@@ -82,6 +94,7 @@ from elasticd.node.events import EventLog
 from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.sched.plan import Plan
+from elasticd.security import Identity
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
@@ -109,6 +122,40 @@ MAX_AGENT_CRASHES = 3
 AGENT_CRASH_WINDOW = 600.0
 MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
+
+
+def owner_of(principal: Principal) -> JobOwner:
+    """What a job keeps of its submitter: the name, and the rights the fleet applies to it."""
+    local = principal.kind is PrincipalKind.LOCAL
+    return JobOwner(
+        name=principal.name,
+        admin=principal.admin,
+        unix_user=principal.users[0] if local and principal.users else None,
+        may_preempt=principal.may_preempt,
+        slot_quota=principal.slot_quota,
+    )
+
+
+def facts_of(job: Job) -> JobFacts:
+    """What :func:`elasticd.identity.authorize` needs of a job."""
+    owner = job.owner.name if job.owner is not None else ADMIN.name
+    return JobFacts(owner=owner, user=job.spec.user, priority=job.spec.priority, job_id=job.id)
+
+
+#: What another identity sees of a job's env values and arguments.
+HIDDEN = "<hidden>"
+
+
+def redacted(job: Job) -> Job:
+    """The job without what is its owner's alone: env values, arguments, health check."""
+    spec = job.spec.model_copy(
+        update={
+            "env": dict.fromkeys(job.spec.env, HIDDEN),
+            "args": [HIDDEN] if job.spec.args else [],
+            "health_check": [HIDDEN] if job.spec.health_check else None,
+        }
+    )
+    return job.model_copy(update={"spec": spec, "error": None})
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
@@ -181,7 +228,11 @@ class JobService:
         if storage is not None:
             storage.on_state_back(self._storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
-        self.check_user: Callable[[str], object] | None = None
+        self.check_user: Callable[..., object] | None = None
+        #: The tokens of this node's jobs' workers, and the folder of their files (the
+        #: daemon's own, 0711): each job's file belongs to its user, 0400.
+        self.job_tokens: JobTokens | None = None
+        self.token_dir: Path | None = None
 
     @property
     def node(self) -> str:
@@ -304,8 +355,25 @@ class JobService:
 
     # writes
 
-    async def submit(self, spec: JobSpec) -> tuple[Job, bool]:
-        """Accept a job. Returns (job, created); same id + same spec returns the existing one."""
+    async def submit(self, spec: JobSpec, principal: Principal = ADMIN) -> tuple[Job, bool]:
+        """Accept a job of ``principal``. Returns (job, created); same id + same spec + same
+        owner returns the existing one.
+
+        Who it runs as is decided here, once, by :func:`elasticd.identity.authorize`:
+        the submitter's own user by default (a local caller), an identity's first
+        user, or the node's ``run_as`` for the admin; every node then checks that
+        user against its own policy before anything of the job runs.
+        """
+        decision = authorize(
+            principal,
+            Action.SUBMIT,
+            JobFacts(owner=principal.name, user=spec.user, priority=spec.priority),
+        )
+        if isinstance(decision, Deny):
+            raise JobForbidden(decision.reason)
+        if decision.user != spec.user:
+            spec = spec.model_copy(update={"user": decision.user})
+        owner = owner_of(principal)
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
         degraded = self.storage.state_degraded() if self.storage is not None else None
@@ -317,9 +385,9 @@ class JobService:
                 f"{degraded.since:.0f} ({degraded.source}: {degraded.reason}); "
                 "try again when space is freed, or submit to another node"
             )
-        if spec.user is not None and self.check_user is not None:
+        if self.check_user is not None:
             try:
-                self.check_user(spec.user)
+                self.check_user(spec.user, owner_user=owner.unix_user)
             except WorkerSpawnError as exc:
                 raise JobForbidden(str(exc)) from None
         job_id = spec.id or uuid.uuid4().hex[:12]
@@ -331,6 +399,7 @@ class JobService:
             max_restarts=spec.max_restarts,
             created_at=self.clock.time(),
             submitted_to=self.node,
+            owner=owner,
         )
         result = await self.store.compare_and_set(
             job_key(job_id), job.model_dump_json().encode(), None
@@ -338,8 +407,11 @@ class JobService:
         if not result.ok:
             assert result.entry is not None
             existing = parse_job(job_id, result.entry.value)
-            if existing.spec.without_id() == spec.without_id():
+            same_owner = (existing.owner.name if existing.owner else ADMIN.name) == owner.name
+            if existing.spec.without_id() == spec.without_id() and same_owner:
                 return existing, False
+            if not same_owner:
+                raise JobConflict(f"job id {job_id!r} is taken by another owner; choose another id")
             raise JobConflict(
                 f"job {job_id!r} exists with a different spec; choose another id "
                 "or submit the identical spec to get the existing job"
@@ -353,6 +425,20 @@ class JobService:
             state=JobState.PENDING.value,
         )
         return job, True
+
+    async def authorized(self, job_id: str, principal: Principal, action: Action) -> Job:
+        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not."""
+        job = await self.get(job_id)
+        decision = authorize(principal, action, facts_of(job))
+        if isinstance(decision, Deny):
+            raise JobForbidden(decision.reason)
+        return job
+
+    def as_seen_by(self, job: Job, principal: Principal) -> Job:
+        """The job as ``principal`` may see it: its spec's env and args are its owner's."""
+        if authorize(principal, Action.READ_DETAIL, facts_of(job)):
+            return job
+        return redacted(job)
 
     async def cancel(self, job_id: str) -> Job:
         job = await self.get(job_id)
@@ -842,6 +928,7 @@ class JobService:
             nvidia_smi=self.config.nvidia_smi,
             storage=self.storage,
             policy=self.spawn_policy,
+            job_token=self._job_token if self.job_tokens is not None else None,
             log_growth=self.log_growth,
         )
         agent = JobAgent(job, ctx)
@@ -854,8 +941,43 @@ class JobService:
         task.add_done_callback(self._agent_done(job.id))
         self._publish_slots()
 
+    def _job_token(self, job_id: str, identity: Identity | None) -> str:
+        """Make the job's token on this node, in a file only its user reads; the path.
+
+        The folder is the daemon's and no job may write it, so the file is
+        made where it is meant to be (no link can redirect it), then handed to
+        the job's user. A new token replaces the job's previous one here.
+        """
+        assert self.job_tokens is not None
+        assert self.token_dir is not None
+        token = self.job_tokens.mint(job_id)
+        path = self.token_dir / f"{job_id}.token"
+        temp = self.token_dir / f".{job_id}.{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+            try:
+                os.write(fd, token.encode() + b"\n")
+                if identity is not None:
+                    os.fchown(fd, identity.uid, identity.gid)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise WorkerSpawnError(f"cannot write the job's token file {path}: {exc}") from exc
+        return str(path)
+
+    def _forget_token(self, job_id: str) -> None:
+        if self.job_tokens is None or self.token_dir is None:
+            return
+        self.job_tokens.revoke(job_id)
+        with contextlib.suppress(OSError):
+            (self.token_dir / f"{job_id}.token").unlink()
+
     def _agent_done(self, job_id: str) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
+            self._forget_token(job_id)
             agent = self._agents.pop(job_id, None)
             self._tasks.pop(job_id, None)
             crash = None if task.cancelled() else task.exception()

@@ -665,14 +665,16 @@ class SpawnPolicy:
             return None
         return self.stage
 
-    def identity_for(self, requested: str | None) -> Identity | None:
+    def identity_for(
+        self, requested: str | None, *, owner_user: str | None = None
+    ) -> Identity | None:
         if self.users is None:
             if requested is not None and requested != _my_name():
                 raise WorkerSpawnError(
                     f"the job asks to run as {requested!r}; this daemon runs jobs as itself"
                 )
             return None
-        return self.users.for_job(requested)
+        return self.users.for_job(requested, owner_user=owner_user)
 
 
 def _my_name() -> str:

@@ -28,7 +28,11 @@ async def test_a_daemon_that_ran_jobs_leaves_no_task_behind(tmp_path: Path) -> N
         await daemon.start()
     try:
         transport = httpx.ASGITransport(app=create_app(daemon))
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {daemon.token}"},
+            base_url="http://localhost",
+        ) as c:
             crash = script(tmp_path, "crash.py", CRASH_ONCE)
             jobs = [
                 # a restart, then success (races of monitor, hang watch and round watch)

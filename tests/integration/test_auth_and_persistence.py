@@ -47,7 +47,11 @@ async def test_restart_keeps_finished_jobs_and_resumes_running_ones(tmp_path):
     async with asyncio.timeout(90):
         await d.start()
         transport = httpx.ASGITransport(app=create_app(d))
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {d.token}"},
+            base_url="http://localhost",
+        ) as c:
             r = await c.post("/jobs", json={"id": "done", "entrypoint": PY, "args": ["-c", "pass"]})
             await wait_job(c, "done")
             before_job = (await c.get("/jobs/done")).json()
@@ -65,7 +69,11 @@ async def test_restart_keeps_finished_jobs_and_resumes_running_ones(tmp_path):
         await d2.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d2))
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+            async with httpx.AsyncClient(
+                transport=transport,
+                headers={"Authorization": f"Bearer {d2.token}"},
+                base_url="http://localhost",
+            ) as c:
                 assert (await c.get("/jobs/done")).json() == before_job
                 assert (await c.get("/jobs/done/events")).json() == before_events
                 assert (await c.get("/jobs/done/workers")).json() == before_workers

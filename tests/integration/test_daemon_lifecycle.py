@@ -56,7 +56,11 @@ async def test_two_daemons_in_one_process_each_spawn_with_their_own_policy(
     second = make_daemon(tmp_path / "b", node_name="node-b")
     async with first, second:
         transport = httpx.ASGITransport(app=create_app(first))
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {first.token}"},
+            base_url="http://localhost",
+        ) as c:
             spec = {"entrypoint": PY, "args": ["-c", "import time; time.sleep(60)"]}
             r = await c.post("/jobs", json=spec)
             assert r.status_code == 201, r.text

@@ -245,7 +245,11 @@ async def test_early_workers_stop_when_the_store_is_slower_than_the_fence(tmp_pa
         await daemon.start()
     try:
         transport = httpx.ASGITransport(app=create_app(daemon))
-        async with httpx.AsyncClient(transport=transport, base_url="http://x") as client:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {daemon.token}"},
+            base_url="http://x",
+        ) as client:
             path = script(
                 tmp_path,
                 "crash.py",

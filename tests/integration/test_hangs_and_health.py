@@ -146,7 +146,11 @@ async def daemon_client(tmp_path: Path, **config: Any) -> AsyncIterator[httpx.As
         await d.start()
     try:
         transport = httpx.ASGITransport(app=create_app(d))
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {d.token}"},
+            base_url="http://localhost",
+        ) as c:
             yield c
     finally:
         async with asyncio.timeout(60):

@@ -315,7 +315,9 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
         try:
             transport = httpx.ASGITransport(app=create_app(daemon))
             async with httpx.AsyncClient(
-                transport=transport, base_url="http://localhost"
+                transport=transport,
+                headers={"Authorization": f"Bearer {daemon.token}"},
+                base_url="http://localhost",
             ) as client:
                 live = (
                     await client.post(

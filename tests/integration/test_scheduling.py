@@ -18,7 +18,11 @@ async def small(tmp_path):
         await d.start()
     transport = httpx.ASGITransport(app=create_app(d))
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            headers={"Authorization": f"Bearer {d.token}"},
+            base_url="http://localhost",
+        ) as c:
             yield c
     finally:
         async with asyncio.timeout(60):

@@ -60,7 +60,10 @@ async def test_async_client_over_asgi(daemon, tmp_path):
     """AsyncClient returns the API's models and raises ClientError with status and detail."""
     transport = httpx.ASGITransport(app=create_app(daemon))
     path = script(tmp_path, "crash.py", CRASH_ONCE)
-    async with asyncio.timeout(60), AsyncClient("http://localhost", transport=transport) as c:
+    async with (
+        asyncio.timeout(60),
+        AsyncClient("http://localhost", token=daemon.token, transport=transport) as c,
+    ):
         job = await c.submit(JobSpec(id="a1", entrypoint=PY, args=[path], nproc_per_node=2))
         assert isinstance(job, Job) and job.state is JobState.PENDING
         done = await c.wait("a1", timeout=30)

@@ -436,10 +436,19 @@ CLIENT_COMMANDS = frozenset(
 def _client_commands(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--url", help=f"the daemon's URL (default: $ELASTICD_URL, else {DEFAULT_URL})"
+        "--url",
+        help="the daemon's URL (default: $ELASTICD_URL; else the node's unix socket, "
+        f"/run/elasticd/elasticd.sock or your own daemon's; else {DEFAULT_URL})",
     )
     common.add_argument(
-        "--token-file", help="file holding the bearer token (default: $ELASTICD_TOKEN_FILE)"
+        "--socket",
+        help="the daemon's unix socket (default: $ELASTICD_SOCKET): you are who the "
+        "kernel says, no token needed",
+    )
+    common.add_argument(
+        "--token-file",
+        help="file holding the bearer token (default: $ELASTICD_TOKEN_FILE, else your own "
+        "daemon's <state_dir>/token)",
     )
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
 
@@ -508,12 +517,11 @@ def _client_commands(sub: Any) -> None:
 
 
 def _client_main(args: argparse.Namespace) -> int:
-    from elasticd.client import Client, ClientError
+    from elasticd.client import Client, ClientError, find_daemon
 
-    url = args.url or os.environ.get("ELASTICD_URL") or DEFAULT_URL
-    token_file = args.token_file or os.environ.get("ELASTICD_TOKEN_FILE") or None
     try:
-        with Client(url, token_file=token_file) as client:
+        found = find_daemon(args.url, args.socket, args.token_file)
+        with Client(found.url, socket=found.socket, token_file=found.token_file) as client:
             handler = _HANDLERS[args.command]
             return handler(client, args)
     except ClientError as exc:

@@ -13,9 +13,16 @@ and the server's problem detail (RFC 9457) when a call fails, or
             print(event.seq, event.kind, event.message)
         print(c.get(job.id).state)
 
-Workers get ``ELASTICD_URL`` and ``ELASTICD_TOKEN_FILE`` in their environment,
-so code inside a job can talk to its daemon with
-``Client(os.environ["ELASTICD_URL"], token_file=os.environ.get("ELASTICD_TOKEN_FILE"))``.
+On the daemon's own node, ``Client(socket="/run/elasticd/elasticd.sock")``
+needs no token: the daemon asks the kernel who is calling (``SO_PEERCRED``)
+and serves that user. :func:`find_daemon` picks what the CLI uses when told
+nothing: ``$ELASTICD_SOCKET``, else ``$ELASTICD_URL``, else the first unix
+socket that exists of :data:`SOCKETS`, else :data:`DEFAULT_URL` with the token
+a daemon of this user made for itself (``<state_dir>/token``), as Jupyter's
+clients find their server's.
+
+Workers get ``ELASTICD_URL`` and ``ELASTICD_TOKEN_FILE`` (their job's own
+token: its store keys and its own record) in their environment.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,13 +51,65 @@ __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "Connection",
     "DaemonUnreachable",
+    "find_daemon",
     "SSEParser",
     "ServerSentEvent",
     "read_token_file",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:7070"
+
+
+def _state_home() -> Path:
+    """Where a daemon of this user keeps its state by default (elasticd.config's rule)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/elasticd")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "elasticd"
+
+
+#: The unix sockets tried, in order, when no URL or socket is given: the node's shared
+#: daemon (the systemd unit's), then this user's own daemon.
+SOCKETS = (Path("/run/elasticd/elasticd.sock"),)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """How to reach a daemon: a unix socket, or a URL and maybe a token file."""
+
+    url: str = DEFAULT_URL
+    socket: Path | None = None
+    token_file: Path | None = None
+
+
+def find_daemon(
+    url: str | None = None,
+    socket: str | Path | None = None,
+    token_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Connection:
+    """The daemon to talk to: what was given, else the environment, else the defaults."""
+    env = os.environ if environ is None else environ
+    token = Path(token_file) if token_file else None
+    if token is None and env.get("ELASTICD_TOKEN_FILE"):
+        token = Path(env["ELASTICD_TOKEN_FILE"])
+    if socket is None and url is None and env.get("ELASTICD_SOCKET"):
+        socket = env["ELASTICD_SOCKET"]
+    if socket is not None:
+        return Connection(socket=Path(socket), token_file=token)
+    url = url or env.get("ELASTICD_URL")
+    if url is None:
+        for candidate in (*SOCKETS, _state_home() / "run" / "elasticd.sock"):
+            if candidate.is_socket() and token is None:
+                return Connection(socket=candidate)
+        url = DEFAULT_URL
+    if token is None:
+        own = _state_home() / "token"
+        if os.access(own, os.R_OK):
+            token = own
+    return Connection(url=url, token_file=token)
 #: Consecutive failed reconnects after which following a stream gives up.
 MAX_RECONNECTS = 5
 #: A stream with no byte for this long (four server heartbeats) is taken as dropped.
@@ -266,7 +326,11 @@ class Client:
         token_file: str | Path | None = None,
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        socket: str | Path | None = None,
     ) -> None:
+        if socket is not None:  # the kernel tells the daemon who we are: no token needed
+            transport = transport or httpx.HTTPTransport(uds=str(socket))
+            url = "http://localhost"
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._http = httpx.Client(
@@ -430,7 +494,11 @@ class AsyncClient:
         token_file: str | Path | None = None,
         timeout: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        socket: str | Path | None = None,
     ) -> None:
+        if socket is not None:  # the kernel tells the daemon who we are: no token needed
+            transport = transport or httpx.AsyncHTTPTransport(uds=str(socket))
+            url = "http://localhost"
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._http = httpx.AsyncClient(

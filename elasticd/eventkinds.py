@@ -39,6 +39,7 @@ class EventKind(enum.StrEnum):
     STORAGE_BACK = "storage.back"
     EVENTS_DROPPED = "events.dropped"
     LOGS_LOST = "logs.lost"
+    LOGS_TRUNCATED = "logs.truncated"
     RENDEZVOUS_COMPLETE = "rendezvous.complete"
     RENDEZVOUS_CHANGE = "rendezvous.change"
     RENDEZVOUS_FAILED = "rendezvous.failed"
@@ -97,7 +98,13 @@ MEANING: dict[EventKind, str] = {
     EventKind.STORE_BACK: "The node reaches the store again.",
     EventKind.STORAGE_BACK: "The local disk takes writes again.",
     EventKind.EVENTS_DROPPED: "Events lost past the write backlog's bound.",
-    EventKind.LOGS_LOST: "Worker output that could not be written.",
+    EventKind.LOGS_LOST: (
+        "Worker output that could not be written: the disk refused it, or only root's reserve "
+        "or none of the job user's quota was left."
+    ),
+    EventKind.LOGS_TRUNCATED: (
+        "Worker output past the attempt's log_limit_bytes (per stream), counted and dropped."
+    ),
     EventKind.RENDEZVOUS_COMPLETE: "A round formed.",
     EventKind.RENDEZVOUS_CHANGE: "The group re-forms (no restart spent).",
     EventKind.RENDEZVOUS_FAILED: "The join timed out.",

@@ -31,6 +31,12 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 #: Most restarts a job may ask for: a crash-looping job restarts at most this often.
 MAX_RESTARTS = 1000
+#: Each worker's stdout.log and stderr.log take at most this per attempt unless the job says
+#: otherwise; the daemon writes them as root, so they need a ceiling of their own.
+DEFAULT_LOG_LIMIT_BYTES = 1 << 30
+#: The budget's bounds: enough for a traceback at least, and no more than 1 TiB a stream.
+MIN_LOG_LIMIT_BYTES = 64 << 10
+MAX_LOG_LIMIT_BYTES = 1 << 40
 
 Std = Literal["none", "out", "err", "all"]
 _STD_BY_NUMBER: dict[str, Std] = {"0": "none", "1": "out", "2": "err", "3": "all"}
@@ -142,6 +148,13 @@ class JobSpec(BaseModel):
     )
     local_ranks_filter: list[Annotated[int, Field(ge=0)]] | None = Field(
         default=None, description="Only these local ranks' output reaches the console."
+    )
+    log_limit_bytes: int = Field(
+        default=DEFAULT_LOG_LIMIT_BYTES,
+        ge=MIN_LOG_LIMIT_BYTES,
+        le=MAX_LOG_LIMIT_BYTES,
+        description="The most bytes each worker's stdout.log and stderr.log take per attempt; "
+        "later output is counted and dropped (a logs.truncated event), never blocking the worker.",
     )
     termination_grace: float = Field(
         default=30.0, ge=0, le=3600, description="Seconds between SIGTERM and SIGKILL."
@@ -452,7 +465,9 @@ class Event(BaseModel):
     error: RootCause | None = None
     message: str = ""
     duration_s: float | None = None
-    #: ``logs.lost``: bytes of worker output the log files refused, in all and per local rank.
+    #: ``logs.lost``: bytes of worker output the log files refused (or the daemon held back:
+    #: only root's reserve or none of the user's quota was left), in all and per local rank;
+    #: ``logs.truncated``: bytes dropped past the attempt's ``log_limit_bytes``.
     bytes_lost: int | None = None
     lost_by_rank: dict[str, int] | None = None
     count: int | None = None

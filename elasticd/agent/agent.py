@@ -967,6 +967,7 @@ class JobAgent:
         if group is not None:
             await group.stop(self.spec.termination_grace)
             self._report_lost_output(group)
+            self._report_truncated_output(group)
             self._report_strays(group)
 
     def _report_strays(self, group: WorkerGroupProcesses) -> None:
@@ -1006,6 +1007,7 @@ class JobAgent:
             started = self.ctx.clock.monotonic()
             await group.stop(self.spec.termination_grace)
             self._report_lost_output(group)
+            self._report_truncated_output(group)
             self._report_strays(group)
             if self._view is not None:
                 for w in self._view.workers:
@@ -1040,6 +1042,22 @@ class JobAgent:
             attempt=self.attempt,
             bytes_lost=total,
             lost_by_rank={str(rank): n for rank, n in lost.items()},
+        )
+
+    def _report_truncated_output(self, group: WorkerGroupProcesses) -> None:
+        """One event for an attempt whose workers wrote past ``log_limit_bytes``: bytes per rank."""
+        over = group.over_budget()
+        if not over:
+            return
+        total = sum(over.values())
+        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in over.items())
+        self._emit(
+            EventKind.LOGS_TRUNCATED,
+            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output past "
+            f"log_limit_bytes = {self.spec.log_limit_bytes} per stream were dropped ({per_rank})",
+            attempt=self.attempt,
+            bytes_lost=total,
+            lost_by_rank={str(rank): n for rank, n in over.items()},
         )
 
     # hangs, health checks, progress

@@ -123,6 +123,7 @@ def plan_attempt(
                 user=spec.user,
                 job_id=job_id,
                 attempt=attempt,
+                log_limit_bytes=spec.log_limit_bytes,
             )
         )
     view = GroupView(

@@ -15,6 +15,16 @@ counted (:attr:`OutputPipe.bytes_lost`, reported by the agent in a
 ``logs.lost`` event), every later chunk is tried again (writing resumes by
 itself when space returns), and while a log file refuses writes the
 daemon's :class:`~elasticd.storage.StorageHealth` says so (``/readyz``).
+
+The daemon writes as root, so it also holds itself to what the job's user
+could write (:mod:`elasticd.supervise.outputlimits`): where only root's
+reserve is left on the log filesystem, or the user's quota is spent, a chunk
+is dropped before it is written, exactly as if the disk had refused it
+(counted in ``bytes_lost``, ``/readyz`` says so, writing resumes when room
+returns). Past the attempt's budget (``log_limit_bytes`` per stream), output
+is counted in :attr:`OutputPipe.bytes_over_budget` and dropped for the rest
+of the attempt (a ``logs.truncated`` event). Neither touches the console
+forwarding: a forwarded stream reaches the sink whole, as before.
 This runs on the daemon's side, on a file it opened itself
 (:func:`_open_log`: no link followed, never blocking).
 
@@ -40,6 +50,7 @@ from pathlib import Path
 from typing import BinaryIO, Literal
 
 from elasticd.storage import StorageHealth, describe
+from elasticd.supervise.outputlimits import Limit, SpaceGuard, admit
 
 __all__ = ["MAX_LINE_BYTES", "PIPE_BUFFER_BYTES", "OutputPipe", "OutputSink", "Stream"]
 
@@ -80,6 +91,8 @@ class OutputPipe:
         sink: OutputSink | None,
         health: StorageHealth | None = None,
         on_written: Callable[[Path], None] | None = None,
+        limit_bytes: int | None = None,
+        guard: SpaceGuard | None = None,
     ) -> None:
         self.local_rank = local_rank
         self._on_written = on_written
@@ -95,8 +108,15 @@ class OutputPipe:
         self._sink_failed = False
         self._health = health
         self.bytes_read = 0
-        #: Output read from the worker that could not be written to the log file.
+        #: Output read from the worker that could not be written to the log file: the disk
+        #: refused it, or only root's reserve or none of the user's quota was left.
         self.bytes_lost = 0
+        #: Output past :attr:`limit_bytes`, dropped (the file keeps the first ``limit_bytes``).
+        self.bytes_over_budget = 0
+        #: The most bytes this attempt's log file takes (None: no budget).
+        self.limit_bytes = limit_bytes
+        self._guard = guard
+        self._offered = 0  # bytes handed to the file (written or refused by the disk)
 
     @classmethod
     async def open(
@@ -109,6 +129,8 @@ class OutputPipe:
         owner: tuple[int, int] | None = None,
         health: StorageHealth | None = None,
         on_written: Callable[[Path], None] | None = None,
+        limit_bytes: int | None = None,
+        guard: SpaceGuard | None = None,
     ) -> OutputPipe:
         """Open `log_path` for appending and a pipe whose read end the loop watches.
 
@@ -117,7 +139,9 @@ class OutputPipe:
         the daemon's or the worker's (a worker may own the folder it lies
         in). With `owner` (uid, gid) the file is handed to the worker's user.
         ``on_written(log_path)`` is called after each chunk lands in the file
-        (log followers wait on it: :mod:`elasticd.node.logfollow`).
+        (log followers wait on it: :mod:`elasticd.node.logfollow`). The file
+        takes at most `limit_bytes` of this pipe's output, and only what
+        `guard` finds room for on the disk.
         Raises OSError when the file cannot be opened or is refused; nothing
         is left open then.
         """
@@ -130,6 +154,7 @@ class OutputPipe:
         with contextlib.suppress(OSError):
             fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
         pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health, on_written)
+        pipe.limit_bytes, pipe._guard = limit_bytes, guard
         try:
             reader = os.fdopen(read_fd, "rb", buffering=0)
         except BaseException:
@@ -185,9 +210,57 @@ class OutputPipe:
     def _on_data(self, data: bytes) -> None:
         self.bytes_read += len(data)
         if self._file is not None:
-            self._write(self._file, data)
+            self._append(self._file, data)
         if self._sink is not None:
             self._forward(data)
+
+    def _append(self, file: BinaryIO, data: bytes) -> None:
+        """Write what the budget and the user's room on the disk admit; count the rest."""
+        if self.bytes_over_budget:
+            self.bytes_over_budget += len(data)  # the budget is spent for the whole attempt
+            return
+        budget_left = None if self.limit_bytes is None else self.limit_bytes - self._offered
+        disk = self._guard.room(file.fileno()) if self._guard is not None else None
+        admission = admit(len(data), budget_left, disk)
+        if admission.dropped:
+            self._dropped(admission.dropped, admission.limit)
+        if admission.keep:
+            self._offered += admission.keep
+            if self._guard is not None:
+                self._guard.wrote(admission.keep)
+            self._write(file, data if admission.keep == len(data) else data[: admission.keep])
+
+    def _dropped(self, n: int, limit: Limit | None) -> None:
+        if limit == "budget":
+            self.bytes_over_budget += n
+            log.warning(
+                "local rank %d: %s reached its budget of %d bytes (log_limit_bytes) in %s; "
+                "the rest of this attempt's %s is counted and dropped",
+                self.local_rank,
+                self.stream,
+                self.limit_bytes,
+                self.log_path,
+                self.stream,
+            )
+            return
+        what = "quota" if limit == "quota" else "space for unprivileged users"
+        self._refused(n, f"disk full for the job's user (no {what} left)")
+
+    def _refused(self, n: int, reason: str) -> None:
+        """``n`` bytes could not be written; the first refusal of an episode is reported."""
+        self.bytes_lost += n
+        if not self._write_failed:
+            self._write_failed = True
+            log.error(
+                "local rank %d: cannot write %s to %s (%s); output is dropped and counted "
+                "until the disk takes it again",
+                self.local_rank,
+                self.stream,
+                self.log_path,
+                reason,
+            )
+            if self._health is not None:
+                self._health.failing(self._source, reason)
 
     def _write(self, file: BinaryIO, data: bytes) -> None:
         """Append ``data``; what the disk refuses is counted, and the next chunk tries again."""
@@ -200,19 +273,7 @@ class OutputPipe:
                 view = view[written:]
         except OSError as exc:
             # Keep reading (the worker must not block on a full pipe); count what is lost.
-            self.bytes_lost += len(view)
-            if not self._write_failed:
-                self._write_failed = True
-                log.error(
-                    "local rank %d: cannot write %s to %s (%s); output is dropped and counted "
-                    "until the disk takes it again",
-                    self.local_rank,
-                    self.stream,
-                    self.log_path,
-                    exc,
-                )
-                if self._health is not None:
-                    self._health.failing(self._source, describe(exc))
+            self._refused(len(view), describe(exc))
             return
         if self._on_written is not None:
             try:

@@ -30,6 +30,7 @@ from elasticd.storage import StorageHealth
 from elasticd.supervise.cgroup import AttemptContainment
 from elasticd.supervise.errorfile import WorkerError, read_error_file
 from elasticd.supervise.output import OutputPipe, OutputSink, Stream
+from elasticd.supervise.outputlimits import SpaceGuard
 from elasticd.supervise.spawn import (
     DEFAULT_POLICY,
     SpawnPolicy,
@@ -92,6 +93,9 @@ class WorkerLaunch:
     """For the daemon's record of spawned workers; default: ``env["ELASTICD_JOB_ID"]``."""
     attempt: int | None = None
     """For the same record; default: from a ``log_dir`` of the form ``.../attempt_<n>/<rank>``."""
+    log_limit_bytes: int | None = None
+    """The most bytes each of ``stdout.log`` and ``stderr.log`` takes in this attempt; the
+    rest is counted and dropped (:attr:`WorkerGroupProcesses.over_budget`). None: no budget."""
 
     @property
     def error_file(self) -> Path | None:
@@ -230,6 +234,8 @@ class WorkerGroupProcesses:
         self._policy = DEFAULT_POLICY
         self._on_written: Callable[[Path], None] | None = None
         self._recorded: list[tuple[int, int]] = []
+        # One per (filesystem, job user): the room that user has there, shared by the log files.
+        self._guards: dict[tuple[int, tuple[int, int] | None], SpaceGuard] = {}
         self._containment: AttemptContainment | None = None
         #: Pids killed at the stop that had left the workers' process groups (strays).
         self.strays: list[int] = []
@@ -439,6 +445,10 @@ class WorkerGroupProcesses:
     ) -> OutputPipe:
         sink = self._on_output if console else None
         owner = (identity.uid, identity.gid) if identity is not None else None
+        device = os.stat(launch.log_dir).st_dev
+        guard = self._guards.get((device, owner))
+        if guard is None:
+            guard = self._guards[(device, owner)] = SpaceGuard(owner, self._clock)
         return await OutputPipe.open(
             launch.local_rank,
             stream,
@@ -447,6 +457,8 @@ class WorkerGroupProcesses:
             owner=owner,
             health=self._storage,
             on_written=self._on_written,
+            limit_bytes=launch.log_limit_bytes,
+            guard=guard,
         )
 
     def lost_output(self) -> dict[int, int]:
@@ -456,6 +468,14 @@ class WorkerGroupProcesses:
             for rank, worker in self._workers.items()
         }
         return {rank: n for rank, n in sorted(lost.items()) if n}
+
+    def over_budget(self) -> dict[int, int]:
+        """Bytes of output per local rank dropped past the attempt's ``log_limit_bytes``."""
+        over = {
+            rank: sum(pipe.bytes_over_budget for pipe in worker.pipes)
+            for rank, worker in self._workers.items()
+        }
+        return {rank: n for rank, n in sorted(over.items()) if n}
 
     def _record(self, launch: WorkerLaunch, pid: int) -> None:
         """Remember the worker in the daemon's database, for the start-up sweep of orphans."""

@@ -60,6 +60,131 @@ def test_systemd_verify_would_catch_a_bad_unit(tmp_path):
     assert "BogusKey" in result.stdout + result.stderr
 
 
+#: The unit's `systemd-analyze security` exposure, as docs/hardening.md gives it (was 9.6).
+UNIT_EXPOSURE = 7.5
+
+#: Sandboxing the unit must have: none of them restricts a job.
+UNIT_MUST_SET = {
+    "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectHostname": "yes",
+    "LockPersonality": "yes",
+    "SystemCallArchitectures": "native",
+    "UMask": "0077",
+    "StateDirectory": "elasticd",
+    "LogsDirectory": "elasticd",
+    "RuntimeDirectory": "elasticd",
+    "Delegate": "yes",
+}
+
+#: Options that would restrict jobs (their workers share the unit's cgroup, namespaces and
+#: bounding set), or break the daemon's delegated cgroups: never in the unit.
+UNIT_MUST_NOT_SET = (
+    "ProtectControlGroups",
+    "ProtectClock",
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateTmp",
+    "PrivateDevices",
+    "PrivateNetwork",
+    "PrivateUsers",
+    "NoNewPrivileges",
+    "MemoryDenyWriteExecute",
+    "RestrictAddressFamilies",
+    "RestrictNamespaces",
+    "DevicePolicy",
+    "DeviceAllow",
+    "DynamicUser",
+    "User",
+)
+
+
+def _unit_settings(text: str) -> dict[str, str]:
+    """The unit's ``Key=value`` lines, continuation lines joined (a key set twice: the last)."""
+    settings: dict[str, str] = {}
+    for line in text.replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")) and "=" in line:
+            key, value = line.split("=", 1)
+            settings[key.strip()] = value.strip()
+    return settings
+
+
+def _security(unit_text: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    unit = tmp_path / "elasticd.service"
+    unit.write_text(unit_text)
+    return subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", *extra, str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_unit_sandboxes_what_jobs_never_need_and_nothing_they_do():
+    """The unit sets every sandboxing option that spares jobs, and none of those that do not."""
+    settings = _unit_settings((ROOT / "systemd" / "elasticd.service").read_text())
+    for key, value in UNIT_MUST_SET.items():
+        assert settings.get(key) == value, (key, settings.get(key))
+    for key in UNIT_MUST_NOT_SET:
+        assert key not in settings, f"{key}= restricts jobs or breaks the delegated cgroups"
+    assert settings["CapabilityBoundingSet"].startswith("~"), settings["CapabilityBoundingSet"]
+    dropped = settings["CapabilityBoundingSet"][1:].split()
+    for cap in ("CAP_SYS_MODULE", "CAP_SYS_BOOT", "CAP_SYS_TIME"):
+        assert cap in dropped, cap
+    # What starting workers as their users, cgroups and job folders need stays.
+    for cap in ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_SYS_ADMIN"):
+        assert cap not in dropped, cap
+    # The private folders are the ones the daemon is told to use.
+    assert "--state-dir /var/lib/elasticd" in settings["ExecStart"]
+    assert "--log-dir /var/log/elasticd" in settings["ExecStart"]
+    assert "--unix-socket /run/elasticd/" in settings["ExecStart"]
+
+
+def _has_offline_security() -> bool:
+    if shutil.which("systemd-analyze") is None:
+        return False
+    probe = subprocess.run(
+        ["systemd-analyze", "security", "--help"], capture_output=True, text=True, timeout=60
+    )
+    return "--offline" in probe.stdout
+
+
+@pytest.mark.skipif(not _has_offline_security(), reason="needs systemd-analyze security --offline")
+def test_systemd_analyze_security_scores_the_unit_at_most_as_documented(tmp_path):
+    """`systemd-analyze security --offline` rates the unit at most UNIT_EXPOSURE, with the checks."""
+    text = (ROOT / "systemd" / "elasticd.service").read_text()
+    result = _security(text, tmp_path)
+    overall = [line for line in result.stdout.splitlines() if "Overall exposure level" in line]
+    assert overall, result.stdout + result.stderr
+    score = float(overall[0].split(":")[-1].split()[0])
+    assert score <= UNIT_EXPOSURE, overall[0]
+    assert f"{UNIT_EXPOSURE}" in (ROOT / "docs" / "hardening.md").read_text()
+    checks = {
+        c["json_field"]: c["set"]
+        for c in json.loads(_security(text, tmp_path, "--json=short").stdout)
+    }
+    for field in (
+        "ProtectKernelModules", "ProtectKernelLogs", "ProtectKernelTunables", "ProtectHostname",
+        "LockPersonality", "SystemCallArchitectures", "UMask", "CapabilityBoundingSet_CAP_SYS_MODULE",
+        "CapabilityBoundingSet_CAP_SYS_BOOT", "CapabilityBoundingSet_CAP_SYS_TIME",
+    ):  # fmt: skip
+        assert checks[field] is True, field
+    for field in ("ProtectControlGroups", "ProtectClock", "PrivateDevices", "NoNewPrivileges"):
+        assert checks[field] is False, field
+    # One option less scores worse: the score measures this unit's sandbox.
+    bare = "\n".join(
+        line for line in text.splitlines() if line.split("=")[0] not in {"ProtectKernelModules"}
+    )
+    assert score < _score(_security(bare, tmp_path))
+
+
+def _score(result: subprocess.CompletedProcess[str]) -> float:
+    line = next(x for x in result.stdout.splitlines() if "Overall exposure level" in x)
+    return float(line.split(":")[-1].split()[0])
+
+
 def test_termination_grace_fits_in_timeout_stop_sec():
     """The unit's TimeoutStopSec exceeds the default worker grace."""
     from elasticd.models import JobSpec

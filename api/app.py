@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
-from api.auth import Authenticate, current_principal, require_principal, require_store_access
+from api.auth import (
+    Authenticate,
+    current_principal,
+    require_lister,
+    require_principal,
+    require_store_access,
+)
 from api.guard import SAFE_METHODS, RequestGuard
 from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, install_error_handlers
@@ -87,7 +93,7 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.include_router(health.public)
     app.include_router(health.private, dependencies=auth)
     app.include_router(jobs.router, dependencies=auth)
-    app.include_router(nodes.router, dependencies=auth)
+    app.include_router(nodes.router, dependencies=[*auth, Depends(require_lister)])
     app.include_router(metrics_router(metrics_public=_metrics_public(daemon)))
     app.include_router(ui.router)  # static page, no data: served without the token
     _include_store(app, daemon, auth)

@@ -64,6 +64,13 @@ async def require_principal(request: Request) -> None:
     principal_of(request)
 
 
+async def require_lister(request: Request) -> None:
+    """A route dependency: the caller may list jobs, the queue and the nodes (not a job)."""
+    decision = authorize(principal_of(request), Action.LIST)
+    if isinstance(decision, Deny):
+        raise HTTPException(403, decision.reason)
+
+
 async def require_store_access(request: Request) -> None:
     """A route dependency of ``/store``: the daemons, admins, and a job's token (its keys)."""
     decision = authorize(principal_of(request), Action.STORE)

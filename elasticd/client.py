@@ -110,6 +110,8 @@ def find_daemon(
         if os.access(own, os.R_OK):
             token = own
     return Connection(url=url, token_file=token)
+
+
 #: Consecutive failed reconnects after which following a stream gives up.
 MAX_RECONNECTS = 5
 #: A stream with no byte for this long (four server heartbeats) is taken as dropped.

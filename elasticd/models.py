@@ -335,8 +335,9 @@ class JobOwner(BaseModel):
     unix_user: str | None = Field(
         default=None,
         max_length=256,
-        description="The Unix user the submitter proved to be (a unix-socket caller): its "
-        "jobs may run as that user on every node where it exists (root: only with allow_root).",
+        description="The Unix user the job runs as by its owner's own right (a unix-socket "
+        "caller's self, or one of a token identity's users): every node runs it as that user "
+        "where it exists, without allowed_users (root: only with allow_root).",
     )
     may_preempt: bool = Field(
         default=True, description="Whether the job may stop lower-priority jobs to start."

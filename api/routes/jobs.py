@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from api import proxy, streams
-from api.auth import principal_of
+from api.auth import principal_of, require_lister
 from api.deps import daemon_of, jobs_of, streams_of
 from api.problems import PROBLEM_JSON
 from api.schemas import Empty, Event, Job, JobList, JobSpec, Problem, WorkersView
@@ -57,7 +57,7 @@ async def submit_job(spec: JobSpec, request: Request, response: Response) -> Job
     return job
 
 
-@router.get("/jobs", response_model=JobList)
+@router.get("/jobs", response_model=JobList, dependencies=[Depends(require_lister)])
 async def list_jobs(
     request: Request,
     state: Annotated[list[JobState] | None, Query(description="Only jobs in these states")] = None,

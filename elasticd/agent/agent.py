@@ -215,8 +215,8 @@ class JobAgent:
     def __init__(self, job: Job, ctx: AgentContext) -> None:
         self.job_id = job.id
         self.spec: JobSpec = job.spec
-        #: Who submitted it (the Unix user it proved to be may run its jobs as itself).
-        self.owner = job.owner
+        #: The Unix user its submitter proved to be: its jobs may run as that user.
+        self._owner_user = job.owner.unix_user if job.owner is not None else None
         #: The workers' ELASTICD_TOKEN_FILE: the job's own token (decided with the user).
         self._token_file = ctx.token_file
         self.ctx = ctx
@@ -724,6 +724,7 @@ class JobAgent:
                 daemon_url=self.ctx.daemon_url,
                 token_file=self._token_file,
                 cuda_visible_devices=self.ctx.cuda_visible_devices,
+                owner_user=self._owner_user,
             ),
             state=self.state,
             now=self.ctx.clock.time(),
@@ -736,6 +737,7 @@ class JobAgent:
             plan.heartbeats,
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
             user=self.spec.user,  # the worker's own user must write its file
+            owner_user=self._owner_user,
             on_check=self._on_progress,
             on_replaced=self._on_heartbeat_replaced,
             policy=self.ctx.policy,
@@ -1168,9 +1170,8 @@ class JobAgent:
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
         try:
-            owner = self.owner
             self._identity = self.ctx.policy.identity_for(
-                self.spec.user, owner_user=owner.unix_user if owner is not None else None
+                self.spec.user, owner_user=self._owner_user
             )
             if self.ctx.job_token is not None:
                 self._token_file = self.ctx.job_token(self.job_id, self._identity)

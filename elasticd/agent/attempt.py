@@ -40,6 +40,8 @@ class NodeFacts:
     daemon_url: str
     token_file: str | None = None
     cuda_visible_devices: str | None = None
+    owner_user: str | None = None
+    """The Unix user the job's submitter proved to be (its jobs may run as itself)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ def plan_attempt(
                 console_stdout=out,
                 console_stderr=err,
                 user=spec.user,
+                owner_user=node.owner_user,
                 job_id=job_id,
                 attempt=attempt,
                 log_limit_bytes=spec.log_limit_bytes,

@@ -208,6 +208,7 @@ class ProgressMonitor:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         owner: tuple[int, int] | None = None,
         user: str | None = None,
+        owner_user: str | None = None,
         on_check: Callable[[list[Beat]], None] | None = None,
         on_replaced: Callable[[int, str], None] | None = None,
         policy: SpawnPolicy = DEFAULT_POLICY,
@@ -217,6 +218,7 @@ class ProgressMonitor:
         self._on_check = on_check
         self._on_replaced = on_replaced
         self._user = user
+        self._owner_user = owner_user
         self._handles: dict[int, HeartbeatFile] = {}
         self._reported: set[int] = set()
         self.settings = settings
@@ -236,7 +238,7 @@ class ProgressMonitor:
         """
         owner = self._owner
         if owner is None:
-            identity = self._policy.identity_for(self._user)
+            identity = self._policy.identity_for(self._user, owner_user=self._owner_user)
             owner = (identity.uid, identity.gid) if identity is not None else None
         self.close()
         for rank, path in self.files.items():

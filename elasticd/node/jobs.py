@@ -124,13 +124,18 @@ MAX_LOG_BYTES = 8 * 1024 * 1024
 CAS_ATTEMPTS = 100
 
 
-def owner_of(principal: Principal) -> JobOwner:
-    """What a job keeps of its submitter: the name, and the rights the fleet applies to it."""
-    local = principal.kind is PrincipalKind.LOCAL
+def owner_of(principal: Principal, user: str | None) -> JobOwner:
+    """What a job keeps of its submitter: the name, and the rights the fleet applies to it.
+
+    ``unix_user``: the user the job runs as by its owner's own right (a local
+    caller's self, or one of an identity's ``users``), which every node then
+    honours without ``allowed_users``; an admin's job obeys each node's policy.
+    """
+    own_right = principal.kind in (PrincipalKind.LOCAL, PrincipalKind.TOKEN)
     return JobOwner(
         name=principal.name,
         admin=principal.admin,
-        unix_user=principal.users[0] if local and principal.users else None,
+        unix_user=user if own_right and user in principal.users else None,
         may_preempt=principal.may_preempt,
         slot_quota=principal.slot_quota,
     )
@@ -373,7 +378,7 @@ class JobService:
             raise JobForbidden(decision.reason)
         if decision.user != spec.user:
             spec = spec.model_copy(update={"user": decision.user})
-        owner = owner_of(principal)
+        owner = owner_of(principal, decision.user)
         if not self._accepting:
             raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
         degraded = self.storage.state_degraded() if self.storage is not None else None

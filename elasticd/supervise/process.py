@@ -89,6 +89,8 @@ class WorkerLaunch:
     user: str | None = None
     """The user the job asks to run as; the daemon's policy decides
     (:mod:`elasticd.security`)."""
+    owner_user: str | None = None
+    """The Unix user the job's submitter proved to be (``JobOwner.unix_user``)."""
     job_id: str | None = None
     """For the daemon's record of spawned workers; default: ``env["ELASTICD_JOB_ID"]``."""
     attempt: int | None = None
@@ -375,7 +377,7 @@ class WorkerGroupProcesses:
         policy = self._policy
         self._registry = policy.registry
         try:
-            identity = policy.identity_for(launch.user)
+            identity = policy.identity_for(launch.user, owner_user=launch.owner_user)
         except WorkerSpawnError as exc:
             raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
         _warn_if_not_main_thread()

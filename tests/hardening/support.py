@@ -98,7 +98,8 @@ class Served:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=30, **kwargs)
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30, **kwargs)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -1,0 +1,195 @@
+"""The identity model's decisions: authorize() as a table, the identities file, local callers."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.identity import (
+    ADMIN,
+    CLUSTER,
+    Action,
+    Allow,
+    Authenticator,
+    Deny,
+    IdentityTable,
+    JobFacts,
+    JobTokens,
+    LocalPolicy,
+    Principal,
+    PrincipalKind,
+    authorize,
+    hash_token,
+)
+
+ALICE = Principal("alice", PrincipalKind.LOCAL, users=("alice",), max_priority=0, uid=1001)
+BOB_TOKEN = Principal(
+    "bob",
+    PrincipalKind.TOKEN,
+    users=("bob", "shared"),
+    max_priority=10,
+    may_preempt=False,
+    slot_quota=8,
+)
+NOBODY_USERS = Principal("robot", PrincipalKind.TOKEN, users=())
+JOB = Principal("job:j1", PrincipalKind.JOB, job_id="j1")
+
+ALICES_JOB = JobFacts(owner="alice", user="alice", priority=0, job_id="a1")
+ADMINS_JOB = JobFacts(owner=None, user=None, priority=0, job_id="old")
+J1 = JobFacts(owner="bob", user="bob", job_id="j1")
+
+
+def submit(user: str | None = None, priority: int = 0) -> JobFacts:
+    return JobFacts(owner=None, user=user, priority=priority)
+
+
+@pytest.mark.parametrize(
+    ("principal", "action", "job", "expected"),
+    [
+        # Submitting: who a job runs as is the identity's to say.
+        (ALICE, Action.SUBMIT, submit(), Allow("alice")),
+        (ALICE, Action.SUBMIT, submit("alice"), Allow("alice")),
+        (ALICE, Action.SUBMIT, submit("root"), Deny),
+        (ALICE, Action.SUBMIT, submit("bob"), Deny),
+        (ALICE, Action.SUBMIT, submit(priority=1), Deny),
+        (BOB_TOKEN, Action.SUBMIT, submit(), Allow("bob")),
+        (BOB_TOKEN, Action.SUBMIT, submit("shared"), Allow("shared")),
+        (BOB_TOKEN, Action.SUBMIT, submit("daemon"), Deny),
+        (BOB_TOKEN, Action.SUBMIT, submit(priority=10), Allow("bob")),
+        (BOB_TOKEN, Action.SUBMIT, submit(priority=1000), Deny),
+        (NOBODY_USERS, Action.SUBMIT, submit(), Deny),
+        (ADMIN, Action.SUBMIT, submit(), Allow(None)),  # the node's run_as
+        (ADMIN, Action.SUBMIT, submit("daemon", 1000), Allow("daemon")),  # node's policy next
+        (JOB, Action.SUBMIT, submit(), Deny),
+        # Anyone may list and see state and owner.
+        (ALICE, Action.LIST, None, Allow()),
+        (BOB_TOKEN, Action.READ, ALICES_JOB, Allow()),
+        # The rest of a job is its owner's or an admin's.
+        (ALICE, Action.READ_DETAIL, ALICES_JOB, Allow()),
+        (ALICE, Action.CANCEL, ALICES_JOB, Allow()),
+        (ALICE, Action.DELETE, ALICES_JOB, Allow()),
+        (BOB_TOKEN, Action.READ_DETAIL, ALICES_JOB, Deny),
+        (BOB_TOKEN, Action.CANCEL, ALICES_JOB, Deny),
+        (BOB_TOKEN, Action.DELETE, ALICES_JOB, Deny),
+        (ALICE, Action.CANCEL, ADMINS_JOB, Deny),  # a job from before identities: admin's
+        (ADMIN, Action.CANCEL, ALICES_JOB, Allow()),
+        (ADMIN, Action.READ_DETAIL, ADMINS_JOB, Allow()),
+        (CLUSTER, Action.READ_DETAIL, ALICES_JOB, Allow()),  # a peer daemon's proxied read
+        # The store: daemons and admins; a job's token under its prefix (checked per key).
+        (ALICE, Action.STORE, None, Deny),
+        (BOB_TOKEN, Action.STORE, None, Deny),
+        (ADMIN, Action.STORE, None, Allow()),
+        (CLUSTER, Action.STORE, None, Allow()),
+        (JOB, Action.STORE, None, Allow()),
+        # A job's token reads its own job and nothing else.
+        (JOB, Action.READ, J1, Allow()),
+        (JOB, Action.READ, ALICES_JOB, Deny),
+        (JOB, Action.LIST, None, Deny),
+        (JOB, Action.CANCEL, J1, Deny),
+        (JOB, Action.READ_DETAIL, J1, Deny),
+    ],
+)
+def test_authorize_table(
+    principal: Principal, action: Action, job: JobFacts | None, expected: object
+) -> None:
+    """Each (identity, action, job) row gets the decision the identity model states."""
+    decision = authorize(principal, action, job)
+    if expected is Deny:
+        assert isinstance(decision, Deny), decision
+        assert decision.reason  # always says why
+    else:
+        assert decision == expected
+
+
+def test_a_denial_names_the_owner_and_the_fix() -> None:
+    """A refused cancel says whose job it is; a refused priority says the cap."""
+    refused = authorize(BOB_TOKEN, Action.CANCEL, ALICES_JOB)
+    assert isinstance(refused, Deny) and "alice's" in refused.reason
+    capped = authorize(ALICE, Action.SUBMIT, submit(priority=5))
+    assert isinstance(capped, Deny) and "max_priority" in capped.reason
+
+
+def test_local_callers_of_a_root_daemon_are_themselves_and_root_is_admin() -> None:
+    """On a root daemon every uid is served as itself; uid 0 is an admin; on a user's own
+    daemon only that user is served (and is its admin)."""
+    root_daemon = LocalPolicy(daemon_uid=0, max_priority=3)
+    alice = root_daemon.principal(1001, "alice", None)
+    assert alice is not None and alice.users == ("alice",) and not alice.admin
+    assert alice.max_priority == 3 and not alice.may_preempt
+    root = root_daemon.principal(0, "root", None)
+    assert root is not None and root.admin
+    own = LocalPolicy(daemon_uid=1001)
+    assert own.principal(1002, "bob", None) is None
+    me = own.principal(1001, "alice", None)
+    assert me is not None and me.admin
+
+
+def test_the_identities_file_is_parsed_and_checked() -> None:
+    """Token identities by hash, unix-user overrides, [local]; every mistake names the entry."""
+    digest = hash_token("s3cret")
+    table = IdentityTable.parse(
+        {
+            "local": {"max_priority": 1},
+            "identity": [
+                {
+                    "name": "bob",
+                    "token_sha256": digest,
+                    "users": ["bob"],
+                    "max_priority": 10,
+                    "slot_quota": 4,
+                },
+                {"name": "carol", "unix_user": "carol", "may_preempt": True},
+            ],
+        },
+        daemon_uid=0,
+        where="f",
+    )
+    bob = table.for_token("s3cret")
+    assert bob is not None and bob.name == "bob" and bob.slot_quota == 4
+    assert table.for_token("wrong") is None
+    carol = table.local.principal(1003, "carol", table.by_unix_user["carol"])
+    assert carol is not None and carol.may_preempt and carol.users[0] == "carol"
+    bad = [
+        {"identity": [{"name": "x y", "token_sha256": digest}]},
+        {"identity": [{"name": "x", "token_sha256": "plain-token"}]},
+        {"identity": [{"name": "x"}]},
+        {"identity": [{"name": "admin", "token_sha256": digest}]},
+        {"identity": [{"name": "x", "token_sha256": digest, "max_priority": 5000}]},
+        {"identity": [{"name": "x", "token_sha256": digest, "root": True}]},
+        {
+            "identity": [
+                {"name": "a", "token_sha256": digest},
+                {"name": "b", "token_sha256": digest},
+            ]
+        },
+        {"nodes": {}},
+    ]
+    for data in bad:
+        with pytest.raises(ValueError, match="f"):
+            IdentityTable.parse(data, daemon_uid=0, where="f")
+
+
+def test_tokens_name_their_principal_and_a_job_token_is_revoked_with_its_job() -> None:
+    """The admin token, the cluster credential, an identity's and a job's; unknown: None."""
+    jobs = JobTokens()
+    auth = Authenticator(
+        admin_token="admin-secret",
+        cluster_token="cluster-secret",
+        table=IdentityTable.parse(
+            {"identity": [{"name": "bob", "token_sha256": hash_token("bob-secret")}]},
+            daemon_uid=0,
+            where="f",
+        ),
+        jobs=jobs,
+    )
+    job_token = jobs.mint("j1")
+    assert auth.from_token("admin-secret") == ADMIN
+    assert auth.from_token("cluster-secret") == CLUSTER
+    bob = auth.from_token("bob-secret")
+    assert bob is not None and bob.name == "bob"
+    job = auth.from_token(job_token)
+    assert job is not None and job.store_prefix == "jobs/j1/"
+    assert auth.from_token("nope") is None and auth.from_token("") is None
+    again = jobs.mint("j1")  # a new token replaces the old one
+    assert auth.from_token(job_token) is None and auth.from_token(again) is not None
+    jobs.revoke("j1")
+    assert auth.from_token(again) is None

@@ -300,6 +300,8 @@ class JobAgent:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
+            # A process of the job still alive keeps its uid taken (read from /proc).
+            self.ctx.policy.release_job(self.job_id)
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
@@ -729,6 +731,7 @@ class JobAgent:
             plan.heartbeats,
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
             user=self.spec.user,  # the worker's own user must write its file
+            owner=None if self._identity is None else (self._identity.uid, self._identity.gid),
             on_check=self._on_progress,
             on_replaced=self._on_heartbeat_replaced,
             policy=self.ctx.policy,
@@ -1143,7 +1146,9 @@ class JobAgent:
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
         try:
-            self._identity = self.ctx.policy.identity_for(self.spec.user)
+            # With run_as = dynamic this claims the job's own uid on this node, kept for
+            # every attempt and released when this agent ends (run's finally).
+            self._identity = self.ctx.policy.identity_for(self.spec.user, job_id=self.job_id)
         except WorkerSpawnError as exc:
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
             await self._fail_job(

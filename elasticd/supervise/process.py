@@ -369,7 +369,9 @@ class WorkerGroupProcesses:
         policy = self._policy
         self._registry = policy.registry
         try:
-            identity = policy.identity_for(launch.user)
+            identity = policy.identity_for(
+                launch.user, job_id=launch.job_id or launch.env.get("ELASTICD_JOB_ID")
+            )
         except WorkerSpawnError as exc:
             raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
         _warn_if_not_main_thread()

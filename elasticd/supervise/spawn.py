@@ -665,14 +665,20 @@ class SpawnPolicy:
             return None
         return self.stage
 
-    def identity_for(self, requested: str | None) -> Identity | None:
+    def identity_for(self, requested: str | None, *, job_id: str | None = None) -> Identity | None:
+        """Who the job ``job_id``, asking for ``requested``, runs as (:meth:`JobUsers.for_job`)."""
         if self.users is None:
             if requested is not None and requested != _my_name():
                 raise WorkerSpawnError(
                     f"the job asks to run as {requested!r}; this daemon runs jobs as itself"
                 )
             return None
-        return self.users.for_job(requested)
+        return self.users.for_job(requested, job_id=job_id)
+
+    def release_job(self, job_id: str) -> None:
+        """The job's agent on this node has ended: its own uid, if it had one, is free again."""
+        if self.users is not None:
+            self.users.release(job_id)
 
 
 def _my_name() -> str:

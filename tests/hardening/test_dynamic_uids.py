@@ -56,7 +56,7 @@ async def test_a_job_cannot_read_or_kill_another_jobs_workers_under_dynamic_uids
 ) -> None:
     """Two jobs get different uids of the range; the thief's reads of the victim's environ
     and its SIGKILL are refused (EACCES, EPERM), the victim runs on, each job's logs are its
-    uid's, and the uids are released when the jobs end."""
+    uid's."""
     thief_py = script(open_tmp, "thief.py", THIEF)
     victim_py = script(open_tmp, "victim.py", VICTIM)
     key = secrets.token_hex(16)

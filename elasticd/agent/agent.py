@@ -1179,6 +1179,7 @@ class JobAgent:
             identity=self._identity,
             cwd=self.spec.cwd,
             nvidia_smi=self.ctx.nvidia_smi,
+            job_id=self.job_id,  # contained: nothing it starts outlives it
         )
         if not checks:
             return None

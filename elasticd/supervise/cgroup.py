@@ -129,6 +129,10 @@ EMPTY_TIMEOUT = 10.0
 
 PR_SET_CHILD_SUBREAPER = 36
 
+#: How many more times (20 ms apart) the subreaper looks at an adopted process whose
+#: environment reads as empty (an exec in progress shows none) before it gives up on it.
+UNREAD_LOOKS = 5
+
 #: Seconds between two looks for zombie children (subreaper mode): an orphan's zombie is
 #: reaped within two of them.
 REAP_INTERVAL = 1.0
@@ -442,10 +446,14 @@ class AttemptContainment:
         counted: set[int] = set()
         killed: set[int] = set()
         deadline = time.monotonic() + EMPTY_TIMEOUT
+        # An environment read as empty may be a process in the middle of an exec (the
+        # kernel shows none then): look again a few times before taking it for a stranger.
+        second_looks = UNREAD_LOOKS
         # Killing a stray re-parents its own children to the daemon: go round until none.
         while True:
             known = set(self._known())
             members: dict[int, int | None] = {}
+            unread = False
             for pid, zombie in _children_of(me):
                 if pid in known:
                     continue  # started by the daemon: asyncio reaps it
@@ -455,14 +463,21 @@ class AttemptContainment:
                             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie: at once
                     continue
                 env = _environ(pid)
+                unread = unread or not env
                 if env.get("ELASTICD_JOB_ID") != self.job_id:
                     continue  # another job's, or it cleared its environment: not found
                 tag = env.get("ELASTICD_ATTEMPT")
                 if self.attempt_tag is not None and tag not in (None, self.attempt_tag):
                     continue
                 members[pid] = _pgrp(pid)
-            if not members or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 break
+            if not members:
+                if not unread or second_looks == 0:
+                    break
+                second_looks -= 1
+                await asyncio.sleep(0.02)
+                continue
             counted.update(strays(members, worker_groups))
             for pid in members:
                 with contextlib.suppress(ProcessLookupError):

@@ -609,8 +609,12 @@ class Containment:
         """Subreaper: reap the orphans' zombies re-parented to the daemon, until cancelled."""
         before: set[int] = set()
         while True:
-            zombies = _zombie_children()
-            reaped = _reap(zombies_to_reap(zombies, before, self._known()))
+            try:
+                zombies = _zombie_children()
+                reaped = _reap(zombies_to_reap(zombies, before, self._known()))
+            except OSError as exc:  # /proc unreadable for a moment: look again next time
+                log.warning("cannot look for zombie children: %s", exc)
+                zombies, reaped = set(), []
             if reaped:
                 log.debug("reaped %d orphaned process(es): %s", len(reaped), reaped)
             before = zombies - set(reaped)

@@ -20,30 +20,29 @@ def start_of(job_id: str, uids: UidRange) -> int:
 
 
 @pytest.mark.parametrize(
-    ("in_use", "expected"),
+    ("taken", "outside", "expected"),
     [
-        # nothing in use: the job's own place in the range
-        (set(), lambda s: s),
-        # its place taken: the next one
-        ({"s"}, lambda s: s + 1 if s < 109 else 100),
-        # its place and the next taken: the one after
-        ({"s", "s+1"}, lambda s: 100 + (s - 100 + 2) % 10),
-        # uids outside the range change nothing
-        ({1, 99, 110, 65534}, lambda s: s),
-        # every uid but one in use: that one
-        ({*range(100, 110)} - {103}, lambda s: 103),
-        # every uid in use: none
-        ({*range(100, 110)}, lambda s: None),
+        # (offsets from the job's hash that are in use, uids outside the range, offset or None)
+        ((), (), 0),  # nothing in use: the job's own place in the range
+        ((0,), (), 1),  # its place taken: the next one
+        ((0, 1), (), 2),  # and the next: the one after
+        ((0, 1, 2, 4, 5, 6, 7, 8, 9), (), 3),  # all but one in use: that one
+        (tuple(range(10)), (), None),  # every uid in use: none
+        ((), (1, 99, 110, 65534), 0),  # uids outside the range change nothing
     ],
 )
 @pytest.mark.parametrize("job_id", ["a", "victim", "thief", "x" * 200])
-def test_choose_uid_table(job_id: str, in_use: set[object], expected) -> None:  # type: ignore[no-untyped-def]
+def test_choose_uid_table(
+    job_id: str, taken: tuple[int, ...], outside: tuple[int, ...], expected: int | None
+) -> None:
     """The first free uid at or after the job's hash, wrapping round; None when all are taken."""
-    s = start_of(job_id, TEN)
-    taken = {
-        x if isinstance(x, int) else (s if x == "s" else 100 + (s - 100 + 1) % 10) for x in in_use
-    }
-    assert choose_uid(job_id, TEN, taken) == expected(s)
+    start = start_of(job_id, TEN)
+
+    def at(offset: int) -> int:
+        return TEN.first + (start - TEN.first + offset) % len(TEN)
+
+    in_use = {at(o) for o in taken} | set(outside)
+    assert choose_uid(job_id, TEN, in_use) == (None if expected is None else at(expected))
 
 
 def test_two_jobs_never_get_the_same_uid_and_a_job_keeps_its_own() -> None:

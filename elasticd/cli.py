@@ -65,7 +65,11 @@ def _serve_flags(p: argparse.ArgumentParser, *, port_default: int | None) -> Non
     p.add_argument("--store-url", help="http://host:port of another daemon's store, or etcd://")
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--unix-socket", help="also listen on this unix socket (0660, in a 0750 dir)")
-    p.add_argument("--run-as", help="user jobs run as (root daemon; default: 'elasticd')")
+    p.add_argument(
+        "--run-as",
+        help="user jobs run as (root daemon; default: 'elasticd'); 'dynamic': each job a uid "
+        "of its own from dynamic_uids",
+    )
     p.add_argument("--allowed-users", help="users a job may ask to run as, comma-separated")
     p.add_argument(
         "--allow-root",

@@ -153,7 +153,15 @@ class Config(BaseModel):
         "so); auto: cgroup where one can be made, else subreaper.",
     )
     # Hardening (elasticd.security, api.limits).
-    run_as: str | None = Field(default=None, min_length=1, description="User jobs run as.")
+    run_as: str | None = Field(
+        default=None,
+        min_length=1,
+        description='User jobs run as; "dynamic": each job a uid of its own from dynamic_uids.',
+    )
+    dynamic_uids: str = Field(
+        default="61184-65519",
+        description='The uids of run_as = "dynamic", "first-last" (systemd\'s DynamicUser range).',
+    )
     allow_root: bool | None = Field(
         default=None,
         description="Allow jobs as root. Unset: `elasticd serve` refuses; an embedded daemon "
@@ -214,6 +222,13 @@ class Config(BaseModel):
         if value is not None and not os.path.isabs(value):
             raise ValueError("must be an absolute path (unset: looked up on the daemon's PATH)")
         return value
+
+    @field_validator("dynamic_uids")
+    @classmethod
+    def _uid_range(cls, value: str) -> str:
+        from elasticd.supervise.uids import parse_uid_range
+
+        return str(parse_uid_range(value))
 
     @field_validator("allowed_users", mode="before")
     @classmethod
@@ -279,6 +294,7 @@ _ENV_FIELDS = {
     "RUN_AS": "run_as",
     "ALLOW_ROOT": "allow_root",
     "ALLOWED_USERS": "allowed_users",
+    "DYNAMIC_UIDS": "dynamic_uids",
     "UNIX_SOCKET": "unix_socket",
     "UNIX_SOCKET_GROUP": "unix_socket_group",
     "IDENTITIES_FILE": "identities_file",

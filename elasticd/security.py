@@ -9,7 +9,11 @@ Job users
     every job as itself (it could not do otherwise). A root daemon runs jobs
     as ``run_as``; without it, ``elasticd serve`` picks the ``elasticd``
     service user when it exists and otherwise refuses to run jobs as root
-    unless ``allow_root = true``. A job may ask for a ``user`` only from
+    unless ``allow_root = true``. With ``run_as = "dynamic"`` each job that
+    names no user gets a uid of its own from ``dynamic_uids``, as systemd's
+    ``DynamicUser=`` (:mod:`elasticd.supervise.uids`): two jobs never share
+    a uid on a node, so one can neither read another's ``/proc/<pid>/environ``
+    nor signal its workers. A job may ask for a ``user`` only from
     ``allowed_users`` (the ``run_as`` user is always allowed), and root only
     with ``allow_root``. An embedded daemon (``elasticd run``,
     ``elasticd.launch``, tests) leaves ``allow_root`` unset and runs jobs as
@@ -61,6 +65,7 @@ from elasticd.errors import ConfigError, WorkerSpawnError
 
 if TYPE_CHECKING:
     from elasticd.config import Config
+    from elasticd.supervise.uids import DynamicUids
 
 log = logging.getLogger("elasticd.security")
 
@@ -76,6 +81,12 @@ LOG_ROOT_MODE_SHARED = 0o711
 #: A job's log folder (owner: the daemon; group: the job user's) and a worker's own.
 JOB_DIR_MODE = 0o750
 WORKER_DIR_MODE = 0o750
+
+#: ``run_as = "dynamic"``: each job gets a uid of its own (:mod:`elasticd.supervise.uids`).
+DYNAMIC = "dynamic"
+#: The ``HOME`` of a job with a dynamic uid: it has no home, as it has no passwd entry;
+#: a folder of the job's would outlive the job and go to the uid's next job.
+DYNAMIC_HOME = "/nonexistent"
 
 #: The unix socket and the folder it is created in: open to one group, or to every local
 #: user (a root daemon: each connection is served as the uid the kernel names), or private.
@@ -107,6 +118,11 @@ class Identity:
     def env(self) -> dict[str, str]:
         """``HOME``, ``USER`` and ``LOGNAME`` as a login of this user would have them."""
         return {"HOME": self.home, "USER": self.user, "LOGNAME": self.user}
+
+
+def dynamic_identity(uid: int) -> Identity:
+    """A job's own uid: no passwd entry, its gid the same number, no supplementary groups."""
+    return Identity(f"elasticd-{uid}", uid, uid, DYNAMIC_HOME, ())
 
 
 def lookup_user(name: str) -> Identity:
@@ -141,6 +157,8 @@ class JobUsers:
     refusal: str | None = None
     """Set when jobs that name no user must not run at all, with the reason."""
     daemon_uid: int = field(default_factory=os.geteuid)
+    dynamic: DynamicUids | None = None
+    """``run_as = "dynamic"``: the uids of jobs that name no user, one per job."""
 
     @property
     def serves_others(self) -> bool:
@@ -151,17 +169,38 @@ class JobUsers:
         """
         return self.daemon_uid == 0 or bool(self.identities)
 
-    def for_job(self, requested: str | None, *, owner_user: str | None = None) -> Identity | None:
+    def for_job(
+        self,
+        requested: str | None,
+        *,
+        owner_user: str | None = None,
+        job_id: str | None = None,
+    ) -> Identity | None:
         """The identity a job runs as (None: the daemon's own); ``WorkerSpawnError`` if refused.
 
-        ``owner_user``: the Unix user the job's submitter proved to be (on a unix
-        socket): a root daemon runs the job as that user when it asks for
-        itself, whether or not ``allowed_users`` names it; root still needs
-        ``allow_root``.
+        ``owner_user``: the Unix user the job runs as by its owner's own right
+        (:class:`elasticd.models.JobOwner`): a root daemon runs the job as that
+        user when it asks for it, whether or not ``allowed_users`` names it;
+        root still needs ``allow_root``.
+
+        ``job_id`` is needed (only) with ``run_as = "dynamic"``: a job that
+        names no user gets its own uid, claimed at the first call and the same
+        at every later one until :meth:`release`.
         """
         if requested is None:
             if self.refusal is not None:
                 raise WorkerSpawnError(self.refusal)
+            if self.dynamic is not None:
+                if job_id is None:
+                    raise WorkerSpawnError("run_as = dynamic: a job's uid needs its id")
+                uid = self.dynamic.claim(job_id)
+                if uid is None:
+                    raise WorkerSpawnError(
+                        f"run_as = dynamic: every uid of dynamic_uids ({self.dynamic.uids}) is "
+                        "in use on this node (by its jobs or by processes left of them); "
+                        "widen the range or wait for a job to end"
+                    )
+                return dynamic_identity(uid)
             return self.default
         identity = self.allowed.get(requested)
         if identity is None and requested.isdigit():
@@ -185,12 +224,24 @@ class JobUsers:
             )
         return None if identity.uid == self.daemon_uid else identity
 
+    def release(self, job_id: str) -> None:
+        """The job's agent on this node has ended: its dynamic uid (if any) is free again."""
+        if self.dynamic is not None:
+            self.dynamic.release(job_id)
+
     @property
     def identities(self) -> list[Identity]:
-        """Every identity other than the daemon's own that a worker may get."""
+        """Every identity other than the daemon's own that a worker may get.
+
+        With dynamic uids, one of them stands for all: they are alike to
+        every file (no passwd entry, no groups).
+        """
         found = {i.uid: i for i in self.allowed.values() if i.uid != self.daemon_uid}
         if self.default is not None and self.default.uid != self.daemon_uid:
             found[self.default.uid] = self.default
+        if self.dynamic is not None:
+            first = self.dynamic.uids.first
+            found[first] = Identity(f"dynamic uids {self.dynamic.uids}", first, first, "/", ())
         return list(found.values())
 
 
@@ -216,6 +267,11 @@ def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
 
     if euid != 0:
         me = pwd.getpwuid(euid).pw_name if _uid_known(euid) else str(euid)
+        if run_as == DYNAMIC:
+            raise ConfigError(
+                "run_as = dynamic: only a daemon running as root can give each job a uid of "
+                f"its own; this daemon runs as {me!r}"
+            )
         for name, setting in [(run_as, "run_as")] + [(n, "allowed_users") for n in allowed_names]:
             if name is not None and lookup_user(name).uid != euid:
                 raise ConfigError(
@@ -226,6 +282,14 @@ def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
         return JobUsers(default=None, allowed=allowed, daemon_uid=euid)
 
     allowed = {name: checked(name, "allowed_users") for name in allowed_names}
+    if run_as == DYNAMIC:
+        from elasticd.supervise.uids import DEFAULT_RANGE, DynamicUids, parse_uid_range
+
+        try:
+            uids = parse_uid_range(getattr(config, "dynamic_uids", None) or DEFAULT_RANGE)
+        except ValueError as exc:
+            raise ConfigError(f"dynamic_uids: {exc}") from None
+        return JobUsers(default=None, allowed=allowed, daemon_uid=euid, dynamic=DynamicUids(uids))
     if run_as is not None:
         default: Identity | None = checked(run_as, "run_as")
     elif allow_root is None:

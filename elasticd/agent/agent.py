@@ -307,6 +307,8 @@ class JobAgent:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
+            # A process of the job still alive keeps its uid taken (read from /proc).
+            self.ctx.policy.release_job(self.job_id)
         with contextlib.suppress(ElasticdError, TimeoutError):
             async with asyncio.timeout(LEAVE_TIMEOUT):
                 await self.ctx.rendezvous.leave()
@@ -738,6 +740,7 @@ class JobAgent:
             ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
             user=self.spec.user,  # the worker's own user must write its file
             owner_user=self._owner_user,
+            owner=None if self._identity is None else (self._identity.uid, self._identity.gid),
             on_check=self._on_progress,
             on_replaced=self._on_heartbeat_replaced,
             policy=self.ctx.policy,
@@ -1170,8 +1173,10 @@ class JobAgent:
     async def _check_user(self) -> bool:
         """Decide the job's user before anything of it runs; refused: fail the job, False."""
         try:
+            # With run_as = dynamic this claims the job's own uid on this node, kept for
+            # every attempt and released when this agent ends (run's finally).
             self._identity = self.ctx.policy.identity_for(
-                self.spec.user, owner_user=self._owner_user
+                self.spec.user, owner_user=self._owner_user, job_id=self.job_id
             )
             if self.ctx.job_token is not None:
                 self._token_file = self.ctx.job_token(self.job_id, self._identity)
@@ -1205,6 +1210,7 @@ class JobAgent:
             identity=self._identity,
             cwd=self.spec.cwd,
             nvidia_smi=self.ctx.nvidia_smi,
+            job_id=self.job_id,  # contained: nothing it starts outlives it
         )
         if not checks:
             return None

@@ -388,6 +388,10 @@ class Daemon:
         stack.push_async_callback(self._stop_events)
         self.containment = self._contain()
         stack.callback(self.containment.close)  # the daemon's cgroup subtree, once empty
+        if self.containment.mode == "subreaper":
+            # Orphans re-parented to the daemon must be waited for, or they stay zombies.
+            reaper = asyncio.create_task(self.containment.reap_zombies(), name="zombie-reaper")
+            stack.push_async_callback(cancel_and_wait, reaper)
         self.jobs.spawn_policy = SpawnPolicy(
             users=self.job_users,
             registry=self.db,

@@ -30,6 +30,15 @@ Who runs what, with which environment
     anything of the job's: a job's ``PATH`` or ``LD_PRELOAD`` must not
     choose what a more privileged process runs.
 
+What a job's check leaves behind
+    A job's check is the job's code: a ``setsid`` child of it would outlive
+    the check's process group, the job and the daemon. So with containment
+    (:mod:`elasticd.supervise.cgroup`) it runs in a cgroup of its own, made
+    for the check and killed and removed as soon as the check ends (pass or
+    fail); in subreaper mode the processes it orphaned, adopted by the
+    daemon, are killed then, as an attempt's strays are. The result's
+    message says how many were killed.
+
 Every result carries its duration. Nothing here raises for a failing or
 missing check: a check that cannot run is a failed (or skipped) result.
 This module does not import torch.
@@ -39,16 +48,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity
+from elasticd.supervise.cgroup import AttemptContainment
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, start_process
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GPU_QUERY_FIELDS",
@@ -103,6 +116,9 @@ class CommandCheck:
     """The user it runs as (a job's check: the job's); None: the daemon's own user."""
     cwd: str | None = None
     """Its working folder, entered as ``identity`` (a job's check: the job's ``cwd``)."""
+    job_id: str | None = None
+    """Set for a job's check: it runs contained (a cgroup of its own, see the module), and
+    whatever it leaves is killed when it ends."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,7 @@ def checks_for_job(
     identity: Identity | None = None,
     cwd: str | None = None,
     nvidia_smi: str | None = None,
+    job_id: str | None = None,
 ) -> list[HealthCheck]:
     """The checks a job runs: the node's command, the job's command, then the GPU check.
 
@@ -144,6 +161,7 @@ def checks_for_job(
                 env=dict(job_env) if job_env is not None else None,
                 identity=identity,
                 cwd=cwd,
+                job_id=job_id,
             )
         )
     if gpu:
@@ -187,15 +205,18 @@ async def _command(
     argv = list(check.argv)
     if not argv:
         return False, False, "the health check command is empty"
-    code, output, timed_out = await _execute(
+    code, output, timed_out, leftovers = await _execute(
         argv,
         check.env if check.env is not None else env,
         timeout,
         identity=check.identity,
         cwd=check.cwd,
         policy=policy,
+        job_id=check.job_id,
     )
     shown = " ".join(argv)
+    if leftovers:
+        output += f"\n(killed {leftovers} process(es) the check left behind)"
     if timed_out:
         return False, False, f"{shown!r} did not finish within {timeout:g} s{_tail(output)}"
     if code is None:
@@ -219,7 +240,7 @@ async def _gpu(
     argv = [exe, f"--query-gpu={','.join(GPU_QUERY_FIELDS)}", "--format=csv,noheader,nounits"]
     if visible and not visible.startswith("MIG-"):
         argv += ["-i", visible.strip()]
-    code, output, timed_out = await _execute(argv, env, timeout, policy=policy)
+    code, output, timed_out, _ = await _execute(argv, env, timeout, policy=policy)
     if timed_out:
         return False, False, f"nvidia-smi did not answer within {timeout:g} s{_tail(output)}"
     if code is None:
@@ -269,8 +290,16 @@ async def _execute(
     identity: Identity | None = None,
     cwd: str | None = None,
     policy: SpawnPolicy = DEFAULT_POLICY,
-) -> tuple[int | None, str, bool]:
-    """Run ``argv``; ``(returncode, output tail, timed_out)``; returncode None if not started."""
+    job_id: str | None = None,
+) -> tuple[int | None, str, bool, int]:
+    """Run ``argv``; ``(returncode, output tail, timed_out, leftovers killed)``; returncode None
+    if not started. With ``job_id`` and the policy's containment it runs contained."""
+    contained: AttemptContainment | None = None
+    if job_id is not None and policy.containment is not None:
+        try:
+            contained = policy.containment.open_attempt(job_id, None, None)
+        except OSError as exc:
+            return None, f"cannot make its cgroup: {exc}", False, 0
     try:
         proc = await start_process(
             argv,
@@ -280,9 +309,14 @@ async def _execute(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             policy=policy,
+            cgroup_procs=contained.procs_fd if contained is not None else None,
         )
-    except WorkerSpawnError as exc:
-        return None, str(exc), False
+    except BaseException as exc:
+        if contained is not None:
+            await _end(contained, ())
+        if isinstance(exc, WorkerSpawnError):
+            return None, str(exc), False, 0
+        raise
     assert proc.stdout is not None
     tail = bytearray()
     timed_out = False
@@ -302,7 +336,17 @@ async def _execute(
             os.killpg(proc.pid, signal.SIGKILL)
         if proc.returncode is None:
             await asyncio.shield(proc.wait())
-    return proc.returncode, tail.decode("utf-8", "replace"), timed_out
+        leftovers = 0 if contained is None else len(await _end(contained, (proc.pid,)))
+    return proc.returncode, tail.decode("utf-8", "replace"), timed_out, leftovers
+
+
+async def _end(contained: AttemptContainment, groups: Collection[int]) -> list[int]:
+    """Kill whatever a job's check left (its cgroup, or its orphans); the killed pids."""
+    try:
+        return await asyncio.shield(contained.stop(groups))
+    except OSError as exc:
+        log.warning("cannot stop the health check's cgroup: %s", exc)
+        return []
 
 
 def _status(code: int) -> str:

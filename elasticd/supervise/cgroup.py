@@ -72,6 +72,18 @@ The fallback: a child subreaper
     reaped. That is partial: a stray whose parent is still alive, or that
     cleared its environment, is not found, and nothing is found after a
     ``kill -9`` of the daemon. The job gets a ``containment.partial`` event.
+
+    A subreaper must also *reap*: an orphan that exits on its own becomes a
+    zombie child of the daemon, and nobody else will wait for it.
+    :meth:`Containment.reap_zombies` looks at the daemon's children every
+    :data:`REAP_INTERVAL` seconds and waits (``WNOHANG``) for exactly the
+    zombies :func:`zombies_to_reap` names. Never ``waitpid(-1)``: asyncio's
+    child watcher, and ``subprocess`` in threads, wait for the processes the
+    daemon started itself, and taking their exit status would report a
+    worker's exit code as 255 (or 0). So a zombie is reaped only when it is
+    not one the daemon started (:func:`~elasticd.supervise.spawn.live_children`)
+    and was already a zombie at the previous look: a child's own waiter reaps
+    it at once, so a process that stays a zombie for a whole interval has none.
 """
 
 from __future__ import annotations
@@ -106,6 +118,7 @@ __all__ = [
     "parse_attempt_name",
     "strays",
     "subtree_name",
+    "zombies_to_reap",
 ]
 
 #: The ``containment`` config key.
@@ -115,6 +128,14 @@ ContainmentChoice = Literal["auto", "cgroup", "subreaper"]
 EMPTY_TIMEOUT = 10.0
 
 PR_SET_CHILD_SUBREAPER = 36
+
+#: How many more times (20 ms apart) the subreaper looks at an adopted process whose
+#: environment reads as empty (an exec in progress shows none) before it gives up on it.
+UNREAD_LOOKS = 5
+
+#: Seconds between two looks for zombie children (subreaper mode): an orphan's zombie is
+#: reaped within two of them.
+REAP_INTERVAL = 1.0
 
 # -- decisions (pure) ----------------------------------------------------------------
 
@@ -194,6 +215,14 @@ def strays(members: Mapping[int, int | None], worker_groups: Collection[int]) ->
     )
 
 
+def zombies_to_reap(
+    zombies: Collection[int], zombies_before: Collection[int], known: Collection[int]
+) -> set[int]:
+    """The zombie children the daemon may wait for: a zombie now and at the previous look,
+    and not a process the daemon started itself (``known``: its own waiter reaps it)."""
+    return (set(zombies) & set(zombies_before)) - set(known)
+
+
 # -- /proc -------------------------------------------------------------------------
 
 
@@ -224,6 +253,37 @@ def _children_of(parent: int) -> list[tuple[int, bool]]:
             if fields is not None and len(fields) > 1 and fields[1] == str(parent):
                 found.append((int(entry.name), fields[0] in ("Z", "X")))
     return found
+
+
+def _zombie_children() -> set[int]:
+    """This process's children that are zombies (``/proc/self/task/*/children``: every
+    thread's, cheap; else a walk of /proc)."""
+    me = os.getpid()
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+        children: set[int] = set()
+        for tid in tasks:
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                text = Path(f"/proc/{me}/task/{tid}/children").read_text()
+                children.update(int(pid) for pid in text.split())
+    except OSError:  # no CONFIG_PROC_CHILDREN
+        return {pid for pid, zombie in _children_of(me) if zombie}
+    found = set()
+    for pid in children:
+        fields = _stat_fields(pid)
+        if fields is not None and fields[:1] == ["Z"]:
+            found.add(pid)
+    return found
+
+
+def _reap(pids: Iterable[int]) -> list[int]:
+    """``waitpid(pid, WNOHANG)`` on exactly ``pids`` (zombies: it returns at once)."""
+    reaped = []
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+    return reaped
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -386,10 +446,14 @@ class AttemptContainment:
         counted: set[int] = set()
         killed: set[int] = set()
         deadline = time.monotonic() + EMPTY_TIMEOUT
+        # An environment read as empty may be a process in the middle of an exec (the
+        # kernel shows none then): look again a few times before taking it for a stranger.
+        second_looks = UNREAD_LOOKS
         # Killing a stray re-parents its own children to the daemon: go round until none.
         while True:
             known = set(self._known())
             members: dict[int, int | None] = {}
+            unread = False
             for pid, zombie in _children_of(me):
                 if pid in known:
                     continue  # started by the daemon: asyncio reaps it
@@ -399,14 +463,21 @@ class AttemptContainment:
                             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - a zombie: at once
                     continue
                 env = _environ(pid)
+                unread = unread or not env
                 if env.get("ELASTICD_JOB_ID") != self.job_id:
                     continue  # another job's, or it cleared its environment: not found
                 tag = env.get("ELASTICD_ATTEMPT")
                 if self.attempt_tag is not None and tag not in (None, self.attempt_tag):
                     continue
                 members[pid] = _pgrp(pid)
-            if not members or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 break
+            if not members:
+                if not unread or second_looks == 0:
+                    break
+                second_looks -= 1
+                await asyncio.sleep(0.02)
+                continue
             counted.update(strays(members, worker_groups))
             for pid in members:
                 with contextlib.suppress(ProcessLookupError):
@@ -533,6 +604,21 @@ class Containment:
                     cgroup.path,
                 )
         return found
+
+    async def reap_zombies(self, interval: float = REAP_INTERVAL) -> None:
+        """Subreaper: reap the orphans' zombies re-parented to the daemon, until cancelled."""
+        before: set[int] = set()
+        while True:
+            try:
+                zombies = _zombie_children()
+                reaped = _reap(zombies_to_reap(zombies, before, self._known()))
+            except OSError as exc:  # /proc unreadable for a moment: look again next time
+                log.warning("cannot look for zombie children: %s", exc)
+                zombies, reaped = set(), []
+            if reaped:
+                log.debug("reaped %d orphaned process(es): %s", len(reaped), reaped)
+            before = zombies - set(reaped)
+            await asyncio.sleep(interval)
 
     def close(self) -> None:
         """Remove the daemon's subtree if it is empty (at shutdown)."""

@@ -377,7 +377,11 @@ class WorkerGroupProcesses:
         policy = self._policy
         self._registry = policy.registry
         try:
-            identity = policy.identity_for(launch.user, owner_user=launch.owner_user)
+            identity = policy.identity_for(
+                launch.user,
+                owner_user=launch.owner_user,
+                job_id=launch.job_id or launch.env.get("ELASTICD_JOB_ID"),
+            )
         except WorkerSpawnError as exc:
             raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
         _warn_if_not_main_thread()

@@ -666,15 +666,25 @@ class SpawnPolicy:
         return self.stage
 
     def identity_for(
-        self, requested: str | None, *, owner_user: str | None = None
+        self,
+        requested: str | None,
+        *,
+        owner_user: str | None = None,
+        job_id: str | None = None,
     ) -> Identity | None:
+        """Who the job ``job_id``, asking for ``requested``, runs as (:meth:`JobUsers.for_job`)."""
         if self.users is None:
             if requested is not None and requested != _my_name():
                 raise WorkerSpawnError(
                     f"the job asks to run as {requested!r}; this daemon runs jobs as itself"
                 )
             return None
-        return self.users.for_job(requested, owner_user=owner_user)
+        return self.users.for_job(requested, owner_user=owner_user, job_id=job_id)
+
+    def release_job(self, job_id: str) -> None:
+        """The job's agent on this node has ended: its own uid, if it had one, is free again."""
+        if self.users is not None:
+            self.users.release(job_id)
 
 
 def _my_name() -> str:

@@ -23,6 +23,7 @@ from elasticd.supervise.cgroup import (
     parse_attempt_name,
     strays,
     subtree_name,
+    zombies_to_reap,
 )
 from elasticd.supervise.spawn import SpawnPolicy, find_perl, live_children, start_process
 
@@ -401,3 +402,20 @@ def test_the_perl_stage_reports_a_failed_step_and_runs_nothing(
                 os.close(fd)
         if env_write_only:
             os.close(env_fd)
+
+
+@pytest.mark.parametrize(
+    ("zombies", "before", "known", "reaped"),
+    [
+        ({5}, set(), set(), set()),  # a new zombie: its own waiter may not have run yet
+        ({5}, {5}, set(), {5}),  # a zombie for a whole interval: nobody waits for it
+        ({5, 6}, {5, 6}, {6}, {5}),  # 6 is the daemon's own: asyncio takes its status
+        ({6}, {5}, set(), set()),  # 5 was reaped meanwhile, 6 is new
+        (set(), {5}, set(), set()),
+    ],
+)
+def test_zombies_to_reap(
+    zombies: set[int], before: set[int], known: set[int], reaped: set[int]
+) -> None:
+    """Only a zombie seen at two looks in a row, and not one the daemon started, is reaped."""
+    assert zombies_to_reap(zombies, before, known) == reaped

@@ -2,7 +2,7 @@
 
 import pytest
 
-from elasticd.config import check_bind, load_config, read_token
+from elasticd.config import load_config, own_token, read_token
 from elasticd.errors import ConfigError
 
 
@@ -39,12 +39,16 @@ def test_token_file_must_be_private(tmp_path):
     assert read_token(config, environ={}) == "s3cret"
 
 
-def test_no_token_means_loopback_only():
-    """Binding beyond loopback without a token is refused; loopback is fine."""
-    check_bind(load_config({"host": "127.0.0.1"}, environ={}), None)
-    with pytest.raises(ConfigError, match="without a token"):
-        check_bind(load_config({"host": "0.0.0.0"}, environ={}), None)
-    check_bind(load_config({"host": "0.0.0.0"}, environ={}), "tok")
+def test_a_daemon_given_no_token_makes_its_own_once(tmp_path):
+    """No token file: <state_dir>/token is made 0600 at the first start and read after."""
+    state = tmp_path / "state"
+    token, path = own_token(state)
+    assert path == state / "token" and path.read_text().strip() == token
+    assert path.stat().st_mode & 0o777 == 0o600 and len(token) >= 40
+    assert own_token(state) == (token, path)
+    path.chmod(0o644)  # readable by others: refused, as any token file
+    with pytest.raises(ConfigError, match="token file"):
+        own_token(state)
 
 
 def test_elasticd_runs_api_port_is_never_the_workers_master_port():

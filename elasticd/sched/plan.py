@@ -240,10 +240,10 @@ def demand_problem(job: Demand) -> str | None:
         return "created_at must be a finite number"
     if len(job.selector) > MAX_SELECTOR_ITEMS:
         return f"node_selector has more than {MAX_SELECTOR_ITEMS} labels"
-    for key, value in job.selector.items():
+    for key, label in job.selector.items():
         if not isinstance(key, str) or not 1 <= len(key) <= MAX_SELECTOR_KEY:
             return f"a node_selector key must be 1 to {MAX_SELECTOR_KEY} characters"
-        if not isinstance(value, str) or len(value) > MAX_SELECTOR_VALUE:
+        if not isinstance(label, str) or len(label) > MAX_SELECTOR_VALUE:
             return (
                 f"node_selector[{clip(key, 40)!r}] must be a string of at most "
                 f"{MAX_SELECTOR_VALUE} characters"

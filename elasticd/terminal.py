@@ -31,4 +31,3 @@ def printable(text: object, *, lines: bool = False) -> str:
     """
     s = str(text)
     return (_CONTROLS_BUT_LINES if lines else _CONTROLS).sub(_escaped, s)
-

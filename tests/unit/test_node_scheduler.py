@@ -79,3 +79,83 @@ def test_leader_record_verdict(holder, node, verdict, why):
     """Only a leader record on the lease of a live, valid node record is waited on."""
     got, reason = leader_verdict(holder, node, "me", 1)
     assert got == verdict and why in reason
+
+
+class _Events:
+    """Records what the scheduler tells the jobs (the event log's one method it uses)."""
+
+    def __init__(self) -> None:
+        self.kinds: list[tuple[str, str]] = []
+
+    def emit(self, job_id: str, source: str, kind: object, message: str = "", **_: object):
+        self.kinds.append((job_id, str(getattr(kind, "value", kind))))
+
+
+class _BrokenWallClock:
+    """A clock whose wall time raises once ``broken``: a pass fails half way, a bug stand-in."""
+
+    broken = False
+
+    def monotonic(self) -> float:
+        import time
+
+        return time.monotonic()
+
+    def time(self) -> float:
+        import time
+
+        if self.broken:
+            raise RuntimeError("a bug in the planner")
+        return time.time()
+
+
+async def test_a_crashed_pass_gives_up_leadership_and_another_daemon_places(monkeypatch):
+    """The leader's pass raises: it is told to the job, and the other daemon takes over."""
+    import asyncio
+
+    from elasticd import keys
+    from elasticd.models import Job, JobSpec
+    from elasticd.node import scheduler as sched
+    from elasticd.states import JobState
+    from elasticd.testing import MemoryStore
+
+    monkeypatch.setattr(sched, "RESIGN_SECONDS", 60.0)  # the crashed one must not come back
+    clock = _BrokenWallClock()
+    async with MemoryStore() as store, asyncio.timeout(20):
+        leases = {name: await store.grant(30) for name in ("a", "b")}
+        for name, lease in leases.items():
+            await store.put(keys.node_key(name), record(name), lease=lease)
+        events = {"a": _Events(), "b": _Events()}
+        made = {
+            name: sched.FleetScheduler(
+                store,
+                events[name],  # type: ignore[arg-type]
+                on_plan=lambda plan: None,
+                node=name,
+                lease=lambda lease=lease: asyncio.sleep(0, lease),
+                clock=clock if name == "a" else _BrokenWallClock(),
+            )
+            for name, lease in leases.items()
+        }
+        await made["a"].start()
+        while not made["a"].leading:
+            await asyncio.sleep(0.01)
+        await made["b"].start()
+        clock.broken = True  # from now on a's passes fail
+        job = Job(
+            id="j",
+            spec=JobSpec(entrypoint="true"),
+            state=JobState.PENDING,
+            max_restarts=0,
+            created_at=1.0,
+        )
+        await store.put("job/j", job.model_dump_json().encode())
+        made["a"].wake()
+        made["b"].wake()
+        while ("j", "sched.crashed") not in events["a"].kinds:
+            await asyncio.sleep(0.01)
+        while not (made["b"].leading and made["b"].plan.placements.get("j")):
+            await asyncio.sleep(0.01)
+        assert not made["a"].leading
+        for s in made.values():
+            await s.stop()

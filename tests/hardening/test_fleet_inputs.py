@@ -80,6 +80,9 @@ async def test_a_job_that_breaks_planning_does_not_stop_the_fleet(tmp_path: Path
             # And one whose selector value is 3,000 characters: refused as a job document.
             huge = job_document("huge", node_selector={"zone": "z" * 3000})
             await store_put(c, "job/huge", json.dumps(huge).encode())
+            # Through the API, such a selector is a 422 naming the field.
+            r = await c.post("/jobs", json={**sleeper("api"), "node_selector": {"z": "z" * 3000}})
+            assert r.status_code == 422 and "node_selector" in r.text, r.text
             entry = await queue_entry(c, "wide")
             assert entry["reason"] == "unplaceable" and len(entry["message"]) <= 2000
             r = await c.post("/jobs", json=sleeper("after"))

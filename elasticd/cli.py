@@ -43,6 +43,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
+from elasticd.terminal import printable
 
 log = logging.getLogger("elasticd")
 
@@ -359,7 +360,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _note(text: str) -> None:
-    print(f"[elasticd] {text}", file=sys.stderr, flush=True)
+    print(f"[elasticd] {printable(text)}", file=sys.stderr, flush=True)
 
 
 async def _print_events(daemon: Any, job_id: str) -> None:
@@ -426,7 +427,7 @@ def _report(job: dict[str, Any]) -> int:
     error = job.get("error") or {}
     _note(f"job {job['id']} {state.value}: {job.get('reason') or ''}")
     if error.get("traceback"):
-        print(error["traceback"], file=sys.stderr)
+        print(printable(error["traceback"], lines=True), file=sys.stderr)
     return 1
 
 
@@ -530,7 +531,7 @@ def _client_main(args: argparse.Namespace) -> int:
             return handler(client, args)
     except ClientError as exc:
         status = f" ({exc.status})" if exc.status else ""
-        print(f"elasticd: {exc}{status}", file=sys.stderr)
+        print(f"elasticd: {printable(exc)}{status}", file=sys.stderr)
         return 1
     except ConfigError as exc:
         print(f"elasticd: {exc}", file=sys.stderr)
@@ -548,6 +549,7 @@ def _print_json(data: Any) -> None:
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
+    rows = [[printable(c) for c in row] for row in rows]  # cells may hold a job's text
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
@@ -760,10 +762,10 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         )
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
-        print(f"{key.ljust(width)}  {value}")
+        print(f"{key.ljust(width)}  {printable(value)}")
     if job.error and job.error.traceback:
         print()
-        print(job.error.traceback.rstrip())
+        print(printable(job.error.traceback.rstrip(), lines=True))
     return 0
 
 
@@ -783,8 +785,10 @@ def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
         print()
         master = f", master {g.master_addr}:{g.master_port}" if g.master_addr else ""
         print(
-            f"node {g.node}: group {g.group_rank}/{g.group_world_size} {g.state.value}, "
-            f"attempt {g.attempt}, round {g.round}{master}"
+            printable(
+                f"node {g.node}: group {g.group_rank}/{g.group_world_size} {g.state.value}, "
+                f"attempt {g.attempt}, round {g.round}{master}"
+            )
         )
         rows = []
         for w in g.workers:
@@ -801,7 +805,8 @@ def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
 def _event_line(event: Any) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
     extra = f" [{event.duration_s:.3f}s]" if event.duration_s is not None else ""
-    return f"{event.seq:>6}  {stamp}  {event.node}  {event.kind:<20} {event.message}{extra}"
+    line = f"{event.seq:>6}  {stamp}  {event.node}  {event.kind:<20} {event.message}{extra}"
+    return printable(line)  # the message may quote a job's error text
 
 
 def _cmd_events(client: Any, args: argparse.Namespace) -> int:
@@ -813,7 +818,9 @@ def _cmd_events(client: Any, args: argparse.Namespace) -> int:
             _print_json([e.model_dump(mode="json") for e in events])
             return 0
     for event in events:  # with -f, one JSON object per line (NDJSON) for scripts
-        print(event.model_dump_json() if args.json else _event_line(event), flush=True)
+        # json.dumps escapes every control character, C1 included (pydantic's leaves those).
+        text = json.dumps(event.model_dump(mode="json")) if args.json else _event_line(event)
+        print(text, flush=True)
     return 0
 
 

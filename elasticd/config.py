@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
+from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
 from elasticd.store import redact_url, store_endpoints
 from elasticd.tokens import TokenFileError, read_token_file
 
@@ -54,7 +55,7 @@ def _default_state_dir() -> Path:
 def parse_labels(value: str | Mapping[str, str]) -> dict[str, str]:
     """``"gpu=a100,zone=b"`` or a mapping → dict."""
     if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
+        return _bounded_labels({str(k): str(v) for k, v in value.items()})
     labels: dict[str, str] = {}
     for item in value.split(","):
         if not item.strip():
@@ -63,6 +64,19 @@ def parse_labels(value: str | Mapping[str, str]) -> dict[str, str]:
         if not sep or not key.strip():
             raise ConfigError(f"labels: {item!r} is not key=value")
         labels[key.strip()] = val.strip()
+    return _bounded_labels(labels)
+
+
+def _bounded_labels(labels: dict[str, str]) -> dict[str, str]:
+    """The labels, or a ConfigError naming the bound they break (the node record's bounds)."""
+    if len(labels) > MAX_SELECTOR_ITEMS:
+        raise ConfigError(f"labels: at most {MAX_SELECTOR_ITEMS} labels")
+    for key, val in labels.items():
+        if len(key) > MAX_SELECTOR_KEY or len(val) > MAX_SELECTOR_VALUE:
+            raise ConfigError(
+                f"labels: {key[:40]!r} is too long (keys at most {MAX_SELECTOR_KEY} characters, "
+                f"values at most {MAX_SELECTOR_VALUE})"
+            )
     return labels
 
 

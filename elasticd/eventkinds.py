@@ -29,6 +29,7 @@ class EventKind(enum.StrEnum):
     JOB_PLACED = "job.placed"
     JOB_PREEMPTED = "job.preempted"
     JOB_SHRUNK = "job.shrunk"
+    SCHED_CRASHED = "sched.crashed"
     DAEMON_STOPPED = "daemon.stopped"
     AGENT_ERROR = "agent.error"
     AGENT_CRASHED = "agent.crashed"
@@ -88,6 +89,10 @@ MEANING: dict[EventKind, str] = {
     ),
     EventKind.JOB_SHRUNK: (
         "A lent node (above min_nodes) or its hot spare was given back for another job (named)."
+    ),
+    EventKind.SCHED_CRASHED: (
+        "A fleet scheduler's pass failed while the job waited: that daemon gave up deciding "
+        "for a while and another one takes over."
     ),
     EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
     EventKind.AGENT_ERROR: "The agent hit an internal error.",

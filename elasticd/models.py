@@ -20,7 +20,13 @@ from pydantic import (
     model_validator,
 )
 
-from elasticd.sched.plan import Placement, QueueEntry
+from elasticd.sched.plan import (
+    MAX_SELECTOR_ITEMS,
+    MAX_SELECTOR_KEY,
+    MAX_SELECTOR_VALUE,
+    Placement,
+    QueueEntry,
+)
 from elasticd.states import JobState, WorkerState
 
 MAX_ARGS = 4096
@@ -160,7 +166,15 @@ class JobSpec(BaseModel):
         default=30.0, ge=0, le=3600, description="Seconds between SIGTERM and SIGKILL."
     )
     exit_barrier_timeout: float = Field(default=300.0, ge=0, le=86_400)
-    node_selector: dict[str, StrictStr] = Field(default_factory=dict, max_length=64)
+    node_selector: dict[
+        Annotated[str, Field(min_length=1, max_length=MAX_SELECTOR_KEY)],
+        Annotated[StrictStr, Field(max_length=MAX_SELECTOR_VALUE)],
+    ] = Field(
+        default_factory=dict,
+        max_length=MAX_SELECTOR_ITEMS,
+        description=f"Node labels the job needs (at most {MAX_SELECTOR_ITEMS}; keys of 1 to "
+        f"{MAX_SELECTOR_KEY} characters, values of at most {MAX_SELECTOR_VALUE}).",
+    )
     master_addr: str | None = Field(default=None, min_length=1, max_length=255)
     master_port: int | None = Field(default=None, ge=1, le=65535)
     join_timeout: float = Field(

@@ -56,6 +56,7 @@ from elasticd.store.base import (
     WatchEvent,
 )
 from elasticd.store.codec import decode_value, encode_value
+from elasticd.store.memory import COUNTER_MAX, COUNTER_MIN
 
 #: Room in a request body for everything but the value (key, JSON, numbers).
 _BODY_OVERHEAD = 64 * 1024
@@ -180,7 +181,12 @@ class StoreAddRequest(_Wire):
     """Add ``delta`` to the integer counter at ``key`` (absent counts as 0)."""
 
     key: str = Field(min_length=1)
-    delta: int = 1
+    delta: int = Field(
+        default=1,
+        ge=COUNTER_MIN,
+        le=COUNTER_MAX,
+        description="A signed 64-bit integer; a counter never leaves that range (422).",
+    )
 
 
 class StoreAddResponse(_Wire):

@@ -31,12 +31,13 @@ from collections.abc import Callable, Iterable
 from typing import Annotated
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN, Job, valid_job_id
+from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
 from elasticd.store import Entry, Store
 
 log = logging.getLogger("elasticd.node.cluster")
@@ -47,17 +48,31 @@ JOB_PREFIX = keys.JOBS
 DEFAULT_LEASE_TTL = 3.0
 
 
+#: The most slots a node record may claim: a record claiming more is ignored, so a store
+#: writer cannot publish a node that would swallow the fleet's queue.
+MAX_NODE_SLOTS = 4096
+
+_LabelKey = Annotated[str, Field(min_length=1, max_length=MAX_SELECTOR_KEY)]
+_LabelValue = Annotated[str, Field(max_length=MAX_SELECTOR_VALUE)]
+
+
 class NodeRecord(BaseModel):
-    """What a node publishes about itself (``GET /nodes``)."""
+    """What a node publishes about itself (``GET /nodes``).
+
+    Read back from the store, which a store writer can fill: every field is
+    bounded, and a record that does not validate is ignored (never a crash).
+    """
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     name: Annotated[str, Field(pattern=NODE_NAME_PATTERN)]
-    url: str
-    addr: str
-    labels: dict[str, str]
-    slots: int
-    free_slots: int
-    gpus: list[str] | None = None
-    version: str
+    url: str = Field(max_length=300)
+    addr: str = Field(max_length=255)
+    labels: dict[_LabelKey, _LabelValue] = Field(max_length=MAX_SELECTOR_ITEMS)
+    slots: int = Field(ge=0, le=MAX_NODE_SLOTS)
+    free_slots: int = Field(ge=-MAX_NODE_SLOTS, le=MAX_NODE_SLOTS)
+    gpus: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=1024)
+    version: str = Field(max_length=64)
     started_at: float
     declined: list[Annotated[str, Field(pattern=JOB_ID_PATTERN)]] = Field(
         default_factory=list,

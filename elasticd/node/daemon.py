@@ -80,7 +80,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator, IdentityTable
 from elasticd.models import Job
 from elasticd.node import systemd
-from elasticd.node.cluster import Cluster, NodeRecord
+from elasticd.node.cluster import MAX_NODE_SLOTS, Cluster, NodeRecord
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
 from elasticd.node.jobs import JobService
@@ -339,7 +339,9 @@ class Daemon:
         self.metrics = Metrics()
         self.events.add_listener(self.metrics.on_event)
         gpus = await detect_gpus(self.config.nvidia_smi, self._environ)
-        slots = self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1)
+        slots = min(
+            self.config.slots or (len(gpus) if gpus else os.cpu_count() or 1), MAX_NODE_SLOTS
+        )
         token_file = str(self.token_path.resolve()) if self.token_path else None
         if self._serve_http:
             await self._start_http()  # binds first: the port is part of this node's record

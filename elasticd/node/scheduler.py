@@ -32,8 +32,11 @@ lease and name themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from pydantic import ValidationError
 
@@ -41,9 +44,10 @@ from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
+from elasticd.models import NODE_NAME_PATTERN
 from elasticd.node.cluster import NodeRecord, parse_jobs
 from elasticd.node.events import EventLog
-from elasticd.sched.plan import Demand, NodeCapacity, Notice, Plan, schedule
+from elasticd.sched.plan import Demand, NodeCapacity, Notice, Plan, clip, schedule
 from elasticd.states import JOB_ACTIVE
 from elasticd.store import Entry, Store
 from elasticd.tasks import cancel_and_wait
@@ -52,6 +56,12 @@ log = logging.getLogger("elasticd.node.scheduler")
 
 #: Compare-and-set attempts of one pass before it yields to the next wake-up.
 CAS_ATTEMPTS = 50
+#: Seconds a daemon whose decide task crashed leaves leadership to the others.
+RESIGN_SECONDS = 5.0
+#: Jobs told, at most, that the scheduler crashed (the waiting ones of the last pass).
+CRASH_EVENTS = 20
+
+_NODE_NAME = re.compile(NODE_NAME_PATTERN)
 
 _NOTICE_KINDS = {
     "placed": EventKind.JOB_PLACED,
@@ -72,23 +82,71 @@ def decode_plan(raw: bytes | None) -> Plan | None:
         return None
 
 
-def live_nodes(entries: list[Entry]) -> list[NodeCapacity]:
-    """Node records bound to a lease that name themselves, as capacities."""
+def check_node_entry(entry: Entry) -> tuple[NodeCapacity | None, str | None]:
+    """``(capacity, None)`` for a live node's record; ``(None, why)`` for one to ignore.
+
+    Live means bound to a lease, valid within :class:`NodeRecord`'s bounds
+    (at most :data:`~elasticd.node.cluster.MAX_NODE_SLOTS` slots), and stored
+    under its own name. Never raises, whatever the store holds.
+    """
+    if entry.lease is None:
+        return None, "it is not bound to a lease"
+    try:
+        record = NodeRecord.model_validate_json(entry.value)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "record"
+        return None, f"it is not a valid node record ({where}: {first.get('msg', 'invalid')})"
+    if keys.node_key(record.name) != entry.key:
+        return None, f"it names node {record.name!r}, not its key"
+    caps = NodeCapacity(record.name, record.slots, dict(record.labels), frozenset(record.declined))
+    return caps, None
+
+
+def live_nodes(
+    entries: list[Entry], on_refused: Callable[[Entry, str], None] | None = None
+) -> list[NodeCapacity]:
+    """The live nodes' records among ``entries``, as capacities; the others go to ``on_refused``."""
     out = []
     for entry in entries:
-        if entry.lease is None:
-            continue
-        try:
-            record = NodeRecord.model_validate_json(entry.value)
-        except ValidationError:
-            continue
-        if keys.node_key(record.name) == entry.key:
-            out.append(
-                NodeCapacity(
-                    record.name, record.slots, dict(record.labels), frozenset(record.declined)
-                )
-            )
+        caps, why = check_node_entry(entry)
+        if caps is not None:
+            out.append(caps)
+        elif why is not None and on_refused is not None:
+            on_refused(entry, why)
     return out
+
+
+LeaderVerdict = Literal["mine", "other", "usurp"]
+
+
+def leader_verdict(
+    holder: Entry, node: Entry | None, me: str, lease: int
+) -> tuple[LeaderVerdict, str]:
+    """Whose ``sched/leader`` record ``holder`` is, given the record of the node it names.
+
+    A daemon takes leadership bound to the lease its node record lives on, so
+    a genuine leader record names a node whose record lives on the very same
+    lease. Anything else was written by hand (or by a hostile store writer)
+    and would stop the fleet for as long as it stays: it is taken over
+    (``usurp``, with the reason), never waited on.
+    """
+    if (holder.value, holder.lease) == (me.encode(), lease):
+        return "mine", ""
+    try:
+        name = holder.value.decode("ascii")
+    except UnicodeDecodeError:
+        return "usurp", "it is not a node name"
+    if not _NODE_NAME.match(name):
+        return "usurp", "it is not a node name"
+    if holder.lease is None:
+        return "usurp", "it is not bound to a lease"
+    if node is None or node.lease != holder.lease:
+        return "usurp", f"node {name!r} has no live record on the same lease"
+    caps, why = check_node_entry(node)
+    if caps is None:
+        return "usurp", f"node {name!r}'s record is ignored ({why})"
+    return "other", ""
 
 
 class FleetScheduler:
@@ -122,6 +180,12 @@ class FleetScheduler:
         ) = None
         #: The latest plan seen (served by ``GET /queue``).
         self.plan = Plan()
+        #: Monotonic time before which this daemon does not try to lead (after a crash).
+        self._holdoff_until = 0.0
+        #: Jobs that waited for a placement in the last pass (told if a pass crashes).
+        self._waiting: list[str] = []
+        #: Ignored node records already logged: key -> the version logged.
+        self._refused_nodes: dict[str, int] = {}
 
     async def start(self) -> None:
         self._dirty.set()
@@ -150,16 +214,35 @@ class FleetScheduler:
         backoff = 0.05
         while True:
             try:
+                holdoff = self._holdoff_until - self.clock.monotonic()
+                if holdoff > 0:  # this daemon's pass crashed: another one takes over first
+                    await asyncio.sleep(holdoff)
                 lease = await self._lease()
                 result = await self.store.compare_and_set(
                     keys.SCHED_LEADER, self.node.encode(), None, lease=lease
                 )
                 holder = result.entry
-                mine = holder is not None and (holder.value, holder.lease) == (
-                    self.node.encode(),
-                    lease,
-                )
-                self._set_leading(result.ok or mine)
+                verdict: LeaderVerdict = "mine" if result.ok else "other"
+                if not result.ok and holder is not None:
+                    name = holder.value.decode("ascii", "replace")
+                    node = (
+                        await self.store.get(keys.node_key(name))
+                        if _NODE_NAME.match(name)
+                        else None
+                    )
+                    verdict, why = leader_verdict(holder, node, self.node, lease)
+                    if verdict == "usurp":
+                        # A squatted or stale record would stop the fleet: delete exactly
+                        # that version (a genuine leader's newer write stays) and try again.
+                        log.warning(
+                            "the %s record %r is not a live daemon's (%s): taking it over",
+                            keys.SCHED_LEADER,
+                            holder.value[:80],
+                            why,
+                        )
+                        await self.store.delete(keys.SCHED_LEADER, holder.version)
+                        continue
+                self._set_leading(verdict == "mine")
                 # Watch from the store's revision now (a key's own version may predate a
                 # restart of the store, whose history is then gone): a change, or the key
                 # gone with its holder's lease, means decide again.
@@ -203,6 +286,38 @@ class FleetScheduler:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 self._dirty.set()
+            except Exception as exc:
+                # A bug or an input the planner did not foresee: never die silently while
+                # holding sched/leader, which would stop placement on the whole fleet.
+                await self._crashed(exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                self._dirty.set()
+
+    async def _crashed(self, exc: Exception) -> None:
+        """Log the crash, tell the waiting jobs, and give up leadership for a while."""
+        log.error(
+            "the fleet scheduler's pass failed; %s gives up deciding for %.0f s",
+            self.node,
+            RESIGN_SECONDS,
+            exc_info=exc,
+        )
+        message = clip(
+            f"the fleet scheduler's pass on {self.node} failed ({type(exc).__name__}: "
+            f"{clip(str(exc), 300)}); it gives up deciding for {RESIGN_SECONDS:.0f} s so that "
+            "another daemon takes over",
+            1000,
+        )
+        for job_id in self._waiting[:CRASH_EVENTS]:
+            self.events.emit(job_id, "daemon", EventKind.SCHED_CRASHED, message)
+        self._holdoff_until = self.clock.monotonic() + RESIGN_SECONDS
+        if self._lease is None:
+            return  # no leadership to give up: the loop backs off and tries again
+        self._set_leading(False)
+        with contextlib.suppress(StoreError):
+            entry = await self.store.get(keys.SCHED_LEADER)
+            if entry is not None and entry.value == self.node.encode():
+                await self.store.delete(keys.SCHED_LEADER, entry.version)
 
     async def run_pass(self) -> bool:
         """Read, decide, compare-and-set; True when this pass wrote a new plan."""
@@ -210,7 +325,9 @@ class FleetScheduler:
             entry = await self.store.get(keys.SCHED_PLAN)
             stored = decode_plan(entry.value if entry is not None else None)
             jobs = parse_jobs((await self.store.list(keys.JOBS)).entries)
-            nodes = live_nodes(list((await self.store.list(keys.NODES)).entries))
+            nodes = live_nodes(
+                list((await self.store.list(keys.NODES)).entries), self._node_refused
+            )
             demands = [
                 Demand(
                     id=j.id,
@@ -220,10 +337,16 @@ class FleetScheduler:
                     priority=j.spec.priority,
                     created_at=j.created_at,
                     selector=dict(j.spec.node_selector),
+                    # A job from before identities may preempt and has no quota.
+                    owner=j.owner.name if j.owner is not None else None,
+                    may_preempt=j.owner.may_preempt if j.owner is not None else True,
+                    slot_quota=j.owner.slot_quota if j.owner is not None else None,
                 )
                 for j in jobs
                 if j.state in JOB_ACTIVE and j.launcher == "elasticd"  # torchrun runs its own
             ]
+            placed = (stored or self.plan).placements
+            self._waiting = [d.id for d in demands if d.id not in placed]
             # A plan that does not parse (written by hand, or by a hostile store writer) is
             # replaced, deciding from the last good one seen, not from nothing: that would
             # move every job without a word.
@@ -241,6 +364,15 @@ class FleetScheduler:
                 return True
         self._dirty.set()  # a busy plan: go again on the next turn of the loop
         return False
+
+    def _node_refused(self, entry: Entry, why: str) -> None:
+        """Log an ignored node record once per version."""
+        if self._refused_nodes.get(entry.key) == entry.version:
+            return
+        if len(self._refused_nodes) >= 10_000:
+            self._refused_nodes.clear()  # bounded, whatever a store writer adds
+        self._refused_nodes[entry.key] = entry.version
+        log.warning("ignoring the node record %r: %s", entry.key[:300], why)
 
     def _emit(self, notice: Notice) -> None:
         self.events.emit(
@@ -282,7 +414,7 @@ class FleetScheduler:
     def _nodes_seen(self, entries: list[Entry]) -> None:
         fleet = frozenset(
             (n.name, n.slots, tuple(sorted(n.labels.items())), n.declined)
-            for n in live_nodes(entries)
+            for n in live_nodes(entries, self._node_refused)
         )
         if fleet != self._fleet:  # free-slot updates alone do not change a placement
             self._fleet = fleet

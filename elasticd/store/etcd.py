@@ -113,7 +113,7 @@ from elasticd.store.base import (
     check_listing_size,
 )
 from elasticd.store.http import MAX_IN_FLIGHT, transport_reason
-from elasticd.store.memory import check_value, parse_counter, validate_key
+from elasticd.store.memory import check_value, counter_total, parse_counter, validate_key
 from elasticd.store.shared import Gate, SharedWatches
 from elasticd.store.wire import WireClient, WireConnectError, WireError, WireResponse
 
@@ -771,6 +771,7 @@ class EtcdStore(Store):
 
     async def add(self, key: str, delta: int = 1) -> int:
         validate_key(key)
+        counter_total(key, 0, delta)  # a delta out of range fails alone, not its batch
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         queue = self._adds.get(key)
         if queue is not None:  # a CAS loop for this key is running: ride along
@@ -804,7 +805,7 @@ class EtcdStore(Store):
                     fetched = True
                 batch = list(queue)
                 base = parse_counter(key, current.value if current else None)
-                total = base + sum(d for d, _ in batch)
+                total = counter_total(key, base, sum(d for d, _ in batch))
                 result = await self._cas(
                     key,
                     str(total).encode("ascii"),

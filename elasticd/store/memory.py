@@ -116,13 +116,29 @@ def check_value(value: bytes, limit: int) -> bytes:
     return value
 
 
+#: A counter is a signed 64-bit integer: an add that would leave that range is refused
+#: (unbounded, its decimal text would pass Python's 4,300-digit conversion limit).
+COUNTER_MIN = -(2**63)
+COUNTER_MAX = 2**63 - 1
+
+
+def counter_total(key: str, base: int, delta: int) -> int:
+    """``base + delta``; :class:`InvalidKey` (a 422) when it leaves the 64-bit range."""
+    if not COUNTER_MIN <= delta <= COUNTER_MAX:
+        raise InvalidKey("delta must be a signed 64-bit integer")
+    total = base + delta
+    if not COUNTER_MIN <= total <= COUNTER_MAX:
+        raise InvalidKey(f"adding to the counter at {key!r} would leave the 64-bit range")
+    return total
+
+
 def parse_counter(key: str, value: bytes | None) -> int:
     """The integer a counter key holds (absent = 0); :class:`InvalidKey` if it is not one."""
     if value is None:
         return 0
     try:
         text = value.decode("ascii")
-        if text.strip() != text or not text:
+        if text.strip() != text or not text or len(text) > 20:  # 64 bits: 20 characters
             raise ValueError(text)
         return int(text)
     except (UnicodeDecodeError, ValueError):
@@ -243,7 +259,7 @@ class MemoryStore(Store):
         self._check_open()
         validate_key(key)
         current = self._entries.get(key)
-        total = parse_counter(key, current.value if current else None) + delta
+        total = counter_total(key, parse_counter(key, current.value if current else None), delta)
         # A counter keeps the lease it was created with.
         lease = current.lease if current is not None else None
         self._put(key, str(total).encode("ascii"), lease)

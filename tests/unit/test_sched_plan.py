@@ -347,3 +347,131 @@ def test_a_stored_plan_with_bad_names_or_numbers_does_not_parse():
     ):
         with pytest.raises(pydantic.ValidationError):
             Plan.model_validate_json(raw)
+
+
+class _Exploding(dict):
+    """A selector whose items cannot be read: any exception while planning one job."""
+
+    def items(self):
+        raise RuntimeError("boom")
+
+
+class _Unmatchable(Demand):
+    """A job whose planning raises past the field checks (in the middle of the pass)."""
+
+    def matches(self, node: NodeCapacity) -> bool:
+        raise ZeroDivisionError("while matching")
+
+
+def owned(jid: str, owner: str, nproc: int = 1, prio: int = 0, t: float = 0.0, **kw) -> Demand:
+    return Demand(jid, nproc, priority=prio, created_at=t, owner=owner, **kw)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (job("bad", sel="x" * 3000), "node_selector['sel'] must be a string of at most 256"),
+        (job("bad", **{f"k{i}": "v" for i in range(65)}), "more than 64 labels"),
+        (Demand("bad", 0), "nproc_per_node must be an integer from 1 to 1024"),
+        (Demand("bad", 1, 3, 2), "min_nodes must not exceed max_nodes"),
+        (Demand("bad", 1, priority=10**6), "priority must be an integer"),
+        (Demand("bad", 1, created_at=float("nan")), "created_at must be a finite number"),
+        (Demand("bad", 1, selector=_Exploding()), "RuntimeError"),
+        (_Unmatchable("bad", 1), "planning it failed: ZeroDivisionError: while matching"),
+    ],
+)
+def test_a_job_that_cannot_be_planned_is_flagged_and_the_others_are_placed(bad, why):
+    """A job whose fields break planning is unplaceable with the reason; the pass places the rest."""
+    out = run([bad, job("good", t=1)], nodes(1))
+    assert placed(out.plan) == {"good": ["n0"]}
+    entry = out.plan.entry("bad")
+    assert entry is not None and entry.reason == "unplaceable"
+    assert why in entry.message and "cannot be planned" in entry.message
+    assert len(entry.message) <= 2000
+    assert ("bad", "unplaceable", None) in kinds(out)
+
+
+def test_a_long_selector_is_clipped_in_the_queue_message():
+    """64 long selector labels (within the API's bounds) make a message the plan can still hold."""
+    sel = {f"key{i:03}": "v" * 256 for i in range(64)}
+    out = run([job("wide", **sel), job("good", t=1)], nodes(1))
+    entry = out.plan.entry("wide")
+    assert entry is not None and entry.reason == "unplaceable" and len(entry.message) <= 2000
+    assert placed(out.plan) == {"good": ["n0"]}
+
+
+@pytest.mark.parametrize(
+    ("jobs", "fleet_slots", "placed_jobs", "waiting"),
+    [
+        # alice holds 8 of her 8 slots: her next job waits with the reason quota.
+        (
+            [owned("a1", "alice", 8, slot_quota=8), owned("a2", "alice", 1, t=1, slot_quota=8)],
+            16,
+            ["a1"],
+            {"a2": ("quota", "owner alice holds 8 of its 8 slots")},
+        ),
+        # Several jobs of one owner: 3 + 3 placed, the third (3 more) would pass 8.
+        (
+            [owned(f"a{i}", "alice", 3, t=i, slot_quota=8) for i in range(3)],
+            16,
+            ["a0", "a1"],
+            {"a2": ("quota", "owner alice holds 6 of its 8 slots; this job needs 3 more")},
+        ),
+        # Another owner is not counted against alice's quota.
+        (
+            [owned("b", "bob", 8), owned("a", "alice", 4, t=1, slot_quota=4)],
+            16,
+            ["a", "b"],
+            {},
+        ),
+        # No owner (a job from before identities): no quota.
+        ([job("x", nproc=8), job("y", nproc=8, t=1)], 16, ["x", "y"], {}),
+    ],
+)
+def test_slot_quota(jobs, fleet_slots, placed_jobs, waiting):
+    """A job past its owner's slot quota waits with the reason quota and a message that says so."""
+    out = run(jobs, [NodeCapacity("n0", fleet_slots)])
+    assert sorted(out.plan.placements) == placed_jobs
+    got = {e.job: (e.reason, e.message) for e in out.plan.queue}
+    assert got == waiting
+
+
+def test_a_job_over_quota_neither_preempts_nor_reserves():
+    """A high-priority job over its owner's quota stops nobody and holds no slots."""
+    fleet = [NodeCapacity("n0", 2)]
+    plan = Plan(
+        placements={
+            "mine": Placement(nodes=["n0"], placed_at=0),
+            "low": Placement(nodes=["n0"], placed_at=0),
+        }
+    )
+    jobs = [
+        owned("mine", "alice", 1, slot_quota=1),
+        job("low", prio=-5, t=1),
+        owned("hi", "alice", 1, prio=9, t=2, slot_quota=1),
+    ]
+    out = run(jobs, fleet, plan)
+    assert sorted(out.plan.placements) == ["low", "mine"] and out.plan.preempted == {}
+    entry = out.plan.entry("hi")
+    assert entry is not None and entry.reason == "quota" and entry.reserved == []
+
+
+def test_lending_stops_at_the_quota():
+    """An elastic job grows toward max_nodes only while its owner stays within the quota."""
+    out = run([Demand("e", 2, 1, 4, owner="alice", slot_quota=4)], nodes(4, slots=2))
+    assert len(out.plan.placements["e"].nodes) == 2 and out.plan.placements["e"].spares == []
+
+
+@pytest.mark.parametrize(
+    ("may_preempt", "owner", "preempts"),
+    [(False, "alice", False), (True, "alice", True), (True, None, True)],
+)
+def test_only_an_owner_that_may_preempt_stops_other_jobs(may_preempt, owner, preempts):
+    """A job whose owner may not preempt waits for capacity instead of stopping a lower job."""
+    plan = Plan(placements={"low": Placement(nodes=["n0"], placed_at=0)})
+    hi = Demand("hi", 1, priority=9, created_at=1, owner=owner, may_preempt=may_preempt)
+    out = run([job("low", prio=0), hi], nodes(1), plan)
+    assert ("hi" in out.plan.placements) is preempts
+    assert ("low" in out.plan.preempted) is preempts
+    if not preempts:
+        assert out.plan.entry("hi").reason == "capacity"

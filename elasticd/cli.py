@@ -62,10 +62,27 @@ def _serve_flags(p: argparse.ArgumentParser, *, port_default: int | None) -> Non
     p.add_argument("--log-dir", help="where worker logs go (default STATE_DIR/logs)")
     p.add_argument("--slots", type=int, help="worker slots (default: GPUs, else CPU cores)")
     p.add_argument("--labels", help="node labels, key=value,key=value")
-    p.add_argument("--token-file", help="0600 file holding the bearer token")
+    p.add_argument(
+        "--token-file",
+        help="0600 file holding the admin's bearer token (default: made in STATE_DIR/token)",
+    )
+    p.add_argument(
+        "--identities",
+        dest="identities_file",
+        help="TOML file of token identities and local users' rights (see docs/hardening.md)",
+    )
+    p.add_argument(
+        "--cluster-token-file",
+        help="0600 file holding the daemons' and the store's credential (default: the token)",
+    )
     p.add_argument("--store-url", help="http://host:port of another daemon's store, or etcd://")
     p.add_argument("--config", help="TOML config file")
-    p.add_argument("--unix-socket", help="also listen on this unix socket (0660, in a 0750 dir)")
+    p.add_argument(
+        "--unix-socket",
+        help="the unix socket local users call without a token (default: "
+        "STATE_DIR/run/elasticd.sock; a root daemon's is open to every local user, each "
+        "served as itself)",
+    )
     p.add_argument(
         "--run-as",
         help="user jobs run as (root daemon; default: 'elasticd'); 'dynamic': each job a uid "
@@ -135,8 +152,66 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
     _torchrun_env_defaults(run)
+    identity = sub.add_parser(
+        "identity",
+        help="make a token identity for the identities file",
+        description="Print a new identity's [[identity]] entry (its token's SHA-256) for the "
+        "daemon's identities file, and write its token to --token-file (0600) or print it. "
+        "Example: elasticd identity alice-ci --user alice --max-priority 5 "
+        "--token-file ~/.config/elasticd/token",
+    )
+    identity.add_argument("name", help="the identity's name (what `owner` shows)")
+    identity.add_argument(
+        "--user",
+        action="append",
+        default=[],
+        help="a Unix user its jobs may run as (repeatable; the first is the default)",
+    )
+    identity.add_argument("--max-priority", type=int, default=0)
+    identity.add_argument("--may-preempt", action="store_true")
+    identity.add_argument("--slot-quota", type=int)
+    identity.add_argument("--admin", action="store_true")
+    identity.add_argument("--token-file", help="write the token here (0600), not to stdout")
     _client_commands(sub)
     return parser
+
+
+def _identity(args: argparse.Namespace) -> int:
+    """``elasticd identity``: a token and its [[identity]] entry (only the hash is kept)."""
+    from elasticd.identity import IdentityTable, hash_token, new_token
+
+    token = new_token()
+    lines = [
+        "[[identity]]",
+        f"name = {json.dumps(args.name)}",
+        f'token_sha256 = "{hash_token(token)}"',
+        f"users = {json.dumps(args.user)}",
+        f"max_priority = {args.max_priority}",
+        f"may_preempt = {'true' if args.may_preempt else 'false'}",
+    ]
+    if args.slot_quota is not None:
+        lines.append(f"slot_quota = {args.slot_quota}")
+    if args.admin:
+        lines.append("admin = true")
+    entry = "\n".join(lines) + "\n"
+    import tomllib
+
+    try:  # the entry must be one the daemon accepts
+        IdentityTable.parse(tomllib.loads(entry), daemon_uid=os.geteuid(), where="the entry")
+    except ValueError as exc:
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return 2
+    if args.token_file:
+        path = Path(args.token_file).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+        print(f"# the token is in {path} (0600); add this to the daemon's identities file:")
+    else:
+        print(f"# token (give it to {args.name}; only its hash is kept): {token}")
+    print(entry, end="")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_serve(args))
         if args.command == "run":
             return asyncio.run(_run(args))
+        if args.command == "identity":
+            return _identity(args)
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
@@ -180,6 +257,8 @@ async def _serve(args: argparse.Namespace) -> int:
             "slots",
             "labels",
             "token_file",
+            "identities_file",
+            "cluster_token_file",
             "store_url",
             "config",
             "unix_socket",

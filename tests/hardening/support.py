@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -136,7 +136,7 @@ def serve(
     root: Path,
     *extra: str,
     state_dir: Path | None = None,
-    token_file: Path | None = None,
+    token_file: Path | None | Literal[False] = None,
     env: dict[str, str] | None = None,
     node_name: str = "hard-node",
     port: int | None = None,
@@ -145,7 +145,9 @@ def serve(
     """Start `elasticd serve` on a free loopback port (as root, jobs may run as root)."""
     port = port or free_port()
     state_dir = state_dir or root / "state"
-    if token_file is None and "ELASTICD_TOKEN" not in (env or {}):
+    if token_file is False:
+        token_file = None  # the daemon makes its own, in its state folder
+    elif token_file is None and "ELASTICD_TOKEN" not in (env or {}):
         # Every daemon has a token (a daemon given none makes its own, in its state folder).
         token_file = root / f"auto-token-{port}"
         token_file.write_text(secrets.token_urlsafe(32) + "\n")

@@ -193,3 +193,34 @@ def test_tokens_name_their_principal_and_a_job_token_is_revoked_with_its_job() -
     assert auth.from_token(job_token) is None and auth.from_token(again) is not None
     jobs.revoke("j1")
     assert auth.from_token(again) is None
+
+
+def test_elasticd_identity_prints_an_entry_the_daemon_accepts(tmp_path, capsys) -> None:
+    """`elasticd identity` writes the token 0600 and prints an entry holding only its hash."""
+    import tomllib
+
+    from elasticd.cli import main
+
+    token_file = tmp_path / "cfg" / "token"
+    assert (
+        main(
+            [
+                "identity",
+                "ci",
+                "--user",
+                "alice",
+                "--max-priority",
+                "5",
+                "--token-file",
+                str(token_file),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    token = token_file.read_text().strip()
+    assert token_file.stat().st_mode & 0o777 == 0o600 and token not in out
+    table = IdentityTable.parse(tomllib.loads(out), daemon_uid=0, where="out")
+    ci = table.for_token(token)
+    assert ci is not None and ci.users == ("alice",) and ci.max_priority == 5
+    assert main(["identity", "no spaces"]) == 2

@@ -42,6 +42,8 @@ class Health(BaseModel):
     version: str
     reason: str | None = None
     """Why the daemon is not ready (``/readyz`` only)."""
+    warnings: list[str] = []
+    """What this ready daemon will refuse, and how to fix it (``/readyz`` only)."""
 
 
 class Problem(BaseModel):

@@ -25,6 +25,8 @@ async def readyz(request: Request) -> Health | JSONResponse:
 
     503 with the reason while starting, waiting for its store, shutting down, or
     while its disk refuses writes ("storage degraded since T: ...: disk full").
+    ``warnings`` names what a ready daemon will refuse (a root daemon with no user
+    for the admin's jobs: they are refused at submission, local users' are not).
     """
     daemon = daemon_of(request)
     reason = daemon.not_ready_reason
@@ -33,6 +35,7 @@ async def readyz(request: Request) -> Health | JSONResponse:
         node=daemon.config.node_name,
         version=__version__,
         reason=reason,
+        warnings=daemon.warnings,
     )
     if reason is not None:
         return JSONResponse(health.model_dump(), status_code=503)

@@ -289,6 +289,14 @@ class Daemon:
         )
 
     @property
+    def warnings(self) -> list[str]:
+        """What this daemon refuses although it is ready, with the fix (``/readyz``)."""
+        refusal = self.job_users.refusal
+        if refusal is None or self.config.store_only:
+            return []
+        return [f"jobs that name no user (the admin's) are refused: {refusal}"]
+
+    @property
     def state(self) -> DaemonState:
         return self._state
 

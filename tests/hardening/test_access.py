@@ -254,6 +254,8 @@ async def test_serve_as_root_refuses_root_jobs_unless_allowed(tmp_path: Path) ->
     try:
         async with asyncio.timeout(60), daemon.client() as c:
             await daemon.wait_ready()
+            ready = (await c.get("/readyz")).json()
+            assert "allow_root = true" in ready["warnings"][0]
             r = await c.post("/jobs", json={"id": "r", "entrypoint": "/bin/true"})
             assert r.status_code == 403
             assert (await c.get("/jobs/r")).status_code == 404  # nothing was accepted

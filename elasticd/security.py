@@ -169,6 +169,18 @@ class JobUsers:
         """
         return self.daemon_uid == 0 or bool(self.identities)
 
+    def check(self, requested: str | None, *, owner_user: str | None = None) -> None:
+        """Whether a job asking for ``requested`` may run here; ``WorkerSpawnError`` if not.
+
+        Decided at submission, before the job is accepted; it claims nothing
+        (a dynamic uid is claimed by the job's agent, :meth:`for_job`).
+        """
+        if requested is None:
+            if self.refusal is not None:
+                raise WorkerSpawnError(self.refusal)
+            return
+        self.for_job(requested, owner_user=owner_user)
+
     def for_job(
         self,
         requested: str | None,

@@ -387,7 +387,7 @@ class Daemon:
             storage=self.storage,
         )
         if not self.config.store_only:
-            self.jobs.check_user = self.job_users.for_job
+            self.jobs.check_user = self.job_users.check
             self.jobs.job_tokens = self.authenticator.jobs
             self.jobs.token_dir = self._token_dir()
         if not await self._wait_for_store():

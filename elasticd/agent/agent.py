@@ -128,7 +128,7 @@ class AgentContext:
     token_file: str | None = None
     #: Makes the job's own token on this node (its workers' ELASTICD_TOKEN_FILE, readable
     #: by the job's user only) and returns the file's path; None: ``token_file`` as it is.
-    job_token: Callable[[str, Identity | None], str] | None = None
+    job_token: Callable[[str, Identity | None], str | None] | None = None
     cuda_visible_devices: str | None = None
     console: ConsoleSink | None = None
     clock: Clock = field(default=SYSTEM_CLOCK)

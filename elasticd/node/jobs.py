@@ -946,13 +946,18 @@ class JobService:
         task.add_done_callback(self._agent_done(job.id))
         self._publish_slots()
 
-    def _job_token(self, job_id: str, identity: Identity | None) -> str:
+    def _job_token(self, job_id: str, identity: Identity | None) -> str | None:
         """Make the job's token on this node, in a file only its user reads; the path.
 
+        Only for a job that runs as another user than the daemon's: one that
+        runs as the daemon's own user (``elasticd run``, a user's own daemon)
+        could read the daemon's token file anyway, and gets its path, as before.
         The folder is the daemon's and no job may write it, so the file is
         made where it is meant to be (no link can redirect it), then handed to
         the job's user. A new token replaces the job's previous one here.
         """
+        if identity is None:
+            return self._token_file
         assert self.job_tokens is not None
         assert self.token_dir is not None
         token = self.job_tokens.mint(job_id)

@@ -147,9 +147,9 @@ async def test_the_token_never_appears_in_logs_events_api_env_or_state(tmp_path:
     finally:
         daemon.stop()
     worker_env = json.loads(env_dump.read_text())
-    # Workers get their job's own token, never the daemon's (identity.JobTokens).
-    tokens = daemon.state_dir.resolve() / "tokens"
-    assert worker_env["ELASTICD_TOKEN_FILE"] == str(tokens / "leak.token")
+    # A job running as the daemon's own user gets the path of the token its user could
+    # read anyway; a job of another user gets its own (test_identities.py).
+    assert worker_env["ELASTICD_TOKEN_FILE"] == str(token_file.resolve())
     assert "ELASTICD_TOKEN" not in worker_env
     assert any("failing once on purpose" in s for s in seen)  # the error made it to the API
     for text in seen:

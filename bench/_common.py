@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import statistics
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -321,7 +322,11 @@ class ElasticdServer:
         self.tag = new_tag()
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
-        self.client = httpx.Client(base_url=self.url, timeout=30.0)
+        #: The daemon's token (ELASTICD_TOKEN): every caller has an identity.
+        self.token = secrets.token_urlsafe(32)
+        self.client = httpx.Client(
+            base_url=self.url, timeout=30.0, headers={"Authorization": f"Bearer {self.token}"}
+        )
         self.exit_code: int | None = None
 
     @property
@@ -350,7 +355,7 @@ class ElasticdServer:
             self.proc = subprocess.Popen(
                 self.command(),
                 cwd=ROOT,
-                env=tagged_env(self.tag),
+                env={**tagged_env(self.tag), "ELASTICD_TOKEN": self.token},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

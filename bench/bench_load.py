@@ -158,7 +158,7 @@ async def drive(server: ElasticdServer, args: argparse.Namespace) -> Load:
         max_connections=args.connections, max_keepalive_connections=args.connections
     )
     async with httpx.AsyncClient(
-        base_url=server.url, limits=limits, timeout=args.timeout
+        base_url=server.url, limits=limits, timeout=args.timeout, headers=server.client.headers
     ) as client:
         # Open the pooled connections and learn the first event seqs (not recorded).
         warm = await asyncio.gather(

@@ -16,7 +16,7 @@ runs, for:
   re-rendezvous waits out the last call; elasticd's completes as soon as
   every live node is back.
 
-The elasticd backend talks to one ``elasticd serve`` (no token, loopback)
+The elasticd backend talks to one ``elasticd serve`` (its token in a 0600 file, loopback)
 started once for all runs; each run has its own ``--rdzv-id``. Both use
 ``--monitor-interval=0.1``.
 
@@ -106,7 +106,14 @@ def one_run(
         endpoint = f"127.0.0.1:{daemon.port}"
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-    conf = ["--rdzv-conf=last_call_timeout=1"] if ":" in nnodes else []
+    settings = ["last_call_timeout=1"] if ":" in nnodes else []
+    if daemon is not None:
+        token_file = root / "rdzv-token"
+        if not token_file.exists():
+            token_file.write_text(daemon.token)
+            token_file.chmod(0o600)
+        settings.append(f"token_file={token_file}")
+    conf = [f"--rdzv-conf={','.join(settings)}"] if settings else []
     argv = [
         torchrun_path(),
         f"--rdzv-backend={backend}",

@@ -5,11 +5,13 @@ reaches a process with more privilege: each attack is performed against a real r
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import pwd
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ import httpx
 import pytest
 
 from elasticd.errors import WorkerSpawnError
+from elasticd.models import Job, JobSpec
+from elasticd.states import JobState
 from elasticd.supervise.spawn import start_process
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, make_token_file, serve
@@ -136,7 +140,9 @@ async def test_a_refused_user_fails_the_job_before_its_health_check_runs(
     open_tmp: Path,
 ) -> None:
     """A root daemon with no run_as, no service user and no allow_root refuses root jobs:
-    the job fails with the reason and the fix, and its health check never runs (as root)."""
+    submitted to it, one is refused at once (403, nothing runs); written into the store by
+    another node (or a store writer) it reaches the agent, which fails it with the reason and
+    the fix before its health check runs (as root)."""
     try:
         pwd.getpwnam("elasticd")
         pytest.skip("an 'elasticd' user exists here: jobs would run as it")
@@ -144,15 +150,31 @@ async def test_a_refused_user_fails_the_job_before_its_health_check_runs(
         pass
     drop = _drop(open_tmp)
     daemon = serve(open_tmp, env=AS_NOBODY)
-    [(job, events)] = await _run(
-        daemon,
-        {
-            "id": "refused",
-            "entrypoint": "/bin/true",
-            "health_check": ["/bin/sh", "-c", f"id -u > {drop}/ran"],
-            "max_restarts": 3,
-        },
+    spec = JobSpec(
+        id="refused",
+        entrypoint="/bin/true",
+        health_check=["/bin/sh", "-c", f"id -u > {drop}/ran"],
+        max_restarts=3,
     )
+    try:
+        async with asyncio.timeout(90), daemon.client() as c:
+            await daemon.wait_ready()
+            r = await c.post("/jobs", json=spec.model_dump(exclude_none=True))
+            assert r.status_code == 403 and "allow_root = true" in r.json()["detail"]
+            doc = Job(
+                id="refused",
+                spec=spec,
+                state=JobState.PENDING,
+                max_restarts=3,
+                created_at=time.time(),
+            )
+            value = base64.b64encode(doc.model_dump_json().encode()).decode()
+            r = await c.put("/store/kv", json={"key": "job/refused", "value": value})
+            assert r.status_code == 200
+            job = await wait_job(c, "refused")
+            events = await events_of(c, "refused")
+    finally:
+        daemon.stop()
     assert not (drop / "ran").exists()
     assert job["state"] == "FAILED"
     assert "refusing to run the job as root" in job["reason"]

@@ -356,6 +356,9 @@ async def test_the_log_proxy_sends_the_token_only_to_live_nodes_and_relays_no_co
     try:
         async with asyncio.timeout(60), Capture() as capture, daemon.client() as c:
             await daemon.wait_ready()
+            # The caller is authorized for the job here first: it must exist.
+            job = {"id": "any", "entrypoint": "/bin/true"}
+            assert (await c.post("/jobs", json=job)).status_code == 201
             r = await c.post("/store/leases", json={"ttl": 60})
             lease = r.json()["lease"]
             port = capture.url.rsplit(":", 1)[1]
@@ -383,7 +386,8 @@ async def test_the_log_proxy_sends_the_token_only_to_live_nodes_and_relays_no_co
             assert "set-cookie" not in r.headers and "x-upstream" not in r.headers
             assert r.headers["content-type"].startswith("text/plain")
             assert len(capture.requests) == 1
-            assert token.encode() in capture.requests[0]  # only to the live, well-formed node
+            # The cluster credential (here the token), only to the live, well-formed node.
+            assert token.encode() in capture.requests[0]
     finally:
         daemon.stop()
 

@@ -18,11 +18,11 @@ import json
 import math
 import os
 import platform
+import secrets
 import shutil
 import signal
 import socket
 import statistics
-import secrets
 import subprocess
 import sys
 import tempfile

@@ -13,10 +13,12 @@ from tests.observability.support import live_daemon
 
 
 @pytest.fixture
-async def live(tmp_path: Path) -> AsyncIterator[Daemon]:
+async def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Daemon]:
     d = live_daemon(tmp_path)
     async with asyncio.timeout(30):
         await d.start()
+    # The CLI and clients of these tests are the daemon's admin: they use its own token.
+    monkeypatch.setenv("ELASTICD_TOKEN_FILE", str(d.token_path))
     try:
         yield d
     finally:

@@ -45,6 +45,11 @@ def url_of(daemon: Daemon) -> str:
     return f"http://127.0.0.1:{daemon.config.port}"
 
 
+def auth(daemon: Daemon) -> dict[str, str]:
+    """The headers of the daemon's admin (its own token): every caller has an identity."""
+    return {"Authorization": f"Bearer {daemon.token}"}
+
+
 async def read_sse(response: httpx.Response) -> list[ServerSentEvent]:
     """Every SSE message of a response, until the server ends the stream."""
     parser = SSEParser()

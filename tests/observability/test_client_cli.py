@@ -95,7 +95,7 @@ async def test_sync_client_follows_events_and_logs(live, tmp_path):
     path = script(tmp_path, "crash.py", CRASH_ONCE)
 
     def scenario() -> None:
-        with Client(url_of(live)) as c:
+        with Client(url_of(live), token=live.token) as c:
             job = c.submit({"entrypoint": PY, "args": [path], "nproc_per_node": 2})
             followed = list(c.follow_events(job.id))
             assert [e.seq for e in followed] == [e.seq for e in c.events(job.id)]
@@ -122,7 +122,6 @@ def test_unreachable_daemon_is_a_clear_error():
 async def test_cli_session(live, tmp_path, capsys, monkeypatch):
     """submit --wait, jobs, status, workers, events, logs, cancel: tables, --json, exit codes."""
     monkeypatch.setenv("ELASTICD_URL", url_of(live))
-    monkeypatch.delenv("ELASTICD_TOKEN_FILE", raising=False)
     path = script(tmp_path, "crash.py", CRASH_ONCE)
 
     rc, out, err = await run_cli(
@@ -228,7 +227,6 @@ async def test_cli_token_and_unreachable(tmp_path, capsys, monkeypatch):
 async def test_cli_queue_and_priority(live, tmp_path, capsys, monkeypatch):
     """`elasticd submit --priority` and `elasticd queue`: the order the fleet will place jobs in."""
     monkeypatch.setenv("ELASTICD_URL", url_of(live))
-    monkeypatch.delenv("ELASTICD_TOKEN_FILE", raising=False)
     sleep = ["--", PY, "-c", "import time; time.sleep(60)"]
     rc, out, _ = await run_cli(capsys, "queue")
     assert (rc, out) == (0, "no job waits (0 placed)\n")

@@ -6,10 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.routes.metrics import metrics_router
+from api.app import create_app
 from elasticd.models import Event, Job, JobSpec
 from elasticd.node import metrics as m
 from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase
@@ -204,14 +203,11 @@ async def test_metrics_need_the_token_unless_public_on_loopback(
     tmp_path, public, client_host, expected
 ):
     """/metrics is bearer-protected; metrics_public lets only loopback scrapers in without it."""
-    d = make_daemon(tmp_path, token="s3cret")
+    d = make_daemon(tmp_path, token="s3cret", metrics_open_on_loopback=public)
     async with asyncio.timeout(30):
         await d.start()
         try:
-            app = FastAPI()
-            app.state.daemon = d
-            app.include_router(metrics_router(d.token, metrics_public=public))
-            transport = httpx.ASGITransport(app=app, client=(client_host, 5555))
+            transport = httpx.ASGITransport(app=create_app(d), client=(client_host, 5555))
             async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 assert (await c.get("/metrics")).status_code == expected
                 ok = await c.get("/metrics", headers={"Authorization": "Bearer s3cret"})

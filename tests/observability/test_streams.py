@@ -13,7 +13,7 @@ import pytest
 from api import streams
 from elasticd.client import SSEParser
 from tests.conftest import PY, script
-from tests.observability.support import CRASH_ONCE, live_daemon, read_sse, url_of
+from tests.observability.support import CRASH_ONCE, auth, live_daemon, read_sse, url_of
 
 SSE = {"Accept": "text/event-stream"}
 
@@ -27,7 +27,7 @@ async def submit(c: httpx.AsyncClient, body: dict) -> str:
 async def test_sse_streams_every_event_then_ends(live, tmp_path):
     """id: is the seq, event: the kind, data: the event JSON; `end` follows the final events."""
     path = script(tmp_path, "crash.py", CRASH_ONCE)
-    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url_of(live), headers=auth(live), timeout=30) as c:
         job_id = await submit(c, {"entrypoint": PY, "args": [path], "nproc_per_node": 2})
         async with asyncio.timeout(30), c.stream("GET", f"/jobs/{job_id}/events", headers=SSE) as r:
             assert r.status_code == 200
@@ -45,7 +45,7 @@ async def test_sse_streams_every_event_then_ends(live, tmp_path):
 async def test_reconnect_with_last_event_id_misses_and_repeats_nothing(live, tmp_path):
     """A client that drops after a few events and reconnects with Last-Event-ID sees each once."""
     path = script(tmp_path, "crash.py", CRASH_ONCE)
-    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url_of(live), headers=auth(live), timeout=30) as c:
         job_id = await submit(c, {"entrypoint": PY, "args": [path], "nproc_per_node": 2})
         first: list = []
         async with asyncio.timeout(30), c.stream("GET", f"/jobs/{job_id}/events", headers=SSE) as r:
@@ -70,7 +70,7 @@ async def test_heartbeats_keep_an_idle_stream_alive(live, tmp_path, monkeypatch)
     """While nothing happens the stream sends a comment every heartbeat interval."""
     monkeypatch.setattr(streams, "HEARTBEAT_S", 0.1)
     path = script(tmp_path, "sleep.py", "import time; time.sleep(30)\n")
-    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url_of(live), headers=auth(live), timeout=30) as c:
         job_id = await submit(c, {"entrypoint": PY, "args": [path], "termination_grace": 1})
         seen = ""
         async with asyncio.timeout(20), c.stream("GET", f"/jobs/{job_id}/events", headers=SSE) as r:
@@ -84,7 +84,7 @@ async def test_heartbeats_keep_an_idle_stream_alive(live, tmp_path, monkeypatch)
 async def test_logs_follow_across_restarts(live, tmp_path):
     """follow=true streams one rank's log, goes on to the next attempt's, and ends with the job."""
     path = script(tmp_path, "crash.py", CRASH_ONCE)
-    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url_of(live), headers=auth(live), timeout=30) as c:
         job_id = await submit(c, {"entrypoint": PY, "args": [path], "nproc_per_node": 2})
         params = {"local_rank": 1, "follow": "true"}
         async with asyncio.timeout(30), c.stream("GET", f"/jobs/{job_id}/logs", params=params) as r:
@@ -107,7 +107,7 @@ async def test_open_streams_do_not_hold_up_shutdown(tmp_path):
     async with asyncio.timeout(30):
         await d.start()
         serving = asyncio.create_task(d.serve())
-        async with httpx.AsyncClient(base_url=url_of(d), timeout=30) as c:
+        async with httpx.AsyncClient(base_url=url_of(d), headers=auth(d), timeout=30) as c:
             job_id = await submit(c, {"entrypoint": PY, "args": [path], "termination_grace": 1})
             events = c.stream("GET", f"/jobs/{job_id}/events", headers=SSE)
             logs = c.stream("GET", f"/jobs/{job_id}/logs", params={"follow": "true"})
@@ -133,7 +133,7 @@ async def test_streams_end_when_the_daemon_closes_them(tmp_path):
     async with asyncio.timeout(30):
         await d.start()
         serving = asyncio.create_task(d.serve())
-        async with httpx.AsyncClient(base_url=url_of(d), timeout=30) as c:
+        async with httpx.AsyncClient(base_url=url_of(d), headers=auth(d), timeout=30) as c:
             # Nothing here matches the selector: the job stays PENDING through the stop.
             job_id = await submit(
                 c, {"entrypoint": PY, "args": ["-c", "pass"], "node_selector": {"zone": "b"}}
@@ -175,7 +175,7 @@ async def test_a_followed_log_is_woken_by_its_growth_not_by_a_timer(live, tmp_pa
             print("line", n, flush=True)
         """,
     )
-    async with httpx.AsyncClient(base_url=url_of(live), timeout=30) as c:
+    async with httpx.AsyncClient(base_url=url_of(live), headers=auth(live), timeout=30) as c:
         job_id = await submit(c, {"entrypoint": PY, "args": [path]})
         params = {"follow": "true"}
         async with asyncio.timeout(30), c.stream("GET", f"/jobs/{job_id}/logs", params=params) as r:

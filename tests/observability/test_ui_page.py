@@ -18,11 +18,7 @@ async def test_page_is_public_static_and_locked_down(tmp_path):
         await d.start()
         try:
             transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(
-                transport=transport,
-                headers={"Authorization": f"Bearer {d.token}"},
-                base_url="http://localhost",
-            ) as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
                 root = await c.get("/")
                 assert root.status_code == 307 and root.headers["location"] == "/ui"
                 page = await c.get("/ui")

@@ -515,18 +515,18 @@ def check_store(config: Config, token: str | None, *, serves_others: bool = Fals
         authenticated = config.store_username is not None or config.store_cert_file is not None
     else:
         authenticated = token is not None
-    open_etcd = target.kind == "etcd" and not authenticated
-    if open_etcd and serves_others and not config.allow_insecure_store:
-        raise ConfigError(
-            f"refusing store_url {shown!r}: this daemon runs jobs as other users and the "
-            "store is not authenticated, so any local user could write a job into it that "
-            "runs as another user (loopback is no boundary). Set an etcd user "
-            "(store_username and store_password_file) or a TLS client certificate, and "
-            "turn etcd's auth on; allow_insecure_store = true only where every local user "
-            'is trusted (see docs/store.md, "Running etcd securely")'
-        )
     remote = [h for h in target.hosts if not is_loopback(h)]
     if not remote:
+        open_etcd = target.kind == "etcd" and not authenticated
+        if open_etcd and serves_others and not config.allow_insecure_store:
+            raise ConfigError(
+                f"refusing store_url {shown!r}: this daemon runs jobs as other users and the "
+                "store is not authenticated, so any local user could write a job into it that "
+                "runs as another user (loopback is no boundary). Set an etcd user "
+                "(store_username and store_password_file) or a TLS client certificate, and "
+                "turn etcd's auth on; allow_insecure_store = true only where every local user "
+                'is trusted (see docs/store.md, "Running etcd securely")'
+            )
         return
     if authenticated and not target.tls:
         log.warning(

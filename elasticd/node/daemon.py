@@ -220,17 +220,19 @@ class Daemon:
         self._worker_stdin = worker_stdin
         self.clock = clock
         self._environ = dict(os.environ if environ is None else environ)
-        # Every daemon has a token (there is no tokenless mode): the admin's, given or made.
+        # Every daemon has a token (there is no tokenless mode): the admin's, given or made
+        # (made only once the settings passed: a refused start leaves nothing behind).
         given = read_token(config, self._environ)
+        cluster = read_cluster_token(config)
+        self.job_users = resolve_job_users(config)
+        check_store(config, "present", serves_others=self.job_users.serves_others)
         if given is not None:
             self.token: str = given
             self.token_path: Path | None = config.token_file
         else:
             self.token, self.token_path = own_token(config.state_dir)
         #: What this daemon shows other daemons and the store (never a user's token).
-        self.cluster_token: str = read_cluster_token(config) or self.token
-        self.job_users = resolve_job_users(config)
-        check_store(config, self.cluster_token, serves_others=self.job_users.serves_others)
+        self.cluster_token: str = cluster or self.token
         self._store_password = read_store_password(config)
         try:
             table = IdentityTable.load(config.identities_file, daemon_uid=os.geteuid())

@@ -105,7 +105,14 @@ def _daemon_app(store: MemoryStore) -> Any:
     """The daemon's own app (which serves the same /store routes), over ``store``."""
     from api.app import create_app
 
-    daemon = SimpleNamespace(token=TOKEN, store=store, config=SimpleNamespace())
+    from elasticd.identity import Authenticator
+
+    daemon = SimpleNamespace(
+        token=TOKEN,
+        store=store,
+        config=SimpleNamespace(),
+        authenticator=Authenticator(admin_token=TOKEN),
+    )
     return create_app(daemon)  # type: ignore[arg-type]
 
 
@@ -135,7 +142,7 @@ async def _answers(
                 (k, v) for k, v in response.headers.items() if k not in ("date", "server")
             )
             answers.append((response.status_code, headers_seen, response.content))
-            if fast_path:
+            if fast_path and not daemon:  # (the daemon answers 401s before any route)
                 index = len(answers) - 1
                 assert (routed == before) == (index in FAST), (index, CASES[index][:3])
     await store.close()
@@ -153,10 +160,15 @@ async def test_fast_path_answers_as_the_routes_do() -> None:
 
 
 async def test_the_daemon_app_answers_as_the_store_routes_do() -> None:
-    """The daemon serves /store too, with the fast path in front: the same answers."""
+    """The daemon serves /store too, with the fast path in front: the same answers (a request
+    without a valid token is refused by the daemon's own authentication, api/auth.py, with its
+    own words: 401 all the same)."""
     fast, _ = await _answers(fast_path=True, daemon=True)
     slow, _ = await _answers(fast_path=False)
     for case, a, b in zip(CASES, fast, slow, strict=True):
+        if b[0] == 401:
+            assert a[0] == 401, case[:3]
+            continue
         assert a == b, case[:3]
 
 

@@ -725,10 +725,17 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
     job = client.submit(_submit_spec(args))
+    if job.state.is_terminal and not args.json:
+        # Same id and spec: the API answers with the existing job (idempotent), which has
+        # already ended; say so rather than look like a new run that ended at once.
+        _note(
+            f"job {job.id} already exists and ended {job.state.value}: it was not run again "
+            f"(DELETE /jobs/{job.id} forgets it; or choose another --id)"
+        )
     if not args.wait:
         if args.json:
             _print_json(job.model_dump(mode="json"))
-        else:
+        elif not job.state.is_terminal:
             print(f"job {job.id} submitted ({job.state.value})")
         return 0
     if not args.json:

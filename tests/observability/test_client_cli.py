@@ -171,6 +171,10 @@ async def test_cli_submit_spec_file_stdin_failure_and_cancel(live, tmp_path, cap
     )
     rc, out, err = await run_cli(capsys, "submit", "--url", url, "--wait", str(spec))
     assert rc == 1 and "job f1 FAILED" in err
+    # The same id and spec again: the existing (ended) job, and the CLI says it did not run.
+    rc, out, err = await run_cli(capsys, "submit", "--url", url, str(spec))
+    assert rc == 0 and "already exists and ended FAILED: it was not run again" in err
+    assert "submitted" not in out
 
     monkeypatch.setattr(
         "sys.stdin",

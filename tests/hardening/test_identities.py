@@ -464,3 +464,63 @@ async def test_a_jobs_token_reaches_only_its_own_keys(open_tmp: Path) -> None:
             assert (await c.post("/jobs/other/cancel", json={})).status_code == 200
     finally:
         daemon.stop()
+
+
+@AS_ROOT
+async def test_an_identitys_quota_and_preemption_right_hold_on_the_fleet(
+    open_tmp: Path, users: Users
+) -> None:
+    """An identity with slot_quota 2 and no right to preempt: its third slot waits with the
+    reason `quota`; its priority-5 job never stops the admin's priority-0 job that fills the
+    node; once its own jobs end, the quota frees."""
+    dave = users.user()
+    token = new_token()
+    identities = open_tmp / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "dave"\ntoken_sha256 = "{hash_token(token)}"\n'
+        f'users = ["{dave.name}"]\nmax_priority = 5\nslot_quota = 2\n'
+    )
+    daemon = serve(open_tmp, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
+    try:
+        async with (
+            asyncio.timeout(120),
+            daemon.client() as admin,
+            daemon.client(headers={"Authorization": f"Bearer {token}"}) as c,
+        ):
+            await daemon.wait_ready()
+
+            async def state(job: str) -> dict[str, Any]:
+                return dict((await admin.get(f"/jobs/{job}")).json())
+
+            async def until(job: str, check: Any, what: str) -> dict[str, Any]:
+                deadline = time.monotonic() + 60
+                while not check(found := await state(job)):
+                    assert time.monotonic() < deadline, (what, found)
+                    await asyncio.sleep(0.05)
+                return found
+
+            two = {**SLEEP_JOB, "nproc_per_node": 2}
+            assert (await c.post("/jobs", json={"id": "d1", **two})).status_code == 201
+            await until("d1", lambda j: j["state"] == "RUNNING", "d1 running")
+            assert (await c.post("/jobs", json={"id": "d2", **SLEEP_JOB})).status_code == 201
+            waiting = await until("d2", lambda j: j.get("queue"), "d2 queued")
+            assert waiting["queue"]["reason"] == "quota", waiting["queue"]
+            assert "2 of its 2 slots" in waiting["queue"]["message"]
+            assert (await c.post("/jobs/d1/cancel", json={})).status_code == 200
+            await until("d2", lambda j: j["state"] == "RUNNING", "d2 runs once d1 ended")
+            assert (await c.post("/jobs/d2/cancel", json={})).status_code == 200
+            # The admin's job fills the node's 8 slots; dave's priority 5 may not preempt it.
+            full = {**SLEEP_JOB, "nproc_per_node": 8}
+            assert (await admin.post("/jobs", json={"id": "big", **full})).status_code == 201
+            await until("big", lambda j: j["state"] == "RUNNING", "big running")
+            r = await c.post("/jobs", json={"id": "urgent", **SLEEP_JOB, "priority": 5})
+            assert r.status_code == 201
+            queued = await until("urgent", lambda j: j.get("queue"), "urgent queued")
+            assert queued["queue"]["reason"] == "capacity"
+            assert (await state("big"))["state"] == "RUNNING"
+            events = (await admin.get("/jobs/big/events")).json()
+            assert "job.preempted" not in [e["kind"] for e in events]
+            for job in ("urgent", "big"):
+                assert (await admin.post(f"/jobs/{job}/cancel", json={})).status_code == 200
+    finally:
+        daemon.stop()

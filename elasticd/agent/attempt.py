@@ -123,6 +123,7 @@ def plan_attempt(
                 user=spec.user,
                 job_id=job_id,
                 attempt=attempt,
+                umask=spec.umask_bits,
             )
         )
     view = GroupView(

@@ -103,6 +103,8 @@ class CommandCheck:
     """The user it runs as (a job's check: the job's); None: the daemon's own user."""
     cwd: str | None = None
     """Its working folder, entered as ``identity`` (a job's check: the job's ``cwd``)."""
+    umask: int | None = None
+    """Its umask (a job's check: the job's, as its workers get it); None: the daemon's."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def checks_for_job(
     identity: Identity | None = None,
     cwd: str | None = None,
     nvidia_smi: str | None = None,
+    umask: int | None = None,
 ) -> list[HealthCheck]:
     """The checks a job runs: the node's command, the job's command, then the GPU check.
 
@@ -144,6 +147,7 @@ def checks_for_job(
                 env=dict(job_env) if job_env is not None else None,
                 identity=identity,
                 cwd=cwd,
+                umask=umask,
             )
         )
     if gpu:
@@ -194,6 +198,7 @@ async def _command(
         identity=check.identity,
         cwd=check.cwd,
         policy=policy,
+        umask=check.umask,
     )
     shown = " ".join(argv)
     if timed_out:
@@ -269,6 +274,7 @@ async def _execute(
     identity: Identity | None = None,
     cwd: str | None = None,
     policy: SpawnPolicy = DEFAULT_POLICY,
+    umask: int | None = None,
 ) -> tuple[int | None, str, bool]:
     """Run ``argv``; ``(returncode, output tail, timed_out)``; returncode None if not started."""
     try:
@@ -280,6 +286,7 @@ async def _execute(
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             policy=policy,
+            umask=umask,
         )
     except WorkerSpawnError as exc:
         return None, str(exc), False

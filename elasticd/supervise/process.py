@@ -92,6 +92,8 @@ class WorkerLaunch:
     """For the daemon's record of spawned workers; default: ``env["ELASTICD_JOB_ID"]``."""
     attempt: int | None = None
     """For the same record; default: from a ``log_dir`` of the form ``.../attempt_<n>/<rank>``."""
+    umask: int | None = None
+    """The worker's umask (the job's ``umask_bits``); None: the daemon's own."""
 
     @property
     def error_file(self) -> Path | None:
@@ -413,6 +415,7 @@ class WorkerGroupProcesses:
                 policy=policy,
                 cgroup_procs=self._containment.procs_fd if self._containment else None,
                 stdin=policy.worker_stdin,
+                umask=launch.umask,
             )
         except BaseException as exc:
             stdout.close()

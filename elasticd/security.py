@@ -267,13 +267,7 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
     shared = bool(users and users.identities)
     state_dir = state_dir.resolve()
     logs = logs.resolve()
-    _chmod_own(state_dir, STATE_DIR_MODE_SHARED if shared else STATE_DIR_MODE)
-    for entry in state_dir.iterdir():
-        with contextlib.suppress(OSError):
-            st = entry.lstat()
-            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not private:
-                entry.chmod(STATE_FILE_MODE)
+    make_state_private(state_dir, STATE_DIR_MODE_SHARED if shared else STATE_DIR_MODE)
     if shared:
         logs.mkdir(parents=True, exist_ok=True)
         st = logs.lstat()
@@ -299,6 +293,21 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
                     logs,
                     blocked,
                 )
+
+
+def make_state_private(state_dir: Path, mode: int = STATE_DIR_MODE) -> None:
+    """Set the state folder to ``mode`` and its files to 0600 where this process owns them.
+
+    Born private already (:func:`set_private_umask`, :func:`create_private_file`); this
+    repairs a folder an older version, or a hand-made one, left open.
+    """
+    _chmod_own(state_dir, mode)
+    for entry in state_dir.iterdir():
+        with contextlib.suppress(OSError):
+            st = entry.lstat()
+            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not private:
+                entry.chmod(STATE_FILE_MODE)
 
 
 def _chmod_own(path: Path, mode: int) -> None:

@@ -227,8 +227,8 @@ class JobSpec(BaseModel):
     umask: str | None = Field(
         default=None,
         max_length=8,
-        description="The umask of the job's processes: octal digits (\"077\") or an int "
-        "0..0o777, kept as four digits (\"0077\"). Default 0027: a job's files are never "
+        description='The umask of the job\'s processes: octal digits ("077") or an int '
+        '0..0o777, kept as four digits ("0077"). Default 0027: a job\'s files are never '
         "world-readable. The CLI sends the caller's own umask.",
     )
     inprocess_restart: bool = Field(

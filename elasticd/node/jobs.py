@@ -167,7 +167,8 @@ class JobService:
         self._done_here: set[str] = set()
         self._accepting = True
         self._base_env = dict(os.environ if base_env is None else base_env)
-        #: What a job's processes start from (None: ``base_env``): see :func:`elasticd.supervise.env.job_base_env`.
+        #: What a job's processes start from (None: ``base_env``):
+        #: :func:`elasticd.supervise.env.job_base_env`.
         self._job_base_env = job_base_env
         self._known: dict[str, Job] = {}
         self._watched = False

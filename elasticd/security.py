@@ -350,11 +350,14 @@ def prepare_worker_dir(log_dir: Path, identity: Identity | None) -> None:
     is never the job user's: that group is often shared (``users``), and a
     group that may read a job's folders reads every job's output.
     """
-    make_private_dir(log_dir)
-    if identity is None:
-        return
     attempt_dir = log_dir.parent
     job_dir = attempt_dir.parent
+    job_dir.parent.mkdir(parents=True, exist_ok=True)  # the log root: the daemon's to set up
+    for folder in (job_dir, attempt_dir, log_dir):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=STATE_DIR_MODE)  # born private, opened below as far as needed
+    if identity is None:
+        return
     for folder in (job_dir, attempt_dir):
         st = folder.lstat()
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():

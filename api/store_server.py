@@ -16,6 +16,11 @@ handlers are switched off: the handler here only sets an event, and the
 shutdown runs in order (close the store, which answers pending watches and
 flushes pending commits → stop uvicorn, bounded by a grace period).
 
+Its files hold every job spec, ``env`` included, so they are born private:
+the umask is 077 before anything is created, the state folder is 0700 (an
+existing one of this user's is set so) and the store and its ``-wal`` and
+``-shm`` files are 0600.
+
 Without a token the server refuses to bind anything but loopback, and
 answers only requests addressed to a loopback name; cross-origin and
 non-JSON writes are refused either way (:mod:`api.guard`). Request heads and
@@ -28,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import os
 import signal
 import socket
 import sys
@@ -45,6 +51,7 @@ from api.routes.store import body_limit, store_router
 from api.store_fast import StoreFastPath
 from elasticd import __version__, tokens
 from elasticd.errors import ConfigError, ElasticdError
+from elasticd.security import PRIVATE_UMASK
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Store
 
 #: Seconds uvicorn waits for in-flight requests at shutdown.
@@ -204,6 +211,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 async def _main(args: argparse.Namespace) -> None:
+    from elasticd.security import make_private_dir, make_state_private
     from elasticd.store.embedded import EmbeddedStore
 
     token = read_token_file(args.token_file) if args.token_file else None
@@ -211,6 +219,8 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    make_private_dir(args.state_dir)
+    make_state_private(args.state_dir.resolve())
     store = EmbeddedStore(args.state_dir / "store.sqlite3", synchronous=args.synchronous)
     try:
         await serve_store(store, host=args.host, port=args.port, token=token, stop=stop)
@@ -234,6 +244,8 @@ def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 after a signal, 2 on a configuration error)."""
+    # Before anything is created: the store (every job spec, env included) is born 0600.
+    os.umask(PRIVATE_UMASK)
     args = _parse(argv)
     try:
         with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:

@@ -40,7 +40,8 @@ from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.eventkinds import EventKind
-from elasticd.models import JobSpec
+from elasticd.models import JobSpec, format_umask
+from elasticd.security import current_umask, set_private_umask
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
 from elasticd.terminal import printable
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--state-dir", help="state folder (default: a temporary one)")
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
+    run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
     _torchrun_env_defaults(run)
     identity = sub.add_parser(
@@ -245,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from elasticd.node.daemon import Daemon
 
+    set_private_umask()  # before anything is created: every file of the daemon is born private
     flags = {
         k: getattr(args, k)
         for k in (
@@ -374,6 +377,9 @@ async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
 
+    # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
+    # files are born private from here on.
+    caller_umask = set_private_umask()
     command = _command(list(args.program), no_python=args.no_python, module=args.module)
     nproc = await _nproc_per_node(args.nproc_per_node)
     with contextlib.ExitStack() as stack:
@@ -408,13 +414,14 @@ async def _run(args: argparse.Namespace) -> int:
                 termination_grace=args.termination_grace,
                 master_addr=args.master_addr,
                 master_port=args.master_port,
+                umask=args.umask if args.umask is not None else format_umask(caller_umask),
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         stdin = _stdin_for_workers()
         if stdin is not None:
             stack.callback(os.close, stdin)
-        daemon = Daemon(config, console=write_line, worker_stdin=stdin)
+        daemon = Daemon(config, console=write_line, worker_stdin=stdin, pass_environment=True)
         daemon.install_signal_handlers()
         async with daemon:
             job, _ = await daemon.jobs.submit(spec)
@@ -564,6 +571,9 @@ def _client_commands(sub: Any) -> None:
     )
     submit.add_argument("--cwd", help="workers' directory (default: this one, for a command)")
     submit.add_argument(
+        "--umask", help="the workers' umask, octal (default: this shell's, as torchrun's workers)"
+    )
+    submit.add_argument(
         "--selector", action="append", default=[], metavar="K=V", help="node label to require"
     )
     submit.add_argument(
@@ -704,8 +714,11 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
         "master_port": args.master_port,
         "cwd": args.cwd,
         "priority": args.priority,
+        "umask": args.umask,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
+    # As torchrun's workers inherit the umask of the shell that started them.
+    spec.setdefault("umask", format_umask(current_umask()))
     if args.nnodes:
         low, _, high = str(args.nnodes).partition(":")
         try:

@@ -53,7 +53,8 @@ from typing import Any
 
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, ElasticdError
-from elasticd.models import Job, JobSpec, RootCause
+from elasticd.models import Job, JobSpec, RootCause, format_umask
+from elasticd.security import set_private_umask
 from elasticd.states import JobState
 
 __all__ = ["LaunchError", "Launcher", "launch"]
@@ -181,11 +182,23 @@ class Launcher:
         )
 
     async def run_async(self, *args: Any, **kwargs: Any) -> dict[int, Any]:
-        """The same, in the caller's event loop."""
+        """The same, in the caller's event loop.
+
+        While it runs, the process's umask is 077, so the embedded daemon's files are
+        born private; the workers get the umask the caller had (as torchrun's inherit
+        it), and the caller's is back when this returns or raises.
+        """
+        payload = _json_args(args, kwargs)
+        caller_umask = set_private_umask()
+        try:
+            return await self._run(payload, caller_umask)
+        finally:
+            os.umask(caller_umask)
+
+    async def _run(self, payload: dict[str, Any], caller_umask: int) -> dict[int, Any]:
         from elasticd.config import load_config
         from elasticd.node.daemon import Daemon
 
-        payload = _json_args(args, kwargs)
         s = self._settings
         nproc: int = s["nproc_per_node"]
         keep_logs = s["log_dir"] is not None
@@ -209,6 +222,7 @@ class Launcher:
                     env={**s["env"], CALL_ENV: str(call_file), "PYTHONPATH": python_path},
                     cwd=s["cwd"] or os.getcwd(),
                     nproc_per_node=nproc,
+                    umask=format_umask(caller_umask),
                     **{
                         k: v
                         for k, v in s.items()
@@ -241,7 +255,8 @@ class Launcher:
                 environ={},
             )
             try:
-                async with Daemon(config, console=write_line) as daemon:
+                # Its one job is the caller's own: the caller's environment passes on whole.
+                async with Daemon(config, console=write_line, pass_environment=True) as daemon:
                     job, _ = await daemon.jobs.submit(spec)
                     final = await daemon.jobs.wait(job.id, s["timeout"])
                 if final.state is not JobState.SUCCEEDED:

@@ -115,6 +115,34 @@ def console_streams(spec: JobSpec, local_rank: int) -> tuple[bool, bool]:
     return shown("out"), shown("err")
 
 
+#: A job's umask when its spec sets none: its files are never world-readable, and its
+#: group reads them only where a folder above lets it (root's 022 would let everyone).
+DEFAULT_JOB_UMASK = 0o027
+
+
+def parse_umask(value: Any) -> int:
+    """A umask from a spec: an octal string (``"077"``, ``"0o077"``) or an int 0..0o777."""
+    if isinstance(value, bool):
+        raise ValueError("umask must be an octal string like '077' or an int, not a boolean")
+    if isinstance(value, int):
+        bits = value
+    elif isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not 1 <= len(text) <= 4 or not all(c in "01234567" for c in text):
+            raise ValueError(f"umask {value!r} must be octal digits, like '077' or '0027'")
+        bits = int(text, 8)
+    else:
+        raise ValueError(f"umask must be an octal string like '077' or an int, not {value!r}")
+    if not 0 <= bits <= 0o777:
+        raise ValueError(f"umask {value!r} is out of range (0 to 0o777)")
+    return bits
+
+
+def format_umask(bits: int) -> str:
+    """``bits`` as a spec keeps it: four octal digits (``0o27`` -> ``"0027"``)."""
+    return f"{bits:04o}"
+
+
 class JobSpec(BaseModel):
     """What a user submits: a torchrun-style job.
 
@@ -223,6 +251,13 @@ class JobSpec(BaseModel):
         description="Queue order: a higher priority is placed first (FIFO within one) and may "
         "preempt running jobs of a lower priority, which go back to the queue.",
     )
+    umask: str | None = Field(
+        default=None,
+        max_length=8,
+        description='The umask of the job\'s processes: octal digits ("077") or an int '
+        '0..0o777, kept as four digits ("0077"). Default 0027: a job\'s files are never '
+        "world-readable. The CLI sends the caller's own umask.",
+    )
     inprocess_restart: bool = Field(
         default=False,
         description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "
@@ -237,6 +272,16 @@ class JobSpec(BaseModel):
         if "\x00" in value:
             raise ValueError("entrypoint must not contain NUL")
         return value
+
+    @field_validator("umask", mode="before")
+    @classmethod
+    def _umask(cls, value: Any) -> str | None:
+        return None if value is None else format_umask(parse_umask(value))
+
+    @property
+    def umask_bits(self) -> int:
+        """The umask the job's processes get: the spec's, else :data:`DEFAULT_JOB_UMASK`."""
+        return DEFAULT_JOB_UMASK if self.umask is None else int(self.umask, 8)
 
     @field_validator("env")
     @classmethod

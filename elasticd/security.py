@@ -29,13 +29,29 @@ Job users
 Files
     The daemon's state (its SQLite event log and the embedded store, which
     holds every job spec, ``env`` included) is readable by the daemon's user
-    only: :func:`secure_state_dir` makes the state folder 0700 and its files
-    0600. When jobs run as other users their logs must be reachable, so the
-    state folder and the log root become traverse-only (0711) and
+    only, from the moment it exists: ``elasticd serve``, ``elasticd run``,
+    ``elasticd.launch`` and the store server set the umask to
+    :data:`PRIVATE_UMASK` before they create anything
+    (:func:`set_private_umask`), the state folder is made with an explicit
+    0700 (:func:`make_private_dir`) and each SQLite file is created 0600
+    before SQLite opens it (:func:`create_private_file`; SQLite gives its
+    ``-wal`` and ``-shm`` files the database file's mode), so no file is
+    ever group- or world-readable, not even for an instant a local user
+    could use to open it and keep the descriptor. :func:`secure_state_dir`
+    then only repairs what an older version left behind.
+
+    When jobs run as other users their logs must be reachable, so the state
+    folder and the log root become traverse-only (0711) and
     :func:`prepare_worker_dir` hands each worker its own log folder
-    (``<job>/attempt_<n>/<local_rank>``): the folders above it stay the
-    daemon's, so a worker can never redirect the daemon's writes elsewhere
-    with a symbolic link, and the daemon opens log files with ``O_NOFOLLOW``.
+    (``<job>/attempt_<n>/<local_rank>``, 0700, the job user's), where its
+    log files are 0600 and the job user's. The job and attempt folders
+    above it stay the daemon's and traverse-only (0711): the job's user
+    (and everyone else) may pass through to a folder whose name it knows,
+    never list them, and only the job's user may enter the worker folder,
+    so users who share a primary group no longer read each other's output.
+    A worker can never redirect the daemon's writes elsewhere with a
+    symbolic link (the folders it could swap are not its own), and the
+    daemon opens log files with ``O_NOFOLLOW``.
 
 Unix socket
     :func:`bind_unix_socket` creates ``--unix-socket`` 0660 inside a 0750
@@ -78,9 +94,14 @@ STATE_DIR_MODE_SHARED = 0o711
 STATE_FILE_MODE = 0o600
 #: The log root when jobs run as other users: they may pass through, not list it.
 LOG_ROOT_MODE_SHARED = 0o711
-#: A job's log folder (owner: the daemon; group: the job user's) and a worker's own.
-JOB_DIR_MODE = 0o750
-WORKER_DIR_MODE = 0o750
+#: A job's and an attempt's log folder (the daemon's): anyone may pass through, nobody
+#: but the daemon may list them; a worker's own folder (the job user's) and its log files.
+JOB_DIR_MODE = 0o711
+WORKER_DIR_MODE = 0o700
+LOG_FILE_MODE = 0o600
+#: The umask of the daemon and the store server: nothing they create is born readable
+#: by anyone else (a mode given explicitly, e.g. 0711, still applies).
+PRIVATE_UMASK = 0o077
 
 #: ``run_as = "dynamic"``: each job gets a uid of its own (:mod:`elasticd.supervise.uids`).
 DYNAMIC = "dynamic"
@@ -352,16 +373,11 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
     the folder and the log root become 0711. Only folders this process owns
     are changed; a file in the state folder that it does not own is left alone.
     """
-    shared = bool(users and users.identities)
+    # A root daemon runs its local callers' jobs as themselves: they must reach their logs.
+    shared = bool(users and users.serves_others)
     state_dir = state_dir.resolve()
     logs = logs.resolve()
-    _chmod_own(state_dir, STATE_DIR_MODE_SHARED if shared else STATE_DIR_MODE)
-    for entry in state_dir.iterdir():
-        with contextlib.suppress(OSError):
-            st = entry.lstat()
-            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not private:
-                entry.chmod(STATE_FILE_MODE)
+    make_state_private(state_dir, STATE_DIR_MODE_SHARED if shared else STATE_DIR_MODE)
     if shared:
         logs.mkdir(parents=True, exist_ok=True)
         st = logs.lstat()
@@ -387,6 +403,21 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
                     logs,
                     blocked,
                 )
+
+
+def make_state_private(state_dir: Path, mode: int = STATE_DIR_MODE) -> None:
+    """Set the state folder to ``mode`` and its files to 0600 where this process owns them.
+
+    Born private already (:func:`set_private_umask`, :func:`create_private_file`); this
+    repairs a folder an older version, or a hand-made one, left open.
+    """
+    _chmod_own(state_dir, mode)
+    for entry in state_dir.iterdir():
+        with contextlib.suppress(OSError):
+            st = entry.lstat()
+            private = stat.S_IMODE(st.st_mode) & 0o077 == 0
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not private:
+                entry.chmod(STATE_FILE_MODE)
 
 
 def _chmod_own(path: Path, mode: int) -> None:
@@ -419,26 +450,33 @@ def _first_untraversable(path: Path, identity: Identity) -> Path | None:
 
 
 def prepare_worker_dir(log_dir: Path, identity: Identity | None) -> None:
-    """Create a worker's log folder; when it runs as ``identity``, make it that user's.
+    """Create a worker's log folder; when it runs as ``identity``, make it that user's only.
 
     ``log_dir`` is ``<logs>/<job>/attempt_<n>/<local_rank>``. The job and
-    attempt folders stay the daemon's (0750, group: the user's group), so the
-    user cannot swap them for links; the worker's own folder becomes the
-    user's, for its error file and anything else it writes next to its logs.
+    attempt folders stay the daemon's and traverse-only (0711, group: the
+    daemon's), so the user cannot swap them for links and nobody can list
+    them; the worker's own folder becomes the user's, 0700, for its logs,
+    error file and anything else it writes there. The group of the folders
+    is never the job user's: that group is often shared (``users``), and a
+    group that may read a job's folders reads every job's output.
     """
-    log_dir.mkdir(parents=True, exist_ok=True)
-    if identity is None:
-        return
     attempt_dir = log_dir.parent
     job_dir = attempt_dir.parent
+    job_dir.parent.mkdir(parents=True, exist_ok=True)  # the log root: the daemon's to set up
+    for folder in (job_dir, attempt_dir, log_dir):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=STATE_DIR_MODE)  # born private, opened below as far as needed
+    if identity is None:
+        return
     for folder in (job_dir, attempt_dir):
         st = folder.lstat()
         if stat.S_ISLNK(st.st_mode) or st.st_uid != os.geteuid():
             raise WorkerSpawnError(
                 f"log folder {folder} is not owned by the daemon; refusing to use it"
             )
-        if st.st_gid != identity.gid:
-            os.chown(folder, -1, identity.gid, follow_symlinks=False)
+        if st.st_gid != os.getegid():
+            # An older version gave the folders the job user's group.
+            os.chown(folder, -1, os.getegid(), follow_symlinks=False)
         if stat.S_IMODE(st.st_mode) != JOB_DIR_MODE:
             folder.chmod(JOB_DIR_MODE)
     st = log_dir.lstat()
@@ -446,6 +484,57 @@ def prepare_worker_dir(log_dir: Path, identity: Identity | None) -> None:
         raise WorkerSpawnError(f"log folder {log_dir} is a symbolic link; refusing to use it")
     os.chown(log_dir, identity.uid, identity.gid, follow_symlinks=False)
     os.chmod(log_dir, WORKER_DIR_MODE, follow_symlinks=False)
+
+
+# -- born private -------------------------------------------------------------------
+
+
+def set_private_umask() -> int:
+    """Set this process's umask to :data:`PRIVATE_UMASK`; returns the one it had.
+
+    Called first thing by the programs that create the daemon's state, before
+    any thread exists: the umask is the process's, not a thread's.
+    """
+    return os.umask(PRIVATE_UMASK)
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``).
+
+    ``os.umask`` can only be read by setting it, which a thread of the same
+    process would see for a moment; the kernel's own line has no such window.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(PRIVATE_UMASK)  # pragma: no cover - a kernel older than 4.7
+    os.umask(mask)  # pragma: no cover
+    return mask  # pragma: no cover
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) born 0700; an existing folder is left as it is.
+
+    ``Path.mkdir(mode=...)`` gives the mode to the last folder only; the
+    parents it creates get the umask's, so each missing one is made here.
+    """
+    path = Path(path)
+    missing = [p for p in [path, *path.parents] if not p.exists()]
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=STATE_DIR_MODE)
+
+
+def create_private_file(path: Path) -> None:
+    """Make sure the file ``path`` exists, created 0600 if it did not (no link followed).
+
+    SQLite creates a missing database 0644 (less the umask), and its ``-wal``
+    and ``-shm`` files with the database file's mode: creating the database
+    file first, 0600, makes all three private from their first byte.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    os.close(os.open(path, flags, STATE_FILE_MODE))
 
 
 # -- the unix socket -----------------------------------------------------------------

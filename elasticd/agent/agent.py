@@ -125,6 +125,7 @@ class AgentContext:
     update_job: JobUpdater
     rendezvous: Rendezvous
     base_env: Mapping[str, str]
+    """The daemon's environment: the operator's checks (as the daemon) start from it."""
     token_file: str | None = None
     #: Makes the job's own token on this node (its workers' ELASTICD_TOKEN_FILE, readable
     #: by the job's user only) and returns the file's path; None: ``token_file`` as it is.
@@ -148,6 +149,14 @@ class AgentContext:
     policy: SpawnPolicy = DEFAULT_POLICY
     #: Told each time a worker's log file grows (log followers wait on it).
     log_growth: LogGrowth | None = None
+    #: What the job's own processes (workers, its health check) start from, before its
+    #: ``env``: the daemon's allowlisted environment (:func:`~elasticd.supervise.env.job_base_env`);
+    #: None: ``base_env`` whole.
+    job_base_env: Mapping[str, str] | None = None
+
+    @property
+    def job_env_base(self) -> Mapping[str, str]:
+        return self.base_env if self.job_base_env is None else self.job_base_env
 
 
 #: Seconds a passed health check stays good for a start that a failed round delayed.
@@ -722,7 +731,7 @@ class JobAgent:
             node=NodeFacts(
                 node=self.ctx.node,
                 logs=self.ctx.logs,
-                base_env=self.ctx.base_env,
+                base_env=self.ctx.job_env_base,
                 daemon_url=self.ctx.daemon_url,
                 token_file=self._token_file,
                 cuda_visible_devices=self.ctx.cuda_visible_devices,
@@ -1205,12 +1214,13 @@ class JobAgent:
             gpu=self.spec.gpu_health_check,
             node_command=self.ctx.node_health_check,
             job_env=job_check_env(
-                self.ctx.base_env, self.spec.env, job_id=self.job_id, cuda_visible_devices=cuda
+                self.ctx.job_env_base, self.spec.env, job_id=self.job_id, cuda_visible_devices=cuda
             ),
             identity=self._identity,
             cwd=self.spec.cwd,
             nvidia_smi=self.ctx.nvidia_smi,
             job_id=self.job_id,  # contained: nothing it starts outlives it
+            umask=self.spec.umask_bits,
         )
         if not checks:
             return None

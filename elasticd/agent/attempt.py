@@ -127,6 +127,7 @@ def plan_attempt(
                 job_id=job_id,
                 attempt=attempt,
                 log_limit_bytes=spec.log_limit_bytes,
+                umask=spec.umask_bits,
             )
         )
     view = GroupView(

@@ -90,6 +90,7 @@ from elasticd.sched.plan import Plan
 from elasticd.security import (
     UNIX_PATH_MAX,
     bind_unix_socket,
+    make_private_dir,
     resolve_job_users,
     secure_state_dir,
 )
@@ -103,6 +104,7 @@ from elasticd.store import (
 )
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.supervise.cgroup import Containment
+from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import (
     SpawnPolicy,
     live_children,
@@ -214,12 +216,19 @@ class Daemon:
         clock: Clock = SYSTEM_CLOCK,
         environ: dict[str, str] | None = None,
         worker_stdin: int | None = None,
+        pass_environment: bool = False,
     ) -> None:
+        """``pass_environment``: the jobs get this process's whole environment, as torchrun's
+        workers get the caller's; only an embedded daemon (``elasticd run``,
+        ``elasticd.launch``), whose one job is its caller's own, sets it. Otherwise a job gets
+        :data:`~elasticd.supervise.env.ALLOWED_ENV` of it and its own ``env``: a served daemon
+        runs other users' jobs, and its environment is the operator's."""
         self.config = config
         #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
         self._worker_stdin = worker_stdin
         self.clock = clock
         self._environ = dict(os.environ if environ is None else environ)
+        self._job_environ = job_base_env(self._environ, inherit=pass_environment)
         # Every daemon has a token (there is no tokenless mode): the admin's, given or made
         # (made only once the settings passed: a refused start leaves nothing behind).
         given = read_token(config, self._environ)
@@ -319,8 +328,9 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
-        self.config.state_dir.mkdir(parents=True, exist_ok=True)
-        self.config.logs.mkdir(parents=True, exist_ok=True)
+        # Born private whatever the umask (secure_state_dir opens them up as far as needed).
+        make_private_dir(self.config.state_dir)
+        make_private_dir(self.config.logs)
         self.db.open()
         stack.callback(self.db.close)
         self.store = self._injected_store or open_store(
@@ -386,6 +396,7 @@ class Daemon:
             console=self._console,
             clock=self.clock,
             base_env=self._environ,
+            job_base_env=self._job_environ,
             storage=self.storage,
         )
         if not self.config.store_only:

@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Self
 
 from elasticd.models import Event
+from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import StorageHealth, WriteBacklog
 
 SCHEMA = """
@@ -77,7 +78,8 @@ class Database:
         self.backlog = WriteBacklog(f"state file {path}", self.health)
 
     def open(self) -> Self:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.path.parent)
+        create_private_file(self.path)  # born 0600, and so are its -wal and -shm files
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")

@@ -119,6 +119,8 @@ class CommandCheck:
     job_id: str | None = None
     """Set for a job's check: it runs contained (a cgroup of its own, see the module), and
     whatever it leaves is killed when it ends."""
+    umask: int | None = None
+    """Its umask (a job's check: the job's, as its workers get it); None: the daemon's."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ def checks_for_job(
     cwd: str | None = None,
     nvidia_smi: str | None = None,
     job_id: str | None = None,
+    umask: int | None = None,
 ) -> list[HealthCheck]:
     """The checks a job runs: the node's command, the job's command, then the GPU check.
 
@@ -162,6 +165,7 @@ def checks_for_job(
                 identity=identity,
                 cwd=cwd,
                 job_id=job_id,
+                umask=umask,
             )
         )
     if gpu:
@@ -213,6 +217,7 @@ async def _command(
         cwd=check.cwd,
         policy=policy,
         job_id=check.job_id,
+        umask=check.umask,
     )
     shown = " ".join(argv)
     if leftovers:
@@ -291,6 +296,7 @@ async def _execute(
     cwd: str | None = None,
     policy: SpawnPolicy = DEFAULT_POLICY,
     job_id: str | None = None,
+    umask: int | None = None,
 ) -> tuple[int | None, str, bool, int]:
     """Run ``argv``; ``(returncode, output tail, timed_out, leftovers killed)``; returncode None
     if not started. With ``job_id`` and the policy's containment it runs contained."""
@@ -310,6 +316,7 @@ async def _execute(
             stderr=asyncio.subprocess.STDOUT,
             policy=policy,
             cgroup_procs=contained.procs_fd if contained is not None else None,
+            umask=umask,
         )
     except BaseException as exc:
         if contained is not None:

@@ -195,6 +195,7 @@ class JobService:
         clock: Clock = SYSTEM_CLOCK,
         base_env: dict[str, str] | None = None,
         storage: StorageHealth | None = None,
+        job_base_env: dict[str, str] | None = None,
     ) -> None:
         self.config = config
         self.logs = LogLayout(config.logs)
@@ -218,6 +219,9 @@ class JobService:
         self._done_here: set[str] = set()
         self._accepting = True
         self._base_env = dict(os.environ if base_env is None else base_env)
+        #: What a job's processes start from (None: ``base_env``):
+        #: :func:`elasticd.supervise.env.job_base_env`.
+        self._job_base_env = job_base_env
         self._known: dict[str, Job] = {}
         self._watched = False
         #: The fleet's plan as last seen (``sched/plan``): agents run only where it places them.
@@ -923,6 +927,7 @@ class JobService:
             update_job=self.update_job,
             rendezvous=self._rendezvous(job),
             base_env=self._base_env,
+            job_base_env=self._job_base_env,
             token_file=self._token_file,
             cuda_visible_devices=cuda,
             console=self.console,

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Literal
 
 from elasticd.errors import StoreUnavailable
+from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import (
     BACKOFF_FIRST,
     StorageHealth,
@@ -151,7 +152,8 @@ class EmbeddedStore(MemoryStore):
     def _open(self, path: Path, synchronous: Synchronous) -> sqlite3.Connection:
         """Open (or create) the file, load every key and lease."""
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(path.parent)
+            create_private_file(path)  # born 0600, and so are its -wal and -shm files
             db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except (OSError, sqlite3.Error) as exc:
             raise StoreUnavailable(f"cannot open the store's state file {path}: {exc}") from exc

@@ -550,6 +550,9 @@ class Containment:
         base = parent / subtree_name(node, str(state_dir.resolve()))
         try:
             base.mkdir(mode=0o755)
+            # Explicitly: the daemon's umask is 077, and a job may read its own cgroup's
+            # limits (cpu.max, memory.max), as runtimes that size themselves do.
+            base.chmod(0o755)
         except FileExistsError:
             pass
         # A probe attempt: the folder and its cgroup.procs must be writable by us.
@@ -571,6 +574,7 @@ class Containment:
             )
         path = self.base / attempt_name(job_id, attempt, secrets.token_hex(4))
         path.mkdir(mode=0o755)
+        path.chmod(0o755)  # not the daemon's umask of 077: the job may read its limits
         try:
             return AttemptContainment(
                 cgroup=Cgroup(path), job_id=job_id, attempt_tag=attempt_tag, known=self._known

@@ -1,10 +1,19 @@
 """The environment a worker starts with: torchrun's contract, so scripts run unchanged.
 
-Precedence, lowest first: the daemon's own environment (minus what must not
-leak: ``NOTIFY_SOCKET``, elasticd's secrets), then the job's ``env``, then
-the contract variables, which always win. ``OMP_NUM_THREADS`` and
+Precedence, lowest first: the base (below), then the job's ``env``, then the
+contract variables, which always win. ``OMP_NUM_THREADS`` and
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` are defaults only: an inherited value is
 kept, as torchrun keeps it.
+
+The base is decided once per daemon by :func:`job_base_env`. A served
+daemon (``elasticd serve``) runs other users' jobs, and its environment is
+the operator's (a cloud key, a proxy password, a ``CUDA``/``LD_*`` setting of
+the machine's): a job gets only the names of :data:`ALLOWED_ENV` from it,
+the neutral ones a login would have (``PATH``, the locale, the time zone),
+and brings the rest in its own ``env``. An embedded daemon (``elasticd
+run``, ``elasticd.launch``) runs its caller's own job as the caller: there
+the whole environment passes on (less :data:`WITHHELD`), exactly as
+torchrun's workers inherit its environment.
 
 A job's health check gets the same, less the per-rank contract
 (:func:`job_check_env`). The operator's checks (the node's command, the GPU
@@ -23,6 +32,29 @@ from elasticd.rendezvous.ranks import WorkerRanks
 #: Never passed on to workers: systemd's socket would let a worker speak for
 #: the daemon; the token must only reach workers as a file path.
 WITHHELD = frozenset({"NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "ELASTICD_TOKEN"})
+
+
+#: The names a served daemon passes from its own environment to a job: what a login
+#: shell of the job's user would have and that says nothing about the daemon's secrets.
+#: ``HOME``, ``USER`` and ``LOGNAME`` are the job user's when it runs as another user.
+ALLOWED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ"})
+#: Prefixes of allowed names: the locale categories (``LC_ALL``, ``LC_CTYPE``, ...).
+ALLOWED_ENV_PREFIXES = ("LC_",)
+
+
+def job_base_env(environ: Mapping[str, str], *, inherit: bool) -> dict[str, str]:
+    """What a job's processes start from, of the daemon's ``environ`` (pure).
+
+    ``inherit`` (an embedded daemon): all of it less :data:`WITHHELD`; else
+    only :data:`ALLOWED_ENV` and the ``LC_*`` names.
+    """
+    if inherit:
+        return _daemon_base(environ)
+    return {
+        k: v
+        for k, v in environ.items()
+        if (k in ALLOWED_ENV or k.startswith(ALLOWED_ENV_PREFIXES)) and k not in WITHHELD
+    }
 
 
 def _daemon_base(base: Mapping[str, str]) -> dict[str, str]:

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
 
+from elasticd.security import LOG_FILE_MODE
 from elasticd.storage import StorageHealth, describe
 from elasticd.supervise.outputlimits import Limit, SpaceGuard, admit
 
@@ -339,7 +340,8 @@ class OutputPipe:
 
 def _open_log(path: Path, owner: tuple[int, int] | None) -> BinaryIO:
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    fd = os.open(path, flags, 0o644)
+    # Born private (0600): the output of a job is its user's only (and root's).
+    fd = os.open(path, flags, LOG_FILE_MODE)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -353,7 +355,7 @@ def _open_log(path: Path, owner: tuple[int, int] | None) -> BinaryIO:
         if owner is not None:
             # By descriptor, so the file that is handed over is the one that was opened.
             os.fchown(fd, *owner)
-            os.fchmod(fd, 0o640)
+            os.fchmod(fd, LOG_FILE_MODE)
         return os.fdopen(fd, "ab", buffering=0)
     except BaseException:
         os.close(fd)

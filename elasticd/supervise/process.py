@@ -98,6 +98,8 @@ class WorkerLaunch:
     log_limit_bytes: int | None = None
     """The most bytes each of ``stdout.log`` and ``stderr.log`` takes in this attempt; the
     rest is counted and dropped (:attr:`WorkerGroupProcesses.over_budget`). None: no budget."""
+    umask: int | None = None
+    """The worker's umask (the job's ``umask_bits``); None: the daemon's own."""
 
     @property
     def error_file(self) -> Path | None:
@@ -425,6 +427,7 @@ class WorkerGroupProcesses:
                 policy=policy,
                 cgroup_procs=self._containment.procs_fd if self._containment else None,
                 stdin=policy.worker_stdin,
+                umask=launch.umask,
             )
         except BaseException as exc:
             stdout.close()

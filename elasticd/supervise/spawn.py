@@ -444,6 +444,7 @@ async def start_process(
     policy: SpawnPolicy | None = None,
     cgroup_procs: int | None = None,
     stdin: int | None = None,
+    umask: int | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
 
@@ -461,8 +462,14 @@ async def start_process(
     descriptor, becomes the program's stdin (None: ``/dev/null``); it is
     passed down under its own number and moved to 0 just before the program
     runs (:data:`STDIN_MOVER`, then the resolver), because until then the
-    process's 0 is the verdict pipe.
+    process's 0 is the verdict pipe. ``umask`` (None: the daemon's own) is set in
+    the child between fork and exec, in C, so every program after it has it: the
+    wrapper, the root stage (Perl or Python) and the user switch keep a umask
+    (``execve`` and ``setresuid`` never change it), and so the job's program
+    starts with it on each path.
     """
+    if umask is not None and not 0 <= umask <= 0o777:
+        raise ValueError(f"umask {umask:#o} is out of range")
     policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
     full_env = {k: v for k, v in env.items() if k not in WITHHELD}
@@ -511,6 +518,7 @@ async def start_process(
                 # children too, and a terminal's Ctrl-C on the daemon does not.
                 start_new_session=True,
                 pass_fds=pass_fds,
+                umask=-1 if umask is None else umask,
                 **credentials,  # type: ignore[arg-type]
             )
         except (OSError, ValueError) as exc:

@@ -192,7 +192,8 @@ async def test_a_job_asking_for_a_user_the_daemon_does_not_allow_fails_to_spawn(
 async def test_a_worker_of_another_user_owns_its_folder_but_not_the_ones_above(
     open_tmp: Path,
 ) -> None:
-    """As `nobody`: the rank folder and logs are nobody's, job/attempt folders stay root's 0750."""
+    """As `nobody`: the rank folder (0700) and logs (0600) are nobody's only; the job and attempt
+    folders stay root's, traverse-only (0711), with root's group, never the job user's."""
     nobody = lookup_user("nobody")
     policy = SpawnPolicy(users=JobUsers(default=nobody))
     log_dir = open_tmp / "logs" / "j" / "attempt_0" / "0"
@@ -205,9 +206,12 @@ async def test_a_worker_of_another_user_owns_its_folder_but_not_the_ones_above(
     assert (log_dir / "stdout.log").read_text().split() == [str(nobody.uid), nobody.home]
     for path in (log_dir, log_dir / "stdout.log", log_dir / "mine"):
         assert path.stat().st_uid == nobody.uid, path
+    assert log_dir.stat().st_mode & 0o777 == 0o700
+    for name in ("stdout.log", "stderr.log"):
+        assert (log_dir / name).stat().st_mode & 0o777 == 0o600, name
     for folder in (log_dir.parent, log_dir.parent.parent):
         st = folder.stat()
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, nobody.gid, 0o750), folder
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o711), folder
 
 
 async def test_a_log_file_that_is_a_symlink_is_refused(tmp_path: Path) -> None:

@@ -104,7 +104,6 @@ FAST = set(range(20))
 def _daemon_app(store: MemoryStore) -> Any:
     """The daemon's own app (which serves the same /store routes), over ``store``."""
     from api.app import create_app
-
     from elasticd.identity import Authenticator
 
     daemon = SimpleNamespace(

@@ -44,6 +44,13 @@ def test_std_for_rank_reads_per_rank_maps():
         ({"entrypoint": "x", "redirects": "7"}, "redirects"),
         ({"entrypoint": "x", "id": "../etc"}, "id"),
         ({"entrypoint": "x", "master_port": 70000}, "master_port"),
+        ({"entrypoint": "x", "umask": "8"}, "umask"),
+        ({"entrypoint": "x", "umask": "0o1000"}, "umask"),
+        ({"entrypoint": "x", "umask": 0o1000}, "umask"),
+        ({"entrypoint": "x", "umask": -1}, "umask"),
+        ({"entrypoint": "x", "umask": True}, "umask"),
+        ({"entrypoint": "x", "umask": ""}, "umask"),
+        ({"entrypoint": "x", "umask": 7.0}, "umask"),
     ],
 )
 def test_bad_specs_name_the_field(body, field):
@@ -100,3 +107,22 @@ def test_run_status_line_redraws_on_a_tty_and_throttles_otherwise():
     for i in range(5):
         line.show(f"pending {i}")
     assert log.getvalue() == "pending 0\n"
+
+
+@pytest.mark.parametrize(
+    ("given", "kept", "bits"),
+    [
+        (None, None, 0o027),
+        ("077", "0077", 0o077),
+        ("0027", "0027", 0o027),
+        ("0o22", "0022", 0o022),
+        ("7", "0007", 0o007),
+        (0o077, "0077", 0o077),
+        (0, "0000", 0),
+        (0o777, "0777", 0o777),
+    ],
+)
+def test_a_umask_is_octal_text_or_an_int_kept_as_four_digits(given, kept, bits):
+    """`umask` takes "077" or an int, keeps four octal digits; no umask means 0027."""
+    spec = JobSpec(entrypoint="x", umask=given)
+    assert (spec.umask, spec.umask_bits) == (kept, bits)

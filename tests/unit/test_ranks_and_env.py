@@ -1,10 +1,11 @@
 """Rank assignment across nodes and roles, and the exact torchrun worker environment."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticd.rendezvous.ranks import NodeSlot, assign_ranks
-from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
+from elasticd.supervise.env import AttemptInfo, job_base_env, worker_args, worker_env
 
 TORCHRUN_VARS = {
     "RANK",
@@ -168,3 +169,31 @@ def test_a_lost_participant_is_a_free_membership_change():
 
     edit = settle_failure(_round(1, ("a",)))(_job(0, 0, 0, participants=("a", "b")))
     assert edit == {"pending_failure": None, "charged_round": 0}
+
+
+DAEMON_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "TZ": "UTC",
+    "AWS_SECRET_ACCESS_KEY": "k",
+    "LD_PRELOAD": "/opt/x.so",
+    "PYTHONPATH": "/srv/daemon",
+    "NOTIFY_SOCKET": "/run/systemd/notify",
+    "ELASTICD_TOKEN": "t",
+}
+
+
+@pytest.mark.parametrize(
+    ("inherit", "expected"),
+    [
+        (False, {"PATH", "HOME", "LANG", "LC_ALL", "TZ"}),
+        (True, set(DAEMON_ENV) - {"NOTIFY_SOCKET", "ELASTICD_TOKEN"}),
+    ],
+    ids=["served: allowlist", "embedded: the caller's, less the withheld"],
+)
+def test_a_jobs_base_environment_is_the_allowlist_unless_the_daemon_is_embedded(inherit, expected):
+    """A served daemon passes only neutral names (PATH, locale, TZ) of its environment to a job;
+    an embedded one passes all of it but the withheld names, as torchrun does."""
+    assert set(job_base_env(DAEMON_ENV, inherit=inherit)) == expected

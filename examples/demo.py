@@ -1,7 +1,8 @@
 """The README's demo: start a daemon, submit a job with the REST API, watch it recover.
 
 1. starts ``elasticd serve`` on a free loopback port with a fresh state dir;
-2. submits a 2-worker gloo job (examples/train_crash_once.py) with ``POST /jobs``
+2. submits a 2-worker gloo job (examples/train_crash_once.py) with ``POST /jobs`` on the
+   daemon's unix socket (no token: the kernel names the caller)
    (the equivalent curl command is printed);
 3. follows ``GET /jobs/{id}/events`` (long-poll) and prints every event:
    rank 1 crashes on attempt 0, the group is restarted, attempt 1 succeeds;
@@ -36,7 +37,6 @@ def free_port() -> int:
 def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="elasticd-demo-"))
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     print(f"== starting: elasticd serve --port {port} --state-dir {state}")
     with (state / "daemon.log").open("wb") as daemon_log:
         daemon = subprocess.Popen(
@@ -58,12 +58,17 @@ def main() -> int:
             stdout=daemon_log,
             stderr=subprocess.STDOUT,
         )
+    # Every caller has an identity: on this machine, the daemon's unix socket (the kernel
+    # tells the daemon who we are), so no token is needed; over TCP, <state>/token.
+    sock = state / "run" / "elasticd.sock"
+    print(f"== talking to it on its unix socket {sock} (no token: the kernel names us)")
     try:
-        with httpx.Client(base_url=url, timeout=70) as client:
+        transport = httpx.HTTPTransport(uds=str(sock))
+        with httpx.Client(transport=transport, base_url="http://localhost", timeout=70) as client:
             deadline = time.monotonic() + 30
             while True:
                 try:
-                    if client.get("/healthz").status_code == 200:
+                    if client.get("/readyz").status_code == 200:
                         break
                 except httpx.TransportError:
                     pass
@@ -80,8 +85,9 @@ def main() -> int:
                 "termination_grace": 5,
             }
             print(
-                "== submitting (same as:  curl -X POST "
-                f"{url}/jobs -H 'content-type: application/json' -d '{json.dumps(spec)}')"
+                f"== submitting (same as:  curl --unix-socket {sock} -X POST "
+                "http://localhost/jobs -H 'content-type: application/json' "
+                f"-d '{json.dumps(spec)}')"
             )
             r = client.post("/jobs", json=spec)
             r.raise_for_status()

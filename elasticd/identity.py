@@ -270,7 +270,9 @@ class LocalPolicy:
         return Principal(
             name,
             PrincipalKind.LOCAL,
-            users=(name,),
+            # root is the node's admin: its jobs run as the node's run_as, as the admin
+            # token's do (root itself only where it asks and the node allows root).
+            users=() if uid == 0 else (name,),
             max_priority=MAX_PRIORITY if admin else self.max_priority,
             may_preempt=True if admin else self.may_preempt,
             slot_quota=None if admin else self.slot_quota,

@@ -116,7 +116,7 @@ def test_local_callers_of_a_root_daemon_are_themselves_and_root_is_admin() -> No
     assert alice is not None and alice.users == ("alice",) and not alice.admin
     assert alice.max_priority == 3 and not alice.may_preempt
     root = root_daemon.principal(0, "root", None)
-    assert root is not None and root.admin
+    assert root is not None and root.admin and root.users == ()  # the node's run_as
     own = LocalPolicy(daemon_uid=1001)
     assert own.principal(1002, "bob", None) is None
     me = own.principal(1001, "alice", None)

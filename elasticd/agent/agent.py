@@ -1044,34 +1044,30 @@ class JobAgent:
         Emitted when the attempt ends; on a disk that still refuses, it waits
         in the event log's backlog and lands, in order, once the disk takes it.
         """
-        lost = group.lost_output()
-        if not lost:
-            return
-        total = sum(lost.values())
-        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in lost.items())
-        self._emit(
-            EventKind.LOGS_LOST,
-            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output could "
-            f"not be written to the log files ({per_rank})",
-            attempt=self.attempt,
-            bytes_lost=total,
-            lost_by_rank={str(rank): n for rank, n in lost.items()},
+        self._report_dropped(
+            EventKind.LOGS_LOST, group.lost_output(), "could not be written to the log files"
         )
 
     def _report_truncated_output(self, group: WorkerGroupProcesses) -> None:
         """One event for an attempt whose workers wrote past ``log_limit_bytes``: bytes per rank."""
-        over = group.over_budget()
-        if not over:
-            return
-        total = sum(over.values())
-        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in over.items())
-        self._emit(
+        self._report_dropped(
             EventKind.LOGS_TRUNCATED,
-            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output past "
-            f"log_limit_bytes = {self.spec.log_limit_bytes} per stream were dropped ({per_rank})",
+            group.over_budget(),
+            f"past log_limit_bytes = {self.spec.log_limit_bytes} per stream were dropped",
+        )
+
+    def _report_dropped(self, kind: EventKind, by_rank: dict[int, int], what: str) -> None:
+        if not by_rank:
+            return
+        total = sum(by_rank.values())
+        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in by_rank.items())
+        self._emit(
+            kind,
+            f"attempt {self.attempt} on {self.ctx.node}: {total} bytes of worker output "
+            f"{what} ({per_rank})",
             attempt=self.attempt,
             bytes_lost=total,
-            lost_by_rank={str(rank): n for rank, n in over.items()},
+            lost_by_rank={str(rank): n for rank, n in by_rank.items()},
         )
 
     # hangs, health checks, progress

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from elasticd.errors import JobNotFound, StoreError, TooManyStreams
 from elasticd.eventkinds import EventKind
-from elasticd.models import Event
+from elasticd.models import Event, Job
 from elasticd.node import logfollow
+from elasticd.node.jobs import incarnation
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
 
@@ -208,7 +209,7 @@ def _terminal(state: str | None) -> bool:
 
 async def follow_log(
     daemon: Daemon,
-    job_id: str,
+    job: Job,
     local_rank: int,
     stream: Literal["stdout", "stderr"],
     attempt: int | None,
@@ -219,10 +220,11 @@ async def follow_log(
         daemon.jobs,
         daemon.jobs.log_growth,
         daemon.closing_streams,
-        job_id,
+        job.id,
         local_rank,
         stream,
         attempt,
         tail,
+        incarnation(job),
     ):
         yield chunk

@@ -529,7 +529,8 @@ def _client_commands(sub: Any) -> None:
     common.add_argument(
         "--url",
         help="the daemon's URL (default: $ELASTICD_URL; else the node's unix socket, "
-        f"/run/elasticd/elasticd.sock or your own daemon's; else {DEFAULT_URL})",
+        f"/run/elasticd/elasticd.sock or your own daemon's; else {DEFAULT_URL}, without "
+        "your own daemon's token, which goes only to a URL you give)",
     )
     common.add_argument(
         "--socket",

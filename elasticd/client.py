@@ -17,9 +17,11 @@ On the daemon's own node, ``Client(socket="/run/elasticd/elasticd.sock")``
 needs no token: the daemon asks the kernel who is calling (``SO_PEERCRED``)
 and serves that user. :func:`find_daemon` picks what the CLI uses when told
 nothing: ``$ELASTICD_SOCKET``, else ``$ELASTICD_URL``, else the first unix
-socket that exists of :data:`SOCKETS`, else :data:`DEFAULT_URL` with the token
-a daemon of this user made for itself (``<state_dir>/token``), as Jupyter's
-clients find their server's.
+socket that exists of :data:`SOCKETS` or this user's own daemon's socket, else
+:data:`DEFAULT_URL` without a token. The token a daemon of this user made for
+itself (``<state_dir>/token``) is sent only to a URL the user chose (``--url``,
+``$ELASTICD_URL``): while no daemon listens on the default address, any local
+user may, and would collect it.
 
 Workers get ``ELASTICD_URL`` and ``ELASTICD_TOKEN_FILE`` (their job's own
 token: its store keys and its own record) in their environment.
@@ -104,7 +106,10 @@ def find_daemon(
         for candidate in (*SOCKETS, _state_home() / "run" / "elasticd.sock"):
             if candidate.is_socket() and token is None:
                 return Connection(socket=candidate)
-        url = DEFAULT_URL
+        # No daemon's socket: the default address is only a guess, and any local user may
+        # listen there while no daemon does (loopback is no identity). Your own daemon's
+        # token goes only where you send it (--url, $ELASTICD_URL), never to a guess.
+        return Connection(url=DEFAULT_URL, token_file=token)
     if token is None:
         own = _state_home() / "token"
         if os.access(own, os.R_OK):

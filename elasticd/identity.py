@@ -101,6 +101,10 @@ class Principal:
     """For a local caller: its uid."""
     job_id: str | None = None
     """For a job's workers: their job."""
+    unix_named: bool = False
+    """Named by its Unix user (a local caller no identity names): its name is in the
+    name space of Unix users, never the same owner as an identity, the admin or the
+    cluster of the same name (a local user called ``admin`` is not the admin)."""
 
     @property
     def may_use_store(self) -> bool:
@@ -148,6 +152,8 @@ class JobFacts:
 
     owner: str | None
     """The owner's name; None for a job from before identities (the admin's)."""
+    owner_unix_named: bool = False
+    """Whether ``owner`` names a local Unix user (:attr:`Principal.unix_named`)."""
     user: str | None = None
     """The Unix user it asks to run as (None: the node's default)."""
     priority: int = 0
@@ -189,7 +195,11 @@ def authorize(principal: Principal, action: Action, job: JobFacts | None = None)
     if action is Action.SUBMIT:
         return _submit(principal, job or JobFacts(owner=principal.name))
     assert job is not None, f"{action.value} needs a job"
-    if principal.admin or (job.owner is not None and job.owner == principal.name):
+    if principal.admin or (
+        job.owner is not None
+        and job.owner == principal.name
+        and job.owner_unix_named == principal.unix_named
+    ):
         return Allow()
     whose = f"{job.owner}'s" if job.owner is not None else "the admin's"
     return Deny(f"this job is {whose}: only its owner or an admin may {_VERBS[action]} it")
@@ -278,6 +288,7 @@ class LocalPolicy:
             slot_quota=None if admin else self.slot_quota,
             admin=admin,
             uid=uid,
+            unix_named=True,
         )
 
 

@@ -390,6 +390,11 @@ class JobOwner(BaseModel):
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9._@:-]{1,128}$", description="The identity's name.")
+    local: bool = Field(
+        default=False,
+        description="The name is a local Unix user's (a unix-socket caller no identity names), "
+        "not an identity's: a local user and an identity of the same name are different owners.",
+    )
     admin: bool = False
     unix_user: str | None = Field(
         default=None,

@@ -193,7 +193,7 @@ async def get_logs(
     With ``node`` naming another daemon, the request is proxied to it.
     """
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    job = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
     if node is not None and node != jobs.node:
         return await proxy.forward(
             request,
@@ -202,19 +202,17 @@ async def get_logs(
             drop=("node",),
         )
     if follow:
-        job = await jobs.get(job_id)
         if local_rank >= job.spec.nproc_per_node:
             raise LogNotFound(
                 f"job {job_id!r} has local ranks 0-{job.spec.nproc_per_node - 1}, not {local_rank}"
             )
         if attempt is not None or job.state.is_terminal:
-            await jobs.check_log(job_id, local_rank, stream, attempt)  # 404: it never will be
+            await jobs.check_log(job, local_rank, stream, attempt)  # 404: it never will be
         return StreamingResponse(
             streams_of(request).guard(
-                streams.follow_log(daemon_of(request), job_id, local_rank, stream, attempt, tail)
+                streams.follow_log(daemon_of(request), job, local_rank, stream, attempt, tail)
             ),
             media_type="text/plain; charset=utf-8",
             headers=STREAM_HEADERS,
         )
-    await jobs.get(job_id)
-    return PlainTextResponse(await jobs.read_log(job_id, local_rank, stream, attempt, tail))
+    return PlainTextResponse(await jobs.read_log(job, local_rank, stream, attempt, tail))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -134,6 +135,7 @@ def owner_of(principal: Principal, user: str | None) -> JobOwner:
     own_right = principal.kind in (PrincipalKind.LOCAL, PrincipalKind.TOKEN)
     return JobOwner(
         name=principal.name,
+        local=principal.unix_named,
         admin=principal.admin,
         unix_user=user if own_right and user in principal.users else None,
         may_preempt=principal.may_preempt,
@@ -144,7 +146,14 @@ def owner_of(principal: Principal, user: str | None) -> JobOwner:
 def facts_of(job: Job) -> JobFacts:
     """What :func:`elasticd.identity.authorize` needs of a job."""
     owner = job.owner.name if job.owner is not None else ADMIN.name
-    return JobFacts(owner=owner, user=job.spec.user, priority=job.spec.priority, job_id=job.id)
+    local = job.owner.local if job.owner is not None else False
+    return JobFacts(
+        owner=owner,
+        owner_unix_named=local,
+        user=job.spec.user,
+        priority=job.spec.priority,
+        job_id=job.id,
+    )
 
 
 #: What another identity sees of a job's env values and arguments.
@@ -161,6 +170,15 @@ def redacted(job: Job) -> Job:
         }
     )
     return job.model_copy(update={"spec": spec, "error": None})
+
+
+def incarnation(job: Job) -> str:
+    """Which job of its id ``job`` is: its log folders on each node say so (:mod:`elasticd.logs`).
+
+    A deleted job's id may be taken again, by another owner; its files stay on disk.
+    """
+    owner = job.owner or JobOwner(name=ADMIN.name)
+    return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
@@ -416,7 +434,8 @@ class JobService:
         if not result.ok:
             assert result.entry is not None
             existing = parse_job(job_id, result.entry.value)
-            same_owner = (existing.owner.name if existing.owner else ADMIN.name) == owner.name
+            before = existing.owner or JobOwner(name=ADMIN.name)
+            same_owner = (before.name, before.local) == (owner.name, owner.local)
             if existing.spec.without_id() == spec.without_id() and same_owner:
                 return existing, False
             if not same_owner:
@@ -678,9 +697,15 @@ class JobService:
                 with contextlib.suppress(StoreError):
                     await self.store.watch(job_key(job_id), entry.version, 30.0)
 
-    def log_attempts(self, job_id: str) -> list[int]:
-        """The attempts of the job that have a log folder on this node, oldest first."""
-        return self.logs.attempts(job_id) if valid_job_id(job_id) else []
+    def log_attempts(self, job_id: str, incarnation: str) -> list[int]:
+        """The attempts of the job that have a log folder on this node, oldest first.
+
+        ``incarnation`` (:func:`incarnation`): the job asked about; a folder left by
+        an earlier job of that id (deleted, its id taken again) has none of its attempts.
+        """
+        if not valid_job_id(job_id) or not self.logs.belongs(job_id, incarnation):
+            return []
+        return self.logs.attempts(job_id)
 
     def open_log(
         self,
@@ -688,17 +713,23 @@ class JobService:
         local_rank: int,
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
+        *,
+        incarnation: str,
     ) -> BinaryIO:
         """One worker log of this node, opened for reading; ``LogNotFound`` when there is none.
 
         Blocking (run it in a thread from the event loop). The file is opened
         through :func:`~elasticd.supervise.files.open_worker_file` only: a link,
         a FIFO or a hard link the worker put in its place is refused, never read.
+        Only a folder of the job ``incarnation`` names is read: an earlier job of
+        that id (deleted, its id taken again, maybe by another owner) is another's.
         """
         if not valid_job_id(job_id):
             raise LogNotFound(f"{job_id!r} is not a valid job id")
+        if not self.logs.belongs(job_id, incarnation):
+            raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
         if attempt is None:
-            attempts = self.log_attempts(job_id)
+            attempts = self.log_attempts(job_id, incarnation)
             if not attempts:
                 raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
             attempt = attempts[-1]
@@ -721,16 +752,17 @@ class JobService:
 
     async def read_log(
         self,
-        job_id: str,
+        job: Job,
         local_rank: int,
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
         tail: int | None,
     ) -> str:
         """The last :data:`MAX_LOG_BYTES` of one worker log (the last ``tail`` lines), as text."""
+        which = incarnation(job)
 
         def read() -> bytes:
-            with self.open_log(job_id, local_rank, stream, attempt) as fh:
+            with self.open_log(job.id, local_rank, stream, attempt, incarnation=which) as fh:
                 size = os.fstat(fh.fileno()).st_size
                 if size > MAX_LOG_BYTES:
                     fh.seek(size - MAX_LOG_BYTES)
@@ -749,13 +781,17 @@ class JobService:
 
     async def check_log(
         self,
-        job_id: str,
+        job: Job,
         local_rank: int,
         stream: Literal["stdout", "stderr"],
         attempt: int | None,
     ) -> None:
         """Raise ``LogNotFound`` unless the log can be opened now."""
-        fh = await asyncio.to_thread(self.open_log, job_id, local_rank, stream, attempt)
+        fh = await asyncio.to_thread(
+            functools.partial(
+                self.open_log, job.id, local_rank, stream, attempt, incarnation=incarnation(job)
+            )
+        )
         fh.close()
 
     async def node_url(self, node: str) -> str:
@@ -942,6 +978,12 @@ class JobService:
             log_growth=self.log_growth,
         )
         agent = JobAgent(job, ctx)
+        try:
+            # The job's log folder is this job's: one left by an earlier job of this id
+            # (deleted, the id taken again) is moved aside, never read or appended to.
+            self.logs.claim(job.id, incarnation(job))
+        except OSError as exc:  # its logs are then not served (no folder names it)
+            log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
         agent.attempt = self.logs.last_attempt(job.id)

@@ -96,9 +96,10 @@ def open_log_at_tail(
     stream: Stream,
     attempt: int,
     tail: int | None,
+    incarnation: str,
 ) -> BinaryIO:
     """The log opened safely (``JobService.open_log``), at its last ``tail`` lines. Blocking."""
-    fh = jobs.open_log(job_id, local_rank, stream, attempt)
+    fh = jobs.open_log(job_id, local_rank, stream, attempt, incarnation=incarnation)
     try:
         if tail is not None:
             fh.seek(tail_start(fh, os.fstat(fh.fileno()).st_size, tail))
@@ -124,8 +125,12 @@ async def follow_log(
     stream: Stream,
     attempt: int | None,
     tail: int | None,
+    incarnation: str,
 ) -> AsyncIterator[bytes]:
-    """A worker's log as it grows (see the module); ends when the job or the daemon does."""
+    """A worker's log as it grows (see the module); ends when the job or the daemon does.
+
+    ``incarnation``: the job followed (``jobs.incarnation``); only its folders are read.
+    """
     current = attempt
     fh: BinaryIO | None = None
     path: Path | None = None
@@ -137,7 +142,7 @@ async def follow_log(
         while True:
             if fh is None:
                 if attempt is None:  # the newest attempt, until its file appears
-                    found = jobs.log_attempts(job_id)
+                    found = jobs.log_attempts(job_id, incarnation)
                     current = found[-1] if found else None
                 if current is not None:
                     try:
@@ -149,6 +154,7 @@ async def follow_log(
                             stream,
                             current,
                             tail if first else None,
+                            incarnation,
                         )
                     except LogNotFound:
                         fh = None  # not there (yet), or replaced by the job: nothing to read
@@ -171,7 +177,7 @@ async def follow_log(
                     yield data
                     continue
             if attempt is None and fh is not None:
-                found = jobs.log_attempts(job_id)
+                found = jobs.log_attempts(job_id, incarnation)
                 if found and current is not None and found[-1] > current:
                     if grown is not None:
                         grown.cancel()

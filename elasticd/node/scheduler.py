@@ -338,7 +338,14 @@ class FleetScheduler:
                     created_at=j.created_at,
                     selector=dict(j.spec.node_selector),
                     # A job from before identities may preempt and has no quota.
-                    owner=j.owner.name if j.owner is not None else None,
+                    # A local user and an identity of the same name are two owners.
+                    owner=(
+                        None
+                        if j.owner is None
+                        else f"user {j.owner.name}"
+                        if j.owner.local
+                        else j.owner.name
+                    ),
                     may_preempt=j.owner.may_preempt if j.owner is not None else True,
                     slot_quota=j.owner.slot_quota if j.owner is not None else None,
                 )

@@ -186,6 +186,7 @@ async def test_a_token_identity_runs_only_as_its_users_up_to_its_priority(
             assert r.status_code == 201, r.text
             assert r.json()["owner"] == {
                 "name": "carol-ci",
+                "local": False,
                 "admin": False,
                 "unix_user": carol.name,
                 "may_preempt": False,
@@ -524,3 +525,185 @@ async def test_an_identitys_quota_and_preemption_right_hold_on_the_fleet(
                 assert (await admin.post(f"/jobs/{job}/cancel", json={})).status_code == 200
     finally:
         daemon.stop()
+
+
+async def _until_state(admin: Any, job: str, states: tuple[str, ...], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (await admin.get(f"/jobs/{job}")).json().get("state") not in states:
+        assert time.monotonic() < deadline, (await admin.get(f"/jobs/{job}")).text
+        await asyncio.sleep(0.1)
+
+
+@AS_ROOT
+async def test_a_reused_job_id_never_reads_the_previous_owners_logs(
+    open_tmp: Path, users: Users
+) -> None:
+    """alice's job `reused` prints a secret and is deleted (its logs stay on disk); bob takes
+    the id. Neither while his job waits in the queue nor once it ran here does bob read alice's
+    output through /jobs/reused/logs (any attempt, followed or not): those files were another
+    job's. His own run starts at attempt 0 with only his own output."""
+    alice, bob = users.user(), users.user()
+    sock = open_tmp / "run" / "elasticd.sock"
+    daemon = serve(open_tmp, "--unix-socket", str(sock), env={"ELASTICD_ALLOW_ROOT": "false"})
+    try:
+        async with asyncio.timeout(150), daemon.client() as admin:
+            await daemon.wait_ready()
+            target = str(sock)
+            secret = {"entrypoint": "/bin/sh", "args": ["-c", "echo alice-secret"], "cwd": "/"}
+            made = request(alice, target, "POST", "/jobs", {"id": "reused", **secret})
+            assert made["status"] == 201, made
+            await _until_state(admin, "reused", ("SUCCEEDED", "FAILED"))
+            mine = request(alice, target, "GET", "/jobs/reused/logs?attempt=0")
+            assert "alice-secret" in mine["body"], mine
+            assert request(alice, target, "DELETE", "/jobs/reused")["status"] == 204
+            # bob takes the id; his job waits in the queue (no node has that label).
+            waiting = {"id": "reused", **SLEEP_JOB, "node_selector": {"nowhere": "at-all"}}
+            taken = request(bob, target, "POST", "/jobs", waiting)
+            assert taken["status"] == 201, taken
+            for path in ("/jobs/reused/logs", "/jobs/reused/logs?attempt=0"):
+                answer = request(bob, target, "GET", path)
+                assert "alice-secret" not in answer.get("body", ""), (path, answer)
+                assert answer["status"] == 404, (path, answer)
+            assert request(bob, target, "POST", "/jobs/reused/cancel", {})["status"] == 200
+            assert request(bob, target, "DELETE", "/jobs/reused")["status"] == 204
+            # Now bob's job runs here: its own attempt 0, with his output only.
+            own = {"entrypoint": "/bin/sh", "args": ["-c", "echo bob-output"], "cwd": "/"}
+            assert request(bob, target, "POST", "/jobs", {"id": "reused", **own})["status"] == 201
+            await _until_state(admin, "reused", ("SUCCEEDED", "FAILED"))
+            for path in (
+                "/jobs/reused/logs",
+                "/jobs/reused/logs?attempt=0",
+                "/jobs/reused/logs?attempt=0&follow=true",
+            ):
+                answer = request(bob, target, "GET", path)
+                assert answer["status"] == 200, (path, answer)
+                assert answer["body"] == "bob-output\n", (path, answer)
+            gone = request(bob, target, "GET", "/jobs/reused/logs?attempt=1")
+            assert gone["status"] == 404 and "alice-secret" not in gone["body"], gone
+    finally:
+        daemon.stop()
+
+
+@AS_ROOT
+async def test_a_local_user_named_like_an_identity_is_not_that_identity(
+    open_tmp: Path, users: Users
+) -> None:
+    """An identity's name and a local user's name live in different name spaces: bob, a local
+    user whose Unix name happens to be the name of carol's CI identity, neither reads that
+    identity's job's env nor cancels it, and his jobs do not count toward its quota."""
+    carol, bob = users.user(), users.user()
+    token = new_token()
+    identities = open_tmp / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "{bob.name}"\ntoken_sha256 = "{hash_token(token)}"\n'
+        f'users = ["{carol.name}"]\n'
+    )
+    sock = open_tmp / "run" / "elasticd.sock"
+    daemon = serve(
+        open_tmp,
+        "--unix-socket",
+        str(sock),
+        env={"ELASTICD_ALLOW_ROOT": "false", "ELASTICD_IDENTITIES_FILE": str(identities)},
+    )
+    try:
+        async with (
+            asyncio.timeout(90),
+            daemon.client() as admin,
+            daemon.client(headers={"Authorization": f"Bearer {token}"}) as ci,
+        ):
+            await daemon.wait_ready()
+            job = {"id": "ci", **SLEEP_JOB, "env": {"API_KEY": "carols-secret"}}
+            assert (await ci.post("/jobs", json=job)).status_code == 201
+            target = str(sock)
+            seen = request(bob, target, "GET", "/jobs/ci")
+            assert seen["status"] == 200, seen
+            assert "carols-secret" not in seen["body"], seen
+            for method, path in [
+                ("POST", "/jobs/ci/cancel"),
+                ("GET", "/jobs/ci/logs"),
+                ("GET", "/jobs/ci/events"),
+            ]:
+                answer = request(bob, target, method, path, {} if method == "POST" else None)
+                assert answer["status"] == 403, (method, path, answer)
+            assert (await admin.get("/jobs/ci")).json()["state"] in ("PENDING", "RUNNING")
+            # And the other way round: the identity does not own bob's job.
+            his = request(bob, target, "POST", "/jobs", {"id": "his", **SLEEP_JOB})
+            assert his["status"] == 201, his
+            assert (await ci.post("/jobs/his/cancel", json={})).status_code == 403
+            for name in ("ci", "his"):
+                assert (await admin.post(f"/jobs/{name}/cancel", json={})).status_code == 200
+    finally:
+        daemon.stop()
+
+
+#: mallory's fake daemon on the default address: records the Authorization header it is sent.
+SQUATTER = r"""
+import socket, sys
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", int(sys.argv[1])))
+srv.listen(8)
+print("listening", flush=True)
+srv.settimeout(60)
+conn, _ = srv.accept()
+conn.settimeout(10)
+head = b""
+while b"\r\n\r\n" not in head:
+    chunk = conn.recv(65536)
+    if not chunk:
+        break
+    head += chunk
+body = b'{"jobs": [], "total": 0}'
+conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
+conn.close()
+print("HEAD " + head.decode("latin-1").replace("\r\n", " | "), flush=True)
+"""
+
+
+@AS_ROOT
+def test_the_cli_never_sends_your_own_token_to_a_guessed_address(
+    open_tmp: Path, users: Users
+) -> None:
+    """alice's own daemon is stopped (its token stays in her state folder) and no socket
+    exists; mallory listens on the default address 127.0.0.1:7070. alice's `elasticd jobs`
+    reaches mallory (it is only a guess) but without alice's token: with it, mallory would
+    be alice's daemon's admin the moment it runs again."""
+    alice, mallory = users.user(), users.user()
+    command = _python_for(alice)
+    if command is None:
+        pytest.skip("this checkout's packages are not readable by other users")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", 7070))
+        except OSError:
+            pytest.skip("127.0.0.1:7070 is in use here")
+    state_home = open_tmp / "alice-xdg"
+    own = state_home / "elasticd"
+    own.mkdir(parents=True)
+    token = new_token()
+    (own / "token").write_text(token + "\n")
+    (own / "token").chmod(0o600)
+    for path in (state_home, own, own / "token"):
+        os.chown(path, alice.uid, alice.gid)
+    squatter = as_user(mallory, SYSTEM_PY, "-I", "-c", SQUATTER, "7070")
+    try:
+        assert squatter.stdout is not None
+        assert squatter.stdout.readline().strip() == b"listening"
+        site = _site_packages()
+        cli = as_user(
+            alice,
+            *command,
+            "jobs",
+            env={"PYTHONPATH": f"{ROOT}:{site}", "XDG_STATE_HOME": str(state_home)},
+        )
+        cli.communicate(timeout=60)
+        seen, _ = squatter.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(squatter.pid, signal.SIGKILL)
+    text = seen.decode()
+    assert "HEAD GET /jobs" in text, text  # alice's CLI did call the squatter
+    assert token not in text
+    assert "authorization" not in text.lower(), text

@@ -224,3 +224,27 @@ def test_elasticd_identity_prints_an_entry_the_daemon_accepts(tmp_path, capsys) 
     ci = table.for_token(token)
     assert ci is not None and ci.users == ("alice",) and ci.max_priority == 5
     assert main(["identity", "no spaces"]) == 2
+
+
+@pytest.mark.parametrize("action", [Action.READ_DETAIL, Action.CANCEL, Action.DELETE])
+def test_a_local_user_and_an_identity_of_the_same_name_are_different_owners(
+    action: Action,
+) -> None:
+    """A Unix user called `admin` (Debian's cloud images have one) is not the admin: the
+    admin's jobs (and those from before identities) are not its; a local user and a token
+    identity that share a name never own each other's jobs; each owns its own."""
+    policy = LocalPolicy(daemon_uid=0)
+    local_admin = policy.principal(1500, "admin", None)
+    local_bob = policy.principal(1501, "bob", None)
+    assert local_admin is not None and local_bob is not None
+    assert local_admin.unix_named and not local_admin.admin
+    admins = JobFacts(owner="admin", user=None, job_id="a")  # as jobs.facts_of makes it
+    bob_identitys = JobFacts(owner="bob", owner_unix_named=False, user="bob", job_id="b")
+    bob_locals = JobFacts(owner="bob", owner_unix_named=True, user="bob", job_id="c")
+    assert isinstance(authorize(local_admin, action, admins), Deny)
+    assert isinstance(authorize(local_admin, action, ADMINS_JOB), Deny)
+    assert isinstance(authorize(local_bob, action, bob_identitys), Deny)
+    assert isinstance(authorize(BOB_TOKEN, action, bob_locals), Deny)
+    assert authorize(local_bob, action, bob_locals) == Allow()
+    assert authorize(BOB_TOKEN, action, bob_identitys) == Allow()
+    assert authorize(ADMIN, action, bob_locals) == Allow()

@@ -45,3 +45,25 @@ def test_no_other_module_builds_the_layout() -> None:
         if built.search(line) and not line.lstrip().startswith("#")
     ]
     assert offenders == []
+
+
+def test_a_job_folder_names_its_job_and_an_earlier_jobs_folder_is_moved_aside(
+    tmp_path: Path,
+) -> None:
+    """A deleted job's id taken again: the new job's claim moves the old folder to .retired
+    (out of every job id's reach) and starts empty; only the claiming job's folder belongs."""
+    logs = LogLayout(tmp_path)
+    assert not logs.belongs("j", "first")
+    logs.claim("j", "first")
+    (tmp_path / "j" / "attempt_0").mkdir()
+    (tmp_path / "j" / "attempt_0" / "secret").write_text("the first job's")
+    logs.claim("j", "first")  # a daemon restart: the same job keeps its folder
+    assert logs.belongs("j", "first") and logs.attempts("j") == [0]
+    logs.claim("j", "second")
+    assert logs.belongs("j", "second") and not logs.belongs("j", "first")
+    assert logs.attempts("j") == []
+    (moved,) = (tmp_path / ".retired").iterdir()
+    assert (moved / "attempt_0" / "secret").read_text() == "the first job's"
+    assert (tmp_path / ".retired").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "legacy" / "attempt_0").mkdir(parents=True)  # from before the marker
+    assert not logs.belongs("legacy", "any")

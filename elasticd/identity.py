@@ -257,12 +257,16 @@ class LocalPolicy:
     max_priority: int = 0
     may_preempt: bool = False
     slot_quota: int | None = None
+    serves_others: bool | None = None
+    """Whether other uids are served, each as itself. None: a root daemon does (``elasticd
+    serve``); an embedded one (``elasticd run`` as root) and a user's own daemon do not."""
 
     def principal(
         self, uid: int, user: str | None, overrides: Principal | None
     ) -> Principal | None:
         """The principal of a socket peer with ``uid``; None when this daemon does not serve it."""
-        if self.daemon_uid != 0 and uid != self.daemon_uid:
+        others = self.daemon_uid == 0 if self.serves_others is None else self.serves_others
+        if not others and uid != self.daemon_uid:
             return None  # a user's own daemon serves that user only
         admin = uid == 0 or uid == self.daemon_uid
         name = user if user is not None else f"uid-{uid}"

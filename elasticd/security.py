@@ -180,15 +180,18 @@ class JobUsers:
     daemon_uid: int = field(default_factory=os.geteuid)
     dynamic: DynamicUids | None = None
     """``run_as = "dynamic"``: the uids of jobs that name no user, one per job."""
+    embedded: bool = False
+    """``elasticd run`` / ``elasticd.launch``: its caller's jobs only, as its caller."""
 
     @property
     def serves_others(self) -> bool:
         """Whether this daemon runs jobs as users other than its own.
 
-        A root daemon does (its local callers' jobs run as themselves), and so
-        does any daemon with other users configured.
+        A root ``elasticd serve`` does (its local callers' jobs run as
+        themselves), and so does any daemon with other users configured; an
+        embedded daemon runs its caller's job only, even as root.
         """
-        return self.daemon_uid == 0 or bool(self.identities)
+        return (self.daemon_uid == 0 and not self.embedded) or bool(self.identities)
 
     def check(self, requested: str | None, *, owner_user: str | None = None) -> None:
         """Whether a job asking for ``requested`` may run here; ``WorkerSpawnError`` if not.
@@ -346,6 +349,7 @@ def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
         default=None if default is not None and default.uid == euid else default,
         allowed=allowed,
         daemon_uid=euid,
+        embedded=run_as is None and allow_root is None,
     )
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -247,6 +248,7 @@ class Daemon:
             table = IdentityTable.load(config.identities_file, daemon_uid=os.geteuid())
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        table.local = dataclasses.replace(table.local, serves_others=self.job_users.serves_others)
         #: Who is asking (api.auth): the admin, the cluster, identities, local users, jobs.
         self.authenticator = Authenticator(
             admin_token=self.token,
@@ -557,7 +559,8 @@ class Daemon:
                     bind_unix_socket(
                         path,
                         group=self.config.unix_socket_group,
-                        everyone=os.geteuid() == 0 and self.config.unix_socket_group is None,
+                        everyone=self.job_users.serves_others
+                        and self.config.unix_socket_group is None,
                     )
                 )
             except BaseException:

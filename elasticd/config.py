@@ -37,6 +37,7 @@ from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
 from elasticd.store import redact_url, store_endpoints
+from elasticd.supervise.env import DEFAULT_PASSTHROUGH
 from elasticd.tokens import TokenFileError, read_token_file
 
 log = logging.getLogger("elasticd.config")
@@ -193,6 +194,14 @@ class Config(BaseModel):
     unix_socket_group: str | None = Field(
         default=None, description="Only this group's members may connect to the unix socket."
     )
+    job_env_passthrough: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PASSTHROUGH),
+        max_length=256,
+        description="Names (fnmatch patterns) of the daemon's environment that a served "
+        "daemon passes on to every job, besides PATH, HOME, USER, LOGNAME, SHELL, LANG, "
+        "LANGUAGE, TZ and LC_*: the node's settings for the communication libraries. Never "
+        "name a secret here: every job of the node sees it.",
+    )
     identities_file: Path | None = Field(
         default=None,
         description="TOML file of token identities ([[identity]]: name, token_sha256, users, "
@@ -243,6 +252,13 @@ class Config(BaseModel):
         from elasticd.supervise.uids import parse_uid_range
 
         return str(parse_uid_range(value))
+
+    @field_validator("job_env_passthrough", mode="before")
+    @classmethod
+    def _patterns(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
 
     @field_validator("allowed_users", mode="before")
     @classmethod
@@ -312,6 +328,7 @@ _ENV_FIELDS = {
     "UNIX_SOCKET": "unix_socket",
     "UNIX_SOCKET_GROUP": "unix_socket_group",
     "IDENTITIES_FILE": "identities_file",
+    "JOB_ENV_PASSTHROUGH": "job_env_passthrough",
     "CLUSTER_TOKEN_FILE": "cluster_token_file",
     "MAX_REQUEST_BYTES": "max_request_bytes",
     "MAX_STREAMS": "max_streams",

@@ -229,7 +229,9 @@ class Daemon:
         self._worker_stdin = worker_stdin
         self.clock = clock
         self._environ = dict(os.environ if environ is None else environ)
-        self._job_environ = job_base_env(self._environ, inherit=pass_environment)
+        self._job_environ = job_base_env(
+            self._environ, inherit=pass_environment, passthrough=config.job_env_passthrough
+        )
         # Every daemon has a token (there is no tokenless mode): the admin's, given or made
         # (made only once the settings passed: a refused start leaves nothing behind).
         given = read_token(config, self._environ)

@@ -24,6 +24,7 @@ must never reach a process with more privilege than the job.
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -42,18 +43,31 @@ ALLOWED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LA
 ALLOWED_ENV_PREFIXES = ("LC_",)
 
 
-def job_base_env(environ: Mapping[str, str], *, inherit: bool) -> dict[str, str]:
+#: The node's own settings for the communication libraries that an operator sets for
+#: every job of a node (the network interface, the fabric): ``job_env_passthrough``.
+DEFAULT_PASSTHROUGH = ("NCCL_*", "GLOO_*", "UCX_*", "FI_*")
+
+
+def job_base_env(
+    environ: Mapping[str, str], *, inherit: bool, passthrough: Sequence[str] = ()
+) -> dict[str, str]:
     """What a job's processes start from, of the daemon's ``environ`` (pure).
 
     ``inherit`` (an embedded daemon): all of it less :data:`WITHHELD`; else
-    only :data:`ALLOWED_ENV` and the ``LC_*`` names.
+    only :data:`ALLOWED_ENV`, the ``LC_*`` names and the names that match a
+    ``passthrough`` pattern (``fnmatch``: the operator's ``job_env_passthrough``).
     """
     if inherit:
         return _daemon_base(environ)
     return {
         k: v
         for k, v in environ.items()
-        if (k in ALLOWED_ENV or k.startswith(ALLOWED_ENV_PREFIXES)) and k not in WITHHELD
+        if (
+            k in ALLOWED_ENV
+            or k.startswith(ALLOWED_ENV_PREFIXES)
+            or any(fnmatch.fnmatchcase(k, pattern) for pattern in passthrough)
+        )
+        and k not in WITHHELD
     }
 
 

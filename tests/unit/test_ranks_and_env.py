@@ -197,3 +197,18 @@ def test_a_jobs_base_environment_is_the_allowlist_unless_the_daemon_is_embedded(
     """A served daemon passes only neutral names (PATH, locale, TZ) of its environment to a job;
     an embedded one passes all of it but the withheld names, as torchrun does."""
     assert set(job_base_env(DAEMON_ENV, inherit=inherit)) == expected
+
+
+def test_a_served_daemon_passes_on_the_node_settings_it_is_told_to() -> None:
+    """job_env_passthrough (default NCCL_*, GLOO_*, UCX_*, FI_*): the node's network settings
+    reach the job; a name no pattern matches (a secret) does not."""
+    from elasticd.config import load_config
+
+    patterns = load_config({}, environ={}).job_env_passthrough
+    daemon = {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1", "NCCL_X": "1"}
+    daemon |= {"AWS_SECRET_ACCESS_KEY": "s", "PATH": "/usr/bin", "ELASTICD_TOKEN": "t"}
+    got = job_base_env(daemon, inherit=False, passthrough=patterns)
+    assert got == {
+        k: daemon[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_X", "PATH")
+    }
+    assert job_base_env(daemon, inherit=False, passthrough=["AWS_*"])["AWS_SECRET_ACCESS_KEY"]

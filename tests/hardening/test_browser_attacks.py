@@ -170,7 +170,7 @@ def daemon(tmp_path: Path) -> Iterator[Served]:
     served = serve(tmp_path)
     try:
         asyncio.run(served.wait_ready())
-        with httpx.Client(base_url=served.url, timeout=10) as c:
+        with httpx.Client(base_url=served.url, headers=served.headers, timeout=10) as c:
             assert c.post("/jobs", json={"id": "victim", **SLEEP}).status_code == 201
         yield served
     finally:
@@ -178,7 +178,7 @@ def daemon(tmp_path: Path) -> Iterator[Served]:
 
 
 def _unharmed(daemon: Served, marker: Path) -> None:
-    with httpx.Client(base_url=daemon.url, timeout=10) as c:
+    with httpx.Client(base_url=daemon.url, headers=daemon.headers, timeout=10) as c:
         jobs = {j["id"]: j["state"] for j in c.get("/jobs").json()["jobs"]}
     assert jobs == {"victim": "RUNNING"}, jobs
     assert not marker.exists()
@@ -224,8 +224,9 @@ async def test_a_page_of_another_origin_cannot_submit_or_cancel(
 
 async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served, tmp_path: Path) -> None:
     """A page whose origin is attacker.example:PORT, rebound to 127.0.0.1: its same-origin
-    fetches reach the daemon and are all refused (421, wrong Host); it reads nothing,
-    creates nothing and cancels nothing."""
+    fetches reach the daemon and are all refused (401: the page has no identity, neither a
+    token nor the unix socket, and loopback is none); it reads nothing, creates nothing and
+    cancels nothing."""
     assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
     from playwright.async_api import Route, async_playwright
 
@@ -250,6 +251,6 @@ async def test_dns_rebinding_cannot_read_submit_or_cancel(daemon: Served, tmp_pa
         finally:
             await browser.close()
     for name in ("list", "store", "submit", "cancel"):
-        assert out[name] == 421, out
+        assert out[name] == 401, out
     assert "victim" not in out["list_body"] and "victim" not in out["store_body"], out
     _unharmed(daemon, marker)

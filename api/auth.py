@@ -43,8 +43,8 @@ current_principal: contextvars.ContextVar[Principal | None] = contextvars.Contex
     "elasticd_principal", default=None
 )
 
-#: Served to anyone: no data.
-PUBLIC_PATHS = frozenset({"/healthz", "/ui", "/"})
+#: Served to anyone: no data (``/favicon.ico``, which browsers ask for by themselves, is 404).
+PUBLIC_PATHS = frozenset({"/healthz", "/ui", "/", "/favicon.ico"})
 
 
 def principal_of(request: Request) -> Principal:

@@ -78,7 +78,10 @@ async def test_dashboard_shows_workers_and_the_restart(tmp_path):
                     await page.wait_for_selector("#token-dialog[open]", timeout=10_000)
                     await page.fill("#token-input", token)
                     await page.click("#token-form button[type=submit]")
-                    problems.clear()  # the 401s before the token are expected console errors
+                    # Connected with the token: the 401s before it (and their console errors,
+                    # which may arrive late) are expected; only later ones are problems.
+                    await page.wait_for_selector("#conn.live")
+                    problems.clear()
 
                     path = script(tmp_path, "train.py", WORKER)
                     r = await api.post(

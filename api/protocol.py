@@ -16,7 +16,8 @@ so before authentication:
   the connection opening, or of the request's first byte on a kept-alive
   connection; else ``408`` and close. (Idle time between requests is
   uvicorn's keep-alive timeout; bodies are bounded by :mod:`api.limits`.)
-* **Connections**: at most :data:`MAX_CONNECTIONS` at once; a connection
+* **Connections**: at most the server's cap at once (:func:`connection_cap`
+  of the descriptor limit, at most :data:`MAX_CONNECTIONS`); a connection
   beyond that gets ``503`` and is closed at once. uvicorn's own
   ``limit_concurrency`` (503 to requests while connections plus running
   requests reach it) is set one above, so it bites only on running tasks.
@@ -32,7 +33,7 @@ The protocol also reads, once per unix-socket connection, the peer's
 request's scope under :data:`PEER_KEY`: the caller's identity
 (:mod:`api.auth`). A TCP connection never has it, so no header can forge it.
 
-So a flood costs at most ``MAX_CONNECTIONS × MAX_HEAD_BYTES`` of buffered
+So a flood costs at most ``cap × MAX_HEAD_BYTES`` of buffered
 heads, each for at most ``HEAD_TIMEOUT``. ``uvicorn_settings()`` gives the
 ``uvicorn.Config`` arguments that install all this.
 """
@@ -40,7 +41,9 @@ heads, each for at most ``HEAD_TIMEOUT``. ``uvicorn_settings()`` gives the
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import resource
 import socket
 import struct
 from typing import Any
@@ -55,8 +58,23 @@ HEAD_TIMEOUT = 10.0
 BODY_TIMEOUT = 30.0
 #: Where a unix-socket peer's ``(pid, uid, gid)`` goes in the request's scope.
 PEER_KEY = "elasticd.peer"
-#: Connections served at once (each open stream, e.g. a log follower, holds one).
+#: The most connections served at once (each open stream, e.g. a log follower, holds one).
 MAX_CONNECTIONS = 1000
+#: The fewest: a daemon under a tiny descriptor limit still answers a few callers.
+MIN_CONNECTIONS = 8
+
+
+def connection_cap(fd_limit: int) -> int:
+    """Connections to serve at once under a descriptor limit of ``fd_limit`` (pure).
+
+    Half the limit, so a flood of idle connections (no token is needed to
+    open one) leaves the other half to the workers' pipes and heartbeat
+    files, cgroups, the databases and the store (issue 23: 1,010 idle
+    connections took every descriptor of a daemon at 1,024, and its jobs
+    failed to start); at most :data:`MAX_CONNECTIONS`, at least
+    :data:`MIN_CONNECTIONS`.
+    """
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, fd_limit // 2))
 
 
 def _raw_problem(status: int, reason: str, detail: str) -> bytes:
@@ -77,10 +95,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout = HEAD_TIMEOUT
-    max_connections = MAX_CONNECTIONS
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_connections: int = MAX_CONNECTIONS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: This server's cap (:func:`uvicorn_settings`), counted over its connections.
+        self.max_connections = max_connections
         self._in_head = True  # reading a request's line and headers
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
@@ -208,10 +227,17 @@ def _peer_credentials(transport: asyncio.BaseTransport) -> tuple[int, int, int] 
     return pid, uid, gid
 
 
-def uvicorn_settings() -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.Config`` that install these limits."""
+def uvicorn_settings(max_connections: int | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config`` that install these limits.
+
+    ``max_connections``: the cap of this server (None: :func:`connection_cap`
+    of this process's descriptor limit as it is now).
+    """
+    if max_connections is None:
+        max_connections = connection_cap(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     return {
-        "http": LimitedHttpProtocol,
-        "limit_concurrency": MAX_CONNECTIONS + 1,
+        # uvicorn makes one protocol per connection from this factory.
+        "http": functools.partial(LimitedHttpProtocol, max_connections=max_connections),
+        "limit_concurrency": max_connections + 1,
         "timeout_keep_alive": 5,
     }

@@ -160,6 +160,24 @@ class Config(BaseModel):
         "after it ends; then any daemon deletes it, as DELETE /jobs/{id} does. Worker log files "
         "stay on disk. 0 keeps finished jobs forever.",
     )
+    node_failure_grace: float = Field(
+        default=60.0,
+        ge=0,
+        le=86400,
+        description="Seconds this node keeps retrying (with backoff, a workers.spawn_retry "
+        "event each time) a start it cannot make for its own reason (EMFILE, ENOMEM, EAGAIN, a "
+        "missing cgroup) before it gives the job back to the scheduler and declines it for as "
+        "long again; never charged to the job. 0: give it back at the first such failure.",
+    )
+    max_connections: int | None = Field(
+        default=None,
+        ge=1,
+        le=100_000,
+        description="Connections the API serves at once (TCP and unix socket together); "
+        "unset: half the daemon's descriptor limit (after raising its soft limit to the hard "
+        "one), at most 1000 and at least 8, so a flood of idle connections leaves descriptors "
+        "for the workers' pipes, the database and the store.",
+    )
     containment: Literal["auto", "cgroup", "subreaper"] = Field(
         default="auto",
         description="How the processes of a job attempt are contained (elasticd.supervise.cgroup): "
@@ -318,6 +336,8 @@ _ENV_FIELDS = {
     "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
     "JOB_RETENTION": "job_retention",
+    "NODE_FAILURE_GRACE": "node_failure_grace",
+    "MAX_CONNECTIONS": "max_connections",
     "CONTAINMENT": "containment",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "NVIDIA_SMI": "nvidia_smi",

@@ -31,6 +31,8 @@ above it handle a small, documented set::
 
 from __future__ import annotations
 
+import enum
+
 
 class ElasticdError(Exception):
     """Base of every error elasticd raises on purpose."""
@@ -136,5 +138,53 @@ class RendezvousTimeout(RendezvousError):
     """The rendezvous did not gather enough nodes in time."""
 
 
+class SpawnStage(enum.Enum):
+    """Where a worker's start failed: with the ``errno`` it says whose fault it was
+    (:func:`elasticd.agent.nodefail.classify`)."""
+
+    USER = "user"
+    """The job's user was refused or unknown (the policy, before anything runs)."""
+    TOKEN = "token"
+    """The daemon could not write the job's token file (its own state folder)."""
+    LOGS = "logs"
+    """The worker's log folder or output pipes (the folder is the job user's)."""
+    HEARTBEAT = "heartbeat"
+    """The worker's heartbeat file (in the job user's folder)."""
+    CGROUP = "cgroup"
+    """Making the attempt's cgroup (the daemon's cgroup tree)."""
+    FORK = "fork"
+    """The daemon's own side of the start: pipes, memfd, fork, exec of its wrapper."""
+    JOIN_CGROUP = "join_cgroup"
+    """The root stage could not move the child into its cgroup (gone, or refused)."""
+    STAGE = "stage"
+    """A later step of the daemon's root stage (environment, user switch, parent-death signal)."""
+    CWD = "cwd"
+    """The job's working folder: missing, not a folder, or not the job user's to enter."""
+    PROGRAM = "program"
+    """The job's program: missing, not executable, or not on its PATH."""
+    DAEMON = "daemon"
+    """The daemon's own work around the start (an ``OSError`` none of the above caught)."""
+    PLAN = "plan"
+    """The round gives this node another number of workers than the job asks for."""
+
+
 class WorkerSpawnError(ElasticdError):
-    """A worker process could not be started (bad entrypoint, cwd, permissions)."""
+    """A worker process could not be started (bad entrypoint, cwd, permissions; or the node).
+
+    ``stage`` says where (None: not known, treated as the job's), ``errno``
+    the OS error when there was one (else that of ``__cause__``).
+    """
+
+    def __init__(
+        self, message: str, *, stage: SpawnStage | None = None, errno: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self._errno = errno
+
+    @property
+    def errno(self) -> int | None:
+        if self._errno is not None:
+            return self._errno
+        cause = self.__cause__
+        return cause.errno if isinstance(cause, OSError) else None

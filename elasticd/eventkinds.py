@@ -34,6 +34,7 @@ class EventKind(enum.StrEnum):
     AGENT_ERROR = "agent.error"
     AGENT_CRASHED = "agent.crashed"
     AGENT_FENCED = "agent.fenced"
+    AGENT_GAVE_BACK = "agent.gave_back"
     AGENT_FINISHED = "agent.finished"
     STORE_LOST = "store.lost"
     STORE_BACK = "store.back"
@@ -49,6 +50,7 @@ class EventKind(enum.StrEnum):
     WORKERS_STARTED = "workers.started"
     WORKERS_STOPPED = "workers.stopped"
     WORKERS_SPAWN_FAILED = "workers.spawn_failed"
+    WORKERS_SPAWN_RETRY = "workers.spawn_retry"
     WORKERS_STRAYS = "workers.strays"
     WORKER_EXITED = "worker.exited"
     WORKER_HANG = "worker.hang"
@@ -97,6 +99,9 @@ MEANING: dict[EventKind, str] = {
     EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
     EventKind.AGENT_ERROR: "The agent hit an internal error.",
     EventKind.AGENT_CRASHED: "The agent task died; its workers were stopped.",
+    EventKind.AGENT_GAVE_BACK: "This node could not start the workers for node_failure_grace "
+    "seconds (``cause``) and gave the job back to the scheduler: it leaves the round and "
+    "declines the job for a while; no restart spent.",
     EventKind.AGENT_FENCED: "The node lost the store for its lease: its workers stop.",
     EventKind.AGENT_FINISHED: "The agent on this node is done with the job.",
     EventKind.STORE_LOST: "The node cannot reach the store.",
@@ -117,7 +122,11 @@ MEANING: dict[EventKind, str] = {
     EventKind.GROUP_RESTARTING: "A failure: the group re-forms (a restart is charged).",
     EventKind.WORKERS_STARTED: "The attempt's workers run.",
     EventKind.WORKERS_STOPPED: "The attempt's workers were stopped.",
-    EventKind.WORKERS_SPAWN_FAILED: "The workers could not be started.",
+    EventKind.WORKERS_SPAWN_FAILED: "The workers could not be started, for the job's own "
+    "reason (its program, its working folder, its user); the job fails.",
+    EventKind.WORKERS_SPAWN_RETRY: "The node could not start the workers for its own reason "
+    "(``cause``: EMFILE, ENOMEM, EAGAIN, a missing cgroup, ...; ``count``: the tries so far); "
+    "tried again after a backoff, no restart spent.",
     EventKind.WORKERS_STRAYS: "Processes of the attempt outlived its workers and were killed.",
     EventKind.WORKER_EXITED: "A worker exited.",
     EventKind.WORKER_HANG: "A worker missed its progress deadline.",

@@ -544,6 +544,9 @@ class Event(BaseModel):
     early: bool | None = None
     """``workers.started``: started before the store had formed their round (the
     restart of a job no other node can join); the store then confirmed it."""
+    cause: str | None = Field(default=None, max_length=64)
+    """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
+    starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
 
 
 class WorkerView(BaseModel):

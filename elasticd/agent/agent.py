@@ -43,6 +43,14 @@ from elasticd.agent.edits import (
     root_cause_of,
     settle_failure,
 )
+from elasticd.agent.nodefail import (
+    GiveBack,
+    RetrySettings,
+    Side,
+    cause_of,
+    decide_retry,
+    side_of,
+)
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.agent.publish import GroupPublisher
 from elasticd.agent.recovery import RecoveryTimeline
@@ -53,6 +61,7 @@ from elasticd.errors import (
     InvalidTransition,
     RendezvousClosed,
     RendezvousError,
+    SpawnStage,
     StoreError,
     StoreUnavailable,
     WorkerSpawnError,
@@ -153,6 +162,8 @@ class AgentContext:
     #: ``env``: the daemon's allowlisted environment (:func:`~elasticd.supervise.env.job_base_env`);
     #: None: ``base_env`` whole.
     job_base_env: Mapping[str, str] | None = None
+    #: How a start the node cannot make is retried before the job is given back.
+    node_failure: RetrySettings = field(default_factory=RetrySettings)
 
     @property
     def job_env_base(self) -> Mapping[str, str]:
@@ -263,6 +274,9 @@ class JobAgent:
         self._store_task: asyncio.Task[tuple[RoundInfo, Job, float]] | None = None
         #: Exits of early workers, reported (in order) once their start is confirmed.
         self._held_exits: list[WorkerExit] | None = None
+        #: This node could not start the job's workers for ``node_failure.grace`` and gave
+        #: the job back (:mod:`elasticd.agent.nodefail`): the job service declines it a while.
+        self.gave_back = False
 
     @property
     def view(self) -> GroupView | None:
@@ -455,17 +469,10 @@ class JobAgent:
             group = spawned = None
         early = group is not None
         if group is None:
-            try:
-                group = await self._launch(round_, job.restart_count)
-            except WorkerSpawnError as exc:
-                self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-                await self._fail_job(
-                    EventKind.WORKERS_SPAWN_FAILED,
-                    f"workers could not be started on {self.ctx.node}: {exc}",
-                    error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                    attempt=self.attempt,
-                )
-                return True
+            started = await self._launch_or_retry(round_, job.restart_count)
+            if not isinstance(started, WorkerGroupProcesses):
+                return started
+            group = started
         self._started(group, early=early)
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
@@ -480,6 +487,97 @@ class JobAgent:
             outcome = await self._monitor(group, round_)
             plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
         return await self._apply(plan, outcome, round_)
+
+    async def _launch_or_retry(
+        self, round_: RoundInfo, restart_count: int
+    ) -> WorkerGroupProcesses | bool:
+        """Start the round's workers; a start the node cannot make is retried, never charged.
+
+        The group, or what :meth:`_round_once` returns: True when the job is
+        over for this node (failed by its own start, ended meanwhile, or given
+        back), False when the round changed and a new one is to be formed.
+        """
+        first: float | None = None
+        tries = 0
+        while True:
+            try:
+                return await self._launch_guarded(round_, restart_count)
+            except WorkerSpawnError as exc:
+                if side_of(exc) is Side.JOB:
+                    self._set_state(WorkerState.FAILED)  # INIT -> FAILED
+                    await self._fail_job(
+                        EventKind.WORKERS_SPAWN_FAILED,
+                        f"workers could not be started on {self.ctx.node}: {exc}",
+                        error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
+                        attempt=self.attempt,
+                    )
+                    return True
+                now = self.ctx.clock.monotonic()
+                first = now if first is None else first
+                tries += 1
+                decision = decide_retry(first, tries, now, self.ctx.node_failure)
+                if isinstance(decision, GiveBack):
+                    await self._give_back(exc, decision.waited)
+                    return True
+                self._emit(
+                    EventKind.WORKERS_SPAWN_RETRY,
+                    f"{self.ctx.node} could not start the workers of attempt {self.attempt} "
+                    f"({cause_of(exc)}: {exc}); this is the node's trouble, not the job's: "
+                    f"trying again in {decision.delay:.2f} s (try {tries}, no restart spent)",
+                    attempt=self.attempt,
+                    cause=cause_of(exc),
+                    count=tries,
+                )
+            # Wait, but not past the round: the job may end, or the others re-form.
+            which, change = await race(
+                asyncio.sleep(decision.delay), self._watch_round(round_.round)
+            )
+            if which == 1:
+                assert isinstance(change, Change)
+                if change is Change.CLOSED:
+                    await self._finish_closed()
+                    return True
+                return False  # a new round is formed with whoever is there
+
+    async def _launch_guarded(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
+        """:meth:`_launch`, an ``OSError`` of the daemon's own work turned into a spawn error."""
+        try:
+            return await self._launch(round_, restart_count)
+        except OSError as exc:
+            raise WorkerSpawnError(
+                f"the daemon could not prepare the start: {exc}", stage=SpawnStage.DAEMON
+            ) from exc
+
+    async def _give_back(self, exc: WorkerSpawnError, waited: float) -> None:
+        """Stop trying: say so, and leave the job to the scheduler (no restart spent).
+
+        The job keeps its state (PENDING or RESTARTING, or RUNNING where other
+        nodes run it) with the reason; :attr:`gave_back` tells the job service to
+        decline the job here for a while, and :meth:`run` leaves the rendezvous
+        on the way out, so the others re-form without this node.
+        """
+        self.gave_back = True
+        if self.state is WorkerState.INIT:
+            self._set_state(WorkerState.STOPPED)  # INIT -> STOPPED: nothing of it runs
+        reason = (
+            f"{self.ctx.node} could not start the job's workers for {waited:.0f} s "
+            f"({cause_of(exc)}: {exc}); it gave the job back to the scheduler"
+        )
+        self._emit(
+            EventKind.AGENT_GAVE_BACK,
+            reason + "; no restart spent",
+            attempt=self.attempt,
+            cause=cause_of(exc),
+            duration_s=waited,
+        )
+
+        def note(job: Job) -> JobEdit:
+            if job.state in (JobState.PENDING, JobState.RESTARTING):
+                return {"reason": reason}
+            return {}
+
+        with contextlib.suppress(InvalidTransition):
+            await self.ctx.update_job(self.job_id, mutate=note)
 
     @property
     def _who(self) -> tuple[str, str]:
@@ -1186,6 +1284,9 @@ class JobAgent:
             if self.ctx.job_token is not None:
                 self._token_file = self.ctx.job_token(self.job_id, self._identity)
         except WorkerSpawnError as exc:
+            if side_of(exc) is Side.NODE:  # its token file: the node's trouble
+                await self._give_back(exc, 0.0)
+                return False
             self._set_state(WorkerState.FAILED)  # INIT -> FAILED
             await self._fail_job(
                 EventKind.WORKERS_SPAWN_FAILED,

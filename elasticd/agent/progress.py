@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.errors import WorkerSpawnError
+from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.supervise.env import WITHHELD
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
 from elasticd.tasks import race
@@ -248,7 +248,8 @@ class ProgressMonitor:
                 self.close()
                 raise WorkerSpawnError(
                     f"local rank {rank}: cannot create the heartbeat file {path}: "
-                    f"{exc.strerror or exc}"
+                    f"{exc.strerror or exc}",
+                    stage=SpawnStage.HEARTBEAT,
                 ) from exc
         self._reported.clear()
 

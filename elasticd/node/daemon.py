@@ -48,6 +48,7 @@ import enum
 import logging
 import os
 import pwd
+import resource
 import shutil
 import signal
 import socket
@@ -165,6 +166,36 @@ async def detect_gpus(
     return ids or None
 
 
+def raise_nofile_limit() -> tuple[int, int]:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; (soft, hard) after.
+
+    The common soft limit of 1,024 is a default for ``select()`` programs,
+    not a budget for a daemon that holds connections, pipes and files for
+    every worker (issue 23: a flood of idle connections took all 1,024 and
+    jobs failed to start). Where the kernel refuses, the limit stays as it is.
+    The workers inherit the raised limit, as under systemd's ``LimitNOFILE``.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard
+    if hard == resource.RLIM_INFINITY:  # Linux refuses an infinite soft limit here
+        wanted = _nr_open()
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (OSError, ValueError) as exc:
+        log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, wanted, exc)
+        return soft, hard
+    return wanted, hard
+
+
+def _nr_open() -> int:
+    try:
+        return int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        return 1 << 20
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket, bound before the server starts so that errors are clear."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -269,6 +300,8 @@ class Daemon:
         #: streams (SSE, log follow) end on it so that they never hold up shutdown.
         self.closing_streams = asyncio.Event()
         self._server: _Server | None = None
+        #: Connections the API serves at once (``max_connections``, else from the fd limit).
+        self.max_connections: int | None = None
         #: The unix socket this daemon listens on, once bound.
         self.socket_path: Path | None = None
         self._server_task: asyncio.Task[None] | None = None
@@ -534,8 +567,16 @@ class Daemon:
 
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse
-        from api.protocol import uvicorn_settings
+        from api.protocol import connection_cap, uvicorn_settings
 
+        soft, hard = raise_nofile_limit()
+        self.max_connections = self.config.max_connections or connection_cap(soft)
+        log.info(
+            "descriptor limit %d (hard %d); serving at most %d connections at once",
+            soft,
+            hard,
+            self.max_connections,
+        )
         app = create_app(self)
         uv_config = uvicorn.Config(
             app,
@@ -546,7 +587,7 @@ class Daemon:
             lifespan="off",
             timeout_graceful_shutdown=3,
             # Bounded request heads, head read time and connections (api.protocol).
-            **uvicorn_settings(),
+            **uvicorn_settings(self.max_connections),
         )
         self._server = _Server(uv_config)
         sock = bind_socket(self.config.host, self.config.port)

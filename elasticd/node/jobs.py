@@ -50,6 +50,7 @@ from typing import Any, BinaryIO, Literal
 from typing_extensions import Unpack
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
+from elasticd.agent.nodefail import RetrySettings
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.config import Config
 from elasticd.errors import (
@@ -59,6 +60,7 @@ from elasticd.errors import (
     JobNotFound,
     LogNotFound,
     ShuttingDown,
+    SpawnStage,
     StorageFull,
     StoreError,
     ValueTooLarge,
@@ -976,6 +978,7 @@ class JobService:
             policy=self.spawn_policy,
             job_token=self._job_token if self.job_tokens is not None else None,
             log_growth=self.log_growth,
+            node_failure=RetrySettings(grace=self.config.node_failure_grace),
         )
         agent = JobAgent(job, ctx)
         try:
@@ -1022,7 +1025,9 @@ class JobService:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink()
-            raise WorkerSpawnError(f"cannot write the job's token file {path}: {exc}") from exc
+            raise WorkerSpawnError(
+                f"cannot write the job's token file {path}: {exc}", stage=SpawnStage.TOKEN
+            ) from exc
         return str(path)
 
     def _forget_token(self, job_id: str) -> None:
@@ -1063,10 +1068,30 @@ class JobService:
                 self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")
             elif not task.cancelled():
                 self._done_here.add(job_id)  # declined (published with the slots) if active
+                if agent is not None and agent.gave_back:
+                    # The node's own trouble (elasticd.agent.nodefail): declined for a
+                    # while so another node may take it, then this one tries again.
+                    self._background.spawn(
+                        self._take_back_later(job_id, self.config.node_failure_grace),
+                        name=f"take-back-{job_id}",
+                    )
             self._release(job_id)
             self._reconcile()
 
         return done
+
+    async def _take_back_later(self, job_id: str, after: float) -> None:
+        """Stop declining a job this node gave back for its own trouble, ``after`` seconds on.
+
+        On a single node that is when the job is tried again (it waited PENDING or
+        RESTARTING meanwhile, with the reason); elsewhere another node may have it.
+        """
+        await asyncio.sleep(max(after, 1.0))
+        if job_id in self._done_here and job_id not in self._agents:
+            log.info("job %s: %s takes it up again after giving it back", job_id, self.node)
+            self._done_here.discard(job_id)
+            self._publish_slots()
+            self._reconcile()
 
     def _storage_back(self, first: Degraded, seconds: float) -> None:
         """The state disk takes writes again: each job run here gets one event saying so.

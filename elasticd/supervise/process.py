@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
-from elasticd.errors import WorkerSpawnError
+from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
 from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, prepare_worker_dir
@@ -385,7 +385,9 @@ class WorkerGroupProcesses:
                 job_id=launch.job_id or launch.env.get("ELASTICD_JOB_ID"),
             )
         except WorkerSpawnError as exc:
-            raise WorkerSpawnError(f"local rank {rank}: {exc}") from None
+            raise WorkerSpawnError(
+                f"local rank {rank}: {exc}", stage=exc.stage or SpawnStage.USER, errno=exc.errno
+            ) from None
         _warn_if_not_main_thread()
         try:
             prepare_worker_dir(launch.log_dir, identity)
@@ -399,7 +401,8 @@ class WorkerGroupProcesses:
         except OSError as exc:
             raise WorkerSpawnError(
                 f"local rank {rank}: cannot set up the logs of {argv[0]!r} in "
-                f"{launch.log_dir}: {exc}"
+                f"{launch.log_dir}: {exc}",
+                stage=SpawnStage.LOGS,
             ) from exc
         try:
             if self._containment is None and policy.containment is not None:
@@ -413,7 +416,9 @@ class WorkerGroupProcesses:
         except OSError as exc:
             stdout.close()
             stderr.close()
-            raise WorkerSpawnError(f"local rank {rank}: cannot make its cgroup: {exc}") from exc
+            raise WorkerSpawnError(
+                f"local rank {rank}: cannot make its cgroup: {exc}", stage=SpawnStage.CGROUP
+            ) from exc
         try:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
             # user: the daemon never probes a job-chosen path with its own rights.
@@ -433,7 +438,9 @@ class WorkerGroupProcesses:
             stdout.close()
             stderr.close()
             if isinstance(exc, WorkerSpawnError):
-                raise WorkerSpawnError(f"local rank {rank}: {exc}") from exc.__cause__
+                raise WorkerSpawnError(
+                    f"local rank {rank}: {exc}", stage=exc.stage, errno=exc.errno
+                ) from exc.__cause__
             raise
         finally:
             # The worker has its own copies now; the daemon's would keep EOF from ever coming.

@@ -85,7 +85,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from elasticd.errors import WorkerSpawnError
+from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, JobUsers
 from elasticd.supervise.env import WITHHELD
@@ -492,7 +492,13 @@ async def start_process(
     else:
         # The stage runs as root: it gets an empty environment, the job's comes in a
         # memfd, and the user switch is the stage's own (not subprocess's).
-        env_fd = _env_memfd(full_env)
+        try:
+            env_fd = _env_memfd(full_env)
+        except OSError as exc:  # EMFILE, ENOMEM: the node's, not the job's
+            raise WorkerSpawnError(
+                f"cannot start {argv[0]!r}: no memfd for its environment: {exc}",
+                stage=SpawnStage.FORK,
+            ) from exc
         command = cgroup_argv(
             program,
             resolver,
@@ -504,7 +510,14 @@ async def start_process(
         )
         exec_env, credentials = {}, {}
         pass_fds = (*pass_fds, cgroup_procs, env_fd)
-    verdict_r, verdict_w = os.pipe()
+    try:
+        verdict_r, verdict_w = os.pipe()
+    except OSError as exc:  # EMFILE, ENFILE: the node's, not the job's
+        if env_fd is not None:
+            os.close(env_fd)
+        raise WorkerSpawnError(
+            f"cannot start {argv[0]!r}: no pipe for its start: {exc}", stage=SpawnStage.FORK
+        ) from exc
     try:
         try:
             process = await asyncio.create_subprocess_exec(
@@ -522,7 +535,9 @@ async def start_process(
                 **credentials,  # type: ignore[arg-type]
             )
         except (OSError, ValueError) as exc:
-            raise WorkerSpawnError(f"cannot start {argv[0]!r}: {exc}") from exc
+            raise WorkerSpawnError(
+                f"cannot start {argv[0]!r}: {exc}", stage=SpawnStage.FORK
+            ) from exc
         finally:
             os.close(verdict_w)  # the child has its copy; ours would keep EOF away
             if env_fd is not None:
@@ -603,19 +618,27 @@ def _verdict_error(
     code = _VERDICT_ERRORS.get(name, errno.EACCES)
     cause = OSError(code, os.strerror(code), path)
     if what == "cgroup":
-        error = WorkerSpawnError(f"cannot start {argv[0]!r}: cannot join its cgroup: {cause}")
+        error = WorkerSpawnError(
+            f"cannot start {argv[0]!r}: cannot join its cgroup: {cause}",
+            stage=SpawnStage.JOIN_CGROUP,
+        )
         error.__cause__ = cause
         return error
     if what in _STAGE_STEPS:
         return WorkerSpawnError(
-            f"cannot start {argv[0]!r}: the start stage failed to {_STAGE_STEPS[what]}"
+            f"cannot start {argv[0]!r}: the start stage failed to {_STAGE_STEPS[what]}",
+            stage=SpawnStage.STAGE,
         )
     if what == "path":
         return WorkerSpawnError(
-            f"cannot start {argv[0]!r}: no executable of that name on its PATH ({search_path})"
+            f"cannot start {argv[0]!r}: no executable of that name on its PATH ({search_path})",
+            stage=SpawnStage.PROGRAM,
         )
     where = "the working folder" if what == "cwd" else "the program"
-    error = WorkerSpawnError(f"cannot start {argv[0]!r} (cwd {cwd!r}): {where}: {cause}")
+    error = WorkerSpawnError(
+        f"cannot start {argv[0]!r} (cwd {cwd!r}): {where}: {cause}",
+        stage=SpawnStage.CWD if what == "cwd" else SpawnStage.PROGRAM,
+    )
     error.__cause__ = cause
     return error
 
@@ -684,7 +707,8 @@ class SpawnPolicy:
         if self.users is None:
             if requested is not None and requested != _my_name():
                 raise WorkerSpawnError(
-                    f"the job asks to run as {requested!r}; this daemon runs jobs as itself"
+                    f"the job asks to run as {requested!r}; this daemon runs jobs as itself",
+                    stage=SpawnStage.USER,
                 )
             return None
         return self.users.for_job(requested, owner_user=owner_user, job_id=job_id)

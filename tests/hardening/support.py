@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -141,8 +142,12 @@ def serve(
     node_name: str = "hard-node",
     port: int | None = None,
     verbose: bool = False,
+    nofile: tuple[int, int] | None = None,
 ) -> Served:
-    """Start `elasticd serve` on a free loopback port (as root, jobs may run as root)."""
+    """Start `elasticd serve` on a free loopback port (as root, jobs may run as root).
+
+    ``nofile``: the daemon's (soft, hard) ``RLIMIT_NOFILE``, set before its exec.
+    """
     port = port or free_port()
     state_dir = state_dir or root / "state"
     if token_file is False:
@@ -176,9 +181,21 @@ def serve(
     token = token_file.read_text().strip() if token_file else None
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            args, env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            env=environ,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=None if nofile is None else _limit_nofile(nofile),
         )
     return Served(proc, port, state_dir, log, token, args)
+
+
+def _limit_nofile(limits: tuple[int, int]) -> Callable[[], None]:
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
+    return preexec
 
 
 async def healthy_pids(client: httpx.AsyncClient, job_id: str, count: int, timeout: float = 30):

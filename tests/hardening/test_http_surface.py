@@ -607,14 +607,13 @@ async def test_connections_beyond_the_cap_are_refused_at_once() -> None:
     closed at once, before it sends anything; once one closes, requests are served again."""
     import uvicorn
 
-    from api.protocol import LimitedHttpProtocol, uvicorn_settings
+    from api.protocol import uvicorn_settings
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    small = type("Small", (LimitedHttpProtocol,), {"max_connections": 4})
-    settings = {**uvicorn_settings(), "http": small, "limit_concurrency": 5}
+    settings = uvicorn_settings(max_connections=4)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **settings)
     server = uvicorn.Server(config)
     serving = asyncio.create_task(server.serve())

@@ -458,7 +458,8 @@ async def test_a_jobs_token_reaches_only_its_own_keys(open_tmp: Path) -> None:
             }, seen
             assert (await c.get("/store/kv", params={"key": "job/evil"})).json()["entry"] is None
             tokens = daemon.state_dir / "tokens"
-            assert not (tokens / "probe.token").exists()  # gone with its job
+            gone = tokens / "probe.token"  # revoked when its agent ends (just after the job)
+            await eventually(lambda: not gone.exists(), 30, "the job's token to be removed")
             live = tokens / "other.token"
             st = live.stat()
             assert st.st_uid == 65534 and st.st_mode & 0o777 == 0o400

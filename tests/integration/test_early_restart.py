@@ -71,8 +71,14 @@ async def test_a_one_node_restart_starts_early_and_loses_nothing(client, tmp_pat
         # The round the store formed is the one the early workers were given.
         number = int(rdzv["message"].split()[1].rstrip(":"))
         port = rdzv["message"].rsplit(":", 1)[1]
+        # Rank 1 ran to its exit in every attempt, both ranks in the last; rank 0 of a failed
+        # attempt may be stopped by the restart before its first line (nothing promises it
+        # runs), but where it did run it had the same round.
         for rank in (0, 1):
-            env = seen[f"a{count}-r{rank}"]
+            env = seen.get(f"a{count}-r{rank}")
+            if env is None:
+                assert rank == 0 and count < 2, (count, rank, sorted(seen))
+                continue
             assert env["ELASTICD_ATTEMPT"] == f"{number}.{count}"
             assert env["MASTER_PORT"] == port
             assert env["TORCHELASTIC_RESTART_COUNT"] == str(count)

@@ -376,6 +376,7 @@ def _stdin_for_workers() -> int | None:
 async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
+    from elasticd.node.statelock import StateLock
 
     # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
     # files are born private from here on.
@@ -386,6 +387,9 @@ async def _run(args: argparse.Namespace) -> int:
         state_dir = args.state_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="elasticd-run-")
         )
+        # Locked before this run writes anything there (its token): a --state-dir that a
+        # live daemon holds is refused, exit 2 naming its pid.
+        state_lock = stack.enter_context(StateLock(Path(state_dir)))
         log_dir = args.log_dir or tempfile.mkdtemp(prefix="elasticd-logs-")
         config = load_config(
             {
@@ -421,7 +425,13 @@ async def _run(args: argparse.Namespace) -> int:
         stdin = _stdin_for_workers()
         if stdin is not None:
             stack.callback(os.close, stdin)
-        daemon = Daemon(config, console=write_line, worker_stdin=stdin, pass_environment=True)
+        daemon = Daemon(
+            config,
+            console=write_line,
+            worker_stdin=stdin,
+            pass_environment=True,
+            state_lock=state_lock,
+        )
         daemon.install_signal_handlers()
         async with daemon:
             job, _ = await daemon.jobs.submit(spec)

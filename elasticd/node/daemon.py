@@ -2,7 +2,9 @@
 
 Start-up: check the settings (the token file, the bind address, the store's
 security: :func:`elasticd.config.check_store`) before anything connects,
-open the database, open the store, start the HTTP server inside
+lock the state folder (:mod:`elasticd.node.statelock`: one daemon per folder,
+a second one exits 2 naming the holder's pid), open the database (a damaged
+one is refused, or set aside: ``on_corrupt_database``), open the store, start the HTTP server inside
 this event loop (it binds first: the port is part of this node's record;
 ``/readyz`` says "starting" until the end), wait until the store answers
 (the nodes of a cluster start in any order: retried with backoff, logged
@@ -87,6 +89,7 @@ from elasticd.node.events import EventLog
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
+from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import Plan
 from elasticd.security import (
     UNIX_PATH_MAX,
@@ -218,13 +221,19 @@ class Daemon:
         environ: dict[str, str] | None = None,
         worker_stdin: int | None = None,
         pass_environment: bool = False,
+        state_lock: StateLock | None = None,
     ) -> None:
         """``pass_environment``: the jobs get this process's whole environment, as torchrun's
         workers get the caller's; only an embedded daemon (``elasticd run``,
         ``elasticd.launch``), whose one job is its caller's own, sets it. Otherwise a job gets
         :data:`~elasticd.supervise.env.ALLOWED_ENV` of it and its own ``env``: a served daemon
-        runs other users' jobs, and its environment is the operator's."""
+        runs other users' jobs, and its environment is the operator's.
+
+        ``state_lock``: the state folder's lock, already held by the caller (``elasticd run``
+        locks the folder before it writes its token there); otherwise :meth:`start` takes it
+        first and releases it last."""
         self.config = config
+        self._state_lock = state_lock
         #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
         self._worker_stdin = worker_stdin
         self.clock = clock
@@ -332,6 +341,11 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
+        # One daemon per state folder, locked before anything touches it (the database,
+        # the store, the sweep, the cgroup subtree): a second one exits 2 naming this pid.
+        if self._state_lock is None or not self._state_lock.held:
+            lock = StateLock(self.config.state_dir).acquire()
+            stack.callback(lock.release)
         # Born private whatever the umask (secure_state_dir opens them up as far as needed).
         make_private_dir(self.config.state_dir)
         make_private_dir(self.config.logs)

@@ -77,6 +77,7 @@ from elasticd.errors import (
     ElasticdError,
     StoreAuthError,
     StoreError,
+    StoreUnavailable,
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
@@ -286,7 +287,12 @@ class Daemon:
         self._store_wait: str | None = None
         #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
         self.storage = StorageHealth(clock)
-        self.db = Database(config.state_dir / "elasticd.sqlite3", self.storage)
+        self.db = Database(
+            config.state_dir / "elasticd.sqlite3",
+            self.storage,
+            on_corrupt=config.on_corrupt_database,
+            now=clock.time,
+        )
         self.store: Store
         self.events: EventLog
         self.jobs: JobService
@@ -351,22 +357,7 @@ class Daemon:
         make_private_dir(self.config.logs)
         self.db.open()
         stack.callback(self.db.close)
-        self.store = self._injected_store or open_store(
-            self.config.store_url,
-            token=self.cluster_token,
-            state_dir=self.config.state_dir,
-            max_value_bytes=self.config.store_max_value_bytes,
-            max_list_bytes=self.config.store_max_list_bytes,
-            etcd=EtcdOptions(
-                username=self.config.store_username,
-                password=self._store_password,
-                ca_file=self.config.store_ca_file,
-                cert_file=self.config.store_cert_file,
-                key_file=self.config.store_key_file,
-                prefix=self.config.store_prefix,
-            ),
-            lease_ttl=self.config.lease_ttl,
-        )
+        self.store = self._injected_store or self._open_store()
         stack.push_async_callback(self.store.close)
         if isinstance(self.store, EmbeddedStore):
             self.store.health = self.storage  # a full disk under its journal is reported too
@@ -479,6 +470,32 @@ class Daemon:
             slots,
             self.config.state_dir,
         )
+
+    def _open_store(self) -> Store:
+        """The configured store; an embedded one that cannot open its journal (a damaged or
+        unreadable ``store.sqlite3``) is a refusal to start (exit 2, one line), not a crash:
+        a restart cannot mend it."""
+        try:
+            return open_store(
+                self.config.store_url,
+                token=self.cluster_token,
+                state_dir=self.config.state_dir,
+                max_value_bytes=self.config.store_max_value_bytes,
+                max_list_bytes=self.config.store_max_list_bytes,
+                etcd=EtcdOptions(
+                    username=self.config.store_username,
+                    password=self._store_password,
+                    ca_file=self.config.store_ca_file,
+                    cert_file=self.config.store_cert_file,
+                    key_file=self.config.store_key_file,
+                    prefix=self.config.store_prefix,
+                ),
+                lease_ttl=self.config.lease_ttl,
+            )
+        except StoreUnavailable as exc:
+            if self.config.store_url is not None:
+                raise
+            raise ConfigError(str(exc)) from None
 
     async def refuse_open_store(self) -> None:
         """Refuse a daemon's HTTP store that answers without a credential (loopback too).

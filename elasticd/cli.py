@@ -30,6 +30,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -377,6 +378,7 @@ async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
     from elasticd.node.statelock import StateLock
+    from elasticd.supervise.reaper import RunReaper
 
     # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
     # files are born private from here on.
@@ -405,7 +407,8 @@ async def _run(args: argparse.Namespace) -> int:
         )
         try:
             spec = JobSpec(
-                id=args.run_id,
+                # Known before the submission: the run's reaper names the job's processes by it.
+                id=args.run_id or uuid.uuid4().hex[:12],
                 entrypoint=command[0],
                 args=command[1:],
                 cwd=os.getcwd(),
@@ -434,6 +437,17 @@ async def _run(args: argparse.Namespace) -> int:
         )
         daemon.install_signal_handlers()
         async with daemon:
+            # Outlives this process: if it is killed (even kill -9), the reaper kills what the
+            # job left (its attempt cgroups, else its processes) and removes the temporary
+            # state. Entered last, so it is told "done" first, after the daemon's own clean stop.
+            stack.enter_context(
+                RunReaper(
+                    cgroup=daemon.containment.base,
+                    match={"ELASTICD_URL": config.url, "ELASTICD_JOB_ID": str(spec.id)},
+                    remove=None if args.state_dir else Path(state_dir),
+                    keep_fd=state_lock.fileno(),
+                )
+            )
             job, _ = await daemon.jobs.submit(spec)
             _note(
                 f"job {job.id} submitted; API at {config.url} (token in {config.token_file}), "

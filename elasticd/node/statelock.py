@@ -84,6 +84,12 @@ class StateLock:
         self._fd = fd
         return self
 
+    def fileno(self) -> int:
+        """The locked descriptor (a child given a copy holds the lock too, until it exits)."""
+        if self._fd is None:
+            raise RuntimeError(f"{self.path} is not locked")
+        return self._fd
+
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None

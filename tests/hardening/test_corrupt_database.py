@@ -10,6 +10,8 @@ page. The files are checkpointed first, so the damage is in what SQLite reads.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import random
 import shutil
 import sqlite3
@@ -93,11 +95,38 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         asyncio.run(run())
     finally:
         first.kill9()
+        _remove_subtree("dmg-node", first.state_dir)  # its copies run elsewhere
     _checkpoint(first.state_dir / DB)
     _checkpoint(first.state_dir / "store.sqlite3")
     (root / "token").write_text((root / f"auto-token-{first.port}").read_text())
     (root / "token").chmod(0o600)
     return root
+
+
+def _remove_subtree(node: str, state_dir: Path) -> None:
+    """Kill and remove the cgroup subtree a killed daemon left (nobody restarts it here)."""
+    mount = own = None
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[:1] == ["cgroup2"]:
+            mount = left.split()[4]
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            own = line[3:]
+    if mount is None or own is None:
+        return
+    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    base = Path(mount) / own.lstrip("/") / f"elasticd.{node}.{digest}"
+    if not base.is_dir():
+        return
+    with contextlib.suppress(OSError):
+        (base / "cgroup.kill").write_text("1")
+    deadline = time.monotonic() + 10
+    while "populated 1" in (base / "cgroup.events").read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for group in sorted((p for p in base.rglob("*") if p.is_dir()), reverse=True) + [base]:
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def _copy(crashed: Path, tmp_path: Path) -> Path:

@@ -227,3 +227,54 @@ async def test_without_cgroups_the_reaper_kills_the_runs_processes_by_their_envi
             proc.wait()
         if helper.stdout is not None:
             helper.stdout.close()
+
+
+LAUNCHED = """
+import os, subprocess, sys, time
+import elasticd
+
+def train(drop):
+    grandchild = subprocess.Popen(["setsid", "sleep", "600"])
+    with open(os.path.join(drop, "grandchild.pid"), "w") as f:
+        f.write(str(grandchild.pid))
+    with open(os.path.join(drop, "worker.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    elasticd.launch(train, nproc_per_node=1, max_restarts=0)(sys.argv[1])
+"""
+
+
+async def test_kill_9_of_a_program_inside_elasticd_launch_kills_its_workers_too(
+    tmp_path: Path,
+) -> None:
+    """elasticd.launch() embeds the same daemon in the caller's program: kill -9 of that
+    program kills the launched worker and its setsid grandchild too."""
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    program = tmp_path / "launched.py"
+    program.write_text(LAUNCHED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    proc = _spawn([sys.executable, str(program), str(drop)], env=env, cwd=str(tmp_path))
+    worker = grandchild = None
+    try:
+        await eventually(
+            lambda: _pid(drop / "grandchild.pid") is not None and _pid(drop / "worker.pid"),
+            60,
+            "the launched worker and its grandchild",
+        )
+        worker, grandchild = _pid(drop / "worker.pid"), _pid(drop / "grandchild.pid")
+        assert worker and grandchild
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        await eventually(
+            lambda: not pid_alive(worker) and not pid_alive(grandchild), 5, "the job to die"
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in (worker, grandchild):
+            if pid and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,7 @@ async def test_a_second_daemon_on_a_live_folder_exits_2_and_leaves_the_first_alo
             if subtree is not None:
                 assert subtree.is_dir()
 
+            started = time.monotonic()
             second = serve(tmp_path, node_name=node, state_dir=first.state_dir)
             try:
                 await eventually(
@@ -89,6 +91,10 @@ async def test_a_second_daemon_on_a_live_folder_exits_2_and_leaves_the_first_alo
                 )
             finally:
                 second.stop()
+            print(
+                f"second daemon refused (exit {second.proc.returncode}) after "
+                f"{time.monotonic() - started:.2f} s"
+            )
             said = second.output()
             assert second.proc.returncode == 2, said
             assert "Traceback" not in said, said

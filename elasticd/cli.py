@@ -30,6 +30,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,8 @@ def _stdin_for_workers() -> int | None:
 async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
+    from elasticd.node.statelock import StateLock
+    from elasticd.supervise.reaper import RunReaper
 
     # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
     # files are born private from here on.
@@ -386,6 +389,9 @@ async def _run(args: argparse.Namespace) -> int:
         state_dir = args.state_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="elasticd-run-")
         )
+        # Locked before this run writes anything there (its token): a --state-dir that a
+        # live daemon holds is refused, exit 2 naming its pid.
+        state_lock = stack.enter_context(StateLock(Path(state_dir)))
         log_dir = args.log_dir or tempfile.mkdtemp(prefix="elasticd-logs-")
         config = load_config(
             {
@@ -401,7 +407,8 @@ async def _run(args: argparse.Namespace) -> int:
         )
         try:
             spec = JobSpec(
-                id=args.run_id,
+                # Known before the submission: the run's reaper names the job's processes by it.
+                id=args.run_id or uuid.uuid4().hex[:12],
                 entrypoint=command[0],
                 args=command[1:],
                 cwd=os.getcwd(),
@@ -421,9 +428,26 @@ async def _run(args: argparse.Namespace) -> int:
         stdin = _stdin_for_workers()
         if stdin is not None:
             stack.callback(os.close, stdin)
-        daemon = Daemon(config, console=write_line, worker_stdin=stdin, pass_environment=True)
+        daemon = Daemon(
+            config,
+            console=write_line,
+            worker_stdin=stdin,
+            pass_environment=True,
+            state_lock=state_lock,
+        )
         daemon.install_signal_handlers()
         async with daemon:
+            # Outlives this process: if it is killed (even kill -9), the reaper kills what the
+            # job left (its attempt cgroups, else its processes) and removes the temporary
+            # state. Entered last, so it is told "done" first, after the daemon's own clean stop.
+            stack.enter_context(
+                RunReaper(
+                    cgroup=daemon.containment.base,
+                    match={"ELASTICD_URL": config.url, "ELASTICD_JOB_ID": str(spec.id)},
+                    remove=None if args.state_dir else Path(state_dir),
+                    keep_fd=state_lock.fileno(),
+                )
+            )
             job, _ = await daemon.jobs.submit(spec)
             _note(
                 f"job {job.id} submitted; API at {config.url} (token in {config.token_file}), "

@@ -185,6 +185,13 @@ class Config(BaseModel):
         "without one); subreaper: the daemon becomes a child subreaper (partial: an event says "
         "so); auto: cgroup where one can be made, else subreaper.",
     )
+    on_corrupt_database: Literal["refuse", "set_aside"] = Field(
+        default="refuse",
+        description="What the daemon does when its own database (<state_dir>/elasticd.sqlite3: "
+        "this node's event log and record of spawned workers) is damaged: refuse: refuse to "
+        "start (exit 2) naming the file and the recovery; set_aside: rename it "
+        "elasticd.sqlite3.corrupt-<UTC time> (kept, never deleted) and start with an empty one.",
+    )
     # Hardening (elasticd.security, api.limits).
     run_as: str | None = Field(
         default=None,
@@ -339,6 +346,7 @@ _ENV_FIELDS = {
     "NODE_FAILURE_GRACE": "node_failure_grace",
     "MAX_CONNECTIONS": "max_connections",
     "CONTAINMENT": "containment",
+    "ON_CORRUPT_DATABASE": "on_corrupt_database",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",

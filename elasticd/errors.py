@@ -5,6 +5,7 @@ above it handle a small, documented set::
 
     ElasticdError
     ├── ConfigError              bad configuration; the daemon refuses to start
+    │   └── StateFileDamaged     a state file (the daemon's database) is damaged
     ├── InvalidTransition        a state machine refused an illegal transition
     ├── ShuttingDown             the daemon no longer accepts work
     ├── StorageFull              the local disk refuses writes; no new job can be made durable
@@ -40,6 +41,11 @@ class ElasticdError(Exception):
 
 class ConfigError(ElasticdError):
     """The configuration is invalid; the message says which setting and why."""
+
+
+class StateFileDamaged(ConfigError):
+    """A state file is damaged; the daemon refuses to start (exit 2), naming the file and
+    the recovery: a crash loop under ``Restart=on-failure`` would not mend it."""
 
 
 class InvalidTransition(ElasticdError):

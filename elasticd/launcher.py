@@ -47,6 +47,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,7 @@ class Launcher:
     async def _run(self, payload: dict[str, Any], caller_umask: int) -> dict[int, Any]:
         from elasticd.config import load_config
         from elasticd.node.daemon import Daemon
+        from elasticd.supervise.reaper import RunReaper
 
         s = self._settings
         nproc: int = s["nproc_per_node"]
@@ -216,7 +218,8 @@ class Launcher:
             )
             try:
                 spec = JobSpec(
-                    id=s["run_id"],
+                    # Known before the submission: the run's reaper names its processes by it.
+                    id=s["run_id"] or uuid.uuid4().hex[:12],
                     entrypoint=sys.executable,
                     args=["-m", "elasticd.launch_worker"],
                     env={**s["env"], CALL_ENV: str(call_file), "PYTHONPATH": python_path},
@@ -254,17 +257,29 @@ class Launcher:
                 },
                 environ={},
             )
+            reaper: RunReaper | None = None
             try:
                 # Its one job is the caller's own: the caller's environment passes on whole.
                 async with Daemon(config, console=write_line, pass_environment=True) as daemon:
+                    # Outlives this process: if it is killed (kill -9 too), the reaper kills
+                    # what the job left and removes the temporary folder (elasticd.supervise.
+                    # reaper); told "done" below, once the daemon has stopped cleanly.
+                    reaper = RunReaper(
+                        cgroup=daemon.containment.base,
+                        match={"ELASTICD_URL": config.url, "ELASTICD_JOB_ID": str(spec.id)},
+                        remove=work,
+                    ).start()
                     job, _ = await daemon.jobs.submit(spec)
                     final = await daemon.jobs.wait(job.id, s["timeout"])
+                reaper.done()
                 if final.state is not JobState.SUCCEEDED:
                     raise LaunchError(_failure_message(self._name, final), job=final)
                 values = self._results(results, nproc, final)
                 succeeded = True
                 return values
             finally:
+                if reaper is not None:
+                    reaper.done()  # a second call does nothing
                 if succeeded and not keep_logs:
                     shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -2,7 +2,9 @@
 
 Start-up: check the settings (the token file, the bind address, the store's
 security: :func:`elasticd.config.check_store`) before anything connects,
-open the database, open the store, start the HTTP server inside
+lock the state folder (:mod:`elasticd.node.statelock`: one daemon per folder,
+a second one exits 2 naming the holder's pid), open the database (a damaged
+one is refused, or set aside: ``on_corrupt_database``), open the store, start the HTTP server inside
 this event loop (it binds first: the port is part of this node's record;
 ``/readyz`` says "starting" until the end), wait until the store answers
 (the nodes of a cluster start in any order: retried with backoff, logged
@@ -76,6 +78,7 @@ from elasticd.errors import (
     ElasticdError,
     StoreAuthError,
     StoreError,
+    StoreUnavailable,
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
@@ -88,6 +91,7 @@ from elasticd.node.events import EventLog
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
+from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import Plan
 from elasticd.security import (
     UNIX_PATH_MAX,
@@ -249,13 +253,19 @@ class Daemon:
         environ: dict[str, str] | None = None,
         worker_stdin: int | None = None,
         pass_environment: bool = False,
+        state_lock: StateLock | None = None,
     ) -> None:
         """``pass_environment``: the jobs get this process's whole environment, as torchrun's
         workers get the caller's; only an embedded daemon (``elasticd run``,
         ``elasticd.launch``), whose one job is its caller's own, sets it. Otherwise a job gets
         :data:`~elasticd.supervise.env.ALLOWED_ENV` of it and its own ``env``: a served daemon
-        runs other users' jobs, and its environment is the operator's."""
+        runs other users' jobs, and its environment is the operator's.
+
+        ``state_lock``: the state folder's lock, already held by the caller (``elasticd run``
+        locks the folder before it writes its token there); otherwise :meth:`start` takes it
+        first and releases it last."""
         self.config = config
+        self._state_lock = state_lock
         #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
         self._worker_stdin = worker_stdin
         self.clock = clock
@@ -310,7 +320,12 @@ class Daemon:
         self._store_wait: str | None = None
         #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
         self.storage = StorageHealth(clock)
-        self.db = Database(config.state_dir / "elasticd.sqlite3", self.storage)
+        self.db = Database(
+            config.state_dir / "elasticd.sqlite3",
+            self.storage,
+            on_corrupt=config.on_corrupt_database,
+            now=clock.time,
+        )
         self.store: Store
         self.events: EventLog
         self.jobs: JobService
@@ -365,27 +380,17 @@ class Daemon:
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
+        # One daemon per state folder, locked before anything touches it (the database,
+        # the store, the sweep, the cgroup subtree): a second one exits 2 naming this pid.
+        if self._state_lock is None or not self._state_lock.held:
+            lock = StateLock(self.config.state_dir).acquire()
+            stack.callback(lock.release)
         # Born private whatever the umask (secure_state_dir opens them up as far as needed).
         make_private_dir(self.config.state_dir)
         make_private_dir(self.config.logs)
         self.db.open()
         stack.callback(self.db.close)
-        self.store = self._injected_store or open_store(
-            self.config.store_url,
-            token=self.cluster_token,
-            state_dir=self.config.state_dir,
-            max_value_bytes=self.config.store_max_value_bytes,
-            max_list_bytes=self.config.store_max_list_bytes,
-            etcd=EtcdOptions(
-                username=self.config.store_username,
-                password=self._store_password,
-                ca_file=self.config.store_ca_file,
-                cert_file=self.config.store_cert_file,
-                key_file=self.config.store_key_file,
-                prefix=self.config.store_prefix,
-            ),
-            lease_ttl=self.config.lease_ttl,
-        )
+        self.store = self._injected_store or self._open_store()
         stack.push_async_callback(self.store.close)
         if isinstance(self.store, EmbeddedStore):
             self.store.health = self.storage  # a full disk under its journal is reported too
@@ -498,6 +503,32 @@ class Daemon:
             slots,
             self.config.state_dir,
         )
+
+    def _open_store(self) -> Store:
+        """The configured store; an embedded one that cannot open its journal (a damaged or
+        unreadable ``store.sqlite3``) is a refusal to start (exit 2, one line), not a crash:
+        a restart cannot mend it."""
+        try:
+            return open_store(
+                self.config.store_url,
+                token=self.cluster_token,
+                state_dir=self.config.state_dir,
+                max_value_bytes=self.config.store_max_value_bytes,
+                max_list_bytes=self.config.store_max_list_bytes,
+                etcd=EtcdOptions(
+                    username=self.config.store_username,
+                    password=self._store_password,
+                    ca_file=self.config.store_ca_file,
+                    cert_file=self.config.store_cert_file,
+                    key_file=self.config.store_key_file,
+                    prefix=self.config.store_prefix,
+                ),
+                lease_ttl=self.config.lease_ttl,
+            )
+        except StoreUnavailable as exc:
+            if self.config.store_url is not None:
+                raise
+            raise ConfigError(str(exc)) from None
 
     async def refuse_open_store(self) -> None:
         """Refuse a daemon's HTTP store that answers without a credential (loopback too).

@@ -17,20 +17,44 @@ A write the disk refuses (full, I/O error) never raises into the caller of
 in order, in the database's :class:`~elasticd.storage.WriteBacklog`, which
 retries until it lands and keeps the "degraded" fact in
 :attr:`Database.health` meanwhile (see :mod:`elasticd.storage`).
+
+A damaged file (garbage in its header, a truncated file, a page that no
+longer parses) is found when it is opened (SQLite's ``quick_check``, before
+any event is read or written) and never becomes a traceback or a crash loop:
+by default (``on_corrupt_database = "refuse"``) the daemon refuses to start
+with :class:`~elasticd.errors.StateFileDamaged` (exit 2) naming the file and
+the recovery; with ``"set_aside"`` the file (and its ``-wal``/``-shm``) is
+renamed ``<name>.corrupt-<UTC time>``, never deleted, and the daemon starts
+with an empty one (:attr:`Database.set_aside` says where it went). What is
+lost then is this node's local copy of its events (those already published
+are in the store) and its record of spawned workers (the cgroup sweep still
+finds a previous run's processes).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Literal, Self
 
+from elasticd.errors import StateFileDamaged
 from elasticd.models import Event
 from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import StorageHealth, WriteBacklog
+
+log = logging.getLogger("elasticd.node.db")
+
+#: The ``on_corrupt_database`` config key: what a daemon does with a damaged database.
+OnCorrupt = Literal["refuse", "set_aside"]
+
+#: The files of one SQLite database in WAL mode, by suffix.
+_COMPANIONS = ("", "-wal", "-shm")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -67,26 +91,113 @@ class WorkerRecord:
     local_rank: int
 
 
+def set_aside_name(path: Path, now: float, taken: Callable[[Path], bool]) -> Path:
+    """Where a damaged database goes: ``<name>.corrupt-<UTC time>`` beside it (pure).
+
+    ``taken(candidate)`` says whether a name is in use (one of its files
+    exists); a second damaged file in the same second gets ``.1``, ``.2``, ...
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    base = path.with_name(f"{path.name}.corrupt-{stamp}")
+    candidate, n = base, 0
+    while taken(candidate):
+        n += 1
+        candidate = base.with_name(f"{base.name}.{n}")
+    return candidate
+
+
+def damaged_message(path: Path, why: str) -> str:
+    """The one line a daemon refusing a damaged database prints (pure)."""
+    return (
+        f"the daemon's database {path} is damaged ({why}); restore it from a backup, or move "
+        f"it aside (mv {path} {path}.bad) to start with an empty one: it holds this node's "
+        f"event log and its record of running workers, the jobs are in the store; or set "
+        f'on_corrupt_database = "set_aside" and the daemon does that itself'
+    )
+
+
 class Database:
     """The daemon's SQLite file. Open with ``async with`` or ``open()``/``close()``."""
 
-    def __init__(self, path: Path, health: StorageHealth | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        health: StorageHealth | None = None,
+        *,
+        on_corrupt: OnCorrupt = "refuse",
+        now: Callable[[], float] = time.time,
+    ) -> None:
         self.path = path
         self._conn: sqlite3.Connection | None = None
         self.health = health if health is not None else StorageHealth()
         #: Writes the disk refused, in order, retried until they land.
         self.backlog = WriteBacklog(f"state file {path}", self.health)
+        self.on_corrupt = on_corrupt
+        self._now = now
+        #: Where a damaged file was moved by ``open()`` (``on_corrupt = "set_aside"``).
+        self.set_aside: Path | None = None
+        #: Why it was: SQLite's words.
+        self.damage: str | None = None
 
     def open(self) -> Self:
+        """Open (or create) the file; a damaged one is refused or set aside (see the module)."""
         make_private_dir(self.path.parent)
+        try:
+            self._conn = self._connect()
+        except sqlite3.DatabaseError as exc:
+            if not _is_damage(exc):
+                raise
+            self.damage = str(exc)
+            if self.on_corrupt != "set_aside":
+                raise StateFileDamaged(damaged_message(self.path, str(exc))) from None
+            self.set_aside = self._move_aside()
+            log.warning(
+                "the daemon's database %s was damaged (%s): moved to %s (kept, with its -wal "
+                "and -shm); starting with an empty one: this node's earlier local events and "
+                "its record of spawned workers are in the moved file",
+                self.path,
+                exc,
+                self.set_aside,
+            )
+            self._conn = self._connect()
+        return self
+
+    def _connect(self) -> sqlite3.Connection:
         create_private_file(self.path)  # born 0600, and so are its -wal and -shm files
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(SCHEMA)
-        self._conn = conn
-        return self
+        # A damaged row's bytes may not be UTF-8: read them as text that then fails to
+        # parse (and is skipped), not as an error out of fetchall().
+        conn.text_factory = lambda raw: raw.decode(errors="replace")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            # Every page of every table and index, before anything is read or written: a
+            # damaged file is found here, not half-way through a start-up that already
+            # emitted events (issue 23). Milliseconds for the bounded event log.
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+            if problems != ["ok"]:
+                found = " ".join(" ".join(str(p).split()) for p in problems)  # one line
+                raise sqlite3.DatabaseError(f"quick_check: {found}")
+            conn.executescript(SCHEMA)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _move_aside(self) -> Path:
+        """Rename the file and its companions to one new name each (never deleted)."""
+
+        def taken(candidate: Path) -> bool:
+            return any(Path(f"{candidate}{suffix}").exists() for suffix in _COMPANIONS)
+
+        target = set_aside_name(self.path, self._now(), taken)
+        for suffix in _COMPANIONS:
+            try:
+                os.rename(f"{self.path}{suffix}", f"{target}{suffix}")
+            except FileNotFoundError:
+                pass
+        return target
 
     def close(self) -> None:
         if self._conn is not None:
@@ -136,7 +247,7 @@ class Database:
             "SELECT seq, doc FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
             (job_id, after, limit),
         ).fetchall()
-        return [Event.model_validate_json(doc).model_copy(update={"seq": seq}) for seq, doc in rows]
+        return self._parse(rows)
 
     def jobs_quiet_since(self, before: float) -> list[str]:
         """Jobs with local events, none of them newer than ``before`` (wall time)."""
@@ -156,7 +267,19 @@ class Database:
         rows = self.conn.execute(
             "SELECT seq, doc FROM events WHERE published = 0 ORDER BY seq"
         ).fetchall()
-        return [Event.model_validate_json(doc).model_copy(update={"seq": seq}) for seq, doc in rows]
+        return self._parse(rows)
+
+    def _parse(self, rows: Iterable[tuple[int, str]]) -> list[Event]:
+        """The events of ``rows``; a row whose document no longer parses (bytes of a page
+        changed where SQLite's structure check cannot see: inside a record) is skipped and
+        logged, never a crash of whoever reads."""
+        events = []
+        for seq, doc in rows:
+            try:
+                events.append(Event.model_validate_json(doc).model_copy(update={"seq": seq}))
+            except ValueError as exc:
+                log.warning("%s: skipping event row %s, which is damaged: %s", self.path, seq, exc)
+        return events
 
     def mark_published(self, seqs: Iterable[int]) -> None:
         seqs = list(seqs)
@@ -205,3 +328,13 @@ class Database:
 
 def _ignore(_: object) -> None:
     """The result of a write nobody waits for."""
+
+
+def _is_damage(exc: sqlite3.DatabaseError) -> bool:
+    """A file that does not read as a database, as opposed to one that cannot be reached.
+
+    ``OperationalError`` is locked, read-only, I/O or a full disk: those are
+    the disk's or another process's, not the file's, and setting the file
+    aside would lose a good database; they keep their own error.
+    """
+    return not isinstance(exc, sqlite3.OperationalError)

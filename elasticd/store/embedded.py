@@ -180,7 +180,12 @@ class EmbeddedStore(MemoryStore):
             db.execute("COMMIT")
         except sqlite3.Error as exc:
             db.close()
-            raise StoreUnavailable(f"cannot read the store's state file {path}: {exc}") from exc
+            fix = ""
+            if not isinstance(exc, sqlite3.OperationalError):  # the file's, not the disk's
+                fix = "; the file is damaged: restore it from a backup"
+            raise StoreUnavailable(
+                f"cannot read the store's state file {path}: {exc}{fix}"
+            ) from exc
         except BaseException:
             db.close()
             raise

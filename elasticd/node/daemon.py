@@ -386,6 +386,7 @@ class Daemon:
             record,
             on_jobs=self._on_jobs,
             on_refused=self._on_refused_job,
+            on_renewed=self._on_store_answers,
             lease_ttl=self.config.lease_ttl,
             clock=self.clock,
         )
@@ -659,6 +660,10 @@ class Daemon:
                 await self.jobs.expire(retention)
             except ElasticdError as exc:  # the store is away: try again next time
                 log.warning("job retention: %s", exc)
+
+    def _on_store_answers(self) -> None:
+        if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
+            self.jobs.store_answers()
 
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):

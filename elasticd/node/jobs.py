@@ -854,6 +854,17 @@ class JobService:
         self._known = known
         self._reconcile()
 
+    def store_answers(self) -> None:
+        """The store answers again (this node's lease was renewed).
+
+        A job told ``store.lost`` whose agent no longer runs here (the plan
+        dropped this node meanwhile, or the agent ended) gets its ``store.back``
+        now; a running agent says it itself once the store serves its round.
+        """
+        for job_id in self.events.store_lost_jobs():
+            if job_id not in self._agents:
+                self.events.store_back(job_id)
+
     def on_plan(self, plan: Plan) -> None:
         """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
         self.plan = plan

@@ -403,6 +403,7 @@ class Daemon:
             base_env=self._environ,
             job_base_env=self._job_environ,
             storage=self.storage,
+            db=self.db,
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check

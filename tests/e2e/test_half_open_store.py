@@ -220,10 +220,12 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
                 await until(paired, 40, "every store.lost of n1 followed by its store.back")
             except AssertionError:
                 events = await events_of(c0, "elastic")
-                raise AssertionError(
-                    f"{node_events(events, 'n1')}\n{cluster.logs()}"
-                ) from None
-            report("half-open store", "heal -> every store.lost of n1 answered", time.monotonic() - healed)
+                raise AssertionError(f"{node_events(events, 'n1')}\n{cluster.logs()}") from None
+            report(
+                "half-open store",
+                "heal -> every store.lost of n1 answered",
+                time.monotonic() - healed,
+            )
             events = await events_of(c0, "elastic")
             kinds = [k for k, _ in node_events(events, "n1")]
             assert "agent.fenced" in kinds, kinds

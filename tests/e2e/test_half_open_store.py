@@ -160,7 +160,7 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
     await proxy.start()
     try:
         cluster.store_url = f"http://127.0.0.1:{proxy.port}"
-        cluster.start("n1")
+        cluster.start("n1", "--labels", "host=n1")
         await cluster.wait_ready("n1")
         async with cluster.client("n0") as c0, cluster.client("n1") as c1:
             r = await c0.post(
@@ -175,19 +175,35 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
                 },
             )
             assert r.status_code == 201, r.text
+            # And a job only n1 may run, cancelled (on n0) while n1 cannot hear of it: its
+            # agent on n1 ends without forming another round once the link heals.
+            r = await c0.post(
+                "/jobs",
+                json={
+                    "id": "pinned",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "node_selector": {"host": "n1"},
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
 
-            async def both_started() -> bool:
-                started = {
+            async def all_started() -> bool:
+                elastic = {
                     e["node"]
                     for e in await events_of(c0, "elastic")
                     if e["kind"] == "workers.started"
                 }
-                return started == {"n0", "n1"}
+                pinned = [
+                    e for e in await events_of(c0, "pinned") if e["kind"] == "workers.started"
+                ]
+                return elastic == {"n0", "n1"} and bool(pinned)
 
-            await until(both_started, 30, "workers on both nodes")
+            await until(all_started, 30, "workers of both jobs")
 
             proxy.go_silent()
-            silenced = time.monotonic()
+            silenced, silenced_wall = time.monotonic(), time.time()
             # API calls on n1 that need the store, while its link is silent.
             worst = 0.0
             for method, path, kw in [
@@ -206,29 +222,50 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
 
             # The silence lasts well past the lease: n1 fences and its agent says store.lost,
             # and the leader (n0) drops n1 from the job's placement.
+            # n1 says store.lost for "pinned" (silence + lease + a few bounded calls, under
+            # 10 s; its event reaches the store after healing); then n0 cancels it.
+            rest = 3 * LEASE_TTL - (time.monotonic() - silenced)
+            await asyncio.sleep(max(rest, 0.0))
+            r = await c0.post("/jobs/pinned/cancel", json={})
+            assert r.status_code == 200, r.text
             rest = 4 * LEASE_TTL - (time.monotonic() - silenced)
             await asyncio.sleep(max(rest, 0.0))  # the fault itself lasts this long
             proxy.heal()
             healed = time.monotonic()
 
             async def paired() -> bool:
-                events = await events_of(c0, "elastic")
-                kinds = [k for k, _ in node_events(events, "n1")]
-                return "store.lost" in kinds and unanswered_losses(events, "n1") == 0
+                for job_id in ("elastic", "pinned"):
+                    events = await events_of(c0, job_id)
+                    kinds = [k for k, _ in node_events(events, "n1")]
+                    if "store.lost" not in kinds or unanswered_losses(events, "n1"):
+                        return False
+                return True
 
             try:
                 await until(paired, 40, "every store.lost of n1 followed by its store.back")
             except AssertionError:
-                events = await events_of(c0, "elastic")
-                raise AssertionError(f"{node_events(events, 'n1')}\n{cluster.logs()}") from None
+                elastic, pinned = [await events_of(c0, j) for j in ("elastic", "pinned")]
+                raise AssertionError(
+                    f"elastic: {node_events(elastic, 'n1')}\npinned: {node_events(pinned, 'n1')}"
+                    f"\n{cluster.logs()}"
+                ) from None
             report(
                 "half-open store",
                 "heal -> every store.lost of n1 answered",
                 time.monotonic() - healed,
             )
+            assert (await c0.get("/jobs/pinned")).json()["state"] == "CANCELLED"
             events = await events_of(c0, "elastic")
-            kinds = [k for k, _ in node_events(events, "n1")]
-            assert "agent.fenced" in kinds, kinds
+            # Said within a lease and one bounded call of the silence (was ~12 s after the
+            # fence: the agent's call waited the client's 10 s).
+            lost = next(e for e in events if e["node"] == "n1" and e["kind"] == "store.lost")
+            late = lost["time"] - silenced_wall
+            timeline = [
+                f"{e['time'] - silenced_wall:+.2f} {e['kind']}" for e in events if e["node"] == "n1"
+            ]
+            # Fenced within the lease, then at most two bounded calls before the failing one.
+            assert late < LEASE_TTL + 3 * PROMISED + 1.0, "\n".join(timeline)
+            report("half-open store", "silence -> store.lost of n1", late)
             assert_never_failed(events)
             job = (await c0.get("/jobs/elastic")).json()
             assert job["restart_count"] == 0, job

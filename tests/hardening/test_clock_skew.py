@@ -246,6 +246,7 @@ async def test_a_job_is_kept_for_the_whole_retention_and_deleted_after_it_whatev
     retention plus one pass of the loop and the watch's delay, never seconds early or an
     hour late."""
     took, skew = await run_until_deleted(tmp_path, runner_offset=runner_offset, step=step)
+    print(f"\nCLOCK-SKEW {why}: deleted {took:.2f} s after its end (retention {RETENTION} s)")
     assert abs(abs(skew) - HOUR) < 60, (why, skew)  # the fault was really there
     assert took >= RETENTION - 0.2, f"{why}: deleted {took:.2f} s after its end"
     assert took <= RETENTION + 2.5, f"{why}: still kept {took:.2f} s after its end"
@@ -259,4 +260,5 @@ async def test_a_restart_of_the_deleter_neither_resets_nor_forgets_when_it_saw_t
     counted from the end it saw before the restart (kept in its database), not at once,
     and not a whole retention after the restart."""
     took, _ = await run_until_deleted(tmp_path, runner_offset=-HOUR, restart=True)
+    print(f"\nCLOCK-SKEW restart: deleted {took:.2f} s after its end (retention {RETENTION} s)")
     assert RETENTION - 0.2 <= took <= RETENTION + 1.2, took

@@ -262,8 +262,6 @@ class JobAgent:
         self._attempt_tag = ""
         #: When the health checks last passed, until workers are started after them.
         self._checked_at: float | None = None
-        #: Monotonic time the store was lost (``store.lost``), until it serves a round again.
-        self._store_lost_at: float | None = None
         #: The user the job runs as (None: the daemon's), decided before anything of it runs.
         self._identity: Identity | None = None
         #: ``containment.partial`` was emitted (once per job per node).
@@ -377,26 +375,19 @@ class JobAgent:
                     # compacted watch): not an outage; go again after a short pause.
                     await asyncio.sleep(0.2)
                     continue
-                if self._store_lost_at is None:  # one event for the whole outage
-                    self._store_lost_at = self.ctx.clock.monotonic()
-                    self._emit(
-                        EventKind.STORE_LOST,
-                        f"{self.ctx.node} cannot reach the store ({exc}); "
-                        "its workers are stopped until the store is back",
-                    )
+                # One event for the whole outage; the node says store.back for it,
+                # also when this agent is gone by then (the plan dropped this node).
+                self.ctx.events.store_lost(
+                    self.job_id,
+                    "agent",
+                    f"{self.ctx.node} cannot reach the store ({exc}); "
+                    "its workers are stopped until the store is back",
+                )
                 await self._until_store_answers()
 
     def _store_reached(self) -> None:
         """The store served a whole rendezvous: an outage in progress is over (one event)."""
-        if self._store_lost_at is None:
-            return
-        lost_for = self.ctx.clock.monotonic() - self._store_lost_at
-        self._store_lost_at = None
-        self._emit(
-            EventKind.STORE_BACK,
-            f"{self.ctx.node} reaches the store again after {lost_for:.1f} s",
-            duration_s=lost_for,
-        )
+        self.ctx.events.store_back(self.job_id)
 
     async def _until_store_answers(self) -> None:
         """Probe the store with backoff (0.1 s to 2 s) until a read succeeds."""

@@ -103,14 +103,18 @@ class Cluster:
         *,
         on_jobs: Callable[[list[Job]], None],
         on_refused: Callable[[str, str], None] | None = None,
+        on_renewed: Callable[[], None] | None = None,
         lease_ttl: float = DEFAULT_LEASE_TTL,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        """``on_renewed()`` is called after each lease renewal that got through: the
+        store answers (the node then says ``store.back`` where an agent cannot)."""
         self.store = store
         self.record = record
         self.lease_ttl = lease_ttl
         self._on_jobs = on_jobs
         self._on_refused = on_refused
+        self._on_renewed = on_renewed
         #: Refused job documents already reported: key -> the revision reported.
         self._refused: dict[str, int] = {}
         self._clock = clock
@@ -223,6 +227,8 @@ class Cluster:
                 await self.store.keep_alive(lease)
                 self.renewed_at = max(sent, self.renewed_at or sent)
                 failing_since = None
+                if self._on_renewed is not None:
+                    self._on_renewed()
             except LeaseNotFound:
                 log.warning("node %s lost its lease; registering again", self.record.name)
                 self._lease = None

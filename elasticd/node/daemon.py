@@ -424,6 +424,7 @@ class Daemon:
             record,
             on_jobs=self._on_jobs,
             on_refused=self._on_refused_job,
+            on_renewed=self._on_store_answers,
             lease_ttl=self.config.lease_ttl,
             clock=self.clock,
         )
@@ -440,6 +441,7 @@ class Daemon:
             base_env=self._environ,
             job_base_env=self._job_environ,
             storage=self.storage,
+            db=self.db,
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
@@ -731,6 +733,10 @@ class Daemon:
                 await self.jobs.expire(retention)
             except ElasticdError as exc:  # the store is away: try again next time
                 log.warning("job retention: %s", exc)
+
+    def _on_store_answers(self) -> None:
+        if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
+            self.jobs.store_answers()
 
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):

@@ -45,6 +45,7 @@ from typing import Literal, Self
 
 from elasticd.errors import StateFileDamaged
 from elasticd.models import Event
+from elasticd.node.retention import EndSeen
 from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import StorageHealth, WriteBacklog
 
@@ -74,6 +75,13 @@ CREATE TABLE IF NOT EXISTS workers (
     attempt    INTEGER,
     local_rank INTEGER NOT NULL,
     PRIMARY KEY (pid, start_time)
+);
+-- When this node saw each finished job end, on its monotonic clock (elasticd.node.retention).
+CREATE TABLE IF NOT EXISTS job_ends (
+    job_id      TEXT PRIMARY KEY,
+    finished_at REAL,
+    boot_id     TEXT NOT NULL,
+    seen_at     REAL NOT NULL
 );
 """
 
@@ -287,6 +295,30 @@ class Database:
             self.conn.executemany(
                 "UPDATE events SET published = 1 WHERE seq = ?", [(s,) for s in seqs]
             )
+
+    # when finished jobs were seen to end (elasticd.node.retention)
+
+    def record_job_end(self, job_id: str, end: EndSeen) -> None:
+        """Remember when this node saw ``job_id`` end (queued if the disk refuses)."""
+        self.backlog.submit(
+            lambda: self.conn.execute(
+                "INSERT OR REPLACE INTO job_ends (job_id, finished_at, boot_id, seen_at)"
+                " VALUES (?, ?, ?, ?)",
+                (job_id, end.finished_at, end.boot_id, end.at),
+            ),
+            _ignore,
+        )
+
+    def forget_job_end(self, job_id: str) -> None:
+        self.backlog.submit(
+            lambda: self.conn.execute("DELETE FROM job_ends WHERE job_id = ?", (job_id,)), _ignore
+        )
+
+    def job_ends(self) -> dict[str, EndSeen]:
+        rows = self.conn.execute(
+            "SELECT job_id, finished_at, boot_id, seen_at FROM job_ends"
+        ).fetchall()
+        return {job_id: EndSeen(finished, boot, at) for job_id, finished, boot, at in rows}
 
     # spawned workers (elasticd.supervise.spawn: the start-up sweep of orphans)
 

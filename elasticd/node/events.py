@@ -132,6 +132,10 @@ class EventLog:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._publisher: asyncio.Task[None] | None = None
         self._listeners: list[Any] = []
+        #: Jobs told ``store.lost`` and not yet ``store.back``: job -> (monotonic time
+        #: lost, the source that said it). Kept by the node, not the agent: an agent
+        #: torn down during the outage (the plan dropped this node) cannot say it is back.
+        self._store_lost: dict[str, tuple[float, EventSource]] = {}
 
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` synchronously after every emit (metrics)."""
@@ -275,12 +279,53 @@ class EventLog:
             for _ in queued:
                 self._queue.task_done()
 
+    # store outages: every store.lost of a job is followed by its store.back
+
+    def store_lost(self, job_id: str, source: EventSource, message: str) -> bool:
+        """Say ``store.lost`` for ``job_id``, once per outage; True when it was said now."""
+        if job_id in self._store_lost:
+            return False
+        self._store_lost[job_id] = (self._clock.monotonic(), source)
+        self.emit(job_id, source, EventKind.STORE_LOST, message)
+        return True
+
+    def store_back(self, job_id: str | None = None) -> list[str]:
+        """The store answers again: ``store.back`` for ``job_id`` if it was told
+        ``store.lost`` (``None``: for every job told it); the jobs told now.
+
+        The agent says it when the store serves its rendezvous again; the node
+        (its lease renewed: :class:`~elasticd.node.cluster.Cluster`) says it for
+        every job still waiting, whether or not its agent still runs here.
+        """
+        jobs = list(self._store_lost) if job_id is None else [job_id]
+        now = self._clock.monotonic()
+        told = []
+        for job in jobs:
+            lost = self._store_lost.pop(job, None)
+            if lost is None:
+                continue
+            lost_at, source = lost
+            self.emit(
+                job,
+                source,
+                EventKind.STORE_BACK,
+                f"{self._node} reaches the store again after {now - lost_at:.1f} s",
+                duration_s=now - lost_at,
+            )
+            told.append(job)
+        return told
+
+    def store_lost_jobs(self) -> list[str]:
+        """Jobs told ``store.lost`` and not yet ``store.back``."""
+        return list(self._store_lost)
+
     def quiet_since(self, before: float) -> list[str]:
         """Jobs this node holds events of, the newest older than ``before``."""
         return self._db.jobs_quiet_since(before)
 
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""
+        self._store_lost.pop(job_id, None)
         self._db.delete_events(job_id)
 
     # reading: this node's own events

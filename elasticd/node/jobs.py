@@ -93,8 +93,10 @@ from elasticd.models import (
     valid_job_id,
 )
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
+from elasticd.node.db import Database
 from elasticd.node.events import EventLog
 from elasticd.node.logfollow import LogGrowth
+from elasticd.node.retention import EndSeen, expired, seen_end
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
 from elasticd.sched.plan import Plan
 from elasticd.security import Identity
@@ -102,7 +104,7 @@ from elasticd.states import JOB_ACTIVE, JobState, WorkerState, job_transition
 from elasticd.storage import Degraded, StorageHealth
 from elasticd.store import Entry, Store
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
-from elasticd.supervise.spawn import DEFAULT_POLICY
+from elasticd.supervise.spawn import DEFAULT_POLICY, boot_id
 from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.jobs")
@@ -216,7 +218,10 @@ class JobService:
         base_env: dict[str, str] | None = None,
         storage: StorageHealth | None = None,
         job_base_env: dict[str, str] | None = None,
+        db: Database | None = None,
     ) -> None:
+        """``db``: where this node keeps when it saw jobs end (retention survives a
+        restart); None keeps it in memory only."""
         self.config = config
         self.logs = LogLayout(config.logs)
         #: Log followers wait on it; the agents' output pipes tell it when a log grew.
@@ -244,6 +249,11 @@ class JobService:
         self._job_base_env = job_base_env
         self._known: dict[str, Job] = {}
         self._watched = False
+        #: When this node saw each finished job end, on its monotonic clock
+        #: (:mod:`elasticd.node.retention`); loaded from ``db`` at the first watch.
+        self._db = db
+        self._boot_id = boot_id()
+        self._ends: dict[str, EndSeen] = {}
         #: The fleet's plan as last seen (``sched/plan``): agents run only where it places them.
         self.plan: Plan | None = None
         #: Jobs whose agent here is being stopped because the plan no longer places them here.
@@ -495,14 +505,11 @@ class JobService:
         Every daemon may run this: a job deleted meanwhile by another one is
         skipped (the deletion is a compare-and-set on the job document).
         """
-        cutoff = self.clock.time() - retention
-        expired = [
-            job.id
-            for job in self._known.values()
-            if job.state.is_terminal and job.finished_at is not None and job.finished_at < cutoff
-        ]
+        # Measured from when this node saw the end, on its monotonic clock: the document's
+        # finished_at is another node's wall clock, which may be hours off this one's.
+        finished = [job for job in self._known.values() if job.state.is_terminal]
         deleted = []
-        for job_id in expired:
+        for job_id in expired(finished, self._ends, self.clock.monotonic(), retention):
             try:
                 await self.delete(job_id)
             except (JobNotFound, JobConflict):
@@ -512,6 +519,9 @@ class JobService:
             log.info("deleted %d job(s) finished over %.0f s ago", len(deleted), retention)
         if self._watched:
             # Events of jobs deleted while this daemon was down: nobody else drops them.
+            # Their times are this node's own clock, and only jobs gone from the store
+            # lose them, so a step of the clock cannot delete a live job's events.
+            cutoff = self.clock.time() - retention
             for job_id in self.events.quiet_since(cutoff):
                 if job_id not in self._known:
                     self.events.forget(job_id)
@@ -538,6 +548,7 @@ class JobService:
                 await self.store.delete(item.key)
         self.events.forget(job_id)
         self._done_here.discard(job_id)
+        self._forget_end(job_id)
 
     async def _close_rendezvous(self, job_id: str) -> None:
         rdzv = self._rendezvous(await self.get(job_id))
@@ -846,6 +857,7 @@ class JobService:
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes."""
+        first = not self._watched
         self._watched = True  # _known now mirrors the store
         known = {j.id: j for j in jobs}
         for gone in self._known.keys() - known.keys():
@@ -853,8 +865,44 @@ class JobService:
             self.events.forget(gone)
             self._done_here.discard(gone)
             self._agent_crashes.pop(gone, None)
+            self._forget_end(gone)
         self._known = known
+        self._see_ends(first)
         self._reconcile()
+
+    def _see_ends(self, first: bool) -> None:
+        """Record when this node first saw each finished job end (retention counts from it)."""
+        if first and self._db is not None and self._db.is_open:
+            self._ends = self._db.job_ends()  # from before a restart: still counting
+        now = self.clock.monotonic()
+        for job_id in list(self._ends):
+            job = self._known.get(job_id)
+            if job is None or not job.state.is_terminal:  # deleted while down, or id reused
+                self._forget_end(job_id)
+        for job in self._known.values():
+            if not job.state.is_terminal:
+                continue
+            before = self._ends.get(job.id)
+            end = seen_end(job, before, self._boot_id, now)
+            if end != before:
+                self._ends[job.id] = end
+                if self._db is not None and self._db.is_open:
+                    self._db.record_job_end(job.id, end)
+
+    def _forget_end(self, job_id: str) -> None:
+        if self._ends.pop(job_id, None) is not None and self._db is not None and self._db.is_open:
+            self._db.forget_job_end(job_id)
+
+    def store_answers(self) -> None:
+        """The store answers again (this node's lease was renewed).
+
+        A job told ``store.lost`` whose agent no longer runs here (the plan
+        dropped this node meanwhile, or the agent ended) gets its ``store.back``
+        now; a running agent says it itself once the store serves its round.
+        """
+        for job_id in self.events.store_lost_jobs():
+            if job_id not in self._agents:
+                self.events.store_back(job_id)
 
     def on_plan(self, plan: Plan) -> None:
         """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""

@@ -163,7 +163,9 @@ def open_store(
     * ``etcd://h1:2379,h2:2379`` (``etcds://`` or ``etcd+https://`` for TLS):
       etcd, failing over between the endpoints in order, as ``etcd`` says.
       With ``lease_ttl`` every etcd call is bounded as
-      :func:`etcd_call_timeouts` says, not by ``timeout``.
+      :func:`etcd_call_timeouts` says, not by ``timeout``; with ``lease_ttl`` every
+      call to another daemon's store (its wait for a turn included) is bounded by
+      the second of those, two thirds of the lease.
 
     Raises :class:`~elasticd.errors.ConfigError` for any other URL.
     """
@@ -179,10 +181,12 @@ def open_store(
     if target.kind == "http":
         from elasticd.store.http import HttpStore
 
+        # Every call for the API, the lease and the agents answers within two thirds of
+        # the lease (503 naming the wait), also on a link that accepts and never answers.
         return HttpStore(
             target.urls[0],
             token,
-            timeout=timeout,
+            timeout=timeout if lease_ttl is None else etcd_call_timeouts(lease_ttl, timeout)[1],
             max_value_bytes=max_value_bytes,
             max_list_bytes=max_list_bytes,
         )

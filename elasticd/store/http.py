@@ -24,6 +24,7 @@ several polls.
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import builtins
 import importlib.util
@@ -105,7 +106,10 @@ class HttpStore(Store):
     """A :class:`Store` at ``base_url`` (e.g. ``http://node1:7070``), over HTTP.
 
     ``timeout`` bounds every request but a watch, whose bound is its own
-    timeout plus this one.
+    timeout plus this one: the whole call, its wait for a turn among the
+    requests in flight included. A daemon gives two thirds of its lease
+    (:func:`elasticd.store.open_store`), so an API call that needs the store
+    answers 503 within that when the store does not answer.
     """
 
     def __init__(
@@ -164,9 +168,20 @@ class HttpStore(Store):
                     method, path, params=params, body=body, timeout=timeout, gated=False
                 )
 
-            if method == "GET":  # a read: identical ones waiting for a turn share it
-                return await self._gate.read((path, tuple(sorted((params or {}).items()))), send)
-            return await self._gate.run(send)
+            # One bound for the whole call, its wait for a turn included: when the store
+            # stops answering (a half-open link, a frozen host), the calls in flight hold
+            # every turn, and a caller behind them must not wait for them and then its own.
+            limit = self._timeout if timeout is None else timeout
+            try:
+                async with asyncio.timeout(limit):
+                    if method == "GET":  # a read: identical ones waiting for a turn share it
+                        slot = (path, tuple(sorted((params or {}).items())))
+                        return await self._gate.read(slot, send)
+                    return await self._gate.run(send)
+            except TimeoutError as exc:
+                raise StoreUnavailable(
+                    f"store at {self.base_url} did not answer {method} {path} within {limit:g}s"
+                ) from exc
         if self._closed:
             raise StoreUnavailable(f"the client of the store at {self.base_url} is closed")
         limit = self._timeout if timeout is None else timeout

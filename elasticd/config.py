@@ -160,6 +160,41 @@ class Config(BaseModel):
         "after it ends; then any daemon deletes it, as DELETE /jobs/{id} does. Worker log files "
         "stay on disk. 0 keeps finished jobs forever.",
     )
+    event_retention_first: int = Field(
+        default=100,
+        ge=0,
+        le=1_000_000,
+        description="Per job and node, the first events always kept (besides every failure).",
+    )
+    event_retention_last: int = Field(
+        default=400,
+        ge=1,
+        le=1_000_000,
+        description="Per job and node, the last events always kept (besides every failure); "
+        "routine events between the first and the last are dropped, an events.trimmed "
+        "marker in their place.",
+    )
+    log_retention_attempts: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="Per job, the newest attempts whose log folders are kept on this node; "
+        "older ones are removed at the job's end and every log_retention_interval (never a "
+        "running attempt's).",
+    )
+    log_retention_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="Per job, the most bytes of log folders kept on this node: the oldest "
+        "finished attempts are removed past it (the newest finished one always stays). "
+        "0: no byte bound.",
+    )
+    log_retention_interval: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="Seconds between two passes of log retention over every job's folder.",
+    )
     containment: Literal["auto", "cgroup", "subreaper"] = Field(
         default="auto",
         description="How the processes of a job attempt are contained (elasticd.supervise.cgroup): "
@@ -319,6 +354,11 @@ _ENV_FIELDS = {
     "LEASE_TTL": "lease_ttl",
     "JOB_RETENTION": "job_retention",
     "CONTAINMENT": "containment",
+    "EVENT_RETENTION_FIRST": "event_retention_first",
+    "EVENT_RETENTION_LAST": "event_retention_last",
+    "LOG_RETENTION_ATTEMPTS": "log_retention_attempts",
+    "LOG_RETENTION_BYTES": "log_retention_bytes",
+    "LOG_RETENTION_INTERVAL": "log_retention_interval",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",

@@ -697,6 +697,28 @@ class JobService:
                 with contextlib.suppress(StoreError):
                     await self.store.watch(job_key(job_id), entry.version, 30.0)
 
+    async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
+        """Apply log retention (``log_retention_*``) to these jobs' folders (default: all).
+
+        A job whose agent runs here keeps its newest folder whatever the
+        policy says (it may be the running attempt's). Returns what went.
+        """
+        removed: dict[str, list[int]] = {}
+        for job_id in job_ids if job_ids is not None else self.logs.job_ids():
+            if not valid_job_id(job_id):
+                continue
+            gone = await asyncio.to_thread(
+                self.logs.retain,
+                job_id,
+                self.config.log_retention_attempts,
+                self.config.log_retention_bytes,
+                job_id in self._agents,
+            )
+            if gone:
+                removed[job_id] = gone
+                log.info("job %s: log retention removed %d attempt folders", job_id, len(gone))
+        return removed
+
     def log_attempts(self, job_id: str, incarnation: str) -> list[int]:
         """The attempts of the job that have a log folder on this node, oldest first.
 
@@ -1058,6 +1080,8 @@ class JobService:
                     name=f"agent-crash-{job_id}",
                 )
                 return
+            # The job is done here (for now): its old attempts' logs go (log retention).
+            self._background.spawn(self.retain_logs([job_id]), name=f"log-retention-{job_id}")
             if job_id in self._unplaced:
                 self._unplaced.discard(job_id)
                 self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")

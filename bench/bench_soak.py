@@ -237,12 +237,23 @@ def slopes(samples: list[Sample]) -> dict[str, float]:
         half = samples
     xs = [float(s.restarts) for s in half]
     out: dict[str, float] = {}
-    for name in ("rss_mib", "events_db_mb", "store_db_mb", "local_events", "store_events",
-                 "log_dirs", "log_mb", "fds", "threads"):
+    for name in (
+        "rss_mib",
+        "events_db_mb",
+        "store_db_mb",
+        "local_events",
+        "store_events",
+        "log_dirs",
+        "log_mb",
+        "fds",
+        "threads",
+    ):
         ys = [float(getattr(s, name)) for s in half]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
-        out[name] = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        out[name] = (
+            sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+        )
     return out
 
 
@@ -314,8 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(
-            json.dumps({"args": vars(args) | {"config": str(args.config), "json": str(args.json)},
-                        "samples": [asdict(s) for s in samples]}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(args) | {"config": str(args.config), "json": str(args.json)},
+                    "samples": [asdict(s) for s in samples],
+                },
+                indent=2,
+            )
         )
     return 0 if ok else 1
 

@@ -266,6 +266,15 @@ class Config(BaseModel):
         description="Largest value the store accepts (413 beyond), for the embedded store "
         "and for this daemon's writes to any store.",
     )
+    store_history_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="The embedded store's watch history keeps the changes after any revision "
+        "it handed out (a listing's, a watch's) this many seconds ago, plus 1,000 changes "
+        "(at most 100,000 changes and 16 MiB); a watch from before gets StoreCompacted and "
+        "re-reads.",
+    )
     store_max_list_bytes: int = Field(
         default=64 << 20,
         ge=1 << 20,
@@ -374,6 +383,7 @@ _ENV_FIELDS = {
     "MAX_STREAMS": "max_streams",
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
     "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
+    "STORE_HISTORY_SECONDS": "store_history_seconds",
 }
 
 

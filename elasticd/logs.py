@@ -182,9 +182,7 @@ class LogLayout:
         except OSError:
             return []
 
-    def retain(
-        self, job_id: str, keep_attempts: int, keep_bytes: int, running: bool
-    ) -> list[int]:
+    def retain(self, job_id: str, keep_attempts: int, keep_bytes: int, running: bool) -> list[int]:
         """Apply log retention to one job's folder; the attempts removed.
 
         ``running``: an agent of the job runs here, so its newest folder may

@@ -352,6 +352,7 @@ class Daemon:
                 prefix=self.config.store_prefix,
             ),
             lease_ttl=self.config.lease_ttl,
+            history_keep=self.config.store_history_seconds,
         )
         stack.push_async_callback(self.store.close)
         if isinstance(self.store, EmbeddedStore):
@@ -365,7 +366,10 @@ class Daemon:
             self.clock,
             store=self.store,
             retention=EventRetention(
-                first=self.config.event_retention_first, last=self.config.event_retention_last
+                first=self.config.event_retention_first,
+                last=self.config.event_retention_last,
+                # Decide every quarter of the kept tail (at most 64): bounded overshoot.
+                every=max(1, min(64, self.config.event_retention_last // 4)),
             ),
         )
         self.metrics = Metrics()

@@ -343,7 +343,8 @@ class EventLog:
             Retained(
                 seq=seq,
                 time=time,
-                failure=kind != EventKind.EVENTS_TRIMMED and is_failure(kind, state, bool(has_error)),
+                failure=kind != EventKind.EVENTS_TRIMMED
+                and is_failure(kind, state, bool(has_error)),
                 published=bool(published),
                 dropped=int(count or 0) if kind == EventKind.EVENTS_TRIMMED else 0,
                 until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,

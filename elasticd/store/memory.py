@@ -10,12 +10,13 @@ construction: an operation decides and applies its change without an
 * **The history is as long as watchers need** (issue 23: a blanket 100,000
   changes held 110 MiB of a crash-looping daemon's memory). A watch asks for
   the changes after a revision it was handed: a listing's revision, or the
-  last change its previous watch returned. So the history keeps the changes
-  after the lowest revision that (a) a parked watch still waits on (from
-  the revision it parked at: everything before was answered), or (b) was
-  handed out or asked about in the last ``history_keep`` seconds (a client
-  between a listing and its watch, or between two long-polls), less
-  ``history_margin`` changes; older changes are dropped as they stop being
+  last change its previous watch returned. A parked watch needs nothing old:
+  the first change of its key or prefix wakes it with that change's
+  revision, and it reads from there. So the history keeps the changes after
+  the lowest revision handed out or asked about in the last
+  ``history_keep`` seconds (a client between a listing and its watch, or
+  between two long-polls), less ``history_margin`` changes (which also
+  cover a woken watch until it runs); older changes are dropped as they stop being
   needed (:func:`history_floor`, pure). ``history`` changes and
   ``history_bytes`` bytes of keys and values stay hard caps. A watch from
   before the history raises ``StoreCompacted`` and its caller re-reads,
@@ -54,7 +55,7 @@ import itertools
 import re
 import secrets
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -268,12 +269,11 @@ class MemoryStore(Store):
         self._clock = clock
         #: Revisions handed out (listings, watches) in the last ``history_keep`` seconds.
         self._recent = RecentRevisions(history_keep)
-        #: Parked watches -> the visible revision when they parked (ascending in this order).
-        self._parked: OrderedDict[asyncio.Future[None], int] = OrderedDict()
         self._leases: dict[int, _Lease] = {}
-        self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
-        self._prefix_waiters: dict[asyncio.Future[None], str] = {}
-        self._waiters_by_prefix: dict[str, set[asyncio.Future[None]]] = {}
+        # A parked watch's future resolves with the revision of the change that woke it.
+        self._key_waiters: dict[str, set[asyncio.Future[int]]] = {}
+        self._prefix_waiters: dict[asyncio.Future[int], str] = {}
+        self._waiters_by_prefix: dict[str, set[asyncio.Future[int]]] = {}
         self._closed = False
 
     # -- public API --------------------------------------------------------
@@ -435,21 +435,20 @@ class MemoryStore(Store):
                 # Loops only when woken by a change at or below ``after_version``
                 # (a watch from a revision the store has not reached yet).
                 while not events:
-                    # Nothing of this watch up to the visible revision: it needs the
-                    # history from there on only (so a long park pins little).
-                    after_version = max(after_version, self._visible)
-                    waiter: asyncio.Future[None] = loop.create_future()
-                    self._parked[waiter] = self._visible  # ascending in parking order
+                    waiter: asyncio.Future[int] = loop.create_future()
                     if prefix:
                         self._prefix_waiters[waiter] = key
                         self._waiters_by_prefix.setdefault(key, set()).add(waiter)
                     else:
                         self._key_waiters.setdefault(key, set()).add(waiter)
                     try:
-                        await waiter
+                        woken = await waiter
                     finally:
-                        self._parked.pop(waiter, None)
                         self._forget_waiter(waiter, key, prefix)
+                    # Parked, it was woken by its first change since: nothing of it lies
+                    # before that change, so it needs no history older than it (a parked
+                    # watch pins none; the margin covers the moment until it runs).
+                    after_version = max(after_version, woken - 1)
                     events = self._events_after(key, after_version, prefix)
         except TimeoutError:
             self._recent.note(self._clock(), after_version)  # it will watch again from here
@@ -561,9 +560,8 @@ class MemoryStore(Store):
         history = self._history
         if not history:
             return
-        parked = next(iter(self._parked.values()), None)
         floor = history_floor(
-            self._visible, parked, self._recent.oldest(self._clock()), self.history_margin
+            self._visible, None, self._recent.oldest(self._clock()), self.history_margin
         )
         while history and history[0].revision <= floor:
             self._compacted = self._drop_oldest().revision
@@ -657,7 +655,7 @@ class MemoryStore(Store):
             if waiters:
                 for waiter in waiters:
                     if not waiter.done():
-                        waiter.set_result(None)
+                        waiter.set_result(event.revision)
             by_prefix = self._waiters_by_prefix
             if not by_prefix:
                 continue
@@ -671,9 +669,9 @@ class MemoryStore(Store):
             for prefix in prefixes:
                 for waiter in by_prefix.pop(prefix, ()):
                     if not waiter.done():
-                        waiter.set_result(None)
+                        waiter.set_result(event.revision)
 
-    def _forget_waiter(self, waiter: asyncio.Future[None], key: str, prefix: bool) -> None:
+    def _forget_waiter(self, waiter: asyncio.Future[int], key: str, prefix: bool) -> None:
         if prefix:
             self._prefix_waiters.pop(waiter, None)
             same = self._waiters_by_prefix.get(key)

@@ -267,7 +267,7 @@ class Config(BaseModel):
         "and for this daemon's writes to any store.",
     )
     store_history_seconds: float = Field(
-        default=30.0,
+        default=10.0,
         gt=0,
         le=3600,
         description="The embedded store's watch history keeps the changes after any revision "

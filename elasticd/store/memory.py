@@ -14,7 +14,7 @@ construction: an operation decides and applies its change without an
   the first change of its key or prefix wakes it with that change's
   revision, and it reads from there. So the history keeps the changes after
   the lowest revision handed out or asked about in the last
-  ``history_keep`` seconds (a client between a listing and its watch, or
+  ``history_keep`` seconds (10) (a client between a listing and its watch, or
   between two long-polls), less ``history_margin`` changes (which also
   cover a woken watch until it runs); older changes are dropped as they stop being
   needed (:func:`history_floor`, pure). ``history`` changes and
@@ -86,7 +86,7 @@ MAX_KEY_BYTES = 4096
 DEFAULT_HISTORY = 100_000
 
 #: Seconds a revision handed out (a listing's, a watch's) stays watchable from.
-DEFAULT_HISTORY_KEEP = 30.0
+DEFAULT_HISTORY_KEEP = 10.0
 #: Changes kept below the oldest revision a watcher needs.
 DEFAULT_HISTORY_MARGIN = 1000
 #: Hard cap on the bytes of keys and values in the history (also bounded by ``max_list_bytes``).

@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import sys
 import time
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     args = parser.parse_args(argv)
+    # A SIGTERM (``timeout``) unwinds like an error, so the daemon is stopped and reaped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(2))
     if args.quick:
         args.restarts = 60
     if args.sample_every <= 0:

@@ -687,15 +687,19 @@ class JobService:
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Wait until the job is terminal (for ``elasticd run`` and tests)."""
         async with asyncio.timeout(timeout):
+            key = job_key(job_id)
             while True:
-                entry = await self.store.get(job_key(job_id))
+                # Watch from the listing's revision, not the document's version: an old
+                # version may be past the store's history (StoreCompacted at once, a spin).
+                listing = await self.store.list(key)
+                entry = next((e for e in listing.entries if e.key == key), None)
                 if entry is None:
                     raise JobNotFound(f"no job with id {job_id!r}")
                 job = parse_job(job_id, entry.value)
                 if job.state.is_terminal:
                     return job
                 with contextlib.suppress(StoreError):
-                    await self.store.watch(job_key(job_id), entry.version, 30.0)
+                    await self.store.watch(key, listing.revision, 30.0)
 
     async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
         """Apply log retention (``log_retention_*``) to these jobs' folders (default: all).

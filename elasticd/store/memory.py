@@ -13,14 +13,17 @@ construction: an operation decides and applies its change without an
   last change its previous watch returned. A parked watch needs nothing old:
   the first change of its key or prefix wakes it with that change's
   revision, and it reads from there. So the history keeps the changes after
-  the lowest revision handed out or asked about in the last
-  ``history_keep`` seconds (10) (a client between a listing and its watch, or
-  between two long-polls), less ``history_margin`` changes (which also
-  cover a woken watch until it runs); older changes are dropped as they stop being
-  needed (:func:`history_floor`, pure). ``history`` changes and
-  ``history_bytes`` bytes of keys and values stay hard caps. A watch from
-  before the history raises ``StoreCompacted`` and its caller re-reads,
-  which every watcher in elasticd does.
+  the lowest revision handed out (a listing's, the last change of a watch's
+  answer) in the last ``history_keep`` seconds (10: a client between a
+  listing and its watch, or between two long-polls), less ``history_margin``
+  changes (1,000, which also cover a woken watch until it runs); older
+  changes are dropped as they stop being needed (:func:`history_floor`,
+  pure). The revision a watch asks from is not noted: a quiet watch that
+  times out asks again from the same revision, and would pin the history
+  for as long as it stays quiet; past the window and the margin it gets
+  ``StoreCompacted`` and re-lists, once per quiet period, as every watcher
+  in elasticd does. ``history`` changes and ``history_bytes`` bytes of keys
+  and values stay hard caps.
 * **Visibility.** Watchers see changes up to ``_visible``. Here a change is
   visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
   :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
@@ -424,7 +427,8 @@ class MemoryStore(Store):
     ) -> builtins.list[WatchEvent]:
         self._check_open()
         validate_key(key, prefix=prefix)
-        self._recent.note(self._clock(), after_version)  # asked now: likely asked again
+        # The revision asked about is not noted: a quiet watcher asks again and again from
+        # the same old revision (every timeout), and would pin the history for ever.
         events = self._events_after(key, after_version, prefix)
         if events or timeout <= 0:
             self._note_answer(events)
@@ -451,7 +455,6 @@ class MemoryStore(Store):
                     after_version = max(after_version, woken - 1)
                     events = self._events_after(key, after_version, prefix)
         except TimeoutError:
-            self._recent.note(self._clock(), after_version)  # it will watch again from here
             return []
         self._note_answer(events)
         return events

@@ -178,6 +178,41 @@ class Config(BaseModel):
         "one), at most 1000 and at least 8, so a flood of idle connections leaves descriptors "
         "for the workers' pipes, the database and the store.",
     )
+    event_retention_first: int = Field(
+        default=100,
+        ge=0,
+        le=1_000_000,
+        description="Per job and node, the first events always kept (besides every failure).",
+    )
+    event_retention_last: int = Field(
+        default=400,
+        ge=1,
+        le=1_000_000,
+        description="Per job and node, the last events always kept (besides every failure); "
+        "routine events between the first and the last are dropped, an events.trimmed "
+        "marker in their place.",
+    )
+    log_retention_attempts: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="Per job, the newest attempts whose log folders are kept on this node; "
+        "older ones are removed at the job's end and every log_retention_interval (never a "
+        "running attempt's).",
+    )
+    log_retention_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="Per job, the most bytes of log folders kept on this node: the oldest "
+        "finished attempts are removed past it (the newest finished one always stays). "
+        "0: no byte bound.",
+    )
+    log_retention_interval: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="Seconds between two passes of log retention over every job's folder.",
+    )
     containment: Literal["auto", "cgroup", "subreaper"] = Field(
         default="auto",
         description="How the processes of a job attempt are contained (elasticd.supervise.cgroup): "
@@ -255,6 +290,15 @@ class Config(BaseModel):
         le=64 << 20,
         description="Largest value the store accepts (413 beyond), for the embedded store "
         "and for this daemon's writes to any store.",
+    )
+    store_history_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="The embedded store's watch history keeps the changes after any revision "
+        "it handed out (a listing's, a watch's) this many seconds ago, plus 1,000 changes "
+        "(at most 100,000 changes and 16 MiB); a watch from before gets StoreCompacted and "
+        "re-reads.",
     )
     store_max_list_bytes: int = Field(
         default=64 << 20,
@@ -347,6 +391,11 @@ _ENV_FIELDS = {
     "MAX_CONNECTIONS": "max_connections",
     "CONTAINMENT": "containment",
     "ON_CORRUPT_DATABASE": "on_corrupt_database",
+    "EVENT_RETENTION_FIRST": "event_retention_first",
+    "EVENT_RETENTION_LAST": "event_retention_last",
+    "LOG_RETENTION_ATTEMPTS": "log_retention_attempts",
+    "LOG_RETENTION_BYTES": "log_retention_bytes",
+    "LOG_RETENTION_INTERVAL": "log_retention_interval",
     "METRICS_OPEN_ON_LOOPBACK": "metrics_open_on_loopback",
     "NVIDIA_SMI": "nvidia_smi",
     "RUN_AS": "run_as",
@@ -362,6 +411,7 @@ _ENV_FIELDS = {
     "MAX_STREAMS": "max_streams",
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
     "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
+    "STORE_HISTORY_SECONDS": "store_history_seconds",
 }
 
 

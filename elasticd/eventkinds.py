@@ -40,6 +40,7 @@ class EventKind(enum.StrEnum):
     STORE_BACK = "store.back"
     STORAGE_BACK = "storage.back"
     EVENTS_DROPPED = "events.dropped"
+    EVENTS_TRIMMED = "events.trimmed"
     LOGS_LOST = "logs.lost"
     LOGS_TRUNCATED = "logs.truncated"
     RENDEZVOUS_COMPLETE = "rendezvous.complete"
@@ -108,6 +109,11 @@ MEANING: dict[EventKind, str] = {
     EventKind.STORE_BACK: "The node reaches the store again.",
     EventKind.STORAGE_BACK: "The local disk takes writes again.",
     EventKind.EVENTS_DROPPED: "Events lost past the write backlog's bound.",
+    EventKind.EVENTS_TRIMMED: (
+        "Stands in place of routine events of this job and node that the event retention "
+        "policy dropped: how many (count), and from its time to time + duration_s. The first "
+        "and last events and every failure are kept."
+    ),
     EventKind.LOGS_LOST: (
         "Worker output that could not be written: the disk refused it, or only root's reserve "
         "or none of the job user's quota was left."

@@ -23,6 +23,13 @@ new job's first attempt, and the log routes read only a folder that names
 the job asked about (:meth:`LogLayout.belongs`), so a new owner of the id
 never reads, follows or appends to the previous owner's output.
 
+**Retention** (issue 23: every attempt left its files forever). Per job,
+the newest ``keep_attempts`` attempt folders stay, and past ``keep_bytes``
+the oldest finished ones go too (the newest finished one always stays);
+:func:`attempts_to_remove` decides (pure), :meth:`LogLayout.retain` measures
+and removes. The newest folder of a job whose agent runs here may be the
+running attempt's: it and anything newer are never touched.
+
 Which side of the boundary: the daemon. The folders from the attempt down
 are the job's (made by :func:`elasticd.security.prepare_worker_dir`, owned
 by the job's user); this module only builds names and lists the job's folder
@@ -34,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -46,6 +55,7 @@ __all__ = [
     "LogLayout",
     "Stream",
     "attempt_of",
+    "attempts_to_remove",
     "stream_file",
 ]
 
@@ -79,6 +89,54 @@ def _attempt_number(name: str) -> int | None:
 def attempt_of(worker_dir: Path) -> int | None:
     """The attempt a worker folder (``.../attempt_<n>/<local rank>``) belongs to."""
     return _attempt_number(worker_dir.parent.name)
+
+
+def attempts_to_remove(
+    attempts: Sequence[tuple[int, int]],
+    keep_attempts: int,
+    keep_bytes: int,
+    running: int | None,
+) -> list[int]:
+    """Which attempt folders of one job go (pure).
+
+    ``attempts``: (attempt, bytes) oldest first; ``running``: the attempt that
+    may be running (it and newer ones are never removed), None when no agent
+    of the job runs here. Keeps the newest ``keep_attempts``; then, while the
+    rest holds more than ``keep_bytes`` (0: no bound), removes the oldest
+    finished one, but never the newest finished one.
+    """
+    ordered = sorted(attempts)
+    kept = {n for n, _ in ordered[-keep_attempts:]} if keep_attempts > 0 else set()
+    live = {n for n, _ in ordered if running is not None and n >= running}
+    remove = [n for n, _ in ordered if n not in kept and n not in live]
+    if keep_bytes > 0:
+        left = [(n, b) for n, b in ordered if n not in remove]
+        total = sum(b for _, b in left)
+        finished = [(n, b) for n, b in left if n not in live]
+        for n, size in finished[:-1]:  # the newest finished one stays
+            if total <= keep_bytes:
+                break
+            remove.append(n)
+            total -= size
+    return sorted(remove)
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (lstat: nothing followed)."""
+    total = 0
+    stack = [str(path)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                else:
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
 
 
 @dataclass(frozen=True)
@@ -116,6 +174,37 @@ class LogLayout:
     def last_attempt(self, job_id: str) -> int:
         """The newest attempt with a folder on this node, -1 if none."""
         return max(self.attempts(job_id), default=-1)
+
+    def job_ids(self) -> list[str]:
+        """The job folders under the root (names only; ``.retired`` and other dot names skipped)."""
+        try:
+            return sorted(n for n in os.listdir(self.root) if not n.startswith("."))
+        except OSError:
+            return []
+
+    def retain(self, job_id: str, keep_attempts: int, keep_bytes: int, running: bool) -> list[int]:
+        """Apply log retention to one job's folder; the attempts removed.
+
+        ``running``: an agent of the job runs here, so its newest folder may
+        be the running attempt's and is not touched. Blocking (a thread's work).
+        """
+        attempts = self.attempts(job_id)
+        if not attempts:
+            return []
+        sized = [(n, _tree_bytes(self.attempt_dir(job_id, n))) for n in attempts]
+        decision = attempts_to_remove(
+            sized, keep_attempts, keep_bytes, attempts[-1] if running else None
+        )
+        removed = []
+        for n in decision:
+            # rmtree works through directory descriptors on Linux: a link a job put in
+            # its folder is removed, never followed.
+            try:
+                shutil.rmtree(self.attempt_dir(job_id, n))
+            except OSError:
+                continue
+            removed.append(n)
+        return removed
 
     def belongs(self, job_id: str, incarnation: str) -> bool:
         """Whether the job's folder on this node is that of the job ``incarnation`` names."""

@@ -87,7 +87,7 @@ from elasticd.models import Job
 from elasticd.node import systemd
 from elasticd.node.cluster import MAX_NODE_SLOTS, Cluster, NodeRecord
 from elasticd.node.db import Database
-from elasticd.node.events import EventLog
+from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
@@ -397,7 +397,18 @@ class Daemon:
         secure_state_dir(self.config.state_dir, self.config.logs, self.job_users)
         if self.job_users.refusal is not None and not self.config.store_only:
             log.warning("%s; every job sent to this node will fail", self.job_users.refusal)
-        self.events = EventLog(self.db, self.config.node_name, self.clock, store=self.store)
+        self.events = EventLog(
+            self.db,
+            self.config.node_name,
+            self.clock,
+            store=self.store,
+            retention=EventRetention(
+                first=self.config.event_retention_first,
+                last=self.config.event_retention_last,
+                # Decide every quarter of the kept tail (at most 64): bounded overshoot.
+                every=max(1, min(64, self.config.event_retention_last // 4)),
+            ),
+        )
         self.metrics = Metrics()
         self.events.add_listener(self.metrics.on_event)
         gpus = await detect_gpus(self.config.nvidia_smi, self._environ)
@@ -491,6 +502,9 @@ class Daemon:
         if self.config.job_retention > 0 and not self.config.store_only:
             retention = asyncio.create_task(self._retain(), name="job-retention")
             stack.push_async_callback(cancel_and_wait, retention)
+        if not self.config.store_only:
+            logs = asyncio.create_task(self._retain_logs(), name="log-retention")
+            stack.push_async_callback(cancel_and_wait, logs)
         interval = systemd.watchdog_interval(self._environ)
         if interval is not None:
             watchdog = asyncio.create_task(
@@ -526,6 +540,7 @@ class Daemon:
                     prefix=self.config.store_prefix,
                 ),
                 lease_ttl=self.config.lease_ttl,
+                history_keep=self.config.store_history_seconds,
             )
         except StoreUnavailable as exc:
             if self.config.store_url is not None:
@@ -737,6 +752,15 @@ class Daemon:
     def _on_store_answers(self) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.store_answers()
+
+    async def _retain_logs(self) -> None:
+        """Apply log retention to every job's folder every ``log_retention_interval``."""
+        while True:
+            await asyncio.sleep(self.config.log_retention_interval)
+            try:
+                await self.jobs.retain_logs()
+            except Exception:  # a pass that failed is tried again next time
+                log.exception("log retention failed")
 
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):

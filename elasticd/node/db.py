@@ -271,6 +271,42 @@ class Database:
             lambda: self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,)), _ignore
         )
 
+    def retention_view(
+        self, job_id: str
+    ) -> list[tuple[int, float, str, str | None, int, int, int | None, float | None]]:
+        """What the retention decision needs of a job's events, in seq order: seq, time,
+        kind, state, has a root cause, published, count, duration_s."""
+        return self.conn.execute(
+            "SELECT seq, json_extract(doc, '$.time'), json_extract(doc, '$.kind'), "
+            "json_extract(doc, '$.state'), json_extract(doc, '$.error') IS NOT NULL, published, "
+            "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s') "
+            "FROM events WHERE job_id = ? ORDER BY seq",
+            (job_id,),
+        ).fetchall()
+
+    def apply_trim(self, job_id: str, delete: Iterable[int], marker: Event) -> None:
+        """Delete trimmed events and write the marker in place of the first (one transaction;
+        queued behind unwritten ones when the disk refuses). The marker is unpublished."""
+        gone = [(job_id, seq) for seq in delete]
+        doc = marker.model_copy(update={"seq": 0}).model_dump_json()
+
+        def write() -> None:
+            conn = self.conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany("DELETE FROM events WHERE job_id = ? AND seq = ?", gone)
+                conn.execute(
+                    "UPDATE events SET doc = ?, published = 0 WHERE job_id = ? AND seq = ?",
+                    (doc, job_id, marker.seq),
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+        self.backlog.submit(write, _ignore)
+
     def unpublished_events(self) -> list[Event]:
         rows = self.conn.execute(
             "SELECT seq, doc FROM events WHERE published = 0 ORDER BY seq"

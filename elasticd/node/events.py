@@ -34,6 +34,21 @@ it when it lands.
 
 Followers wait on the store's watch (cluster view) or on a local
 notification (``elasticd run``), never on a timer.
+
+**Retention** (issue 23: a crash-looping job wrote 16 events per restart,
+forever). Per job, each node keeps the first ``first`` and the last ``last``
+of its own events, and every failure (:func:`is_failure`: a worker that
+failed, ``group.restarting``, ``job.state`` ``FAILED``, an event with a root
+cause, and the fault kinds of :data:`KEPT_KINDS`). Every ``every`` new events
+of a job, :func:`trim_events` (pure) decides what goes: the routine events
+between the first and the last, as one ``events.trimmed`` marker written *in
+place of the first of them* (same local seq, so the same store key, which
+keeps its created revision: the merged ``seq`` of everything stays as it
+was), the others deleted from SQLite and from the store. Later trims fold
+into the same marker (its ``count`` grows, its span ``duration_s`` too). A
+reader sees the failures in order, the marker where the gap starts, never a
+silent hole; a follower that read past the gap keeps what it read. Only
+published events are trimmed, so a deleted key is never published again.
 """
 
 from __future__ import annotations
@@ -41,7 +56,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -117,11 +133,111 @@ def publication_batches(events: list[Event]) -> list[list[Event]]:
     return batches
 
 
+@dataclass(frozen=True)
+class EventRetention:
+    """How many of its own events of one job a node keeps (every failure besides)."""
+
+    first: int = 100
+    last: int = 400
+    #: Decide again after this many new events of a job (the work is amortised).
+    every: int = 64
+
+
+#: Kinds always kept: failures, faults, and what a reader needs to explain them.
+KEPT_KINDS = frozenset(
+    {
+        EventKind.GROUP_RESTARTING,
+        EventKind.AGENT_ERROR,
+        EventKind.AGENT_CRASHED,
+        EventKind.AGENT_FENCED,
+        EventKind.STORE_LOST,
+        EventKind.STORE_BACK,
+        EventKind.STORAGE_BACK,
+        EventKind.EVENTS_DROPPED,
+        EventKind.LOGS_LOST,
+        EventKind.DAEMON_STOPPED,
+        EventKind.JOB_RESUMED,
+        EventKind.JOB_REFUSED,
+        EventKind.JOB_CANCEL_REQUESTED,
+        EventKind.JOB_PREEMPTED,
+        EventKind.RENDEZVOUS_FAILED,
+        EventKind.WORKERS_SPAWN_FAILED,
+        EventKind.WORKERS_STRAYS,
+        EventKind.WORKER_HANG,
+        EventKind.WORKER_STACKS,
+        EventKind.WORKER_HEARTBEAT_REPLACED,
+        EventKind.WORKER_HEALTH_CHECK_FAILED,
+        EventKind.WORKER_ORPHAN_KILLED,
+        EventKind.HEALTH_FAILED,
+        EventKind.EXIT_BARRIER_TIMEOUT,
+    }
+)
+
+
+def is_failure(kind: str, state: str | None, has_error: bool) -> bool:
+    """Whether the retention policy always keeps an event (pure)."""
+    if has_error or kind in KEPT_KINDS:
+        return True
+    if kind == EventKind.JOB_STATE:
+        return state == "FAILED"
+    if kind == EventKind.WORKER_EXITED:
+        return state == "FAILED"  # a worker the agent stopped is not a failure
+    return False
+
+
+@dataclass(frozen=True)
+class Retained:
+    """One stored event as the retention decision sees it."""
+
+    seq: int
+    time: float
+    failure: bool = False
+    published: bool = True
+    #: A marker (``events.trimmed``): how many events it stands for (0: not a marker).
+    dropped: int = 0
+    #: A marker: the time of the last event it stands for.
+    until: float = 0.0
+
+
+@dataclass(frozen=True)
+class Trim:
+    """What to do: delete these seqs, and (re)write ``marker`` at its seq."""
+
+    delete: tuple[int, ...] = ()
+    marker: Retained | None = None
+
+
+def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
+    """Which of one job's events (this node's, in seq order) go, and the marker in their place.
+
+    The first ``policy.first`` and the last ``policy.last`` stay, and every
+    failure and unpublished event; the others between them (and an earlier
+    marker) become one marker at the seq of the first of them.
+    """
+    n = len(events)
+    if n <= policy.first + policy.last:
+        return Trim()
+    middle = events[policy.first : n - policy.last]
+    gone = [e for e in middle if not e.failure and e.published]
+    if not any(e.dropped == 0 for e in gone):
+        return Trim()  # nothing new: at most the marker of an earlier trim
+    anchor = gone[0]
+    count = sum(e.dropped or 1 for e in gone)
+    until = max(max(e.until, e.time) for e in gone)
+    marker = Retained(seq=anchor.seq, time=anchor.time, dropped=count, until=until)
+    return Trim(delete=tuple(e.seq for e in gone[1:]), marker=marker)
+
+
 class EventLog:
     """Append-only, per-job ordered events with wake-ups for followers."""
 
     def __init__(
-        self, db: Database, node: str, clock: Clock = SYSTEM_CLOCK, store: Store | None = None
+        self,
+        db: Database,
+        node: str,
+        clock: Clock = SYSTEM_CLOCK,
+        store: Store | None = None,
+        retention: EventRetention | None = None,
     ) -> None:
         self._db = db
         db.backlog.on_drained = self._dropped
@@ -136,6 +252,13 @@ class EventLog:
         #: lost, the source that said it). Kept by the node, not the agent: an agent
         #: torn down during the outage (the plan dropped this node) cannot say it is back.
         self._store_lost: dict[str, tuple[float, EventSource]] = {}
+        self.retention = retention or EventRetention()
+        self._since_trim: dict[str, int] = {}  # new events per job since its last trim
+        self._to_trim: set[str] = set()
+        self._trim_wake = asyncio.Event()
+        self._trimmer: asyncio.Task[None] | None = None
+        #: Store keys of trimmed events not deleted yet (the store was away), per job.
+        self._unpublish: dict[str, list[str]] = {}
 
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` synchronously after every emit (metrics)."""
@@ -203,9 +326,94 @@ class EventLog:
         changed.set()
         if self._store is not None:
             self._queue.put_nowait(stored)
+        count = self._since_trim.get(stored.job_id, 0) + 1
+        if count >= self.retention.every:
+            count = 0
+            self._to_trim.add(stored.job_id)
+            self._trim_wake.set()
+        self._since_trim[stored.job_id] = count
+
+    # retention (see the module docstring)
+
+    def trim(self, job_id: str) -> Trim:
+        """Apply the retention policy to this node's events of ``job_id`` now (locally).
+
+        Returns what was decided; the store keys of the deleted events are
+        deleted by the trimming task (:meth:`_unpublish_trimmed`), the marker
+        is published like any event.
+        """
+        rows = self._db.retention_view(job_id)
+        view = [
+            Retained(
+                seq=seq,
+                time=time,
+                failure=kind != EventKind.EVENTS_TRIMMED
+                and is_failure(kind, state, bool(has_error)),
+                published=bool(published),
+                dropped=int(count or 0) if kind == EventKind.EVENTS_TRIMMED else 0,
+                until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,
+            )
+            for seq, time, kind, state, has_error, published, count, span in rows
+        ]
+        decision = trim_events(view, self.retention)
+        if decision.marker is None:
+            return decision
+        m = decision.marker
+        marker = Event(
+            seq=m.seq,
+            time=m.time,
+            job_id=job_id,
+            node=self._node,
+            source="daemon",
+            kind=EventKind.EVENTS_TRIMMED.value,
+            count=m.dropped,
+            duration_s=max(0.0, m.until - m.time),
+            message=(
+                f"{m.dropped} routine events of this job on {self._node} were dropped by the "
+                f"event retention policy, over {max(0.0, m.until - m.time):.1f} s from here (kept: "
+                f"the first {self.retention.first}, the last {self.retention.last}, every failure)"
+            ),
+        )
+        self._db.apply_trim(job_id, decision.delete, marker)
+        if self._store is not None:
+            self._queue.put_nowait(marker)  # same key as the event it replaces
+            self._unpublish.setdefault(job_id, []).extend(
+                event_key(job_id, self._node, seq) for seq in decision.delete
+            )
+        return decision
+
+    async def _trim_loop(self) -> None:
+        """Trim the jobs that got ``every`` new events, then delete their store keys."""
+        while True:
+            await self._trim_wake.wait()
+            self._trim_wake.clear()
+            jobs, self._to_trim = self._to_trim, set()
+            for job_id in sorted(jobs):
+                try:
+                    self.trim(job_id)
+                except Exception as exc:  # never let retention take the event log down
+                    if not is_storage_fault(exc):
+                        log.exception("event retention of job %s failed", job_id)
+            await self._unpublish_trimmed()
+
+    async def _unpublish_trimmed(self) -> None:
+        if self._store is None:
+            return
+        for job_id in list(self._unpublish):
+            keys = self._unpublish[job_id]
+            while keys:
+                try:
+                    await self._store.delete(keys[-1])
+                except StoreError as exc:  # the store is away: next time
+                    log.debug("event retention: %s", exc)
+                    return
+                keys.pop()
+            del self._unpublish[job_id]
 
     async def start(self) -> None:
         """Publish what a previous run left unpublished, then keep publishing."""
+        if self._trimmer is None:
+            self._trimmer = asyncio.create_task(self._trim_loop(), name="event-retention")
         if self._store is None:
             return
         # Events emitted before start() are queued already and are among the
@@ -226,6 +434,11 @@ class EventLog:
                 if self._publisher is not None:
                     await self._queue.join()
         await self._db.backlog.stop()
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._trimmer
+            self._trimmer = None
         if self._publisher is None:
             return
         self._publisher.cancel()
@@ -327,6 +540,8 @@ class EventLog:
         """Drop this node's records of a deleted job."""
         self._store_lost.pop(job_id, None)
         self._db.delete_events(job_id)
+        self._since_trim.pop(job_id, None)
+        self._unpublish.pop(job_id, None)
 
     # reading: this node's own events
 

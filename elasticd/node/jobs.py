@@ -700,15 +700,41 @@ class JobService:
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Wait until the job is terminal (for ``elasticd run`` and tests)."""
         async with asyncio.timeout(timeout):
+            key = job_key(job_id)
             while True:
-                entry = await self.store.get(job_key(job_id))
+                # Watch from the listing's revision, not the document's version: an old
+                # version may be past the store's history (StoreCompacted at once, a spin).
+                listing = await self.store.list(key)
+                entry = next((e for e in listing.entries if e.key == key), None)
                 if entry is None:
                     raise JobNotFound(f"no job with id {job_id!r}")
                 job = parse_job(job_id, entry.value)
                 if job.state.is_terminal:
                     return job
                 with contextlib.suppress(StoreError):
-                    await self.store.watch(job_key(job_id), entry.version, 30.0)
+                    await self.store.watch(key, listing.revision, 30.0)
+
+    async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
+        """Apply log retention (``log_retention_*``) to these jobs' folders (default: all).
+
+        A job whose agent runs here keeps its newest folder whatever the
+        policy says (it may be the running attempt's). Returns what went.
+        """
+        removed: dict[str, list[int]] = {}
+        for job_id in job_ids if job_ids is not None else self.logs.job_ids():
+            if not valid_job_id(job_id):
+                continue
+            gone = await asyncio.to_thread(
+                self.logs.retain,
+                job_id,
+                self.config.log_retention_attempts,
+                self.config.log_retention_bytes,
+                job_id in self._agents,
+            )
+            if gone:
+                removed[job_id] = gone
+                log.info("job %s: log retention removed %d attempt folders", job_id, len(gone))
+        return removed
 
     def log_attempts(self, job_id: str, incarnation: str) -> list[int]:
         """The attempts of the job that have a log folder on this node, oldest first.
@@ -1111,6 +1137,8 @@ class JobService:
                     name=f"agent-crash-{job_id}",
                 )
                 return
+            # The job is done here (for now): its old attempts' logs go (log retention).
+            self._background.spawn(self.retain_logs([job_id]), name=f"log-retention-{job_id}")
             if job_id in self._unplaced:
                 self._unplaced.discard(job_id)
                 self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")

@@ -154,6 +154,7 @@ def open_store(
     max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
     etcd: EtcdOptions | None = None,
     lease_ttl: float | None = None,
+    history_keep: float | None = None,
 ) -> Store:
     """The store that ``url`` (the ``store_url`` setting) names.
 
@@ -167,16 +168,20 @@ def open_store(
       call to another daemon's store (its wait for a turn included) is bounded by
       the second of those, two thirds of the lease.
 
+    ``history_keep``: the embedded store's ``history_keep`` (seconds; default its own).
+
     Raises :class:`~elasticd.errors.ConfigError` for any other URL.
     """
     target = store_endpoints(url)
     if target.kind == "embedded":
         from elasticd.store.embedded import EmbeddedStore
+        from elasticd.store.memory import DEFAULT_HISTORY_KEEP
 
         return EmbeddedStore(
             Path(state_dir) / STORE_FILE,
             max_value_bytes=max_value_bytes,
             max_list_bytes=max_list_bytes,
+            history_keep=DEFAULT_HISTORY_KEEP if history_keep is None else history_keep,
         )
     if target.kind == "http":
         from elasticd.store.http import HttpStore

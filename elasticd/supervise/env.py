@@ -43,11 +43,6 @@ ALLOWED_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LA
 ALLOWED_ENV_PREFIXES = ("LC_",)
 
 
-#: The node's own settings for the communication libraries that an operator sets for
-#: every job of a node (the network interface, the fabric): ``job_env_passthrough``.
-DEFAULT_PASSTHROUGH = ("NCCL_*", "GLOO_*", "UCX_*", "FI_*")
-
-
 def job_base_env(
     environ: Mapping[str, str], *, inherit: bool, passthrough: Sequence[str] = ()
 ) -> dict[str, str]:

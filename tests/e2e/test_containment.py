@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import os
 import pwd
@@ -31,6 +30,8 @@ import pytest
 
 from tests.hardening.support import (
     Served,
+    cgroup_home,
+    daemon_subtree,
     eventually,
     pid_alive,
     proc_state,
@@ -41,26 +42,7 @@ from tests.hardening.support import (
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def _cgroup2() -> Path | None:
-    """Where this process's cgroup v2 is (the daemons inherit it), if cgroups can be made."""
-    if os.geteuid() != 0:
-        return None
-    mount = None
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        if right.split()[:1] == ["cgroup2"]:
-            mount = left.split()[4]
-    own = next(
-        (ln[3:] for ln in Path("/proc/self/cgroup").read_text().splitlines() if ln[:3] == "0::"),
-        None,
-    )
-    if mount is None or own is None:
-        return None
-    here = Path(mount) / own.lstrip("/")
-    return here if os.access(here, os.W_OK) else None
-
-
-CGROUP_HOME = _cgroup2()
+CGROUP_HOME = cgroup_home()
 NEEDS_CGROUPS = pytest.mark.skipif(
     CGROUP_HOME is None, reason="needs root and a writable cgroup v2 (CI has both)"
 )
@@ -97,8 +79,7 @@ exit 0
 
 def _subtree(node: str, state_dir: Path) -> Path:
     assert CGROUP_HOME is not None
-    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-    return CGROUP_HOME / f"elasticd.{node}.{digest}"
+    return daemon_subtree(CGROUP_HOME, node, state_dir)
 
 
 def _kill_subtree(path: Path) -> None:

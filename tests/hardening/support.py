@@ -220,3 +220,25 @@ import os, sys, time
 print("ready", os.getpid(), flush=True)
 time.sleep(600)
 """
+
+
+def cgroup_home() -> Path | None:
+    """This process's cgroup v2 folder when it is writable (the daemons it starts then make
+    their subtrees there), read as the daemon reads it (elasticd.supervise.cgroup)."""
+    from elasticd.supervise.cgroup import cgroup2_mount, own_cgroup
+
+    if os.geteuid() != 0:
+        return None
+    mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+    own = own_cgroup(Path("/proc/self/cgroup").read_text())
+    if mount is None or own is None:
+        return None
+    here = Path(mount) / own.lstrip("/")
+    return here if os.access(here, os.W_OK) else None
+
+
+def daemon_subtree(home: Path, node: str, state_dir: Path) -> Path:
+    """The cgroup subtree a daemon of ``node`` on ``state_dir`` makes under ``home``."""
+    from elasticd.supervise.cgroup import subtree_name
+
+    return home / subtree_name(node, str(state_dir.resolve()))

@@ -6,7 +6,6 @@ worker as an orphan and its stop removed the first one's cgroup subtree."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from elasticd.node.statelock import LOCK_FILE, StateLock, busy_message
 from tests.hardening.support import (
     PY,
     SLEEPER,
+    cgroup_home,
+    daemon_subtree,
     eventually,
     healthy_pids,
     pid_alive,
@@ -28,30 +29,6 @@ from tests.hardening.support import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-def _cgroup_home() -> Path | None:
-    """This process's cgroup v2 folder when it is writable (the daemons then make subtrees)."""
-    if os.geteuid() != 0:
-        return None
-    mount = None
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        if right.split()[:1] == ["cgroup2"]:
-            mount = left.split()[4]
-    own = next(
-        (ln[3:] for ln in Path("/proc/self/cgroup").read_text().splitlines() if ln[:3] == "0::"),
-        None,
-    )
-    if mount is None or own is None:
-        return None
-    here = Path(mount) / own.lstrip("/")
-    return here if os.access(here, os.W_OK) else None
-
-
-def _subtree(home: Path, node: str, state_dir: Path) -> Path:
-    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-    return home / f"elasticd.{node}.{digest}"
 
 
 def _second(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -78,8 +55,8 @@ async def test_a_second_daemon_on_a_live_folder_exits_2_and_leaves_the_first_alo
                 r = await c.post("/jobs", json={"id": "held", "entrypoint": PY, "args": [sleeper]})
                 assert r.status_code == 201, r.text
                 (pid,) = await healthy_pids(c, "held", 1)
-            home = _cgroup_home()
-            subtree = _subtree(home, node, first.state_dir) if home else None
+            home = cgroup_home()
+            subtree = daemon_subtree(home, node, first.state_dir) if home else None
             if subtree is not None:
                 assert subtree.is_dir()
 

@@ -10,7 +10,6 @@ and removes its temporary state; a run that ends normally leaves no reaper behin
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import re
 import signal
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from elasticd.supervise.reaper import REAPER_SOURCE
-from tests.hardening.support import eventually, pid_alive
+from tests.hardening.support import cgroup_home, daemon_subtree, eventually, pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,30 +34,9 @@ exec sleep 600
 """
 
 
-def _cgroup_home() -> Path | None:
-    if os.geteuid() != 0:
-        return None
-    mount = None
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        if right.split()[:1] == ["cgroup2"]:
-            mount = left.split()[4]
-    own = next(
-        (ln[3:] for ln in Path("/proc/self/cgroup").read_text().splitlines() if ln[:3] == "0::"),
-        None,
-    )
-    if mount is None or own is None:
-        return None
-    here = Path(mount) / own.lstrip("/")
-    return here if os.access(here, os.W_OK) else None
-
-
 def _subtree(state_dir: Path) -> Path | None:
-    home = _cgroup_home()
-    if home is None:
-        return None
-    digest = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-    return home / f"elasticd.localhost.{digest}"
+    home = cgroup_home()
+    return None if home is None else daemon_subtree(home, "localhost", state_dir)
 
 
 def _reapers(marker: str) -> list[int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from api.openapi import render
+from elasticd.service import render_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def test_openapi_json_matches_the_app():
 def _verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("elasticd") or str(Path(sys.executable).parent / "elasticd")
     unit = tmp_path / "elasticd.service"
-    unit.write_text(unit_text.replace("/usr/local/bin/elasticd", exe))
+    unit.write_text(render_unit(unit_text, exe))
     return subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
     )

@@ -10,11 +10,16 @@ API needs a token made for the run (:func:`elasticd.launcher.write_run_token`;
 the path is printed), so other local users cannot reach the job.
 
 The client commands talk to a running daemon over its REST API
-(:mod:`elasticd.client`): ``submit``, ``jobs``, ``status``, ``workers``,
-``events [-f]``, ``logs [-f]``, ``cancel``. Each takes ``--url`` and
+(:mod:`elasticd.client`): ``submit``, ``jobs``, ``queue``, ``status``,
+``workers``, ``events [-f]``, ``logs [-f]`` (``--rank``: the global rank; or
+``--node`` and ``--local-rank``), ``cancel``, ``delete``, ``nodes``. Each takes ``--url`` and
 ``--token-file`` (defaults: ``$ELASTICD_URL``, ``$ELASTICD_TOKEN_FILE``, else
 http://127.0.0.1:7070 and no token), prints tables for people or ``--json``
 for scripts, and exits 1 with the server's problem message on an error.
+
+``elasticd install-service`` writes the systemd unit, the service user, its
+folders and token (:mod:`elasticd.service`); ``elasticd completion bash``
+prints a completion script made from this parser (:mod:`elasticd.completion`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +156,38 @@ def test_schemathesis_finds_no_500_no_schema_mismatch_and_no_way_past_the_token(
     assert time.monotonic() - started < 60
     assert sum(statuses.values()) > 100
     assert httpx.get(f"{live.url}/healthz", timeout=5).status_code == 200
+
+
+def test_schemathesis_stateful_sequences_get_documented_answers(live: Served) -> None:
+    """schemathesis' own command, stateful phase: sequences of calls linked by the ids one
+    answer gives the next (submit -> get -> cancel, grant -> keep-alive ...), every answer
+    a documented status with a body of its documented schema."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "schemathesis"),
+            "run",
+            str(ROOT / "openapi.json"),
+            "--url",
+            live.url,
+            "-H",
+            f"Authorization: Bearer {live.token}",
+            "--phases",
+            "stateful",
+            "--checks",
+            "response_schema_conformance,status_code_conformance",
+            "--max-examples",
+            "10",
+            "--generation-deterministic",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    assert "Stateful" in done.stdout and "No issues found" in done.stdout, done.stdout[-3000:]
+    assert time.monotonic() - started < 60
 
 
 # -- the hand-written matrix -------------------------------------------------------------

@@ -197,6 +197,7 @@ async def test_metrics_follow_the_conventions_after_1000_finished_jobs(tmp_path)
     )
 
 
+@pytest.mark.slow
 async def test_a_real_prometheus_scrapes_a_jobs_restarts(tmp_path):
     """A Prometheus server scrapes a daemon (with its bearer token) while a job restarts;
     PromQL over its HTTP API returns that job's restart."""

@@ -221,13 +221,16 @@ def elasticd_path(argv0: str | None = None) -> str:
 
 
 def _readme() -> str | None:
-    """The README, from the installed package's metadata (its long description)."""
+    """The README: the installed package's long description, else a source checkout's."""
     try:
         meta = importlib.metadata.metadata("elasticd")
+        text = meta.get_payload() or meta.get("Description")  # type: ignore[attr-defined]
     except importlib.metadata.PackageNotFoundError:
-        return None
-    text = meta.get_payload() or meta.get("Description")  # type: ignore[attr-defined]
-    return str(text) if text else None
+        text = None
+    if text:
+        return str(text)
+    source = Path(__file__).resolve().parents[1] / "README.md"
+    return source.read_text() if source.is_file() else None
 
 
 def install_service_command(args: argparse.Namespace) -> int:

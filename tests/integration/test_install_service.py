@@ -137,3 +137,15 @@ def test_install_service_writes_a_verified_unit_the_user_and_token_once(tmp_path
     assert third.stdout.splitlines()[0] == f"making: file {unit} (0644)"
     assert unit.read_text() == text
     assert (root / "etc/elasticd/elasticd.toml").read_text() == "[elasticd]\nport = 7171\n"
+
+
+def test_the_exec_path_is_the_running_elasticd(tmp_path):
+    """The console script that runs is the path; under `python -m elasticd`, the venv's."""
+    from elasticd.service import elasticd_path
+
+    script = tmp_path / "bin" / "elasticd"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    assert elasticd_path(str(script)) == str(script)
+    assert elasticd_path(str(ROOT / "elasticd" / "__main__.py")) == ELASTICD

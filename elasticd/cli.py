@@ -10,11 +10,16 @@ API needs a token made for the run (:func:`elasticd.launcher.write_run_token`;
 the path is printed), so other local users cannot reach the job.
 
 The client commands talk to a running daemon over its REST API
-(:mod:`elasticd.client`): ``submit``, ``jobs``, ``status``, ``workers``,
-``events [-f]``, ``logs [-f]``, ``cancel``. Each takes ``--url`` and
+(:mod:`elasticd.client`): ``submit``, ``jobs``, ``queue``, ``status``,
+``workers``, ``events [-f]``, ``logs [-f]`` (``--rank``: the global rank; or
+``--node`` and ``--local-rank``), ``cancel``, ``delete``, ``nodes``. Each takes ``--url`` and
 ``--token-file`` (defaults: ``$ELASTICD_URL``, ``$ELASTICD_TOKEN_FILE``, else
 http://127.0.0.1:7070 and no token), prints tables for people or ``--json``
 for scripts, and exits 1 with the server's problem message on an error.
+
+``elasticd install-service`` writes the systemd unit, the service user, its
+folders and token (:mod:`elasticd.service`); ``elasticd completion bash``
+prints a completion script made from this parser (:mod:`elasticd.completion`).
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from elasticd import __version__
-from elasticd.client import DEFAULT_URL
+from elasticd.client import DEFAULT_URL, Client
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
@@ -125,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="1",
         help="workers on this node: a number, or auto, cpu or gpu (as torchrun)",
     )
-    run.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    run.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help=RUN_MAX_RESTARTS_HELP,
+    )
     run.add_argument(
         "--standalone", action="store_true", help="accepted for torchrun's form (always true)"
     )
@@ -141,13 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the program is a module: python -u -m MODULE (torchrun's -m)",
     )
-    run.add_argument("--role", default="default")
-    run.add_argument("--redirects", "-r", default="none")
-    run.add_argument("--tee", "-t", default="none")
-    run.add_argument("--local-ranks-filter", "--local_ranks_filter", default=None)
-    run.add_argument("--termination-grace", type=float, default=30.0)
-    run.add_argument("--master-addr", "--master_addr", default=None)
-    run.add_argument("--master-port", "--master_port", type=int, default=None)
+    run.add_argument("--role", default="default", help=ROLE_HELP)
+    run.add_argument("--redirects", "-r", default="none", help=REDIRECTS_HELP)
+    run.add_argument("--tee", "-t", default="none", help=TEE_HELP)
+    run.add_argument(
+        "--local-ranks-filter", "--local_ranks_filter", default=None, help=RANKS_FILTER_HELP
+    )
+    run.add_argument("--termination-grace", type=float, default=30.0, help=GRACE_HELP)
+    run.add_argument("--master-addr", "--master_addr", default=None, help=MASTER_ADDR_HELP)
+    run.add_argument(
+        "--master-port", "--master_port", type=int, default=None, help=MASTER_PORT_HELP
+    )
     run.add_argument("--run-id", "--run_id", default=None, help="the job id")
     run.add_argument("--state-dir", help="state folder (default: a temporary one)")
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
@@ -170,13 +185,75 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="a Unix user its jobs may run as (repeatable; the first is the default)",
     )
-    identity.add_argument("--max-priority", type=int, default=0)
-    identity.add_argument("--may-preempt", action="store_true")
-    identity.add_argument("--slot-quota", type=int)
-    identity.add_argument("--admin", action="store_true")
+    identity.add_argument(
+        "--max-priority", type=int, default=0, help="the highest job priority it may ask for"
+    )
+    identity.add_argument(
+        "--may-preempt", action="store_true", help="its jobs may preempt lower-priority ones"
+    )
+    identity.add_argument("--slot-quota", type=int, help="most slots its jobs may hold at once")
+    identity.add_argument("--admin", action="store_true", help="it may do anything (an admin)")
     identity.add_argument("--token-file", help="write the token here (0600), not to stdout")
     _client_commands(sub)
+    install = sub.add_parser(
+        "install-service",
+        help="install the systemd unit, the service user, its folders and token",
+        description="Write elasticd.service with ExecStart pointing at this elasticd, create "
+        "the service user and the state and config folders, and make the token; a second "
+        "run changes nothing. Then: systemctl daemon-reload && systemctl enable --now elasticd",
+    )
+    install.add_argument(
+        "--root",
+        default="/",
+        help="install under this folder instead of / (a package build, a test)",
+    )
+    install.add_argument(
+        "--unit-dir",
+        default="/etc/systemd/system",
+        help="where the unit goes, under --root (default /etc/systemd/system)",
+    )
+    install.add_argument(
+        "--exec", dest="exec_path", help="the elasticd to run (default: this one, absolute)"
+    )
+    install.add_argument(
+        "--user", default="elasticd", help="the service user to create (default elasticd)"
+    )
+    install.add_argument(
+        "--dry-run", action="store_true", help="say what would change, change nothing"
+    )
+    completion = sub.add_parser(
+        "completion",
+        help="print a shell completion script",
+        description="Example: source <(elasticd completion bash), or save it as "
+        "/etc/bash_completion.d/elasticd",
+    )
+    completion.add_argument("shell", choices=("bash",), help="the shell (bash)")
     return parser
+
+
+#: Why ``run`` and a submitted job have different restart budgets (help texts, docs).
+RUN_MAX_RESTARTS_HELP = (
+    "restarts of the worker group before the job fails (default 0, as torchrun's, so a "
+    "torchrun command line behaves the same; a job submitted to a daemon defaults to 3, "
+    "as a service keeps a job alive across a few crashes)"
+)
+SUBMIT_MAX_RESTARTS_HELP = (
+    "restarts of the job before it fails (default 3: a daemon keeps a job alive across a "
+    "few crashes; `elasticd run` defaults to 0, as torchrun)"
+)
+ROLE_HELP = "the workers' role name, as torchrun's --role (default 'default')"
+REDIRECTS_HELP = (
+    "torchrun's --redirects: which of the workers' streams go only to the log files, "
+    "0-3, none/out/err/all or 'rank:v,...' (default none); the log files are always written"
+)
+TEE_HELP = (
+    "torchrun's --tee: which streams go to the console and the log files, in the same "
+    "forms as --redirects (default none)"
+)
+RANKS_FILTER_HELP = "local ranks whose output reaches the console, e.g. 0,2 (default: all)"
+GRACE_HELP = "seconds from SIGTERM to SIGKILL when the workers are stopped (default 30)"
+MASTER_ADDR_HELP = "MASTER_ADDR for the workers (default: chosen by elasticd)"
+MASTER_PORT_HELP = "MASTER_PORT for the workers (default: a free port)"
 
 
 def _identity(args: argparse.Namespace) -> int:
@@ -237,6 +314,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_run(args))
         if args.command == "identity":
             return _identity(args)
+        if args.command == "install-service":
+            from elasticd.service import install_service_command
+
+            return install_service_command(args)
+        if args.command == "completion":
+            from elasticd.completion import bash_completion
+
+            sys.stdout.write(bash_completion(build_parser()))
+            return 0
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
@@ -544,7 +630,7 @@ def _report(job: dict[str, Any]) -> int:
 # client commands: talk to a running daemon
 
 CLIENT_COMMANDS = frozenset(
-    {"submit", "jobs", "queue", "status", "workers", "events", "logs", "cancel"}
+    {"submit", "jobs", "queue", "status", "workers", "events", "logs", "cancel", "delete", "nodes"}
 )
 
 
@@ -576,21 +662,23 @@ def _client_commands(sub: Any) -> None:
         "-- program args. Example: elasticd submit --nproc-per-node 2 -- python train.py",
     )
     submit.add_argument("--id", "--run-id", dest="job_id", help="job id (makes it idempotent)")
-    submit.add_argument("--nproc-per-node", "--nproc_per_node", type=int)
+    submit.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=int, help="workers on each node (default 1)"
+    )
     submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
-    submit.add_argument("--max-restarts", "--max_restarts", type=int)
-    submit.add_argument("--role")
+    submit.add_argument("--max-restarts", "--max_restarts", type=int, help=SUBMIT_MAX_RESTARTS_HELP)
+    submit.add_argument("--role", help=ROLE_HELP)
     submit.add_argument(
         "--priority",
         type=int,
         help="queue order (default 0): higher is placed first and may preempt lower",
     )
-    submit.add_argument("--redirects", "-r")
-    submit.add_argument("--tee", "-t")
-    submit.add_argument("--local-ranks-filter", "--local_ranks_filter")
-    submit.add_argument("--termination-grace", type=float)
-    submit.add_argument("--master-addr", "--master_addr")
-    submit.add_argument("--master-port", "--master_port", type=int)
+    submit.add_argument("--redirects", "-r", help=REDIRECTS_HELP)
+    submit.add_argument("--tee", "-t", help=TEE_HELP)
+    submit.add_argument("--local-ranks-filter", "--local_ranks_filter", help=RANKS_FILTER_HELP)
+    submit.add_argument("--termination-grace", type=float, help=GRACE_HELP)
+    submit.add_argument("--master-addr", "--master_addr", help=MASTER_ADDR_HELP)
+    submit.add_argument("--master-port", "--master_port", type=int, help=MASTER_PORT_HELP)
     submit.add_argument(
         "--env", action="append", default=[], metavar="K=V", help="worker env (repeatable)"
     )
@@ -608,7 +696,7 @@ def _client_commands(sub: Any) -> None:
 
     jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
     jobs.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
-    jobs.add_argument("--limit", type=int, default=50)
+    jobs.add_argument("--limit", type=int, default=50, help="show at most N jobs (default 50)")
     sub.add_parser(
         "queue", parents=[common], help="the fleet's queue in placement order, and why each waits"
     )
@@ -617,30 +705,57 @@ def _client_commands(sub: Any) -> None:
         ("status", "one job: state, restarts, root cause"),
         ("workers", "a job's worker groups and workers"),
         ("cancel", "stop a job's workers and end it as CANCELLED"),
+        ("delete", "forget a job that ended: its record and events (its log files stay)"),
     ):
         p = sub.add_parser(name, parents=[common], help=text)
-        p.add_argument("job_id")
+        p.add_argument("job_id", help="the job's id")
+    sub.add_parser(
+        "nodes", parents=[common], help="the cluster's live nodes: address, slots, labels"
+    )
 
     events = sub.add_parser("events", parents=[common], help="a job's events")
-    events.add_argument("job_id")
+    events.add_argument("job_id", help="the job's id")
     events.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
     events.add_argument("--after", type=int, default=0, help="only events after this seq")
 
-    logs = sub.add_parser("logs", parents=[common], help="a worker's log")
-    logs.add_argument("job_id")
-    logs.add_argument("--local-rank", "--rank", type=int, default=0)
-    logs.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
+    logs = sub.add_parser(
+        "logs",
+        parents=[common],
+        help="a worker's log",
+        description="One worker's log, named by its global --rank (looked up in the job's "
+        "current round) or by --node and --local-rank. Example: elasticd logs JOB --rank 3",
+    )
+    logs.add_argument("job_id", help="the job's id")
+    which = logs.add_mutually_exclusive_group()
+    which.add_argument(
+        "--rank",
+        type=int,
+        help="the worker's global rank (RANK) in the job's current round: its node and "
+        "local rank are looked up",
+    )
+    which.add_argument(
+        "--local-rank", type=int, help="the worker's local rank on --node (default 0)"
+    )
+    logs.add_argument(
+        "--node", help="the node that ran the worker (default: the daemon you talk to)"
+    )
+    logs.add_argument(
+        "--stream",
+        choices=("stdout", "stderr"),
+        default="stdout",
+        help="which of the worker's streams (default stdout)",
+    )
     logs.add_argument("--attempt", type=int, help="default: the latest (and, with -f, the next)")
     logs.add_argument("--tail", type=int, help="only the last N lines")
     logs.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
 
 
 def _client_main(args: argparse.Namespace) -> int:
-    from elasticd.client import Client, ClientError, find_daemon
+    from elasticd.client import ClientError, find_daemon
 
     try:
         found = find_daemon(args.url, args.socket, args.token_file)
-        with Client(found.url, socket=found.socket, token_file=found.token_file) as client:
+        with CliClient(found.url, socket=found.socket, token_file=found.token_file) as client:
             handler = _HANDLERS[args.command]
             return handler(client, args)
     except ClientError as exc:
@@ -948,18 +1063,72 @@ def _cmd_events(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_logs(client: Any, args: argparse.Namespace) -> int:
+def rank_location(view: Any, rank: int) -> tuple[str, int]:
+    """The (node, local rank) of global ``rank`` in a job's workers view (pure)."""
+    ranks = []
+    for group in view.groups:
+        for worker in group.workers:
+            if worker.rank == rank:
+                return str(group.node), int(worker.local_rank)
+            ranks.append(worker.rank)
+    if not ranks:
+        raise ConfigError(f"job {view.job_id} has no workers yet: give --node and --local-rank")
+    raise ConfigError(
+        f"job {view.job_id} has no rank {rank} in its current round (ranks "
+        f"{min(ranks)}-{max(ranks)}); give --node and --local-rank for an older attempt"
+    )
+
+
+def _cmd_logs(client: CliClient, args: argparse.Namespace) -> int:
+    node, local_rank = args.node, args.local_rank or 0
+    if args.rank is not None:
+        if node is not None:
+            raise ConfigError(
+                "--rank finds the node itself: give --rank, or --node and --local-rank"
+            )
+        node, local_rank = rank_location(client.workers(args.job_id), args.rank)
     kwargs = {"attempt": args.attempt, "tail": args.tail}
-    if args.follow:
-        for text in client.follow_logs(args.job_id, args.local_rank, args.stream, **kwargs):
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        return 0
-    text = client.logs(args.job_id, args.local_rank, args.stream, **kwargs)
+    with client.on_node(node):
+        if args.follow:
+            for text in client.follow_logs(args.job_id, local_rank, args.stream, **kwargs):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            return 0
+        text = client.logs(args.job_id, local_rank, args.stream, **kwargs)
     if args.json:
-        _print_json({"job_id": args.job_id, "local_rank": args.local_rank, "text": text})
+        _print_json({"job_id": args.job_id, "node": node, "local_rank": local_rank, "text": text})
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def _cmd_delete(client: CliClient, args: argparse.Namespace) -> int:
+    client.delete(args.job_id)
+    if args.json:
+        _print_json({"deleted": args.job_id})
+    else:
+        print(f"job {args.job_id} deleted (its log files stay on disk)")
+    return 0
+
+
+def _cmd_nodes(client: CliClient, args: argparse.Namespace) -> int:
+    nodes = client.nodes()
+    if args.json:
+        _print_json(nodes)
+        return 0
+    rows = [
+        [
+            n["name"],
+            n["addr"],
+            f"{n['free_slots']}/{n['slots']}",
+            str(len(n.get("gpus") or [])),
+            ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
+            n["version"],
+            _age(n["started_at"]),
+        ]
+        for n in sorted(nodes, key=lambda n: n["name"])
+    ]
+    print(_table(rows, ["NAME", "ADDR", "FREE/SLOTS", "GPUS", "LABELS", "VERSION", "UP"]))
     return 0
 
 
@@ -981,7 +1150,37 @@ _HANDLERS = {
     "events": _cmd_events,
     "logs": _cmd_logs,
     "cancel": _cmd_cancel,
+    "delete": _cmd_delete,
+    "nodes": _cmd_nodes,
 }
+
+
+class CliClient(Client):
+    """:class:`elasticd.client.Client` and the calls the commands need that it lacks.
+
+    ``delete``, ``nodes`` and a log's ``node`` belong in the client itself; they are
+    here while another change reworks ``elasticd/client.py``.
+    """
+
+    def delete(self, job_id: str) -> None:
+        """Forget a job that ended (``DELETE /jobs/{id}``)."""
+        self._request("DELETE", f"/jobs/{job_id}")
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's live nodes (``GET /nodes``), as the API's JSON."""
+        nodes: list[dict[str, Any]] = self._request("GET", "/nodes").json()
+        return nodes
+
+    @contextlib.contextmanager
+    def on_node(self, node: str | None) -> Iterator[None]:
+        """Within: log calls name ``node``, whose daemon the API proxies them to."""
+        saved = self._http.params
+        if node is not None:
+            self._http.params = saved.merge({"node": node})
+        try:
+            yield
+        finally:
+            self._http.params = saved
 
 
 def entry() -> None:  # pragma: no cover

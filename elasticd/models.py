@@ -172,7 +172,14 @@ class JobSpec(BaseModel):
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
     min_nodes: int = Field(default=1, ge=1, le=100_000)
     max_nodes: int | None = Field(default=None, ge=1, le=100_000)
-    max_restarts: int = Field(default=3, ge=0, le=MAX_RESTARTS)
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=MAX_RESTARTS,
+        description="Restarts of the worker group (job-wide) before the job fails. 3 by "
+        "default: a service keeps a job alive across a few crashes; `elasticd run` defaults "
+        "to 0, as torchrun does",
+    )
     role: str = Field(default="default", min_length=1, max_length=128)
     redirects: str = Field(
         default="none", description="torchrun --redirects: 0-3/none/out/err/all or 'rank:v,...'"

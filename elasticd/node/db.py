@@ -284,6 +284,23 @@ class Database:
             (job_id,),
         ).fetchall()
 
+    def open_store_outages(self) -> dict[str, tuple[float, str]]:
+        """Jobs whose last ``store.lost`` of this node has no ``store.back`` after it:
+        job -> (wall time and source of the ``store.lost``). What a daemon that stopped
+        during an outage still owes its jobs (:meth:`EventLog.store_back`)."""
+        rows = self.conn.execute(
+            "SELECT job_id, json_extract(doc, '$.kind'), json_extract(doc, '$.time'), "
+            "json_extract(doc, '$.source') FROM events "
+            "WHERE json_extract(doc, '$.kind') IN ('store.lost', 'store.back') ORDER BY seq"
+        ).fetchall()
+        open_: dict[str, tuple[float, str]] = {}
+        for job_id, kind, when, source in rows:
+            if kind == "store.lost":
+                open_[job_id] = (float(when), str(source))
+            else:
+                open_.pop(job_id, None)
+        return open_
+
     def apply_trim(self, job_id: str, delete: Iterable[int], marker: Event) -> None:
         """Delete trimmed events and write the marker in place of the first (one transaction;
         queued behind unwritten ones when the disk refuses). The marker is unpublished."""

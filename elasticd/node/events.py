@@ -56,9 +56,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -252,6 +253,7 @@ class EventLog:
         #: lost, the source that said it). Kept by the node, not the agent: an agent
         #: torn down during the outage (the plan dropped this node) cannot say it is back.
         self._store_lost: dict[str, tuple[float, EventSource]] = {}
+        self._reopen_store_outages()
         self.retention = retention or EventRetention()
         self._since_trim: dict[str, int] = {}  # new events per job since its last trim
         self._to_trim: set[str] = set()
@@ -501,6 +503,25 @@ class EventLog:
         self._store_lost[job_id] = (self._clock.monotonic(), source)
         self.emit(job_id, source, EventKind.STORE_LOST, message)
         return True
+
+    def _reopen_store_outages(self) -> None:
+        """Take up the outages a previous run of this daemon said ``store.lost`` for and
+        stopped before it could say ``store.back`` (read from this node's own events: the
+        database is the record, so nothing else needs keeping). Their duration is counted
+        from the ``store.lost``'s wall time, the one clock both runs share."""
+        if not self._db.is_open:
+            return
+        try:
+            outages = self._db.open_store_outages()
+        except sqlite3.Error as exc:  # a damaged row: no store.back owed is better than no daemon
+            log.warning("cannot read the store outages of a previous run: %s", exc)
+            return
+        now_wall, now = self._clock.time(), self._clock.monotonic()
+        for job_id, (lost_wall, source) in outages.items():
+            lost_at = now - max(0.0, now_wall - lost_wall)
+            self._store_lost[job_id] = (lost_at, cast(EventSource, source))
+        if outages:
+            log.info("store outages still open from a previous run: %s", ", ".join(outages))
 
     def store_back(self, job_id: str | None = None) -> list[str]:
         """The store answers again: ``store.back`` for ``job_id`` if it was told

@@ -237,7 +237,7 @@ class Database:
         """Persist an event; the database assigns its (local) seq."""
         cur = self.conn.execute(
             "INSERT INTO events (job_id, doc) VALUES (?, ?)",
-            (event.job_id, event.model_dump_json()),
+            (event.job_id, event.record()),
         )
         assert cur.lastrowid is not None
         return event.model_copy(update={"seq": cur.lastrowid})
@@ -305,7 +305,7 @@ class Database:
         """Delete trimmed events and write the marker in place of the first (one transaction;
         queued behind unwritten ones when the disk refuses). The marker is unpublished."""
         gone = [(job_id, seq) for seq in delete]
-        doc = marker.model_copy(update={"seq": 0}).model_dump_json()
+        doc = marker.model_copy(update={"seq": 0}).record()
 
         def write() -> None:
             conn = self.conn

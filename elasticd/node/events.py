@@ -122,7 +122,7 @@ def publication_batches(events: list[Event]) -> list[list[Event]]:
         key = published_key(event)
         if key in keys:  # queued twice (emitted before start() re-queued it): same value
             continue
-        doc = len(event.model_dump_json())
+        doc = len(event.record())
         if current and (len(current) >= PUBLISH_BATCH_EVENTS or size + doc > PUBLISH_BATCH_BYTES):
             batches.append(current)
             current, size = [], 0
@@ -471,7 +471,7 @@ class EventLog:
             while not self._queue.empty():
                 queued.append(self._queue.get_nowait())
             for batch in publication_batches(queued):
-                items = [(published_key(e), e.model_dump_json().encode()) for e in batch]
+                items = [(published_key(e), e.record().encode()) for e in batch]
                 while True:
                     try:
                         await store.put_batch(items)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from elasticd.errors import StateFileDamaged
 from elasticd.models import Event
@@ -271,15 +271,19 @@ class Database:
             lambda: self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,)), _ignore
         )
 
-    def retention_view(
-        self, job_id: str
-    ) -> list[tuple[int, float, str, str | None, int, int, int | None, float | None]]:
+    def retention_view(self, job_id: str) -> list[tuple[Any, ...]]:
         """What the retention decision needs of a job's events, in seq order: seq, time,
-        kind, state, has a root cause, published, count, duration_s."""
+        kind, state, has a root cause, published, count, duration_s, then what tells one
+        failure from another: rank, exit code, signal, and the root cause's rank, exit
+        code, signal and message."""
         return self.conn.execute(
             "SELECT seq, json_extract(doc, '$.time'), json_extract(doc, '$.kind'), "
             "json_extract(doc, '$.state'), json_extract(doc, '$.error') IS NOT NULL, published, "
-            "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s') "
+            "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s'), "
+            "json_extract(doc, '$.rank'), json_extract(doc, '$.exit_code'), "
+            "json_extract(doc, '$.signal'), json_extract(doc, '$.error.rank'), "
+            "json_extract(doc, '$.error.exit_code'), json_extract(doc, '$.error.signal'), "
+            "json_extract(doc, '$.error.message') "
             "FROM events WHERE job_id = ? ORDER BY seq",
             (job_id,),
         ).fetchall()

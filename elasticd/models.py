@@ -555,6 +555,13 @@ class Event(BaseModel):
     """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
     starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
 
+    def record(self) -> str:
+        """The stored and published form (the node's database, the store's ``ev/`` copy):
+        the fields that are None are left out, and read back as None. About half the bytes
+        of the full form, for a copy every node holds in memory for as long as it keeps
+        the job."""
+        return self.model_dump_json(exclude_none=True)
+
 
 class WorkerView(BaseModel):
     """One worker process of a group."""

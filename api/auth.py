@@ -27,7 +27,6 @@ import hmac
 from collections.abc import Awaitable, Callable
 
 from fastapi import HTTPException, Request
-from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -94,6 +93,14 @@ def store_access(store: Callable[[], Store]) -> Callable[[Scope], Store | Respon
         return store()
 
     return access
+
+
+def first_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of a header (as ``starlette.datastructures.Headers.get``), raw."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _bearer(scope: Scope) -> str | None | bool:
@@ -188,8 +195,8 @@ def bearer_refusal(scope: Scope, expected: bytes | None) -> Response | None:
     """
     if expected is None:
         return None
-    header = Headers(scope=scope).get("authorization", "")
-    scheme, _, given = header.partition(" ")
+    header = first_header(scope, b"authorization") or b""
+    scheme, _, given = header.decode("latin-1").partition(" ")
     if scheme.lower() != "bearer" or not given:
         return problem(401, "Unauthorized", _NO_TOKEN, headers={"WWW-Authenticate": "Bearer"})
     if not hmac.compare_digest(given.strip().encode(), expected):

@@ -38,10 +38,10 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.auth import first_header
 from api.problems import error_problem, problem, validation_problem
 from api.routes.store import ROUTES, StoreLeasePath, StoreRoute
 from api.store_watch import MAX_WATCH_SECONDS, watch_until_gone
@@ -368,14 +368,15 @@ def read(route: StoreRoute, query: str, lease: str | None, body: bytes) -> dict[
 # -- matching a path ----------------------------------------------------------------------
 
 _EXACT: dict[tuple[str, str], StoreRoute] = {}
-_PATTERNS: list[tuple[re.Pattern[str], StoreRoute]] = []
+_ALLOW: dict[str, str] = {}  # a fixed path: the method of its first route (405's Allow)
+_PATTERNS: list[tuple[re.Pattern[str], StoreRoute]] = []  # the paths with a lease in them
 for _route in ROUTES:
     _full = "/store" + _route.path
     if "{" in _full:
         _PATTERNS.append((re.compile(_full.replace("{lease}", "(?P<lease>[^/]+)")), _route))
     else:
         _EXACT.setdefault((_route.method, _full), _route)
-        _PATTERNS.append((re.compile(re.escape(_full)), _route))
+        _ALLOW.setdefault(_full, _route.method)
 assert set(_RUN) == {route.name for route in ROUTES}, "every declared route has its operation"
 
 
@@ -384,15 +385,17 @@ def match(method: str, path: str) -> tuple[StoreRoute, str | None] | str | None:
     route = _EXACT.get((method, path))
     if route is not None:
         return route, None
+    if path in _ALLOW:
+        return _ALLOW[path]  # as a router answers: the first route of the path
     allowed = None
     for pattern, candidate in _PATTERNS:
         found = pattern.fullmatch(path)
         if found is None:
             continue
         if candidate.method == method:
-            return candidate, found.groupdict().get("lease")
+            return candidate, found.group("lease")
         if allowed is None:
-            allowed = candidate.method  # as a router answers: the first route of the path
+            allowed = candidate.method
     return allowed
 
 
@@ -453,7 +456,7 @@ class StoreHTTP:
         await _send_json(send, status, answer)
 
     def _declared_too_large(self, scope: Scope) -> bool:
-        length = Headers(scope=scope).get("content-length")
+        length = first_header(scope, b"content-length")
         # int() refuses strings of over 4,300 digits: the length says too large all the same.
         return (
             length is not None

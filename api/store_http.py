@@ -62,7 +62,7 @@ _UINT = re.compile(r"[0-9]{1,30}")
 _FLOAT = re.compile(r"[0-9]{1,10}(\.[0-9]{1,10})?")
 
 
-def too_large(limit: int) -> Response:
+def _too_large(limit: int) -> Response:
     return problem(
         413,
         "Request too large",
@@ -426,7 +426,7 @@ class StoreHTTP:
             return
         route, lease = found
         if route.body is not None and self._declared_too_large(scope):
-            await too_large(self._body_limit)(scope, receive, send)
+            await _too_large(self._body_limit)(scope, receive, send)
             return
         store = self._access(scope)
         if isinstance(store, Response):
@@ -436,7 +436,7 @@ class StoreHTTP:
         if route.body is not None:
             read_body = await self._body(receive)
             if read_body is None:
-                await too_large(self._body_limit)(scope, receive, send)
+                await _too_large(self._body_limit)(scope, receive, send)
                 return
             body, complete = read_body
             if not complete:

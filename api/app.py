@@ -20,18 +20,17 @@ from fastapi.responses import JSONResponse
 
 from api.auth import (
     Authenticate,
-    current_principal,
     require_lister,
     require_principal,
-    require_store_access,
+    store_access,
 )
 from api.guard import SAFE_METHODS, RequestGuard
 from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from api.problems import PROBLEM_JSON, UNPARSEABLE_BODY, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
-from api.routes.store import body_limit
-from api.store_fast import StoreFastPath
+from api.routes.store import body_limit, store_router
+from api.store_http import StoreHTTP
 from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES
@@ -68,13 +67,11 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     install_error_handlers(app)
     config = daemon.config if daemon is not None else None
     max_bytes = getattr(config, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
-    if daemon is not None:  # the hot /store routes, answered as the routes would (innermost)
+    if daemon is not None:  # /store, answered before routing (innermost), from a principal
         store_limit = getattr(config, "store_max_value_bytes", None)
         app.add_middleware(
-            StoreFastPath,
-            get_store=lambda: daemon.store,
-            token=None,
-            authorised=_may_use_whole_store,
+            StoreHTTP,
+            access=store_access(lambda: daemon.store),
             body_limit=body_limit(store_limit or DEFAULT_MAX_VALUE_BYTES),
         )
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)
@@ -96,15 +93,9 @@ def create_app(daemon: Daemon | None) -> FastAPI:
     app.include_router(nodes.router, dependencies=[*auth, Depends(require_lister)])
     app.include_router(metrics_router(metrics_public=_metrics_public(daemon)))
     app.include_router(ui.router)  # static page, no data: served without the token
-    _include_store(app, daemon, auth)
+    app.include_router(store_router())  # described here, answered by StoreHTTP
     _document_problems(app)
     return app
-
-
-def _may_use_whole_store(_scope: object) -> bool:
-    """The store fast path serves the daemons and admins; a job's token goes to the routes."""
-    principal = current_principal.get()
-    return principal is not None and principal.may_use_store
 
 
 #: Served without the token (see the routes); every other operation may answer 401.
@@ -180,27 +171,3 @@ def _document_problems(app: FastAPI) -> None:
 def _metrics_public(daemon: Daemon | None) -> bool:
     """Whether loopback scrapers may read /metrics without the token (config option)."""
     return daemon is not None and bool(getattr(daemon.config, "metrics_open_on_loopback", False))
-
-
-def _include_store(app: FastAPI, daemon: Daemon | None, auth: list[object]) -> None:
-    """Daemon-to-daemon store routes, served when this daemon hosts the embedded store.
-
-    The daemons and admins see the whole store; a job's token sees only its
-    job's keys (:class:`elasticd.store.scoped.ScopedStore`); anyone else gets 403.
-    """
-    from api.routes.store import store_router
-    from elasticd.store.scoped import ScopedStore
-
-    def get_store():  # type: ignore[no-untyped-def]
-        assert daemon is not None
-        principal = current_principal.get()
-        if principal is not None and principal.store_prefix is not None:
-            return ScopedStore(daemon.store, principal.store_prefix)
-        return daemon.store
-
-    limit = getattr(getattr(daemon, "config", None), "store_max_value_bytes", None)
-    if limit is None:
-        router = store_router(get_store)
-    else:
-        router = store_router(get_store, max_value_bytes=limit)
-    app.include_router(router, dependencies=[*auth, Depends(require_store_access)])  # type: ignore[list-item]

@@ -1,7 +1,7 @@
 """Who is asking: every request gets a principal before anything reads its body.
 
 :class:`Authenticate` is an ASGI middleware (inside the request guard, before
-the body limit, the store fast path and routing). It never reads the body:
+the body limit, the ``/store`` handler and routing). It never reads the body:
 
 * a connection on the unix socket carries its peer's uid (``SO_PEERCRED``,
   read by :mod:`api.protocol` when the connection is made, under
@@ -13,49 +13,50 @@ the body limit, the store fast path and routing). It never reads the body:
   once, so an unauthenticated client can never make the daemon wait for a
   body (a thousand unfinished bodies used to hold every connection).
 
-The principal is put in the scope (:func:`principal_of`) and in a context
-variable (:data:`current_principal`) for the store's key scoping. Only
+The principal is put in the scope (:func:`principal_of`). Only
 ``/healthz``, the static ``/ui`` page and, where the operator opened it to
 loopback scrapers, ``/metrics`` are served without one.
 
-:func:`bearer_auth` is the plain single-token check of the standalone store
-server (``python -m api.store_server``).
+``/store`` asks :func:`store_access` (the daemon) or :func:`bearer_store`
+(the standalone store server, ``python -m api.store_server``: one token).
 """
 
 from __future__ import annotations
 
-import contextvars
 import hmac
 from collections.abc import Awaitable, Callable
 
 from fastapi import HTTPException, Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.problems import problem
 from api.protocol import PEER_KEY
 from elasticd.config import is_loopback
 from elasticd.identity import Action, Authenticator, Deny, Principal, authorize
+from elasticd.store.base import Store
+from elasticd.store.scoped import ScopedStore
 
 #: Where :class:`Authenticate` puts the request's principal.
 PRINCIPAL_KEY = "elasticd.principal"
-#: The request's principal, for code below the routes (the store's key scope).
-current_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
-    "elasticd_principal", default=None
-)
 
 #: Served to anyone: no data (``/favicon.ico``, which browsers ask for by themselves, is 404).
 PUBLIC_PATHS = frozenset({"/healthz", "/ui", "/", "/favicon.ico"})
+
+
+_NO_PRINCIPAL = "this endpoint needs 'Authorization: Bearer <token>' or the daemon's unix socket"
+_NO_TOKEN = (
+    "this endpoint needs 'Authorization: Bearer <token>' "
+    "(the token is in the daemon's --token-file)"
+)
+_BAD_TOKEN = "the bearer token is not valid for this daemon"
 
 
 def principal_of(request: Request) -> Principal:
     """The request's principal (set by :class:`Authenticate`; 401 if there is none)."""
     principal = request.scope.get(PRINCIPAL_KEY)
     if not isinstance(principal, Principal):
-        raise HTTPException(
-            401,
-            "this endpoint needs 'Authorization: Bearer <token>' or the daemon's unix socket",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise HTTPException(401, _NO_PRINCIPAL, headers={"WWW-Authenticate": "Bearer"})
     return principal
 
 
@@ -71,11 +72,35 @@ async def require_lister(request: Request) -> None:
         raise HTTPException(403, decision.reason)
 
 
-async def require_store_access(request: Request) -> None:
-    """A route dependency of ``/store``: the daemons, admins, and a job's token (its keys)."""
-    decision = authorize(principal_of(request), Action.STORE)
-    if isinstance(decision, Deny):
-        raise HTTPException(403, decision.reason)
+def store_access(store: Callable[[], Store]) -> Callable[[Scope], Store | Response]:
+    """Who may use the daemon's ``/store`` (:class:`api.store_http.StoreHTTP`'s ``access``).
+
+    The daemons and admins use the whole store; a job's token only its
+    job's keys (:class:`elasticd.store.scoped.ScopedStore`); anyone else gets 403.
+    """
+
+    def access(scope: Scope) -> Store | Response:
+        principal = scope.get(PRINCIPAL_KEY)
+        if not isinstance(principal, Principal):
+            return problem(
+                401, "Unauthorized", _NO_PRINCIPAL, headers={"WWW-Authenticate": "Bearer"}
+            )
+        decision = authorize(principal, Action.STORE)
+        if isinstance(decision, Deny):
+            return problem(403, "Forbidden", decision.reason)
+        if principal.store_prefix is not None:
+            return ScopedStore(store(), principal.store_prefix)
+        return store()
+
+    return access
+
+
+def first_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of a header (as ``starlette.datastructures.Headers.get``), raw."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _bearer(scope: Scope) -> str | None | bool:
@@ -115,11 +140,7 @@ class Authenticate:
             await refusal(scope, receive, send)
             return
         scope[PRINCIPAL_KEY] = principal
-        reset = current_principal.set(principal)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            current_principal.reset(reset)
+        await self.app(scope, receive, send)
 
     def _public(self, path: str, scope: Scope) -> bool:
         if path in PUBLIC_PATHS:
@@ -166,32 +187,33 @@ class Authenticate:
         return principal, None
 
 
-def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
-    """A FastAPI dependency that requires ``Authorization: Bearer <token>`` (the store server).
+def bearer_refusal(scope: Scope, expected: bytes | None) -> Response | None:
+    """The 401 of a request without ``Authorization: Bearer <expected>``; None when it has it.
 
-    With ``token=None`` it lets every request through (the store server then
-    binds loopback only, and no daemon that runs jobs as other users uses it).
-    The comparison is constant-time.
+    With no ``expected`` token every request passes (the store server then
+    binds loopback only). The comparison is constant-time.
     """
+    if expected is None:
+        return None
+    header = first_header(scope, b"authorization") or b""
+    scheme, _, given = header.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return problem(401, "Unauthorized", _NO_TOKEN, headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.strip().encode(), expected):
+        return problem(
+            401,
+            "Unauthorized",
+            _BAD_TOKEN,
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+        )
+    return None
+
+
+def bearer_store(store: Store, token: str | None) -> Callable[[Scope], Store | Response]:
+    """The store server's ``access``: ``store`` to a request with the token (see above)."""
     expected = token.encode() if token else None
 
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise HTTPException(
-                401,
-                "this endpoint needs 'Authorization: Bearer <token>' "
-                "(the token is in the daemon's --token-file)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(given.strip().encode(), expected):
-            raise HTTPException(
-                401,
-                "the bearer token is not valid for this daemon",
-                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-            )
+    def access(scope: Scope) -> Store | Response:
+        return bearer_refusal(scope, expected) or store
 
-    return check
+    return access

@@ -9,8 +9,9 @@ before routing, authentication and parsing:
 * a body without one (chunked) is counted as it arrives and refused as soon
   as it passes the limit.
 
-``/store/...`` is exempt: its routes carry their own, larger limit derived
-from the store's maximal value size (:mod:`api.routes.store`).
+``/store/...`` is exempt: its handler (:mod:`api.store_http`) keeps its own,
+larger limit derived from the store's maximal value size
+(:func:`api.routes.store.body_limit`).
 """
 
 from __future__ import annotations

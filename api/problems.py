@@ -6,6 +6,7 @@ format errors themselves.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -91,6 +92,15 @@ def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) or "body"
 
 
+def validation_problem(errors: Iterable[dict[str, Any]]) -> JSONResponse:
+    """The 422 of invalid parameters or body: each field (by its ``loc``) and its message."""
+    invalid = [
+        {"field": _field_path(err.get("loc", ())), "message": err.get("msg", "")} for err in errors
+    ]
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in invalid)
+    return problem(422, "Invalid request", detail, errors=invalid)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the one error-handler table on ``app``."""
 
@@ -100,13 +110,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        invalid = []
-        for err in exc.errors():
-            invalid.append(
-                {"field": _field_path(err.get("loc", ())), "message": err.get("msg", "")}
-            )
-        detail = "; ".join(f"{e['field']}: {e['message']}" for e in invalid)
-        return problem(422, "Invalid request", detail, errors=invalid)
+        return validation_problem(exc.errors())
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

@@ -1,8 +1,8 @@
 """Serve a store over HTTP: the app factory, and a store-only process.
 
 ``create_store_app(store, token)`` is the ``/store`` API alone, behind the
-bearer token, with the problem+json error table. The daemon mounts the same
-router in its own app; ``elasticd serve --store-only`` and this module's
+bearer token, with the problem+json error table. The daemon serves the same
+handler in its own app; ``elasticd serve --store-only`` and this module's
 entry point serve just this::
 
     python -m api.store_server --host 127.0.0.1 --port 7070 \\
@@ -41,14 +41,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import uvicorn
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
-from api.auth import bearer_auth
+from api.auth import bearer_store
 from api.guard import RequestGuard
 from api.problems import install_error_handlers
 from api.protocol import uvicorn_settings
 from api.routes.store import body_limit, store_router
-from api.store_fast import StoreFastPath
+from api.store_http import StoreHTTP
 from elasticd import __version__, tokens
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.security import PRIVATE_UMASK
@@ -58,31 +58,21 @@ from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Store
 SHUTDOWN_GRACE = 5.0
 
 
-def create_store_app(store: Store, token: str | None, *, fast_path: bool = True) -> FastAPI:
-    """A FastAPI app serving ``store`` at ``/store/...``; every route needs ``token``.
+def create_store_app(store: Store, token: str | None) -> FastAPI:
+    """A FastAPI app serving ``store`` at ``/store/...``; every operation needs ``token``.
 
-    With ``fast_path`` (the default) :class:`api.store_fast.StoreFastPath`
-    answers the plainly well-formed requests of the hot routes without
-    FastAPI's per-request machinery, the same as the routes would; without
-    it every request goes through the routes (the tests compare the two).
+    :class:`api.store_http.StoreHTTP` answers them, as in the daemon's app;
+    the routes only describe them.
     """
-    app = FastAPI(
-        title="elasticd store",
-        version=__version__,
-        dependencies=[Depends(bearer_auth(token))],
-    )
+    app = FastAPI(title="elasticd store", version=__version__)
     install_error_handlers(app)
     limit = getattr(store, "max_value_bytes", None)
     max_value_bytes = limit if isinstance(limit, int) else DEFAULT_MAX_VALUE_BYTES
-    if fast_path:  # added first: runs after the guard, in front of the routes
-        app.add_middleware(
-            StoreFastPath,
-            get_store=lambda: store,
-            token=token,
-            body_limit=body_limit(max_value_bytes),
-        )
+    app.add_middleware(  # added first: runs after the guard, before routing
+        StoreHTTP, access=bearer_store(store, token), body_limit=body_limit(max_value_bytes)
+    )
     app.add_middleware(RequestGuard, tokenless=token is None)  # Host, Origin, Content-Type
-    app.include_router(store_router(lambda: store, max_value_bytes=max_value_bytes))
+    app.include_router(store_router())
     return app
 
 

@@ -1,4 +1,4 @@
-"""One store long-poll for the HTTP API: the FastAPI route and the fast path both call it.
+"""The store long-poll of the HTTP API (its one caller: :mod:`api.store_http`).
 
 Which side of the boundary: the daemon (and the store server); a request's own
 long-poll, ended early when its client goes away.

@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -755,7 +755,7 @@ def _client_main(args: argparse.Namespace) -> int:
 
     try:
         found = find_daemon(args.url, args.socket, args.token_file)
-        with CliClient(found.url, socket=found.socket, token_file=found.token_file) as client:
+        with Client(found.url, socket=found.socket, token_file=found.token_file) as client:
             handler = _HANDLERS[args.command]
             return handler(client, args)
     except ClientError as exc:
@@ -1079,7 +1079,7 @@ def rank_location(view: Any, rank: int) -> tuple[str, int]:
     )
 
 
-def _cmd_logs(client: CliClient, args: argparse.Namespace) -> int:
+def _cmd_logs(client: Client, args: argparse.Namespace) -> int:
     node, local_rank = args.node, args.local_rank or 0
     if args.rank is not None:
         if node is not None:
@@ -1087,14 +1087,13 @@ def _cmd_logs(client: CliClient, args: argparse.Namespace) -> int:
                 "--rank finds the node itself: give --rank, or --node and --local-rank"
             )
         node, local_rank = rank_location(client.workers(args.job_id), args.rank)
-    kwargs = {"attempt": args.attempt, "tail": args.tail}
-    with client.on_node(node):
-        if args.follow:
-            for text in client.follow_logs(args.job_id, local_rank, args.stream, **kwargs):
-                sys.stdout.write(text)
-                sys.stdout.flush()
-            return 0
-        text = client.logs(args.job_id, local_rank, args.stream, **kwargs)
+    kwargs = {"attempt": args.attempt, "tail": args.tail, "node": node}
+    if args.follow:
+        for text in client.follow_logs(args.job_id, local_rank, args.stream, **kwargs):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        return 0
+    text = client.logs(args.job_id, local_rank, args.stream, **kwargs)
     if args.json:
         _print_json({"job_id": args.job_id, "node": node, "local_rank": local_rank, "text": text})
     else:
@@ -1102,7 +1101,7 @@ def _cmd_logs(client: CliClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_delete(client: CliClient, args: argparse.Namespace) -> int:
+def _cmd_delete(client: Client, args: argparse.Namespace) -> int:
     client.delete(args.job_id)
     if args.json:
         _print_json({"deleted": args.job_id})
@@ -1111,7 +1110,7 @@ def _cmd_delete(client: CliClient, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_nodes(client: CliClient, args: argparse.Namespace) -> int:
+def _cmd_nodes(client: Client, args: argparse.Namespace) -> int:
     nodes = client.nodes()
     if args.json:
         _print_json(nodes)
@@ -1153,34 +1152,6 @@ _HANDLERS = {
     "delete": _cmd_delete,
     "nodes": _cmd_nodes,
 }
-
-
-class CliClient(Client):
-    """:class:`elasticd.client.Client` and the calls the commands need that it lacks.
-
-    ``delete``, ``nodes`` and a log's ``node`` belong in the client itself; they are
-    here while another change reworks ``elasticd/client.py``.
-    """
-
-    def delete(self, job_id: str) -> None:
-        """Forget a job that ended (``DELETE /jobs/{id}``)."""
-        self._request("DELETE", f"/jobs/{job_id}")
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """The cluster's live nodes (``GET /nodes``), as the API's JSON."""
-        nodes: list[dict[str, Any]] = self._request("GET", "/nodes").json()
-        return nodes
-
-    @contextlib.contextmanager
-    def on_node(self, node: str | None) -> Iterator[None]:
-        """Within: log calls name ``node``, whose daemon the API proxies them to."""
-        saved = self._http.params
-        if node is not None:
-            self._http.params = saved.merge({"node": node})
-        try:
-            yield
-        finally:
-            self._http.params = saved
 
 
 def entry() -> None:  # pragma: no cover

@@ -34,7 +34,7 @@ import codecs
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -255,9 +255,16 @@ def _states(state: Iterable[JobState | str] | None) -> list[str] | None:
 
 
 def _log_params(
-    local_rank: int, stream: Stream, attempt: int | None, tail: int | None, follow: bool = False
+    local_rank: int,
+    stream: Stream,
+    attempt: int | None,
+    tail: int | None,
+    node: str | None,
+    follow: bool = False,
 ) -> dict[str, Any]:
     params: dict[str, Any] = {"local_rank": local_rank, "stream": stream}
+    if node is not None:  # the daemon asked forwards the call to that node's daemon
+        params["node"] = node
     if attempt is not None:
         params["attempt"] = attempt
     if tail is not None:
@@ -322,6 +329,138 @@ class _Follow:
         return float(min(retry_ms / 1000, 0.25 * 2.0**self.failures))
 
 
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One request of the API: both clients send it as it is (httpx's ``request`` arguments)."""
+
+    method: str
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    timeout: float | httpx.Timeout | None = None
+    headers: dict[str, str] | None = None
+
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.Client.request``/``stream`` (and the async ones)."""
+        given = {
+            "params": self.params,
+            "json": self.json,
+            "timeout": self.timeout,
+            "headers": self.headers,
+        }
+        return {name: value for name, value in given.items() if value is not None}
+
+
+class _Api:
+    """The requests of the API and how their answers are read: the one request builder.
+
+    :class:`Client` and :class:`AsyncClient` only send what this builds (the
+    sync and async transports of httpx); the answer is read here, once.
+    """
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url
+        self.timeout = timeout
+
+    @staticmethod
+    def submit(spec: SpecLike) -> _Call:
+        return _Call("POST", "/jobs", json=_spec_body(spec))
+
+    @staticmethod
+    def get(job_id: str) -> _Call:
+        return _Call("GET", f"/jobs/{job_id}")
+
+    @staticmethod
+    def list_jobs(state: Iterable[JobState | str] | None, limit: int, offset: int) -> _Call:
+        params: dict[str, Any] = {"limit": limit, "offset": offset}
+        if (states := _states(state)) is not None:
+            params["state"] = states
+        return _Call("GET", "/jobs", params=params)
+
+    @staticmethod
+    def cancel(job_id: str) -> _Call:
+        return _Call("POST", f"/jobs/{job_id}/cancel", json={})
+
+    @staticmethod
+    def queue() -> _Call:
+        return _Call("GET", "/queue")
+
+    @staticmethod
+    def workers(job_id: str) -> _Call:
+        return _Call("GET", f"/jobs/{job_id}/workers")
+
+    def events(self, job_id: str, after: int, limit: int, wait: float) -> _Call:
+        params = {"after": after, "limit": limit, "wait": wait}
+        return _Call("GET", f"/jobs/{job_id}/events", params=params, timeout=self.timeout + wait)
+
+    def follow_events(self, job_id: str, state: _Follow) -> _Call:
+        return _Call(
+            "GET",
+            f"/jobs/{job_id}/events",
+            params={"after": state.after},
+            headers=state.request_headers(),
+            timeout=_stream_timeout(self.timeout),
+        )
+
+    @staticmethod
+    def delete(job_id: str) -> _Call:
+        return _Call("DELETE", f"/jobs/{job_id}")
+
+    @staticmethod
+    def nodes() -> _Call:
+        return _Call("GET", "/nodes")
+
+    @staticmethod
+    def logs(
+        job_id: str,
+        local_rank: int,
+        stream: Stream,
+        attempt: int | None,
+        tail: int | None,
+        node: str | None,
+    ) -> _Call:
+        params = _log_params(local_rank, stream, attempt, tail, node)
+        return _Call("GET", f"/jobs/{job_id}/logs", params=params)
+
+    def follow_logs(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Stream,
+        attempt: int | None,
+        tail: int | None,
+        node: str | None,
+    ) -> _Call:
+        params = _log_params(local_rank, stream, attempt, tail, node, follow=True)
+        timeout = httpx.Timeout(self.timeout, read=None)  # a quiet log is not an error
+        return _Call("GET", f"/jobs/{job_id}/logs", params=params, timeout=timeout)
+
+    def checked(self, response: httpx.Response) -> httpx.Response:
+        """The response of a call that succeeded; ClientError with the problem otherwise."""
+        if response.status_code >= 400:
+            raise _problem_error(response)
+        return response
+
+    def failed(self, exc: httpx.HTTPError) -> ClientError:
+        return _transport_error(self.url, exc)
+
+
+def _events_of(response: httpx.Response) -> list[Event]:
+    return _EVENTS.validate_json(response.content)
+
+
+def _client_setup(
+    url: str, socket: str | Path | None, transport: _T | None, uds: Callable[[str], _T]
+) -> tuple[str, _T | None]:
+    """The base URL and transport: a unix socket's, where one is given."""
+    if socket is not None:  # the kernel tells the daemon who we are: no token needed
+        return "http://localhost", transport or uds(str(socket))
+    return url, transport
+
+
 class Client:
     """Synchronous client. Use as a context manager, or call :meth:`close`."""
 
@@ -335,11 +474,10 @@ class Client:
         transport: httpx.BaseTransport | None = None,
         socket: str | Path | None = None,
     ) -> None:
-        if socket is not None:  # the kernel tells the daemon who we are: no token needed
-            transport = transport or httpx.HTTPTransport(uds=str(socket))
-            url = "http://localhost"
+        url, transport = _client_setup(url, socket, transport, _sync_uds)
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._api = _Api(self.url, timeout)
         self._http = httpx.Client(
             base_url=self.url,
             headers=_headers(_resolve_token(token, token_file)),
@@ -361,72 +499,66 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(self, call: _Call) -> httpx.Response:
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(call.method, call.path, **call.options())
         except httpx.HTTPError as exc:
-            raise _transport_error(self.url, exc) from None
-        if response.status_code >= 400:
-            raise _problem_error(response)
-        return response
+            raise self._api.failed(exc) from None
+        return self._api.checked(response)
 
     # jobs
 
     def submit(self, spec: SpecLike) -> Job:
         """Submit a job (a :class:`JobSpec` or the same as a dict); returns it."""
-        return _parse(Job, self._request("POST", "/jobs", json=_spec_body(spec)))
+        return _parse(Job, self._send(self._api.submit(spec)))
 
     def get(self, job_id: str) -> Job:
-        return _parse(Job, self._request("GET", f"/jobs/{job_id}"))
+        return _parse(Job, self._send(self._api.get(job_id)))
 
     def list_jobs(
         self, state: Iterable[JobState | str] | None = None, limit: int = 100, offset: int = 0
     ) -> JobList:
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        if (states := _states(state)) is not None:
-            params["state"] = states
-        return _parse(JobList, self._request("GET", "/jobs", params=params))
+        return _parse(JobList, self._send(self._api.list_jobs(state, limit, offset)))
 
     def cancel(self, job_id: str) -> Job:
-        return _parse(Job, self._request("POST", f"/jobs/{job_id}/cancel", json={}))
+        return _parse(Job, self._send(self._api.cancel(job_id)))
+
+    def delete(self, job_id: str) -> None:
+        """Forget a job that ended (its log files stay on disk)."""
+        self._send(self._api.delete(job_id))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's live nodes, as the API's JSON."""
+        nodes: list[dict[str, Any]] = self._send(self._api.nodes()).json()
+        return nodes
 
     def queue(self) -> QueueView:
         """The fleet's queue in placement order, and where placed jobs run."""
-        return _parse(QueueView, self._request("GET", "/queue"))
+        return _parse(QueueView, self._send(self._api.queue()))
 
     def workers(self, job_id: str) -> WorkersView:
-        return _parse(WorkersView, self._request("GET", f"/jobs/{job_id}/workers"))
+        return _parse(WorkersView, self._send(self._api.workers(job_id)))
 
     def events(
         self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0
     ) -> list[Event]:
         """Events after ``after``; with ``wait`` the daemon holds the call up to that long."""
-        params = {"after": after, "limit": limit, "wait": wait}
-        timeout = self.timeout + wait
-        response = self._request("GET", f"/jobs/{job_id}/events", params=params, timeout=timeout)
-        return _EVENTS.validate_json(response.content)
+        return _events_of(self._send(self._api.events(job_id, after, limit, wait)))
 
     def follow_events(self, job_id: str, after: int = 0) -> Iterator[Event]:
         """Every event after ``after``, live, until the job ends (SSE, resumed on reconnect)."""
         state = _Follow(after)
-        path = f"/jobs/{job_id}/events"
         while not state.ended:
             error: ClientError | None = None
+            call = self._api.follow_events(job_id, state)
             try:
-                with self._http.stream(
-                    "GET",
-                    path,
-                    params={"after": state.after},
-                    headers=state.request_headers(),
-                    timeout=_stream_timeout(self.timeout),
-                ) as response:
+                with self._http.stream(call.method, call.path, **call.options()) as response:
                     if response.status_code >= 400:
                         response.read()
-                        raise _problem_error(response)
-                    for text in response.iter_text():
+                    for text in self._api.checked(response).iter_text():
                         yield from state.events(text)
             except httpx.HTTPError as exc:
-                error = _transport_error(self.url, exc)
+                error = self._api.failed(exc)
             if not state.ended:
                 time.sleep(state.dropped(self.url, error))
 
@@ -455,9 +587,10 @@ class Client:
         *,
         attempt: int | None = None,
         tail: int | None = None,
+        node: str | None = None,
     ) -> str:
-        params = _log_params(local_rank, stream, attempt, tail)
-        return self._request("GET", f"/jobs/{job_id}/logs", params=params).text
+        """A log as it is now; ``node``: that node's worker (the daemon asked forwards)."""
+        return self._send(self._api.logs(job_id, local_rank, stream, attempt, tail, node)).text
 
     def follow_logs(
         self,
@@ -467,25 +600,20 @@ class Client:
         *,
         attempt: int | None = None,
         tail: int | None = None,
+        node: str | None = None,
     ) -> Iterator[str]:
         """The log as it grows, until the job ends (across restarts unless ``attempt``)."""
-        params = _log_params(local_rank, stream, attempt, tail, follow=True)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        call = self._api.follow_logs(job_id, local_rank, stream, attempt, tail, node)
+        decoder = _log_decoder()
         try:
-            with self._http.stream(
-                "GET",
-                f"/jobs/{job_id}/logs",
-                params=params,
-                timeout=httpx.Timeout(self.timeout, read=None),  # a quiet log is not an error
-            ) as response:
+            with self._http.stream(call.method, call.path, **call.options()) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise _problem_error(response)
-                for chunk in response.iter_bytes():
+                for chunk in self._api.checked(response).iter_bytes():
                     if text := decoder.decode(chunk):
                         yield text
         except httpx.HTTPError as exc:
-            raise _transport_error(self.url, exc) from None
+            raise self._api.failed(exc) from None
         if rest := decoder.decode(b"", final=True):
             yield rest
 
@@ -503,11 +631,10 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
         socket: str | Path | None = None,
     ) -> None:
-        if socket is not None:  # the kernel tells the daemon who we are: no token needed
-            transport = transport or httpx.AsyncHTTPTransport(uds=str(socket))
-            url = "http://localhost"
+        url, transport = _client_setup(url, socket, transport, _async_uds)
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._api = _Api(self.url, timeout)
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=_headers(_resolve_token(token, token_file)),
@@ -529,69 +656,62 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(self, call: _Call) -> httpx.Response:
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.request(call.method, call.path, **call.options())
         except httpx.HTTPError as exc:
-            raise _transport_error(self.url, exc) from None
-        if response.status_code >= 400:
-            raise _problem_error(response)
-        return response
+            raise self._api.failed(exc) from None
+        return self._api.checked(response)
 
     async def submit(self, spec: SpecLike) -> Job:
-        return _parse(Job, await self._request("POST", "/jobs", json=_spec_body(spec)))
+        return _parse(Job, await self._send(self._api.submit(spec)))
 
     async def get(self, job_id: str) -> Job:
-        return _parse(Job, await self._request("GET", f"/jobs/{job_id}"))
+        return _parse(Job, await self._send(self._api.get(job_id)))
 
     async def list_jobs(
         self, state: Iterable[JobState | str] | None = None, limit: int = 100, offset: int = 0
     ) -> JobList:
-        params: dict[str, Any] = {"limit": limit, "offset": offset}
-        if (states := _states(state)) is not None:
-            params["state"] = states
-        return _parse(JobList, await self._request("GET", "/jobs", params=params))
+        return _parse(JobList, await self._send(self._api.list_jobs(state, limit, offset)))
 
     async def cancel(self, job_id: str) -> Job:
-        return _parse(Job, await self._request("POST", f"/jobs/{job_id}/cancel", json={}))
+        return _parse(Job, await self._send(self._api.cancel(job_id)))
+
+    async def delete(self, job_id: str) -> None:
+        """Forget a job that ended (its log files stay on disk)."""
+        await self._send(self._api.delete(job_id))
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """The cluster's live nodes, as the API's JSON."""
+        nodes: list[dict[str, Any]] = (await self._send(self._api.nodes())).json()
+        return nodes
 
     async def queue(self) -> QueueView:
         """The fleet's queue in placement order, and where placed jobs run."""
-        return _parse(QueueView, await self._request("GET", "/queue"))
+        return _parse(QueueView, await self._send(self._api.queue()))
 
     async def workers(self, job_id: str) -> WorkersView:
-        return _parse(WorkersView, await self._request("GET", f"/jobs/{job_id}/workers"))
+        return _parse(WorkersView, await self._send(self._api.workers(job_id)))
 
     async def events(
         self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0
     ) -> list[Event]:
-        params = {"after": after, "limit": limit, "wait": wait}
-        response = await self._request(
-            "GET", f"/jobs/{job_id}/events", params=params, timeout=self.timeout + wait
-        )
-        return _EVENTS.validate_json(response.content)
+        return _events_of(await self._send(self._api.events(job_id, after, limit, wait)))
 
     async def follow_events(self, job_id: str, after: int = 0) -> AsyncIterator[Event]:
         state = _Follow(after)
-        path = f"/jobs/{job_id}/events"
         while not state.ended:
             error: ClientError | None = None
+            call = self._api.follow_events(job_id, state)
             try:
-                async with self._http.stream(
-                    "GET",
-                    path,
-                    params={"after": state.after},
-                    headers=state.request_headers(),
-                    timeout=_stream_timeout(self.timeout),
-                ) as response:
+                async with self._http.stream(call.method, call.path, **call.options()) as response:
                     if response.status_code >= 400:
                         await response.aread()
-                        raise _problem_error(response)
-                    async for text in response.aiter_text():
+                    async for text in self._api.checked(response).aiter_text():
                         for event in state.events(text):
                             yield event
             except httpx.HTTPError as exc:
-                error = _transport_error(self.url, exc)
+                error = self._api.failed(exc)
             if not state.ended:
                 await asyncio.sleep(state.dropped(self.url, error))
 
@@ -614,9 +734,10 @@ class AsyncClient:
         *,
         attempt: int | None = None,
         tail: int | None = None,
+        node: str | None = None,
     ) -> str:
-        params = _log_params(local_rank, stream, attempt, tail)
-        return (await self._request("GET", f"/jobs/{job_id}/logs", params=params)).text
+        call = self._api.logs(job_id, local_rank, stream, attempt, tail, node)
+        return (await self._send(call)).text
 
     async def follow_logs(
         self,
@@ -626,23 +747,31 @@ class AsyncClient:
         *,
         attempt: int | None = None,
         tail: int | None = None,
+        node: str | None = None,
     ) -> AsyncIterator[str]:
-        params = _log_params(local_rank, stream, attempt, tail, follow=True)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        call = self._api.follow_logs(job_id, local_rank, stream, attempt, tail, node)
+        decoder = _log_decoder()
         try:
-            async with self._http.stream(
-                "GET",
-                f"/jobs/{job_id}/logs",
-                params=params,
-                timeout=httpx.Timeout(self.timeout, read=None),
-            ) as response:
+            async with self._http.stream(call.method, call.path, **call.options()) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise _problem_error(response)
-                async for chunk in response.aiter_bytes():
+                async for chunk in self._api.checked(response).aiter_bytes():
                     if text := decoder.decode(chunk):
                         yield text
         except httpx.HTTPError as exc:
-            raise _transport_error(self.url, exc) from None
+            raise self._api.failed(exc) from None
         if rest := decoder.decode(b"", final=True):
             yield rest
+
+
+def _log_decoder() -> codecs.IncrementalDecoder:
+    """A log's bytes as text, a character split across chunks kept whole."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
+def _sync_uds(path: str) -> httpx.BaseTransport:
+    return httpx.HTTPTransport(uds=path)
+
+
+def _async_uds(path: str) -> httpx.AsyncBaseTransport:
+    return httpx.AsyncHTTPTransport(uds=path)

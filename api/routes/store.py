@@ -33,30 +33,28 @@ read: on its ``Content-Length``, or while streaming when it has none.
 timeout, or drops the watch when the client goes away, so a restarted peer
 leaves no watch behind.
 
-Authentication is not done here: the app adds the bearer-token dependency to
-every route.
+This module is the declaration: the wire models, each operation's
+parameters and :data:`ROUTES`. One ASGI handler, :class:`api.store_http.StoreHTTP`,
+answers every request from it (who may ask is its caller's to say); the
+OpenAPI document shows it through :func:`store_router`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import Callable
+from dataclasses import dataclass
+from inspect import Parameter, Signature
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.problems import LEASE_NOT_FOUND
 from api.schemas import Empty
-from api.store_watch import MAX_WATCH_SECONDS, watch_until_gone
-from elasticd.store.base import (
-    DEFAULT_MAX_VALUE_BYTES,
-    MAX_BATCH_KEYS,
-    Entry,
-    Store,
-    WatchEvent,
-)
-from elasticd.store.codec import decode_value, encode_value
+from api.store_watch import MAX_WATCH_SECONDS
+from elasticd.store.base import MAX_BATCH_KEYS
+from elasticd.store.codec import decode_value
 from elasticd.store.memory import COUNTER_MAX, COUNTER_MIN
 
 #: Room in a request body for everything but the value (key, JSON, numbers).
@@ -66,12 +64,6 @@ _BODY_OVERHEAD = 64 * 1024
 def body_limit(max_value_bytes: int) -> int:
     """Largest request body a store with this value limit needs (base64 + overhead)."""
     return (max_value_bytes + 2) // 3 * 4 + _BODY_OVERHEAD
-
-
-def _too_large(limit: int) -> HTTPException:
-    return HTTPException(
-        413, f"the request body is over {limit} bytes; store values are limited in size"
-    )
 
 
 # -- wire models -------------------------------------------------------------
@@ -89,20 +81,6 @@ class StoreEntry(_Wire):
     version: int = Field(description="Revision of the key's last write: the CAS fencing token")
     created: int = Field(description="Revision that created the key")
     lease: int | None = Field(default=None, description="Lease the key is bound to, if any")
-
-    @classmethod
-    def of(cls, entry: Entry) -> StoreEntry:
-        return cls(
-            key=entry.key,
-            value=encode_value(entry.value),
-            version=entry.version,
-            created=entry.created,
-            lease=entry.lease,
-        )
-
-
-def _entry_or_none(entry: Entry | None) -> StoreEntry | None:
-    return StoreEntry.of(entry) if entry is not None else None
 
 
 class StoreGetResponse(_Wire):
@@ -230,11 +208,6 @@ class StoreWatchEvent(_Wire):
     value: str | None = Field(description="The new value, base64; null for a delete")
     revision: int
 
-    @classmethod
-    def of(cls, event: WatchEvent) -> StoreWatchEvent:
-        value = encode_value(event.value) if event.value is not None else None
-        return cls(kind=event.kind, key=event.key, value=value, revision=event.revision)
-
 
 class StoreWatchResponse(_Wire):
     """The changes after ``after``, oldest first; empty when the timeout passed first."""
@@ -242,138 +215,192 @@ class StoreWatchResponse(_Wire):
     events: list[StoreWatchEvent]
 
 
-# -- size limit ----------------------------------------------------------------
+# -- query and path parameters -------------------------------------------------
 
 
-class _LimitedRequest(Request):
-    """A request whose body stream stops with 413 past ``limit`` bytes."""
+class StoreKeyQuery(BaseModel):
+    """``GET /store/kv``."""
 
-    limit: int = body_limit(DEFAULT_MAX_VALUE_BYTES)
-
-    async def stream(self) -> AsyncGenerator[bytes, None]:
-        seen = 0
-        async for chunk in super().stream():
-            seen += len(chunk)
-            if seen > self.limit:
-                raise _too_large(self.limit)
-            yield chunk
+    key: str = Field(min_length=1)
 
 
-def _limited_route(limit: int) -> type[APIRoute]:
-    class LimitedRoute(APIRoute):
-        """Refuse over-large bodies before the body is parsed."""
+class StoreDeleteQuery(BaseModel):
+    """``DELETE /store/kv``."""
 
-        def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            handler = super().get_route_handler()
-
-            async def limited(request: Request) -> Response:
-                length = request.headers.get("content-length")
-                if (
-                    length is not None
-                    and length.isdigit()
-                    and (
-                        len(length) > 20 or int(length) > limit  # int() refuses 4,300+ digits
-                    )
-                ):
-                    raise _too_large(limit)
-                wrapped = _LimitedRequest(request.scope, request.receive)
-                wrapped.limit = limit
-                return await handler(wrapped)
-
-            return limited
-
-    return LimitedRoute
+    key: str = Field(min_length=1)
+    expected_version: int | None = None
 
 
-# -- routes --------------------------------------------------------------------
+class StoreListQuery(BaseModel):
+    """``GET /store/list``."""
+
+    prefix: str = ""
 
 
-def store_router(
-    get_store: Callable[[], Store],
-    *,
-    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
-) -> APIRouter:
-    """The ``/store`` routes over the store that ``get_store()`` returns at each request."""
-    router = APIRouter(
-        prefix="/store", tags=["store"], route_class=_limited_route(body_limit(max_value_bytes))
-    )
+class StoreWatchQuery(BaseModel):
+    """``GET /store/watch``."""
 
-    @router.get("/kv", response_model=StoreGetResponse)
-    async def get_key(key: Annotated[str, Query(min_length=1)]) -> StoreGetResponse:
-        """Read one key."""
-        return StoreGetResponse(entry=_entry_or_none(await get_store().get(key)))
+    key: str
+    after: int = Field(description="Answer with changes above this revision")
+    timeout: float = Field(default=30.0, ge=0, le=MAX_WATCH_SECONDS)
+    prefix: bool = False
 
-    @router.put("/kv", response_model=StorePutResponse, responses=LEASE_NOT_FOUND)
-    async def put_key(body: StorePutRequest) -> StorePutResponse:
-        """Write a key unconditionally."""
-        entry = await get_store().put(body.key, decode_value(body.value), lease=body.lease)
-        return StorePutResponse(entry=StoreEntry.of(entry))
 
-    @router.delete("/kv", response_model=StoreDeleteResponse)
-    async def delete_key(
-        key: Annotated[str, Query(min_length=1)],
-        expected_version: int | None = None,
-    ) -> StoreDeleteResponse:
-        """Delete a key; with ``expected_version`` only if it still has that version."""
-        return StoreDeleteResponse(deleted=await get_store().delete(key, expected_version))
+class StoreLeasePath(BaseModel):
+    """``/store/leases/{lease}...``."""
 
-    @router.post("/batch", response_model=StoreBatchResponse)
-    async def put_batch(body: StoreBatchRequest) -> StoreBatchResponse:
-        """Write several keys unconditionally, all or nothing (one writer keeps its order)."""
-        items = [(item.key, decode_value(item.value)) for item in body.items]
-        entries = await get_store().put_batch(items)  # each key once: checked above (422)
-        return StoreBatchResponse(entries=[StoreEntry.of(e) for e in entries])
+    lease: int
 
-    @router.post("/cas", response_model=StoreCasResponse, responses=LEASE_NOT_FOUND)
-    async def compare_and_set(body: StoreCasRequest) -> StoreCasResponse:
-        """Compare-and-set on the key's version; a lost race is ``ok: false``, not an error."""
-        result = await get_store().compare_and_set(
-            body.key, decode_value(body.value), body.expected_version, lease=body.lease
+
+# -- the routes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreRoute:
+    """One operation of ``/store``: what the handler parses and the document shows."""
+
+    name: str
+    method: str
+    path: str  # under /store
+    doc: str
+    response: type[BaseModel] | None  # None: an empty answer (204)
+    status: int = 200
+    query: type[BaseModel] | None = None
+    body: type[BaseModel] | None = None
+    lease_in_path: bool = False
+    #: More answers the document shows (an unknown lease's 404).
+    responses: dict[int | str, dict[str, Any]] | None = None
+
+
+#: Every ``/store`` operation, in the order a request's path is matched against them.
+ROUTES: tuple[StoreRoute, ...] = (
+    StoreRoute("get_key", "GET", "/kv", "Read one key.", StoreGetResponse, query=StoreKeyQuery),
+    StoreRoute(
+        "put_key",
+        "PUT",
+        "/kv",
+        "Write a key unconditionally.",
+        StorePutResponse,
+        body=StorePutRequest,
+        responses=LEASE_NOT_FOUND,
+    ),
+    StoreRoute(
+        "delete_key",
+        "DELETE",
+        "/kv",
+        "Delete a key; with ``expected_version`` only if it still has that version.",
+        StoreDeleteResponse,
+        query=StoreDeleteQuery,
+    ),
+    StoreRoute(
+        "put_batch",
+        "POST",
+        "/batch",
+        "Write several keys unconditionally, all or nothing (one writer keeps its order).",
+        StoreBatchResponse,
+        body=StoreBatchRequest,
+    ),
+    StoreRoute(
+        "compare_and_set",
+        "POST",
+        "/cas",
+        "Compare-and-set on the key's version; a lost race is ``ok: false``, not an error.",
+        StoreCasResponse,
+        body=StoreCasRequest,
+        responses=LEASE_NOT_FOUND,
+    ),
+    StoreRoute(
+        "add",
+        "POST",
+        "/add",
+        "Atomically add to an integer counter.",
+        StoreAddResponse,
+        body=StoreAddRequest,
+    ),
+    StoreRoute(
+        "list_prefix",
+        "GET",
+        "/list",
+        "Every entry whose key starts with ``prefix``.",
+        StoreListResponse,
+        query=StoreListQuery,
+    ),
+    StoreRoute(
+        "grant",
+        "POST",
+        "/leases",
+        "Create a lease with a TTL.",
+        StoreLeaseResponse,
+        201,
+        body=StoreGrantRequest,
+    ),
+    StoreRoute(
+        "keep_alive",
+        "POST",
+        "/leases/{lease}/keepalive",
+        "Renew a lease for another TTL (404 when it expired or was revoked). Body: ``{}``.",
+        StoreLeaseResponse,
+        body=Empty,
+        lease_in_path=True,
+        responses=LEASE_NOT_FOUND,
+    ),
+    StoreRoute(
+        "revoke",
+        "DELETE",
+        "/leases/{lease}",
+        "End a lease now, deleting its keys.",
+        None,
+        204,
+        lease_in_path=True,
+    ),
+    StoreRoute(
+        "watch",
+        "GET",
+        "/watch",
+        "Long-poll until a change to the key (or under the prefix) above ``after`` exists.",
+        StoreWatchResponse,
+        query=StoreWatchQuery,
+    ),
+)
+
+
+def store_router() -> APIRouter:
+    """The ``/store`` operations as routes, for the OpenAPI document.
+
+    :class:`api.store_http.StoreHTTP` answers every request to them before
+    routing; these routes only describe them (and make ``/store/kv/``
+    redirect to ``/store/kv`` as any route would).
+    """
+    router = APIRouter(prefix="/store", tags=["store"])
+    for route in ROUTES:
+        router.add_api_route(
+            route.path,
+            _described(route),
+            methods=[route.method],
+            name=route.name,
+            response_model=route.response,
+            status_code=route.status,
+            response_class=JSONResponse if route.response is not None else Response,
+            responses=route.responses,
         )
-        return StoreCasResponse(ok=result.ok, entry=_entry_or_none(result.entry))
-
-    @router.post("/add", response_model=StoreAddResponse)
-    async def add(body: StoreAddRequest) -> StoreAddResponse:
-        """Atomically add to an integer counter."""
-        return StoreAddResponse(value=await get_store().add(body.key, body.delta))
-
-    @router.get("/list", response_model=StoreListResponse)
-    async def list_prefix(prefix: str = "") -> StoreListResponse:
-        """Every entry whose key starts with ``prefix``."""
-        listing = await get_store().list(prefix)
-        return StoreListResponse(
-            entries=[StoreEntry.of(e) for e in listing.entries], revision=listing.revision
-        )
-
-    @router.post("/leases", response_model=StoreLeaseResponse, status_code=201)
-    async def grant(body: StoreGrantRequest) -> StoreLeaseResponse:
-        """Create a lease with a TTL."""
-        return StoreLeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
-
-    @router.post(
-        "/leases/{lease}/keepalive", response_model=StoreLeaseResponse, responses=LEASE_NOT_FOUND
-    )
-    async def keep_alive(lease: int, body: Empty) -> StoreLeaseResponse:
-        """Renew a lease for another TTL (404 when it expired or was revoked). Body: ``{}``."""
-        await get_store().keep_alive(lease)
-        return StoreLeaseResponse(lease=lease)
-
-    @router.delete("/leases/{lease}", status_code=204, response_class=Response)
-    async def revoke(lease: int) -> Response:
-        """End a lease now, deleting its keys."""
-        await get_store().revoke(lease)
-        return Response(status_code=204)
-
-    @router.get("/watch", response_model=StoreWatchResponse)
-    async def watch(
-        request: Request,
-        key: str,
-        after: Annotated[int, Query(description="Answer with changes above this revision")],
-        timeout: Annotated[float, Query(ge=0, le=MAX_WATCH_SECONDS)] = 30.0,
-        prefix: bool = False,
-    ) -> StoreWatchResponse:
-        """Long-poll until a change to the key (or under the prefix) above ``after`` exists."""
-        events = await watch_until_gone(get_store(), key, after, timeout, prefix, request.receive)
-        return StoreWatchResponse(events=[StoreWatchEvent.of(e) for e in events])
-
     return router
+
+
+def _described(route: StoreRoute) -> Callable[..., Any]:
+    """An endpoint whose signature is the route's parameters (it is never called)."""
+    params = []
+    if route.lease_in_path:
+        params.append(Parameter("lease", Parameter.KEYWORD_ONLY, annotation=int))
+    if route.query is not None:
+        annotation: Any = Annotated[route.query, Query()]
+        params.append(Parameter("query", Parameter.KEYWORD_ONLY, annotation=annotation))
+    if route.body is not None:
+        params.append(Parameter("body", Parameter.KEYWORD_ONLY, annotation=route.body))
+
+    async def endpoint(**_: Any) -> None:
+        raise AssertionError("api.store_http.StoreHTTP answers /store before routing")
+
+    endpoint.__signature__ = Signature(params)  # type: ignore[attr-defined]
+    endpoint.__name__ = route.name
+    endpoint.__doc__ = route.doc
+    return endpoint

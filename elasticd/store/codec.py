@@ -1,7 +1,8 @@
 """The ``/store`` wire format, one codec for every side of it.
 
-The store's HTTP API (``api/routes/store.py``, served by every daemon and by
-``elasticd store-server``), the daemon's store client
+The store's HTTP API (``api/routes/store.py``, answered by
+``api/store_http.py`` in every daemon and in ``elasticd store-server``), the
+daemon's store client
 (:mod:`elasticd.store.http`) and the workers' client
 (:mod:`elasticd.worker.store`) all encode and decode through these functions,
 so the three can never drift apart. Values travel as standard base64 (with
@@ -13,6 +14,8 @@ padding); entries and watch events as JSON objects::
 Which side of the boundary: both. Decoding is strict: what a server (or a
 job with store access) sends is parsed field by field into plain data
 classes, never unpickled; anything malformed raises :class:`WireFormatError`.
+Requests are built here too (:class:`StoreCall`: method, path, parameters,
+body, and the reader of the answer), so that the two clients only send them.
 Standard library only (workers import it).
 """
 
@@ -20,12 +23,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from elasticd.store.base import Entry, WatchEvent
+from elasticd.store.base import CasResult, Entry, Listing, WatchEvent
+
+T = TypeVar("T")
 
 __all__ = [
+    "StoreCall",
     "WireFormatError",
+    "add_call",
+    "batch_call",
+    "cas_call",
     "decode_entry",
     "decode_entry_or_none",
     "decode_event",
@@ -34,6 +45,14 @@ __all__ = [
     "encode_entry",
     "encode_event",
     "encode_value",
+    "delete_call",
+    "get_call",
+    "grant_call",
+    "keep_alive_call",
+    "list_call",
+    "put_call",
+    "revoke_call",
+    "watch_call",
 ]
 
 
@@ -135,3 +154,121 @@ def decode_events(data: Any) -> list[WatchEvent]:
     if not isinstance(events, list):
         raise WireFormatError("events must be a list")
     return [decode_event(item) for item in events]
+
+
+# -- the requests a client sends, and how it reads their answers ----------------------
+
+
+@dataclass(frozen=True)
+class StoreCall(Generic[T]):
+    """One ``/store`` request (the declaration is ``api/routes/store.py``) and its answer's reader.
+
+    Both clients, the daemon's async one (:mod:`elasticd.store.http`) and the
+    workers' synchronous one (:mod:`elasticd.worker.store`), build their
+    requests here and read the answers with :meth:`answer`; each only sends.
+    """
+
+    what: str  # for messages: "GET", "CAS", "list", ...
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    params: dict[str, Any] | None = None
+    body: dict[str, Any] | None = None
+
+    def answer(self, data: Any) -> T:
+        """The answer's value; WireFormatError when its shape is not the store's."""
+        try:
+            return self.parse(data)
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise WireFormatError(
+                f"answered {self.what} with an unexpected body ({exc!r})"
+            ) from exc
+
+
+def get_call(key: str) -> StoreCall[Entry | None]:
+    return StoreCall(
+        "GET", "GET", "/store/kv", lambda d: decode_entry_or_none(d["entry"]), {"key": key}
+    )
+
+
+def put_call(key: str, value: bytes, lease: int | None = None) -> StoreCall[Entry]:
+    body = {"key": key, "value": encode_value(value), "lease": lease}
+    return StoreCall("PUT", "PUT", "/store/kv", lambda d: decode_entry(d["entry"]), body=body)
+
+
+def cas_call(
+    key: str, value: bytes, expected_version: int | None, lease: int | None = None
+) -> StoreCall[CasResult]:
+    body = {
+        "key": key,
+        "value": encode_value(value),
+        "expected_version": expected_version,
+        "lease": lease,
+    }
+    return StoreCall("CAS", "POST", "/store/cas", _cas_result, body=body)
+
+
+def _cas_result(data: Any) -> CasResult:
+    return CasResult(ok=bool(data["ok"]), entry=decode_entry_or_none(data["entry"]))
+
+
+def batch_call(items: Sequence[tuple[str, bytes]]) -> StoreCall[list[Entry]]:
+    body = {"items": [{"key": key, "value": encode_value(value)} for key, value in items]}
+    return StoreCall(
+        "batch put",
+        "POST",
+        "/store/batch",
+        lambda d: [decode_entry(e) for e in d["entries"]],
+        body=body,
+    )
+
+
+def add_call(key: str, delta: int) -> StoreCall[int]:
+    body = {"key": key, "delta": delta}
+    return StoreCall("add", "POST", "/store/add", lambda d: int(d["value"]), body=body)
+
+
+def delete_call(key: str, expected_version: int | None = None) -> StoreCall[bool]:
+    params: dict[str, Any] = {"key": key}
+    if expected_version is not None:
+        params["expected_version"] = expected_version
+    return StoreCall("DELETE", "DELETE", "/store/kv", lambda d: bool(d["deleted"]), params)
+
+
+def list_call(prefix: str) -> StoreCall[Listing]:
+    return StoreCall("list", "GET", "/store/list", _listing, {"prefix": prefix})
+
+
+def _listing(data: Any) -> Listing:
+    return Listing(
+        entries=[decode_entry(e) for e in data["entries"]], revision=int(data["revision"])
+    )
+
+
+def grant_call(ttl: float) -> StoreCall[int]:
+    return StoreCall("grant", "POST", "/store/leases", lambda d: int(d["lease"]), body={"ttl": ttl})
+
+
+def keep_alive_call(lease: int) -> StoreCall[None]:
+    return StoreCall(
+        "keepalive", "POST", f"/store/leases/{int(lease)}/keepalive", _nothing, body={}
+    )
+
+
+def revoke_call(lease: int) -> StoreCall[None]:
+    return StoreCall("revoke", "DELETE", f"/store/leases/{int(lease)}", _nothing)
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+def watch_call(key: str, after: int, timeout: float, prefix: bool) -> StoreCall[list[WatchEvent]]:
+    """One long-poll of at most ``timeout`` seconds."""
+    params = {
+        "key": key,
+        "after": after,
+        "timeout": timeout,
+        "prefix": "true" if prefix else "false",
+    }
+    return StoreCall("watch", "GET", "/store/watch", decode_events, params)

@@ -25,13 +25,12 @@ several polls.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import builtins
 import importlib.util
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -58,14 +57,25 @@ from elasticd.store.base import (
     check_listing_size,
 )
 from elasticd.store.codec import (
-    decode_entry,
-    decode_entry_or_none,
-    decode_events,
-    encode_value,
+    StoreCall,
+    WireFormatError,
+    add_call,
+    batch_call,
+    cas_call,
+    delete_call,
+    get_call,
+    grant_call,
+    keep_alive_call,
+    list_call,
+    put_call,
+    revoke_call,
+    watch_call,
 )
 from elasticd.store.memory import check_value, validate_key
 from elasticd.store.shared import Gate, SharedWatches
 from elasticd.store.wire import WireClient, WireError, WireResponse
+
+T = TypeVar("T")
 
 #: Longest single long-poll; a longer watch is split into several.
 MAX_POLL_SECONDS = 300.0
@@ -258,22 +268,21 @@ class HttpStore(Store):
             raise StoreError(f"{where} rejected {what}: {detail}")
         raise StoreUnavailable(f"{where} answered {what} with {status}: {detail}")
 
-    def _parsed(self, what: str, parse: Any, data: Any) -> Any:
-        """Run ``parse(data)``; a body of the wrong shape means the peer is not our store."""
+    async def _do(self, call: StoreCall[T], **options: Any) -> T:
+        """Send ``call`` and read its answer; a body of the wrong shape: not our store."""
+        data = await self._call(
+            call.method, call.path, params=call.params, body=call.body, **options
+        )
         try:
-            return parse(data)
-        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
-            raise StoreUnavailable(
-                f"store at {self.base_url} answered {what} with an unexpected body ({exc!r})"
-            ) from exc
+            return call.answer(data)
+        except WireFormatError as exc:
+            raise StoreUnavailable(f"store at {self.base_url} {exc}") from exc
 
     # -- Store -------------------------------------------------------------
 
     async def get(self, key: str) -> Entry | None:
         validate_key(key)
-        data = await self._call("GET", "/store/kv", params={"key": key})
-        result: Entry | None = self._parsed("GET", lambda d: decode_entry_or_none(d["entry"]), data)
-        return result
+        return await self._do(get_call(key))
 
     async def compare_and_set(
         self,
@@ -285,69 +294,33 @@ class HttpStore(Store):
     ) -> CasResult:
         validate_key(key)
         value = check_value(value, self.max_value_bytes)
-        body = {
-            "key": key,
-            "value": encode_value(value),
-            "expected_version": expected_version,
-            "lease": lease,
-        }
-        data = await self._call("POST", "/store/cas", body=body)
-        result: CasResult = self._parsed(
-            "CAS",
-            lambda d: CasResult(ok=bool(d["ok"]), entry=decode_entry_or_none(d["entry"])),
-            data,
-        )
-        return result
+        return await self._do(cas_call(key, value, expected_version, lease))
 
     async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
         validate_key(key)
-        value = check_value(value, self.max_value_bytes)
-        body = {"key": key, "value": encode_value(value), "lease": lease}
-        data = await self._call("PUT", "/store/kv", body=body)
-        result: Entry = self._parsed("PUT", lambda d: decode_entry(d["entry"]), data)
-        return result
+        return await self._do(put_call(key, check_value(value, self.max_value_bytes), lease))
 
     async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
         check_batch(items)
-        body_items = []
+        checked = []
         for key, value in items:
             validate_key(key)
-            body_items.append(
-                {"key": key, "value": encode_value(check_value(value, self.max_value_bytes))}
-            )
-        if not body_items:
+            checked.append((key, check_value(value, self.max_value_bytes)))
+        if not checked:
             return []
-        data = await self._call("POST", "/store/batch", body={"items": body_items})
-        result: builtins.list[Entry] = self._parsed(
-            "batch put", lambda d: [decode_entry(e) for e in d["entries"]], data
-        )
-        return result
+        return await self._do(batch_call(checked))
 
     async def add(self, key: str, delta: int = 1) -> int:
         validate_key(key)
-        data = await self._call("POST", "/store/add", body={"key": key, "delta": delta})
-        result: int = self._parsed("add", lambda d: int(d["value"]), data)
-        return result
+        return await self._do(add_call(key, delta))
 
     async def delete(self, key: str, expected_version: int | None = None) -> bool:
         validate_key(key)
-        params: dict[str, Any] = {"key": key}
-        if expected_version is not None:
-            params["expected_version"] = expected_version
-        data = await self._call("DELETE", "/store/kv", params=params)
-        result: bool = self._parsed("DELETE", lambda d: bool(d["deleted"]), data)
-        return result
+        return await self._do(delete_call(key, expected_version))
 
     async def list(self, prefix: str) -> Listing:
         validate_key(prefix, prefix=True)
-        data = await self._call("GET", "/store/list", params={"prefix": prefix})
-        result: Listing = self._parsed(
-            "list",
-            lambda d: Listing(
-                entries=[decode_entry(e) for e in d["entries"]], revision=int(d["revision"])
-            ),
-            data,
-        )
+        result = await self._do(list_call(prefix))
         size = sum(len(e.key) + len(e.value) for e in result.entries)
         check_listing_size(prefix, size, len(result.entries), self.max_list_bytes)
         return result
@@ -355,15 +328,13 @@ class HttpStore(Store):
     async def grant(self, ttl: float) -> int:
         if not ttl > 0:
             raise ValueError(f"a lease TTL must be positive, not {ttl!r}")
-        data = await self._call("POST", "/store/leases", body={"ttl": ttl})
-        result: int = self._parsed("grant", lambda d: int(d["lease"]), data)
-        return result
+        return await self._do(grant_call(ttl))
 
     async def keep_alive(self, lease: int) -> None:
-        await self._call("POST", f"/store/leases/{int(lease)}/keepalive", body={})
+        await self._do(keep_alive_call(lease))
 
     async def revoke(self, lease: int) -> None:
-        await self._call("DELETE", f"/store/leases/{int(lease)}")
+        await self._do(revoke_call(lease))
 
     async def watch(
         self,
@@ -383,20 +354,11 @@ class HttpStore(Store):
         remaining = max(timeout, 0.0)
         while True:
             poll = min(remaining, MAX_POLL_SECONDS)
-            params = {
-                "key": key,
-                "after": after_version,
-                "timeout": poll,
-                "prefix": "true" if prefix else "false",
-            }
-            data = await self._call(
-                "GET",
-                "/store/watch",
-                params=params,
+            events = await self._do(
+                watch_call(key, after_version, poll, prefix),
                 timeout=poll + self._timeout,
                 gated=False,  # a long-poll holds its connection: it must not hold a turn
             )
-            events: builtins.list[WatchEvent] = self._parsed("watch", decode_events, data)
             remaining -= poll
             if events or remaining <= 0:
                 return events

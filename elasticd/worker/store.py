@@ -36,20 +36,31 @@ both into ``torch.distributed.DistStoreError``).
 
 from __future__ import annotations
 
-import binascii
 import datetime
 import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from elasticd.store.base import Entry, WatchEvent
-from elasticd.store.codec import decode_entry, decode_entry_or_none, decode_events, encode_value
+from elasticd.store.codec import (
+    StoreCall,
+    WireFormatError,
+    add_call,
+    cas_call,
+    delete_call,
+    get_call,
+    list_call,
+    put_call,
+    watch_call,
+)
 from elasticd.tokens import TokenFileError, read_token_file
 from elasticd.worker.names import attempt_tag, default_namespace, escape_key
+
+T = TypeVar("T")
 
 __all__ = [
     "ClusterStoreClient",
@@ -218,45 +229,35 @@ class ClusterStoreClient:
             time.sleep(min(pause, remaining))
             pause = min(pause * 2, _RETRY_MAX)
 
-    def _parsed(self, what: str, fn: Any, data: Any) -> Any:
+    def _do(self, call: StoreCall[T], **options: Any) -> T:
+        """Send ``call`` and read its answer; a body of the wrong shape: not our store."""
+        data = self._call(call.method, call.path, params=call.params, body=call.body, **options)
+        return self._answer(call, data)
+
+    def _answer(self, call: StoreCall[T], data: Any) -> T:
         try:
-            return fn(data)
-        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
-            raise StoreUnreachable(
-                f"the store at {self.base_url} answered {what} with an unexpected body ({exc!r})"
-            ) from exc
+            return call.answer(data)
+        except WireFormatError as exc:
+            raise StoreUnreachable(f"the store at {self.base_url} {exc}") from exc
 
     # -- raw operations on full keys ---------------------------------------------
 
     def read(self, full_key: str) -> Entry | None:
         """The entry at ``full_key`` (not namespaced), or None."""
-        data = self._call("GET", "/store/kv", params={"key": full_key})
-        result: Entry | None = self._parsed("GET", lambda d: decode_entry_or_none(d["entry"]), data)
-        return result
+        return self._do(get_call(full_key))
 
     def write(self, full_key: str, value: bytes) -> int:
         """Write ``full_key`` (not namespaced); return the new version."""
-        data = self._call("PUT", "/store/kv", body={"key": full_key, "value": encode_value(value)})
-        version: int = self._parsed("PUT", lambda d: int(d["entry"]["version"]), data)
-        return version
+        return self._do(put_call(full_key, value)).version
 
     def create(self, full_key: str, value: bytes) -> bool:
         """Create ``full_key`` only if it is absent; True if this call created it."""
-        body = {"key": full_key, "value": encode_value(value), "expected_version": None}
-        data = self._call("POST", "/store/cas", body=body)
-        ok: bool = self._parsed("CAS", lambda d: bool(d["ok"]), data)
-        return ok
+        return self._do(cas_call(full_key, value, None)).ok
 
     def listing(self, prefix: str) -> tuple[list[Entry], int]:
         """The entries under ``prefix`` (not namespaced) and the revision they were read at."""
-        data = self._call("GET", "/store/list", params={"prefix": prefix})
-
-        def parse(d: Any) -> tuple[list[Entry], int]:
-            entries = [decode_entry(x) for x in d["entries"]]
-            return entries, int(d["revision"])
-
-        result: tuple[list[Entry], int] = self._parsed("list", parse, data)
-        return result
+        result = self._do(list_call(prefix))
+        return list(result.entries), result.revision
 
     def watch(
         self, key: str, after: int, timeout: float, *, prefix: bool = False
@@ -266,25 +267,18 @@ class ClusterStoreClient:
         A compacted history answers ``[]`` too: the caller re-reads anyway.
         """
         poll = max(0.0, min(timeout, MAX_POLL_SECONDS))
-        params = {
-            "key": key,
-            "after": after,
-            "timeout": poll,
-            "prefix": "true" if prefix else "false",
-        }
+        call = watch_call(key, after, poll, prefix)
         data = self._call(
-            "GET",
-            "/store/watch",
-            params=params,
+            call.method,
+            call.path,
+            params=call.params,
             timeout=poll + self._request_timeout,
             deadline=time.monotonic() + max(poll, self._request_timeout),
             none_on=410,  # history compacted: the caller re-reads anyway
         )
         if data is None:
             return []
-
-        result: list[WatchEvent] = self._parsed("watch", decode_events, data)
-        return result
+        return self._answer(call, data)
 
     def wait_for(self, full_key: str, timeout: float | None = None) -> bytes:
         """Block until ``full_key`` (not namespaced) exists; return its value.
@@ -326,9 +320,7 @@ class ClusterStoreClient:
 
     def add(self, key: str, delta: int) -> int:
         """Atomically add ``delta`` to the counter ``key`` (absent = 0); the new value."""
-        data = self._call("POST", "/store/add", body={"key": self.full_key(key), "delta": delta})
-        value: int = self._parsed("add", lambda d: int(d["value"]), data)
-        return value
+        return self._do(add_call(self.full_key(key), delta))
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's compare_set: set ``desired`` if the value is ``expected``; the value after.
@@ -347,17 +339,13 @@ class ClusterStoreClient:
                 return entry.value
             else:
                 version = entry.version
-            body = {"key": full, "value": encode_value(desired), "expected_version": version}
-            data = self._call("POST", "/store/cas", body=body)
-            if self._parsed("CAS", lambda d: bool(d["ok"]), data):
+            if self._do(cas_call(full, desired, version)).ok:
                 return desired
             # Lost a race: decide again on the winner's value.
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
-        data = self._call("DELETE", "/store/kv", params={"key": self.full_key(key)})
-        deleted: bool = self._parsed("DELETE", lambda d: bool(d["deleted"]), data)
-        return deleted
+        return self._do(delete_call(self.full_key(key)))
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists now."""

@@ -51,6 +51,7 @@ from elasticd.agent.nodefail import (
     decide_retry,
     side_of,
 )
+from elasticd.agent.ports import EventSink, HealthChecks, LogGrown
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.agent.publish import GroupPublisher
 from elasticd.agent.recovery import RecoveryTimeline
@@ -79,19 +80,12 @@ from elasticd.models import (
     RootCause,
     std_for_rank,
 )
-from elasticd.node.events import EventLog
-from elasticd.node.health import checks_for_job, run_health_checks
-from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
-from elasticd.supervise.env import (
-    job_check_env,
-    operator_env,
-)
 from elasticd.supervise.process import (
     GroupResult,
     WorkerExit,
@@ -130,7 +124,7 @@ class AgentContext:
     daemon_url: str
     logs: LogLayout
     store: Store
-    events: EventLog
+    events: EventSink
     update_job: JobUpdater
     rendezvous: Rendezvous
     base_env: Mapping[str, str]
@@ -148,16 +142,14 @@ class AgentContext:
     #: its TTL), with the seconds since the store was last reached; the agent then
     #: fences at once. ``None``: only failed round watches count (tests).
     lease_lapsed: Callable[[], Coroutine[Any, Any, float]] | None = None
-    #: The node config's health check command, run before every (re)start of a group.
-    node_health_check: list[str] | None = None
-    #: The node config's ``nvidia-smi`` for the GPU check (None: looked up on base_env's PATH).
-    nvidia_smi: str | None = None
+    #: The health checks run before every (re)start of a group (None: none).
+    health: HealthChecks | None = None
     #: Where log files that refuse writes are reported (the daemon's storage facts).
     storage: StorageHealth | None = None
     #: The daemon's spawn policy: who jobs run as, the spawn registry, containment.
     policy: SpawnPolicy = DEFAULT_POLICY
     #: Told each time a worker's log file grows (log followers wait on it).
-    log_growth: LogGrowth | None = None
+    log_growth: LogGrown | None = None
     #: What the job's own processes (workers, its health check) start from, before its
     #: ``env``: the daemon's allowlisted environment (:func:`~elasticd.supervise.env.job_base_env`);
     #: None: ``base_env`` whole.
@@ -856,7 +848,7 @@ class JobAgent:
             clock=self.ctx.clock,
             storage=self.ctx.storage,
             policy=self.ctx.policy,
-            on_written=self.ctx.log_growth.grew if self.ctx.log_growth is not None else None,
+            on_written=self.ctx.log_growth,
         )
         self._group = group
         if group.containment_partial is not None and not self._said_partial:
@@ -1294,28 +1286,16 @@ class JobAgent:
         fails once the budget is spent); in a multi-node job this node leaves
         the rendezvous so that a spare or the remaining nodes carry on.
         """
-        cuda = self.ctx.cuda_visible_devices
-        # The job's own check runs as the job (its user, env and folder, like a worker);
-        # the node's check and the GPU check are the operator's: daemon env, never the job's.
-        checks = checks_for_job(
-            self.spec.health_check,
-            gpu=self.spec.gpu_health_check,
-            node_command=self.ctx.node_health_check,
-            job_env=job_check_env(
-                self.ctx.job_env_base, self.spec.env, job_id=self.job_id, cuda_visible_devices=cuda
-            ),
-            identity=self._identity,
-            cwd=self.spec.cwd,
-            nvidia_smi=self.ctx.nvidia_smi,
-            job_id=self.job_id,  # contained: nothing it starts outlives it
-            umask=self.spec.umask_bits,
-        )
-        if not checks:
+        if self.ctx.health is None:
             return None
-        env = operator_env(self.ctx.base_env, job_id=self.job_id, cuda_visible_devices=cuda)
-        results = await run_health_checks(
-            checks, env, self.spec.health_check_timeout, policy=self.ctx.policy
+        results = await self.ctx.health.run(
+            self.job_id,
+            self.spec,
+            identity=self._identity,
+            cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
+        if not results:
+            return None
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:
             kind = (

@@ -35,7 +35,6 @@ from typing import Any, Protocol
 from typing_extensions import Unpack
 
 from elasticd.agent.attempt import NodeFacts, plan_attempt
-from elasticd.agent.decide import Outcome, Plan, Step, decide_after_barrier, decide_attempt
 from elasticd.agent.edits import (
     charge_now,
     merge_recovery,
@@ -43,12 +42,56 @@ from elasticd.agent.edits import (
     root_cause_of,
     settle_failure,
 )
+from elasticd.agent.machine import (
+    AgentState,
+    BarrierDone,
+    BeginRecovery,
+    CancelEarly,
+    Cancelled,
+    CloseRendezvous,
+    Crashed,
+    DropEarly,
+    Effect,
+    Event,
+    FailJob,
+    FailureRecorded,
+    FinishClosed,
+    GiveBackJob,
+    HangSeen,
+    HealthFailed,
+    JoinEnded,
+    LeaveRendezvous,
+    Phase,
+    PlanEarlyRestart,
+    RecordFailure,
+    RecoveryStopped,
+    Reform,
+    ReleaseGroup,
+    ReportHang,
+    RetryDue,
+    RetryStart,
+    RoundChanged,
+    RoundFormed,
+    Running,
+    SayLeaving,
+    SayLeft,
+    SetState,
+    StartFailed,
+    StartWorkers,
+    StopForOutage,
+    StopWorkers,
+    StoreLost,
+    Succeed,
+    UserRefused,
+    WaitAtBarrier,
+    WaitForStore,
+    WorkersEnded,
+    WorkersStarted,
+    step,
+)
 from elasticd.agent.nodefail import (
-    GiveBack,
     RetrySettings,
-    Side,
     cause_of,
-    decide_retry,
     side_of,
 )
 from elasticd.agent.ports import EventSink, HealthChecks, LogGrown
@@ -199,28 +242,6 @@ class StoreLoss:
         return 0.0 if self.since is None else now - self.since
 
 
-@dataclass
-class FastRestart:
-    """A restart that starts its workers before the store has recorded it.
-
-    For a job that no other node can join (``max_nodes = 1``) the next round
-    is known locally (:meth:`Rendezvous.solo_round`) and so is the restart
-    count it will carry (the failure is charged when the round forms). The
-    failure is recorded first (as for any restart); then the workers are
-    started with them while the store forms the round (with the same master
-    port) and charges it.
-    When the store's answer differs (the job ended, another node took the
-    round, the document changed) the early workers are stopped before they
-    count and the round's own are started: the store stays the authority.
-    """
-
-    round: RoundInfo
-    restart_count: int
-
-    def confirmed_by(self, round_: RoundInfo, job: Job) -> bool:
-        return round_ == self.round and job.restart_count == self.restart_count
-
-
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
@@ -258,8 +279,19 @@ class JobAgent:
         self._identity: Identity | None = None
         #: ``containment.partial`` was emitted (once per job per node).
         self._said_partial = False
-        #: A restart whose workers start before its store work is done (see _restart_after).
-        self._fast: FastRestart | None = None
+        #: Where the agent is, what its decisions depend on (:mod:`elasticd.agent.machine`).
+        self._machine = AgentState(
+            inprocess_restart=self.spec.inprocess_restart,
+            multi_node=(self.spec.max_nodes or 1) > 1,
+            retry=ctx.node_failure,
+        )
+        #: The event an effect produced (the round's next), for the runner to step on.
+        self._next: Event | None = None
+        #: The current round's facts: when it formed (wall time), its restart count, and
+        #: when its workers were started early (None: after it formed).
+        self._formed_at = 0.0
+        self._restart_count = 0
+        self._early_spawned: float | None = None
         #: The store work of an early restart while it runs (cancelled with the agent).
         self._store_task: asyncio.Task[tuple[RoundInfo, Job, float]] | None = None
         #: Exits of early workers, reported (in order) once their start is confirmed.
@@ -288,47 +320,23 @@ class JobAgent:
         try:
             await self._run()
         except asyncio.CancelledError:
-            await self._cancel_store_task()  # no write of an early restart after the leave
-            # The daemon is stopping, or the fleet's plan took this node from the job:
-            # stop the workers (shielded), leave the rendezvous so the other nodes re-form
-            # at once, then let the cancellation go on. Taken by the plan, the node leaves
-            # first: its peers see the change before their workers notice ours stopping,
-            # so nothing of it is charged as a failure.
-            if self.leave_first:
-                with contextlib.suppress(ElasticdError, TimeoutError):
-                    async with asyncio.timeout(LEAVE_TIMEOUT):
-                        await self.ctx.rendezvous.leave()
-            await self._stop_workers(WorkerState.STOPPED)
-            leave = asyncio.ensure_future(self.ctx.rendezvous.leave())
-            # Past the timeout the leave goes on alone (a store that cannot write, e.g. a
-            # full disk, may fail it later): its outcome is still retrieved.
-            leave.add_done_callback(_retrieve)
-            with contextlib.suppress(ElasticdError, TimeoutError):
-                async with asyncio.timeout(LEAVE_TIMEOUT):
-                    await asyncio.shield(leave)
+            # The daemon is stopping, or the fleet's plan took this node from the job.
+            await self._on(Cancelled(leave_first=self.leave_first))
             raise
         except Exception as exc:
-            await self._cancel_store_task()
             log.exception("agent for job %s failed", self.job_id)
-            if not self.state.is_terminal:
-                self._set_state(WorkerState.UNKNOWN)  # an action was half-applied
-            await self._stop_workers(WorkerState.FAILED)
             reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
-            with contextlib.suppress(ElasticdError):
-                await self._fail_job(EventKind.AGENT_ERROR, reason)
+            await self._on(Crashed(reason))
         finally:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._publisher.flush()
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
-        with contextlib.suppress(ElasticdError, TimeoutError):
-            async with asyncio.timeout(LEAVE_TIMEOUT):
-                await self.ctx.rendezvous.leave()
+        await self._leave()
 
     async def _cancel_store_task(self) -> None:
         task, self._store_task = self._store_task, None
-        self._fast = None
         if task is not None and not task.done():  # a done one was awaited where it ended
             await cancel_and_wait(task)
 
@@ -345,37 +353,19 @@ class JobAgent:
                 await self.ctx.rendezvous.leave()
 
     async def _run(self) -> None:
-        if not await self._check_user():
-            return
-        while True:
+        await self._check_user()
+        while self._machine.phase is not Phase.DONE:
             try:
-                if await self._round_once():
-                    return
+                await self._round_once()
             except StoreError as exc:
-                # The store is unreachable: nothing can be decided or recorded. Stop
-                # the workers (the others will re-form without us), wait until the
-                # store answers, then go again. One event when it is lost, one when
-                # it is back: no round is tried (and nothing evented) meanwhile.
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
-                await self._cancel_store_task()  # an early restart is the store's to confirm
-                if self._group is not None or self.state.is_running:
-                    await self._stop_workers(WorkerState.STOPPED)
-                if self.state is WorkerState.STOPPED:
-                    self._set_state(WorkerState.INIT)  # STOPPED -> INIT
-                if not isinstance(exc, StoreUnavailable):
-                    # The store answered (a lease that expired while it was away, a
-                    # compacted watch): not an outage; go again after a short pause.
-                    await asyncio.sleep(0.2)
-                    continue
-                # One event for the whole outage; the node says store.back for it,
-                # also when this agent is gone by then (the plan dropped this node).
-                self.ctx.events.store_lost(
-                    self.job_id,
-                    "agent",
-                    f"{self.ctx.node} cannot reach the store ({exc}); "
-                    "its workers are stopped until the store is back",
-                )
-                await self._until_store_answers()
+                await self._on(StoreLost(isinstance(exc, StoreUnavailable), str(exc)))
+
+    async def _on(self, event: Event) -> None:
+        """One transition: :func:`~elasticd.agent.machine.step` decides, the effects run."""
+        self._machine, effects = step(self._machine, event, self.ctx.clock.time())
+        for effect in effects:
+            await self._do(effect)
 
     def _store_reached(self) -> None:
         """The store served a whole rendezvous: an outage in progress is over (one event)."""
@@ -393,134 +383,67 @@ class JobAgent:
             except StoreError:
                 backoff = min(backoff * 2, 2.0)
 
-    async def _round_once(self) -> bool:
-        """One round: rendezvous, run, react. True when the job is over for this node."""
+    async def _round_once(self) -> None:
+        """One round: health checks, the rendezvous, then the round's events until it ends."""
         now = self.ctx.clock.monotonic()
         if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
-            verdict = await self._health_checks()
-            if verdict is not None:
-                self._fast = None  # a failed check: the next round is the store's to form
-                return verdict
+            if not await self._health_checks():
+                return
             # Passed: not run again (nor evented) while rounds fail on a lost store,
             # until workers start or the result is stale.
             self._checked_at = now
-        fast, self._fast = self._fast, None
+        early = self._machine.early
+        count = self._machine.early_restart_count
         group: WorkerGroupProcesses | None = None
-        spawned: float | None = None
+        self._early_spawned = None
         try:
-            if fast is None:
-                round_, job, rendezvous_done = await self._form_round()
+            if early is None:
+                round_, job, self._formed_at = await self._form_round()
             else:
                 store = self._store_task = asyncio.create_task(
-                    self._form_round(port=fast.round.master_port)
+                    self._form_round(port=early.master_port)
                 )
-                group = await self._launch_early(fast, store)
-                spawned = self.ctx.clock.time() if group is not None else None
-                if group is not None:
-                    # Unconfirmed workers run without a round watch: bounded, like a
-                    # node that loses the store (fence_after), they stop when it is slow.
-                    done, _ = await asyncio.wait({store}, timeout=self.ctx.fence_after)
-                    if not done:
-                        log.warning(
-                            "job %s on %s: the store is slow; stopping the early "
-                            "workers until it forms the round",
-                            *self._who,
-                        )
-                        await self._stop_group(None)
-                        group = spawned = None
-                round_, job, rendezvous_done = await store
+                group = await self._launch_early(early, count, store)
+                self._early_spawned = self.ctx.clock.time() if group is not None else None
+                if group is not None and not await self._store_answers_in_time(store):
+                    log.warning(
+                        "job %s on %s: the store is slow; stopping the early "
+                        "workers until it forms the round",
+                        *self._who,
+                    )
+                    await self._stop_group(None)
+                    group = self._early_spawned = None
+                round_, job, self._formed_at = await store
                 self._store_task = None
         except RendezvousClosed:
-            await self._stop_group(None)  # workers started early: the job ended meanwhile
-            await self._finish_closed()
-            return True
+            await self._on(JoinEnded(closed=True))
+            return
         except RendezvousError as exc:  # the join timed out
-            await self._stop_group(None)
-            reason = f"rendezvous failed on {self.ctx.node}: {exc}"
-            await self._fail_job(EventKind.RENDEZVOUS_FAILED, reason, source="rendezvous")
-            return True
-        if job.state.is_terminal:
-            await self._stop_group(None)
-            await self.ctx.rendezvous.close()
-            await self._finish_closed()
-            return True
-        if group is not None and fast is not None and not fast.confirmed_by(round_, job):
-            # Guessed wrong (another node took the job's round, its document changed):
-            # those workers never ran as this round's; start the round's own.
+            await self._on(JoinEnded(False, f"rendezvous failed on {self.ctx.node}: {exc}"))
+            return
+        self._round = round_
+        self._restart_count = job.restart_count
+        confirmed = round_ == early and job.restart_count == count
+        if group is not None and not confirmed:
             log.info("job %s on %s: the early start did not match the round", *self._who)
-            await self._stop_group(None)
-            group = spawned = None
-        early = group is not None
-        if group is None:
-            started = await self._launch_or_retry(round_, job.restart_count)
-            if not isinstance(started, WorkerGroupProcesses):
-                return started
-            group = started
-        self._started(group, early=early)
-        with contextlib.suppress(InvalidTransition):
-            await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
-        await self._finish_recovery(round_, rendezvous_done=rendezvous_done, spawned=spawned)
-        outcome = await self._monitor(group, round_)
-        plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
-        while plan.step is Step.KILL_HUNG_RANK:
-            # In-process restart: kill only the stuck rank; its death is reported to the
-            # others, which carry on without it (the wrapper's hard_timeout backstop).
-            assert isinstance(outcome, Hang)
-            await self._kill_hung_rank(outcome)
-            outcome = await self._monitor(group, round_)
-            plan = decide_attempt(outcome, inprocess_restart=self.spec.inprocess_restart)
-        return await self._apply(plan, outcome, round_)
+            self._early_spawned = None
+        await self._on(RoundFormed(job.state.is_terminal, group is not None, confirmed))
+        while True:  # the round's events, until it ends for this node
+            event, self._next = self._next, None
+            if event is None and self._machine.phase is Phase.RUNNING:
+                assert self._group is not None
+                event = await self._monitor(self._group, round_)
+            if event is None:
+                return
+            await self._on(event)
 
-    async def _launch_or_retry(
-        self, round_: RoundInfo, restart_count: int
-    ) -> WorkerGroupProcesses | bool:
-        """Start the round's workers; a start the node cannot make is retried, never charged.
-
-        The group, or what :meth:`_round_once` returns: True when the job is
-        over for this node (failed by its own start, ended meanwhile, or given
-        back), False when the round changed and a new one is to be formed.
-        """
-        first: float | None = None
-        tries = 0
-        while True:
-            try:
-                return await self._launch_guarded(round_, restart_count)
-            except WorkerSpawnError as exc:
-                if side_of(exc) is Side.JOB:
-                    self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-                    await self._fail_job(
-                        EventKind.WORKERS_SPAWN_FAILED,
-                        f"workers could not be started on {self.ctx.node}: {exc}",
-                        error=RootCause(message=str(exc), node=self.ctx.node, attempt=self.attempt),
-                        attempt=self.attempt,
-                    )
-                    return True
-                now = self.ctx.clock.monotonic()
-                first = now if first is None else first
-                tries += 1
-                decision = decide_retry(first, tries, now, self.ctx.node_failure)
-                if isinstance(decision, GiveBack):
-                    await self._give_back(exc, decision.waited)
-                    return True
-                self._emit(
-                    EventKind.WORKERS_SPAWN_RETRY,
-                    f"{self.ctx.node} could not start the workers of attempt {self.attempt} "
-                    f"({cause_of(exc)}: {exc}); this is the node's trouble, not the job's: "
-                    f"trying again in {decision.delay:.2f} s (try {tries}, no restart spent)",
-                    attempt=self.attempt,
-                    cause=cause_of(exc),
-                    count=tries,
-                )
-            # Wait, but not past the round: the job may end, or the others re-form.
-            which, change = await race(
-                asyncio.sleep(decision.delay), self._watch_round(round_.round)
-            )
-            if which == 1:
-                assert isinstance(change, Change)
-                if change is Change.CLOSED:
-                    await self._finish_closed()
-                    return True
-                return False  # a new round is formed with whoever is there
+    async def _store_answers_in_time(self, store: asyncio.Task[Any]) -> bool:
+        """Unconfirmed workers run without a round watch: bounded, like a node that loses
+        the store (``fence_after``), they stop when it is slow to form the round."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.ctx.fence_after):
+                await asyncio.shield(store)
+        return store.done()
 
     async def _launch_guarded(self, round_: RoundInfo, restart_count: int) -> WorkerGroupProcesses:
         """:meth:`_launch`, an ``OSError`` of the daemon's own work turned into a spawn error."""
@@ -531,7 +454,7 @@ class JobAgent:
                 f"the daemon could not prepare the start: {exc}", stage=SpawnStage.DAEMON
             ) from exc
 
-    async def _give_back(self, exc: WorkerSpawnError, waited: float) -> None:
+    async def _give_back(self, error: str, cause: str, waited: float) -> None:
         """Stop trying: say so, and leave the job to the scheduler (no restart spent).
 
         The job keeps its state (PENDING or RESTARTING, or RUNNING where other
@@ -544,13 +467,13 @@ class JobAgent:
             self._set_state(WorkerState.STOPPED)  # INIT -> STOPPED: nothing of it runs
         reason = (
             f"{self.ctx.node} could not start the job's workers for {waited:.0f} s "
-            f"({cause_of(exc)}: {exc}); it gave the job back to the scheduler"
+            f"({cause}: {error}); it gave the job back to the scheduler"
         )
         self._emit(
             EventKind.AGENT_GAVE_BACK,
             reason + "; no restart spent",
             attempt=self.attempt,
-            cause=cause_of(exc),
+            cause=cause,
             duration_s=waited,
         )
 
@@ -595,7 +518,10 @@ class JobAgent:
         return round_, job, rendezvous_done
 
     async def _launch_early(
-        self, fast: FastRestart, store: asyncio.Task[tuple[RoundInfo, Job, float]]
+        self,
+        round_: RoundInfo,
+        restart_count: int,
+        store: asyncio.Task[tuple[RoundInfo, Job, float]],
     ) -> WorkerGroupProcesses | None:
         """Start the workers of a restart whose round is known before the store says so.
 
@@ -603,7 +529,7 @@ class JobAgent:
         store) tries again and reports the error as any start does.
         """
         try:
-            return await self._launch(fast.round, fast.restart_count, early=True)
+            return await self._launch(round_, restart_count, early=True)
         except WorkerSpawnError as exc:
             log.info("job %s: early start failed (%s); starting after the round", self.job_id, exc)
             return None
@@ -611,48 +537,146 @@ class JobAgent:
             await cancel_and_wait(store)
             raise
 
-    async def _apply(self, plan: Plan, outcome: Outcome | None, round_: RoundInfo) -> bool:
-        """Carry out a decision of :mod:`elasticd.agent.decide`; True when the job is over here."""
-        if plan.step is Step.BARRIER:
-            await self._release_group()  # every worker exited: nothing of the attempt stays
-            change = await self._exit_barrier(round_)
-            return await self._apply(decide_after_barrier(change), change, round_)
-        if plan.step is Step.RESTART_HUNG:
-            assert isinstance(outcome, Hang)
-            await self._on_hang(outcome, round_)  # its own order: UNHEALTHY, stacks, stop
-            return plan.ends_agent
-        if plan.recovery_cause is not None:
-            detected = self.ctx.clock.time()
-            if isinstance(outcome, GroupResult):  # from the first worker's exit
-                detected = min((f.exited_at for f in outcome.failures), default=detected)
-            self._begin_recovery(plan.recovery_cause, detected)
-        if plan.say_leaving:
-            self._say_leaving(round_)
-        match plan.step:
-            case Step.CLOSE:
-                await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-                await self._finish_closed()
-            case Step.REFORM:
-                assert isinstance(outcome, Change)
-                await self._stop_workers(WorkerState.STOPPED)  # HEALTHY -> STOPPED
-                await self._membership_change(outcome)
-            case Step.SUCCEED:
-                await self._finish_succeeded(round_)
-            case Step.REFORM_AFTER_BARRIER:
-                assert isinstance(outcome, Change)
-                self._set_state(WorkerState.STOPPED)  # HEALTHY -> STOPPED: a peer re-forms
-                self._recovery_stopped()
-                await self._membership_change(outcome)
-            case Step.RESTART_FAILED:
-                assert isinstance(outcome, GroupResult)
-                await self._stop_workers(WorkerState.STOPPED)  # the survivors
-                root = self._root_cause(outcome)
-                await self._restart_after(
-                    round_, root, f"rank {root.rank} failed on {self.ctx.node}: {root.message}"
+    async def _do(self, effect: Effect) -> None:
+        """Carry out one effect of :func:`~elasticd.agent.machine.step`."""
+        round_ = self._round
+        match effect:
+            case BeginRecovery(cause=cause, detected_at=at):
+                self._begin_recovery(cause, at)
+            case SayLeaving():
+                assert round_ is not None
+                self._say_leaving(round_)
+            case StopWorkers(target=target):
+                await self._stop_workers(target)
+            case DropEarly():
+                await self._stop_group(None)
+            case StopForOutage():
+                if self._group is not None or self.state.is_running:
+                    await self._stop_workers(WorkerState.STOPPED)
+                if self.state is WorkerState.STOPPED:
+                    self._set_state(WorkerState.INIT)  # STOPPED -> INIT
+            case SetState(target=target, unless_ended=unless_ended):
+                if not (unless_ended and self.state.is_terminal):
+                    self._set_state(target)
+            case ReportHang(hang=hang, kill=True):
+                await self._kill_hung_rank(hang)
+            case ReportHang(hang=hang):
+                await self._report_hang(hang, state=WorkerState.UNHEALTHY.value)
+            case RecordFailure(cause=cause, at=at):
+                assert round_ is not None
+                await self._record_failure(round_, cause, at)
+            case PlanEarlyRestart():
+                pass  # the machine keeps it: the next round's start reads it
+            case StartWorkers():
+                assert round_ is not None
+                self._next = await self._start(round_)
+            case Running(early=early):
+                assert round_ is not None
+                assert self._group is not None
+                self._started(self._group, early=early)
+                with contextlib.suppress(InvalidTransition):
+                    await self.ctx.update_job(
+                        self.job_id, state=JobState.RUNNING, round=round_.round
+                    )
+                await self._finish_recovery(
+                    round_, rendezvous_done=self._formed_at, spawned=self._early_spawned
                 )
-            case _:  # pragma: no cover - KILL_HUNG_RANK is looped on by the caller
-                raise AssertionError(f"no way to apply {plan.step}")
-        return plan.ends_agent
+            case ReleaseGroup():
+                await self._release_group()  # every worker exited: nothing of it stays
+            case WaitAtBarrier():
+                assert round_ is not None
+                self._next = BarrierDone(await self._exit_barrier(round_))
+            case RecoveryStopped():
+                self._recovery_stopped()
+            case Reform(change=change):
+                await self._membership_change(change)
+            case Succeed():
+                assert round_ is not None
+                await self._finish_succeeded(round_)
+            case CloseRendezvous(quiet=quiet):
+                with contextlib.suppress(*((ElasticdError,) if quiet else ())):
+                    await self.ctx.rendezvous.close()
+            case FinishClosed():
+                await self._finish_closed()
+            case FailJob(kind=kind, reason=reason, source=source, error=error):
+                attempt = self.attempt if effect.in_attempt else None
+                root = None
+                if error is not None:
+                    root = RootCause(message=error, node=self.ctx.node, attempt=attempt)
+                await self._fail_job(kind, reason, source=source, error=root, attempt=attempt)
+            case RetryStart():
+                assert round_ is not None
+                self._next = await self._retry_later(round_, effect)
+            case GiveBackJob(waited=waited, error=error, cause=cause):
+                await self._give_back(error, cause, waited)
+            case LeaveRendezvous():
+                await self._leave()
+            case SayLeft():
+                self._emit(
+                    EventKind.AGENT_FINISHED,
+                    f"{self.ctx.node} left the job: it failed its health check",
+                )
+            case CancelEarly():
+                await self._cancel_store_task()
+            case WaitForStore(outage=False):
+                # The store answered (a lease that expired while it was away, a compacted
+                # watch): not an outage; go again after a short pause.
+                await asyncio.sleep(0.2)
+            case WaitForStore(message=message):
+                # One event for the whole outage; the node says store.back for it, also
+                # when this agent is gone by then (the plan dropped this node).
+                self.ctx.events.store_lost(
+                    self.job_id,
+                    "agent",
+                    f"{self.ctx.node} cannot reach the store ({message}); "
+                    "its workers are stopped until the store is back",
+                )
+                await self._until_store_answers()
+
+    async def _start(self, round_: RoundInfo) -> Event:
+        """Start the round's workers: WorkersStarted, or StartFailed (whose side it is)."""
+        try:
+            await self._launch_guarded(round_, self._restart_count)
+        except WorkerSpawnError as exc:
+            return StartFailed(
+                side_of(exc),
+                f"workers could not be started on {self.ctx.node}: {exc}",
+                error=str(exc),
+                cause=cause_of(exc),
+                at=self.ctx.clock.monotonic(),
+            )
+        return WorkersStarted()
+
+    async def _retry_later(self, round_: RoundInfo, retry: RetryStart) -> Event:
+        """Say a start is retried, then wait, but not past the round: the job may end,
+        or the others re-form. RetryDue, or the change."""
+        self._emit(
+            EventKind.WORKERS_SPAWN_RETRY,
+            f"{self.ctx.node} could not start the workers of attempt {self.attempt} "
+            f"({retry.cause}: {retry.error}); this is the node's trouble, not the job's: "
+            f"trying again in {retry.delay:.2f} s (try {retry.tries}, no restart spent)",
+            attempt=self.attempt,
+            cause=retry.cause,
+            count=retry.tries,
+        )
+        which, change = await race(asyncio.sleep(retry.delay), self._watch_round(round_.round))
+        if which == 1:
+            assert isinstance(change, Change)
+            return RoundChanged(change)
+        return RetryDue()
+
+    async def _leave(self) -> None:
+        """Leave the rendezvous, bounded. Past the bound the leave goes on alone (a store
+        that cannot write may fail it later), owned by this agent's task set."""
+        leave = self._background.spawn(self.ctx.rendezvous.leave(), name="leave")
+        if leave is None:  # the agent is over: leave in its own time, bounded
+            with contextlib.suppress(ElasticdError, TimeoutError):
+                async with asyncio.timeout(LEAVE_TIMEOUT):
+                    await self.ctx.rendezvous.leave()
+            return
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await asyncio.shield(leave)
 
     def _emit(
         self, kind: EventKind, message: str, source: EventSource = "agent", **fields: Any
@@ -966,20 +990,25 @@ class JobAgent:
         )
         self._request_publish()
 
-    async def _monitor(
-        self, group: WorkerGroupProcesses, round_: RoundInfo
-    ) -> GroupResult | Change | Hang:
+    async def _monitor(self, group: WorkerGroupProcesses, round_: RoundInfo) -> Event:
         """The attempt's result, a hang, or the rendezvous change that interrupts it."""
         # In order of precedence when several are ready at once: the group's own
         # result, then a hang, then a rendezvous change.
-        contenders: list[Awaitable[GroupResult | Change | Hang]] = [self._outcome(group)]
+        contenders: list[Awaitable[Event]] = [self._outcome(group)]
         if self._progress is not None and self._progress.settings.enabled:
-            contenders.append(self._progress.wait_for_hang())
-        contenders.append(self._watch_round(round_.round))
-        _, outcome = await race(*contenders)
-        return outcome
+            contenders.append(self._hang())
+        contenders.append(self._round_changed(round_.round))
+        _, event = await race(*contenders)
+        return event
 
-    async def _outcome(self, group: WorkerGroupProcesses) -> GroupResult:
+    async def _hang(self) -> HangSeen:
+        assert self._progress is not None
+        return HangSeen(await self._progress.wait_for_hang())
+
+    async def _round_changed(self, my_round: int) -> RoundChanged:
+        return RoundChanged(await self._watch_round(my_round))
+
+    async def _outcome(self, group: WorkerGroupProcesses) -> WorkersEnded:
         """torchrun's rule: the first failure ends the attempt.
 
         With in-process restart a failed rank is the wrapper's business: the
@@ -987,12 +1016,12 @@ class JobAgent:
         and failed only when every worker failed.
         """
         if not self.spec.inprocess_restart:
-            return await group.wait()
+            return WorkersEnded(await group.wait())
         await self._all_exited.wait()
         result = group.snapshot()
         if any(not e.failed for e in result.exits.values()):
-            return GroupResult(succeeded=True, exits=result.exits, failures=())
-        return result
+            return WorkersEnded(GroupResult(succeeded=True, exits=result.exits, failures=()))
+        return WorkersEnded(result)
 
     async def _watch_round(self, my_round: int) -> Change:
         """The rendezvous change that ends this round.
@@ -1048,7 +1077,7 @@ class JobAgent:
         round waits out its last call, as before. :meth:`_stop_workers` awaits it.
         """
         if self._leaving is None:
-            self._leaving = asyncio.create_task(self._tell_leaving(round_.round))
+            self._leaving = self._background.spawn(self._tell_leaving(round_.round), "leaving")
 
     async def _tell_leaving(self, my_round: int) -> None:
         try:
@@ -1089,11 +1118,10 @@ class JobAgent:
         if leaving is not None:
             # Best effort, and bounded: a store that does not answer (a full disk under
             # the embedded store) must not hold up what comes after the stop.
-            done, _ = await asyncio.wait({leaving}, timeout=LEAVING_TIMEOUT)
-            if not done:
-                leaving.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await leaving
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEAVING_TIMEOUT):
+                    await asyncio.shield(leaving)
+            await cancel_and_wait(leaving)
 
     async def _stop_group(self, target: WorkerState | None) -> None:
         group, self._group = self._group, None
@@ -1153,28 +1181,6 @@ class JobAgent:
 
     # hangs, health checks, progress
 
-    async def _on_hang(self, hang: Hang, round_: RoundInfo) -> None:
-        """A worker stopped reporting progress: UNHEALTHY, stacks, restart (spends budget)."""
-        now = self.ctx.clock.time()
-        ranks = self._ranks[hang.local_rank]
-        self._say_leaving(round_)
-        self._set_state(WorkerState.UNHEALTHY)  # HEALTHY -> UNHEALTHY
-        await self._report_hang(hang, state=WorkerState.UNHEALTHY.value)
-        self._begin_recovery("hang", now)
-        await self._stop_workers(WorkerState.STOPPED)  # UNHEALTHY -> STOPPED
-        root = RootCause(
-            message=f"rank {ranks.rank} hung: {hang.describe()}",
-            node=self.ctx.node,
-            local_rank=hang.local_rank,
-            rank=ranks.rank,
-            timestamp=now,
-            exited_at=now,
-            attempt=self.attempt,
-            round=round_.round,
-            log_dir=str(self._log_dir(hang.local_rank)),
-        )
-        await self._restart_after(round_, root, f"rank {ranks.rank} hung on {self.ctx.node}")
-
     async def _kill_hung_rank(self, hang: Hang) -> None:
         """SIGKILL one stuck worker's process group (in-process restart jobs only)."""
         if self._progress is not None:
@@ -1220,25 +1226,36 @@ class JobAgent:
         )
         return pid
 
-    async def _restart_after(self, round_: RoundInfo, root: RootCause, what: str) -> None:
-        """Record the round's failure (charged when the next round forms) and go again.
-
-        A job no other node can join restarts early (:class:`FastRestart`): its
-        next round is known here, so after the record (and the health checks)
-        the workers start while the round is formed and charged, not after.
-        """
+    async def _record_failure(
+        self, round_: RoundInfo, cause: GroupResult | Hang, at: float
+    ) -> None:
+        """Record the round's failure (charged when the next round forms); FailureRecorded next."""
+        if isinstance(cause, Hang):
+            ranks = self._ranks[cause.local_rank]
+            root = RootCause(
+                message=f"rank {ranks.rank} hung: {cause.describe()}",
+                node=self.ctx.node,
+                local_rank=cause.local_rank,
+                rank=ranks.rank,
+                timestamp=at,
+                exited_at=at,
+                attempt=self.attempt,
+                round=round_.round,
+                log_dir=str(self._log_dir(cause.local_rank)),
+            )
+            what = f"rank {ranks.rank} hung on {self.ctx.node}"
+        else:
+            root = self._root_cause(cause)
+            what = f"rank {root.rank} failed on {self.ctx.node}: {root.message}"
         job = await self._record_restart(round_, root, what)
-        self._set_state(WorkerState.INIT)  # STOPPED -> INIT
-        solo = self.ctx.rendezvous.solo_round(round_)
-        if (
-            solo is not None
-            and not job.state.is_terminal
-            and job.restart_count < job.max_restarts
-            and job.pending_failure is not None
-            and job.pending_failure.round == round_.round
-        ):
-            # The failure is charged when the round forms: one more than now.
-            self._fast = FastRestart(round=solo, restart_count=job.restart_count + 1)
+        pending = job.pending_failure
+        self._next = FailureRecorded(
+            job_ended=job.state.is_terminal,
+            restart_count=job.restart_count,
+            max_restarts=job.max_restarts,
+            recorded_here=pending is not None and pending.round == round_.round,
+            solo=self.ctx.rendezvous.solo_round(round_),
+        )
 
     async def _record_restart(self, round_: RoundInfo, root: RootCause, what: str) -> Job:
         round_ = await self._named(round_)  # the failure names the round's participants
@@ -1256,8 +1273,8 @@ class JobAgent:
         )
         return job
 
-    async def _check_user(self) -> bool:
-        """Decide the job's user before anything of it runs; refused: fail the job, False."""
+    async def _check_user(self) -> None:
+        """Decide the job's user before anything of it runs; refused: UserRefused."""
         try:
             # With run_as = dynamic this claims the job's own uid on this node, kept for
             # every attempt and released when this agent ends (run's finally).
@@ -1266,36 +1283,25 @@ class JobAgent:
             )
             if self.ctx.job_token is not None:
                 self._token_file = self.ctx.job_token(self.job_id, self._identity)
-        except WorkerSpawnError as exc:
-            if side_of(exc) is Side.NODE:  # its token file: the node's trouble
-                await self._give_back(exc, 0.0)
-                return False
-            self._set_state(WorkerState.FAILED)  # INIT -> FAILED
-            await self._fail_job(
-                EventKind.WORKERS_SPAWN_FAILED,
-                f"the job cannot run on {self.ctx.node}: {exc}",
-                error=RootCause(message=str(exc), node=self.ctx.node),
-            )
-            return False
-        return True
+        except WorkerSpawnError as exc:  # its token file: the node's trouble
+            message = f"the job cannot run on {self.ctx.node}: {exc}"
+            await self._on(UserRefused(side_of(exc), message, str(exc), cause_of(exc)))
 
-    async def _health_checks(self) -> bool | None:
-        """Run the health checks before a (re)start. None: healthy, go on.
+    async def _health_checks(self) -> bool:
+        """Run the health checks before a (re)start; True: healthy, go on.
 
-        A failure spends one restart. A single-node job then tries again (or
-        fails once the budget is spent); in a multi-node job this node leaves
-        the rendezvous so that a spare or the remaining nodes carry on.
+        A failure spends one restart at once (HealthFailed): a single-node job
+        then tries again (or fails once the budget is spent); in a multi-node
+        job this node leaves the rendezvous so that a spare or the others carry on.
         """
         if self.ctx.health is None:
-            return None
+            return True
         results = await self.ctx.health.run(
             self.job_id,
             self.spec,
             identity=self._identity,
             cuda_visible_devices=self.ctx.cuda_visible_devices,
         )
-        if not results:
-            return None
         failed = [r for r in results if not r.ok and not r.skipped]
         for r in results:
             kind = (
@@ -1311,7 +1317,7 @@ class JobAgent:
                 duration_s=r.duration_s,
             )
         if not failed:
-            return None
+            return True
         reason = "; ".join(f"{r.name}: {r.message}" for r in failed)
         self._emit(
             EventKind.WORKER_HEALTH_CHECK_FAILED,
@@ -1324,20 +1330,7 @@ class JobAgent:
             timestamp=self.ctx.clock.time(),
         )
         job = await self.ctx.update_job(self.job_id, mutate=charge_now(root))
-        if job.state.is_terminal:
-            with contextlib.suppress(ElasticdError):
-                await self.ctx.rendezvous.close()
-            await self._finish_closed()
-            return True
-        assert self.spec.max_nodes is not None
-        if self.spec.max_nodes > 1:
-            with contextlib.suppress(ElasticdError):
-                await self.ctx.rendezvous.leave()
-            self._emit(
-                EventKind.AGENT_FINISHED,
-                f"{self.ctx.node} left the job: it failed its health check",
-            )
-            return True
+        await self._on(HealthFailed(job_ended=job.state.is_terminal))
         return False
 
     def _on_progress(self, beats: list[Beat]) -> None:
@@ -1459,12 +1452,6 @@ class JobAgent:
 
     def _request_publish(self) -> None:
         self._publisher.request()
-
-
-def _retrieve(task: asyncio.Future[None]) -> None:
-    """Done callback of a task nobody awaits any more: log its failure instead of losing it."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.warning("a background store call failed: %s", exc)
 
 
 def file_size(path: Path) -> int:

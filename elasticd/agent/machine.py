@@ -310,7 +310,19 @@ class RecordFailure:
 
 @dataclass(frozen=True)
 class PlanEarlyRestart:
-    """The next round's workers start while the store forms it (see ``FastRestart``)."""
+    """The next round's workers start while the store forms it: an early restart.
+
+    For a job that no other node can join (``max_nodes = 1``) the next round
+    is known locally (:meth:`Rendezvous.solo_round`) and so is the restart
+    count it will carry (the failure is charged when the round forms). The
+    failure is recorded first (as for any restart); then the workers are
+    started with them while the store forms the round (with the same master
+    port) and charges it. When the store's answer differs (the job ended,
+    another node took the round, the document changed) the early workers are
+    stopped before they count and the round's own are started
+    (:class:`RoundFormed` with ``early_confirmed`` False): the store stays the
+    authority.
+    """
 
     round: RoundInfo
     restart_count: int

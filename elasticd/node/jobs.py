@@ -1071,7 +1071,7 @@ class JobService:
             log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
-        agent.attempt = self.logs.last_attempt(job.id)
+        agent.spawn_seq = self.logs.last_attempt(job.id)
         self._agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self._tasks[job.id] = task

@@ -19,21 +19,30 @@ Which side of the boundary: the daemon; it reads the store and the rendezvous.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from elasticd.agent.context import Emit
+from elasticd.agent.jobdoc import JobRecord
+from elasticd.agent.ports import EventSink
 from elasticd.clock import Clock
-from elasticd.errors import RendezvousError, StoreError
+from elasticd.errors import ElasticdError, RendezvousError, StoreError
 from elasticd.eventkinds import EventKind
 from elasticd.keys import barrier_prefix
+from elasticd.models import Job
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.store import Store
-from elasticd.tasks import cancel_and_wait, race
+from elasticd.tasks import TaskSet, cancel_and_wait, race
 
-__all__ = ["RoundWatch", "StoreLoss"]
+__all__ = ["Departure", "RoundWatch", "StoreLoss"]
+
+#: Bound on the rendezvous steps of a stopping agent.
+LEAVE_TIMEOUT = 5.0
+#: Bound on the wait, after the workers are stopped, for the "leaving" write (best effort).
+LEAVING_TIMEOUT = 2.0
 
 log = logging.getLogger("elasticd.agent")
 
@@ -81,10 +90,40 @@ class RoundWatch:
     rendezvous: Rendezvous
     clock: Clock
     emit: Emit
+    events: EventSink
+    record: JobRecord
     fence_after: float
     """Seconds of failed round watches without a break after which the node fences."""
     lease_lapsed: Callable[[], Coroutine[Any, Any, float]] | None = None
     """Returns once the node's lease may have expired (None: only failed watches count)."""
+
+    async def form(self, *, port: int | None = None) -> tuple[RoundInfo, Job, float]:
+        """Rendezvous, then charge the last round's failure: (round, job, when it formed).
+
+        Raises what :meth:`Rendezvous.next_round` raises (closed, timed out, the store).
+        """
+        started = self.clock.monotonic()
+        round_ = await self.rendezvous.next_round(port=port)
+        # The store served a whole rendezvous: an outage in progress is over (one event).
+        self.events.store_back(self.job_id)
+        names = sorted(round_.participants)
+        who = ", ".join(names) if round_.roster_known else "nodes named in the round's roster"
+        self.emit(
+            EventKind.RENDEZVOUS_COMPLETE,
+            f"round {round_.round}: {self.node} is group rank {round_.group_rank} of "
+            f"{round_.group_world_size} ({who}), "
+            f"master {round_.master_addr}:{round_.master_port}",
+            duration_s=self.clock.monotonic() - started,
+            source="rendezvous",
+        )
+        rendezvous_done = self.clock.time()
+        if not round_.roster_known:
+            # A large round's seat names no peers (O(1) bytes per node); settling a
+            # failure of the last round compares its participants with this one's.
+            pending = (await self.record.read()).pending_failure
+            if pending is not None and pending.round < round_.round:
+                round_ = await self.named(round_)
+        return round_, await self.record.settle(round_), rendezvous_done
 
     async def change(self, my_round: int) -> Change:
         """The rendezvous change that ends this round.
@@ -131,8 +170,16 @@ class RoundWatch:
                 log.warning("job %s: rendezvous watch failed: %s", self.job_id, exc)
                 await asyncio.sleep(loss.backoff)  # back off while the store is unreachable
 
-    async def until_store_answers(self, key: str) -> None:
-        """Probe the store (a read of ``key``) with backoff (0.1 s to 2 s) until it answers."""
+    async def outage(self, message: str, key: str) -> None:
+        """``store.lost`` (once for the whole outage; the node says ``store.back`` for it,
+        also when this agent is gone by then), then probe the store (a read of ``key``)
+        with backoff (0.1 s to 2 s) until it answers."""
+        self.events.store_lost(
+            self.job_id,
+            "agent",
+            f"{self.node} cannot reach the store ({message}); "
+            "its workers are stopped until the store is back",
+        )
         backoff = 0.1
         while True:
             await asyncio.sleep(backoff)
@@ -193,3 +240,55 @@ class RoundWatch:
             duration_s=self.clock.monotonic() - started,
         )
         return None
+
+
+@dataclass
+class Departure:
+    """This node's goodbyes to a round: "leaving" (it heads for the next round) and the leave.
+
+    Both run as tasks of the agent's :class:`~elasticd.tasks.TaskSet`, bounded
+    where the agent waits for them, so none outlives the agent.
+    """
+
+    job_id: str
+    rendezvous: Rendezvous
+    background: TaskSet
+    leaving: asyncio.Task[None] | None = None
+
+    def say_leaving(self, my_round: int) -> None:
+        """Tell the other nodes, in the background, that this node heads for the next round.
+
+        Said before the workers are stopped (which may take ``termination_grace``),
+        so that a re-rendezvous waits for this node instead of presuming it dead
+        (see :mod:`elasticd.rendezvous.protocol`). Best effort: without it the
+        round waits out its last call, as before. :meth:`settle` awaits it.
+        """
+        if self.leaving is None:
+            self.leaving = self.background.spawn(self._tell_leaving(my_round), "leaving")
+
+    async def _tell_leaving(self, my_round: int) -> None:
+        try:
+            await self.rendezvous.leaving(my_round)
+        except (StoreError, RendezvousError) as exc:
+            log.debug("job %s: could not say this node is leaving: %s", self.job_id, exc)
+
+    async def settle(self, *, wait: bool) -> None:
+        """After the stop: the "leaving" write, awaited (``wait``: bounded) then dropped."""
+        leaving, self.leaving = self.leaving, None
+        if leaving is None:
+            return
+        if wait:
+            # Best effort, and bounded: a store that does not answer (a full disk under
+            # the embedded store) must not hold up what comes after the stop.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEAVING_TIMEOUT):
+                    await asyncio.shield(leaving)
+        await cancel_and_wait(leaving)
+
+    async def leave(self) -> None:
+        """Leave the rendezvous, bounded. Past the bound the leave goes on alone (a store
+        that cannot write may fail it later), owned by the task set until it closes."""
+        leave = self.background.spawn(self.rendezvous.leave(), "leave")
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            async with asyncio.timeout(LEAVE_TIMEOUT):
+                await (self.rendezvous.leave() if leave is None else asyncio.shield(leave))

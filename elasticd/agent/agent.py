@@ -462,7 +462,7 @@ class JobAgent:
             self.spec,
             round_,
             restart_count=restart_count,
-            attempt=self.spawn_seq,
+            spawn_seq=self.spawn_seq,
             node=facts,
             state=self.state,
             now=ctx.clock.time(),
@@ -485,7 +485,7 @@ class JobAgent:
     def _on_progress(self) -> None:
         """The heartbeat files were read: time the first ping after a recovery, publish."""
         if (attempt := self._group.attempt) is not None:
-            self._recovery.progressed(attempt.view, attempt.number)
+            self._recovery.progressed(attempt.view, attempt.spawn_seq)
         self._publisher.request()
 
     async def _report_hang(self, hang: Hang, *, kill: bool) -> None:

@@ -60,8 +60,8 @@ class LocalGroup:
     """Exits of early workers, reported (in order) once their start is confirmed."""
 
     def log_dir(self, local_rank: int) -> Path:
-        number = self.attempt.number if self.attempt is not None else 0
-        return self.ctx.logs.worker_dir(self.job_id, number, local_rank)
+        seq = self.attempt.spawn_seq if self.attempt is not None else 0
+        return self.ctx.logs.worker_dir(self.job_id, seq, local_rank)
 
     def pid_of(self, local_rank: int) -> int | None:
         return self.processes.pids.get(local_rank) if self.processes is not None else None
@@ -110,11 +110,11 @@ class LocalGroup:
         ranks = attempt.ranks
         self.emit(
             EventKind.WORKERS_STARTED,
-            f"attempt {attempt.number} on {self.ctx.node}: {len(ranks)} workers started "
+            f"attempt {attempt.spawn_seq} on {self.ctx.node}: {len(ranks)} workers started "
             f"(ranks {ranks[0].rank}-{ranks[-1].rank} of {ranks[0].world_size}), "
             f"pids {', '.join(str(p) for p in processes.pids.values())}",
             state=WorkerState.HEALTHY.value,
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
             early=early or None,
         )
         self.release_exits()
@@ -157,13 +157,13 @@ class LocalGroup:
         error = None
         if exit_.error is not None:
             log_dir = self.log_dir(exit_.local_rank)
-            node, number, round_no = self.ctx.node, attempt.number, attempt.round.round
-            error = root_cause_of(exit_, ranks, node, number, round_no, log_dir)
+            node, seq, round_no = self.ctx.node, attempt.spawn_seq, attempt.round.round
+            error = root_cause_of(exit_, ranks, node, seq, round_no, log_dir)
         self.emit(
             EventKind.WORKER_EXITED,
             f"rank {ranks.rank} on {self.ctx.node}: {exit_.describe()}{suffix}",
             state=state.value,
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
             rank=ranks.rank,
             local_rank=exit_.local_rank,
             pid=exit_.pid,
@@ -196,12 +196,12 @@ class LocalGroup:
         assert attempt is not None
         if isinstance(cause, Hang):
             rank, log_dir = attempt.rank_of(cause.local_rank), self.log_dir(cause.local_rank)
-            root = root_cause_of_hang(cause, rank, node, attempt.number, round_no, log_dir, at)
+            root = root_cause_of_hang(cause, rank, node, attempt.spawn_seq, round_no, log_dir, at)
             return root, f"rank {rank} hung on {node}"
         failure = cause.root_cause
         assert failure is not None, "a failed attempt has a failed worker"
         ranks, log_dir = attempt.ranks[failure.local_rank], self.log_dir(failure.local_rank)
-        root = root_cause_of(failure, ranks, node, attempt.number, round_no, log_dir)
+        root = root_cause_of(failure, ranks, node, attempt.spawn_seq, round_no, log_dir)
         return root, f"rank {root.rank} failed on {node}: {root.message}"
 
     async def outcome(self) -> GroupResult:
@@ -245,8 +245,8 @@ class LocalGroup:
                 w.state = WorkerState.STOPPED
         self.emit(
             EventKind.WORKERS_STOPPED,
-            f"attempt {attempt.number} on {self.ctx.node}: workers stopped",
-            attempt=attempt.number,
+            f"attempt {attempt.spawn_seq} on {self.ctx.node}: workers stopped",
+            attempt=attempt.spawn_seq,
             duration_s=self.ctx.clock.monotonic() - started,
         )
         return True

@@ -63,10 +63,10 @@ __all__ = [
 
 @dataclass
 class Attempt:
-    """What the hooks of one attempt share: its number, round, ranks and group view."""
+    """What the hooks of one attempt share: its spawn_seq, round, ranks and group view."""
 
-    number: int
-    """The per-node spawn sequence number (``attempt`` in events and log paths)."""
+    spawn_seq: int
+    """This node's spawn sequence number of the job (``attempt`` in events and log paths)."""
     round: RoundInfo
     ranks: list[WorkerRanks]
     view: GroupView
@@ -114,7 +114,7 @@ class OutputHook:
             f"{self.node} cannot put the job's processes in a cgroup "
             f"({group.containment_partial}); a process that leaves a worker's process "
             "group is found only if it is re-parented to the daemon (child subreaper)",
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
         )
 
     def stopped(self, attempt: Attempt, group: WorkerGroupProcesses) -> None:
@@ -136,10 +136,10 @@ class OutputHook:
         if group.strays:
             self.emit(
                 EventKind.WORKERS_STRAYS,
-                f"attempt {attempt.number} on {self.node}: killed {len(group.strays)} "
+                f"attempt {attempt.spawn_seq} on {self.node}: killed {len(group.strays)} "
                 f"process(es) that had left the workers' process groups: pids "
                 f"{', '.join(str(p) for p in group.strays)}",
-                attempt=attempt.number,
+                attempt=attempt.spawn_seq,
                 count=len(group.strays),
                 pids=list(group.strays),
             )
@@ -153,9 +153,9 @@ class OutputHook:
         per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in by_rank.items())
         self.emit(
             kind,
-            f"attempt {attempt.number} on {self.node}: {total} bytes of worker output "
+            f"attempt {attempt.spawn_seq} on {self.node}: {total} bytes of worker output "
             f"{what} ({per_rank})",
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
             bytes_lost=total,
             lost_by_rank={str(rank): n for rank, n in by_rank.items()},
         )
@@ -312,7 +312,7 @@ class ProgressHook:
             EventKind.WORKER_HEARTBEAT_REPLACED,
             f"rank {rank} on {self.node}: its heartbeat file was replaced by {what}; "
             "the daemon reads only the file it created, and pings that miss it are no progress",
-            attempt=self.attempt.number,
+            attempt=self.attempt.spawn_seq,
             rank=rank,
             local_rank=local_rank,
         )
@@ -388,7 +388,7 @@ class HangHook:
             f"rank {rank} on {self.node}: {hang.describe()}"
             + ("; killing this rank only" if kill else ""),
             state=state,
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
             rank=rank,
             local_rank=hang.local_rank,
             pid=pid,
@@ -405,7 +405,7 @@ class HangHook:
         self.emit(
             EventKind.WORKER_STACKS,
             f"stacks of rank {rank} (pid {pid}):\n{stacks.text}",
-            attempt=attempt.number,
+            attempt=attempt.spawn_seq,
             rank=rank,
             local_rank=hang.local_rank,
             pid=pid,

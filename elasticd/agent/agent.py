@@ -186,6 +186,7 @@ class JobAgent:
                 await self._round_once()
             except StoreError as exc:
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
+                self._next = None  # the round's next event, if any, is moot now
                 await self._on(m.StoreLost(isinstance(exc, StoreUnavailable), str(exc)))
 
     async def _on(self, event: m.Event) -> None:

@@ -4,13 +4,15 @@ The runner (:class:`elasticd.agent.agent.JobAgent`) awaits what can happen
 next (the round forming, the workers' start, their result, a hang, a change
 of the rendezvous, the exit barrier, the store coming back), turns it into an
 :data:`Event`, and carries out the :data:`Effect` s that :func:`step` returns,
-in order. Every decision of the agent is made here, in one place; the runner
-decides nothing. The table is in ``docs/design.md`` ("The agent's state
+in order. Every decision of the agent is made here, in one place (the runner
+keeps one bound of its own: early workers unconfirmed for ``fence_after`` are
+stopped before the round forms, as a node that loses the store). The table is in ``docs/design.md`` ("The agent's state
 table") and, row by row, in ``tests/agent/test_machine.py``.
 
 ======================  =============================  ==============  =====================
 phase                   event                          next phase      restart spent
 ======================  =============================  ==============  =====================
+FORMING                 UserRefused                    DONE            no (FAILED, given back)
 FORMING                 HealthFailed                   FORMING | DONE  yes (at once)
 FORMING                 RoundFormed (job ended)        DONE            no
 FORMING                 RoundFormed (early confirmed)  RUNNING         (when it formed)
@@ -19,6 +21,7 @@ FORMING                 JoinEnded (closed / timeout)   DONE            no
 STARTING                WorkersStarted                 RUNNING         no
 STARTING                StartFailed (job's side)       DONE            no (job FAILED)
 STARTING                StartFailed (node's side)      STARTING|DONE   no (retry, give back)
+STARTING                RetryDue                       STARTING        no
 STARTING                RoundChanged                   FORMING | DONE  no
 RUNNING                 WorkersEnded (all exited 0)    BARRIER         no
 RUNNING                 WorkersEnded (a failure)       RESTARTING      yes (lazily)
@@ -30,8 +33,8 @@ BARRIER                 BarrierDone (passed, closed)   DONE            no
 BARRIER                 BarrierDone (a peer changed)   FORMING         no
 RESTARTING              FailureRecorded                FORMING         (early restart: budget)
 any but DONE            StoreLost                      FORMING         no
-any but DONE            Cancelled                      DONE            no
-any but DONE            Crashed                        DONE            no
+any                     Cancelled                      DONE            no
+any                     Crashed                        DONE            no
 ======================  =============================  ==============  =====================
 
 "Lazily": the failure is recorded in the job document and charged when the

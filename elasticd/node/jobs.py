@@ -1049,9 +1049,7 @@ class JobService:
             lease_lapsed=self.cluster.lease_lapsed,
             health=NodeHealthChecks(
                 base_env=self._base_env,
-                job_base_env=self._job_base_env
-                if self._job_base_env is not None
-                else self._base_env,
+                job_base_env=self._job_base_env,
                 node_command=self.config.health_check,
                 nvidia_smi=self.config.nvidia_smi,
                 policy=self.spawn_policy,

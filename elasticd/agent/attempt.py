@@ -46,7 +46,8 @@ class NodeFacts:
 
 @dataclass(frozen=True)
 class AttemptPlan:
-    attempt: int
+    spawn_seq: int
+    """This node's spawn sequence number of the job (the attempt's log folder)."""
     tag: str
     """``ELASTICD_ATTEMPT``: ``<round>.<restart count>``, unique per group start."""
     ranks: list[WorkerRanks]
@@ -62,12 +63,12 @@ def plan_attempt(
     round_: RoundInfo,
     *,
     restart_count: int,
-    attempt: int,
+    spawn_seq: int,
     node: NodeFacts,
     state: WorkerState,
     now: float,
 ) -> AttemptPlan:
-    """The plan of attempt ``attempt`` in ``round_`` (see the module)."""
+    """The plan of this node's ``spawn_seq``-th start of the job, in ``round_`` (see the module)."""
     seat = round_.seat
     if seat is None:
         ranks = assign_ranks(round_.nodes, round_.group_rank)
@@ -100,7 +101,7 @@ def plan_attempt(
         cuda_visible_devices=node.cuda_visible_devices,
     )
     tag = f"{round_.round}.{restart_count}"
-    heartbeats = {r.local_rank: logs.heartbeat_file(job_id, attempt, r.local_rank) for r in ranks}
+    heartbeats = {r.local_rank: logs.heartbeat_file(job_id, spawn_seq, r.local_rank) for r in ranks}
     launches = []
     for r in ranks:
         out, err = console_streams(spec, r.local_rank)
@@ -109,7 +110,7 @@ def plan_attempt(
             spec.env,
             r,
             info,
-            error_file=str(logs.error_file(job_id, attempt, r.local_rank)),
+            error_file=str(logs.error_file(job_id, spawn_seq, r.local_rank)),
             heartbeat_file=str(heartbeats[r.local_rank]),
         )
         env["ELASTICD_ATTEMPT"] = tag  # in-process restart keys of this group start
@@ -119,13 +120,13 @@ def plan_attempt(
                 argv=[spec.entrypoint, *worker_args(spec.args, r.local_rank)],
                 env=env,
                 cwd=spec.cwd,
-                log_dir=logs.worker_dir(job_id, attempt, r.local_rank),
+                log_dir=logs.worker_dir(job_id, spawn_seq, r.local_rank),
                 console_stdout=out,
                 console_stderr=err,
                 user=spec.user,
                 owner_user=node.owner_user,
                 job_id=job_id,
-                attempt=attempt,
+                attempt=spawn_seq,
                 log_limit_bytes=spec.log_limit_bytes,
                 umask=spec.umask_bits,
             )
@@ -136,12 +137,12 @@ def plan_attempt(
         role=spec.role,
         group_rank=round_.group_rank,
         group_world_size=round_.group_world_size,
-        attempt=attempt,
+        attempt=spawn_seq,
         round=round_.round,
         restart_count=restart_count,
         master_addr=round_.master_addr,
         master_port=round_.master_port,
-        log_dir=str(logs.attempt_dir(job_id, attempt)),
+        log_dir=str(logs.attempt_dir(job_id, spawn_seq)),
         updated_at=now,
         workers=[
             WorkerView(
@@ -156,4 +157,4 @@ def plan_attempt(
             for r in ranks
         ],
     )
-    return AttemptPlan(attempt, tag, ranks, launches, heartbeats, view)
+    return AttemptPlan(spawn_seq, tag, ranks, launches, heartbeats, view)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import signal as signals
 from pathlib import Path
 
+from elasticd.agent.progress import Hang
 from elasticd.models import (
     Job,
     JobEdit,
@@ -34,7 +35,14 @@ from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.states import JobState
 from elasticd.supervise.process import WorkerExit
 
-__all__ = ["charge_now", "merge_recovery", "record_failure", "root_cause_of", "settle_failure"]
+__all__ = [
+    "charge_now",
+    "merge_recovery",
+    "record_failure",
+    "root_cause_of",
+    "root_cause_of_hang",
+    "settle_failure",
+]
 
 
 def root_cause_of(
@@ -66,6 +74,23 @@ def root_cause_of(
         attempt=attempt,
         round=round_,
         exited_at=failure.exited_at,
+        log_dir=str(log_dir),
+    )
+
+
+def root_cause_of_hang(
+    hang: Hang, rank: int, node: str, attempt: int, round_: int, log_dir: Path, at: float
+) -> RootCause:
+    """What the job reports about a worker that stopped reporting progress."""
+    return RootCause(
+        message=f"rank {rank} hung: {hang.describe()}",
+        node=node,
+        local_rank=hang.local_rank,
+        rank=rank,
+        timestamp=at,
+        exited_at=at,
+        attempt=attempt,
+        round=round_,
         log_dir=str(log_dir),
     )
 

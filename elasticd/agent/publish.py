@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 
@@ -22,7 +23,7 @@ from elasticd.errors import ElasticdError
 from elasticd.models import GroupView
 from elasticd.store import Store
 
-__all__ = ["GroupPublisher"]
+__all__ = ["GroupPublisher", "decode_group"]
 
 log = logging.getLogger("elasticd.agent")
 
@@ -77,3 +78,11 @@ class GroupPublisher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+def decode_group(raw: bytes) -> GroupView | None:
+    """Parse a published group view (JSON only); None if it is not one."""
+    try:
+        return GroupView.model_validate(json.loads(raw))
+    except (ValueError, TypeError):
+        return None

@@ -38,7 +38,6 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
@@ -48,6 +47,7 @@ from elasticd.models import Event
 from elasticd.node.retention import EndSeen
 from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import StorageHealth, WriteBacklog
+from elasticd.supervise.records import WorkerRecord
 
 log = logging.getLogger("elasticd.node.db")
 
@@ -84,19 +84,6 @@ CREATE TABLE IF NOT EXISTS job_ends (
     seen_at     REAL NOT NULL
 );
 """
-
-
-@dataclass(frozen=True)
-class WorkerRecord:
-    """One spawned worker as the daemon's database remembers it."""
-
-    pid: int
-    start_time: int
-    """Field 22 of ``/proc/<pid>/stat``: when the process started, in clock ticks since boot."""
-    boot_id: str
-    job_id: str
-    attempt: int | None
-    local_rank: int
 
 
 def set_aside_name(path: Path, now: float, taken: Callable[[Path], bool]) -> Path:

@@ -57,8 +57,10 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from elasticd.errors import WorkerSpawnError
+from elasticd.models import JobSpec
 from elasticd.security import Identity
 from elasticd.supervise.cgroup import AttemptContainment
+from elasticd.supervise.env import job_check_env, operator_env
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, start_process
 
 log = logging.getLogger(__name__)
@@ -189,6 +191,57 @@ async def run_health_checks(
     daemon's spawn policy (how a check is started, like a worker).
     """
     return list(await asyncio.gather(*(_run_one(check, env, timeout, policy) for check in checks)))
+
+
+@dataclass(frozen=True)
+class NodeHealthChecks:
+    """This node's health checks for its jobs: what the agent runs before each (re)start
+    (:class:`elasticd.agent.ports.HealthChecks`).
+
+    The job's own check runs as the job (its user, env and folder, like a worker);
+    the node's check and the GPU check are the operator's: the daemon's environment,
+    never the job's.
+    """
+
+    base_env: Mapping[str, str]
+    """The daemon's environment: the operator's checks start from it."""
+    job_base_env: Mapping[str, str] | None = None
+    """What the job's own check starts from, before the job's ``env`` (None: ``base_env``)."""
+    node_command: Sequence[str] | None = None
+    """The node config's health check command."""
+    nvidia_smi: str | None = None
+    """The node config's ``nvidia-smi`` (None: looked up on ``base_env``'s PATH)."""
+    policy: SpawnPolicy = DEFAULT_POLICY
+
+    async def run(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        *,
+        identity: Identity | None,
+        cuda_visible_devices: str | None,
+    ) -> list[HealthResult]:
+        cuda = cuda_visible_devices
+        checks = checks_for_job(
+            spec.health_check,
+            gpu=spec.gpu_health_check,
+            node_command=self.node_command,
+            job_env=job_check_env(
+                self.base_env if self.job_base_env is None else self.job_base_env,
+                spec.env,
+                job_id=job_id,
+                cuda_visible_devices=cuda,
+            ),
+            identity=identity,
+            cwd=spec.cwd,
+            nvidia_smi=self.nvidia_smi,
+            job_id=job_id,  # contained: nothing it starts outlives it
+            umask=spec.umask_bits,
+        )
+        if not checks:
+            return []
+        env = operator_env(self.base_env, job_id=job_id, cuda_visible_devices=cuda)
+        return await run_health_checks(checks, env, spec.health_check_timeout, policy=self.policy)
 
 
 async def _run_one(

@@ -95,6 +95,7 @@ from elasticd.models import (
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, valid_node_url
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
+from elasticd.node.health import NodeHealthChecks
 from elasticd.node.logfollow import LogGrowth
 from elasticd.node.retention import EndSeen, expired, seen_end
 from elasticd.rendezvous import Settings, StoreRendezvous, presence_prefix
@@ -1046,12 +1047,17 @@ class JobService:
             clock=self.clock,
             fence_after=self.config.lease_ttl,
             lease_lapsed=self.cluster.lease_lapsed,
-            node_health_check=self.config.health_check,
-            nvidia_smi=self.config.nvidia_smi,
+            health=NodeHealthChecks(
+                base_env=self._base_env,
+                job_base_env=self._job_base_env,
+                node_command=self.config.health_check,
+                nvidia_smi=self.config.nvidia_smi,
+                policy=self.spawn_policy,
+            ),
             storage=self.storage,
             policy=self.spawn_policy,
             job_token=self._job_token if self.job_tokens is not None else None,
-            log_growth=self.log_growth,
+            log_growth=self.log_growth.grew,
             node_failure=RetrySettings(grace=self.config.node_failure_grace),
         )
         agent = JobAgent(job, ctx)
@@ -1063,7 +1069,7 @@ class JobService:
             log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
-        agent.attempt = self.logs.last_attempt(job.id)
+        agent.spawn_seq = self.logs.last_attempt(job.id)
         self._agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self._tasks[job.id] = task

@@ -24,13 +24,13 @@ from types import TracebackType
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
-from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
 from elasticd.supervise.cgroup import AttemptContainment
 from elasticd.supervise.errorfile import WorkerError, read_error_file
 from elasticd.supervise.output import OutputPipe, OutputSink, Stream
 from elasticd.supervise.outputlimits import SpaceGuard
+from elasticd.supervise.records import WorkerRecord
 from elasticd.supervise.spawn import (
     DEFAULT_POLICY,
     SpawnPolicy,

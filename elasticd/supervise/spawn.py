@@ -86,9 +86,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from elasticd.errors import SpawnStage, WorkerSpawnError
-from elasticd.node.db import WorkerRecord
 from elasticd.security import Identity, JobUsers
 from elasticd.supervise.env import WITHHELD
+from elasticd.supervise.records import WorkerRecord
 
 if TYPE_CHECKING:
     from elasticd.supervise.cgroup import Containment

@@ -47,13 +47,13 @@ def test_the_plan_has_ranks_env_paths_and_view_and_touches_no_file(tmp_path: Pat
         spec(args=["--local_rank=${local_rank}"], max_restarts=5),
         round_of([2, 2], me=1),
         restart_count=2,
-        attempt=3,
+        spawn_seq=3,
         node=facts(tmp_path),
         state=WorkerState.INIT,
         now=100.0,
     )
     assert list(tmp_path.iterdir()) == []  # pure: nothing created
-    assert plan.tag == "4.2" and plan.attempt == 3
+    assert plan.tag == "4.2" and plan.spawn_seq == 3
     assert [r.rank for r in plan.ranks] == [2, 3]
     first, second = plan.launches
     assert second.argv == ["train", "--local_rank=1"]
@@ -85,7 +85,7 @@ def test_a_round_that_gives_this_node_another_worker_count_is_refused(
             spec(),
             round_of(sizes, me=1),
             restart_count=0,
-            attempt=0,
+            spawn_seq=0,
             node=facts(tmp_path),
             state=WorkerState.INIT,
             now=0.0,
@@ -110,7 +110,7 @@ def test_a_large_rounds_seat_gives_the_same_ranks_as_the_node_list(tmp_path: Pat
             spec(),
             round_,
             restart_count=0,
-            attempt=1,
+            spawn_seq=1,
             node=facts(tmp_path),
             state=WorkerState.INIT,
             now=1.0,

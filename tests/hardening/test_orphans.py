@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.node.db import WorkerRecord
+from elasticd.supervise.records import WorkerRecord
 from elasticd.supervise.spawn import boot_id, process_start_time
 from tests.conftest import make_daemon
 from tests.hardening.support import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.agent.agent import StoreLoss
+from elasticd.agent.watch import StoreLoss
 
 
 @pytest.mark.parametrize(

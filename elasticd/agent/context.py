@@ -1,0 +1,103 @@
+"""What an agent gets from the daemon that starts it: :class:`AgentContext`, and the
+job-scoped event emitter its hooks share (:class:`Emit`).
+
+The composition root (:class:`elasticd.node.jobs.JobService`) builds one
+context per agent and hands in the node's implementations of
+:mod:`elasticd.agent.ports`; tests can build one cheaply.
+
+Which side of the boundary: the daemon; declarations only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from typing_extensions import Unpack
+
+from elasticd.agent.nodefail import RetrySettings
+from elasticd.agent.ports import EventSink, HealthChecks, LogGrown
+from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.console import ConsoleLine
+from elasticd.eventkinds import EventKind
+from elasticd.logs import LogLayout
+from elasticd.models import EventSource, Job, JobEdit, JobMutation
+from elasticd.rendezvous import Rendezvous
+from elasticd.security import Identity
+from elasticd.storage import StorageHealth
+from elasticd.store import Store
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
+
+__all__ = ["AgentContext", "ConsoleSink", "Emit", "JobUpdater"]
+
+#: Receives the worker output that reaches the launcher's console (see elasticd.console).
+ConsoleSink = Callable[[ConsoleLine], None]
+
+
+class JobUpdater(Protocol):
+    """``JobService.update_job``: a compare-and-set update of the job document."""
+
+    async def __call__(
+        self, job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+    ) -> Job: ...
+
+
+@dataclass
+class AgentContext:
+    """What an agent needs from its daemon; injected so tests can build one cheaply."""
+
+    node: str
+    advertise_addr: str
+    daemon_url: str
+    logs: LogLayout
+    store: Store
+    events: EventSink
+    update_job: JobUpdater
+    rendezvous: Rendezvous
+    base_env: Mapping[str, str]
+    """The daemon's environment: the operator's checks (as the daemon) start from it."""
+    token_file: str | None = None
+    #: Makes the job's own token on this node (its workers' ELASTICD_TOKEN_FILE, readable
+    #: by the job's user only) and returns the file's path; None: ``token_file`` as it is.
+    job_token: Callable[[str, Identity | None], str | None] | None = None
+    cuda_visible_devices: str | None = None
+    console: ConsoleSink | None = None
+    clock: Clock = field(default=SYSTEM_CLOCK)
+    #: Seconds without the store after which this node stops its workers (the lease TTL).
+    fence_after: float = 3.0
+    #: Returns once the node's lease may have expired (no renewal got through for
+    #: its TTL), with the seconds since the store was last reached; the agent then
+    #: fences at once. ``None``: only failed round watches count (tests).
+    lease_lapsed: Callable[[], Coroutine[Any, Any, float]] | None = None
+    #: The health checks run before every (re)start of a group (None: none).
+    health: HealthChecks | None = None
+    #: Where log files that refuse writes are reported (the daemon's storage facts).
+    storage: StorageHealth | None = None
+    #: The daemon's spawn policy: who jobs run as, the spawn registry, containment.
+    policy: SpawnPolicy = DEFAULT_POLICY
+    #: Told each time a worker's log file grows (log followers wait on it).
+    log_growth: LogGrown | None = None
+    #: What the job's own processes (workers, its health check) start from, before its
+    #: ``env``: the daemon's allowlisted environment (:func:`~elasticd.supervise.env.job_base_env`);
+    #: None: ``base_env`` whole.
+    job_base_env: Mapping[str, str] | None = None
+    #: How a start the node cannot make is retried before the job is given back.
+    node_failure: RetrySettings = field(default_factory=RetrySettings)
+
+    @property
+    def job_env_base(self) -> Mapping[str, str]:
+        return self.base_env if self.job_base_env is None else self.job_base_env
+
+
+@dataclass(frozen=True)
+class Emit:
+    """One job's events from this node's agent (and its hooks)."""
+
+    events: EventSink
+    job_id: str
+
+    def __call__(
+        self, kind: EventKind, message: str, source: EventSource = "agent", **fields: Any
+    ) -> None:
+        self.events.emit(self.job_id, source, kind, message, **fields)

@@ -1,0 +1,252 @@
+"""The local worker group of one attempt, as the agent sees it: spawned, running, exited.
+
+:class:`LocalGroup` holds the attempt's processes
+(:class:`~elasticd.supervise.process.WorkerGroupProcesses`), its
+:class:`~elasticd.agent.hooks.Attempt` (ranks, the group view), and the
+workers' exits: each is reported (``worker.exited``, the view) the moment
+it happens, except those of workers started early (before the store formed
+their round), which are held until the start is confirmed or dropped. The
+agent decides when to start, confirm and stop it; the group carries it out
+and says so (``workers.started``, ``workers.stopped``), with its hooks
+(output, heartbeats).
+
+Which side of the boundary: the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticd.agent.attempt import AttemptPlan
+from elasticd.agent.context import AgentContext, Emit
+from elasticd.agent.edits import root_cause_of, root_cause_of_hang
+from elasticd.agent.hooks import Attempt, OutputHook, ProgressHook
+from elasticd.agent.progress import Hang
+from elasticd.errors import ElasticdError
+from elasticd.eventkinds import EventKind
+from elasticd.models import JobSpec, RootCause
+from elasticd.security import Identity
+from elasticd.states import WorkerState
+from elasticd.supervise.process import GroupResult, WorkerExit, WorkerGroupProcesses
+from elasticd.tasks import TaskSet
+from elasticd.worker.names import attempt_tag
+
+__all__ = ["LocalGroup"]
+
+
+@dataclass
+class LocalGroup:
+    """One attempt's workers on this node (see the module)."""
+
+    ctx: AgentContext
+    job_id: str
+    spec: JobSpec
+    emit: Emit
+    output: OutputHook
+    progress: ProgressHook
+    background: TaskSet
+    """Owns the reports of a dead rank to its survivors (in-process restart)."""
+    changed: Callable[[], None]
+    """Told when the view changed (publish it)."""
+    attempt: Attempt | None = None
+    processes: WorkerGroupProcesses | None = None
+    exited: set[int] = field(default_factory=set)
+    all_exited: asyncio.Event = field(default_factory=asyncio.Event)
+    held: list[WorkerExit] | None = None
+    """Exits of early workers, reported (in order) once their start is confirmed."""
+
+    def log_dir(self, local_rank: int) -> Path:
+        seq = self.attempt.spawn_seq if self.attempt is not None else 0
+        return self.ctx.logs.worker_dir(self.job_id, seq, local_rank)
+
+    def pid_of(self, local_rank: int) -> int | None:
+        return self.processes.pids.get(local_rank) if self.processes is not None else None
+
+    async def start(
+        self, attempt: Attempt, plan: AttemptPlan, identity: Identity | None, *, early: bool
+    ) -> None:
+        """Spawn the attempt's workers (INIT until :meth:`running`).
+
+        ``early``: the store has not formed the round yet; exits are held until
+        :meth:`running` (or the stop) reports them, after ``workers.started``.
+        """
+        self.release_exits()
+        self.held = [] if early else None
+        self.attempt = attempt
+        self.progress.prerun(attempt, plan.heartbeats, identity)
+        self.exited = set()
+        self.all_exited = asyncio.Event()
+        self.processes = await WorkerGroupProcesses.start(
+            plan.launches,
+            on_output=self.output.forwarder(attempt),
+            on_exit=self.on_exit,
+            clock=self.ctx.clock,
+            storage=self.ctx.storage,
+            policy=self.ctx.policy,
+            on_written=self.ctx.log_growth,
+        )
+        self.output.poststart(attempt, self.processes)
+
+    def running(self) -> None:
+        """The workers run as the round's: the heartbeats' clocks start, the view HEALTHY."""
+        processes, attempt = self.processes, self.attempt
+        assert processes is not None
+        assert attempt is not None
+        self.progress.poststart()
+        for w in attempt.view.workers:
+            w.pid = processes.pids.get(w.local_rank)
+            w.started_at = processes.started_at.get(w.local_rank)
+            w.state = WorkerState.HEALTHY
+
+    def say_started(self, *, early: bool) -> None:
+        """``workers.started``, then the exits held while the start was unconfirmed."""
+        processes, attempt = self.processes, self.attempt
+        assert processes is not None
+        assert attempt is not None
+        ranks = attempt.ranks
+        self.emit(
+            EventKind.WORKERS_STARTED,
+            f"attempt {attempt.spawn_seq} on {self.ctx.node}: {len(ranks)} workers started "
+            f"(ranks {ranks[0].rank}-{ranks[-1].rank} of {ranks[0].world_size}), "
+            f"pids {', '.join(str(p) for p in processes.pids.values())}",
+            state=WorkerState.HEALTHY.value,
+            attempt=attempt.spawn_seq,
+            early=early or None,
+        )
+        self.release_exits()
+
+    def release_exits(self) -> None:
+        """Report the exits held while the workers' start was unconfirmed, in order."""
+        held, self.held = self.held, None
+        for exit_ in held or ():
+            self.on_exit(exit_)
+
+    def on_exit(self, exit_: WorkerExit) -> None:
+        """Called the moment a worker process exits (held while its start is unconfirmed)."""
+        if self.held is not None:
+            self.held.append(exit_)  # reported once the round is the store's
+            return
+        attempt = self.attempt
+        assert attempt is not None
+        ranks = attempt.ranks[exit_.local_rank]
+        self.progress.exited(exit_.local_rank)
+        self.exited.add(exit_.local_rank)
+        if len(self.exited) >= len(attempt.ranks):
+            self.all_exited.set()
+        if self.spec.inprocess_restart and exit_.failed and not exit_.stopped:
+            # Tell the surviving ranks at once, so they restart in-process instead of
+            # waiting for a collective to time out.
+            self.background.spawn(self._report_terminated(exit_, attempt), "report-terminated")
+        if exit_.stopped:
+            state = WorkerState.STOPPED  # we stopped it; not a failure of its own
+        elif exit_.failed:
+            state = WorkerState.FAILED
+        else:
+            state = WorkerState.SUCCEEDED
+        for w in attempt.view.workers:
+            if w.local_rank == exit_.local_rank:
+                w.exit_code = exit_.exit_code
+                w.signal = exit_.signal
+                w.exited_at = exit_.exited_at
+                w.state = state
+        suffix = ", stopped by the agent" if exit_.stopped else ""
+        error = None
+        if exit_.error is not None:
+            log_dir = self.log_dir(exit_.local_rank)
+            node, seq, round_no = self.ctx.node, attempt.spawn_seq, attempt.round.round
+            error = root_cause_of(exit_, ranks, node, seq, round_no, log_dir)
+        self.emit(
+            EventKind.WORKER_EXITED,
+            f"rank {ranks.rank} on {self.ctx.node}: {exit_.describe()}{suffix}",
+            state=state.value,
+            attempt=attempt.spawn_seq,
+            rank=ranks.rank,
+            local_rank=exit_.local_rank,
+            pid=exit_.pid,
+            exit_code=exit_.exit_code,
+            signal=exit_.signal,
+            error=error,
+            source="worker",
+        )
+        self.changed()
+
+    async def _report_terminated(self, exit_: WorkerExit, attempt: Attempt) -> None:
+        from elasticd.inprocess.keys import report_terminated  # worker-side key layout
+
+        with contextlib.suppress(ElasticdError):
+            await report_terminated(
+                self.ctx.store,
+                self.job_id,
+                attempt_tag({"ELASTICD_ATTEMPT": attempt.tag}),
+                attempt.rank_of(exit_.local_rank),
+                exit_.describe(),
+                exit_code=exit_.exit_code,
+                signal=exit_.signal,
+            )
+
+    def root_cause(
+        self, cause: GroupResult | Hang, round_no: int, at: float
+    ) -> tuple[RootCause, str]:
+        """What the job reports about the attempt's failure (or hang), and a line for people."""
+        attempt, node = self.attempt, self.ctx.node
+        assert attempt is not None
+        if isinstance(cause, Hang):
+            rank, log_dir = attempt.rank_of(cause.local_rank), self.log_dir(cause.local_rank)
+            root = root_cause_of_hang(cause, rank, node, attempt.spawn_seq, round_no, log_dir, at)
+            return root, f"rank {rank} hung on {node}"
+        failure = cause.root_cause
+        assert failure is not None, "a failed attempt has a failed worker"
+        ranks, log_dir = attempt.ranks[failure.local_rank], self.log_dir(failure.local_rank)
+        root = root_cause_of(failure, ranks, node, attempt.spawn_seq, round_no, log_dir)
+        return root, f"rank {root.rank} failed on {node}: {root.message}"
+
+    async def outcome(self) -> GroupResult:
+        """torchrun's rule: the first failure ends the attempt.
+
+        With in-process restart a failed rank is the wrapper's business: the
+        others carry on without it, so the group succeeded if any worker did,
+        and failed only when every worker failed.
+        """
+        processes = self.processes
+        assert processes is not None
+        if not self.spec.inprocess_restart:
+            return await processes.wait()
+        await self.all_exited.wait()
+        result = processes.snapshot()
+        if any(not e.failed for e in result.exits.values()):
+            return GroupResult(succeeded=True, exits=result.exits, failures=())
+        return result
+
+    async def release(self) -> None:
+        """The workers all exited 0: end what is left of the attempt (its strays), quietly."""
+        processes, self.processes = self.processes, None
+        if processes is not None:
+            await processes.stop(self.spec.termination_grace)
+            assert self.attempt is not None
+            self.output.stopped(self.attempt, processes)
+
+    async def stop(self) -> bool:
+        """Stop the workers (``workers.stopped``); False when none ran."""
+        processes, self.processes = self.processes, None
+        self.release_exits()  # early workers that were never confirmed: their exits first
+        if processes is None:
+            return False
+        attempt = self.attempt
+        assert attempt is not None
+        started = self.ctx.clock.monotonic()
+        await processes.stop(self.spec.termination_grace)
+        self.output.stopped(attempt, processes)
+        for w in attempt.view.workers:
+            if w.state is WorkerState.HEALTHY:
+                w.state = WorkerState.STOPPED
+        self.emit(
+            EventKind.WORKERS_STOPPED,
+            f"attempt {attempt.spawn_seq} on {self.ctx.node}: workers stopped",
+            attempt=attempt.spawn_seq,
+            duration_s=self.ctx.clock.monotonic() - started,
+        )
+        return True

@@ -1,0 +1,443 @@
+"""The concerns of each attempt, as small hooks the runner calls at fixed points.
+
+The runner (:class:`elasticd.agent.agent.JobAgent`) carries out the state
+machine's effects; what goes with an attempt beyond the spawn and the stop
+lives here, one object per concern, each with the methods of the points it
+cares about (``prerun`` before the spawn, ``poststart`` once the workers run
+as the round's, ``exited`` per worker, ``stopped`` once the group is gone):
+
+* :class:`OutputHook`: the console lines of the workers, and what the
+  attempt's output left behind (bytes lost to a refusing disk or past
+  ``log_limit_bytes``, stray processes), and containment (``containment.partial``);
+* :class:`ProgressHook`: the heartbeat files (:class:`ProgressMonitor`), hangs;
+* :class:`RecoveryHook`: the recovery timeline's events and its summary in the job;
+* :class:`HealthHook`: the health checks before a (re)start (the node runs
+  them: :class:`~elasticd.agent.ports.HealthChecks`);
+* :class:`HangHook`: a hang's event and the stuck worker's stacks.
+
+Publishing the group view is :class:`elasticd.agent.publish.GroupPublisher`;
+events go through :class:`elasticd.agent.context.Emit`.
+
+Which side of the boundary: the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal as signals
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elasticd.agent.context import ConsoleSink, Emit, JobUpdater
+from elasticd.agent.edits import merge_recovery
+from elasticd.agent.ports import HealthChecks
+from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
+from elasticd.agent.recovery import RecoveryTimeline
+from elasticd.clock import Clock
+from elasticd.console import ConsoleLine
+from elasticd.errors import InvalidTransition
+from elasticd.eventkinds import EventKind, recovery_phase_kind
+from elasticd.logs import stream_file
+from elasticd.models import GroupView, JobSpec, RootCause, std_for_rank
+from elasticd.rendezvous import RoundInfo
+from elasticd.rendezvous.ranks import WorkerRanks
+from elasticd.security import Identity
+from elasticd.states import WorkerState
+from elasticd.supervise.process import WorkerGroupProcesses
+from elasticd.supervise.spawn import SpawnPolicy
+
+__all__ = [
+    "Attempt",
+    "HangHook",
+    "HealthHook",
+    "OutputHook",
+    "ProgressHook",
+    "RecoveryHook",
+    "file_size",
+    "wait_for_growth",
+]
+
+
+@dataclass
+class Attempt:
+    """What the hooks of one attempt share: its spawn_seq, round, ranks and group view."""
+
+    spawn_seq: int
+    """This node's spawn sequence number of the job (``attempt`` in events and log paths)."""
+    round: RoundInfo
+    ranks: list[WorkerRanks]
+    view: GroupView
+    tag: str
+    """``ELASTICD_ATTEMPT``: ``<round>.<restart count>``."""
+
+    def rank_of(self, local_rank: int) -> int:
+        ranks = self.ranks
+        return ranks[local_rank].rank if local_rank < len(ranks) else local_rank
+
+
+@dataclass
+class OutputHook:
+    """The workers' output: to the console, and what was dropped or left behind."""
+
+    emit: Emit
+    node: str
+    job_id: str
+    spec: JobSpec
+    console: ConsoleSink | None
+    said_partial: bool = False
+    """``containment.partial`` was emitted (once per job per node)."""
+
+    def forwarder(self, attempt: Attempt) -> Callable[[int, str, bytes], None] | None:
+        """The group's ``on_output``: its lines to the console (None: no console)."""
+        console = self.console
+        if console is None:
+            return None
+        spec, job_id = self.spec, self.job_id
+
+        def forward(local_rank: int, stream: str, line: bytes) -> None:
+            teed = std_for_rank(spec.tee, local_rank) in ("all", stream.removeprefix("std"))
+            rank = attempt.rank_of(local_rank)
+            console(ConsoleLine(job_id, spec.role, rank, local_rank, stream, line, teed))
+
+        return forward
+
+    def poststart(self, attempt: Attempt, group: WorkerGroupProcesses) -> None:
+        """Say once that the job's processes cannot be put in a cgroup here."""
+        if group.containment_partial is None or self.said_partial:
+            return
+        self.said_partial = True
+        self.emit(
+            EventKind.CONTAINMENT_PARTIAL,
+            f"{self.node} cannot put the job's processes in a cgroup "
+            f"({group.containment_partial}); a process that leaves a worker's process "
+            "group is found only if it is re-parented to the daemon (child subreaper)",
+            attempt=attempt.spawn_seq,
+        )
+
+    def stopped(self, attempt: Attempt, group: WorkerGroupProcesses) -> None:
+        """The attempt's group is gone: what its output lost, and the strays killed."""
+        # Emitted when the attempt ends; on a disk that still refuses, it waits in the
+        # event log's backlog and lands, in order, once the disk takes it.
+        self._dropped(
+            attempt,
+            EventKind.LOGS_LOST,
+            group.lost_output(),
+            "could not be written to the log files",
+        )
+        self._dropped(
+            attempt,
+            EventKind.LOGS_TRUNCATED,
+            group.over_budget(),
+            f"past log_limit_bytes = {self.spec.log_limit_bytes} per stream were dropped",
+        )
+        if group.strays:
+            self.emit(
+                EventKind.WORKERS_STRAYS,
+                f"attempt {attempt.spawn_seq} on {self.node}: killed {len(group.strays)} "
+                f"process(es) that had left the workers' process groups: pids "
+                f"{', '.join(str(p) for p in group.strays)}",
+                attempt=attempt.spawn_seq,
+                count=len(group.strays),
+                pids=list(group.strays),
+            )
+
+    def _dropped(
+        self, attempt: Attempt, kind: EventKind, by_rank: dict[int, int], what: str
+    ) -> None:
+        if not by_rank:
+            return
+        total = sum(by_rank.values())
+        per_rank = ", ".join(f"local rank {rank}: {n} bytes" for rank, n in by_rank.items())
+        self.emit(
+            kind,
+            f"attempt {attempt.spawn_seq} on {self.node}: {total} bytes of worker output "
+            f"{what} ({per_rank})",
+            attempt=attempt.spawn_seq,
+            bytes_lost=total,
+            lost_by_rank={str(rank): n for rank, n in by_rank.items()},
+        )
+
+
+@dataclass
+class RecoveryHook:
+    """The recovery timeline of this node: its ``recovery.*`` events and the job's summary."""
+
+    emit: Emit
+    node: str
+    job_id: str
+    clock: Clock
+    update_job: JobUpdater
+    timeline: RecoveryTimeline = field(default_factory=RecoveryTimeline)
+    awaiting_first_progress: float | None = None
+    """Wall time the workers of a recovery were spawned, until their first ping."""
+
+    def begin(self, cause: str, detected_at: float, attempt: int) -> None:
+        if not self.timeline.begin(cause, detected_at):
+            return  # already recovering (e.g. a failure while re-forming)
+        self.emit(
+            EventKind.RECOVERY_DETECTED,
+            f"recovery started on {self.node}: {cause}",
+            attempt=attempt,
+            time=detected_at,
+        )
+
+    def stopped(self, attempt: int) -> None:
+        seconds = self.timeline.stopped(self.clock.time())
+        if seconds is not None:
+            self.emit(
+                EventKind.RECOVERY_STOP_WORKERS,
+                f"workers stopped on {self.node}",
+                attempt=attempt,
+                duration_s=seconds,
+            )
+
+    async def poststart(
+        self, round_: RoundInfo, attempt: int, *, rendezvous_done: float, spawned: float | None
+    ) -> None:
+        """The recovery's end: the workers' spawn (``spawned``: an early one, before the
+        round formed; its spawn phase is then 0, the rendezvous phase spans the overlap)."""
+        early = spawned is not None
+        spawned = spawned if spawned is not None else self.clock.time()
+        mine = self.timeline.finish(round_.round, rendezvous_done=rendezvous_done, spawned=spawned)
+        if mine is None:
+            return
+        self.awaiting_first_progress = spawned
+        for phase, seconds in (("rendezvous", mine.rendezvous_s), ("spawn", mine.spawn_s)):
+            self.emit(
+                recovery_phase_kind(phase),
+                f"recovery phase {phase} on {self.node}",
+                attempt=attempt,
+                duration_s=seconds,
+            )
+        self.emit(
+            EventKind.RECOVERY_TOTAL,
+            f"recovered on {self.node} in {mine.total_s:.3f}s ({mine.cause}): "
+            f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
+            f"spawn {mine.spawn_s:.3f}s"
+            + (" (the workers were started early, during the rendezvous)" if early else ""),
+            attempt=attempt,
+            duration_s=mine.total_s,
+        )
+        with contextlib.suppress(InvalidTransition):
+            await self.update_job(self.job_id, mutate=merge_recovery(mine))
+
+    def progressed(self, view: GroupView, attempt: int) -> None:
+        """The heartbeat files were read: time the first ping after a recovery."""
+        pinged = [w.last_progress_at for w in view.workers if w.last_progress_at]
+        if self.awaiting_first_progress is not None and pinged:
+            spawned, self.awaiting_first_progress = self.awaiting_first_progress, None
+            self.emit(
+                EventKind.RECOVERY_FIRST_PROGRESS,
+                f"first progress ping on {self.node} after the recovery",
+                attempt=attempt,
+                duration_s=max(0.0, min(pinged) - spawned),
+            )
+
+
+@dataclass
+class ProgressHook:
+    """The heartbeat files of the attempt's workers: progress in the view, and hangs."""
+
+    emit: Emit
+    node: str
+    spec: JobSpec
+    policy: SpawnPolicy
+    owner_user: str | None
+    on_progress: Callable[[], None]
+    """Told after each read of the files (the view's ``last_progress_at`` is fresh)."""
+    monitor: ProgressMonitor | None = None
+    attempt: Attempt | None = None
+
+    def prerun(
+        self, attempt: Attempt, heartbeats: dict[int, Path], identity: Identity | None
+    ) -> None:
+        """Before the spawn: the files are made (workers open them at their first ping)."""
+        self.close()  # the previous attempt's descriptors
+        self.attempt = attempt
+        self.monitor = ProgressMonitor(
+            heartbeats,
+            ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
+            user=self.spec.user,  # the worker's own user must write its file
+            owner_user=self.owner_user,
+            owner=None if identity is None else (identity.uid, identity.gid),
+            on_check=self._checked,
+            on_replaced=self._replaced,
+            policy=self.policy,
+        )
+        self.monitor.prepare()
+
+    def poststart(self) -> None:
+        assert self.monitor is not None
+        self.monitor.started()
+
+    def exited(self, local_rank: int) -> None:
+        """A worker exited (or was judged hung): no deadline for it any more."""
+        if self.monitor is not None:
+            self.monitor.finished(local_rank)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    @property
+    def watches_hangs(self) -> bool:
+        return self.monitor is not None and self.monitor.settings.enabled
+
+    async def hang(self) -> Hang:
+        assert self.monitor is not None
+        return await self.monitor.wait_for_hang()
+
+    def refresh(self, *, running_only: bool = False) -> None:
+        """The view's ``last_progress_at`` from the files (64 bytes each)."""
+        if self.attempt is None or self.monitor is None:
+            return
+        for w in self.attempt.view.workers:
+            if not running_only or w.state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+                w.last_progress_at = self.monitor.last_progress_at(w.local_rank)
+
+    def _checked(self, beats: list[Beat]) -> None:
+        if self.attempt is None or self.monitor is None:
+            return
+        self.refresh()
+        self.on_progress()
+
+    def _replaced(self, local_rank: int, what: str) -> None:
+        """A worker put something else at its heartbeat path: say so once (no progress follows)."""
+        assert self.attempt is not None
+        rank = self.attempt.rank_of(local_rank)
+        self.emit(
+            EventKind.WORKER_HEARTBEAT_REPLACED,
+            f"rank {rank} on {self.node}: its heartbeat file was replaced by {what}; "
+            "the daemon reads only the file it created, and pings that miss it are no progress",
+            attempt=self.attempt.spawn_seq,
+            rank=rank,
+            local_rank=local_rank,
+        )
+
+
+@dataclass(frozen=True)
+class HealthHook:
+    """The health checks before each (re)start: their events, and what a failure says."""
+
+    emit: Emit
+    node: str
+    job_id: str
+    spec: JobSpec
+    checks: HealthChecks | None
+    clock: Clock
+    cuda_visible_devices: str | None = None
+
+    async def prerun(self, identity: Identity | None) -> RootCause | None:
+        """Run them: None when healthy, else the root cause that spends a restart."""
+        if self.checks is None:
+            return None
+        results = await self.checks.run(
+            self.job_id,
+            self.spec,
+            identity=identity,
+            cuda_visible_devices=self.cuda_visible_devices,
+        )
+        for r in results:
+            kind = (
+                EventKind.HEALTH_SKIPPED
+                if r.skipped
+                else EventKind.HEALTH_PASSED
+                if r.ok
+                else EventKind.HEALTH_FAILED
+            )
+            self.emit(kind, f"{r.name} on {self.node}: {r.message}", duration_s=r.duration_s)
+        failed = [r for r in results if not r.ok and not r.skipped]
+        if not failed:
+            return None
+        reason = "; ".join(f"{r.name}: {r.message}" for r in failed)
+        self.emit(
+            EventKind.WORKER_HEALTH_CHECK_FAILED,
+            f"node {self.node} is unhealthy for this job: {reason}",
+            state="UNHEALTHY",
+        )
+        return RootCause(
+            message=f"health check failed on {self.node}: {reason}",
+            node=self.node,
+            timestamp=self.clock.time(),
+        )
+
+
+@dataclass(frozen=True)
+class HangHook:
+    """A hang: the ``worker.hang`` event, then the stuck worker's stacks (and its kill)."""
+
+    emit: Emit
+    node: str
+
+    async def report(
+        self,
+        hang: Hang,
+        attempt: Attempt,
+        pid: int | None,
+        stderr_log: Path,
+        *,
+        state: str | None = None,
+        kill: bool = False,
+    ) -> None:
+        rank = attempt.rank_of(hang.local_rank)
+        self.emit(
+            EventKind.WORKER_HANG,
+            f"rank {rank} on {self.node}: {hang.describe()}"
+            + ("; killing this rank only" if kill else ""),
+            state=state,
+            attempt=attempt.spawn_seq,
+            rank=rank,
+            local_rank=hang.local_rank,
+            pid=pid,
+            duration_s=hang.silent_for,
+        )
+        if pid is None:
+            return
+        size = file_size(stderr_log)
+        stacks = await dump_stacks(pid)
+        if stacks.to_stderr:
+            # faulthandler writes from the worker's signal handler into its stderr
+            # pipe; give it a moment to land before the worker is stopped.
+            await wait_for_growth(stderr_log, size, timeout=2.0)
+        self.emit(
+            EventKind.WORKER_STACKS,
+            f"stacks of rank {rank} (pid {pid}):\n{stacks.text}",
+            attempt=attempt.spawn_seq,
+            rank=rank,
+            local_rank=hang.local_rank,
+            pid=pid,
+            source="worker",
+        )
+        if kill:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
+
+
+def stderr_of(log_dir: Path) -> Path:
+    return log_dir / stream_file("stderr")
+
+
+def file_size(path: Path) -> int:
+    """Size of a local log file (a stat; never blocks for long), 0 when absent.
+
+    ``lstat``: the file lies in the worker's folder, and a link put there is not followed.
+    """
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
+
+
+async def wait_for_growth(path: Path, size: int, timeout: float) -> bool:
+    """Until ``path`` is larger than ``size`` (bounded; the pipe reader announces nothing)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if file_size(path) > size:
+            await asyncio.sleep(0.05)  # let the rest of the dump arrive
+            return True
+        await asyncio.sleep(0.02)
+    return False

@@ -1,0 +1,157 @@
+"""The job document as one node's agent writes it: each write one compare-and-set edit.
+
+The edits themselves are pure (:mod:`elasticd.agent.edits`); this hook
+applies them through the node's ``update_job`` and says what goes with them
+(the event, closing the rendezvous). An edit the document refuses
+(:class:`~elasticd.errors.InvalidTransition`: the job ended meanwhile) is
+dropped where the agent's behaviour does not depend on it.
+
+Which side of the boundary: the daemon; it reads and writes the job's document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from elasticd.agent.context import Emit, JobUpdater
+from elasticd.agent.edits import record_failure, settle_failure
+from elasticd.errors import ElasticdError, InvalidTransition
+from elasticd.eventkinds import EventKind
+from elasticd.keys import job_key
+from elasticd.models import EventSource, Job, JobEdit, RootCause
+from elasticd.rendezvous import Change, Rendezvous, RoundInfo
+from elasticd.states import JobState, WorkerState
+from elasticd.store import Store
+
+__all__ = ["JobRecord", "states_on_close"]
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One job's document, for this node's agent."""
+
+    job_id: str
+    node: str
+    store: Store
+    update_job: JobUpdater
+    rendezvous: Rendezvous
+    emit: Emit
+
+    async def read(self) -> Job:
+        entry = await self.store.get(job_key(self.job_id))
+        if entry is None:
+            raise ElasticdError(f"job {self.job_id} vanished from the store")
+        return Job.model_validate_json(entry.value)
+
+    async def settle(self, round_: RoundInfo) -> Job:
+        """A round formed: charge the last round's failure once (or free it: a node lost)."""
+        return await self.update_job(self.job_id, mutate=settle_failure(round_))
+
+    async def record_failure(self, named: RoundInfo, root: RootCause, what: str, seq: int) -> Job:
+        """The round's failure (the round with its participants named): ``group.restarting``."""
+        job = await self.update_job(self.job_id, mutate=record_failure(named, root))
+        self.emit(
+            EventKind.GROUP_RESTARTING,
+            f"{what}; re-forming the group",
+            state=WorkerState.STOPPED.value,
+            attempt=seq,
+            rank=root.rank,
+            local_rank=root.local_rank,
+            exit_code=root.exit_code,
+            signal=root.signal,
+            error=root,
+        )
+        return job
+
+    async def fail(
+        self,
+        kind: EventKind,
+        reason: str,
+        *,
+        source: EventSource = "agent",
+        error: str | None = None,
+        attempt: int | None = None,
+    ) -> None:
+        """The job cannot go on (a join timeout, a spawn that failed, an internal error):
+        the event, the job FAILED with the reason (``error``: its root cause's message,
+        naming this node), the rendezvous closed for every node."""
+        self.emit(kind, reason, source, state="FAILED", attempt=attempt)
+        with contextlib.suppress(InvalidTransition):
+            if error is None:
+                await self.update_job(self.job_id, state=JobState.FAILED, reason=reason)
+            else:
+                root = RootCause(message=error, node=self.node, attempt=attempt)
+                await self.update_job(self.job_id, state=JobState.FAILED, reason=reason, error=root)
+        await self.rendezvous.close()
+
+    async def note(self, reason: str) -> None:
+        """The reason of a job that waits (PENDING or RESTARTING): why (a node gave it back)."""
+
+        def edit(job: Job) -> JobEdit:
+            if job.state in (JobState.PENDING, JobState.RESTARTING):
+                return {"reason": reason}
+            return {}
+
+        with contextlib.suppress(InvalidTransition):
+            await self.update_job(self.job_id, mutate=edit)
+
+    async def gave_back(self, error: str, cause: str, waited: float, seq: int) -> None:
+        """This node stops trying to start the job: ``agent.gave_back``, the reason in the job.
+
+        The job keeps its state (PENDING or RESTARTING, or RUNNING where other
+        nodes run it); no restart is spent.
+        """
+        reason = (
+            f"{self.node} could not start the job's workers for {waited:.0f} s "
+            f"({cause}: {error}); it gave the job back to the scheduler"
+        )
+        self.emit(
+            EventKind.AGENT_GAVE_BACK,
+            reason + "; no restart spent",
+            attempt=seq,
+            cause=cause,
+            duration_s=waited,
+        )
+        await self.note(reason)
+
+    async def reforming(self, change: Change, seq: int) -> None:
+        """A membership change: ``rendezvous.change``; a RUNNING job RESTARTING (free)."""
+        self.emit(
+            EventKind.RENDEZVOUS_CHANGE,
+            f"re-forming the group: {change.value} (no restart spent)",
+            attempt=seq,
+            source="rendezvous",
+        )
+
+        def edit(job: Job) -> JobEdit:
+            if job.state is JobState.RUNNING:
+                return {"state": JobState.RESTARTING, "reason": change.value}
+            return {}
+
+        with contextlib.suppress(InvalidTransition):
+            await self.update_job(self.job_id, mutate=edit)
+
+    async def succeeded(self, round_: RoundInfo) -> None:
+        """Every worker of the round exited 0: the job SUCCEEDED (for its round), closed."""
+
+        def edit(job: Job) -> JobEdit:
+            if job.round == round_.round and not job.state.is_terminal:
+                return {"state": JobState.SUCCEEDED, "reason": "every worker exited 0"}
+            return {}
+
+        with contextlib.suppress(InvalidTransition):
+            await self.update_job(self.job_id, mutate=edit)
+        await self.rendezvous.close()
+
+
+def states_on_close(job: JobState, group: WorkerState) -> tuple[WorkerState, ...]:
+    """The group's steps once the rendezvous closed with the job ``job`` (pure)."""
+    if job is JobState.SUCCEEDED and group in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
+        return (WorkerState.SUCCEEDED,)
+    if job is JobState.FAILED and not group.is_terminal:
+        first = (WorkerState.STOPPED,) if group is WorkerState.INIT else ()
+        return (*first, WorkerState.FAILED)
+    if not group.is_terminal and group is not WorkerState.STOPPED:
+        return (WorkerState.STOPPED,)
+    return ()

@@ -881,7 +881,8 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
             (
                 "root cause" if job.state is JobState.FAILED else "last failure",
                 f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
-                f"attempt {e.attempt}): {e.message}",
+                f"attempt {e.attempt}): {e.message}"
+                + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
     width = max(len(k) for k, _ in lines)

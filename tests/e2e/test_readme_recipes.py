@@ -100,7 +100,11 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
     log = tmp_path / "recipe.log"
     with log.open("wb") as out:  # the daemons keep it open: a file, not a pipe
         shell = subprocess.Popen(
-            ["bash", "-c", localized(recipe("## A 3-node cluster on one machine"), tmp_path, ports)],
+            [
+                "bash",
+                "-c",
+                localized(recipe("## A 3-node cluster on one machine"), tmp_path, ports),
+            ],
             cwd=ROOT,
             env=env,
             stdout=out,

@@ -567,10 +567,9 @@ class WorkerGroupProcesses:
         )
         worker.exit = exit_
         worker.exited.set()
-        if failed and not exit_.stopped:
-            log.warning("%s", exit_.describe())
-        else:
-            log.info("%s", exit_.describe())
+        # INFO, a failure too: the agent's worker.exited event says it (at WARNING it was
+        # said twice in a daemon's log, and twice on `elasticd run`'s console).
+        log.info("%s", exit_.describe())
         if self._on_exit is not None:
             try:
                 self._on_exit(exit_)

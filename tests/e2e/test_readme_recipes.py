@@ -10,6 +10,7 @@ nor disturbs a daemon of the user's on the README's ports; the shell runs under
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -155,3 +156,75 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
                 os.killpg(shell.pid, signal.SIGKILL)
                 break
             time.sleep(0.2)
+
+
+#: The README's `crash.py` of its CLI sample: rank 1 fails with code 3 in the first attempt.
+CRASH_PY = """
+import os, sys
+if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+"""
+
+
+def cli_sample() -> tuple[list[str], list[str]]:
+    """The README's `elasticd submit ... --wait` sample: its command and the lines it shows."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("  $ elasticd submit --id demo1") :]
+    lines = block.split("\n")
+    command = lines[0].removeprefix("  $ ").split("#")[0].split()
+    shown = []
+    for line in lines[1:]:
+        if line.startswith("  $ "):
+            break
+        shown.append(line.removeprefix("  "))
+    return command, shown
+
+
+def shape(line: str) -> str:
+    """A line with its numbers (pids, ports, times) made alike: what must match the real one."""
+    return re.sub(r"\d+(\.\d+)?", "N", line)
+
+
+async def test_the_cli_samples_submit_wait_lines_are_real_output(tmp_path):
+    """Every line the README shows of `submit --wait` comes, in its order, from a real run;
+    what it leaves out is marked '…', and the count it gives is the real one."""
+    from tests.hardening.support import serve
+
+    command, shown = cli_sample()
+    assert command[:2] == ["elasticd", "submit"] and "--wait" in command, command
+    (tmp_path / "crash.py").write_text(CRASH_PY)
+    daemon = serve(tmp_path, node_name="smoke")
+    try:
+        await daemon.wait_ready()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *command[:2],
+                "--url",
+                daemon.url,
+                "--token-file",
+                str(tmp_path / f"auto-token-{daemon.port}"),
+                *command[2:],
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        daemon.stop()
+    real = (done.stdout + done.stderr).splitlines()
+    assert done.returncode == 0, real
+    # "about 30": the count is the README's order of magnitude, not a promise to the line.
+    said = re.search(r"# every event: about (\d+) lines", (ROOT / "README.md").read_text())
+    assert said and 0.7 * int(said.group(1)) <= len(real) <= 1.3 * int(said.group(1)), real
+    # The lines shown, with "…" for what is left out, are a subsequence of the real ones.
+    left = iter(shape(line) for line in real)
+    for line in shown:
+        if line == "…":
+            continue
+        assert any(shape(line) == got for got in left), (line, real)
+    assert shown[0] == real[0] and shown[-1] == real[-1], (shown, real)

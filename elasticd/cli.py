@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="console",
         action="store_const",
         const="verbose",
-        help="also every worker start and exit, state change and the daemon's info log "
-        "(elasticd -v run: debug)",
+        help="also every event (worker starts and exits, state changes, recovery phases) "
+        "and the daemon's info log (elasticd -v run: debug)",
     )
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
     _torchrun_env_defaults(run)
@@ -505,23 +505,13 @@ def _note(text: str) -> None:
 
 #: The events ``elasticd run`` prints, by its console level. The default is torchrun's
 #: few lines: what starts (the submission line), each restart with its cause, what ends
-#: (:func:`_report`); a failure's own exit and a hang are in the restart's or end's line.
+#: (:func:`_report`); a failure's own exit is in the restart's or the end's line.
 RUN_EVENTS: dict[str, frozenset[str]] = {
     "quiet": frozenset(),
     "normal": frozenset(
         {EventKind.GROUP_RESTARTING, EventKind.WORKERS_SPAWN_FAILED, EventKind.WORKER_HANG}
     ),
-    "verbose": frozenset(
-        {
-            EventKind.GROUP_RESTARTING,
-            EventKind.WORKERS_STARTED,
-            EventKind.WORKER_EXITED,
-            EventKind.JOB_STATE,
-            EventKind.WORKERS_SPAWN_FAILED,
-            EventKind.RENDEZVOUS_CHANGE,
-            EventKind.WORKER_HANG,
-        }
-    ),
+    "verbose": frozenset(EventKind),  # every event, once
 }
 
 #: A rendezvous of one node forms in milliseconds: the status line shows only a wait this long.
@@ -557,7 +547,7 @@ async def _print_events(daemon: Any, job_id: str, console: str = "normal") -> No
                 pending_since = time.monotonic()
             if event.kind in shown:
                 status.clear()
-                _note(event.message)
+                _note(f"{event.kind}: {event.message}" if console == "verbose" else event.message)
         waited = 0.0 if pending_since is None else time.monotonic() - pending_since
         if shown and waited >= PENDING_NOTICE_AFTER:
             status.show(f"[elasticd] rendezvous pending: {waited:.0f}s")

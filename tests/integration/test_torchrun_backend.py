@@ -132,9 +132,7 @@ def test_a_torchrun_killed_without_a_word_is_dropped_when_its_lease_expires(
 ) -> None:
     """kill -9 of one torchrun: its lease expires (lease_ttl 1 s), the survivor's watch sees the
     loss at once (num_nodes_waiting 1) and the next round forms without it."""
-    # A last call far longer than any start-up: the first round waits for both (the second,
-    # max_nodes, completes it at once), however long the dying one's interpreter takes.
-    survivor = core(node, "r2", "survivor", min_nodes=1, lease_ttl=1, last_call_timeout=30)
+    survivor = core(node, "r2", "survivor", min_nodes=1, lease_ttl=1)
     with subprocess.Popen(
         [sys.executable, "-c", DIES, f"127.0.0.1:{node.nodes['n0'].port}", str(node.token_file)],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -143,6 +141,15 @@ def test_a_torchrun_killed_without_a_word_is_dropped_when_its_lease_expires(
         text=True,
     ) as dies:
         try:
+            # Both in the first round, however long the dying one's interpreter takes to
+            # start: the survivor joins once it has announced itself. Either the dying one
+            # opened the round (its last call, 30 s, waits for the survivor) or the survivor
+            # places both at once; the second of max_nodes completes the round.
+            wait_until(
+                lambda: "rdzv/r2/m/node/dies" in store_keys(node, "rdzv/r2/m/node/"),
+                30,
+                "the dying torchrun to announce itself",
+            )
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 mine = pool.submit(survivor.next_round)
                 assert dies.stdout is not None

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo check lint types test test-fast openapi bench bench-quick clean
+.PHONY: venv demo check lint types test test-fast openapi bench bench-quick gpu-check clean
 
 DEMO_STAMP := $(VENV)/.installed-runtime
 
@@ -64,6 +64,12 @@ bench-quick: $(STAMP)
 	$(BIN)/python bench/bench_restart.py --quick
 	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS)
 	$(BIN)/python bench/bench_rendezvous_scale.py --quick --sizes 300,1000,3000 --budget 60 --backends $(SCALE_BACKENDS) --restart
+
+## gpu-check: every check that needs an NVIDIA GPU, in one run (bench/gpu_check.py): the GPU
+## health check on the real nvidia-smi, CUDA_VISIBLE_DEVICES per job, an NCCL all-reduce job
+## with a crash and restart. Without a GPU: "no GPU: skipped", exit 0 (GPU_CHECK_FLAGS=--require-gpu: 77)
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -168,6 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
+    run.add_argument(
+        "-q",
+        "--quiet",
+        dest="console",
+        action="store_const",
+        const="quiet",
+        default="normal",
+        help="print only the workers' output, errors and a failure or stop "
+        "(default: also the start, each restart with its cause, and the end)",
+    )
+    run.add_argument(
+        "--verbose",
+        dest="console",
+        action="store_const",
+        const="verbose",
+        help="also every event (worker starts and exits, state changes, recovery phases) "
+        "and the daemon's info log (elasticd -v run: debug)",
+    )
     run.add_argument("program", nargs=argparse.REMAINDER, help="-- program and its arguments")
     _torchrun_env_defaults(run)
     identity = sub.add_parser(
@@ -302,6 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose
         else logging.WARNING
         if client_command
+        else _run_log_level(args.console)
+        if args.command == "run"
         else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
@@ -469,6 +489,12 @@ async def _run(args: argparse.Namespace) -> int:
     # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
     # files are born private from here on.
     caller_umask = set_private_umask()
+    if args.verbose:  # elasticd -v run: debug logging, and every event
+        args.console = "verbose"
+    # Each event reaches the console once: as an [elasticd] line, not also as the log
+    # lines that say the same (every event's, and the workers' starts and exits).
+    for name in ("elasticd.node.events", "elasticd.supervise.process"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.root.level))
     command = _command(list(args.program), no_python=args.no_python, module=args.module)
     nproc = await _nproc_per_node(args.nproc_per_node)
     with contextlib.ExitStack() as stack:
@@ -535,11 +561,12 @@ async def _run(args: argparse.Namespace) -> int:
                 )
             )
             job, _ = await daemon.jobs.submit(spec)
-            _note(
-                f"job {job.id} submitted; API at {config.url} (token in {config.token_file}), "
-                f"logs in {config.logs / job.id}"
-            )
-            follower = asyncio.create_task(_print_events(daemon, job.id))
+            if args.console != "quiet":
+                _note(
+                    f"job {job.id} submitted: {nproc} worker(s) of {' '.join(command)}; API at "
+                    f"{config.url} (token in {config.token_file}), logs in {config.logs / job.id}"
+                )
+            follower = asyncio.create_task(_print_events(daemon, job.id, args.console))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
             await race(asyncio.shield(waiter), daemon.stop_requested())
             if not waiter.done():
@@ -547,29 +574,50 @@ async def _run(args: argparse.Namespace) -> int:
                 await cancel_and_wait(waiter)
                 await daemon.shutdown()
             await cancel_and_wait(follower)
-            if not waiter.done() or waiter.cancelled() or waiter.exception() is not None:
-                # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
-                # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.
-                return 128 + (daemon.stop_signal or signal.SIGINT)
-            final = waiter.result()
-        return _report(final.model_dump())
+            stopped = not waiter.done() or waiter.cancelled() or waiter.exception() is not None
+        if stopped:
+            # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
+            # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.
+            # Said last, after the daemon's own stop, so it is the last line the user sees.
+            sig = signal.Signals(daemon.stop_signal or signal.SIGINT)
+            _note(stopped_line(job.id, sig))
+            return 128 + sig
+        return _report(waiter.result().model_dump(), args.console)
 
 
 def _note(text: str) -> None:
     print(f"[elasticd] {printable(text)}", file=sys.stderr, flush=True)
 
 
-async def _print_events(daemon: Any, job_id: str) -> None:
-    """Print the job's notable events; while a rendezvous is pending, a live status line."""
-    shown = {
-        EventKind.GROUP_RESTARTING,
-        EventKind.WORKERS_STARTED,
-        EventKind.WORKER_EXITED,
-        EventKind.JOB_STATE,
-        EventKind.WORKERS_SPAWN_FAILED,
-        EventKind.RENDEZVOUS_CHANGE,
-        EventKind.WORKER_HANG,
-    }
+#: The events ``elasticd run`` prints, by its console level. The default is torchrun's
+#: few lines: what starts (the submission line), each restart with its cause, what ends
+#: (:func:`_report`); a failure's own exit is in the restart's or the end's line.
+RUN_EVENTS: dict[str, frozenset[str]] = {
+    "quiet": frozenset(),
+    "normal": frozenset(
+        {EventKind.GROUP_RESTARTING, EventKind.WORKERS_SPAWN_FAILED, EventKind.WORKER_HANG}
+    ),
+    "verbose": frozenset(EventKind),  # every event, once
+}
+
+#: A rendezvous of one node forms in milliseconds: the status line shows only a wait this long.
+PENDING_NOTICE_AFTER = 5.0
+
+
+def _run_log_level(console: str) -> int:
+    """The daemon's log level under ``elasticd run``: its news reach the user as events."""
+    return {"quiet": logging.ERROR, "normal": logging.WARNING}.get(console, logging.INFO)
+
+
+def stopped_line(job_id: str, sig: signal.Signals) -> str:
+    """The last line of a run stopped by a signal (pure)."""
+    who = "by the user (Ctrl-C)" if sig is signal.SIGINT else f"by {sig.name}"
+    return f"job {job_id} stopped {who}: its workers were stopped; exit {128 + sig}"
+
+
+async def _print_events(daemon: Any, job_id: str, console: str = "normal") -> None:
+    """Print the job's notable events once each; while a rendezvous waits, a status line."""
+    shown = RUN_EVENTS[console]
     status = StatusLine(sys.stderr)
     pending_since: float | None = time.monotonic()  # a new job waits for its first round
     after = 0
@@ -585,9 +633,10 @@ async def _print_events(daemon: Any, job_id: str) -> None:
                 pending_since = time.monotonic()
             if event.kind in shown:
                 status.clear()
-                _note(event.message)
-        if pending_since is not None:
-            status.show(f"[elasticd] rendezvous pending: {time.monotonic() - pending_since:.0f}s")
+                _note(f"{event.kind}: {event.message}" if console == "verbose" else event.message)
+        waited = 0.0 if pending_since is None else time.monotonic() - pending_since
+        if shown and waited >= PENDING_NOTICE_AFTER:
+            status.show(f"[elasticd] rendezvous pending: {waited:.0f}s")
 
 
 class StatusLine:
@@ -615,10 +664,11 @@ class StatusLine:
             self._shown = False
 
 
-def _report(job: dict[str, Any]) -> int:
+def _report(job: dict[str, Any], console: str = "normal") -> int:
     state = JobState(job["state"])
     if state is JobState.SUCCEEDED:
-        _note(f"job {job['id']} SUCCEEDED after {job['restart_count']} restart(s)")
+        if console != "quiet":
+            _note(f"job {job['id']} SUCCEEDED after {job['restart_count']} restart(s)")
         return 0
     error = job.get("error") or {}
     _note(f"job {job['id']} {state.value}: {job.get('reason') or ''}")
@@ -996,7 +1046,8 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
             (
                 "root cause" if job.state is JobState.FAILED else "last failure",
                 f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
-                f"attempt {e.attempt}): {e.message}",
+                f"attempt {e.attempt}): {e.message}"
+                + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
     width = max(len(k) for k, _ in lines)

@@ -154,6 +154,8 @@ def _failure_message(name: str, job: Job) -> str:
         return f"{name} failed: {job.reason or job.state.value}"
     what = f"rank {error.rank} (local rank {error.local_rank}, attempt {error.attempt})"
     text = f"{name} failed on {what}: {error.message}"
+    if error.source == "log":
+        text += " (from its stderr.log)"
     if job.reason:
         text += f"\n{job.reason}"
     if error.log_dir:

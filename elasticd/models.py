@@ -344,6 +344,9 @@ class RootCause(BaseModel):
     round: int | None = None
     exited_at: float | None = None
     log_dir: str | None = None
+    source: Literal["error_file", "log"] | None = None
+    """Where ``message`` and ``traceback`` come from: the worker's error file (torch's
+    ``@record``), the last traceback in its ``stderr.log``, or None (only the exit is known)."""
 
     def sort_key(self) -> tuple[float, float]:
         """Earliest failure first: the error file's time, then the exit time."""

@@ -75,6 +75,7 @@ def root_cause_of(
         round=round_,
         exited_at=failure.exited_at,
         log_dir=str(log_dir),
+        source=failure.error.source if failure.error else None,
     )
 
 

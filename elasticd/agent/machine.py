@@ -6,8 +6,9 @@ of the rendezvous, the exit barrier, the store coming back), turns it into an
 :data:`Event`, and carries out the :data:`Effect` s that :func:`step` returns,
 in order. Every decision of the agent is made here, in one place (the runner
 keeps one bound of its own: early workers unconfirmed for ``fence_after`` are
-stopped before the round forms, as a node that loses the store). The table is in ``docs/design.md`` ("The agent's state
-table") and, row by row, in ``tests/agent/test_machine.py``.
+stopped before the round forms, as a node that loses the store). The table is
+in ``docs/design.md`` ("The agent's state table") and, row by row, in
+``tests/agent/test_machine.py``.
 
 ======================  =============================  ==============  =====================
 phase                   event                          next phase      restart spent

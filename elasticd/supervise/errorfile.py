@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 
@@ -58,6 +58,9 @@ class WorkerError:
     """Seconds since the epoch: the file's ``extraInfo.timestamp``, else the fallback."""
     raw: dict[str, Any]
     """The parsed JSON object; empty when the file could not be parsed."""
+    source: Literal["error_file", "log"] = "error_file"
+    """Where it was read: the error file, or the last traceback of ``stderr.log``
+    (:mod:`elasticd.supervise.tracebacks`) when the worker wrote no error file."""
 
 
 def read_error_file(path: Path, *, default_timestamp: float | None = None) -> WorkerError | None:

@@ -40,6 +40,7 @@ from elasticd.supervise.spawn import (
     process_start_time,
     start_process,
 )
+from elasticd.supervise.tracebacks import traceback_from_log
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -60,6 +61,11 @@ DEFAULT_STOP_GRACE = 30.0
 #: Once every worker is gone, how long the output of processes that left the
 #: worker's process group (and so escaped the kill) is still awaited.
 DRAIN_TIMEOUT = 2.0
+
+#: How long a failed worker's stderr is awaited before its exit is reported, so that
+#: the traceback it printed last is in ``stderr.log`` (:mod:`.tracebacks`). The pipe
+#: ends with the worker unless a child of it still holds it; then the cause may miss.
+LOG_SETTLE_TIMEOUT = 0.5
 
 #: describe() quotes at most this much of the worker's message (its first line).
 _DESCRIBE_MESSAGE_CHARS = 300
@@ -446,7 +452,7 @@ class WorkerGroupProcesses:
             # The worker has its own copies now; the daemon's would keep EOF from ever coming.
             stdout.close_write_end()
             stderr.close_write_end()
-        worker = _Worker(launch, process, (stdout, stderr))
+        worker = _Worker(launch, process, (stdout, stderr))  # pipes[1]: stderr
         self._workers[rank] = worker
         self.pids[rank] = process.pid
         self.started_at[rank] = self._clock.time()
@@ -532,6 +538,10 @@ class WorkerGroupProcesses:
         # The subprocess transport holds no pipe of ours, so this returns when the
         # child watcher reaps the worker, not when its output closes.
         returncode = await worker.process.wait()
+        if returncode != 0 and not worker.signalled:
+            # Its traceback may still be in the stderr pipe: let it reach stderr.log
+            # (at once, unless a child of the worker still holds the pipe).
+            await _all_done([worker.pipes[1].wait_eof], LOG_SETTLE_TIMEOUT)
         self._record_exit(worker, returncode)
 
     def _record_exit(self, worker: _Worker, returncode: int) -> None:
@@ -544,6 +554,8 @@ class WorkerGroupProcesses:
             if failed and error_file is not None
             else None
         )
+        if error is None and failed and not worker.signalled:
+            error = traceback_from_log(worker.launch.log_dir, timestamp=exited_at)
         exit_ = WorkerExit(
             local_rank=worker.launch.local_rank,
             pid=worker.pid,
@@ -555,10 +567,9 @@ class WorkerGroupProcesses:
         )
         worker.exit = exit_
         worker.exited.set()
-        if failed and not exit_.stopped:
-            log.warning("%s", exit_.describe())
-        else:
-            log.info("%s", exit_.describe())
+        # INFO, a failure too: the agent's worker.exited event says it (at WARNING it was
+        # said twice in a daemon's log, and twice on `elasticd run`'s console).
+        log.info("%s", exit_.describe())
         if self._on_exit is not None:
             try:
                 self._on_exit(exit_)

@@ -2,16 +2,21 @@
 
 The block is read from README.md, so the test fails when the text stops working:
 three daemons started in one loop (any order), a gloo job on 2-3 of them that must
-end SUCCEEDED. The recipe's own ports (7070-7072) and folders (/tmp/ed-n*) are used.
+end SUCCEEDED. The text runs as written but for its ports and paths: 7070-7072 become
+free ports and /tmp/... a folder of the test's (`localized`), so the test neither meets
+nor disturbs a daemon of the user's on the README's ports; the shell runs under
+`set -euo pipefail`, so a command of the recipe that fails fails the test.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +38,53 @@ def recipe(heading: str) -> str:
     return match.group(1)
 
 
+def free_ports(count: int) -> list[int]:
+    """Ports the kernel has just handed out and that are free again (held together: distinct)."""
+    holders = [socket.socket() for _ in range(count)]
+    try:
+        for holder in holders:
+            holder.bind(("127.0.0.1", 0))
+        return [holder.getsockname()[1] for holder in holders]
+    finally:
+        for holder in holders:
+            holder.close()
+
+
+def localized(script: str, folder: Path, ports: list[int]) -> str:
+    """The recipe with the test's ports and folder in place of 7070-7072 and /tmp, in strict mode.
+
+    Only these literal spellings are rewritten; anything else of the README's that names a
+    fixed port or /tmp path fails here, so the test cannot silently use the real ones.
+    """
+    script = script.replace("707$i", "${PORTS[$i]}")
+    for i, port in enumerate(ports):
+        script = script.replace(f"707{i}", str(port))
+    assert "707" not in script, script
+    script = script.replace("/tmp/", f"{folder}/")
+    return f"set -euo pipefail\nPORTS=({' '.join(map(str, ports))})\n{script}"
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("curl http://127.0.0.1:7071/nodes", "curl http://127.0.0.1:2001/nodes"),
+        ("--port 707$i --state-dir /tmp/ed-n$i", "--port ${PORTS[$i]} --state-dir /F/ed-n$i"),
+        ("cat /tmp/elasticd.token", "cat /F/elasticd.token"),
+    ],
+)
+def test_localized_rewrites_only_the_ports_and_paths(script, expected):
+    """The rewrite maps 707i to the i-th port and /tmp/ to the test's folder, under set -euo."""
+    assert localized(script, Path("/F"), [2000, 2001, 2002]) == (
+        f"set -euo pipefail\nPORTS=(2000 2001 2002)\n{expected}"
+    )
+
+
+def test_localized_refuses_a_port_it_does_not_map():
+    """A README port beyond the three it maps is an error, not a fixed port the test would bind."""
+    with pytest.raises(AssertionError):
+        localized("curl http://127.0.0.1:7075/", Path("/F"), [2000, 2001, 2002])
+
+
 def get(url: str, token: str) -> dict:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=10) as answer:
@@ -42,14 +94,18 @@ def get(url: str, token: str) -> dict:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the recipe uses curl")
 def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
     pytest.importorskip("torch")
-    for i in range(3):
-        shutil.rmtree(f"/tmp/ed-n{i}", ignore_errors=True)
+    ports = free_ports(3)
+    base = [f"http://127.0.0.1:{port}" for port in ports]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = tmp_path / "recipe.log"
     with log.open("wb") as out:  # the daemons keep it open: a file, not a pipe
         shell = subprocess.Popen(
-            ["bash", "-c", recipe("## A 3-node cluster on one machine")],
+            [
+                "bash",
+                "-c",
+                localized(recipe("## A 3-node cluster on one machine"), tmp_path, ports),
+            ],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -60,19 +116,19 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
         returncode = shell.wait(timeout=120)
         text = log.read_text(errors="replace")
         assert returncode == 0, text
-        token = Path("/tmp/elasticd.token").read_text().strip()
+        token = (tmp_path / "elasticd.token").read_text().strip()
         deadline = time.monotonic() + 150
-        while (job := get("http://127.0.0.1:7070/jobs/elastic-1", token))["state"] not in (
+        while (job := get(f"{base[0]}/jobs/elastic-1", token))["state"] not in (
             "SUCCEEDED",
             "FAILED",
         ):
             assert time.monotonic() < deadline, job
             time.sleep(0.5)
         assert job["state"] == "SUCCEEDED", (job, text[-4000:])
-        assert len(get("http://127.0.0.1:7071/nodes", token)) == 3
+        assert len(get(f"{base[1]}/nodes", token)) == 3
         # The next recipe, on the same cluster: priority, the queue, `elasticd queue`, --priority.
         fleet = subprocess.run(
-            ["bash", "-c", recipe("### Sharing the fleet")],
+            ["bash", "-c", localized(recipe("### Sharing the fleet"), tmp_path, ports)],
             cwd=ROOT,
             env=env,
             capture_output=True,
@@ -85,7 +141,7 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
         assert submitted, fleet.stdout
         for job_id in ("urgent", submitted.group(1)):
             deadline = time.monotonic() + 60
-            while (job := get(f"http://127.0.0.1:7070/jobs/{job_id}", token))["state"] not in (
+            while (job := get(f"{base[0]}/jobs/{job_id}", token))["state"] not in (
                 "SUCCEEDED",
                 "FAILED",
             ):
@@ -100,3 +156,75 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
                 os.killpg(shell.pid, signal.SIGKILL)
                 break
             time.sleep(0.2)
+
+
+#: The README's `crash.py` of its CLI sample: rank 1 fails with code 3 in the first attempt.
+CRASH_PY = """
+import os, sys
+if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+"""
+
+
+def cli_sample() -> tuple[list[str], list[str]]:
+    """The README's `elasticd submit ... --wait` sample: its command and the lines it shows."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("  $ elasticd submit --id demo1") :]
+    lines = block.split("\n")
+    command = lines[0].removeprefix("  $ ").split("#")[0].split()
+    shown = []
+    for line in lines[1:]:
+        if line.startswith("  $ "):
+            break
+        shown.append(line.removeprefix("  "))
+    return command, shown
+
+
+def shape(line: str) -> str:
+    """A line with its numbers (pids, ports, times) made alike: what must match the real one."""
+    return re.sub(r"\d+(\.\d+)?", "N", line)
+
+
+async def test_the_cli_samples_submit_wait_lines_are_real_output(tmp_path):
+    """Every line the README shows of `submit --wait` comes, in its order, from a real run;
+    what it leaves out is marked '…', and the count it gives is the real one."""
+    from tests.hardening.support import serve
+
+    command, shown = cli_sample()
+    assert command[:2] == ["elasticd", "submit"] and "--wait" in command, command
+    (tmp_path / "crash.py").write_text(CRASH_PY)
+    daemon = serve(tmp_path, node_name="smoke")
+    try:
+        await daemon.wait_ready()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                *command[:2],
+                "--url",
+                daemon.url,
+                "--token-file",
+                str(tmp_path / f"auto-token-{daemon.port}"),
+                *command[2:],
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        daemon.stop()
+    real = (done.stdout + done.stderr).splitlines()
+    assert done.returncode == 0, real
+    # "about 30": the count is the README's order of magnitude, not a promise to the line.
+    said = re.search(r"# every event: about (\d+) lines", (ROOT / "README.md").read_text())
+    assert said and 0.7 * int(said.group(1)) <= len(real) <= 1.3 * int(said.group(1)), real
+    # The lines shown, with "…" for what is left out, are a subsequence of the real ones.
+    left = iter(shape(line) for line in real)
+    for line in shown:
+        if line == "…":
+            continue
+        assert any(shape(line) == got for got in left), (line, real)
+    assert shown[0] == real[0] and shown[-1] == real[-1], (shown, real)

@@ -275,6 +275,10 @@ async def test_early_workers_stop_when_the_store_is_slower_than_the_fence(tmp_pa
     assert job["state"] == "SUCCEEDED" and job["restart_count"] == 1
     kinds = [(e["kind"], e.get("attempt"), bool(e.get("early"))) for e in events]
     started = [k for k in kinds if k[0] == "workers.started"]
-    assert started == [("workers.started", 0, False), ("workers.started", 2, False)]
+    # Attempt 1 (early) never started; the round's own start is attempt 2. A 1 s lease on a
+    # loaded machine may also lapse now and then: the node fences and resumes as a further
+    # attempt, charging nothing (restart_count stays 1), so later starts are not an error.
+    assert started[:2] == [("workers.started", 0, False), ("workers.started", 2, False)], kinds
+    assert not [k for k in started if k[2]], kinds
     stopped = [k for k in kinds if k[0] == "workers.stopped"]
     assert ("workers.stopped", 1, False) in stopped  # the early attempt, never confirmed

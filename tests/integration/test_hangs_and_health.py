@@ -21,7 +21,10 @@ import elasticd.worker as w
 w.ping()
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["LOCAL_RANK"] == "1":
     threading.Event().wait()  # alive but stuck: pings no more
-for _ in range(3):
+# Rank 1 runs on, pinging, for 3 s after rank 0 ends: the agent reads the heartbeats (and
+# so times recovery.first_progress) when a worker exits or a deadline comes, and a group
+# whose workers all end at once may end before any read (it did on a loaded machine).
+for _ in range(3 if os.environ["LOCAL_RANK"] == "0" else 60):
     w.ping()
     time.sleep(0.05)
 """

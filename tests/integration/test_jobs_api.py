@@ -374,3 +374,28 @@ async def test_a_join_that_times_out_fails_the_job_with_the_reason(client, daemo
     assert job["state"] == "FAILED" and "rendezvous failed" in job["reason"], job
     (failed,) = [e for e in await events_of(client, job["id"]) if e["kind"] == "rendezvous.failed"]
     assert failed["source"] == "rendezvous" and failed["state"] == "FAILED"
+
+
+async def test_a_traceback_in_stderr_is_the_cause_without_record(client, tmp_path):
+    """A worker that raises without torch's @record: the job's cause is its exception, from the log."""
+    path = script(
+        tmp_path,
+        "raise.py",
+        """
+        import sys
+        print("about to fail", file=sys.stderr, flush=True)
+        def load(name):
+            raise FileNotFoundError(f"no checkpoint {name}")
+        load("ckpt-7")
+    """,
+    )
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "max_restarts": 0})
+    job = await wait_job(client, r.json()["id"])
+    assert job["state"] == "FAILED"
+    error = job["error"]
+    assert error["message"] == "FileNotFoundError: no checkpoint ckpt-7", error
+    assert error["source"] == "log" and error["exit_code"] == 1
+    assert error["traceback"].startswith("Traceback (most recent call last):")
+    assert 'load("ckpt-7")' in error["traceback"]
+    exited = [e for e in await events_of(client, job["id"]) if e["kind"] == "worker.exited"]
+    assert exited and exited[0]["error"]["source"] == "log", exited

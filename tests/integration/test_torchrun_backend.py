@@ -119,7 +119,7 @@ import sys
 from elasticd.torchrun_backend import TorchrunRendezvous, backend_config
 config = backend_config(endpoint=sys.argv[1], run_id="r2", min_nodes=1, max_nodes=2,
     local_addr="127.0.0.1", conf={"token_file": sys.argv[2], "lease_ttl": 1,
-    "last_call_timeout": 1}, environ={})
+    "last_call_timeout": 30}, environ={})
 core = TorchrunRendezvous(config, node="dies")
 print("round", core.next_round().round, flush=True)
 sys.stdin.read()  # until killed
@@ -141,17 +141,29 @@ def test_a_torchrun_killed_without_a_word_is_dropped_when_its_lease_expires(
         text=True,
     ) as dies:
         try:
+            # Both in the first round, however long the dying one's interpreter takes to
+            # start: the survivor joins once it has announced itself. Either the dying one
+            # opened the round (its last call, 30 s, waits for the survivor) or the survivor
+            # places both at once; the second of max_nodes completes the round.
+            wait_until(
+                lambda: "rdzv/r2/m/node/dies" in store_keys(node, "rdzv/r2/m/node/"),
+                30,
+                "the dying torchrun to announce itself",
+            )
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 mine = pool.submit(survivor.next_round)
                 assert dies.stdout is not None
                 assert dies.stdout.readline().split()[0] == "round"
                 first = mine.result(30)
-            assert first.group_world_size == 2  # both in within the last call (1 s)
+            assert first.group_world_size == 2  # both in: the second completed the round
             dies.kill()
             dies.wait(10)
-            killed_at = time.monotonic()
+            # Seen by the survivor's watch, without asking for a round: the lease expires at
+            # most lease_ttl (1 s) after the kill; the store's notice and the watch's answer
+            # after that depend on the machine's load, not on any setting (a loaded 2-core
+            # machine took over 3 s), so the bound is this wait's, far below every timeout
+            # that could otherwise reveal the loss (last call, join: 600 s).
             wait_until(lambda: survivor.num_nodes_waiting() == 1, 10, "the loss to be seen")
-            assert time.monotonic() - killed_at < 1 + 2  # lease_ttl, and the store's expiry sweep
             second = survivor.next_round()
             assert (second.group_world_size, second.group_rank) == (1, 0)
         finally:

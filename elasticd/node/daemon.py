@@ -456,8 +456,7 @@ class Daemon:
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
-            self.jobs.job_tokens = self.authenticator.jobs
-            self.jobs.token_dir = self._token_dir()
+            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
         if self.job_users.serves_others and not self.config.allow_insecure_store:

@@ -45,7 +45,7 @@ async def test_a_torchrun_run_is_listed_but_never_run_resumed_or_cancelled(
         assert (listed["id"], listed["launcher"], listed["state"]) == ("tr1", "torchrun", "RUNNING")
 
         daemon.jobs.on_jobs([job])  # what the watch calls; explicit, so nothing races the check
-        assert "tr1" not in daemon.jobs._agents
+        assert "tr1" not in daemon.jobs.supervisor.agents
         await daemon.jobs.recover()
         assert (await client.get("/jobs/tr1")).json()["state"] == "RUNNING"
 

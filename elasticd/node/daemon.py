@@ -10,7 +10,7 @@ this event loop (it binds first: the port is part of this node's record;
 (the nodes of a cluster start in any order: retried with backoff, logged
 once, ``/readyz`` says what is awaited; a store that refuses this daemon's
 credentials is a configuration error, raised at once), kill the workers a
-previous run left behind (:func:`elasticd.supervise.spawn.sweep_orphans`, then
+previous run left behind (:func:`elasticd.supervise.sweep.sweep_orphans`, then
 the attempt cgroups left in the daemon's subtree: :mod:`elasticd.supervise.cgroup`),
 recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
@@ -111,12 +111,8 @@ from elasticd.store import (
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
-from elasticd.supervise.spawn import (
-    SpawnPolicy,
-    live_children,
-    start_process,
-    sweep_orphans,
-)
+from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
+from elasticd.supervise.sweep import sweep_orphans
 from elasticd.tasks import cancel_and_wait
 
 log = logging.getLogger("elasticd.node.daemon")

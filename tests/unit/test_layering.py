@@ -90,12 +90,12 @@ def offenders(package: str, forbidden: tuple[str, ...], allow: tuple[str, ...] =
                 "elasticd/launch_worker.py",
                 "elasticd/worker/",
                 "elasticd/inprocess/",
-                "elasticd/torchrun_backend.py",
+                "elasticd/torchrun_backend/",
             ),
         ),
         # The torchrun backend runs in torchrun's process (the job's side): the daemon and
         # the API never import it, so they cannot reach torch through it.
-        ("elasticd", ("elasticd.torchrun_backend",), ("elasticd/torchrun_backend.py",)),
+        ("elasticd", ("elasticd.torchrun_backend",), ("elasticd/torchrun_backend/",)),
         ("api", ("elasticd.torchrun_backend",), ()),
     ],
 )
@@ -120,6 +120,7 @@ def offenders_of(paths: list[Path], forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_torchrun_backend_reaches_nothing_of_the_daemon() -> None:
     """It runs in torchrun's process: the rendezvous and the store, never the daemon's services."""
-    path = ROOT / "elasticd" / "torchrun_backend.py"
+    paths = sorted((ROOT / "elasticd" / "torchrun_backend").glob("*.py"))
+    assert paths
     forbidden = ("api", "elasticd.node", "elasticd.agent", "elasticd.supervise")
-    assert offenders_of([path], forbidden) == []
+    assert offenders_of(paths, forbidden) == []

@@ -30,7 +30,7 @@ from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
 from elasticd.node.retention import EndSeen, seen_end
 from elasticd.sched.plan import Plan
 from elasticd.states import JOB_ACTIVE, JobState
-from elasticd.supervise.spawn import boot_id
+from elasticd.supervise.sweep import boot_id
 from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.jobs")

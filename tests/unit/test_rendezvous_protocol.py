@@ -13,13 +13,16 @@ from elasticd.rendezvous.protocol import (
     Action,
     Change,
     Kind,
+    Next,
     NodeInfo,
     Settings,
     State,
     absorb,
+    after_lost_write,
     decide_close,
     decide_exit,
     decide_join,
+    holder_follows,
     watch_reason,
 )
 
@@ -445,3 +448,45 @@ def test_presumption_counts_from_when_this_node_saw_the_round_open(seen_at, now,
     st_ = decide_join(st_, "a", s, 99.0, seen, FAR).state
     assert st_ is not None and st_.wait_list == {"c"}
     assert decide_join(st_, "a", s, now, seen, FAR, seen_at).kind is expected
+
+
+@pytest.mark.parametrize(
+    ("winner", "expected"),
+    [
+        (State(round=2, complete=True, participants={"a": 0, "b": 1}), Next.DONE),
+        (State(round=2, complete=False, participants={"a": 0, "b": 1}), Next.LIGHT),
+        (State(round=2, complete=True, participants={"b": 0}), Next.LIST),
+        (State(round=2, complete=False, participants={"b": 0}), Next.LIST),
+        (State(round=2, complete=True, closed=True, participants={"a": 0}), Next.LIST),
+        (State(round=2, closed=True, participants={"a": 0}), Next.LIST),
+    ],
+    ids=["done", "placed-open", "left-out", "not-placed", "closed-complete", "closed-open"],
+)
+def test_a_lost_write_reads_no_listing_when_the_winner_answers(winner: State, expected: Next):
+    """After losing a CAS, node a is done, waits in its open round, or lists again."""
+    assert after_lost_write(winner, "a") is expected
+
+
+@pytest.mark.parametrize(
+    ("action", "wait_list", "large", "follows"),
+    [
+        (Action(Kind.WAIT, presence=False), frozenset({"c"}), False, True),
+        (Action(Kind.WAIT, presence=False), frozenset(), True, True),
+        (Action(Kind.WAIT, presence=False), frozenset(), False, False),
+        (Action(Kind.WAIT, presence=True), frozenset({"c"}), True, False),
+        (Action(Kind.FINISH), frozenset({"c"}), True, False),
+    ],
+    ids=[
+        "waits-for-last-round",
+        "large-first-round",
+        "small-nothing-awaited",
+        "presence",
+        "finish",
+    ],
+)
+def test_the_holder_keeps_the_role_only_to_place_awaited_arrivals(
+    action: Action, wait_list: frozenset[str], large: bool, follows: bool
+):
+    """The absorber's holder follows arrivals inside an open round, else lets the role go."""
+    state = State(round=1, participants={"a": 0}, wait_list=wait_list)
+    assert holder_follows(action, state, large=large) is follows

@@ -75,7 +75,6 @@ class Settings:
     max_nodes: int
     join_timeout: float = 600.0
     last_call_timeout: float = 1.0
-    close_timeout: float = 30.0
     #: How long a re-rendezvous waits for a waiting node to say it is on its way
     #: before it presumes the node dead (see :attr:`NodeInfo.seen`).
     ack_timeout: float = 0.25

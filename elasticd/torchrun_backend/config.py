@@ -97,7 +97,6 @@ def backend_config(
         max_nodes=max_nodes,
         join_timeout=_number(conf, "join_timeout", 600.0),
         last_call_timeout=_number(conf, "last_call_timeout", 30.0),
-        close_timeout=_number(conf, "close_timeout", 30.0),
     )
     token_file = conf.get("token_file") or environ.get("ELASTICD_TOKEN_FILE") or None
     return BackendConfig(

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from elasticd.errors import InvalidTransition
-from elasticd.models import Job, JobSpec
+from elasticd.models import Job, JobSpec, Launcher
 from elasticd.rendezvous import Change
 from elasticd.states import JobState, job_transition
 from elasticd.torchrun_backend.config import BackendConfig
@@ -65,12 +65,12 @@ def run_edit(
             max_restarts=spec.max_restarts,
             created_at=now,
             submitted_to=node,
-            launcher="torchrun",
+            launcher=Launcher.TORCHRUN,
         )
         fresh: Job | None = job
     else:
         fresh = None
-        if job.launcher != "torchrun":
+        if job.launcher != Launcher.TORCHRUN:
             raise ValueError(
                 f"--rdzv-id {run_id!r} names a job the elasticd daemons run; "
                 "choose another id for this torchrun"

@@ -27,7 +27,7 @@ from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersVi
 from elasticd.node.cluster import Cluster, valid_node_url
 from elasticd.node.events import EventLog
 from elasticd.node.jobs.documents import JobDocuments, incarnation, parse_job
-from elasticd.sched.plan import Plan
+from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 
@@ -47,7 +47,7 @@ class JobQueries:
         cluster: Cluster,
         logs: LogLayout,
         *,
-        plan: Callable[[], Plan | None],
+        plan: Callable[[], FleetPlan | None],
         agents: Mapping[str, JobAgent],
     ) -> None:
         """``plan``: the fleet's plan as last seen; ``agents``: the ones running here."""
@@ -77,7 +77,7 @@ class JobQueries:
 
     def queue(self) -> QueueView:
         """The fleet's queue in order, and where the placed jobs run (``GET /queue``)."""
-        plan = self._plan() or Plan()
+        plan = self._plan() or FleetPlan()
         return QueueView(
             queue=list(plan.queue),
             placements={j: p.model_copy() for j, p in plan.placements.items()},

@@ -21,14 +21,14 @@ from typing import Any
 from elasticd.clock import Clock
 from elasticd.config import Config
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
-from elasticd.models import Job, JobEdit
+from elasticd.models import Job, JobEdit, Launcher
 from elasticd.node.cluster import Cluster
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
 from elasticd.node.jobs.documents import JobDocuments
 from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
 from elasticd.node.retention import EndSeen, seen_end
-from elasticd.sched.plan import Plan
+from elasticd.sched.plan import FleetPlan
 from elasticd.states import JOB_ACTIVE, JobState
 from elasticd.supervise.sweep import boot_id
 from elasticd.tasks import TaskSet
@@ -93,7 +93,7 @@ class Reconciler:
         self._background = background
         self._retain_logs = retain_logs
         #: The fleet's plan as last seen (``sched/plan``): agents run only where it places them.
-        self.plan: Plan | None = None
+        self.plan: FleetPlan | None = None
         #: Every job document, once the first watch answered (``watched``).
         self.known: dict[str, Job] = {}
         self.watched = False
@@ -159,7 +159,7 @@ class Reconciler:
         self.supervisor.forget(job_id)
         self.forget_end(job_id)
 
-    def on_plan(self, plan: Plan) -> None:
+    def on_plan(self, plan: FleetPlan) -> None:
         """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
         self.plan = plan
         self.reconcile()
@@ -185,7 +185,7 @@ class Reconciler:
                 continue
             if (
                 not here
-                or job.launcher != "elasticd"  # torch's agents run it: shown, never run
+                or job.launcher != Launcher.ELASTICD  # torch's agents run it: shown, never run
                 or job.id in self.done_here
                 or job.id in self.crashing  # its dead agent's workers are still being stopped
                 or not self.slots.fits(job.spec.nproc_per_node)

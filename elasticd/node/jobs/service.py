@@ -65,6 +65,7 @@ from elasticd.models import (
     JobMutation,
     JobOwner,
     JobSpec,
+    Launcher,
     QueueView,
     WorkersView,
     valid_job_id,
@@ -78,7 +79,7 @@ from elasticd.node.jobs.reconcile import Reconciler, Slots
 from elasticd.node.jobs.supervision import AgentSupervisor
 from elasticd.node.logfollow import LogGrowth
 from elasticd.node.retention import expired
-from elasticd.sched.plan import Plan
+from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
@@ -291,7 +292,7 @@ class JobService:
 
     async def cancel(self, job_id: str) -> Job:
         job = await self.get(job_id)
-        if job.launcher != "elasticd":
+        if job.launcher != Launcher.ELASTICD:
             raise JobConflict(
                 f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "
                 f"{job.launcher} processes"
@@ -345,7 +346,8 @@ class JobService:
         run with no live torchrun left may be deleted in any state.
         """
         job = await self.get(job_id)
-        abandoned = job.launcher != "elasticd" and not await self.documents.live_members(job_id)
+        torch_run = job.launcher != Launcher.ELASTICD
+        abandoned = torch_run and not await self.documents.live_members(job_id)
         if not job.state.is_terminal and not abandoned:
             # A torchrun run whose torchruns are all gone (stopped by a signal, torch's
             # launcher skips its shutdown then) keeps its last state for ever: it may go.
@@ -463,7 +465,7 @@ class JobService:
         """Called with every job document whenever one changes."""
         self.reconciler.on_jobs(jobs)
 
-    def on_plan(self, plan: Plan) -> None:
+    def on_plan(self, plan: FleetPlan) -> None:
         """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
         self.reconciler.on_plan(plan)
 

@@ -41,7 +41,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
 from elasticd.keys import group_key
 from elasticd.logs import LogLayout
-from elasticd.models import Job
+from elasticd.models import Job, Launcher
 from elasticd.node.cluster import Cluster
 from elasticd.node.events import EventLog
 from elasticd.node.jobs.documents import JobDocuments, incarnation
@@ -157,7 +157,7 @@ class AgentSupervisor:
             log.error("cannot recover the jobs of this node: %s", exc)
             return
         for job in jobs:
-            if job.state not in JOB_ACTIVE or job.launcher != "elasticd":
+            if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD:
                 continue
             ours = await self.store.get(group_key(job.id, self.node))
             if ours is not None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from elasticd.errors import RendezvousError
 from elasticd.rendezvous.protocol import (
+    MAX_LOCAL_WORLD_SIZE,
     Action,
     Change,
     Kind,
@@ -490,3 +491,26 @@ def test_the_holder_keeps_the_role_only_to_place_awaited_arrivals(
     """The absorber's holder follows arrivals inside an open round, else lets the role go."""
     state = State(round=1, participants={"a": 0}, wait_list=wait_list)
     assert holder_follows(action, state, large=large) is follows
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"addr": "h", "role": "default", "lws": MAX_LOCAL_WORLD_SIZE + 1, "port": 1},
+        {"addr": "h", "role": "default", "lws": 0, "port": 1},
+        {"addr": "h", "role": "default", "lws": 1, "port": 70000},
+        {"addr": "h" * 300, "role": "default", "lws": 1, "port": 1},
+    ],
+)
+def test_a_rendezvous_document_cannot_ask_for_unbounded_workers(node: dict[str, object]) -> None:
+    """The round document is store data anyone with store access can write: its join infos
+    are bounded before anything is started from them (the agent also refuses a round that
+    gives this node another number of workers than the job's nproc_per_node)."""
+    doc = (
+        b'{"round": 0, "complete": true, "closed": false, "deadline": null,'
+        b' "participants": {"a": 0}, "wait_list": [], "redundancy_list": [], "nodes": {"a": '
+        + __import__("json").dumps(node).encode()
+        + b"}}"
+    )
+    with pytest.raises(RendezvousError, match="malformed"):
+        State.decode(doc)

@@ -12,17 +12,20 @@ store by hand never names a folder outside the log root.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import Unpack
 
 from elasticd.clock import Clock
+from elasticd.config import Config
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
 from elasticd.eventkinds import EventKind
 from elasticd.identity import ADMIN, JobFacts, Principal, PrincipalKind
 from elasticd.keys import job_key
+from elasticd.logs import LogLayout
 from elasticd.models import Job, JobEdit, JobMutation, JobOwner
-from elasticd.node.cluster import JOB_PREFIX, check_job_document, parse_jobs
+from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
 from elasticd.node.events import EventLog
 from elasticd.rendezvous import presence_prefix
 from elasticd.states import JobState, job_transition
@@ -187,3 +190,27 @@ class JobDocuments:
         return job.model_copy(update=updates) if updates else job
 
     # reads
+
+
+@dataclass(frozen=True)
+class JobsSide:
+    """What every part of the job service works with: this node's settings, the job
+    documents, its event log, its cluster membership and the log layout."""
+
+    config: Config
+    documents: JobDocuments
+    events: EventLog
+    cluster: Cluster
+    logs: LogLayout
+
+    @property
+    def node(self) -> str:
+        return self.config.node_name
+
+    @property
+    def store(self) -> Store:
+        return self.documents.store
+
+    @property
+    def clock(self) -> Clock:
+        return self.documents.clock

@@ -19,14 +19,12 @@ from collections.abc import Callable, Mapping
 from typing import BinaryIO, Literal
 
 from elasticd.agent.agent import JobAgent, decode_group
-from elasticd.config import Config
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
 from elasticd.keys import group_prefix, job_key
-from elasticd.logs import LogLayout, stream_file
+from elasticd.logs import stream_file
 from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
-from elasticd.node.cluster import Cluster, valid_node_url
-from elasticd.node.events import EventLog
-from elasticd.node.jobs.documents import JobDocuments, incarnation, parse_job
+from elasticd.node.cluster import valid_node_url
+from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -41,31 +39,18 @@ class JobQueries:
 
     def __init__(
         self,
-        config: Config,
-        documents: JobDocuments,
-        events: EventLog,
-        cluster: Cluster,
-        logs: LogLayout,
+        side: JobsSide,
         *,
         plan: Callable[[], FleetPlan | None],
         agents: Mapping[str, JobAgent],
     ) -> None:
         """``plan``: the fleet's plan as last seen; ``agents``: the ones running here."""
-        self.config = config
-        self.documents = documents
-        self.store = documents.store
-        self.events = events
-        self.cluster = cluster
-        self.logs = logs
+        self.side = side
         self._plan = plan
         self._agents = agents
 
-    @property
-    def node(self) -> str:
-        return self.config.node_name
-
     async def get(self, job_id: str) -> Job:
-        return self._as_served(await self.documents.read(job_id))
+        return self._as_served(await self.side.documents.read(job_id))
 
     def _as_served(self, job: Job) -> Job:
         """The job with its place in the fleet's plan (queue entry, nodes) filled in."""
@@ -84,7 +69,7 @@ class JobQueries:
         )
 
     async def list_jobs(self, state: list[JobState] | None, limit: int, offset: int) -> JobList:
-        jobs = await self.documents.all()
+        jobs = await self.side.documents.all()
         if state is not None:
             wanted = set(state)
             jobs = [j for j in jobs if j.state in wanted]
@@ -95,7 +80,7 @@ class JobQueries:
 
     async def workers(self, job_id: str) -> WorkersView:
         job = await self.get(job_id)
-        listing = await self.store.list(group_prefix(job_id))
+        listing = await self.side.store.list(group_prefix(job_id))
         groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
         agent = self._agents.get(job_id)
         if agent is not None:
@@ -120,9 +105,12 @@ class JobQueries:
         Its agent can no longer publish, so its last view (HEALTHY, with pids)
         may no longer be true; a view is thus never more than a lease stale.
         """
-        if group.node == self.node or group.state.is_terminal:
+        if group.node == self.side.node or group.state.is_terminal:
             return group
-        if group.state is WorkerState.STOPPED or await self.cluster.node(group.node) is not None:
+        if (
+            group.state is WorkerState.STOPPED
+            or await self.side.cluster.node(group.node) is not None
+        ):
             return group
         workers = [
             w if w.state.is_terminal else w.model_copy(update={"state": WorkerState.UNKNOWN})
@@ -132,11 +120,11 @@ class JobQueries:
 
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         await self.get(job_id)
-        return (await self.events.cluster_events(job_id, after))[:limit]
+        return (await self.side.events.cluster_events(job_id, after))[:limit]
 
     async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
         await self.get(job_id)
-        return await self.events.follow_cluster(job_id, after, timeout)
+        return await self.side.events.follow_cluster(job_id, after, timeout)
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Wait until the job is terminal (for ``elasticd run`` and tests)."""
@@ -145,7 +133,7 @@ class JobQueries:
             while True:
                 # Watch from the listing's revision, not the document's version: an old
                 # version may be past the store's history (StoreCompacted at once, a spin).
-                listing = await self.store.list(key)
+                listing = await self.side.store.list(key)
                 entry = next((e for e in listing.entries if e.key == key), None)
                 if entry is None:
                     raise JobNotFound(f"no job with id {job_id!r}")
@@ -153,7 +141,7 @@ class JobQueries:
                 if job.state.is_terminal:
                     return job
                 with contextlib.suppress(StoreError):
-                    await self.store.watch(key, listing.revision, 30.0)
+                    await self.side.store.watch(key, listing.revision, 30.0)
 
     async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
         """Apply log retention (``log_retention_*``) to these jobs' folders (default: all).
@@ -162,14 +150,14 @@ class JobQueries:
         policy says (it may be the running attempt's). Returns what went.
         """
         removed: dict[str, list[int]] = {}
-        for job_id in job_ids if job_ids is not None else self.logs.job_ids():
+        for job_id in job_ids if job_ids is not None else self.side.logs.job_ids():
             if not valid_job_id(job_id):
                 continue
             gone = await asyncio.to_thread(
-                self.logs.retain,
+                self.side.logs.retain,
                 job_id,
-                self.config.log_retention_attempts,
-                self.config.log_retention_bytes,
+                self.side.config.log_retention_attempts,
+                self.side.config.log_retention_bytes,
                 job_id in self._agents,
             )
             if gone:
@@ -183,9 +171,9 @@ class JobQueries:
         ``incarnation`` (:func:`incarnation`): the job asked about; a folder left by
         an earlier job of that id (deleted, its id taken again) has none of its attempts.
         """
-        if not valid_job_id(job_id) or not self.logs.belongs(job_id, incarnation):
+        if not valid_job_id(job_id) or not self.side.logs.belongs(job_id, incarnation):
             return []
-        return self.logs.attempts(job_id)
+        return self.side.logs.attempts(job_id)
 
     def open_log(
         self,
@@ -206,15 +194,17 @@ class JobQueries:
         """
         if not valid_job_id(job_id):
             raise LogNotFound(f"{job_id!r} is not a valid job id")
-        if not self.logs.belongs(job_id, incarnation):
-            raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
+        if not self.side.logs.belongs(job_id, incarnation):
+            raise LogNotFound(f"job {job_id!r} has no logs on node {self.side.node}")
         if attempt is None:
             attempts = self.log_attempts(job_id, incarnation)
             if not attempts:
-                raise LogNotFound(f"job {job_id!r} has no logs on node {self.node}")
+                raise LogNotFound(f"job {job_id!r} has no logs on node {self.side.node}")
             attempt = attempts[-1]
-        where = f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.node}"
-        worker_dir = self.logs.worker_dir(job_id, attempt, local_rank)
+        where = (
+            f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.side.node}"
+        )
+        worker_dir = self.side.logs.worker_dir(job_id, attempt, local_rank)
         try:
             fd = open_worker_file(worker_dir, stream_file(stream))
         except FileNotFoundError:
@@ -280,7 +270,7 @@ class JobQueries:
         Only a record bound to a lease (a daemon keeps it alive) and naming
         ``http(s)://host:port`` and nothing more is used.
         """
-        record = await self.cluster.node(node)
+        record = await self.side.cluster.node(node)
         if record is None:
             raise LogNotFound(f"node {node!r} is not a live member of the cluster")
         if not valid_node_url(record.url):

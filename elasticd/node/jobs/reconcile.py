@@ -18,14 +18,10 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from elasticd.clock import Clock
-from elasticd.config import Config
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
 from elasticd.models import Job, JobEdit, Launcher
-from elasticd.node.cluster import Cluster
 from elasticd.node.db import Database
-from elasticd.node.events import EventLog
-from elasticd.node.jobs.documents import JobDocuments
+from elasticd.node.jobs.documents import JobsSide
 from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
 from elasticd.node.retention import EndSeen, seen_end
 from elasticd.sched.plan import FleetPlan
@@ -71,10 +67,7 @@ class Reconciler:
 
     def __init__(
         self,
-        config: Config,
-        documents: JobDocuments,
-        events: EventLog,
-        cluster: Cluster,
+        side: JobsSide,
         supervisor: AgentSupervisor,
         slots: Slots,
         background: TaskSet,
@@ -84,10 +77,7 @@ class Reconciler:
     ) -> None:
         """``retain_logs``: applies log retention to jobs whose agent here ended;
         ``db``: where this node keeps when it saw jobs end (None: in memory only)."""
-        self.config = config
-        self.documents = documents
-        self.events = events
-        self.cluster = cluster
+        self.side = side
         self.supervisor = supervisor
         self.slots = slots
         self._background = background
@@ -109,14 +99,6 @@ class Reconciler:
         self._boot_id = boot_id()
         self.ends: dict[str, EndSeen] = {}
 
-    @property
-    def node(self) -> str:
-        return self.config.node_name
-
-    @property
-    def clock(self) -> Clock:
-        return self.documents.clock
-
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes."""
         first = not self.watched
@@ -133,7 +115,7 @@ class Reconciler:
         """Record when this node first saw each finished job end (retention counts from it)."""
         if first and self._db is not None and self._db.is_open:
             self.ends = self._db.job_ends()  # from before a restart: still counting
-        now = self.clock.monotonic()
+        now = self.side.clock.monotonic()
         for job_id in list(self.ends):
             job = self.known.get(job_id)
             if job is None or not job.state.is_terminal:  # deleted while down, or id reused
@@ -154,7 +136,7 @@ class Reconciler:
 
     def forget(self, job_id: str) -> None:
         """The job was deleted (here or on another daemon): drop what this node kept of it."""
-        self.events.forget(job_id)
+        self.side.events.forget(job_id)
         self.done_here.discard(job_id)
         self.supervisor.forget(job_id)
         self.forget_end(job_id)
@@ -177,7 +159,7 @@ class Reconciler:
         for job in sorted(self.known.values(), key=lambda j: (-j.spec.priority, j.created_at)):
             if job.state not in JOB_ACTIVE:
                 continue
-            here = self.node in plan.nodes_of(job.id)
+            here = self.side.node in plan.nodes_of(job.id)
             if job.id in self.supervisor.agents:
                 if not here and job.id not in self.unplaced:
                     self.unplaced.add(job.id)  # preempted, shrunk, spare given back
@@ -215,9 +197,9 @@ class Reconciler:
             return edit
 
         try:
-            job = await self.documents.read(job_id)
+            job = await self.side.documents.read(job_id)
             if not job.state.is_terminal:
-                await self.documents.update(job_id, mutate=back_to_queue)
+                await self.side.documents.update(job_id, mutate=back_to_queue)
         except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
             log.warning("job %s: could not record its return to the queue: %s", job_id, exc)
 
@@ -242,7 +224,7 @@ class Reconciler:
                 # The node's own trouble (elasticd.agent.nodefail): declined for a
                 # while so another node may take it, then this one tries again.
                 self._background.spawn(
-                    self._take_back_later(job_id, self.config.node_failure_grace),
+                    self._take_back_later(job_id, self.side.config.node_failure_grace),
                     name=f"take-back-{job_id}",
                 )
         self.slots.give_back(self.slots.release(job_id))
@@ -273,7 +255,7 @@ class Reconciler:
         """
         await asyncio.sleep(max(after, 1.0))
         if job_id in self.done_here and job_id not in self.supervisor.agents:
-            log.info("job %s: %s takes it up again after giving it back", job_id, self.node)
+            log.info("job %s: %s takes it up again after giving it back", job_id, self.side.node)
             self.done_here.discard(job_id)
             self.publish_slots()
             self.reconcile()
@@ -288,6 +270,6 @@ class Reconciler:
                 if (job := self.known.get(j)) is not None and job.state in JOB_ACTIVE
             )
             self._background.spawn(
-                self.cluster.publish(free_slots=len(self.slots.free), declined=declined),
+                self.side.cluster.publish(free_slots=len(self.slots.free), declined=declined),
                 name="publish-slots",
             )

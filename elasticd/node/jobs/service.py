@@ -37,7 +37,6 @@ import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Literal
 
 from typing_extensions import Unpack
 
@@ -58,22 +57,25 @@ from elasticd.identity import ADMIN, Action, Deny, JobFacts, JobTokens, Principa
 from elasticd.keys import job_key, keys_of_job, refusal_key
 from elasticd.logs import LogLayout
 from elasticd.models import (
-    Event,
     Job,
     JobEdit,
-    JobList,
     JobMutation,
     JobOwner,
     JobSpec,
     Launcher,
-    QueueView,
-    WorkersView,
     valid_job_id,
 )
 from elasticd.node.cluster import JOB_PREFIX, Cluster
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
-from elasticd.node.jobs.documents import JobDocuments, facts_of, owner_of, parse_job, redacted
+from elasticd.node.jobs.documents import (
+    JobDocuments,
+    JobsSide,
+    facts_of,
+    owner_of,
+    parse_job,
+    redacted,
+)
 from elasticd.node.jobs.queries import JobQueries
 from elasticd.node.jobs.reconcile import Reconciler, Slots
 from elasticd.node.jobs.supervision import AgentSupervisor
@@ -121,16 +123,12 @@ class JobService:
         self.cluster = cluster
         self.clock = clock
         self.documents = JobDocuments(store, events, clock)
+        side = JobsSide(config, self.documents, events, cluster, self.logs)
         #: Work nobody awaits where it starts (slot counts, refusals, a dead agent's
         #: clean-up): owned here, finished or cancelled by stop_agents.
         self._background = TaskSet("jobs")
         self.supervisor = AgentSupervisor(
-            config,
-            self.documents,
-            events,
-            cluster,
-            self.logs,
-            clock,
+            side,
             ended=lambda ended: self.reconciler.agent_ended(ended),
             log_growth=self.log_growth,
             token_file=token_file,
@@ -140,25 +138,32 @@ class JobService:
             storage=storage,
         )
         self.queries = JobQueries(
-            config,
-            self.documents,
-            events,
-            cluster,
-            self.logs,
+            side,
             plan=lambda: self.reconciler.plan,
             agents=self.supervisor.agents,
         )
         self.reconciler = Reconciler(
-            config,
-            self.documents,
-            events,
-            cluster,
+            side,
             self.supervisor,
             Slots(slots, gpu_ids),
             self._background,
             retain_logs=self.queries.retain_logs,
             db=db,
         )
+        # The reads are JobQueries' own, bound here as they are (one signature each).
+        self.get = self.queries.get
+        self.queue = self.queries.queue
+        self.list_jobs = self.queries.list_jobs
+        self.workers = self.queries.workers
+        self.list_events = self.queries.list_events
+        self.follow_events = self.queries.follow_events
+        self.wait = self.queries.wait
+        self.retain_logs = self.queries.retain_logs
+        self.log_attempts = self.queries.log_attempts
+        self.open_log = self.queries.open_log
+        self.read_log = self.queries.read_log
+        self.check_log = self.queries.check_log
+        self.node_url = self.queries.node_url
         if storage is not None:
             storage.on_state_back(self.supervisor.storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
@@ -370,64 +375,6 @@ class JobService:
     ) -> Job:
         """:meth:`JobDocuments.update`."""
         return await self.documents.update(job_id, mutate=mutate, **changes)
-
-    # reads (JobQueries)
-
-    async def get(self, job_id: str) -> Job:
-        return await self.queries.get(job_id)
-
-    def queue(self) -> QueueView:
-        return self.queries.queue()
-
-    async def list_jobs(self, state: list[JobState] | None, limit: int, offset: int) -> JobList:
-        return await self.queries.list_jobs(state, limit, offset)
-
-    async def workers(self, job_id: str) -> WorkersView:
-        return await self.queries.workers(job_id)
-
-    async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
-        return await self.queries.list_events(job_id, after, limit)
-
-    async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
-        return await self.queries.follow_events(job_id, after, timeout)
-
-    async def wait(self, job_id: str, timeout: float | None = None) -> Job:
-        return await self.queries.wait(job_id, timeout)
-
-    async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
-        return await self.queries.retain_logs(job_ids)
-
-    def log_attempts(self, job_id: str, incarnation: str) -> list[int]:
-        return self.queries.log_attempts(job_id, incarnation)
-
-    def open_log(
-        self,
-        job_id: str,
-        local_rank: int,
-        stream: Literal["stdout", "stderr"],
-        attempt: int | None,
-        *,
-        incarnation: str,
-    ) -> BinaryIO:
-        return self.queries.open_log(job_id, local_rank, stream, attempt, incarnation=incarnation)
-
-    async def read_log(
-        self,
-        job: Job,
-        local_rank: int,
-        stream: Literal["stdout", "stderr"],
-        attempt: int | None,
-        tail: int | None,
-    ) -> str:
-        return await self.queries.read_log(job, local_rank, stream, attempt, tail)
-
-    async def check_log(
-        self, job: Job, local_rank: int, stream: Literal["stdout", "stderr"], attempt: int | None
-    ) -> None:
-        await self.queries.check_log(job, local_rank, stream, attempt)
-
-    async def node_url(self, node: str) -> str:
-        return await self.queries.node_url(node)
 
     # the store's watches (Reconciler)
 

@@ -27,8 +27,6 @@ from pathlib import Path
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.agent.nodefail import RetrySettings
-from elasticd.clock import Clock
-from elasticd.config import Config
 from elasticd.errors import (
     InvalidTransition,
     JobNotFound,
@@ -40,11 +38,8 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
 from elasticd.keys import group_key
-from elasticd.logs import LogLayout
 from elasticd.models import Job, Launcher
-from elasticd.node.cluster import Cluster
-from elasticd.node.events import EventLog
-from elasticd.node.jobs.documents import JobDocuments, incarnation
+from elasticd.node.jobs.documents import JobsSide, incarnation
 from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.security import Identity
@@ -93,12 +88,7 @@ class AgentSupervisor:
 
     def __init__(
         self,
-        config: Config,
-        documents: JobDocuments,
-        events: EventLog,
-        cluster: Cluster,
-        logs: LogLayout,
-        clock: Clock,
+        side: JobsSide,
         *,
         ended: Callable[[AgentEnded], None],
         log_growth: LogGrowth,
@@ -109,13 +99,7 @@ class AgentSupervisor:
         storage: StorageHealth | None = None,
     ) -> None:
         """``ended``: told, in the task's done callback, whenever an agent task ends."""
-        self.config = config
-        self.documents = documents
-        self.store = documents.store
-        self.events = events
-        self.cluster = cluster
-        self.logs = logs
-        self.clock = clock
+        self.side = side
         self.console = console
         self.log_growth = log_growth
         self.storage = storage
@@ -136,10 +120,6 @@ class AgentSupervisor:
         #: How often each job's agent died of an internal error in this daemon's life.
         self._crashes: dict[str, list[float]] = {}  # job -> when its agents died
 
-    @property
-    def node(self) -> str:
-        return self.config.node_name
-
     async def recover(self) -> None:
         """After a start: a job this node was running resumes, never failed for the daemon's sake.
 
@@ -151,7 +131,7 @@ class AgentSupervisor:
         is charged (:data:`DAEMON_CRASHED`).
         """
         try:
-            jobs = await self.documents.all()
+            jobs = await self.side.documents.all()
         except ValueTooLarge as exc:
             # Never a crash loop at start: serve, and say what is wrong with the store.
             log.error("cannot recover the jobs of this node: %s", exc)
@@ -159,18 +139,18 @@ class AgentSupervisor:
         for job in jobs:
             if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD:
                 continue
-            ours = await self.store.get(group_key(job.id, self.node))
+            ours = await self.side.store.get(group_key(job.id, self.side.node))
             if ours is not None:
                 await self._mark_stopped(ours)
-            members = await self.documents.live_members(job.id)
-            if members - {self.node}:
+            members = await self.side.documents.live_members(job.id)
+            if members - {self.side.node}:
                 continue
-            if ours is None and self.node not in members and not self._started_here(job.id):
+            if ours is None and self.side.node not in members and not self._started_here(job.id):
                 continue
-            self.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, DAEMON_CRASHED)
+            self.side.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, DAEMON_CRASHED)
             if job.state is JobState.RUNNING:
                 with contextlib.suppress(InvalidTransition):
-                    await self.documents.update(
+                    await self.side.documents.update(
                         job.id, state=JobState.RESTARTING, reason="the daemon was restarted"
                     )
 
@@ -180,18 +160,18 @@ class AgentSupervisor:
         if view is None or view.state.is_terminal or view.state is WorkerState.STOPPED:
             return
         view.state = WorkerState.STOPPED
-        view.updated_at = self.clock.time()
+        view.updated_at = self.side.clock.time()
         for worker in view.workers:
             if not worker.state.is_terminal:
                 worker.state = WorkerState.STOPPED
-        await self.store.compare_and_set(
+        await self.side.store.compare_and_set(
             entry.key, view.model_dump_json().encode(), entry.version
         )  # a lost race means a newer view was written: fine
 
     def _started_here(self, job_id: str) -> bool:
         """Whether this node's own event log says it started workers of the job."""
         after = 0
-        while batch := self.events.read(job_id, after=after, limit=1000):
+        while batch := self.side.events.read(job_id, after=after, limit=1000):
             if any(e.kind == EventKind.WORKERS_STARTED for e in batch):
                 return True
             after = batch[-1].seq
@@ -226,13 +206,15 @@ class AgentSupervisor:
     async def _record_stop(self, job_id: str) -> None:
         """After this daemon stopped its agent: the job resumes later, and says why."""
         try:
-            job = await self.documents.read(job_id)
-            if job.state.is_terminal or await self.documents.live_members(job_id) - {self.node}:
+            job = await self.side.documents.read(job_id)
+            if job.state.is_terminal or await self.side.documents.live_members(job_id) - {
+                self.side.node
+            }:
                 return
             # Not the job's failure: it resumes when this daemon (or another node) is back.
-            self.events.emit(job_id, "daemon", EventKind.DAEMON_STOPPED, DAEMON_STOPPED)
+            self.side.events.emit(job_id, "daemon", EventKind.DAEMON_STOPPED, DAEMON_STOPPED)
             if job.state is JobState.RUNNING:
-                await self.documents.update(
+                await self.side.documents.update(
                     job_id, state=JobState.RESTARTING, reason="the daemon stopped"
                 )
         except (StoreError, InvalidTransition, JobNotFound) as exc:
@@ -242,61 +224,61 @@ class AgentSupervisor:
         spec = job.spec
         assert spec.max_nodes is not None
         return StoreRendezvous(
-            self.store,
+            self.side.store,
             job.id,
-            node=self.node,
+            node=self.side.node,
             role=spec.role,
             local_world_size=spec.nproc_per_node,
-            advertise_addr=self.config.advertise,
+            advertise_addr=self.side.config.advertise,
             settings=Settings(
                 min_nodes=spec.min_nodes,
                 max_nodes=spec.max_nodes,
                 join_timeout=spec.join_timeout,
                 last_call_timeout=spec.last_call_timeout,
             ),
-            lease=self.cluster.lease,
+            lease=self.side.cluster.lease,
             master_addr=spec.master_addr,
             master_port=spec.master_port,
-            clock=self.clock,
+            clock=self.side.clock,
         )
 
     def start(self, job: Job, cuda_visible_devices: str | None) -> None:
         """Start the job's agent on slots the caller holds for it (their GPUs given)."""
         ctx = AgentContext(
-            node=self.node,
-            advertise_addr=self.config.advertise,
-            daemon_url=self.config.url,
-            logs=self.logs,
-            store=self.store,
-            events=self.events,
-            update_job=self.documents.update,
+            node=self.side.node,
+            advertise_addr=self.side.config.advertise,
+            daemon_url=self.side.config.url,
+            logs=self.side.logs,
+            store=self.side.store,
+            events=self.side.events,
+            update_job=self.side.documents.update,
             rendezvous=self.rendezvous(job),
             base_env=self._base_env,
             job_base_env=self._job_base_env,
             token_file=self._token_file,
             cuda_visible_devices=cuda_visible_devices,
             console=self.console,
-            clock=self.clock,
-            fence_after=self.config.lease_ttl,
-            lease_lapsed=self.cluster.lease_lapsed,
-            node_health_check=self.config.health_check,
-            nvidia_smi=self.config.nvidia_smi,
+            clock=self.side.clock,
+            fence_after=self.side.config.lease_ttl,
+            lease_lapsed=self.side.cluster.lease_lapsed,
+            node_health_check=self.side.config.health_check,
+            nvidia_smi=self.side.config.nvidia_smi,
             storage=self.storage,
             policy=self.spawn_policy,
             job_token=self._job_token if self.job_tokens is not None else None,
             log_growth=self.log_growth,
-            node_failure=RetrySettings(grace=self.config.node_failure_grace),
+            node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
         )
         agent = JobAgent(job, ctx)
         try:
             # The job's log folder is this job's: one left by an earlier job of this id
             # (deleted, the id taken again) is moved aside, never read or appended to.
-            self.logs.claim(job.id, incarnation(job))
+            self.side.logs.claim(job.id, incarnation(job))
         except OSError as exc:  # its logs are then not served (no folder names it)
             log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
-        agent.attempt = self.logs.last_attempt(job.id)
+        agent.attempt = self.side.logs.last_attempt(job.id)
         self.agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self.tasks[job.id] = task
@@ -309,7 +291,7 @@ class AgentSupervisor:
         if agent is not None:
             agent.leave_first = True
         if task is not None:
-            log.info("job %s: no longer placed on %s; stopping its agent", job_id, self.node)
+            log.info("job %s: no longer placed on %s; stopping its agent", job_id, self.side.node)
             task.cancel()  # stops the workers with their grace and leaves the rendezvous
 
     def forget(self, job_id: str) -> None:
@@ -382,11 +364,11 @@ class AgentSupervisor:
         Emitted after everything the backlog held (it lands in order behind it).
         """
         for job_id in list(self.agents):
-            self.events.emit(
+            self.side.events.emit(
                 job_id,
                 "daemon",
                 EventKind.STORAGE_BACK,
-                f"{self.node} could not write its state for {seconds:.1f} s ({first.source}: "
+                f"{self.side.node} could not write its state for {seconds:.1f} s ({first.source}: "
                 f"{first.reason}); what happened meanwhile was kept in memory and is now "
                 "recorded, in order",
                 duration_s=seconds,
@@ -405,7 +387,7 @@ class AgentSupervisor:
         on without it): returns True then. The job is never FAILED for it: only
         its workers or its budget may fail a job. Never left RUNNING unwatched.
         """
-        now = self.clock.monotonic()
+        now = self.side.clock.monotonic()
         recent = [t for t in self._crashes.get(job_id, []) if now - t < AGENT_CRASH_WINDOW]
         recent.append(now)
         self._crashes[job_id] = recent
@@ -415,26 +397,27 @@ class AgentSupervisor:
             with contextlib.suppress(Exception):
                 await agent.abandon()
             if give_up:
-                self.events.emit(
+                self.side.events.emit(
                     job_id,
                     "daemon",
                     EventKind.AGENT_CRASHED,
-                    f"the agent on {self.node} died of an internal error {len(recent)} times in "
+                    f"the agent on {self.side.node} died of an internal error {len(recent)} times "
+                    "in "
                     f"{AGENT_CRASH_WINDOW:.0f} s (last: {error}); this node gives the job up "
                     "until the daemon restarts: report it as a bug of elasticd",
                 )
             else:
-                self.events.emit(
+                self.side.events.emit(
                     job_id,
                     "daemon",
                     EventKind.AGENT_CRASHED,
-                    f"the agent on {self.node} died of an internal error ({error}); the job "
+                    f"the agent on {self.side.node} died of an internal error ({error}); the job "
                     "resumes as a new attempt, no restart charged",
                 )
             with contextlib.suppress(InvalidTransition, JobNotFound):
-                job = await self.documents.read(job_id)
+                job = await self.side.documents.read(job_id)
                 if job.state is JobState.RUNNING:
-                    await self.documents.update(
+                    await self.side.documents.update(
                         job_id, state=JobState.RESTARTING, reason="the agent crashed"
                     )
         except Exception as exc:

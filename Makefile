@@ -6,16 +6,27 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: venv demo check lint types test test-fast openapi bench bench-quick clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+DEMO_STAMP := $(VENV)/.installed-runtime
+
+# Everything: the runtime, torch and the test toolchain (it holds the demo's too).
+$(STAMP): pyproject.toml requirements.txt requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements-dev.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps -e .
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# Only what the demo runs: elasticd's runtime and torch, with pip's progress shown.
+$(DEMO_STAMP): pyproject.toml requirements.txt
+	$(PY) -m venv $(VENV)
+	@echo "== installing elasticd's runtime and torch into $(VENV) (requirements.txt)"
+	$(BIN)/pip install --disable-pip-version-check --progress-bar on -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check --no-deps -e .
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
 ## demo: start a daemon, submit a 2-worker gloo job whose rank 1 crashes once, show the restart and the success
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py
 
 ## check: what CI runs — lint, types, the whole test suite

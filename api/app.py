@@ -27,7 +27,7 @@ from api.auth import (
 )
 from api.guard import SAFE_METHODS, RequestGuard
 from api.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
-from api.problems import PROBLEM_JSON, install_error_handlers
+from api.problems import PROBLEM_JSON, UNPARSEABLE_BODY, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
 from api.routes.store import body_limit
@@ -115,7 +115,8 @@ def _document_problems(app: FastAPI) -> None:
     """Document the errors every route shares as they are sent: problem+json.
 
     FastAPI describes its 422 as ``application/json`` ``HTTPValidationError``;
-    the app sends a problem (:mod:`api.problems`). 401 (token), 413 (body
+    the app sends a problem (:mod:`api.problems`). 400 (a body that cannot be
+    decoded), 401 (token), 413 (body
     size, :mod:`api.limits`; ``/store/`` documents its own) and the guard's
     421 (Host), 403 (Origin) and 415 (Content-Type) (:mod:`api.guard`) come
     from outside the routes and are added here.
@@ -143,6 +144,10 @@ def _document_problems(app: FastAPI) -> None:
                     responses.setdefault(
                         "415",
                         {"description": "The body is not application/json", "content": content},
+                    )
+                    responses.setdefault(
+                        "400",
+                        {"description": UNPARSEABLE_BODY, "content": content},
                     )
                 if "422" in responses:
                     responses["422"] = {

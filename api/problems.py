@@ -13,9 +13,26 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
+from api.schemas import Problem
 from elasticd import errors
 
 PROBLEM_JSON = "application/problem+json"
+
+#: Every route with a JSON body answers 400 when the body cannot be decoded at all (not
+#: UTF-8 JSON); one that decodes but does not fit the schema gets 422. The OpenAPI
+#: generator (``api.app``) documents it on each such operation.
+UNPARSEABLE_BODY = "The body cannot be parsed: it is not UTF-8 JSON"
+
+
+def problem_response(description: str) -> dict[str, Any]:
+    """A route's ``responses=`` entry for a problem+json answer."""
+    return {"description": description, "model": Problem, "content": {PROBLEM_JSON: {}}}
+
+
+#: The 404 of a store call that names a lease which expired or was revoked.
+LEASE_NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    404: problem_response("No such lease: it expired or was revoked")
+}
 
 #: Most specific class first; the first match wins.
 STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
@@ -95,6 +112,7 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         headers = dict(exc.headers) if exc.headers else None
         title = {
+            400: "Bad request",
             401: "Unauthorized",
             403: "Forbidden",
             404: "Not found",

@@ -17,10 +17,16 @@ so before authentication:
   connection; else ``408`` and close. (Idle time between requests is
   uvicorn's keep-alive timeout; bodies are bounded by :mod:`api.limits`.)
 * **Connections**: at most the server's cap at once (:func:`connection_cap`
-  of the descriptor limit, at most :data:`MAX_CONNECTIONS`); a connection
-  beyond that gets ``503`` and is closed at once. uvicorn's own
-  ``limit_concurrency`` (503 to requests while connections plus running
-  requests reach it) is set one above, so it bites only on running tasks.
+  of the descriptor limit, at most :data:`MAX_CONNECTIONS`). A connection
+  beyond it first makes room: the connection that has waited longest
+  without a whole request head (idle, or sending its head slowly; never
+  one whose request runs) is closed (:func:`evictable`), so a flood of
+  idle connections cannot keep a real caller, such as a health probe, from
+  being served: the newcomer is the youngest and sends its head at once.
+  Only when every connection is running a request is the newcomer
+  answered ``503`` and closed. uvicorn's own ``limit_concurrency`` (503 to
+  requests while connections plus running requests reach it) is set one
+  above, so it bites only on running tasks.
 
 * **Body time**: a request's body must arrive within :data:`BODY_TIMEOUT`
   seconds of its head; else ``408`` (or, once the app answered, a plain
@@ -77,6 +83,14 @@ def connection_cap(fd_limit: int) -> int:
     return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, fd_limit // 2))
 
 
+def evictable(waiting: dict[int, float | None]) -> int | None:
+    """Which connection makes room for a new one: ``waiting`` maps each to the
+    time it started waiting for a request head (None: a request is running);
+    the longest waiting, or None when every one runs a request (pure)."""
+    idle = [(since, key) for key, since in waiting.items() if since is not None]
+    return min(idle)[1] if idle else None
+
+
 def _raw_problem(status: int, reason: str, detail: str) -> bytes:
     body = json.dumps(
         {"type": "about:blank", "title": reason, "status": status, "detail": detail}
@@ -106,19 +120,45 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_pending = False
         self._peer: tuple[int, int, int] | None = None
+        #: When this connection began waiting for a request head (None: one is running).
+        self._waiting_since: float | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._peer = _peer_credentials(transport)
-        if len(self.connections) > self.max_connections:
+        self._waiting_since = self.loop.time()
+        if len(self.connections) > self.max_connections and not self._make_room():
             self._refuse(
                 503,
                 "Service Unavailable",
-                f"this daemon already serves {self.max_connections} connections; "
-                "close idle ones or try again shortly",
+                f"this daemon already runs requests on all of its {self.max_connections} "
+                "connections; try again shortly",
             )
             return
         self._arm_head_timer()
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for a request head (see the
+        module docstring); False when every other connection runs a request."""
+        others = {
+            id(c): c
+            for c in self.connections
+            if c is not self and isinstance(c, LimitedHttpProtocol)
+        }
+        victim = evictable({key: c._waiting_since for key, c in others.items()})
+        if victim is None:
+            return False
+        others[victim]._evict()
+        return True
+
+    def _evict(self) -> None:
+        self._waiting_since = None
+        self._disarm_head_timer()
+        if self._head_bytes:  # it had begun a request: say why it ends
+            self.transport.write(
+                _raw_problem(503, "Service Unavailable", "closed to serve a newer connection")
+            )
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
@@ -151,6 +191,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._waiting_since = None
         self._disarm_head_timer()
         self._body_pending = True
         self._disarm_body_timer()
@@ -169,6 +210,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._disarm_body_timer()
             self.transport.close()
             return
+        self._waiting_since = self.loop.time()
         super().on_response_complete()
 
     def _disarm_body_timer(self) -> None:

@@ -16,8 +16,8 @@ the daemon's:
 * RSS (``VmRSS``), open descriptors (``/proc/<pid>/fd``), threads;
 * database sizes: ``elasticd.sqlite3`` (the node's event log) and
   ``store.sqlite3`` (the embedded store), each with its ``-wal`` file;
-* events: the rows of the node's event log (read-only SQLite) and the keys
-  of the store's copy (``GET /store/list`` of ``ev/``);
+* events: the rows of the node's event log and the keys of the store's copy
+  (``ev/``), each read from its SQLite file through a read-only connection;
 * log folders and bytes under the daemon's log root.
 
 It prints one markdown table of the samples and one of the per-restart
@@ -130,6 +130,20 @@ def count_local_events(db: Path) -> int:
     return -1
 
 
+def count_store_events(db: Path) -> int:
+    """Keys of the store's copy of events (``ev/``), read from the embedded store's file
+    through a read-only connection: asking the daemon to list them would make it build the
+    whole listing, values and all, and the sample would measure its own request."""
+    with contextlib.suppress(sqlite3.Error):
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            query = "SELECT COUNT(*) FROM kv WHERE key >= 'ev/' AND key < 'ev0'"
+            return int(conn.execute(query).fetchone()[0])
+        finally:
+            conn.close()
+    return -1
+
+
 def logs_footprint(root: Path) -> tuple[int, float]:
     """Attempt folders and bytes of every file under the log root."""
     dirs, size = 0, 0
@@ -147,8 +161,7 @@ def sample(server: SoakServer, restarts: int, t0: float) -> Sample:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("Threads:"):
             threads = int(line.split()[1])
-    listing = server.client.get("/store/list", params={"prefix": "ev/"})
-    store_events = len(listing.json()["entries"]) if listing.status_code == 200 else -1
+    store_events = count_store_events(server.state_dir / "store.sqlite3")
     dirs, log_mb = logs_footprint(server.state_dir / "logs")
     return Sample(
         restarts=restarts,

@@ -190,15 +190,17 @@ class Config(BaseModel):
         default=100,
         ge=0,
         le=1_000_000,
-        description="Per job and node, the first events always kept (besides every failure).",
+        description="Per job and node, the first events always kept (besides every failure "
+        "but a crash loop's repeats).",
     )
     event_retention_last: int = Field(
         default=400,
         ge=1,
         le=1_000_000,
-        description="Per job and node, the last events always kept (besides every failure); "
-        "routine events between the first and the last are dropped, an events.trimmed "
-        "marker in their place.",
+        description="Per job and node, the last events always kept (besides every failure "
+        "but a crash loop's repeats); routine events between the first and the last, and "
+        "failures the same as the one of their kind before them, are dropped, an "
+        "events.trimmed marker in their place.",
     )
     log_retention_attempts: int = Field(
         default=20,

@@ -110,9 +110,11 @@ MEANING: dict[EventKind, str] = {
     EventKind.STORAGE_BACK: "The local disk takes writes again.",
     EventKind.EVENTS_DROPPED: "Events lost past the write backlog's bound.",
     EventKind.EVENTS_TRIMMED: (
-        "Stands in place of routine events of this job and node that the event retention "
-        "policy dropped: how many (count), and from its time to time + duration_s. The first "
-        "and last events and every failure are kept."
+        "Stands in place of events of this job and node that the event retention policy "
+        "dropped: how many (count), and from its time to time + duration_s. Dropped: routine "
+        "events, and a crash loop's repeats (a worker exit, restart or hang the same as the "
+        "one of its kind before it). The first and last events and every other failure are "
+        "kept."
     ),
     EventKind.LOGS_LOST: (
         "Worker output that could not be written: the disk refused it, or only root's reserve "

@@ -173,7 +173,14 @@ class JobSpec(BaseModel):
     nproc_per_node: int = Field(default=1, ge=1, le=1024)
     min_nodes: int = Field(default=1, ge=1, le=100_000)
     max_nodes: int | None = Field(default=None, ge=1, le=100_000)
-    max_restarts: int = Field(default=3, ge=0, le=MAX_RESTARTS)
+    max_restarts: int = Field(
+        default=3,
+        ge=0,
+        le=MAX_RESTARTS,
+        description="Restarts of the worker group (job-wide) before the job fails. 3 by "
+        "default: a service keeps a job alive across a few crashes; `elasticd run` defaults "
+        "to 0, as torchrun does",
+    )
     role: str = Field(default="default", min_length=1, max_length=128)
     redirects: str = Field(
         default="none", description="torchrun --redirects: 0-3/none/out/err/all or 'rank:v,...'"
@@ -555,6 +562,13 @@ class Event(BaseModel):
     cause: str | None = Field(default=None, max_length=64)
     """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
     starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
+
+    def record(self) -> str:
+        """The stored and published form (the node's database, the store's ``ev/`` copy):
+        the fields that are None are left out, and read back as None. About half the bytes
+        of the full form, for a copy every node holds in memory for as long as it keeps
+        the job."""
+        return self.model_dump_json(exclude_none=True)
 
 
 class WorkerView(BaseModel):

@@ -46,6 +46,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from api.problems import LEASE_NOT_FOUND
 from api.schemas import Empty
 from api.store_watch import MAX_WATCH_SECONDS, watch_until_gone
 from elasticd.store.base import (
@@ -302,7 +303,7 @@ def store_router(
         """Read one key."""
         return StoreGetResponse(entry=_entry_or_none(await get_store().get(key)))
 
-    @router.put("/kv", response_model=StorePutResponse)
+    @router.put("/kv", response_model=StorePutResponse, responses=LEASE_NOT_FOUND)
     async def put_key(body: StorePutRequest) -> StorePutResponse:
         """Write a key unconditionally."""
         entry = await get_store().put(body.key, decode_value(body.value), lease=body.lease)
@@ -323,7 +324,7 @@ def store_router(
         entries = await get_store().put_batch(items)  # each key once: checked above (422)
         return StoreBatchResponse(entries=[StoreEntry.of(e) for e in entries])
 
-    @router.post("/cas", response_model=StoreCasResponse)
+    @router.post("/cas", response_model=StoreCasResponse, responses=LEASE_NOT_FOUND)
     async def compare_and_set(body: StoreCasRequest) -> StoreCasResponse:
         """Compare-and-set on the key's version; a lost race is ``ok: false``, not an error."""
         result = await get_store().compare_and_set(
@@ -349,7 +350,9 @@ def store_router(
         """Create a lease with a TTL."""
         return StoreLeaseResponse(lease=await get_store().grant(body.ttl), ttl=body.ttl)
 
-    @router.post("/leases/{lease}/keepalive", response_model=StoreLeaseResponse)
+    @router.post(
+        "/leases/{lease}/keepalive", response_model=StoreLeaseResponse, responses=LEASE_NOT_FOUND
+    )
     async def keep_alive(lease: int, body: Empty) -> StoreLeaseResponse:
         """Renew a lease for another TTL (404 when it expired or was revoked). Body: ``{}``."""
         await get_store().keep_alive(lease)

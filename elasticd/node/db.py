@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from elasticd.errors import StateFileDamaged
 from elasticd.models import Event
@@ -237,7 +237,7 @@ class Database:
         """Persist an event; the database assigns its (local) seq."""
         cur = self.conn.execute(
             "INSERT INTO events (job_id, doc) VALUES (?, ?)",
-            (event.job_id, event.model_dump_json()),
+            (event.job_id, event.record()),
         )
         assert cur.lastrowid is not None
         return event.model_copy(update={"seq": cur.lastrowid})
@@ -271,24 +271,45 @@ class Database:
             lambda: self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,)), _ignore
         )
 
-    def retention_view(
-        self, job_id: str
-    ) -> list[tuple[int, float, str, str | None, int, int, int | None, float | None]]:
+    def retention_view(self, job_id: str) -> list[tuple[Any, ...]]:
         """What the retention decision needs of a job's events, in seq order: seq, time,
-        kind, state, has a root cause, published, count, duration_s."""
+        kind, state, has a root cause, published, count, duration_s, then what tells one
+        failure from another: rank, exit code, signal, and the root cause's rank, exit
+        code, signal and message."""
         return self.conn.execute(
             "SELECT seq, json_extract(doc, '$.time'), json_extract(doc, '$.kind'), "
             "json_extract(doc, '$.state'), json_extract(doc, '$.error') IS NOT NULL, published, "
-            "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s') "
+            "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s'), "
+            "json_extract(doc, '$.rank'), json_extract(doc, '$.exit_code'), "
+            "json_extract(doc, '$.signal'), json_extract(doc, '$.error.rank'), "
+            "json_extract(doc, '$.error.exit_code'), json_extract(doc, '$.error.signal'), "
+            "json_extract(doc, '$.error.message') "
             "FROM events WHERE job_id = ? ORDER BY seq",
             (job_id,),
         ).fetchall()
+
+    def open_store_outages(self) -> dict[str, tuple[float, str]]:
+        """Jobs whose last ``store.lost`` of this node has no ``store.back`` after it:
+        job -> (wall time and source of the ``store.lost``). What a daemon that stopped
+        during an outage still owes its jobs (:meth:`EventLog.store_back`)."""
+        rows = self.conn.execute(
+            "SELECT job_id, json_extract(doc, '$.kind'), json_extract(doc, '$.time'), "
+            "json_extract(doc, '$.source') FROM events "
+            "WHERE json_extract(doc, '$.kind') IN ('store.lost', 'store.back') ORDER BY seq"
+        ).fetchall()
+        open_: dict[str, tuple[float, str]] = {}
+        for job_id, kind, when, source in rows:
+            if kind == "store.lost":
+                open_[job_id] = (float(when), str(source))
+            else:
+                open_.pop(job_id, None)
+        return open_
 
     def apply_trim(self, job_id: str, delete: Iterable[int], marker: Event) -> None:
         """Delete trimmed events and write the marker in place of the first (one transaction;
         queued behind unwritten ones when the disk refuses). The marker is unpublished."""
         gone = [(job_id, seq) for seq in delete]
-        doc = marker.model_copy(update={"seq": 0}).model_dump_json()
+        doc = marker.model_copy(update={"seq": 0}).record()
 
         def write() -> None:
             conn = self.conn

@@ -39,7 +39,13 @@ notification (``elasticd run``), never on a timer.
 forever). Per job, each node keeps the first ``first`` and the last ``last``
 of its own events, and every failure (:func:`is_failure`: a worker that
 failed, ``group.restarting``, ``job.state`` ``FAILED``, an event with a root
-cause, and the fault kinds of :data:`KEPT_KINDS`). Every ``every`` new events
+cause, and the fault kinds of :data:`KEPT_KINDS`) except the repeats of a
+crash loop: a worker exit, restart or hang the same as the one of its kind
+before it (:func:`failure_signature`: same rank, exit code, signal and root
+cause) is counted in the marker, not kept. (Each kept event is in every
+node's copy of the store, in memory for as long as the job is kept: a
+thousand identical records of one crash cost the store megabytes and tell a
+reader nothing the first one, the count and the last ones do not.) Every ``every`` new events
 of a job, :func:`trim_events` (pure) decides what goes: the routine events
 between the first and the last, as one ``events.trimmed`` marker written *in
 place of the first of them* (same local seq, so the same store key, which
@@ -56,9 +62,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -122,7 +129,7 @@ def publication_batches(events: list[Event]) -> list[list[Event]]:
         key = published_key(event)
         if key in keys:  # queued twice (emitted before start() re-queued it): same value
             continue
-        doc = len(event.model_dump_json())
+        doc = len(event.record())
         if current and (len(current) >= PUBLISH_BATCH_EVENTS or size + doc > PUBLISH_BATCH_BYTES):
             batches.append(current)
             current, size = [], 0
@@ -186,6 +193,20 @@ def is_failure(kind: str, state: str | None, has_error: bool) -> bool:
     return False
 
 
+#: Failures that a crash loop repeats: one of these that is the same as the one of its
+#: kind before it (:func:`failure_signature`) is counted, not kept.
+REPEATABLE_KINDS = frozenset(
+    {EventKind.WORKER_EXITED, EventKind.GROUP_RESTARTING, EventKind.WORKER_HANG}
+)
+
+
+def failure_signature(kind: str, *fields: object) -> tuple[object, ...] | None:
+    """What makes a failure of a :data:`REPEATABLE_KINDS` kind the same as another (pure):
+    its kind and ``fields`` (the rank, exit code, signal and root cause: never its pid,
+    time or attempt, which every repeat changes). None for any other kind: never a repeat."""
+    return (kind, *fields) if kind in REPEATABLE_KINDS else None
+
+
 @dataclass(frozen=True)
 class Retained:
     """One stored event as the retention decision sees it."""
@@ -193,6 +214,8 @@ class Retained:
     seq: int
     time: float
     failure: bool = False
+    #: A failure's :func:`failure_signature` (None: not a failure a loop repeats).
+    signature: tuple[object, ...] | None = None
     published: bool = True
     #: A marker (``events.trimmed``): how many events it stands for (0: not a marker).
     dropped: int = 0
@@ -212,14 +235,25 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
     """Which of one job's events (this node's, in seq order) go, and the marker in their place.
 
     The first ``policy.first`` and the last ``policy.last`` stay, and every
-    failure and unpublished event; the others between them (and an earlier
-    marker) become one marker at the seq of the first of them.
+    unpublished event, and every failure unlike the failure of its kind before
+    it (a crash loop's thousandth identical exit is counted, not kept: the
+    first of each run of the same failure stays, as do the ones in the last
+    ``policy.last``); the others between them (and an earlier marker) become
+    one marker at the seq of the first of them.
     """
     n = len(events)
     if n <= policy.first + policy.last:
         return Trim()
-    middle = events[policy.first : n - policy.last]
-    gone = [e for e in middle if not e.failure and e.published]
+    repeats = set()
+    before: dict[object, tuple[object, ...]] = {}  # per kind: the last failure's signature
+    for at, e in enumerate(events):
+        if e.signature is None:
+            continue
+        if before.get(e.signature[0]) == e.signature:
+            repeats.add(at)
+        before[e.signature[0]] = e.signature
+    middle = [(at, e) for at, e in enumerate(events) if policy.first <= at < n - policy.last]
+    gone = [e for at, e in middle if (not e.failure or at in repeats) and e.published]
     if not any(e.dropped == 0 for e in gone):
         return Trim()  # nothing new: at most the marker of an earlier trim
     anchor = gone[0]
@@ -227,6 +261,10 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
     until = max(max(e.until, e.time) for e in gone)
     marker = Retained(seq=anchor.seq, time=anchor.time, dropped=count, until=until)
     return Trim(delete=tuple(e.seq for e in gone[1:]), marker=marker)
+
+
+#: Store keys of trimmed events deleted together (one commit of the embedded store).
+UNPUBLISH_CHUNK = 64
 
 
 class EventLog:
@@ -255,6 +293,7 @@ class EventLog:
         #: lost, the source that said it). Kept by the node, not the agent: an agent
         #: torn down during the outage (the plan dropped this node) cannot say it is back.
         self._store_lost: dict[str, tuple[float, EventSource]] = {}
+        self._reopen_store_outages()
         self.retention = retention or EventRetention()
         self._since_trim: dict[str, int] = {}  # new events per job since its last trim
         self._to_trim: set[str] = set()
@@ -346,18 +385,20 @@ class EventLog:
         is published like any event.
         """
         rows = self._db.retention_view(job_id)
-        view = [
-            Retained(
-                seq=seq,
-                time=time,
-                failure=kind != EventKind.EVENTS_TRIMMED
-                and is_failure(kind, state, bool(has_error)),
-                published=bool(published),
-                dropped=int(count or 0) if kind == EventKind.EVENTS_TRIMMED else 0,
-                until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,
+        view = []
+        for seq, time, kind, state, has_error, published, count, span, *failed in rows:
+            failure = kind != EventKind.EVENTS_TRIMMED and is_failure(kind, state, bool(has_error))
+            view.append(
+                Retained(
+                    seq=seq,
+                    time=time,
+                    failure=failure,
+                    signature=failure_signature(kind, state, *failed) if failure else None,
+                    published=bool(published),
+                    dropped=int(count or 0) if kind == EventKind.EVENTS_TRIMMED else 0,
+                    until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,
+                )
             )
-            for seq, time, kind, state, has_error, published, count, span in rows
-        ]
         decision = trim_events(view, self.retention)
         if decision.marker is None:
             return decision
@@ -372,9 +413,11 @@ class EventLog:
             count=m.dropped,
             duration_s=max(0.0, m.until - m.time),
             message=(
-                f"{m.dropped} routine events of this job on {self._node} were dropped by the "
-                f"event retention policy, over {max(0.0, m.until - m.time):.1f} s from here (kept: "
-                f"the first {self.retention.first}, the last {self.retention.last}, every failure)"
+                f"{m.dropped} events of this job on {self._node} were dropped by the event "
+                f"retention policy, over {max(0.0, m.until - m.time):.1f} s from here: routine "
+                f"ones, and failures the same as the one of their kind before them (kept: the "
+                f"first {self.retention.first}, the last {self.retention.last}, every other "
+                "failure)"
             ),
         )
         self._db.apply_trim(job_id, decision.delete, marker)
@@ -405,12 +448,26 @@ class EventLog:
         for job_id in list(self._unpublish):
             keys = self._unpublish[job_id]
             while keys:
-                try:
-                    await self._store.delete(keys[-1])
-                except StoreError as exc:  # the store is away: next time
-                    log.debug("event retention: %s", exc)
+                # A chunk at a time, together: the store commits them as one batch (one at
+                # a time, a trim of a long crash loop fell behind its job's events).
+                chunk = keys[-UNPUBLISH_CHUNK:]
+                results = await asyncio.gather(
+                    *(self._store.delete(key) for key in chunk), return_exceptions=True
+                )
+                del keys[-len(chunk) :]
+                failed = [
+                    key
+                    for key, r in zip(chunk, results, strict=True)
+                    if r is not True and r is not False
+                ]
+                for r in results:
+                    if isinstance(r, BaseException) and not isinstance(r, StoreError):
+                        keys.extend(failed)
+                        raise r
+                if failed:  # the store is away: next time
+                    keys.extend(failed)
+                    log.debug("event retention: %d deletes failed; next time", len(failed))
                     return
-                keys.pop()
             del self._unpublish[job_id]
 
     async def start(self) -> None:
@@ -464,7 +521,7 @@ class EventLog:
             while not self._queue.empty():
                 queued.append(self._queue.get_nowait())
             for batch in publication_batches(queued):
-                items = [(published_key(e), e.model_dump_json().encode()) for e in batch]
+                items = [(published_key(e), e.record().encode()) for e in batch]
                 while True:
                     try:
                         await store.put_batch(items)
@@ -496,6 +553,25 @@ class EventLog:
         self._store_lost[job_id] = (self._clock.monotonic(), source)
         self.emit(job_id, source, EventKind.STORE_LOST, message)
         return True
+
+    def _reopen_store_outages(self) -> None:
+        """Take up the outages a previous run of this daemon said ``store.lost`` for and
+        stopped before it could say ``store.back`` (read from this node's own events: the
+        database is the record, so nothing else needs keeping). Their duration is counted
+        from the ``store.lost``'s wall time, the one clock both runs share."""
+        if not self._db.is_open:
+            return
+        try:
+            outages = self._db.open_store_outages()
+        except sqlite3.Error as exc:  # a damaged row: no store.back owed is better than no daemon
+            log.warning("cannot read the store outages of a previous run: %s", exc)
+            return
+        now_wall, now = self._clock.time(), self._clock.monotonic()
+        for job_id, (lost_wall, source) in outages.items():
+            lost_at = now - max(0.0, now_wall - lost_wall)
+            self._store_lost[job_id] = (lost_at, cast(EventSource, source))
+        if outages:
+            log.info("store outages still open from a previous run: %s", ", ".join(outages))
 
     def store_back(self, job_id: str | None = None) -> list[str]:
         """The store answers again: ``store.back`` for ``job_id`` if it was told

@@ -34,10 +34,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.models import Event, Job
 from elasticd.sched.plan import FleetPlan
@@ -49,16 +56,22 @@ __all__ = [
     "EXIT_REASON_BY_KIND",
     "KEEP_FINISHED_JOBS",
     "PHASE_BY_KIND",
+    "RUN_OUTCOMES",
     "Metrics",
     "exit_reason",
     "flakiness",
     "observe_store_request",
     "recovery_phase",
+    "run_outcome",
 ]
 
 log = logging.getLogger("elasticd.node.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# A ``_created`` series per counter and histogram doubles the page for a timestamp that
+# Prometheus derives itself (a reset shows as a drop); the switch is the library's, and global.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Finished jobs whose per-job series stay on the page.
 KEEP_FINISHED_JOBS = 100
@@ -84,6 +97,15 @@ EXIT_REASON_BY_KIND: dict[EventKind, str] = {
 
 #: Every label value of ``elasticd_worker_exits_total{reason}``, shown from zero.
 EXIT_REASONS = ("success", "exit_code", "signal", "hang", "health_check", "stopped")
+
+#: Every label value of ``elasticd_run_total{outcome}``: torch's four run counters
+#: (``run_success_with_retries`` ...) as one counter; their sum is torch's ``run_total``.
+RUN_OUTCOMES = (
+    "success_no_retries",
+    "success_with_retries",
+    "failed_no_retries",
+    "failed_with_retries",
+)
 
 _DURATION_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
@@ -125,16 +147,22 @@ def observe_store_request(op: str, seconds: float, error: bool = False) -> None:
 
 
 def flakiness(*, failed: bool, restart_count: int, max_restarts: int) -> float:
-    """torch's run flakiness, in percent: 100 for a failed run, else the share of the
+    """torch's run flakiness as a 0-1 ratio: 1 for a failed run, else the share of the
     restart budget (plus one, for the first attempt) that the run needed.
 
-    ``SimpleElasticAgent._record_flakiness_metric``:
-    ``100 - 100 * (remaining_restarts + 1) / (max_restarts + 1)``.
+    ``SimpleElasticAgent._record_flakiness_metric`` gives the same in percent:
+    ``100 - 100 * (remaining_restarts + 1) / (max_restarts + 1)``; Prometheus' convention
+    is a ratio.
     """
     if failed:
-        return 100.0
+        return 1.0
     remaining = max(0, max_restarts - restart_count)
-    return 100.0 - 100.0 * (remaining + 1) / (max_restarts + 1)
+    return 1.0 - (remaining + 1) / (max_restarts + 1)
+
+
+def run_outcome(*, failed: bool, restart_count: int) -> str:
+    """The ``outcome`` label of ``elasticd_run_total`` for a run that ended (pure)."""
+    return f"{'failed' if failed else 'success'}_{'with' if restart_count else 'no'}_retries"
 
 
 def exit_reason(event: Event) -> str | None:
@@ -215,9 +243,9 @@ class _JobSeries(Collector):
         yield groups
 
         flaky = GaugeMetricFamily(
-            "elasticd_flakiness",
-            "Per finished job this node ran, torch's flakiness in percent: 100 when it "
-            "failed, else 100 - 100 * (remaining_restarts + 1) / (max_restarts + 1).",
+            "elasticd_flakiness_ratio",
+            "Per finished job this node ran, torch's flakiness as a 0-1 ratio: 1 when it "
+            "failed, else 1 - (remaining_restarts + 1) / (max_restarts + 1).",
             labels=["job_id", "role"],
         )
         for job_id, (role, value) in sorted(m.flakiness.items()):
@@ -250,6 +278,12 @@ class _JobSeries(Collector):
         for node, count in sorted(slots.items()):
             placed.add_metric([node], count)
         yield placed
+
+        build = GaugeMetricFamily(
+            "elasticd_build_info", "Always 1; the daemon's version.", labels=["version"]
+        )
+        build.add_metric([__version__], 1)
+        yield build
 
 
 class Metrics:
@@ -310,15 +344,13 @@ class Metrics:
             buckets=_DURATION_BUCKETS,
             registry=r,
         )
-        self.runs: dict[str, Counter] = {}
-        for name, text in (
-            ("run", "Runs of jobs that ended (succeeded or failed) with a group on this node."),
-            ("run_success_with_retries", "Runs that succeeded after at least one restart."),
-            ("run_success_no_retries", "Runs that succeeded without a restart."),
-            ("run_failed_with_retries", "Runs that failed after at least one restart."),
-            ("run_failed_no_retries", "Runs that failed without a restart."),
-        ):
-            self.runs[name] = Counter(f"elasticd_{name}", text, ["role"], registry=r)
+        self.runs = Counter(
+            "elasticd_run",
+            "Runs of jobs that ended (succeeded or failed) with a group on this node, by "
+            "outcome: success or failed, with or without a restart (torch's run_* counters).",
+            ["role", "outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -388,12 +420,9 @@ class Metrics:
         self._recorded.add(job.id)
         role = job.spec.role
         failed = job.state is JobState.FAILED
-        retried = job.restart_count > 0
-        for name in self.runs:  # every series exists from the first run, as torch's zeros do
-            self.runs[name].labels(role)
-        self.runs["run"].labels(role).inc()
-        outcome = "failed" if failed else "success"
-        self.runs[f"run_{outcome}_{'with' if retried else 'no'}_retries"].labels(role).inc()
+        for outcome in RUN_OUTCOMES:  # every series exists from the first run, as torch's
+            self.runs.labels(role, outcome)
+        self.runs.labels(role, run_outcome(failed=failed, restart_count=job.restart_count)).inc()
         self.flakiness[job.id] = (
             role,
             flakiness(

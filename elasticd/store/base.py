@@ -71,9 +71,9 @@ def check_listing_size(prefix: str, size: int, count: int, limit: int) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Entry:
-    """One key's current value."""
+    """One key's current value (slots: the embedded store holds one per key)."""
 
     key: str
     value: bytes
@@ -95,7 +95,7 @@ class CasResult:
     entry: Entry | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WatchEvent:
     """One change seen by a watch."""
 

@@ -573,7 +573,17 @@ class Containment:
                 cgroup=None, job_id=job_id, attempt_tag=attempt_tag, known=self._known
             )
         path = self.base / attempt_name(job_id, attempt, secrets.token_hex(4))
-        path.mkdir(mode=0o755)
+        try:
+            path.mkdir(mode=0o755)
+        except FileNotFoundError:
+            # The subtree was removed under the daemon (an operator's cleanup, a tool that
+            # prunes empty cgroups): make it again, once, then the attempt's folder. Any
+            # other refusal (EAGAIN under cgroup.max.descendants, EACCES) goes up to the
+            # agent, which retries it as the node's trouble (agent/nodefail.py).
+            log.warning("the daemon's cgroup subtree %s was removed; making it again", self.base)
+            self.base.mkdir(mode=0o755, exist_ok=True)
+            self.base.chmod(0o755)
+            path.mkdir(mode=0o755)
         path.chmod(0o755)  # not the daemon's umask of 077: the job may read its limits
         try:
             return AttemptContainment(

@@ -273,3 +273,66 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
             assert r.status_code == 200, r.text
     finally:
         await proxy.close()
+
+
+async def test_a_daemon_killed_during_an_outage_says_store_back_after_it_restarts(cluster):
+    """n1 says ``store.lost`` for its job while its link is silent, then is kill -9'd and
+    started again before the link heals: the new daemon takes up the outage from its own
+    events and says ``store.back`` once the store answers (before, the list of open outages
+    lived in the dead process, and the ``store.lost`` stayed unanswered for good)."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = HalfOpenProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    try:
+        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+        n1 = cluster.start("n1", "--labels", "host=n1")
+        await cluster.wait_ready("n1")
+        async with cluster.client("n0") as c0:
+            r = await c0.post(
+                "/jobs",
+                json={
+                    "id": "pinned",
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import time; time.sleep(600)"],
+                    "node_selector": {"host": "n1"},
+                    "termination_grace": 1,
+                },
+            )
+            assert r.status_code == 201, r.text
+
+            async def started() -> bool:
+                return any(e["kind"] == "workers.started" for e in await events_of(c0, "pinned"))
+
+            await until(started, 30, "the job's worker on n1")
+            view = (await c0.get("/jobs/pinned/workers")).json()
+            pids = [w["pid"] for g in view["groups"] for w in g["workers"] if w.get("pid")]
+
+            proxy.go_silent()
+
+            async def said_lost() -> bool:
+                return "job pinned: store.lost" in n1.log.read_text()
+
+            await until(said_lost, 30, "n1 to say store.lost")
+            cluster.kill9("n1", pids)
+            n1 = cluster.start("n1", "--labels", "host=n1", port=n1.port)
+            await asyncio.sleep(LEASE_TTL)  # the new daemon waits for the silent store a while
+            assert n1.proc.poll() is None, n1.log.read_text()[-2000:]
+            proxy.heal()
+
+            async def paired() -> bool:
+                events = await events_of(c0, "pinned")
+                kinds = [k for k, _ in node_events(events, "n1")]
+                return "store.lost" in kinds and not unanswered_losses(events, "n1")
+
+            try:
+                await until(paired, 40, "n1's store.lost followed by its store.back")
+            except AssertionError:
+                events = await events_of(c0, "pinned")
+                raise AssertionError(f"{node_events(events, 'n1')}\n{cluster.logs()}") from None
+            back = [e for e in await events_of(c0, "pinned") if e["kind"] == "store.back"]
+            assert back[-1]["node"] == "n1" and back[-1]["duration_s"] >= LEASE_TTL, back
+            r = await c0.post("/jobs/pinned/cancel", json={})
+            assert r.status_code == 200, r.text
+    finally:
+        await proxy.close()

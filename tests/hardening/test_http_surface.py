@@ -602,14 +602,22 @@ def test_another_local_user_cannot_reach_the_embedded_daemon(how: str, open_tmp:
 
 
 @pytest.mark.slow
-async def test_connections_beyond_the_cap_are_refused_at_once() -> None:
-    """With MAX_CONNECTIONS open (here a cap of 4), the next connection is answered 503 and
-    closed at once, before it sends anything; once one closes, requests are served again."""
+async def test_connections_beyond_the_cap_evict_the_longest_idle_then_are_refused() -> None:
+    """With the cap (here 4) held by idle connections, a new one is served, and the one that
+    waited longest for a request head is closed to make room (issue 23: a flood of idle
+    connections kept /healthz from being answered). With the cap running requests, the next
+    connection is answered 503 and closed at once."""
     import uvicorn
 
     from api.protocol import uvicorn_settings
 
+    release = asyncio.Event()
+    running = []
+
     async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            running.append(scope)
+            await release.wait()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
@@ -622,24 +630,32 @@ async def test_connections_beyond_the_cap_are_refused_at_once() -> None:
             while not server.started:
                 await asyncio.sleep(0.01)
             port = server.servers[0].sockets[0].getsockname()[1]
-            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            answer = await reader.read()  # closed by the daemon: EOF, without sending anything
-            assert answer.startswith(b"HTTP/1.1 503"), answer
-            writer.close()
-            held.pop()[1].close()
+            url = f"http://127.0.0.1:{port}"
+            held = []
+            for _ in range(4):  # idle: connected, nothing sent
+                held.append(await asyncio.open_connection("127.0.0.1", port))
+                await asyncio.sleep(0.01)  # distinct ages
             async with httpx.AsyncClient(timeout=10) as c:
+                assert (await c.get(url + "/")).status_code == 200
+            assert await held[0][0].read() == b""  # the oldest was closed, saying nothing
+            for reader, writer in held[1:]:
+                assert not reader.at_eof()
+                writer.close()
+            held[0][1].close()
+
+            # Every connection runs a request: the next one is refused at once.
+            async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=8)) as c:
+                busy = [asyncio.create_task(c.get(url + "/slow")) for _ in range(4)]
                 deadline = time.monotonic() + 10
-                while True:
-                    try:
-                        r = await c.get(f"http://127.0.0.1:{port}/")
-                        break
-                    except httpx.TransportError:
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.05)
-                assert r.status_code == 200
-            for _, w in held:
-                w.close()
+                while len(running) < 4:  # the four requests are in the app
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                answer = await reader.read()
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 503"), answer
+                release.set()
+                assert [(await b).status_code for b in busy] == [200] * 4
     finally:
         server.should_exit = True
         await serving

@@ -24,7 +24,15 @@ import httpx
 import pytest
 
 from tests.conftest import events_of, wait_job
-from tests.hardening.support import PY, Served, eventually, script, serve
+from tests.hardening.support import (
+    PY,
+    Served,
+    cgroup_home,
+    daemon_subtree,
+    eventually,
+    script,
+    serve,
+)
 
 #: Waits for ``go`` in its folder; the first attempt's rank 1 then exits 3 (a real crash,
 #: one restart charged), every later attempt exits 0.
@@ -154,6 +162,10 @@ async def test_a_connection_flood_under_a_low_fd_limit_never_fails_a_job(tmp_pat
             while time.monotonic() - held_since < 2.0:  # a few more retries under the flood
                 assert daemon.proc.poll() is None
                 await asyncio.sleep(0.1)
+            # A probe is served during the flood: it takes the place of the longest-idle
+            # connection (before, the flood held the cap and the probe got 503).
+            assert flood.open >= 30
+            assert await answers(daemon.url) == 200
             await flood.stop()
 
             # Served again at once (under the flood a fresh connection may wait in the
@@ -240,5 +252,86 @@ async def test_a_node_out_of_descriptors_gives_the_job_back_then_runs_it(tmp_pat
             assert "agent.gave_back" in kinds, kinds
             assert kinds.index("agent.gave_back") < kinds.index("workers.started"), kinds
             assert not {"workers.spawn_failed", "agent.error"} & set(kinds), kinds
+    finally:
+        daemon.stop()
+
+
+def _subtree_or_skip(daemon: Served) -> Path:
+    home = cgroup_home()
+    if home is None:
+        pytest.skip("needs root and a writable cgroup v2 folder (the daemon's containment)")
+    subtree = daemon_subtree(home, "hard-node", daemon.state_dir)
+    if not subtree.is_dir():
+        pytest.skip(f"the daemon made no cgroup subtree ({subtree}): it runs as a subreaper")
+    return subtree
+
+
+@pytest.mark.slow
+async def test_a_cgroup_subtree_removed_under_the_daemon_is_made_again(tmp_path: Path) -> None:
+    """An operator's cleanup removes the daemon's (empty) cgroup subtree between jobs: the next
+    start makes it again and the job runs, with nothing charged and no failed start."""
+    daemon = serve(tmp_path)
+    try:
+        async with asyncio.timeout(90), daemon.client() as c:
+            await daemon.wait_ready()
+            subtree = _subtree_or_skip(daemon)
+            await eventually(lambda: _only_files(subtree), 10, "the probe cgroup to go")
+            subtree.rmdir()
+            r = await c.post(
+                "/jobs",
+                json={"id": "after", "entrypoint": PY, "args": ["-c", "pass"], "nproc_per_node": 2},
+            )
+            assert r.status_code == 201, r.text
+            done = await wait_job(c, "after", timeout=60)
+            assert done["state"] == "SUCCEEDED", done
+            assert done["restart_count"] == 0, done
+            kinds = {e["kind"] for e in await events_of(c, "after")}
+            assert not kinds & {"workers.spawn_failed", "agent.error"}, kinds
+            assert subtree.is_dir()
+    finally:
+        daemon.stop()
+    assert "cgroup subtree" in daemon.output() and "making it again" in daemon.output()
+
+
+def _only_files(folder: Path) -> bool:
+    """A cgroup folder with no child cgroups (its interface files only)."""
+    return not any(entry.is_dir() for entry in folder.iterdir())
+
+
+@pytest.mark.slow
+async def test_a_cgroup_that_refuses_attempts_is_retried_never_charged(tmp_path: Path) -> None:
+    """The daemon's subtree refuses new child cgroups (``cgroup.max.descendants`` 0: mkdir is
+    EAGAIN): the start is the node's trouble, retried with ``workers.spawn_retry`` events; once
+    the limit is lifted the job runs, SUCCEEDED with no restart spent and no failed start."""
+    daemon = serve(tmp_path, env={"ELASTICD_NODE_FAILURE_GRACE": "60"})
+    try:
+        async with asyncio.timeout(90), daemon.client() as c:
+            await daemon.wait_ready()
+            subtree = _subtree_or_skip(daemon)
+            limit = subtree / "cgroup.max.descendants"
+            limit.write_text("0\n")
+            try:
+                r = await c.post(
+                    "/jobs",
+                    json={"id": "refused", "entrypoint": PY, "args": ["-c", "pass"]},
+                )
+                assert r.status_code == 201, r.text
+                await eventually(
+                    lambda: log_names(
+                        daemon, "refused", "workers.spawn_retry", "agent.error", "job.state FAILED"
+                    ),
+                    30,
+                    "the start to be retried",
+                )
+            finally:
+                limit.write_text("max\n")
+            done = await wait_job(c, "refused", timeout=60)
+            assert done["state"] == "SUCCEEDED", done
+            assert done["restart_count"] == 0, done
+            events = await events_of(c, "refused")
+            retries = [e for e in events if e["kind"] == "workers.spawn_retry"]
+            assert retries and all(e["cause"] == "EAGAIN" for e in retries), retries
+            kinds = {e["kind"] for e in events}
+            assert not kinds & {"workers.spawn_failed", "agent.error"}, kinds
     finally:
         daemon.stop()

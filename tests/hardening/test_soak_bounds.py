@@ -40,8 +40,9 @@ def local_events(state_dir: Path, job_id: str) -> list[tuple[int, str]]:
 
 
 async def test_a_crash_looping_job_stays_within_its_event_and_log_bounds(tmp_path: Path) -> None:
-    """30 restarts (~16 events each) keep first + last + failures + one marker, in both the node's
-    database and the store; the merged view keeps its order; 3 attempt folders are left."""
+    """30 restarts (~16 events each) of one crash keep first + last + the first of the run of
+    identical failures + one marker, in both the node's database and the store; the merged view
+    keeps its order; 3 attempt folders are left."""
     daemon = serve(tmp_path, env=RETENTION)
     try:
         await daemon.wait_ready()
@@ -57,7 +58,10 @@ async def test_a_crash_looping_job_stays_within_its_event_and_log_bounds(tmp_pat
             async with asyncio.timeout(90):
                 while (await c.get("/jobs/loop")).json()["state"] != "FAILED":
                     await asyncio.sleep(0.2)
-            failures = 31 + 31 + 1  # worker.exited FAILED, group.restarting x 31, job FAILED
+            # Every failure is the same (rank 0 exits 3): the first worker.exited FAILED and
+            # group.restarting stay, their 30 repeats between the first and the last events
+            # are counted in the marker; the job's FAILED is kept.
+            failures = 1 + 1 + 1
             bound = FIRST + LAST + failures + 1 + LAST // 4  # + the marker + one trim's cadence
 
             def settled() -> bool:
@@ -74,11 +78,17 @@ async def test_a_crash_looping_job_stays_within_its_event_and_log_bounds(tmp_pat
             tail = events[-LAST:]  # the last events, as they were emitted
             assert any(e["kind"] == "job.state" and e["state"] == "FAILED" for e in tail)
             assert tail[-1]["kind"] == "agent.finished"
-            exits = [e for e in events if e["kind"] == "worker.exited"]
-            assert sum(e["state"] == "FAILED" and e["exit_code"] == 3 for e in exits) == 31
-            assert kinds.count("group.restarting") == 31
+            failed = [e for e in events if e["kind"] == "worker.exited" and e["state"] == "FAILED"]
+            assert failed and all(e["exit_code"] == 3 for e in failed)
+            # The first failure of the run stays (before the marker), the last ones too.
+            first_failure = kinds.index("worker.exited")
+            assert first_failure < kinds.index("events.trimmed"), kinds
+            assert events[first_failure]["state"] == "FAILED", events[first_failure]
+            assert 1 <= kinds.count("group.restarting") < 31
             markers = [e for e in events if e["kind"] == "events.trimmed"]
             assert len(markers) == 1 and markers[0]["count"] > 200
+            assert "the same as the one of their kind before them" in markers[0]["message"]
+            assert (await c.get("/jobs/loop")).json()["restart_count"] == 30
             # The marker stands where the gap begins: after the first FIRST events.
             assert kinds.index("events.trimmed") >= FIRST
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from api.openapi import render
+from elasticd.service import render_unit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +37,7 @@ def test_openapi_json_matches_the_app():
 def _verify(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("elasticd") or str(Path(sys.executable).parent / "elasticd")
     unit = tmp_path / "elasticd.service"
-    unit.write_text(unit_text.replace("/usr/local/bin/elasticd", exe))
+    unit.write_text(render_unit(unit_text, exe))
     return subprocess.run(
         ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
     )
@@ -203,3 +204,49 @@ def test_daemon_side_never_imports_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """name -> version of a requirements file's ``name==version`` lines."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def test_the_demo_installs_the_runtime_and_torch_not_the_test_toolchain():
+    """requirements.txt pins every runtime dependency and torch 2.13.0, and nothing else;
+    requirements-dev.txt adds the toolchain on top of it without pinning anything twice."""
+    import tomllib
+
+    runtime = _pins(ROOT / "requirements.txt")
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">=")[0].split(";")[0].strip().lower().replace("_", "-") for d in declared}
+    assert names <= set(runtime), names - set(runtime)
+    assert runtime["torch"] == "2.13.0"
+    assert set(runtime) - names == {"torch", "starlette"}  # fastapi's, pinned with it
+    dev_text = (ROOT / "requirements-dev.txt").read_text()
+    assert "-r requirements.txt" in dev_text.splitlines()
+    assert not set(_pins(ROOT / "requirements-dev.txt")) & set(runtime)
+    for toolchain in ("pytest", "playwright", "schemathesis", "transformers"):
+        assert toolchain not in runtime
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make missing")
+def test_make_demo_installs_requirements_txt_with_progress(tmp_path):
+    """`make demo` on a fresh venv installs requirements.txt only, and lets pip show progress."""
+    plan = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "demo", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert plan.returncode == 0, plan.stderr
+    installs = [line for line in plan.stdout.splitlines() if "pip install" in line]
+    assert len(installs) == 2, plan.stdout
+    assert "-r requirements.txt" in installs[0] and "--no-deps -e ." in installs[1]
+    assert "requirements-dev.txt" not in plan.stdout
+    assert all(" -q" not in line for line in installs)

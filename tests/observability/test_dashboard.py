@@ -1,5 +1,10 @@
 """The dashboard in a real headless Chromium (Debian's, driven by Playwright; nothing downloaded).
 
+The first test runs an in-process daemon; the others run ``elasticd serve`` subprocesses
+(tests/hardening/support.py) with real jobs: the log viewer, cancel (confirmed, and
+refused for another identity's job), hash routing with back and forward, the wording of
+a job that succeeded after a failure, a phone-width layout and the favicon.
+
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
 fails, so CI cannot silently stop testing the page. The screenshot goes to
 ``$ELASTICD_ARTIFACTS`` (CI keeps it) or the test's temporary folder.
@@ -8,17 +13,23 @@ fails, so CI cannot silently stop testing the page. The screenshot goes to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import shutil
 import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from elasticd.identity import hash_token, new_token
 from tests.conftest import PY, script
-from tests.observability.support import live_daemon, url_of
+from tests.hardening.support import Served, serve
+from tests.observability.support import CRASH_ONCE, live_daemon, url_of
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 MISSING = [
@@ -114,6 +125,32 @@ async def test_dashboard_shows_workers_and_the_restart(tmp_path):
                     for phase in ("failure detected", "workers stopped", "rendezvous complete"):
                         assert phase in timeline
                     assert "signal 9" in timeline or "SIGKILL" in timeline
+                    # The timeline's numbers are the recovery events' (same source, same format).
+                    events = (await api.get("/jobs/resnet-demo/events")).json()
+                    took = {
+                        e["kind"]: e["duration_s"] for e in events if e["duration_s"] is not None
+                    }
+                    for phase, kind in (
+                        ("workers stopped", "recovery.stop_workers"),
+                        ("rendezvous complete", "recovery.rendezvous"),
+                        ("workers spawned", "recovery.spawn"),
+                    ):
+                        shown = f"{took[kind]:.3f}s"
+                        assert f"+{shown}" in await page.inner_text(
+                            f'#timeline li[data-phase="{phase}"]'
+                        )
+                        row = await page.inner_text(f'#event-rows tr[data-kind="{kind}"]')
+                        assert f"[{shown}]" in row
+                    assert f"total: {took['recovery.total']:.3f}s" in timeline
+                    # RUNNING again: the header says so, not the failure's "restarting the group",
+                    # and the failure it survived is its "last failure", not a root cause.
+                    await page.wait_for_selector('#job-head .badge[data-state="RUNNING"]')
+                    await page.wait_for_selector(
+                        '#reason:has-text("running again after 1 restart")'
+                    )
+                    reason = await page.inner_text("#reason")
+                    assert "restarting the group" not in reason
+                    assert "last failure: rank 2" in reason and "root cause" not in reason
                     jobs_table = await page.inner_text("#jobs")
                     assert "resnet-demo" in jobs_table and "RUNNING" in jobs_table
                     # A job that needs more slots than are free waits, and the page says why.
@@ -130,3 +167,196 @@ async def test_dashboard_shows_workers_and_the_restart(tmp_path):
         finally:
             await d.shutdown()
     assert problems == []
+
+
+# --- the page against `elasticd serve` ---------------------------------------------------
+
+#: Prints a line the page must show as text, waits for the test's go file, prints again.
+TALKER = """
+import os, pathlib, sys, time
+rank = os.environ["RANK"]
+print(f"hello from rank {rank} <b>not bold</b>", flush=True)
+go = pathlib.Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.05)
+print(f"rank {rank} saw the go file", flush=True)
+time.sleep(600)
+"""
+
+
+@dataclass
+class Session:
+    """A served daemon, an admin client of its API, and a Chromium page with its problems."""
+
+    daemon: Served
+    api: httpx.AsyncClient
+    page: Any
+    problems: list[str]
+
+    async def submit(self, job_id: str, args: list[str], n: int = 1) -> None:
+        spec = {"id": job_id, "entrypoint": PY, "args": args, "nproc_per_node": n}
+        r = await self.api.post("/jobs", json={**spec, "termination_grace": 1})
+        assert r.status_code == 201, r.text
+
+    async def sign_in(self, fragment: str = "", token: str | None = None) -> None:
+        """Open the dashboard (at ``#fragment``) and give it the token when it asks."""
+        await self.page.goto(self.daemon.url + "/ui" + fragment)
+        await self.page.wait_for_selector("#token-dialog[open]")
+        await self.page.fill("#token-input", token or self.daemon.token or "")
+        await self.page.click("#token-form button[type=submit]")
+        await self.page.wait_for_selector("#conn.live")
+
+
+@contextlib.asynccontextmanager
+async def session(
+    tmp_path: Path, *, width: int = 1280, height: int = 900, env: dict[str, str] | None = None
+) -> AsyncIterator[Session]:
+    """`elasticd serve` and a fresh headless Chromium; afterwards the page met no script
+    error and no 404."""
+    assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
+    from playwright.async_api import async_playwright
+
+    daemon = serve(tmp_path, env=env)
+    try:
+        async with (
+            asyncio.timeout(60),
+            daemon.client() as api,
+            async_playwright() as pw,
+        ):
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = await browser.new_page(viewport={"width": width, "height": height})
+                problems: list[str] = []
+                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+                page.on(
+                    "response",
+                    lambda r: problems.append(f"404: {r.url}") if r.status == 404 else None,
+                )
+                await daemon.wait_ready()
+                yield Session(daemon, api, page, problems)
+            finally:
+                await browser.close()
+    finally:
+        daemon.stop()
+    assert problems == []
+
+
+async def test_the_log_viewer_shows_a_workers_lines_as_text_and_follows_them(tmp_path):
+    """Rank 1's stdout appears, its markup shown as text, and a later line arrives live."""
+    go = tmp_path / "go"
+    async with session(tmp_path) as s:
+        await s.submit("talker", [script(tmp_path, "talk.py", TALKER), str(go)], n=2)
+        await s.sign_in("#talker")
+        await s.page.wait_for_selector('#log-worker option[data-local="1"]', state="attached")
+        await s.page.select_option("#log-worker", label="rank 1 (hard-node, local 1)")
+        log = s.page.locator("#log-text")
+        await log.filter(has_text="hello from rank 1 <b>not bold</b>").wait_for()
+        assert await s.page.locator("#log-text b").count() == 0
+        assert "rank 0" not in await log.inner_text()
+        go.touch()
+        await log.filter(has_text="rank 1 saw the go file").wait_for()
+        assert await s.page.text_content("#log-note") == "(following)"
+
+
+async def test_cancel_asks_first_then_cancels_the_job(tmp_path):
+    """Cancel opens a confirmation; 'keep' changes nothing; confirming ends the job CANCELLED."""
+    async with session(tmp_path) as s:
+        await s.submit("sleeper", ["-c", "import time; time.sleep(600)"])
+        await s.sign_in("#sleeper")
+        button = s.page.locator('#job-head button[data-action="cancel"]')
+        await button.click()
+        await s.page.wait_for_selector("#cancel-dialog[open]")
+        assert await s.page.inner_text("#cancel-job") == "sleeper"
+        await s.page.click("#cancel-keep")
+        await s.page.wait_for_selector("#cancel-dialog", state="hidden")
+        assert (await s.api.get("/jobs/sleeper")).json()["state"] == "RUNNING"
+        await button.click()
+        await s.page.click("#cancel-confirm")
+        await s.page.wait_for_selector('#job-head .badge[data-state="CANCELLED"]')
+        assert (await s.api.get("/jobs/sleeper")).json()["state"] == "CANCELLED"
+        assert await button.count() == 0  # an ended job has nothing to cancel
+        assert await s.page.inner_text("#job-error") == ""
+
+
+async def test_a_refused_cancel_shows_the_apis_error(tmp_path):
+    """Another identity's cancel of the admin's job: the page shows the 403 and its reason."""
+    token = new_token()
+    identities = tmp_path / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "viewer"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
+    )
+    async with session(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)}) as s:
+        await s.submit("admins", ["-c", "import time; time.sleep(600)"])
+        await s.sign_in("#admins", token=token)
+        await s.page.click('#job-head button[data-action="cancel"]')
+        await s.page.click("#cancel-confirm")
+        error = s.page.locator("#job-error")
+        await error.filter(has_text="(403)").wait_for()
+        text = await error.inner_text()
+        assert text.startswith("cancel refused: ")
+        assert "only its owner or an admin may cancel it" in text
+        assert (await s.api.get("/jobs/admins")).json()["state"] == "RUNNING"
+
+
+async def test_the_hash_and_back_and_forward_choose_the_job(tmp_path):
+    """A click adds a history entry; back, forward and an edited #fragment switch the job."""
+
+    async def shown(page: Any, job_id: str, seconds: str) -> None:
+        await page.wait_for_selector(f'#job-head .id[data-job="{job_id}"]')
+        await page.wait_for_selector(f'#cmd:has-text("time.sleep({seconds})")')
+
+    async with session(tmp_path) as s:
+        await s.submit("alpha", ["-c", "import time; time.sleep(600)"])
+        await s.submit("beta", ["-c", "import time; time.sleep(601)"])
+        await s.sign_in("#alpha")
+        await shown(s.page, "alpha", "600")
+        await s.page.click('tr.job-row[data-job="beta"]')
+        await shown(s.page, "beta", "601")
+        assert s.page.url.endswith("/ui#beta")
+        await s.page.go_back()
+        await shown(s.page, "alpha", "600")
+        await s.page.go_forward()
+        await shown(s.page, "beta", "601")
+        await s.page.goto(s.daemon.url + "/ui#alpha")  # the user edits the fragment
+        await shown(s.page, "alpha", "600")
+        selected = s.page.locator("tr.job-row.selected")
+        assert await selected.get_attribute("data-job") == "alpha"
+
+
+async def test_a_job_that_succeeded_after_a_failure_shows_its_last_failure(tmp_path):
+    """SUCCEEDED after a crash and a restart: 'last failure' (as the CLI says), no root cause."""
+    async with session(tmp_path) as s:
+        await s.submit("flaky", [script(tmp_path, "crash.py", CRASH_ONCE)], n=2)
+        await s.sign_in("#flaky")
+        await s.page.wait_for_selector('#job-head .badge[data-state="SUCCEEDED"]')
+        await s.page.wait_for_selector('#reason details[data-label="last failure"]')
+        reason = await s.page.inner_text("#reason")
+        assert "every worker exited 0" in reason
+        assert "last failure: rank 1" in reason and "root cause" not in reason
+
+
+async def test_at_phone_width_nothing_overflows_sideways(tmp_path):
+    """At 375 px, with a long job id, a 4-worker grid, events and a long log line, the page
+    is no wider than the screen (wide content scrolls in its own box)."""
+    job_id = "a-rather-long-job-name-" + "x" * 60
+    long_line = "print('y' * 400 + ' ' + 'z ' * 200, flush=True); import time; time.sleep(600)"
+    async with session(tmp_path, width=375, height=800) as s:
+        await s.submit(job_id, ["-c", long_line], n=4)
+        await s.sign_in("#" + job_id)
+        await s.page.locator('#workers .worker[data-state="HEALTHY"]').nth(3).wait_for()
+        await s.page.locator("#log-text").filter(has_text="yyyy").wait_for()
+        await s.page.wait_for_selector('#event-rows tr[data-kind="workers.started"]')
+        width = await s.page.evaluate("document.documentElement.scrollWidth")
+        inner = await s.page.evaluate("window.innerWidth")
+        assert inner == 375
+        assert width <= inner, f"the page is {width} px wide on a {inner} px screen"
+
+
+async def test_the_favicon_is_served(tmp_path):
+    """No 404 while the page loads, and /favicon.ico answers an SVG icon without a token."""
+    async with session(tmp_path) as s:
+        await s.sign_in()
+        icon = await s.page.goto(s.daemon.url + "/favicon.ico")
+        assert icon is not None and icon.status == 200
+        assert icon.headers["content-type"].startswith("image/svg+xml")
+        assert (await icon.text()).startswith("<svg")

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.app import create_app
 from elasticd.models import Event, Job, JobSpec
 from elasticd.node import metrics as m
-from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase
+from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase, run_outcome
 from elasticd.states import JobState
 from tests.conftest import PY, make_daemon, script, wait_job
 from tests.observability.support import CRASH_ONCE
@@ -47,13 +47,28 @@ def job(job_id: str, state: JobState, restarts: int = 0, max_restarts: int = 3, 
     )
 
 
-def test_flakiness_matches_the_seed():
-    """torch's formula: 100 when failed, else 100 - 100*(remaining+1)/(max+1)."""
-    assert flakiness(failed=True, restart_count=0, max_restarts=3) == 100.0
+def test_flakiness_is_the_seeds_formula_as_a_ratio():
+    """torch's formula over 100: 1 when failed, else 1 - (remaining+1)/(max+1)."""
+    assert flakiness(failed=True, restart_count=0, max_restarts=3) == 1.0
     assert flakiness(failed=False, restart_count=0, max_restarts=3) == 0.0
-    assert flakiness(failed=False, restart_count=1, max_restarts=3) == 25.0
-    assert flakiness(failed=False, restart_count=3, max_restarts=3) == 75.0
+    assert flakiness(failed=False, restart_count=1, max_restarts=3) == 0.25
+    assert flakiness(failed=False, restart_count=3, max_restarts=3) == 0.75
     assert flakiness(failed=False, restart_count=0, max_restarts=0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("failed", "restarts", "outcome"),
+    [
+        (False, 0, "success_no_retries"),
+        (False, 2, "success_with_retries"),
+        (True, 0, "failed_no_retries"),
+        (True, 1, "failed_with_retries"),
+    ],
+)
+def test_a_runs_outcome_label_is_torchs_counter_name(failed, restarts, outcome):
+    """elasticd_run_total{outcome} takes the names of torch's four run_* counters."""
+    assert run_outcome(failed=failed, restart_count=restarts) == outcome
+    assert outcome in m.RUN_OUTCOMES
 
 
 def test_exit_reasons_and_phases_come_from_the_tables():
@@ -101,10 +116,10 @@ def test_sink_counts_a_restart_and_records_the_run_once():
     assert value(scrape, f"{phase}_sum", phase="rendezvous") == 0.25
     assert value(scrape, f"{phase}_sum", phase="first_progress") == 2.0
     assert value(scrape, f"{phase}_sum", phase="total") == 1.5
-    assert value(scrape, "elasticd_run_total", role="default") == 1
-    assert value(scrape, "elasticd_run_success_with_retries_total", role="default") == 1
-    assert value(scrape, "elasticd_run_failed_no_retries_total", role="default") == 0
-    assert value(scrape, "elasticd_flakiness", job_id="j", role="default") == 25
+    run = {"role": "default"}
+    assert value(scrape, "elasticd_run_total", **run, outcome="success_with_retries") == 1
+    assert value(scrape, "elasticd_run_total", **run, outcome="failed_no_retries") == 0
+    assert value(scrape, "elasticd_flakiness_ratio", job_id="j", role="default") == 0.25
     assert value(scrape, "elasticd_jobs", state="SUCCEEDED") == 1
     assert value(scrape, "elasticd_job_remaining_restarts", job_id="j") == 2
     assert value(scrape, "elasticd_worker_group_state", job_id="j", node="n1", state="SUCCEEDED")
@@ -122,7 +137,7 @@ def test_first_rendezvous_is_not_a_recovery_and_cancel_is_not_a_run():
     assert ("elasticd_recovery_phase_duration_seconds_count", (("phase", "rendezvous"),)) not in (
         scrape
     )
-    assert not any(name.startswith("elasticd_run_") for name, _ in scrape)
+    assert not any(name == "elasticd_run_total" for name, _ in scrape)
 
 
 def test_per_job_series_keep_only_recent_finished_jobs():
@@ -187,9 +202,10 @@ async def test_scrape_after_a_crash_once_job(client, tmp_path):
     assert value(scrape, phase, phase="rendezvous") == 1
     assert value(scrape, phase, phase="stop_workers") >= 1
     assert value(scrape, phase, phase="total") == 1
-    assert value(scrape, "elasticd_run_success_with_retries_total", role="default") == 1
-    assert value(scrape, "elasticd_run_success_no_retries_total", role="default") == 0
-    assert value(scrape, "elasticd_flakiness", job_id=job_id, role="default") == 25
+    run = {"role": "default"}
+    assert value(scrape, "elasticd_run_total", **run, outcome="success_with_retries") == 1
+    assert value(scrape, "elasticd_run_total", **run, outcome="success_no_retries") == 0
+    assert value(scrape, "elasticd_flakiness_ratio", job_id=job_id, role="default") == 0.25
     group = {"job_id": job_id, "node": "node-a"}
     assert value(scrape, "elasticd_worker_group_state", **group, state="SUCCEEDED") == 1
     assert value(scrape, "elasticd_worker_group_state", **group, state="HEALTHY") == 0

@@ -34,3 +34,6 @@ async def test_page_is_public_static_and_locked_down(tmp_path):
     assert "s3cret" not in html and "node-a" not in html
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html), "no CDN, no remote assets"
     assert "sessionStorage" in html and "Authorization" in html and "EventSource" not in html
+    # What the page shows is job text (names, messages, log lines): never parsed as markup.
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in html, sink

@@ -13,6 +13,11 @@ def ev(seq: int, failure: bool = False, published: bool = True, dropped: int = 0
     return Retained(seq=seq, time=float(seq), failure=failure, published=published, dropped=dropped)
 
 
+def crash(seq: int, code: int = 3, kind: str = "worker.exited") -> Retained:
+    """A worker failure a crash loop repeats (its signature: kind, rank 0, exit code)."""
+    return Retained(seq=seq, time=float(seq), failure=True, signature=(kind, 0, code))
+
+
 def marker(seq: int, count: int, until: float) -> Retained:
     return Retained(seq=seq, time=float(seq), dropped=count, until=until)
 
@@ -41,6 +46,45 @@ def marker(seq: int, count: int, until: float) -> Retained:
         ([ev(1), ev(2), marker(3, 10, 8.0), ev(9), ev(10)], Trim()),
         # all failures: every one kept
         ([ev(i, failure=True) for i in range(1, 9)], Trim()),
+        # a crash loop: the first of a run of the same failure stays, its repeats in the
+        # middle go into the marker, the last ones stay
+        (
+            [ev(1), ev(2), crash(3), crash(4), crash(5), crash(6), crash(7)],
+            Trim(delete=(5,), marker=Retained(seq=4, time=4.0, dropped=2, until=5.0)),
+        ),
+        # a different failure breaks the run: it stays, and so does the next of the first kind
+        (
+            [ev(1), ev(2), crash(3), crash(4, code=9), crash(5), crash(6), ev(7), ev(8)],
+            Trim(delete=(), marker=Retained(seq=6, time=6.0, dropped=1, until=6.0)),
+        ),
+        # runs are per kind: a restart between two identical exits does not break their run
+        (
+            [ev(1), ev(2), crash(3), crash(4, kind="group.restarting"), crash(5), ev(6), ev(7)],
+            Trim(delete=(), marker=Retained(seq=5, time=5.0, dropped=1, until=5.0)),
+        ),
+        # failures without a signature (faults: store.lost, ...) are never repeats
+        (
+            [ev(1), ev(2), ev(3, failure=True), ev(4, failure=True), ev(5), ev(6)],
+            Trim(),
+        ),
+        # a repeat not yet published stays
+        (
+            [
+                ev(1),
+                ev(2),
+                crash(3),
+                Retained(
+                    seq=4,
+                    time=4.0,
+                    failure=True,
+                    signature=("worker.exited", 0, 3),
+                    published=False,
+                ),
+                ev(5),
+                ev(6),
+            ],
+            Trim(),
+        ),
     ],
 )
 def test_trim_events(events: list[Retained], expected: Trim) -> None:

@@ -97,7 +97,8 @@ from elasticd.rendezvous import (  # noqa: E402
     Settings,
     StoreRendezvous,
 )
-from elasticd.rendezvous.handler import RoundInfo, state_key  # noqa: E402
+from elasticd.rendezvous.interface import RoundInfo  # noqa: E402
+from elasticd.rendezvous.layout import state_key  # noqa: E402
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent  # noqa: E402
 
 TOKEN = "bench-scale-token"

@@ -138,7 +138,13 @@ class Config(BaseModel):
         default=False,
         description="Accept a plaintext, unauthenticated store on a non-loopback address.",
     )
-    shutdown_timeout: float = Field(default=60.0, gt=0)
+    shutdown_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a stopping daemon spends, once its workers are stopped, publishing "
+        "queued events, revoking its lease and draining HTTP requests; each step gets what is "
+        "left (at least 1 s).",
+    )
     health_check: list[str] | None = Field(
         default=None,
         description="A node-wide health check command (argv) run before every group start.",
@@ -390,6 +396,7 @@ _ENV_FIELDS = {
     "STORE_PREFIX": "store_prefix",
     "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
+    "SHUTDOWN_TIMEOUT": "shutdown_timeout",
     "JOB_RETENTION": "job_retention",
     "NODE_FAILURE_GRACE": "node_failure_grace",
     "MAX_CONNECTIONS": "max_connections",

@@ -12,7 +12,7 @@ The cluster store holds, with one owner for each subtree::
     ev/<id>/<node>/<seq>              a node's events, in its order      (events)
     group/<id>/<node>                 a node's published worker group    (agent)
     barrier/<id>/<round>/<node>       a round's exit barrier             (agent)
-    rdzv/<id>/...                     the job's rendezvous               (rendezvous.handler)
+    rdzv/<id>/...                     the job's rendezvous               (rendezvous.layout)
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
     jobs/<id>/inprocess/<attempt>/... in-process restart's coordination  (inprocess.keys)
     jobs/<id>/torchrun/<round>/...    torch's agent store, one per round  (torchrun_backend)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import (
@@ -424,6 +425,13 @@ class JobOwner(BaseModel):
     )
 
 
+class Launcher(StrEnum):
+    """Who runs a job's workers (``Job.launcher``; the stored and served values are these)."""
+
+    ELASTICD = "elasticd"  # the daemons' agents: scheduled, run, cancelled and resumed by them
+    TORCHRUN = "torchrun"  # torch's agents (``torchrun --rdzv-backend=elasticd``): shown only
+
+
 class Job(BaseModel):
     """A submitted job and where it stands.
 
@@ -464,8 +472,8 @@ class Job(BaseModel):
         default=None,
         description="The nodes the fleet scheduler placed it on, hot spares last (when served).",
     )
-    launcher: Literal["elasticd", "torchrun"] = Field(
-        default="elasticd",
+    launcher: Launcher = Field(
+        default=Launcher.ELASTICD,
         description=(
             "Who runs the workers. `torchrun`: torch's own agents, under "
             "`torchrun --rdzv-backend=elasticd`, write this document; the daemons show it "
@@ -617,8 +625,3 @@ class WorkersView(BaseModel):
 def valid_job_id(value: str) -> bool:
     """Whether ``value`` is a job id the API would accept (and so a safe folder name)."""
     return re.fullmatch(JOB_ID_PATTERN, value) is not None
-
-
-def valid_node_name(value: str) -> bool:
-    """Whether ``value`` is a node name a daemon may have (see :data:`NODE_NAME_PATTERN`)."""
-    return re.fullmatch(NODE_NAME_PATTERN, value) is not None

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import errno
 import logging
 import sqlite3
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.storage")
 
@@ -191,6 +191,8 @@ class WriteBacklog:
         self._queue: collections.deque[tuple[Callable[[], Any], Callable[[Any], None]]] = (
             collections.deque()
         )
+        #: The retry loop while writes wait (one at a time), owned here and ended by stop.
+        self._tasks = TaskSet(f"backlog-{source}")
         self._task: asyncio.Task[None] | None = None
         self._empty = asyncio.Event()
         self._empty.set()
@@ -231,9 +233,7 @@ class WriteBacklog:
         self._queue.append((write, landed))
         self._empty.clear()
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                self._retry(), name=f"backlog-{self.source}"
-            )
+            self._task = self._tasks.spawn(self._retry(), name=f"backlog-{self.source}")
         return False
 
     async def wait_empty(self) -> None:
@@ -280,11 +280,8 @@ class WriteBacklog:
 
     async def stop(self) -> None:
         """Stop retrying (what is still queued is given up: the daemon is exiting)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._tasks.aclose()
+        self._task = None
         if self._queue:
             log.error("%s: %d writes could not be made before exit", self.source, len(self._queue))
 

@@ -39,6 +39,7 @@ from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN, Job, valid_job_id
 from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
 from elasticd.store import Entry, Store
+from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.cluster")
 
@@ -123,7 +124,8 @@ class Cluster:
         #: the lease lives at least ``lease_ttl`` from then, and may end right after.
         self.renewed_at: float | None = None
         self._lease_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []
+        #: The keep-alive and the job watch: started by start, ended by stop.
+        self._tasks = TaskSet("cluster")
         self._stopping = False
 
     @property
@@ -132,20 +134,14 @@ class Cluster:
 
     async def start(self) -> None:
         await self.lease()
-        self._tasks = [
-            asyncio.create_task(self._keep_alive(), name="node-keepalive"),
-            asyncio.create_task(self._watch_jobs(), name="job-watch"),
-        ]
+        self._tasks.spawn(self._keep_alive(), name="node-keepalive")
+        self._tasks.spawn(self._watch_jobs(), name="job-watch")
 
     async def stop(self) -> None:
         """Stop watching and leave: revoking the lease removes this node's keys at once."""
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks = []
+        # Cancelled and awaited; a cancellation of this stop (its bound) still gets through.
+        await self._tasks.aclose()
         if self._lease is not None:
             with contextlib.suppress(StoreError):
                 await self.store.revoke(self._lease)

@@ -10,7 +10,7 @@ this event loop (it binds first: the port is part of this node's record;
 (the nodes of a cluster start in any order: retried with backoff, logged
 once, ``/readyz`` says what is awaited; a store that refuses this daemon's
 credentials is a configuration error, raised at once), kill the workers a
-previous run left behind (:func:`elasticd.supervise.spawn.sweep_orphans`, then
+previous run left behind (:func:`elasticd.supervise.sweep.sweep_orphans`, then
 the attempt cgroups left in the daemon's subtree: :mod:`elasticd.supervise.cgroup`),
 recover the jobs a previous run left active (never lose them), register in
 the cluster, tell systemd ``READY=1``, and ping its watchdog when the unit
@@ -33,10 +33,13 @@ Shutdown (SIGTERM or SIGINT), in a fixed order, each step bounded:
 stop accepting jobs → stop agents (each stops its workers: SIGTERM to the
 process group, the job's grace, SIGKILL, awaited; each leaves its
 rendezvous) → events are already on disk, checkpoint the database → publish
-the queued events to the store (bounded) → then the start-up's undo stack:
+the queued events to the store → then the start-up's undo stack:
 stop the retention and watchdog tasks, leave the cluster (revoke the node's
 lease, so peers see it gone at once), release the cgroup subtree, stop the
-HTTP server, close the store, close the database.
+HTTP server, close the store, close the database. Once the workers are
+stopped, what follows shares ``shutdown_timeout``: each step (the events'
+publication, the lease's revocation, the HTTP drain) gets what is left of it,
+at least 1 s (:func:`step_bound`).
 
 Signal handlers only set an event; uvicorn's own handlers are switched off.
 """
@@ -48,6 +51,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import os
 import pwd
 import resource
@@ -92,7 +96,7 @@ from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
-from elasticd.sched.plan import Plan
+from elasticd.sched.plan import FleetPlan
 from elasticd.security import (
     UNIX_PATH_MAX,
     bind_unix_socket,
@@ -111,15 +115,27 @@ from elasticd.store import (
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
-from elasticd.supervise.spawn import (
-    SpawnPolicy,
-    live_children,
-    start_process,
-    sweep_orphans,
-)
+from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
+from elasticd.supervise.sweep import sweep_orphans
 from elasticd.tasks import cancel_and_wait
 
 log = logging.getLogger("elasticd.node.daemon")
+
+#: The least one step of the wind-down gets, however little of ``shutdown_timeout`` is left.
+MIN_STEP = 1.0
+#: What a write gets while the state disk refuses writes: nothing is acknowledged then.
+DEGRADED_STEP = 1.0
+
+
+def step_bound(left: float, *, degraded: bool) -> float:
+    """Seconds one step of a stopping daemon's wind-down may take (pure).
+
+    ``left``: what remains of ``shutdown_timeout`` (counted from when the
+    workers were stopped); each step gets it, at least :data:`MIN_STEP`, and
+    a write no more than :data:`DEGRADED_STEP` while the state disk refuses.
+    """
+    bound = max(MIN_STEP, left)
+    return min(bound, DEGRADED_STEP) if degraded else bound
 
 
 class _Server(uvicorn.Server):
@@ -305,6 +321,8 @@ class Daemon:
         self._serve_http = serve_http
         self._console = console
         self._stop = asyncio.Event()
+        #: When the wind-down after the workers must be over (``shutdown_timeout``).
+        self._wind_down_until: float | None = None
         self.stop_signal: signal.Signals | None = None  # the signal that asked for the stop
         #: Set once the agents are stopped, just before the HTTP server stops: open
         #: streams (SSE, log follow) end on it so that they never hold up shutdown.
@@ -456,8 +474,7 @@ class Daemon:
         )
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
-            self.jobs.job_tokens = self.authenticator.jobs
-            self.jobs.token_dir = self._token_dir()
+            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
         if self.job_users.serves_others and not self.config.allow_insecure_store:
@@ -604,11 +621,9 @@ class Daemon:
                     )
                 self._store_wait = None
                 return True
-            stop = asyncio.ensure_future(self._stop.wait())
-            try:
-                await asyncio.wait([stop], timeout=delay)
-            finally:
-                stop.cancel()
+            with contextlib.suppress(TimeoutError):  # the next try, unless a stop comes first
+                async with asyncio.timeout(delay):
+                    await self._stop.wait()
             if self._stop.is_set():
                 return False
             delay = min(delay * 2, 5.0)
@@ -633,7 +648,8 @@ class Daemon:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=3,
+            # Set from what is left of shutdown_timeout when the server stops (_stop_http).
+            timeout_graceful_shutdown=math.ceil(self.config.shutdown_timeout),
             # Bounded request heads, head read time and connections (api.protocol).
             **uvicorn_settings(self.max_connections),
         )
@@ -766,7 +782,7 @@ class Daemon:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_refused(key, reason)
 
-    def _on_plan(self, plan: Plan) -> None:
+    def _on_plan(self, plan: FleetPlan) -> None:
         self.metrics.on_plan(plan)
         self.jobs.on_plan(plan)
 
@@ -808,6 +824,8 @@ class Daemon:
             # The graceful part first (workers stopped, events published), while the
             # node is still in the cluster; then the rest, in reverse order of start.
             await self._stop_jobs()
+            loop = asyncio.get_running_loop()
+            self._wind_down_until = loop.time() + self.config.shutdown_timeout
             with contextlib.suppress(Exception):
                 self.db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             await self._stop_events()
@@ -824,16 +842,20 @@ class Daemon:
     async def _stop_events(self) -> None:
         with contextlib.suppress(Exception):
             # Bounded: publish what is queued to the store (briefly when the disk refuses).
-            await self.events.stop(self._write_bound(5.0))
+            await self.events.stop(self._write_bound())
 
     async def _leave_cluster(self) -> None:
         with contextlib.suppress(Exception):  # bounded: a full disk may hold the revoke back
-            async with asyncio.timeout(self._write_bound(5.0)):
+            async with asyncio.timeout(self._write_bound()):
                 await self.cluster.stop()  # revoke the node's lease: peers see it gone at once
 
     async def _stop_http(self) -> None:
         self.closing_streams.set()  # open streams (SSE, log follow) end first
         if self._server is not None and self._server_task is not None:
+            # Requests still running get what is left of the wind-down, then are cancelled.
+            self._server.config.timeout_graceful_shutdown = math.ceil(
+                step_bound(self._wind_down_left(), degraded=False)
+            )
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._server_task
@@ -841,9 +863,16 @@ class Daemon:
             with contextlib.suppress(OSError):
                 self.socket_path.unlink()
 
-    def _write_bound(self, seconds: float) -> float:
-        """How long a stopping daemon waits on a write: 1 s while the state disk refuses."""
-        return min(seconds, 1.0) if self.storage.state_degraded() is not None else seconds
+    def _wind_down_left(self) -> float:
+        """Seconds left of ``shutdown_timeout``, counted from when the workers were stopped."""
+        if self._wind_down_until is None:  # a failed start rolling back: the whole budget
+            return self.config.shutdown_timeout
+        return self._wind_down_until - asyncio.get_running_loop().time()
+
+    def _write_bound(self) -> float:
+        """How long a stopping daemon waits on one write (:func:`step_bound`)."""
+        degraded = self.storage.state_degraded() is not None
+        return step_bound(self._wind_down_left(), degraded=degraded)
 
     async def __aenter__(self) -> Self:
         await self.start()

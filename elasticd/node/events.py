@@ -78,6 +78,7 @@ from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
 from elasticd.store import Store
 from elasticd.store.base import MAX_BATCH_KEYS
+from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.events")
 
@@ -284,7 +285,9 @@ class EventLog:
         self._store = store
         self._changed = asyncio.Event()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._publisher: asyncio.Task[None] | None = None
+        #: The publisher and the retention trimmer: started by start, ended by stop.
+        self._tasks = TaskSet("events")
+        self._publishing = False
         self._listeners: list[Any] = []
         #: Jobs told ``store.lost`` and not yet ``store.back``: job -> (monotonic time
         #: lost, the source that said it). Kept by the node, not the agent: an agent
@@ -295,7 +298,7 @@ class EventLog:
         self._since_trim: dict[str, int] = {}  # new events per job since its last trim
         self._to_trim: set[str] = set()
         self._trim_wake = asyncio.Event()
-        self._trimmer: asyncio.Task[None] | None = None
+        self._trimming = False
         #: Store keys of trimmed events not deleted yet (the store was away), per job.
         self._unpublish: dict[str, list[str]] = {}
 
@@ -469,8 +472,9 @@ class EventLog:
 
     async def start(self) -> None:
         """Publish what a previous run left unpublished, then keep publishing."""
-        if self._trimmer is None:
-            self._trimmer = asyncio.create_task(self._trim_loop(), name="event-retention")
+        if not self._trimming:
+            self._trimming = True
+            self._tasks.spawn(self._trim_loop(), name="event-retention")
         if self._store is None:
             return
         # Events emitted before start() are queued already and are among the
@@ -481,34 +485,25 @@ class EventLog:
             self._queue.task_done()
         for event in self._db.unpublished_events():
             self._queue.put_nowait(event)
-        self._publisher = asyncio.create_task(self._publish(), name="event-publisher")
+        self._publishing = self._tasks.spawn(self._publish(), name="event-publisher") is not None
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Write and publish what is queued (bounded by ``timeout``), then stop."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._db.backlog.wait_empty()
-                if self._publisher is not None:
+                if self._publishing:
                     await self._queue.join()
         await self._db.backlog.stop()
-        if self._trimmer is not None:
-            self._trimmer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._trimmer
-            self._trimmer = None
-        if self._publisher is None:
-            return
-        self._publisher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._publisher
-        self._publisher = None
+        self._publishing = False
+        await self._tasks.aclose()
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Wait until every event emitted so far is in the store (bounded by ``timeout``)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._db.backlog.wait_empty()
-                if self._publisher is not None:
+                if self._publishing:
                     await self._queue.join()
 
     async def _publish(self) -> None:

@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.models import Event, Job
-from elasticd.sched.plan import Plan
+from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 
 __all__ = [
@@ -295,7 +295,7 @@ class Metrics:
         #: The latest job documents, by id.
         self.jobs: dict[str, Job] = {}
         #: The fleet's latest plan (the scheduler's plan watch hands it over).
-        self.plan = Plan()
+        self.plan = FleetPlan()
         #: (job, node) -> the current state of a worker group this node runs or ran.
         self.group_states: dict[tuple[str, str], str] = {}
         #: job -> (role, flakiness) of the finished jobs this node ran.
@@ -367,7 +367,7 @@ class Metrics:
 
     # inputs
 
-    def on_plan(self, plan: Plan) -> None:
+    def on_plan(self, plan: FleetPlan) -> None:
         """Take the fleet's current plan (queue and placements)."""
         self.plan = plan
 

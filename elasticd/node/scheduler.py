@@ -44,13 +44,13 @@ from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
-from elasticd.models import NODE_NAME_PATTERN
+from elasticd.models import NODE_NAME_PATTERN, Launcher
 from elasticd.node.cluster import NodeRecord, parse_jobs
 from elasticd.node.events import EventLog
-from elasticd.sched.plan import Demand, NodeCapacity, Notice, Plan, clip, schedule
+from elasticd.sched.plan import Demand, FleetPlan, NodeCapacity, Notice, clip, schedule
 from elasticd.states import JOB_ACTIVE
 from elasticd.store import Entry, Store
-from elasticd.tasks import cancel_and_wait
+from elasticd.tasks import TaskSet, cancel_and_wait
 
 log = logging.getLogger("elasticd.node.scheduler")
 
@@ -72,12 +72,12 @@ _NOTICE_KINDS = {
 }
 
 
-def decode_plan(raw: bytes | None) -> Plan | None:
+def decode_plan(raw: bytes | None) -> FleetPlan | None:
     """The stored plan; ``None`` when it does not parse (the next pass replaces it)."""
     if raw is None:
-        return Plan()
+        return FleetPlan()
     try:
-        return Plan.model_validate_json(raw)
+        return FleetPlan.model_validate_json(raw)
     except ValidationError:
         return None
 
@@ -157,7 +157,7 @@ class FleetScheduler:
         store: Store,
         events: EventLog,
         *,
-        on_plan: Callable[[Plan], None],
+        on_plan: Callable[[FleetPlan], None],
         node: str = "",
         lease: Callable[[], Awaitable[int]] | None = None,
         clock: Clock = SYSTEM_CLOCK,
@@ -174,12 +174,13 @@ class FleetScheduler:
         self.clock = clock
         self._on_plan = on_plan
         self._dirty = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        #: The pass loop and its watches: started by start, ended by stop.
+        self._tasks = TaskSet("scheduler")
         self._fleet: (
             frozenset[tuple[str, int, tuple[tuple[str, str], ...], frozenset[str]]] | None
         ) = None
         #: The latest plan seen (served by ``GET /queue``).
-        self.plan = Plan()
+        self.plan = FleetPlan()
         #: Monotonic time before which this daemon does not try to lead (after a crash).
         self._holdoff_until = 0.0
         #: Jobs that waited for a placement in the last pass (told if a pass crashes).
@@ -189,18 +190,14 @@ class FleetScheduler:
 
     async def start(self) -> None:
         self._dirty.set()
-        self._tasks = [
-            asyncio.create_task(self._decide(), name="sched-decide"),
-            asyncio.create_task(self._watch_plan(), name="sched-plan-watch"),
-            asyncio.create_task(self._watch_nodes(), name="sched-node-watch"),
-        ]
+        self._tasks.spawn(self._decide(), name="sched-decide")
+        self._tasks.spawn(self._watch_plan(), name="sched-plan-watch")
+        self._tasks.spawn(self._watch_nodes(), name="sched-node-watch")
         if self._lease is not None:
-            self._tasks.append(asyncio.create_task(self._lead(), name="sched-leader"))
+            self._tasks.spawn(self._lead(), name="sched-leader")
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            await cancel_and_wait(task)
+        await self._tasks.aclose()
 
     def wake(self) -> None:
         """Something the placement depends on changed: run a pass soon (coalesced)."""
@@ -350,7 +347,8 @@ class FleetScheduler:
                     slot_quota=j.owner.slot_quota if j.owner is not None else None,
                 )
                 for j in jobs
-                if j.state in JOB_ACTIVE and j.launcher == "elasticd"  # torchrun runs its own
+                if j.state in JOB_ACTIVE
+                and j.launcher == Launcher.ELASTICD  # torchrun runs its own
             ]
             placed = (stored or self.plan).placements
             self._waiting = [d.id for d in demands if d.id not in placed]

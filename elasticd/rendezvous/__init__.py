@@ -16,14 +16,9 @@ joined, so no worker of a new round ever dials an address left over from the
 last one (torchrun's "connectFullMesh ... Connection refused" after a restart).
 """
 
-from elasticd.rendezvous.handler import (
-    Rendezvous,
-    RoundInfo,
-    StoreRendezvous,
-    free_port,
-    presence_prefix,
-    state_key,
-)
+from elasticd.rendezvous.handler import StoreRendezvous
+from elasticd.rendezvous.interface import Rendezvous, RoundInfo, free_port
+from elasticd.rendezvous.layout import presence_prefix, state_key
 from elasticd.rendezvous.protocol import Change, Settings
 
 __all__ = [

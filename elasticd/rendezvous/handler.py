@@ -1,16 +1,6 @@
 """The rendezvous executor: applies the pure decisions of :mod:`.protocol` over the store.
 
-Keys of one job, all under ``rdzv/<job>/``:
-
-* ``m/state``: the rendezvous document, written only by compare-and-set;
-* ``m/node/<name>``: a node's lease-bound *presence* key holding its join info;
-* ``signal/done``: written by whoever completes or closes a round or sets its
-  deadline (what nodes placed inside an open round wait for);
-* ``signal/absorber``: the advisory *absorber* role, see below;
-* ``seat/<name>``: a node's seat in the latest complete round it took part
-  in (:class:`~.protocol.Seat`: its ranks and the master), and
-  ``roster/<round>``: a complete round's participants (jobs of
-  ``ABSORBER_FROM`` nodes or more, written by the node that completes it).
+The keys of one job are drawn in :mod:`.layout`.
 
 A running node, a waiting one and a hot spare watch ``m/``, so that a lease
 expiry (a presence key deleted) wakes them at once. Nothing sleeps on a
@@ -63,11 +53,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from enum import Enum
-from typing import Protocol
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
@@ -78,6 +66,19 @@ from elasticd.errors import (
     StoreError,
 )
 from elasticd.keys import rendezvous_prefix
+from elasticd.rendezvous.interface import RoundInfo, free_port
+from elasticd.rendezvous.layout import (
+    Presence,
+    absorber_key,
+    decode_state,
+    membership_prefix,
+    presence_prefix,
+    roster_bytes,
+    roster_key,
+    seat_key,
+    signal_prefix,
+    state_key,
+)
 from elasticd.rendezvous.protocol import (
     Absorber,
     Action,
@@ -85,13 +86,16 @@ from elasticd.rendezvous.protocol import (
     Head,
     Kind,
     Look,
+    Next,
     NodeInfo,
     Seat,
     Settings,
     State,
+    after_lost_write,
     decide_close,
     decide_exit,
     decide_join,
+    holder_follows,
     look,
     needs_placing,
     next_look,
@@ -99,7 +103,6 @@ from elasticd.rendezvous.protocol import (
     skip_exit,
     watch_reason,
 )
-from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.store import Store
 from elasticd.store.base import MAX_BATCH_KEYS, CasResult, Entry
 
@@ -131,111 +134,12 @@ ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
 SENTINELS = 3
 
 
-@dataclass(frozen=True)
-class RoundInfo:
-    """What a node learns from a completed round."""
-
-    round: int
-    group_rank: int
-    group_world_size: int
-    nodes: list[NodeSlot]
-    master_addr: str
-    master_port: int
-    participants: dict[str, int]
-    #: This node's ranks, computed by the node that completed the round (jobs of
-    #: ``ABSORBER_FROM`` nodes or more). Then ``nodes`` is empty, and so is
-    #: ``participants`` in rounds of more than ``ROSTER_INLINE`` nodes
-    #: (:meth:`StoreRendezvous.roster` reads them).
-    seat: Seat | None = None
-
-    @property
-    def roster_known(self) -> bool:
-        """Does ``participants`` name every participant?"""
-        return len(self.participants) == self.group_world_size
-
-    @staticmethod
-    def of_seat(seat: Seat) -> RoundInfo:
-        return RoundInfo(
-            round=seat.round,
-            group_rank=seat.group_rank,
-            group_world_size=seat.group_world_size,
-            nodes=[],
-            master_addr=seat.master_addr,
-            master_port=seat.master_port,
-            participants=dict(seat.participants or {}),
-            seat=seat,
-        )
-
-
 class _Step(Enum):
     """What the join loop does after :meth:`StoreRendezvous._check_in`."""
 
     DONE = "done"
     AGAIN = "again"
     DECIDE = "decide"
-
-
-class Rendezvous(Protocol):
-    """The agent's view of a rendezvous."""
-
-    async def next_round(self, *, port: int | None = None) -> RoundInfo:
-        """Leave the current round if in one, join the next and return once it is complete.
-
-        ``port``: this node's master port for the round (default: a fresh one,
-        as :meth:`solo_round` picks it).
-        """
-        ...
-
-    def solo_round(self, last: RoundInfo) -> RoundInfo | None:
-        """The round :meth:`next_round` forms after ``last`` when no other node can join.
-
-        Only for a job of one node (``max_nodes = 1``) whose ``last`` round had
-        this node alone: the next round is then known before the store is asked
-        (the next number, the same slot, a fresh master port), so a restart can
-        start its workers while :meth:`next_round` records it (pass the
-        round's ``master_port`` to it). None when the next round is not
-        determined locally.
-        """
-        ...
-
-    async def wait_for_change(
-        self, my_round: int, on_contact: Callable[[], None] | None = None
-    ) -> Change:
-        """Return the first reason the running round must be re-formed.
-
-        ``on_contact`` is called after every store request that succeeded, so
-        a caller that counts how long the store has been lost knows when it
-        came back even while nothing changes.
-        """
-        ...
-
-    async def leaving(self, my_round: int) -> None:
-        """Say that this node is leaving ``my_round`` for the next (before it stops workers)."""
-        ...
-
-    async def close(self) -> None:
-        """Mark the rendezvous closed: the job is over, no further rounds."""
-        ...
-
-    async def leave(self) -> None:
-        """Leave every list for good (the daemon is stopping)."""
-        ...
-
-    async def roster(self, round_: RoundInfo) -> RoundInfo:
-        """``round_`` with every participant named (read when the round did not carry them)."""
-        ...
-
-
-def free_port(addr: str = "") -> int:
-    """A TCP port that is free on ``addr`` right now (the kernel picks it)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((addr, 0))
-        except OSError:
-            sock.bind(("", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def notice_worthy(before: State, after: State) -> bool:
@@ -246,105 +150,6 @@ def notice_worthy(before: State, after: State) -> bool:
         or after.deadline != before.deadline
         or after.round != before.round
     )
-
-
-class Presence(Mapping[str, NodeInfo]):
-    """Announced nodes, decoding a node's join info only when it is looked up."""
-
-    def __init__(self, raw: dict[str, bytes]) -> None:
-        self._raw = raw
-        self._decoded: dict[str, NodeInfo] = {}
-
-    def __getitem__(self, node: str) -> NodeInfo:
-        info = self._decoded.get(node)
-        if info is None:
-            try:
-                info = NodeInfo.from_json(json.loads(self._raw[node]))
-            except (ValueError, TypeError) as exc:
-                raise RendezvousError(f"node {node!r} announced a malformed join info") from exc
-            self._decoded[node] = info
-        return info
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
-
-    def __contains__(self, node: object) -> bool:
-        return node in self._raw
-
-    def round_of(self, node: str) -> int | None:
-        """The round ``node``'s announcement is for; None if it has none or it is malformed."""
-        if node not in self._raw:
-            return None
-        try:
-            return self[node].round
-        except RendezvousError:
-            return None
-
-    def apply(self, node: str, raw: bytes | None) -> None:
-        """A presence key written (``raw``) or gone (``None``), from a watch event."""
-        self._decoded.pop(node, None)
-        if raw is None:
-            self._raw.pop(node, None)
-        else:
-            self._raw[node] = raw
-
-
-_DECODED: dict[tuple[bytes, int], State] = {}
-
-
-def _roster(state: State) -> bytes:
-    return json.dumps(state.participants, sort_keys=True).encode()
-
-
-def decode_state(raw: bytes, version: int) -> State:
-    """``State.decode`` with a small cache: a process running many agents for one job
-    (tests, simulations) decodes each version of the document once."""
-    key = (raw, version)  # the whole document: two stores may reuse a version number
-    state = _DECODED.get(key)
-    if state is None:
-        state = State.decode(raw)
-        if len(_DECODED) > 64:
-            _DECODED.clear()
-        _DECODED[key] = state
-    return state
-
-
-def membership_prefix(job_id: str) -> str:
-    """The state document and the presence keys: what a running node watches."""
-    return rendezvous_prefix(job_id) + "m/"
-
-
-def state_key(job_id: str) -> str:
-    """The rendezvous document of a job."""
-    return membership_prefix(job_id) + "state"
-
-
-def absorber_key(job_id: str) -> str:
-    """Held by the node placing announced nodes (see ``StoreRendezvous._take_absorber``)."""
-    return rendezvous_prefix(job_id) + "signal/absorber"
-
-
-def presence_prefix(job_id: str) -> str:
-    """One lease-bound key per announced node, named after it."""
-    return membership_prefix(job_id) + "node/"
-
-
-def signal_prefix(job_id: str) -> str:
-    """The head (``done``) and the absorber role: what joining nodes of a large job watch."""
-    return rendezvous_prefix(job_id) + "signal/"
-
-
-def seat_key(job_id: str, node: str) -> str:
-    """A node's seat in the latest complete round it took part in (see ``protocol.Seat``)."""
-    return rendezvous_prefix(job_id) + "seat/" + node
-
-
-def roster_key(job_id: str, round_: int) -> str:
-    """The participants of a complete round of a large job (for the agent, not the join)."""
-    return rendezvous_prefix(job_id) + f"roster/{round_}"
 
 
 class StoreRendezvous:
@@ -486,7 +291,7 @@ class StoreRendezvous:
             if len(batches[-1]) == MAX_BATCH_KEYS:
                 batches.append([])
             batches[-1].append((seat_key(self._job, node), seat.encode()))
-        batches.append([(roster_key(self._job, state.round), _roster(state))])
+        batches.append([(roster_key(self._job, state.round), roster_bytes(state))])
         await asyncio.gather(*(self._store.put_batch(batch) for batch in batches))
         if state.round >= 2:  # the agent reads a roster just after its round: keep two
             with contextlib.suppress(StoreError):
@@ -504,22 +309,22 @@ class StoreRendezvous:
         others read one small key each.
         """
         me, settings = self._me, self._settings
-        light = not holding  # read the state key alone before listing anything
+        # How the next pass reads (protocol.Next): the state key alone first, unless
+        # this node holds the absorber role and must list anyway.
+        read = Next.LIST if holding else Next.LIGHT
         view: tuple[State, int | None, Presence, int] | None = None
         try:
             while True:
-                if view is None and light:
-                    light = False
+                if read is Next.LIGHT:
                     step, state, info, holding = await self._check_in(info, holding, join_deadline)
                     if step is _Step.DONE:
                         return state
                     if step is _Step.AGAIN:
-                        light = True
                         continue
-                if view is None:
+                if read is not Next.REUSE or view is None:
                     view = await self.snapshot()
                 state, version, present, revision = view
-                view = None
+                read, view = Next.LIST, None
                 if me not in present or info.round < state.round:
                     # Our lease was lost and renewed, or a new round opened: announce again.
                     info = replace(info, round=max(info.round, state.round))
@@ -547,39 +352,29 @@ class StoreRendezvous:
                             # next watch (from the view's revision) brings whatever changed
                             # meanwhile. Listing ten thousand keys after each write would
                             # cost the holder O(N) per batch of arrivals.
+                            read = Next.REUSE
                             view = (action.state, result.entry.version, present, revision)
-                            continue
-                        # Decide again on a fresh view: everyone may have joined now (no
-                        # last call to wait out), or, holding the role, more have arrived.
+                        # Else decide again on a fresh view: everyone may have joined now
+                        # (no last call to wait out), or, holding the role, more arrived.
                         continue
-                    if holding:
+                    if holding or result.entry is None:
                         continue
-                    # Lost the race: when the winner's document says we are done or
-                    # placed, no listing is needed.
-                    if result.entry is not None:
-                        there = decode_state(result.entry.value, result.entry.version)
-                        if there.complete and me in there.participants and not there.closed:
-                            return there
-                        if not there.complete and not there.closed and me in there.participants:
-                            await self._wait_open_round(there, result.entry.version, there.deadline)
-                            light = True
+                    # Lost the race: the winner's document may say we are done or placed.
+                    there = decode_state(result.entry.value, result.entry.version)
+                    read = after_lost_write(there, me)
+                    if read is Next.DONE:
+                        return there
+                    if read is Next.LIGHT:
+                        await self._wait_open_round(there, result.entry.version, there.deadline)
                     continue
-                if (
-                    holding
-                    and action.kind is Kind.WAIT
-                    and not action.presence
-                    and (state.wait_list or self._large)
-                ):
-                    # Placed in an open round that waits for the last round's participants
-                    # to come back: keep the role and place them as their announcements
-                    # arrive, from the watch's events, rather than handing the role (and
-                    # a listing of every key) to each of them in turn. In a large job
-                    # the holder also places the first round's arrivals this way:
-                    # its waiting peers watch the head only, not the role's releases.
+                if holding and holder_follows(action, state, large=self._large):
+                    # Keep the role and place the arrivals from the watch's events; the
+                    # waiting peers of a large job watch the head only, not the role.
                     view, holding = await self._follow(
                         state, version, present, revision, action.until
                     )
                     if view is not None:
+                        read = Next.REUSE
                         continue
                 if holding:
                     holding = False
@@ -592,7 +387,8 @@ class StoreRendezvous:
                         # Woken by a change: read the state key alone again. Woken by
                         # the time: decide on a fresh view (see _check_in).
                         mine = self._my_deadline(state, action.until)
-                        light = mine is None or self._clock.time() < mine
+                        if mine is None or self._clock.time() < mine:
+                            read = Next.LIGHT
                     continue
                 if action.kind is Kind.FINISH:
                     return state

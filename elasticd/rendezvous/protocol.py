@@ -75,7 +75,6 @@ class Settings:
     max_nodes: int
     join_timeout: float = 600.0
     last_call_timeout: float = 1.0
-    close_timeout: float = 30.0
     #: How long a re-rendezvous waits for a waiting node to say it is on its way
     #: before it presumes the node dead (see :attr:`NodeInfo.seen`).
     ack_timeout: float = 0.25
@@ -307,6 +306,38 @@ def needs_placing(state: State, node: str) -> bool:
     document as it changes under its hands).
     """
     return node not in state.members() or (node in state.wait_list and not state.complete)
+
+
+class Next(Enum):
+    """How the join loop reads the rendezvous before it decides again."""
+
+    LIGHT = "light"  # the state key alone, and a wait while placed (the cheap step)
+    LIST = "list"  # the state and every presence key (a snapshot)
+    REUSE = "reuse"  # the view in hand: what this node just wrote, or what its watch saw
+    DONE = "done"  # the round this node is in is complete: the join is over
+
+
+def after_lost_write(winner: State, node: str) -> Next:
+    """The join lost a compare-and-set to ``winner``: how it goes on, without a listing
+    where the winner's document already answers.
+
+    DONE when the winner completed a round with ``node`` in it; LIGHT when it
+    placed ``node`` in a round still open (wait there, then read the key alone);
+    LIST otherwise.
+    """
+    if winner.closed or node not in winner.participants:
+        return Next.LIST
+    return Next.DONE if winner.complete else Next.LIGHT
+
+
+def holder_follows(action: Action, state: State, *, large: bool) -> bool:
+    """Does the absorber's holder, told to wait, keep the role and follow the arrivals?
+
+    Inside an open round that waits for the last round's participants (or, in a
+    large job, for the first round's arrivals) the holder places them from its
+    watch's events rather than handing the role, and a listing, to each in turn.
+    """
+    return action.kind is Kind.WAIT and not action.presence and (bool(state.wait_list) or large)
 
 
 def absorb(state: State, present: Mapping[str, NodeInfo], settings: Settings, now: float) -> State:

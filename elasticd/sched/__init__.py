@@ -5,13 +5,13 @@ The daemon applies them in :mod:`elasticd.node.scheduler`.
 
 from elasticd.sched.plan import (
     Demand,
+    FleetPlan,
     NodeCapacity,
     Notice,
-    Outcome,
     Placement,
-    Plan,
     Preemption,
     QueueEntry,
+    ScheduleResult,
     schedule,
 )
 
@@ -19,9 +19,9 @@ __all__ = [
     "Demand",
     "NodeCapacity",
     "Notice",
-    "Outcome",
+    "ScheduleResult",
     "Placement",
-    "Plan",
+    "FleetPlan",
     "Preemption",
     "QueueEntry",
     "schedule",

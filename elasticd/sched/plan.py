@@ -1,6 +1,6 @@
 """Fleet placement, pure: which nodes run each job, which jobs wait, and in what order.
 
-:func:`schedule` is a function of the stored :class:`Plan`, the active jobs, the
+:func:`schedule` is a function of the stored :class:`FleetPlan`, the active jobs, the
 live nodes and ``now``; it returns the next plan and what changed
 (:class:`Notice`). The daemon's thin loop (:mod:`elasticd.node.scheduler`)
 reads the three inputs from the store, calls it, and writes the plan back by
@@ -27,7 +27,7 @@ The rules, in the order they are applied:
 * **Preemption.** A job that does not fit may stop running jobs of a
   *lower* priority (lowest priority first, then newest first; any of them
   that turns out not to be needed is spared); they go back to the queue
-  (:attr:`Plan.preempted` names who preempted them) and resume as a new
+  (:attr:`FleetPlan.preempted` names who preempted them) and resume as a new
   attempt when capacity returns. The reservations a waiting job made are
   kept from pass to pass while they can still serve it.
 * **Reservation and backfill.** A job that still does not fit reserves
@@ -142,7 +142,7 @@ class Preemption(BaseModel):
     at: float
 
 
-class Plan(BaseModel):
+class FleetPlan(BaseModel):
     """The fleet's placement document (one key, written by compare-and-set)."""
 
     model_config = _STRICT
@@ -205,8 +205,8 @@ class Notice:
 
 
 @dataclass
-class Outcome:
-    plan: Plan
+class ScheduleResult:
+    plan: FleetPlan
     notices: list[Notice]
 
 
@@ -323,8 +323,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def schedule(
-    plan: Plan, jobs: Iterable[Demand], nodes: Iterable[NodeCapacity], now: float
-) -> Outcome:
+    plan: FleetPlan, jobs: Iterable[Demand], nodes: Iterable[NodeCapacity], now: float
+) -> ScheduleResult:
     """The next plan for these active jobs on these live nodes, and what changed.
 
     A job that cannot be planned (:func:`demand_problem`, or an exception
@@ -358,12 +358,12 @@ def schedule(
 
 
 def _schedule(
-    plan: Plan,
+    plan: FleetPlan,
     jobs: Sequence[Demand],
     nodes: Sequence[NodeCapacity],
     now: float,
     broken: Mapping[str, tuple[Demand, str]],
-) -> Outcome:
+) -> ScheduleResult:
     live = {n.name: n for n in nodes}
     order = sorted(jobs, key=order_key)
     by_id = {j.id: j for j in order}
@@ -606,7 +606,9 @@ def _schedule(
                         by=by,
                     )
                 )
-    return Outcome(Plan(placements=placements, queue=queue, preempted=preempted), notices)
+    return ScheduleResult(
+        FleetPlan(placements=placements, queue=queue, preempted=preempted), notices
+    )
 
 
 def _bounded_priority(job: Demand) -> int:

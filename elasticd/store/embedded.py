@@ -61,7 +61,7 @@ import asyncio
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from elasticd.errors import StoreUnavailable
 from elasticd.security import create_private_file, make_private_dir
@@ -81,6 +81,7 @@ from elasticd.store.memory import (
     MemoryStore,
     _Lease,
 )
+from elasticd.tasks import TaskSet
 
 SCHEMA_VERSION = 2
 
@@ -155,7 +156,9 @@ class EmbeddedStore(MemoryStore):
         #: Lease grants (id, ttl) and ends (id, None) not yet committed.
         self._lease_ops: list[tuple[int, float | None]] = []
         self._settle_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        #: The commit loop while changes wait (one at a time); close lets it finish.
+        self._tasks = TaskSet("embedded-store")
+        self._flusher: asyncio.Task[Any] | None = None
         self._broken: StoreUnavailable | None = None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elasticd-store")
         #: Where a disk that refuses commits is reported (the daemon passes its own).
@@ -252,12 +255,12 @@ class EmbeddedStore(MemoryStore):
     def _queue_lease(self, lease_id: int, ttl: float | None) -> None:
         self._lease_ops.append((lease_id, ttl))
         if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            self._flusher = self._tasks.spawn(self._flush(), name="store-commit")
 
     def _changed(self, event: WatchEvent, entry: Entry | None) -> None:
         self._pending.append((event, entry))
         if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+            self._flusher = self._tasks.spawn(self._flush(), name="store-commit")
 
     async def _settle(self) -> None:
         if self._broken is not None:
@@ -373,6 +376,7 @@ class EmbeddedStore(MemoryStore):
         self._give_up_at = asyncio.get_running_loop().time() + CLOSE_GRACE
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
+        await self._tasks.aclose()  # nothing left by now: no commit loop outlives the file
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._writer, self._db.close)
         self._writer.shutdown(wait=True)

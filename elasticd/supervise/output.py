@@ -108,7 +108,6 @@ class OutputPipe:
         self._write_failed = False
         self._sink_failed = False
         self._health = health
-        self.bytes_read = 0
         #: Output read from the worker that could not be written to the log file: the disk
         #: refused it, or only root's reserve or none of the user's quota was left.
         self.bytes_lost = 0
@@ -209,7 +208,6 @@ class OutputPipe:
     # Called by the protocol, on the event loop.
 
     def _on_data(self, data: bytes) -> None:
-        self.bytes_read += len(data)
         if self._file is not None:
             self._append(self._file, data)
         if self._sink is not None:

@@ -31,15 +31,8 @@ from elasticd.supervise.errorfile import WorkerError, read_error_file
 from elasticd.supervise.output import OutputPipe, OutputSink, Stream
 from elasticd.supervise.outputlimits import SpaceGuard
 from elasticd.supervise.records import WorkerRecord
-from elasticd.supervise.spawn import (
-    DEFAULT_POLICY,
-    SpawnPolicy,
-    WorkerRegistry,
-    boot_id,
-    group_has_live_members,
-    process_start_time,
-    start_process,
-)
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry, start_process
+from elasticd.supervise.sweep import boot_id, group_has_live_members, process_start_time
 from elasticd.supervise.tracebacks import traceback_from_log
 
 __all__ = [

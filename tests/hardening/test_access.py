@@ -369,3 +369,28 @@ async def test_a_job_may_ask_only_for_an_allowed_user(open_tmp: Path) -> None:
             await eventually(lambda: not pid_alive(pid), 10, "the worker to stop")
     finally:
         daemon.stop()
+
+
+@pytest.mark.timeout(60)
+@AS_ROOT
+async def test_a_daemon_that_runs_jobs_as_other_users_is_never_tokenless(tmp_path: Path) -> None:
+    """Loopback is no boundary between the operator and the jobs: a job's processes could
+    use a tokenless API as the daemon's client. A daemon given no token makes its own
+    (<state_dir>/token, 0600) and answers 401 to a client without it."""
+    daemon = serve(tmp_path, "--run-as", "nobody", token_file=False)
+    try:
+        token_file = daemon.state_dir / "token"
+        deadline = asyncio.get_running_loop().time() + 30
+        while not token_file.exists():
+            assert daemon.proc.poll() is None, daemon.output()
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        daemon.token = token_file.read_text().strip()
+        await daemon.wait_ready()
+        async with httpx.AsyncClient(base_url=daemon.url, timeout=30) as anonymous:
+            assert (await anonymous.get("/jobs")).status_code == 401
+            r = await anonymous.post("/jobs", json={"entrypoint": "/bin/true"})
+            assert r.status_code == 401
+    finally:
+        daemon.stop()

@@ -170,3 +170,30 @@ def test_the_unit_sets_a_watchdog() -> None:
     """The shipped unit asks for the watchdog the daemon implements (verified by test_packaging)."""
     unit = (Path(__file__).resolve().parents[2] / "systemd" / "elasticd.service").read_text()
     assert "WatchdogSec=60" in unit and "NotifyAccess=main" in unit
+
+
+@pytest.mark.timeout(90)
+async def test_shutdown_timeout_bounds_the_wind_down_when_the_store_hangs(tmp_path: Path) -> None:
+    """A node whose store stops answering exits within its shutdown_timeout, not 5 + 5 + 3 s."""
+    c = LocalCluster(tmp_path, lease_ttl=LEASE_TTL)
+    try:
+        c.start("n0")  # serves the store
+        await c.wait_ready("n0")
+        c.start("n1", env={"ELASTICD_SHUTDOWN_TIMEOUT": "1"})
+        await c.wait_ready("n1")
+        store = c.nodes["n0"].proc
+        store.send_signal(signal.SIGSTOP)  # the store hangs: no answer, no refusal
+        try:
+            node = c.nodes["n1"].proc
+            started = time.monotonic()
+            node.send_signal(signal.SIGTERM)
+            while node.poll() is None and time.monotonic() - started < 30:
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - started
+        finally:
+            store.send_signal(signal.SIGCONT)
+        assert node.returncode == 0, c.logs()
+        # Three steps of at least 1 s each (events, lease, HTTP); 5 + 5 s before the setting.
+        assert took < 4.5, f"the stop took {took:.1f} s: {c.logs()}"
+    finally:
+        c.stop_all()

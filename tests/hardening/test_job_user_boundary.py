@@ -11,6 +11,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -448,3 +449,25 @@ async def test_start_process_resolves_in_the_child_and_withholds_secrets(tmp_pat
     assert out.decode().strip() == f"{tmp_path / 'bin' / 'probe'}|{tmp_path / 'work'}|kept|"
     with pytest.raises(WorkerSpawnError, match="no executable of that name"):
         await start_process(["elasticd-no-such-program"], env, identity=None)
+
+
+@AS_ROOT
+def test_a_log_root_a_job_user_could_write_is_refused(tmp_path: Path) -> None:
+    """A log_dir owned by the job user would let a job plant `<log_dir>/<job id>` as a link
+    and make root create folders wherever it points: such a daemon refuses to start."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    os.chown(logs, 65534, 65534)  # nobody's
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "elasticd", "serve", "--port", "0", "--state-dir",
+         str(tmp_path / "state"), "--log-dir", str(logs), "--run-as", "nobody",
+         "--token-file", str(token)],
+        env=env, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"log_dir {logs} must be a folder of the daemon's own user" in proc.stderr
+    assert not any(logs.iterdir())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from elasticd.supervise.records import WorkerRecord
-from elasticd.supervise.spawn import boot_id, process_start_time
+from elasticd.supervise.sweep import boot_id, process_start_time
 from tests.conftest import make_daemon
 from tests.hardening.support import (
     PY,

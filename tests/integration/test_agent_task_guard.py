@@ -88,16 +88,18 @@ async def test_an_agent_that_keeps_dying_is_given_up_by_the_node_never_failing_t
         while True:
             events = await events_of(client, "doomed")
             crashed = [e for e in events if e["kind"] == "agent.crashed"]
-            if len(crashed) == MAX_AGENT_CRASHES and not daemon.jobs._crashing:
+            if len(crashed) == MAX_AGENT_CRASHES and not daemon.jobs.reconciler.crashing:
                 break
             await asyncio.sleep(0.1)
     assert "gives the job up" in crashed[-1]["message"], crashed[-1]
     assert "the error path broke too" in crashed[-1]["message"], crashed[-1]
     job = (await client.get("/jobs/doomed")).json()
     assert job["state"] != "FAILED", job
-    assert not daemon.jobs._agents and not daemon.jobs._tasks
-    assert "doomed" not in daemon.jobs._allocated
-    assert len(daemon.jobs._free) == daemon.jobs._slots  # every slot given back
+    assert not daemon.jobs.supervisor.agents and not daemon.jobs.supervisor.tasks
+    assert "doomed" not in daemon.jobs.reconciler.slots.held
+    assert (
+        len(daemon.jobs.reconciler.slots.free) == daemon.jobs.reconciler.slots.count
+    )  # every slot given back
     for pid in (int(p.name) for p in out.iterdir()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -15,7 +15,7 @@ import pytest
 from elasticd import keys
 from elasticd.inprocess.keys import Layout
 from elasticd.keys import event_key
-from elasticd.rendezvous.handler import absorber_key, presence_prefix, state_key
+from elasticd.rendezvous.layout import absorber_key, presence_prefix, state_key
 from elasticd.worker.names import default_namespace
 from tests.hardening.support import PY, make_token_file, script, serve
 

@@ -45,7 +45,7 @@ async def test_a_torchrun_run_is_listed_but_never_run_resumed_or_cancelled(
         assert (listed["id"], listed["launcher"], listed["state"]) == ("tr1", "torchrun", "RUNNING")
 
         daemon.jobs.on_jobs([job])  # what the watch calls; explicit, so nothing races the check
-        assert "tr1" not in daemon.jobs._agents
+        assert "tr1" not in daemon.jobs.supervisor.agents
         await daemon.jobs.recover()
         assert (await client.get("/jobs/tr1")).json()["state"] == "RUNNING"
 
@@ -73,7 +73,7 @@ def test_a_torchrun_on_the_daemons_host_advertises_the_host_name_not_loopback() 
     """Found in review: every node advertised 127.0.0.1 when pointed at its local daemon."""
     import socket
 
-    from elasticd.torchrun_backend import _address_towards
+    from elasticd.torchrun_backend import address_towards
 
-    assert _address_towards("http://127.0.0.1:7070") == socket.getfqdn()
-    assert _address_towards("http://[::1]:7070") == socket.getfqdn()
+    assert address_towards("http://127.0.0.1:7070") == socket.getfqdn()
+    assert address_towards("http://[::1]:7070") == socket.getfqdn()

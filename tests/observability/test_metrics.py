@@ -152,13 +152,13 @@ def test_per_job_series_keep_only_recent_finished_jobs():
 
 
 def test_queue_and_placement_series_come_from_the_plan():
-    from elasticd.sched.plan import Placement, Plan, QueueEntry
+    from elasticd.sched.plan import FleetPlan, Placement, QueueEntry
 
     sink = Metrics()
     sink.on_jobs([job("a", JobState.RUNNING), job("b", JobState.PENDING)])
     entry = QueueEntry(job="b", position=1, priority=0, reason="capacity", message="m", since=0)
     sink.on_plan(
-        Plan(
+        FleetPlan(
             placements={"a": Placement(nodes=["n0", "n1"], spares=["n2"], placed_at=0)},
             queue=[entry],
         )

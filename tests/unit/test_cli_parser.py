@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from elasticd import cli
+from elasticd import cli, cli_commands
 from elasticd.completion import command_flags
 from elasticd.errors import ConfigError
 
@@ -51,7 +51,7 @@ def test_max_restarts_help_says_why_run_and_submit_differ():
     """run defaults to 0 (torchrun's) and submit to 3 (a service's); each help says both."""
     parser = cli.build_parser()
     assert parser.parse_args(["run", "--", "true"]).max_restarts == 0
-    for text in (cli.RUN_MAX_RESTARTS_HELP, cli.SUBMIT_MAX_RESTARTS_HELP):
+    for text in (cli.RUN_MAX_RESTARTS_HELP, cli_commands.SUBMIT_MAX_RESTARTS_HELP):
         assert "0" in text and "3" in text and "torchrun" in text
 
 
@@ -70,12 +70,12 @@ def workers_view(*groups: tuple[str, list[tuple[int, int]]]) -> SimpleNamespace:
 def test_a_global_rank_is_found_on_its_node():
     """Global rank 3 of two 2-worker nodes is local rank 1 on the second node."""
     view = workers_view(("n0", [(0, 0), (1, 1)]), ("n1", [(2, 0), (3, 1)]))
-    assert cli.rank_location(view, 3) == ("n1", 1)
-    assert cli.rank_location(view, 0) == ("n0", 0)
+    assert cli_commands.rank_location(view, 3) == ("n1", 1)
+    assert cli_commands.rank_location(view, 0) == ("n0", 0)
     with pytest.raises(ConfigError, match="no rank 4 in its current round \\(ranks 0-3\\)"):
-        cli.rank_location(view, 4)
+        cli_commands.rank_location(view, 4)
     with pytest.raises(ConfigError, match="no workers yet"):
-        cli.rank_location(workers_view(), 0)
+        cli_commands.rank_location(workers_view(), 0)
 
 
 def test_logs_rank_and_local_rank_exclude_each_other(capsys):

@@ -65,3 +65,23 @@ def test_elasticd_runs_api_port_is_never_the_workers_master_port():
             probe.bind(("127.0.0.1", 0))
             recent = probe.getsockname()[1]  # just freed: the kernel's likely next pick
         assert _api_port(0, recent) != recent
+
+
+@pytest.mark.parametrize(
+    ("left", "degraded", "bound"),
+    [
+        (10.0, False, 10.0),  # the first step may take all of shutdown_timeout
+        (3.5, False, 3.5),  # a later one what is left
+        (0.2, False, 1.0),  # at least MIN_STEP, however late
+        (-4.0, False, 1.0),
+        (10.0, True, 1.0),  # a write while the disk refuses: 1 s
+        (0.2, True, 1.0),
+    ],
+)
+def test_each_step_of_the_wind_down_gets_what_is_left_of_shutdown_timeout(
+    left: float, degraded: bool, bound: float
+) -> None:
+    """The daemon's stop bounds each step by what remains of shutdown_timeout."""
+    from elasticd.node.daemon import step_bound
+
+    assert step_bound(left, degraded=degraded) == bound

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.sched.plan import Demand, NodeCapacity, Placement, Plan, schedule
+from elasticd.sched.plan import Demand, FleetPlan, NodeCapacity, Placement, schedule
 
 
 def nodes(n: int, slots: int = 1, **labels: str) -> list[NodeCapacity]:
@@ -24,10 +24,10 @@ def job(
 
 
 def run(jobs, fleet, plan=None, now=10.0):
-    return schedule(plan or Plan(), jobs, fleet, now)
+    return schedule(plan or FleetPlan(), jobs, fleet, now)
 
 
-def placed(plan: Plan) -> dict[str, list[str]]:
+def placed(plan: FleetPlan) -> dict[str, list[str]]:
     return {j: p.nodes for j, p in plan.placements.items()}
 
 
@@ -50,7 +50,7 @@ def test_single_node_jobs_spread_over_the_fleet():
 
 def test_least_loaded_then_fewest_jobs():
     fleet = [NodeCapacity("a", 4), NodeCapacity("b", 4)]
-    plan = Plan(placements={"x": Placement(nodes=["a"], placed_at=0)})
+    plan = FleetPlan(placements={"x": Placement(nodes=["a"], placed_at=0)})
     out = run([job("x", nproc=2), job("y", nproc=1, t=1)], fleet, plan)
     assert placed(out.plan)["y"] == ["b"]
 
@@ -108,7 +108,7 @@ def test_lent_nodes_stay_while_taking_them_back_would_not_help():
 
 def test_a_higher_priority_job_preempts_the_newest_lowest_priority_job():
     fleet = nodes(3)
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "old": Placement(nodes=["n0"], placed_at=0),
             "new": Placement(nodes=["n1"], placed_at=0),
@@ -131,7 +131,7 @@ def test_a_higher_priority_job_preempts_the_newest_lowest_priority_job():
 
 def test_no_preemption_of_equal_priority_or_when_it_would_not_help():
     fleet = nodes(2)
-    plan = Plan(placements={"a": Placement(nodes=["n0"], placed_at=0)})
+    plan = FleetPlan(placements={"a": Placement(nodes=["n0"], placed_at=0)})
     out = run([job("a", t=1), job("b", lo=2, t=2)], fleet, plan)
     assert "a" in out.plan.placements and out.plan.preempted == {}
     # Higher priority but unable to fit even on an empty fleet of this size: nobody is stopped.
@@ -142,7 +142,7 @@ def test_no_preemption_of_equal_priority_or_when_it_would_not_help():
 
 def test_preemption_stops_no_more_jobs_than_needed():
     fleet = nodes(2, slots=2)
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "x": Placement(nodes=["n0"], placed_at=0),
             "y": Placement(nodes=["n1"], placed_at=0),
@@ -179,7 +179,7 @@ def test_unplaceable_job_is_flagged_once_with_the_numbers():
 def test_backfill_uses_only_what_the_waiting_job_cannot_use():
     """A small job behind a blocked big one starts on slots the big one will never need."""
     fleet = nodes(3, slots=2)
-    plan = Plan(placements={"run": Placement(nodes=["n0"], placed_at=0)})
+    plan = FleetPlan(placements={"run": Placement(nodes=["n0"], placed_at=0)})
     jobs = [
         job("run", nproc=2, t=0),
         job("big", nproc=1, lo=3, t=1),
@@ -209,7 +209,7 @@ def test_queue_order_is_priority_then_fifo():
 
 
 def test_a_lost_node_is_replaced_and_a_spare_is_promoted():
-    plan = Plan(placements={"a": Placement(nodes=["n0", "n1"], spares=["n2"], placed_at=1)})
+    plan = FleetPlan(placements={"a": Placement(nodes=["n0", "n1"], spares=["n2"], placed_at=1)})
     fleet = [n for n in nodes(4) if n.name != "n1"]
     out = run([job("a", lo=2)], fleet, plan)
     assert out.plan.placements["a"].nodes == ["n0", "n2"]
@@ -257,7 +257,7 @@ def test_two_gangs_short_of_nodes_give_them_back_and_wait_whole():
 
 
 def test_a_short_gang_is_topped_up_from_free_nodes():
-    plan = Plan(placements={"a": Placement(nodes=["n0", "n1"], placed_at=1)})
+    plan = FleetPlan(placements={"a": Placement(nodes=["n0", "n1"], placed_at=1)})
     fleet = [n for n in nodes(3) if n.name != "n1"]
     out = run([job("a", lo=2)], fleet, plan)
     assert placed(out.plan) == {"a": ["n0", "n2"]}
@@ -269,7 +269,7 @@ def test_a_reservation_stays_put_so_backfill_cannot_delay_the_head_job():
     fleet = [NodeCapacity("A", 4), NodeCapacity("B", 4)]
     x, y = job("X", nproc=2, t=1), job("Y", nproc=3, t=2)
     head, j, k = job("H", nproc=4, t=3), job("J", nproc=1, t=4), job("K", nproc=2, t=5)
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "X": Placement(nodes=["A"], placed_at=0),
             "Y": Placement(nodes=["B"], placed_at=0),
@@ -288,7 +288,7 @@ def test_a_reservation_stays_put_so_backfill_cannot_delay_the_head_job():
 def test_a_stored_plan_can_never_overcommit_a_node():
     """The plan is read from the store: shares beyond a node's slots are dropped, not kept."""
     fleet = [NodeCapacity("A", 4)]
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "X": Placement(nodes=["A"], placed_at=0),
             "Y": Placement(nodes=["A", "A"], placed_at=0),
@@ -302,7 +302,7 @@ def test_a_stored_plan_can_never_overcommit_a_node():
 def test_lending_keeps_what_was_lent_before_taking_new():
     """Found in review: a job earlier in the order took another job's lent node (churn)."""
     fleet = [NodeCapacity(n, 1) for n in "ABCD"]
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "L": Placement(nodes=["A", "B"], placed_at=0),
             "H": Placement(nodes=["C"], placed_at=0),
@@ -346,7 +346,7 @@ def test_a_stored_plan_with_bad_names_or_numbers_does_not_parse():
         '{"queue": [], "extra": 1}',
     ):
         with pytest.raises(pydantic.ValidationError):
-            Plan.model_validate_json(raw)
+            FleetPlan.model_validate_json(raw)
 
 
 class _Exploding(dict):
@@ -439,7 +439,7 @@ def test_slot_quota(jobs, fleet_slots, placed_jobs, waiting):
 def test_a_job_over_quota_neither_preempts_nor_reserves():
     """A high-priority job over its owner's quota stops nobody and holds no slots."""
     fleet = [NodeCapacity("n0", 2)]
-    plan = Plan(
+    plan = FleetPlan(
         placements={
             "mine": Placement(nodes=["n0"], placed_at=0),
             "low": Placement(nodes=["n0"], placed_at=0),
@@ -468,7 +468,7 @@ def test_lending_stops_at_the_quota():
 )
 def test_only_an_owner_that_may_preempt_stops_other_jobs(may_preempt, owner, preempts):
     """A job whose owner may not preempt waits for capacity instead of stopping a lower job."""
-    plan = Plan(placements={"low": Placement(nodes=["n0"], placed_at=0)})
+    plan = FleetPlan(placements={"low": Placement(nodes=["n0"], placed_at=0)})
     hi = Demand("hi", 1, priority=9, created_at=1, owner=owner, may_preempt=may_preempt)
     out = run([job("low", prio=0), hi], nodes(1), plan)
     assert ("hi" in out.plan.placements) is preempts

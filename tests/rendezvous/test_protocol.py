@@ -10,16 +10,20 @@ from hypothesis import strategies as st
 
 from elasticd.errors import RendezvousError
 from elasticd.rendezvous.protocol import (
+    MAX_LOCAL_WORLD_SIZE,
     Action,
     Change,
     Kind,
+    Next,
     NodeInfo,
     Settings,
     State,
     absorb,
+    after_lost_write,
     decide_close,
     decide_exit,
     decide_join,
+    holder_follows,
     watch_reason,
 )
 
@@ -445,3 +449,68 @@ def test_presumption_counts_from_when_this_node_saw_the_round_open(seen_at, now,
     st_ = decide_join(st_, "a", s, 99.0, seen, FAR).state
     assert st_ is not None and st_.wait_list == {"c"}
     assert decide_join(st_, "a", s, now, seen, FAR, seen_at).kind is expected
+
+
+@pytest.mark.parametrize(
+    ("winner", "expected"),
+    [
+        (State(round=2, complete=True, participants={"a": 0, "b": 1}), Next.DONE),
+        (State(round=2, complete=False, participants={"a": 0, "b": 1}), Next.LIGHT),
+        (State(round=2, complete=True, participants={"b": 0}), Next.LIST),
+        (State(round=2, complete=False, participants={"b": 0}), Next.LIST),
+        (State(round=2, complete=True, closed=True, participants={"a": 0}), Next.LIST),
+        (State(round=2, closed=True, participants={"a": 0}), Next.LIST),
+    ],
+    ids=["done", "placed-open", "left-out", "not-placed", "closed-complete", "closed-open"],
+)
+def test_a_lost_write_reads_no_listing_when_the_winner_answers(winner: State, expected: Next):
+    """After losing a CAS, node a is done, waits in its open round, or lists again."""
+    assert after_lost_write(winner, "a") is expected
+
+
+@pytest.mark.parametrize(
+    ("action", "wait_list", "large", "follows"),
+    [
+        (Action(Kind.WAIT, presence=False), frozenset({"c"}), False, True),
+        (Action(Kind.WAIT, presence=False), frozenset(), True, True),
+        (Action(Kind.WAIT, presence=False), frozenset(), False, False),
+        (Action(Kind.WAIT, presence=True), frozenset({"c"}), True, False),
+        (Action(Kind.FINISH), frozenset({"c"}), True, False),
+    ],
+    ids=[
+        "waits-for-last-round",
+        "large-first-round",
+        "small-nothing-awaited",
+        "presence",
+        "finish",
+    ],
+)
+def test_the_holder_keeps_the_role_only_to_place_awaited_arrivals(
+    action: Action, wait_list: frozenset[str], large: bool, follows: bool
+):
+    """The absorber's holder follows arrivals inside an open round, else lets the role go."""
+    state = State(round=1, participants={"a": 0}, wait_list=wait_list)
+    assert holder_follows(action, state, large=large) is follows
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        {"addr": "h", "role": "default", "lws": MAX_LOCAL_WORLD_SIZE + 1, "port": 1},
+        {"addr": "h", "role": "default", "lws": 0, "port": 1},
+        {"addr": "h", "role": "default", "lws": 1, "port": 70000},
+        {"addr": "h" * 300, "role": "default", "lws": 1, "port": 1},
+    ],
+)
+def test_a_rendezvous_document_cannot_ask_for_unbounded_workers(node: dict[str, object]) -> None:
+    """The round document is store data anyone with store access can write: its join infos
+    are bounded before anything is started from them (the agent also refuses a round that
+    gives this node another number of workers than the job's nproc_per_node)."""
+    doc = (
+        b'{"round": 0, "complete": true, "closed": false, "deadline": null,'
+        b' "participants": {"a": 0}, "wait_list": [], "redundancy_list": [], "nodes": {"a": '
+        + __import__("json").dumps(node).encode()
+        + b"}}"
+    )
+    with pytest.raises(RendezvousError, match="malformed"):
+        State.decode(doc)

@@ -12,7 +12,7 @@ import pytest
 
 from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, Settings, StoreRendezvous
-from elasticd.rendezvous.handler import absorber_key, membership_prefix
+from elasticd.rendezvous.layout import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
 
 SEATS_FROM = 16

@@ -1,0 +1,581 @@
+"""The CLI's client commands: each asks a running daemon through :mod:`elasticd.client`.
+
+``submit``, ``jobs``, ``queue``, ``status``, ``workers``, ``events [-f]``,
+``logs [-f]``, ``cancel``, ``delete``, ``nodes`` (see :mod:`elasticd.cli`):
+tables for people, ``--json`` for scripts, exit 1 with the server's problem
+message on an error. The help texts ``run`` shares with ``submit`` and how a
+job's end is reported live here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from elasticd.client import DEFAULT_URL, Client
+from elasticd.errors import ConfigError
+from elasticd.models import format_umask
+from elasticd.security import current_umask
+from elasticd.states import JobState
+from elasticd.terminal import printable
+
+log = logging.getLogger("elasticd")
+
+#: Why ``run`` and a submitted job have different restart budgets (help texts, docs).
+RUN_MAX_RESTARTS_HELP = (
+    "restarts of the worker group before the job fails (default 0, as torchrun's, so a "
+    "torchrun command line behaves the same; a job submitted to a daemon defaults to 3, "
+    "as a service keeps a job alive across a few crashes)"
+)
+SUBMIT_MAX_RESTARTS_HELP = (
+    "restarts of the job before it fails (default 3: a daemon keeps a job alive across a "
+    "few crashes; `elasticd run` defaults to 0, as torchrun)"
+)
+ROLE_HELP = "the workers' role name, as torchrun's --role (default 'default')"
+REDIRECTS_HELP = (
+    "torchrun's --redirects: which of the workers' streams go only to the log files, "
+    "0-3, none/out/err/all or 'rank:v,...' (default none); the log files are always written"
+)
+TEE_HELP = (
+    "torchrun's --tee: which streams go to the console and the log files, in the same "
+    "forms as --redirects (default none)"
+)
+RANKS_FILTER_HELP = "local ranks whose output reaches the console, e.g. 0,2 (default: all)"
+GRACE_HELP = "seconds from SIGTERM to SIGKILL when the workers are stopped (default 30)"
+MASTER_ADDR_HELP = "MASTER_ADDR for the workers (default: chosen by elasticd)"
+MASTER_PORT_HELP = "MASTER_PORT for the workers (default: a free port)"
+
+
+def note(text: str) -> None:
+    print(f"[elasticd] {printable(text)}", file=sys.stderr, flush=True)
+
+
+def report(job: dict[str, Any], console: str = "normal") -> int:
+    state = JobState(job["state"])
+    if state is JobState.SUCCEEDED:
+        if console != "quiet":
+            note(f"job {job['id']} SUCCEEDED after {job['restart_count']} restart(s)")
+        return 0
+    error = job.get("error") or {}
+    note(f"job {job['id']} {state.value}: {job.get('reason') or ''}")
+    if error.get("traceback"):
+        print(printable(error["traceback"], lines=True), file=sys.stderr)
+    return 1
+
+
+# client commands: talk to a running daemon
+
+CLIENT_COMMANDS = frozenset(
+    {"submit", "jobs", "queue", "status", "workers", "events", "logs", "cancel", "delete", "nodes"}
+)
+
+
+def add_client_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url",
+        help="the daemon's URL (default: $ELASTICD_URL; else the node's unix socket, "
+        f"/run/elasticd/elasticd.sock or your own daemon's; else {DEFAULT_URL}, without "
+        "your own daemon's token, which goes only to a URL you give)",
+    )
+    common.add_argument(
+        "--socket",
+        help="the daemon's unix socket (default: $ELASTICD_SOCKET): you are who the "
+        "kernel says, no token needed",
+    )
+    common.add_argument(
+        "--token-file",
+        help="file holding the bearer token (default: $ELASTICD_TOKEN_FILE, else your own "
+        "daemon's <state_dir>/token)",
+    )
+    common.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    submit = sub.add_parser(
+        "submit",
+        parents=[common],
+        help="submit a job to a daemon",
+        description="Submit a job: a JSON spec file (or - for stdin), or flags and "
+        "-- program args. Example: elasticd submit --nproc-per-node 2 -- python train.py",
+    )
+    submit.add_argument("--id", "--run-id", dest="job_id", help="job id (makes it idempotent)")
+    submit.add_argument(
+        "--nproc-per-node", "--nproc_per_node", type=int, help="workers on each node (default 1)"
+    )
+    submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
+    submit.add_argument("--max-restarts", "--max_restarts", type=int, help=SUBMIT_MAX_RESTARTS_HELP)
+    submit.add_argument("--role", help=ROLE_HELP)
+    submit.add_argument(
+        "--priority",
+        type=int,
+        help="queue order (default 0): higher is placed first and may preempt lower",
+    )
+    submit.add_argument("--redirects", "-r", help=REDIRECTS_HELP)
+    submit.add_argument("--tee", "-t", help=TEE_HELP)
+    submit.add_argument("--local-ranks-filter", "--local_ranks_filter", help=RANKS_FILTER_HELP)
+    submit.add_argument("--termination-grace", type=float, help=GRACE_HELP)
+    submit.add_argument("--master-addr", "--master_addr", help=MASTER_ADDR_HELP)
+    submit.add_argument("--master-port", "--master_port", type=int, help=MASTER_PORT_HELP)
+    submit.add_argument(
+        "--env", action="append", default=[], metavar="K=V", help="worker env (repeatable)"
+    )
+    submit.add_argument("--cwd", help="workers' directory (default: this one, for a command)")
+    submit.add_argument(
+        "--umask", help="the workers' umask, octal (default: this shell's, as torchrun's workers)"
+    )
+    submit.add_argument(
+        "--selector", action="append", default=[], metavar="K=V", help="node label to require"
+    )
+    submit.add_argument(
+        "--wait", action="store_true", help="follow the job; exit 0 if it succeeds, 1 if not"
+    )
+    submit.add_argument("program", nargs=argparse.REMAINDER, help="SPEC.json | - | -- program args")
+
+    jobs = sub.add_parser("jobs", parents=[common], help="list jobs, newest first")
+    jobs.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
+    jobs.add_argument("--limit", type=int, default=50, help="show at most N jobs (default 50)")
+    sub.add_parser(
+        "queue", parents=[common], help="the fleet's queue in placement order, and why each waits"
+    )
+
+    for name, text in (
+        ("status", "one job: state, restarts, root cause"),
+        ("workers", "a job's worker groups and workers"),
+        ("cancel", "stop a job's workers and end it as CANCELLED"),
+        ("delete", "forget a job that ended: its record and events (its log files stay)"),
+    ):
+        p = sub.add_parser(name, parents=[common], help=text)
+        p.add_argument("job_id", help="the job's id")
+    sub.add_parser(
+        "nodes", parents=[common], help="the cluster's live nodes: address, slots, labels"
+    )
+
+    events = sub.add_parser("events", parents=[common], help="a job's events")
+    events.add_argument("job_id", help="the job's id")
+    events.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
+    events.add_argument("--after", type=int, default=0, help="only events after this seq")
+
+    logs = sub.add_parser(
+        "logs",
+        parents=[common],
+        help="a worker's log",
+        description="One worker's log, named by its global --rank (looked up in the job's "
+        "current round) or by --node and --local-rank. Example: elasticd logs JOB --rank 3",
+    )
+    logs.add_argument("job_id", help="the job's id")
+    which = logs.add_mutually_exclusive_group()
+    which.add_argument(
+        "--rank",
+        type=int,
+        help="the worker's global rank (RANK) in the job's current round: its node and "
+        "local rank are looked up",
+    )
+    which.add_argument(
+        "--local-rank", type=int, help="the worker's local rank on --node (default 0)"
+    )
+    logs.add_argument(
+        "--node", help="the node that ran the worker (default: the daemon you talk to)"
+    )
+    logs.add_argument(
+        "--stream",
+        choices=("stdout", "stderr"),
+        default="stdout",
+        help="which of the worker's streams (default stdout)",
+    )
+    logs.add_argument("--attempt", type=int, help="default: the latest (and, with -f, the next)")
+    logs.add_argument("--tail", type=int, help="only the last N lines")
+    logs.add_argument("-f", "--follow", action="store_true", help="stream until the job ends")
+
+
+def client_main(args: argparse.Namespace) -> int:
+    from elasticd.client import ClientError, find_daemon
+
+    try:
+        found = find_daemon(args.url, args.socket, args.token_file)
+        with Client(found.url, socket=found.socket, token_file=found.token_file) as client:
+            handler = _HANDLERS[args.command]
+            return handler(client, args)
+    except ClientError as exc:
+        status = f" ({exc.status})" if exc.status else ""
+        print(f"elasticd: {printable(exc)}{status}", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        print(f"elasticd: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `elasticd events -f | head`
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the exit-time flush
+        return 0
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True), flush=True)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    rows = [[printable(c) for c in row] for row in rows]  # cells may hold a job's text
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _age(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit}"
+    return f"{int(s)}s"
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
+    """The job spec from a file/stdin or from the flags and the command."""
+    words = list(args.program)
+    spec: dict[str, Any] = {}
+    if (
+        words
+        and words[0] != "--"
+        and len(words) == 1
+        and (words[0] == "-" or words[0].endswith(".json"))
+    ):
+        source = words[0]
+        try:
+            text = sys.stdin.read() if source == "-" else Path(source).read_text()
+            loaded = json.loads(text)
+        except OSError as exc:
+            raise ConfigError(f"cannot read {source}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{source} is not JSON: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source} must hold a JSON object (a job spec)")
+        spec = loaded
+    else:
+        if words and words[0] == "--":
+            words = words[1:]
+        if not words:
+            raise ConfigError(
+                "elasticd submit needs a spec file, '-' for stdin, or a command: "
+                "elasticd submit [options] -- python train.py"
+            )
+        spec = {"entrypoint": words[0], "args": words[1:], "cwd": os.getcwd()}
+    flags = {
+        "id": args.job_id,
+        "nproc_per_node": args.nproc_per_node,
+        "max_restarts": args.max_restarts,
+        "role": args.role,
+        "redirects": args.redirects,
+        "tee": args.tee,
+        "local_ranks_filter": args.local_ranks_filter,
+        "termination_grace": args.termination_grace,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "cwd": args.cwd,
+        "priority": args.priority,
+        "umask": args.umask,
+    }
+    spec.update({k: v for k, v in flags.items() if v is not None})
+    # As torchrun's workers inherit the umask of the shell that started them.
+    spec.setdefault("umask", format_umask(current_umask()))
+    if args.nnodes:
+        low, _, high = str(args.nnodes).partition(":")
+        try:
+            spec["min_nodes"] = int(low)
+            spec["max_nodes"] = int(high or low)
+        except ValueError:
+            raise ConfigError(f"--nnodes {args.nnodes!r}: expected N or MIN:MAX") from None
+    if args.env:
+        spec["env"] = {**spec.get("env", {}), **_pairs(args.env, "--env")}
+    if args.selector:
+        spec["node_selector"] = {
+            **spec.get("node_selector", {}),
+            **_pairs(args.selector, "--selector"),
+        }
+    return spec
+
+
+def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
+    job = client.submit(_submit_spec(args))
+    if job.state.is_terminal and not args.json:
+        # Same id and spec: the API answers with the existing job (idempotent), which has
+        # already ended; say so rather than look like a new run that ended at once.
+        note(
+            f"job {job.id} already exists and ended {job.state.value}: it was not run again "
+            f"(DELETE /jobs/{job.id} forgets it; or choose another --id)"
+        )
+    if not args.wait:
+        if args.json:
+            _print_json(job.model_dump(mode="json"))
+        elif not job.state.is_terminal:
+            print(f"job {job.id} submitted ({job.state.value})")
+        return 0
+    if not args.json:
+        note(f"job {job.id} submitted; following it (Ctrl-C stops following, not the job)")
+        for event in client.follow_events(job.id):
+            note(f"{event.kind}: {event.message}")
+    final = client.wait(job.id)
+    if args.json:
+        _print_json(final.model_dump(mode="json"))
+        return 0 if final.state is JobState.SUCCEEDED else 1
+    return report(final.model_dump())
+
+
+def _cmd_jobs(client: Any, args: argparse.Namespace) -> int:
+    page = client.list_jobs(state=args.state, limit=args.limit)
+    if args.json:
+        _print_json(page.model_dump(mode="json"))
+        return 0
+    if not page.jobs:
+        print("no jobs")
+        return 0
+    rows = [
+        [
+            j.id,
+            j.state.value,
+            f"{j.restart_count}/{j.max_restarts}",
+            f"{j.spec.min_nodes}x{j.spec.nproc_per_node}",
+            _age(j.created_at),
+            _shorten(" ".join([j.spec.entrypoint, *j.spec.args]), 50),
+        ]
+        for j in page.jobs
+    ]
+    print(_table(rows, ["ID", "STATE", "RESTARTS", "NODESxPROCS", "AGE", "COMMAND"]))
+    if page.next_offset is not None:
+        print(f"... {page.total - len(page.jobs)} more (use --limit)")
+    return 0
+
+
+def _cmd_queue(client: Any, args: argparse.Namespace) -> int:
+    view = client.queue()
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return 0
+    if not view.queue:
+        print(f"no job waits ({len(view.placements)} placed)")
+        return 0
+    rows = [
+        [
+            str(e.position),
+            e.job,
+            str(e.priority),
+            e.reason,
+            _age(e.since),
+            e.message,
+        ]
+        for e in view.queue
+    ]
+    print(_table(rows, ["POS", "ID", "PRIO", "REASON", "WAITING", "WHY"]))
+    return 0
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _cmd_status(client: Any, args: argparse.Namespace) -> int:
+    job = client.get(args.job_id)
+    if args.json:
+        _print_json(job.model_dump(mode="json"))
+        return 0
+    spec = job.spec
+    lines = [
+        ("job", job.id),
+        ("state", job.state.value),
+        ("restarts", f"{job.restart_count} of {job.max_restarts}"),
+        ("round", str(job.round)),
+        ("command", " ".join([spec.entrypoint, *spec.args])),
+        ("workers", f"{spec.nproc_per_node} per node, {spec.min_nodes}-{spec.max_nodes} nodes"),
+        ("created", _when(job.created_at)),
+        ("started", _when(job.started_at)),
+        ("finished", _when(job.finished_at)),
+    ]
+    if job.reason:
+        lines.append(("reason", job.reason))
+    if job.error:
+        e = job.error
+        lines.append(
+            (
+                "root cause" if job.state is JobState.FAILED else "last failure",
+                f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
+                f"attempt {e.attempt}): {e.message}"
+                + (" (from its stderr.log)" if e.source == "log" else ""),
+            )
+        )
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        print(f"{key.ljust(width)}  {printable(value)}")
+    if job.error and job.error.traceback:
+        print()
+        print(printable(job.error.traceback.rstrip(), lines=True))
+    return 0
+
+
+def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
+    view = client.workers(args.job_id)
+    if args.json:
+        _print_json(view.model_dump(mode="json"))
+        return 0
+    print(
+        f"job {view.job_id}: {view.state.value}, restarts {view.restart_count} of "
+        f"{view.max_restarts} ({view.remaining_restarts} left), round {view.round}"
+    )
+    if not view.groups:
+        print("no worker groups yet")
+        return 0
+    for g in view.groups:
+        print()
+        master = f", master {g.master_addr}:{g.master_port}" if g.master_addr else ""
+        print(
+            printable(
+                f"node {g.node}: group {g.group_rank}/{g.group_world_size} {g.state.value}, "
+                f"attempt {g.attempt}, round {g.round}{master}"
+            )
+        )
+        rows = []
+        for w in g.workers:
+            end = "-"
+            if w.signal is not None:
+                end = f"signal {w.signal}"
+            elif w.exit_code is not None:
+                end = f"exit {w.exit_code}"
+            rows.append([str(w.rank), str(w.local_rank), str(w.pid or "-"), w.state.value, end])
+        print(_table(rows, ["RANK", "LOCAL", "PID", "STATE", "EXIT"]))
+    return 0
+
+
+def _event_line(event: Any) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+    extra = f" [{event.duration_s:.3f}s]" if event.duration_s is not None else ""
+    line = f"{event.seq:>6}  {stamp}  {event.node}  {event.kind:<20} {event.message}{extra}"
+    return printable(line)  # the message may quote a job's error text
+
+
+def _cmd_events(client: Any, args: argparse.Namespace) -> int:
+    if args.follow:
+        events = client.follow_events(args.job_id, after=args.after)
+    else:
+        events = client.events(args.job_id, after=args.after, limit=10_000)
+        if args.json:
+            _print_json([e.model_dump(mode="json") for e in events])
+            return 0
+    for event in events:  # with -f, one JSON object per line (NDJSON) for scripts
+        # json.dumps escapes every control character, C1 included (pydantic's leaves those).
+        text = json.dumps(event.model_dump(mode="json")) if args.json else _event_line(event)
+        print(text, flush=True)
+    return 0
+
+
+def rank_location(view: Any, rank: int) -> tuple[str, int]:
+    """The (node, local rank) of global ``rank`` in a job's workers view (pure)."""
+    ranks = []
+    for group in view.groups:
+        for worker in group.workers:
+            if worker.rank == rank:
+                return str(group.node), int(worker.local_rank)
+            ranks.append(worker.rank)
+    if not ranks:
+        raise ConfigError(f"job {view.job_id} has no workers yet: give --node and --local-rank")
+    raise ConfigError(
+        f"job {view.job_id} has no rank {rank} in its current round (ranks "
+        f"{min(ranks)}-{max(ranks)}); give --node and --local-rank for an older attempt"
+    )
+
+
+def _cmd_logs(client: Client, args: argparse.Namespace) -> int:
+    node, local_rank = args.node, args.local_rank or 0
+    if args.rank is not None:
+        if node is not None:
+            raise ConfigError(
+                "--rank finds the node itself: give --rank, or --node and --local-rank"
+            )
+        node, local_rank = rank_location(client.workers(args.job_id), args.rank)
+    kwargs = {"attempt": args.attempt, "tail": args.tail, "node": node}
+    if args.follow:
+        for text in client.follow_logs(args.job_id, local_rank, args.stream, **kwargs):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        return 0
+    text = client.logs(args.job_id, local_rank, args.stream, **kwargs)
+    if args.json:
+        _print_json({"job_id": args.job_id, "node": node, "local_rank": local_rank, "text": text})
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _cmd_delete(client: Client, args: argparse.Namespace) -> int:
+    client.delete(args.job_id)
+    if args.json:
+        _print_json({"deleted": args.job_id})
+    else:
+        print(f"job {args.job_id} deleted (its log files stay on disk)")
+    return 0
+
+
+def _cmd_nodes(client: Client, args: argparse.Namespace) -> int:
+    nodes = client.nodes()
+    if args.json:
+        _print_json(nodes)
+        return 0
+    rows = [
+        [
+            n["name"],
+            n["addr"],
+            f"{n['free_slots']}/{n['slots']}",
+            str(len(n.get("gpus") or [])),
+            ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
+            n["version"],
+            _age(n["started_at"]),
+        ]
+        for n in sorted(nodes, key=lambda n: n["name"])
+    ]
+    print(_table(rows, ["NAME", "ADDR", "FREE/SLOTS", "GPUS", "LABELS", "VERSION", "UP"]))
+    return 0
+
+
+def _cmd_cancel(client: Any, args: argparse.Namespace) -> int:
+    job = client.cancel(args.job_id)
+    if args.json:
+        _print_json(job.model_dump(mode="json"))
+    else:
+        print(f"job {job.id}: cancel requested ({job.state.value})")
+    return 0
+
+
+_HANDLERS = {
+    "submit": _cmd_submit,
+    "jobs": _cmd_jobs,
+    "queue": _cmd_queue,
+    "status": _cmd_status,
+    "workers": _cmd_workers,
+    "events": _cmd_events,
+    "logs": _cmd_logs,
+    "cancel": _cmd_cancel,
+    "delete": _cmd_delete,
+    "nodes": _cmd_nodes,
+}

@@ -1,0 +1,216 @@
+"""Job documents in the store: how one is read, checked, shown and changed.
+
+Jobs live in the cluster store, one JSON document per job (``job/<id>``),
+written once by the daemon that took the POST and then updated only by
+compare-and-set (:meth:`JobDocuments.update`), so every daemon serves the same
+answer and concurrent updates from several nodes never lose each other. A
+document is read back through one check (:func:`parse_job`, the cluster's
+:func:`~elasticd.node.cluster.check_job_document`), so one written into the
+store by hand never names a folder outside the log root.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from typing_extensions import Unpack
+
+from elasticd.clock import Clock
+from elasticd.config import Config
+from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
+from elasticd.eventkinds import EventKind
+from elasticd.identity import ADMIN, JobFacts, Principal, PrincipalKind
+from elasticd.keys import job_key
+from elasticd.logs import LogLayout
+from elasticd.models import Job, JobEdit, JobMutation, JobOwner
+from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
+from elasticd.node.events import EventLog
+from elasticd.rendezvous import presence_prefix
+from elasticd.states import JobState, job_transition
+from elasticd.store import Store
+
+#: Compare-and-set tries before an update gives up (only under absurd contention).
+CAS_ATTEMPTS = 100
+
+
+def owner_of(principal: Principal, user: str | None) -> JobOwner:
+    """What a job keeps of its submitter: the name, and the rights the fleet applies to it.
+
+    ``unix_user``: the user the job runs as by its owner's own right (a local
+    caller's self, or one of an identity's ``users``), which every node then
+    honours without ``allowed_users``; an admin's job obeys each node's policy.
+    """
+    own_right = principal.kind in (PrincipalKind.LOCAL, PrincipalKind.TOKEN)
+    return JobOwner(
+        name=principal.name,
+        local=principal.unix_named,
+        admin=principal.admin,
+        unix_user=user if own_right and user in principal.users else None,
+        may_preempt=principal.may_preempt,
+        slot_quota=principal.slot_quota,
+    )
+
+
+def facts_of(job: Job) -> JobFacts:
+    """What :func:`elasticd.identity.authorize` needs of a job."""
+    owner = job.owner.name if job.owner is not None else ADMIN.name
+    local = job.owner.local if job.owner is not None else False
+    return JobFacts(
+        owner=owner,
+        owner_unix_named=local,
+        user=job.spec.user,
+        priority=job.spec.priority,
+        job_id=job.id,
+    )
+
+
+#: What another identity sees of a job's env values and arguments.
+HIDDEN = "<hidden>"
+
+
+def redacted(job: Job) -> Job:
+    """The job without what is its owner's alone: env values, arguments, health check."""
+    spec = job.spec.model_copy(
+        update={
+            "env": dict.fromkeys(job.spec.env, HIDDEN),
+            "args": [HIDDEN] if job.spec.args else [],
+            "health_check": [HIDDEN] if job.spec.health_check else None,
+        }
+    )
+    return job.model_copy(update={"spec": spec, "error": None})
+
+
+def incarnation(job: Job) -> str:
+    """Which job of its id ``job`` is: its log folders on each node say so (:mod:`elasticd.logs`).
+
+    A deleted job's id may be taken again, by another owner; its files stay on disk.
+    """
+    owner = job.owner or JobOwner(name=ADMIN.name)
+    return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
+
+
+def parse_job(job_id: str, raw: bytes) -> Job:
+    """A job document from the store; a refused one is a clear JobConflict, not a crash.
+
+    The same rule as the cluster's watch (:func:`elasticd.node.cluster.check_job_document`):
+    a valid job whose id is the one in its key.
+    """
+    job, reason = check_job_document(job_key(job_id), raw)
+    if job is None:
+        raise JobConflict(
+            f"the stored document of job {job_id!r} is refused: {reason}; it was not written "
+            f"by elasticd: delete the store key {job_key(job_id)!r} or use another id"
+        )
+    return job
+
+
+class JobDocuments:
+    """Reads and compare-and-set updates of the job documents; state changes are evented."""
+
+    def __init__(self, store: Store, events: EventLog, clock: Clock) -> None:
+        self.store = store
+        self.events = events
+        self.clock = clock
+
+    async def read(self, job_id: str) -> Job:
+        """The stored document, as it is (``JobNotFound`` when there is none)."""
+        entry = await self.store.get(job_key(job_id))
+        if entry is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        return parse_job(job_id, entry.value)
+
+    async def all(self) -> list[Job]:
+        return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
+
+    async def live_members(self, job_id: str) -> set[str]:
+        """Nodes whose presence key in the job's rendezvous is alive."""
+        prefix = presence_prefix(job_id)
+        listing = await self.store.list(prefix)
+        return {e.key[len(prefix) :] for e in listing.entries}
+
+    async def update(
+        self, job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+    ) -> Job:
+        """Change the job document by compare-and-set; state changes are checked and evented.
+
+        ``changes`` are set as given; ``mutate(job)`` decides more from the
+        current document (and may run again when another node's write wins).
+        A ``state`` that is already the job's state is not a change. Terminal
+        states are final: asking to leave one raises ``InvalidTransition``.
+        """
+        for _ in range(CAS_ATTEMPTS):
+            entry = await self.store.get(job_key(job_id))
+            if entry is None:
+                raise JobNotFound(f"no job with id {job_id!r}")
+            job = parse_job(job_id, entry.value)
+            new = self._apply(job, changes, mutate)
+            if new == job:
+                return job
+            if new.state is not job.state:
+                # Whoever sees the new state must also see every event that led to it.
+                await self.events.flush()
+            result = await self.store.compare_and_set(
+                job_key(job_id), new.model_dump_json().encode(), entry.version
+            )
+            if result.ok:
+                if new.state is not job.state:
+                    self.events.emit(
+                        job_id,
+                        "daemon",
+                        EventKind.JOB_STATE,
+                        f"job {job.state.value} -> {new.state.value}"
+                        + (f": {new.reason}" if new.reason else ""),
+                        state=new.state.value,
+                        error=new.error if new.state is JobState.FAILED else None,
+                    )
+                    if new.state.is_terminal:
+                        # A finished job's last word is in the store before anyone acts on
+                        # the end (a shutdown, a deletion). On the restart path the event
+                        # goes out with the publisher's next batch instead of delaying it.
+                        await self.events.flush()
+                return new
+        raise StoreError(f"job {job_id}: too many concurrent updates")  # pragma: no cover
+
+    def _apply(self, job: Job, given: JobEdit, mutate: JobMutation | None) -> Job:
+        changes: JobEdit = {**given, **(mutate(job) if mutate is not None else {})}
+        target = changes.pop("state", None)
+        now = self.clock.time()
+        updates: dict[str, Any] = {k: v for k, v in changes.items() if getattr(job, k) != v}
+        if target is not None and target is not job.state:
+            job_transition(job.state, target)
+            updates["state"] = target
+            if target is JobState.RUNNING and job.started_at is None:
+                updates["started_at"] = now
+            if target.is_terminal:
+                updates["finished_at"] = now
+        elif job.state.is_terminal and updates:
+            raise InvalidTransition(f"job {job.id} already ended as {job.state.value}")
+        return job.model_copy(update=updates) if updates else job
+
+    # reads
+
+
+@dataclass(frozen=True)
+class JobsSide:
+    """What every part of the job service works with: this node's settings, the job
+    documents, its event log, its cluster membership and the log layout."""
+
+    config: Config
+    documents: JobDocuments
+    events: EventLog
+    cluster: Cluster
+    logs: LogLayout
+
+    @property
+    def node(self) -> str:
+        return self.config.node_name
+
+    @property
+    def store(self) -> Store:
+        return self.documents.store
+
+    @property
+    def clock(self) -> Clock:
+        return self.documents.clock

@@ -1,0 +1,283 @@
+"""What the routes read of the jobs: documents as served, the queue, groups, events, logs.
+
+A job is served with its place in the fleet's plan filled in (queue entry,
+nodes). A running group of a node that is gone is shown UNKNOWN. Worker logs
+are read through :func:`~elasticd.supervise.files.open_worker_file` (no link,
+no FIFO, a regular file of the worker's own), in a thread, and only from a
+folder of the job asked about (:func:`~elasticd.node.jobs.documents.incarnation`).
+Log retention (``log_retention_*``) is applied to the same folders here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import BinaryIO, Literal
+
+from elasticd.agent.agent import JobAgent, decode_group
+from elasticd.errors import JobNotFound, LogNotFound, StoreError
+from elasticd.keys import group_prefix, job_key
+from elasticd.logs import stream_file
+from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
+from elasticd.node.cluster import valid_node_url
+from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job
+from elasticd.sched.plan import FleetPlan
+from elasticd.states import JobState, WorkerState
+from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
+
+log = logging.getLogger("elasticd.node.jobs")
+
+MAX_LOG_BYTES = 8 * 1024 * 1024
+
+
+class JobQueries:
+    """Answers to the API's reads; changes nothing but log folders past retention."""
+
+    def __init__(
+        self,
+        side: JobsSide,
+        *,
+        plan: Callable[[], FleetPlan | None],
+        agents: Mapping[str, JobAgent],
+    ) -> None:
+        """``plan``: the fleet's plan as last seen; ``agents``: the ones running here."""
+        self.side = side
+        self._plan = plan
+        self._agents = agents
+
+    async def get(self, job_id: str) -> Job:
+        return self._as_served(await self.side.documents.read(job_id))
+
+    def _as_served(self, job: Job) -> Job:
+        """The job with its place in the fleet's plan (queue entry, nodes) filled in."""
+        plan = self._plan()
+        if plan is None or job.state.is_terminal:
+            return job
+        nodes = plan.nodes_of(job.id)
+        return job.model_copy(update={"queue": plan.entry(job.id), "nodes": nodes or None})
+
+    def queue(self) -> QueueView:
+        """The fleet's queue in order, and where the placed jobs run (``GET /queue``)."""
+        plan = self._plan() or FleetPlan()
+        return QueueView(
+            queue=list(plan.queue),
+            placements={j: p.model_copy() for j, p in plan.placements.items()},
+        )
+
+    async def list_jobs(self, state: list[JobState] | None, limit: int, offset: int) -> JobList:
+        jobs = await self.side.documents.all()
+        if state is not None:
+            wanted = set(state)
+            jobs = [j for j in jobs if j.state in wanted]
+        jobs.sort(key=lambda j: (-j.created_at, j.id))
+        page = [self._as_served(j) for j in jobs[offset : offset + limit]]
+        next_offset = offset + len(page) if offset + len(page) < len(jobs) else None
+        return JobList(jobs=page, total=len(jobs), next_offset=next_offset)
+
+    async def workers(self, job_id: str) -> WorkersView:
+        job = await self.get(job_id)
+        listing = await self.side.store.list(group_prefix(job_id))
+        groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
+        agent = self._agents.get(job_id)
+        if agent is not None:
+            agent.refresh_progress()
+        if agent is not None and agent.view is not None:  # our own group: freshest copy
+            groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
+        current = [g for g in groups if g.round == job.round] or groups
+        current = [await self._as_seen(g) for g in current]
+        return WorkersView(
+            job_id=job.id,
+            state=job.state,
+            restart_count=job.restart_count,
+            max_restarts=job.max_restarts,
+            remaining_restarts=max(0, job.max_restarts - job.restart_count),
+            round=job.round,
+            groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
+        )
+
+    async def _as_seen(self, group: GroupView) -> GroupView:
+        """A running group of a node that is gone (its lease expired) is shown UNKNOWN.
+
+        Its agent can no longer publish, so its last view (HEALTHY, with pids)
+        may no longer be true; a view is thus never more than a lease stale.
+        """
+        if group.node == self.side.node or group.state.is_terminal:
+            return group
+        if (
+            group.state is WorkerState.STOPPED
+            or await self.side.cluster.node(group.node) is not None
+        ):
+            return group
+        workers = [
+            w if w.state.is_terminal else w.model_copy(update={"state": WorkerState.UNKNOWN})
+            for w in group.workers
+        ]
+        return group.model_copy(update={"state": WorkerState.UNKNOWN, "workers": workers})
+
+    async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
+        await self.get(job_id)
+        return (await self.side.events.cluster_events(job_id, after))[:limit]
+
+    async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
+        await self.get(job_id)
+        return await self.side.events.follow_cluster(job_id, after, timeout)
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        """Wait until the job is terminal (for ``elasticd run`` and tests)."""
+        async with asyncio.timeout(timeout):
+            key = job_key(job_id)
+            while True:
+                # Watch from the listing's revision, not the document's version: an old
+                # version may be past the store's history (StoreCompacted at once, a spin).
+                listing = await self.side.store.list(key)
+                entry = next((e for e in listing.entries if e.key == key), None)
+                if entry is None:
+                    raise JobNotFound(f"no job with id {job_id!r}")
+                job = parse_job(job_id, entry.value)
+                if job.state.is_terminal:
+                    return job
+                with contextlib.suppress(StoreError):
+                    await self.side.store.watch(key, listing.revision, 30.0)
+
+    async def retain_logs(self, job_ids: list[str] | None = None) -> dict[str, list[int]]:
+        """Apply log retention (``log_retention_*``) to these jobs' folders (default: all).
+
+        A job whose agent runs here keeps its newest folder whatever the
+        policy says (it may be the running attempt's). Returns what went.
+        """
+        removed: dict[str, list[int]] = {}
+        for job_id in job_ids if job_ids is not None else self.side.logs.job_ids():
+            if not valid_job_id(job_id):
+                continue
+            gone = await asyncio.to_thread(
+                self.side.logs.retain,
+                job_id,
+                self.side.config.log_retention_attempts,
+                self.side.config.log_retention_bytes,
+                job_id in self._agents,
+            )
+            if gone:
+                removed[job_id] = gone
+                log.info("job %s: log retention removed %d attempt folders", job_id, len(gone))
+        return removed
+
+    def log_attempts(self, job_id: str, incarnation: str) -> list[int]:
+        """The attempts of the job that have a log folder on this node, oldest first.
+
+        ``incarnation`` (:func:`incarnation`): the job asked about; a folder left by
+        an earlier job of that id (deleted, its id taken again) has none of its attempts.
+        """
+        if not valid_job_id(job_id) or not self.side.logs.belongs(job_id, incarnation):
+            return []
+        return self.side.logs.attempts(job_id)
+
+    def open_log(
+        self,
+        job_id: str,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+        *,
+        incarnation: str,
+    ) -> BinaryIO:
+        """One worker log of this node, opened for reading; ``LogNotFound`` when there is none.
+
+        Blocking (run it in a thread from the event loop). The file is opened
+        through :func:`~elasticd.supervise.files.open_worker_file` only: a link,
+        a FIFO or a hard link the worker put in its place is refused, never read.
+        Only a folder of the job ``incarnation`` names is read: an earlier job of
+        that id (deleted, its id taken again, maybe by another owner) is another's.
+        """
+        if not valid_job_id(job_id):
+            raise LogNotFound(f"{job_id!r} is not a valid job id")
+        if not self.side.logs.belongs(job_id, incarnation):
+            raise LogNotFound(f"job {job_id!r} has no logs on node {self.side.node}")
+        if attempt is None:
+            attempts = self.log_attempts(job_id, incarnation)
+            if not attempts:
+                raise LogNotFound(f"job {job_id!r} has no logs on node {self.side.node}")
+            attempt = attempts[-1]
+        where = (
+            f"job {job_id!r}, attempt {attempt}, local rank {local_rank} on node {self.side.node}"
+        )
+        worker_dir = self.side.logs.worker_dir(job_id, attempt, local_rank)
+        try:
+            fd = open_worker_file(worker_dir, stream_file(stream))
+        except FileNotFoundError:
+            raise LogNotFound(f"no {stream} log for {where}") from None
+        except UnsafeWorkerFile:
+            raise LogNotFound(
+                f"the {stream} log of {where} is not a regular file of the worker's own (the "
+                "job replaced it, e.g. with a link or a FIFO); the daemon does not read it"
+            ) from None
+        except OSError as exc:
+            raise LogNotFound(
+                f"the {stream} log of {where} cannot be read: {exc.strerror or exc}"
+            ) from None
+        return os.fdopen(fd, "rb", buffering=0)
+
+    async def read_log(
+        self,
+        job: Job,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+        tail: int | None,
+    ) -> str:
+        """The last :data:`MAX_LOG_BYTES` of one worker log (the last ``tail`` lines), as text."""
+        which = incarnation(job)
+
+        def read() -> bytes:
+            with self.open_log(job.id, local_rank, stream, attempt, incarnation=which) as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size > MAX_LOG_BYTES:
+                    fh.seek(size - MAX_LOG_BYTES)
+                chunks = []
+                got = 0
+                while got < MAX_LOG_BYTES and (chunk := fh.read(MAX_LOG_BYTES - got)):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                return b"".join(chunks)
+
+        text = (await asyncio.to_thread(read)).decode("utf-8", errors="replace")
+        if tail is not None:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[-tail:]) if tail > 0 else ""
+        return text
+
+    async def check_log(
+        self,
+        job: Job,
+        local_rank: int,
+        stream: Literal["stdout", "stderr"],
+        attempt: int | None,
+    ) -> None:
+        """Raise ``LogNotFound`` unless the log can be opened now."""
+        fh = await asyncio.to_thread(
+            functools.partial(
+                self.open_log, job.id, local_rank, stream, attempt, incarnation=incarnation(job)
+            )
+        )
+        fh.close()
+
+    async def node_url(self, node: str) -> str:
+        """The API address of another live node, for proxying its logs (the token goes there).
+
+        Only a record bound to a lease (a daemon keeps it alive) and naming
+        ``http(s)://host:port`` and nothing more is used.
+        """
+        record = await self.side.cluster.node(node)
+        if record is None:
+            raise LogNotFound(f"node {node!r} is not a live member of the cluster")
+        if not valid_node_url(record.url):
+            raise LogNotFound(
+                f"node {node!r} publishes the address {record.url!r}, which is not "
+                "http(s)://host:port; its logs are not fetched"
+            )
+        return record.url
+
+    # scheduling

@@ -1,0 +1,428 @@
+"""The job service: the one object the REST routes and the daemon call for jobs.
+
+A thin facade over the package's parts, each with one job:
+
+- :mod:`~elasticd.node.jobs.documents`: the job documents in the store, read
+  through one check and changed only by compare-and-set;
+- :mod:`~elasticd.node.jobs.queries`: what the routes read (jobs as served,
+  the queue, groups, events, logs);
+- :mod:`~elasticd.node.jobs.reconcile`: plan application, the agents the
+  fleet's plan places on this node's slots;
+- :mod:`~elasticd.node.jobs.supervision`: agent supervision, one task per
+  job, what ends it, a dead agent's clean-up, a daemon's stop and recovery.
+
+What is decided here is what a caller may do: submit (who the job runs as,
+:func:`elasticd.identity.authorize`), cancel, delete, expire.
+
+Events are recorded in this daemon's SQLite first (so an acknowledged event
+is on disk) and published to the store (``ev/<job>/<node>/<seq>``) for the
+merged, cluster-wide view; an event's ``seq`` in the API comes from the store
+revision that created it (see :mod:`elasticd.node.events`), which gives all nodes'
+events one order that keeps each node's own.
+
+A full or failing state disk (:mod:`elasticd.storage`): ``submit`` refuses
+new jobs with :class:`~elasticd.errors.StorageFull` (507) while the disk
+refuses writes, since accepting means a durable record; running jobs go on
+(their events wait, in order, and land later), and each gets one
+``storage.back`` event when the disk takes writes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from typing_extensions import Unpack
+
+from elasticd.agent.agent import ConsoleSink
+from elasticd.clock import SYSTEM_CLOCK, Clock
+from elasticd.config import Config
+from elasticd.errors import (
+    JobConflict,
+    JobForbidden,
+    JobNotFound,
+    ShuttingDown,
+    StorageFull,
+    StoreError,
+    WorkerSpawnError,
+)
+from elasticd.eventkinds import EventKind
+from elasticd.identity import ADMIN, Action, Deny, JobFacts, JobTokens, Principal, authorize
+from elasticd.keys import job_key, keys_of_job, refusal_key
+from elasticd.logs import LogLayout
+from elasticd.models import (
+    Job,
+    JobEdit,
+    JobMutation,
+    JobOwner,
+    JobSpec,
+    Launcher,
+    valid_job_id,
+)
+from elasticd.node.cluster import JOB_PREFIX, Cluster
+from elasticd.node.db import Database
+from elasticd.node.events import EventLog
+from elasticd.node.jobs.documents import (
+    JobDocuments,
+    JobsSide,
+    facts_of,
+    owner_of,
+    parse_job,
+    redacted,
+)
+from elasticd.node.jobs.queries import JobQueries
+from elasticd.node.jobs.reconcile import Reconciler, Slots
+from elasticd.node.jobs.supervision import AgentSupervisor
+from elasticd.node.logfollow import LogGrowth
+from elasticd.node.retention import expired
+from elasticd.sched.plan import FleetPlan
+from elasticd.states import JobState
+from elasticd.storage import StorageHealth
+from elasticd.store import Store
+from elasticd.supervise.spawn import SpawnPolicy
+from elasticd.tasks import TaskSet
+
+log = logging.getLogger("elasticd.node.jobs")
+
+
+class JobService:
+    """Jobs of the cluster as this daemon sees them, and the agents it runs."""
+
+    def __init__(
+        self,
+        config: Config,
+        events: EventLog,
+        store: Store,
+        cluster: Cluster,
+        *,
+        token_file: str | None = None,
+        slots: int,
+        gpu_ids: list[str] | None = None,
+        console: ConsoleSink | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        base_env: dict[str, str] | None = None,
+        storage: StorageHealth | None = None,
+        job_base_env: dict[str, str] | None = None,
+        db: Database | None = None,
+    ) -> None:
+        """``db``: where this node keeps when it saw jobs end (retention survives a
+        restart); None keeps it in memory only."""
+        self.config = config
+        self.logs = LogLayout(config.logs)
+        #: Log followers wait on it; the agents' output pipes tell it when a log grew.
+        self.log_growth = LogGrowth()
+        self.storage = storage
+        self.events = events
+        self.store = store
+        self.cluster = cluster
+        self.clock = clock
+        self.documents = JobDocuments(store, events, clock)
+        side = JobsSide(config, self.documents, events, cluster, self.logs)
+        #: Work nobody awaits where it starts (slot counts, refusals, a dead agent's
+        #: clean-up): owned here, finished or cancelled by stop_agents.
+        self._background = TaskSet("jobs")
+        self.supervisor = AgentSupervisor(
+            side,
+            ended=lambda ended: self.reconciler.agent_ended(ended),
+            log_growth=self.log_growth,
+            token_file=token_file,
+            console=console,
+            base_env=base_env,
+            job_base_env=job_base_env,
+            storage=storage,
+        )
+        self.queries = JobQueries(
+            side,
+            plan=lambda: self.reconciler.plan,
+            agents=self.supervisor.agents,
+        )
+        self.reconciler = Reconciler(
+            side,
+            self.supervisor,
+            Slots(slots, gpu_ids),
+            self._background,
+            retain_logs=self.queries.retain_logs,
+            db=db,
+        )
+        # The reads are JobQueries' own, bound here as they are (one signature each).
+        self.get = self.queries.get
+        self.queue = self.queries.queue
+        self.list_jobs = self.queries.list_jobs
+        self.workers = self.queries.workers
+        self.list_events = self.queries.list_events
+        self.follow_events = self.queries.follow_events
+        self.wait = self.queries.wait
+        self.retain_logs = self.queries.retain_logs
+        self.log_attempts = self.queries.log_attempts
+        self.open_log = self.queries.open_log
+        self.read_log = self.queries.read_log
+        self.check_log = self.queries.check_log
+        self.node_url = self.queries.node_url
+        if storage is not None:
+            storage.on_state_back(self.supervisor.storage_back)
+        #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
+        self.check_user: Callable[..., object] | None = None
+
+    @property
+    def node(self) -> str:
+        return self.config.node_name
+
+    @property
+    def spawn_policy(self) -> SpawnPolicy:
+        """How workers are spawned (users, registry, containment): the daemon sets it."""
+        return self.supervisor.spawn_policy
+
+    @spawn_policy.setter
+    def spawn_policy(self, policy: SpawnPolicy) -> None:
+        self.supervisor.spawn_policy = policy
+
+    def use_job_tokens(self, tokens: JobTokens, folder: Path) -> None:
+        """Give each job run here its own token, in a file of ``folder`` (the daemon's, 0711)."""
+        self.supervisor.job_tokens = tokens
+        self.supervisor.token_dir = folder
+
+    # lifecycle
+
+    async def recover(self) -> None:
+        await self.supervisor.recover()
+
+    def stop_accepting(self) -> None:
+        self.reconciler.accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        return self.reconciler.accepting
+
+    async def stop_agents(self) -> None:
+        """Stop every agent (:meth:`AgentSupervisor.stop_all`), then the background work."""
+        self.reconciler.accepting = False
+        deadline = await self.supervisor.stop_all()
+        # A dead agent's clean-up stops its workers: let it finish (bounded) before the rest
+        # is cancelled, so nothing of the service outlives it.
+        await self._background.aclose(grace=max(0.0, deadline - asyncio.get_running_loop().time()))
+
+    # writes
+
+    async def submit(self, spec: JobSpec, principal: Principal = ADMIN) -> tuple[Job, bool]:
+        """Accept a job of ``principal``. Returns (job, created); same id + same spec + same
+        owner returns the existing one.
+
+        Who it runs as is decided here, once, by :func:`elasticd.identity.authorize`:
+        the submitter's own user by default (a local caller), an identity's first
+        user, or the node's ``run_as`` for the admin; every node then checks that
+        user against its own policy before anything of the job runs.
+        """
+        decision = authorize(
+            principal,
+            Action.SUBMIT,
+            JobFacts(owner=principal.name, user=spec.user, priority=spec.priority),
+        )
+        if isinstance(decision, Deny):
+            raise JobForbidden(decision.reason)
+        if decision.user != spec.user:
+            spec = spec.model_copy(update={"user": decision.user})
+        owner = owner_of(principal, decision.user)
+        if not self.reconciler.accepting:
+            raise ShuttingDown("the daemon is shutting down and accepts no new jobs")
+        degraded = self.storage.state_degraded() if self.storage is not None else None
+        if degraded is not None:
+            # Accepting means a durable record; the disk cannot make one now. Refuse, so
+            # that nothing acknowledged can be lost and nothing unacknowledged runs.
+            raise StorageFull(
+                f"node {self.node} cannot accept jobs: its disk refuses writes since "
+                f"{degraded.since:.0f} ({degraded.source}: {degraded.reason}); "
+                "try again when space is freed, or submit to another node"
+            )
+        if self.check_user is not None:
+            try:
+                self.check_user(spec.user, owner_user=owner.unix_user)
+            except WorkerSpawnError as exc:
+                raise JobForbidden(str(exc)) from None
+        job_id = spec.id or uuid.uuid4().hex[:12]
+        spec = spec.model_copy(update={"id": job_id})
+        job = Job(
+            id=job_id,
+            spec=spec,
+            state=JobState.PENDING,
+            max_restarts=spec.max_restarts,
+            created_at=self.clock.time(),
+            submitted_to=self.node,
+            owner=owner,
+        )
+        result = await self.store.compare_and_set(
+            job_key(job_id), job.model_dump_json().encode(), None
+        )
+        if not result.ok:
+            assert result.entry is not None
+            existing = parse_job(job_id, result.entry.value)
+            before = existing.owner or JobOwner(name=ADMIN.name)
+            same_owner = (before.name, before.local) == (owner.name, owner.local)
+            if existing.spec.without_id() == spec.without_id() and same_owner:
+                return existing, False
+            if not same_owner:
+                raise JobConflict(f"job id {job_id!r} is taken by another owner; choose another id")
+            raise JobConflict(
+                f"job {job_id!r} exists with a different spec; choose another id "
+                "or submit the identical spec to get the existing job"
+            )
+        self.events.emit(
+            job_id,
+            "daemon",
+            EventKind.JOB_SUBMITTED,
+            f"job accepted by {self.node}: {spec.nproc_per_node} x {spec.entrypoint} "
+            f"{' '.join(spec.args)}".rstrip(),
+            state=JobState.PENDING.value,
+        )
+        return job, True
+
+    async def authorized(self, job_id: str, principal: Principal, action: Action) -> Job:
+        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not."""
+        job = await self.get(job_id)
+        decision = authorize(principal, action, facts_of(job))
+        if isinstance(decision, Deny):
+            raise JobForbidden(decision.reason)
+        return job
+
+    def as_seen_by(self, job: Job, principal: Principal) -> Job:
+        """The job as ``principal`` may see it: its spec's env and args are its owner's."""
+        if authorize(principal, Action.READ_DETAIL, facts_of(job)):
+            return job
+        return redacted(job)
+
+    async def cancel(self, job_id: str) -> Job:
+        job = await self.get(job_id)
+        if job.launcher != Launcher.ELASTICD:
+            raise JobConflict(
+                f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "
+                f"{job.launcher} processes"
+            )
+        if job.state.is_terminal:
+            raise JobConflict(
+                f"job {job_id!r} already ended as {job.state.value}; nothing to cancel"
+            )
+        self.events.emit(
+            job_id, "daemon", EventKind.JOB_CANCEL_REQUESTED, f"cancel requested on {self.node}"
+        )
+        job = await self.update_job(job_id, state=JobState.CANCELLED, reason="cancelled by user")
+        # Closing the rendezvous tells every node's agent to stop its workers.
+        await self._close_rendezvous(job_id)
+        return job
+
+    async def expire(self, retention: float) -> list[str]:
+        """Delete the jobs that ended more than ``retention`` seconds ago; their ids.
+
+        Every daemon may run this: a job deleted meanwhile by another one is
+        skipped (the deletion is a compare-and-set on the job document).
+        """
+        # Measured from when this node saw the end, on its monotonic clock: the document's
+        # finished_at is another node's wall clock, which may be hours off this one's.
+        seen = self.reconciler
+        finished = [job for job in seen.known.values() if job.state.is_terminal]
+        deleted = []
+        for job_id in expired(finished, seen.ends, self.clock.monotonic(), retention):
+            try:
+                await self.delete(job_id)
+            except (JobNotFound, JobConflict):
+                continue
+            deleted.append(job_id)
+        if deleted:
+            log.info("deleted %d job(s) finished over %.0f s ago", len(deleted), retention)
+        if seen.watched:
+            # Events of jobs deleted while this daemon was down: nobody else drops them.
+            # Their times are this node's own clock, and only jobs gone from the store
+            # lose them, so a step of the clock cannot delete a live job's events.
+            cutoff = self.clock.time() - retention
+            for job_id in self.events.quiet_since(cutoff):
+                if job_id not in seen.known:
+                    self.events.forget(job_id)
+        return deleted
+
+    async def delete(self, job_id: str) -> None:
+        """Forget a finished job: its document, events, groups and rendezvous keys.
+
+        Worker log files stay on disk (they are the user's data). A job that
+        has not ended cannot be deleted: cancel it first; a torchrun-launched
+        run with no live torchrun left may be deleted in any state.
+        """
+        job = await self.get(job_id)
+        torch_run = job.launcher != Launcher.ELASTICD
+        abandoned = torch_run and not await self.documents.live_members(job_id)
+        if not job.state.is_terminal and not abandoned:
+            # A torchrun run whose torchruns are all gone (stopped by a signal, torch's
+            # launcher skips its shutdown then) keeps its last state for ever: it may go.
+            raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
+        entry = await self.store.get(job_key(job_id))
+        if entry is None or not await self.store.delete(job_key(job_id), entry.version):
+            raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
+        for prefix in keys_of_job(job_id):
+            for item in (await self.store.list(prefix)).entries:
+                await self.store.delete(item.key)
+        self.reconciler.forget(job_id)
+
+    async def _close_rendezvous(self, job_id: str) -> None:
+        rdzv = self.supervisor.rendezvous(await self.get(job_id))
+        with contextlib.suppress(StoreError):
+            await rdzv.close()
+
+    async def update_job(
+        self, job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+    ) -> Job:
+        """:meth:`JobDocuments.update`."""
+        return await self.documents.update(job_id, mutate=mutate, **changes)
+
+    # the store's watches (Reconciler)
+
+    def on_refused(self, key: str, reason: str) -> None:
+        """A job document in the store was refused (see ``Cluster``): say so, touch nothing.
+
+        With a valid job id in its key the refusal is an event of that job;
+        otherwise there is no job to attach it to, and a record under
+        ``refused/<node>/`` in the store says it (the daemon's log has it too).
+        """
+        job_id = key.removeprefix(JOB_PREFIX)
+        message = (
+            f"node {self.node} refused the job document at store key {key!r}: {reason}. No "
+            "agent runs it and nothing on disk is touched; delete the key or write a job "
+            "through the API"
+        )
+        if key.startswith(JOB_PREFIX) and valid_job_id(job_id):
+            self.events.emit(job_id, "daemon", EventKind.JOB_REFUSED, message)
+            return
+        record = json.dumps(
+            {"key": key, "reason": reason, "node": self.node, "time": self.clock.time()}
+        ).encode()
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        self._background.spawn(
+            self._record_refusal(refusal_key(self.node, digest), record), name="record-refusal"
+        )
+
+    async def _record_refusal(self, key: str, record: bytes) -> None:
+        try:
+            await self.store.put(key, record)
+        except StoreError as exc:
+            log.warning("cannot record the refusal under %s: %s", key, exc)
+
+    def on_jobs(self, jobs: list[Job]) -> None:
+        """Called with every job document whenever one changes."""
+        self.reconciler.on_jobs(jobs)
+
+    def on_plan(self, plan: FleetPlan) -> None:
+        """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
+        self.reconciler.on_plan(plan)
+
+    def store_answers(self) -> None:
+        """The store answers again (this node's lease was renewed).
+
+        A job told ``store.lost`` whose agent no longer runs here (the plan
+        dropped this node meanwhile, or the agent ended) gets its ``store.back``
+        now; a running agent says it itself once the store serves its round.
+        """
+        for job_id in self.events.store_lost_jobs():
+            if job_id not in self.supervisor.agents:
+                self.events.store_back(job_id)

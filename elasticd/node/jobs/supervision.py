@@ -1,0 +1,431 @@
+"""Agent supervision: start a job's agent, watch its task, stop it, survive its death.
+
+An agent task that dies of an exception its own error path could not handle
+is never silent: its workers are stopped, ``agent.crashed`` is recorded and
+the job resumes as a new attempt like after a daemon crash (after
+``MAX_AGENT_CRASHES`` within ``AGENT_CRASH_WINDOW`` this node gives the job up
+until it restarts, and the job is never FAILED for it;
+:meth:`AgentSupervisor.after_crash`), rather than left RUNNING unwatched.
+Whatever ends an agent is reported to the plan's side
+(:class:`~elasticd.node.jobs.reconcile.Reconciler`) as an :class:`AgentEnded`:
+it decides what the slots and the job do next.
+
+A daemon that stops, or starts after a crash, leaves its jobs resumable:
+``stop_all`` and ``recover`` mark them RESTARTING with a reason, never FAILED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
+from elasticd.agent.nodefail import RetrySettings
+from elasticd.errors import (
+    InvalidTransition,
+    JobNotFound,
+    SpawnStage,
+    StoreError,
+    ValueTooLarge,
+    WorkerSpawnError,
+)
+from elasticd.eventkinds import EventKind
+from elasticd.identity import JobTokens
+from elasticd.keys import group_key
+from elasticd.models import Job, Launcher
+from elasticd.node.health import NodeHealthChecks
+from elasticd.node.jobs.documents import JobsSide, incarnation
+from elasticd.node.logfollow import LogGrowth
+from elasticd.rendezvous import Settings, StoreRendezvous
+from elasticd.security import Identity
+from elasticd.states import JOB_ACTIVE, JobState, WorkerState
+from elasticd.storage import Degraded, StorageHealth
+from elasticd.store import Entry
+from elasticd.supervise.spawn import DEFAULT_POLICY
+
+log = logging.getLogger("elasticd.node.jobs")
+
+#: Seconds a stopping daemon spends recording why its jobs stopped (the store may not
+#: acknowledge writes: a full disk under the embedded store). A restart resumes them anyway.
+STOP_RECORD_TIMEOUT = 10.0
+
+DAEMON_STOPPED = (
+    "the elasticd daemon stopped while the job was running (e.g. systemctl restart); "
+    "the job resumes as a new attempt when the daemon is back, no restart charged"
+)
+DAEMON_CRASHED = (
+    "the elasticd daemon was not running (it crashed or was killed) while the job was running; "
+    "the job resumes as a new attempt, no restart charged"
+)
+#: Agent deaths (internal errors) after which a job is FAILED instead of resumed.
+MAX_AGENT_CRASHES = 3
+#: Seconds within which MAX_AGENT_CRASHES deaths make this node give a job up.
+AGENT_CRASH_WINDOW = 600.0
+
+
+@dataclass(frozen=True)
+class AgentEnded:
+    """An agent task of this node ended; ``crash`` is the exception that killed it, if any."""
+
+    job_id: str
+    agent: JobAgent | None
+    cancelled: bool
+    crash: BaseException | None
+
+    @property
+    def gave_back(self) -> bool:
+        """The node's own trouble (:mod:`elasticd.agent.nodefail`) made the agent give up."""
+        return self.agent is not None and self.agent.gave_back
+
+
+class AgentSupervisor:
+    """The agents of this node: one task per job, its token file, and what ends it."""
+
+    def __init__(
+        self,
+        side: JobsSide,
+        *,
+        ended: Callable[[AgentEnded], None],
+        log_growth: LogGrowth,
+        token_file: str | None = None,
+        console: ConsoleSink | None = None,
+        base_env: dict[str, str] | None = None,
+        job_base_env: dict[str, str] | None = None,
+        storage: StorageHealth | None = None,
+    ) -> None:
+        """``ended``: told, in the task's done callback, whenever an agent task ends."""
+        self.side = side
+        self.console = console
+        self.log_growth = log_growth
+        self.storage = storage
+        self._ended = ended
+        self._token_file = token_file
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        #: What a job's processes start from (None: ``base_env``):
+        #: :func:`elasticd.supervise.env.job_base_env`.
+        self._job_base_env = job_base_env
+        #: How workers are spawned (users, registry, containment): the daemon sets it.
+        self.spawn_policy = DEFAULT_POLICY
+        #: The tokens of this node's jobs' workers, and the folder of their files (the
+        #: daemon's own, 0711): each job's file belongs to its user, 0400.
+        self.job_tokens: JobTokens | None = None
+        self.token_dir: Path | None = None
+        self.agents: dict[str, JobAgent] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        #: How often each job's agent died of an internal error in this daemon's life.
+        self._crashes: dict[str, list[float]] = {}  # job -> when its agents died
+
+    async def recover(self) -> None:
+        """After a start: a job this node was running resumes, never failed for the daemon's sake.
+
+        A job with other live members carries on without us; this node will
+        rejoin it through the normal scheduling path (as an arriving node).
+        A job only this node ran was interrupted by this daemon's own stop or
+        crash, not by its workers: it is marked RESTARTING with the reason
+        and the scheduling path starts it again as a new attempt. No restart
+        is charged (:data:`DAEMON_CRASHED`).
+        """
+        try:
+            jobs = await self.side.documents.all()
+        except ValueTooLarge as exc:
+            # Never a crash loop at start: serve, and say what is wrong with the store.
+            log.error("cannot recover the jobs of this node: %s", exc)
+            return
+        for job in jobs:
+            if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD:
+                continue
+            ours = await self.side.store.get(group_key(job.id, self.side.node))
+            if ours is not None:
+                await self._mark_stopped(ours)
+            members = await self.side.documents.live_members(job.id)
+            if members - {self.side.node}:
+                continue
+            if ours is None and self.side.node not in members and not self._started_here(job.id):
+                continue
+            self.side.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, DAEMON_CRASHED)
+            if job.state is JobState.RUNNING:
+                with contextlib.suppress(InvalidTransition):
+                    await self.side.documents.update(
+                        job.id, state=JobState.RESTARTING, reason="the daemon was restarted"
+                    )
+
+    async def _mark_stopped(self, entry: Entry) -> None:
+        """Our group view from before the restart: its workers died with the daemon."""
+        view = decode_group(entry.value)
+        if view is None or view.state.is_terminal or view.state is WorkerState.STOPPED:
+            return
+        view.state = WorkerState.STOPPED
+        view.updated_at = self.side.clock.time()
+        for worker in view.workers:
+            if not worker.state.is_terminal:
+                worker.state = WorkerState.STOPPED
+        await self.side.store.compare_and_set(
+            entry.key, view.model_dump_json().encode(), entry.version
+        )  # a lost race means a newer view was written: fine
+
+    def _started_here(self, job_id: str) -> bool:
+        """Whether this node's own event log says it started workers of the job."""
+        after = 0
+        while batch := self.side.events.read(job_id, after=after, limit=1000):
+            if any(e.kind == EventKind.WORKERS_STARTED for e in batch):
+                return True
+            after = batch[-1].seq
+        return False
+
+    async def stop_all(self) -> float:
+        """Stop every agent: each stops its workers (shielded) and leaves the rendezvous.
+
+        A job no other live node is part of is then RESTARTING, with an event
+        that says why: it resumes when a daemon takes it up again. Returns the
+        loop time by which what is left of the stop should be done.
+        """
+        tasks = list(self.tasks.items())
+        for _, task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        # Bounded: with a disk that refuses writes the store acknowledges nothing, and a
+        # stop must still end (a restarted daemon resumes these jobs: ``recover``).
+        bound = STOP_RECORD_TIMEOUT
+        if self.storage is not None and self.storage.state_degraded() is not None:
+            bound = 2.0  # nothing is acknowledged before the disk frees; do not wait long
+        deadline = asyncio.get_running_loop().time() + bound
+        for job_id, _ in tasks:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._record_stop(job_id)
+            except TimeoutError:
+                log.warning("job %s: could not record the daemon stop in time", job_id)
+        return deadline
+
+    async def _record_stop(self, job_id: str) -> None:
+        """After this daemon stopped its agent: the job resumes later, and says why."""
+        try:
+            job = await self.side.documents.read(job_id)
+            if job.state.is_terminal or await self.side.documents.live_members(job_id) - {
+                self.side.node
+            }:
+                return
+            # Not the job's failure: it resumes when this daemon (or another node) is back.
+            self.side.events.emit(job_id, "daemon", EventKind.DAEMON_STOPPED, DAEMON_STOPPED)
+            if job.state is JobState.RUNNING:
+                await self.side.documents.update(
+                    job_id, state=JobState.RESTARTING, reason="the daemon stopped"
+                )
+        except (StoreError, InvalidTransition, JobNotFound) as exc:
+            log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
+
+    def rendezvous(self, job: Job) -> StoreRendezvous:
+        spec = job.spec
+        assert spec.max_nodes is not None
+        return StoreRendezvous(
+            self.side.store,
+            job.id,
+            node=self.side.node,
+            role=spec.role,
+            local_world_size=spec.nproc_per_node,
+            advertise_addr=self.side.config.advertise,
+            settings=Settings(
+                min_nodes=spec.min_nodes,
+                max_nodes=spec.max_nodes,
+                join_timeout=spec.join_timeout,
+                last_call_timeout=spec.last_call_timeout,
+            ),
+            lease=self.side.cluster.lease,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+            clock=self.side.clock,
+        )
+
+    def start(self, job: Job, cuda_visible_devices: str | None) -> None:
+        """Start the job's agent on slots the caller holds for it (their GPUs given)."""
+        ctx = AgentContext(
+            node=self.side.node,
+            advertise_addr=self.side.config.advertise,
+            daemon_url=self.side.config.url,
+            logs=self.side.logs,
+            store=self.side.store,
+            events=self.side.events,
+            update_job=self.side.documents.update,
+            rendezvous=self.rendezvous(job),
+            base_env=self._base_env,
+            job_base_env=self._job_base_env,
+            token_file=self._token_file,
+            cuda_visible_devices=cuda_visible_devices,
+            console=self.console,
+            clock=self.side.clock,
+            fence_after=self.side.config.lease_ttl,
+            lease_lapsed=self.side.cluster.lease_lapsed,
+            health=NodeHealthChecks(
+                base_env=self._base_env,
+                job_base_env=self._job_base_env,
+                node_command=self.side.config.health_check,
+                nvidia_smi=self.side.config.nvidia_smi,
+                policy=self.spawn_policy,
+            ),
+            storage=self.storage,
+            policy=self.spawn_policy,
+            job_token=self._job_token if self.job_tokens is not None else None,
+            log_growth=self.log_growth.grew,
+            node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
+        )
+        agent = JobAgent(job, ctx)
+        try:
+            # The job's log folder is this job's: one left by an earlier job of this id
+            # (deleted, the id taken again) is moved aside, never read or appended to.
+            self.side.logs.claim(job.id, incarnation(job))
+        except OSError as exc:  # its logs are then not served (no folder names it)
+            log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
+        # A job this node ran before (before a daemon restart) goes on with the next
+        # attempt number: its earlier attempts' logs stay where they are.
+        agent.spawn_seq = self.side.logs.last_attempt(job.id)
+        self.agents[job.id] = agent
+        task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
+        self.tasks[job.id] = task
+        task.add_done_callback(self._done(job.id))
+
+    def stop(self, job_id: str) -> None:
+        """Stop the job's agent here: it leaves the rendezvous first, then stops its workers."""
+        task = self.tasks.get(job_id)
+        agent = self.agents.get(job_id)
+        if agent is not None:
+            agent.leave_first = True
+        if task is not None:
+            log.info("job %s: no longer placed on %s; stopping its agent", job_id, self.side.node)
+            task.cancel()  # stops the workers with their grace and leaves the rendezvous
+
+    def forget(self, job_id: str) -> None:
+        """The job is gone from the store: its agents' deaths no longer count."""
+        self._crashes.pop(job_id, None)
+
+    def _job_token(self, job_id: str, identity: Identity | None) -> str | None:
+        """Make the job's token on this node, in a file only its user reads; the path.
+
+        Only for a job that runs as another user than the daemon's: one that
+        runs as the daemon's own user (``elasticd run``, a user's own daemon)
+        could read the daemon's token file anyway, and gets its path, as before.
+        The folder is the daemon's and no job may write it, so the file is
+        made where it is meant to be (no link can redirect it), then handed to
+        the job's user. A new token replaces the job's previous one here.
+        """
+        if identity is None:
+            return self._token_file
+        assert self.job_tokens is not None
+        assert self.token_dir is not None
+        token = self.job_tokens.mint(job_id)
+        path = self.token_dir / f"{job_id}.token"
+        temp = self.token_dir / f".{job_id}.{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+            try:
+                os.write(fd, token.encode() + b"\n")
+                if identity is not None:
+                    os.fchown(fd, identity.uid, identity.gid)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+            raise WorkerSpawnError(
+                f"cannot write the job's token file {path}: {exc}", stage=SpawnStage.TOKEN
+            ) from exc
+        return str(path)
+
+    def _forget_token(self, job_id: str) -> None:
+        if self.job_tokens is None or self.token_dir is None:
+            return
+        self.job_tokens.revoke(job_id)
+        with contextlib.suppress(OSError):
+            (self.token_dir / f"{job_id}.token").unlink()
+
+    def _done(self, job_id: str) -> Callable[[asyncio.Task[None]], None]:
+        def done(task: asyncio.Task[None]) -> None:
+            self._forget_token(job_id)
+            agent = self.agents.pop(job_id, None)
+            self.tasks.pop(job_id, None)
+            crash = None if task.cancelled() else task.exception()
+            if crash is not None and agent is not None:
+                # The agent's own error path raised: never silent (after_crash).
+                log.error(
+                    "the agent of job %s died: %s: %s",
+                    job_id,
+                    type(crash).__name__,
+                    crash,
+                    exc_info=crash,
+                )
+            self._ended(AgentEnded(job_id, agent, task.cancelled(), crash))
+
+        return done
+
+    def storage_back(self, first: Degraded, seconds: float) -> None:
+        """The state disk takes writes again: each job run here gets one event saying so.
+
+        Emitted after everything the backlog held (it lands in order behind it).
+        """
+        for job_id in list(self.agents):
+            self.side.events.emit(
+                job_id,
+                "daemon",
+                EventKind.STORAGE_BACK,
+                f"{self.side.node} could not write its state for {seconds:.1f} s ({first.source}: "
+                f"{first.reason}); what happened meanwhile was kept in memory and is now "
+                "recorded, in order",
+                duration_s=seconds,
+            )
+
+    async def after_crash(self, job_id: str, agent: JobAgent, crash: BaseException) -> bool:
+        """An agent task died of an exception its own handler could not deal with.
+
+        Decision: that is this daemon's fault, not the job's workers', so it is
+        treated as a crash of the daemon (issue 12, 11): the agent's workers
+        are stopped and it leaves the rendezvous, ``agent.crashed`` names the
+        error, the job is RESTARTING and resumes as a new attempt under a new
+        agent, no restart charged. A bug that kills every agent would loop, so
+        after :data:`MAX_AGENT_CRASHES` deaths within :data:`AGENT_CRASH_WINDOW`
+        this node gives the job up until the daemon restarts (other nodes carry
+        on without it): returns True then. The job is never FAILED for it: only
+        its workers or its budget may fail a job. Never left RUNNING unwatched.
+        """
+        now = self.side.clock.monotonic()
+        recent = [t for t in self._crashes.get(job_id, []) if now - t < AGENT_CRASH_WINDOW]
+        recent.append(now)
+        self._crashes[job_id] = recent
+        error = f"{type(crash).__name__}: {crash}"
+        give_up = len(recent) >= MAX_AGENT_CRASHES
+        try:
+            with contextlib.suppress(Exception):
+                await agent.abandon()
+            if give_up:
+                self.side.events.emit(
+                    job_id,
+                    "daemon",
+                    EventKind.AGENT_CRASHED,
+                    f"the agent on {self.side.node} died of an internal error {len(recent)} times "
+                    "in "
+                    f"{AGENT_CRASH_WINDOW:.0f} s (last: {error}); this node gives the job up "
+                    "until the daemon restarts: report it as a bug of elasticd",
+                )
+            else:
+                self.side.events.emit(
+                    job_id,
+                    "daemon",
+                    EventKind.AGENT_CRASHED,
+                    f"the agent on {self.side.node} died of an internal error ({error}); the job "
+                    "resumes as a new attempt, no restart charged",
+                )
+            with contextlib.suppress(InvalidTransition, JobNotFound):
+                job = await self.side.documents.read(job_id)
+                if job.state is JobState.RUNNING:
+                    await self.side.documents.update(
+                        job_id, state=JobState.RESTARTING, reason="the agent crashed"
+                    )
+        except Exception as exc:
+            log.error("job %s: could not record the agent's death: %s", job_id, exc)
+        return give_up

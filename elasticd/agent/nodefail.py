@@ -8,7 +8,7 @@ flood of idle connections), memory or processes (ENOMEM, EAGAIN from fork),
 its disk refuses writes, its cgroup is gone, a root stage cannot run.
 :func:`classify` decides which, from where the start failed (the
 :class:`~elasticd.errors.SpawnStage` a :class:`~elasticd.errors.WorkerSpawnError`
-carries) and the OS error; a table in ``tests/unit/test_nodefail.py``.
+carries) and the OS error; a table in ``tests/agent/test_nodefail.py``.
 
 A node-side failure is never charged to the job. The agent tries again
 with backoff (:func:`decide_retry`: a pure function of the first failure,

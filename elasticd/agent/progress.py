@@ -336,13 +336,6 @@ class ProgressMonitor:
                 waits.append(self._sleep(max(0.0, deadline - self._clock.monotonic())))
             await race(*waits)
 
-    def remove_files(self) -> None:
-        """Close and delete the heartbeat files (after the attempt); what is in the way stays."""
-        self.close()
-        for path in self.files.values():
-            with contextlib.suppress(OSError):
-                path.unlink()  # an entry of the worker's folder; unlink never follows a link
-
 
 # -- stack dumps ---------------------------------------------------------------------
 

@@ -413,19 +413,7 @@ class _Api:
     def nodes() -> _Call:
         return _Call("GET", "/nodes")
 
-    @staticmethod
     def logs(
-        job_id: str,
-        local_rank: int,
-        stream: Stream,
-        attempt: int | None,
-        tail: int | None,
-        node: str | None,
-    ) -> _Call:
-        params = _log_params(local_rank, stream, attempt, tail, node)
-        return _Call("GET", f"/jobs/{job_id}/logs", params=params)
-
-    def follow_logs(
         self,
         job_id: str,
         local_rank: int,
@@ -433,9 +421,12 @@ class _Api:
         attempt: int | None,
         tail: int | None,
         node: str | None,
+        *,
+        follow: bool = False,
     ) -> _Call:
-        params = _log_params(local_rank, stream, attempt, tail, node, follow=True)
-        timeout = httpx.Timeout(self.timeout, read=None)  # a quiet log is not an error
+        """A log as it is now, or (``follow``) as it grows: a quiet log is then no error."""
+        params = _log_params(local_rank, stream, attempt, tail, node, follow=follow)
+        timeout = httpx.Timeout(self.timeout, read=None) if follow else None
         return _Call("GET", f"/jobs/{job_id}/logs", params=params, timeout=timeout)
 
     def checked(self, response: httpx.Response) -> httpx.Response:
@@ -603,7 +594,7 @@ class Client:
         node: str | None = None,
     ) -> Iterator[str]:
         """The log as it grows, until the job ends (across restarts unless ``attempt``)."""
-        call = self._api.follow_logs(job_id, local_rank, stream, attempt, tail, node)
+        call = self._api.logs(job_id, local_rank, stream, attempt, tail, node, follow=True)
         decoder = _log_decoder()
         try:
             with self._http.stream(call.method, call.path, **call.options()) as response:
@@ -749,7 +740,7 @@ class AsyncClient:
         tail: int | None = None,
         node: str | None = None,
     ) -> AsyncIterator[str]:
-        call = self._api.follow_logs(job_id, local_rank, stream, attempt, tail, node)
+        call = self._api.logs(job_id, local_rank, stream, attempt, tail, node, follow=True)
         decoder = _log_decoder()
         try:
             async with self._http.stream(call.method, call.path, **call.options()) as response:

@@ -126,6 +126,29 @@ def cluster(tmp_path):
         yield c
 
 
+async def store_behind_proxy(cluster: LocalCluster) -> HalfOpenProxy:
+    """n0 hosts the store; every node started after this reaches it through the proxy."""
+    cluster.start("n0")
+    await cluster.wait_ready("n0")
+    proxy = HalfOpenProxy(cluster.nodes["n0"].port)
+    await proxy.start()
+    cluster.store_url = f"http://127.0.0.1:{proxy.port}"
+    return proxy
+
+
+async def submit_sleeper(c: httpx.AsyncClient, job_id: str, **fields: Any) -> None:
+    """A job whose worker sleeps (termination grace 1 s); 201 or the test fails."""
+    job = {
+        "id": job_id,
+        "entrypoint": sys.executable,
+        "args": ["-c", "import time; time.sleep(600)"],
+        "termination_grace": 1,
+        **fields,
+    }
+    r = await c.post("/jobs", json=job)
+    assert r.status_code == 201, r.text
+
+
 async def timed(c: httpx.AsyncClient, method: str, path: str, **kw: Any) -> tuple[float, Any]:
     began = time.monotonic()
     r = await c.request(method, path, **kw)
@@ -154,40 +177,15 @@ async def test_half_open_store_link_answers_503_in_bounded_time_and_pairs_lost_w
     answer 503 naming the wait within two thirds of the lease; once healed, n1's
     ``store.lost`` is followed by its ``store.back`` in the job's events although the plan
     dropped n1 from the job meanwhile; the job never FAILED."""
-    cluster.start("n0")
-    await cluster.wait_ready("n0")
-    proxy = HalfOpenProxy(cluster.nodes["n0"].port)
-    await proxy.start()
+    proxy = await store_behind_proxy(cluster)
     try:
-        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
         cluster.start("n1", "--labels", "host=n1")
         await cluster.wait_ready("n1")
         async with cluster.client("n0") as c0, cluster.client("n1") as c1:
-            r = await c0.post(
-                "/jobs",
-                json={
-                    "id": "elastic",
-                    "entrypoint": sys.executable,
-                    "args": ["-c", "import time; time.sleep(600)"],
-                    "min_nodes": 1,
-                    "max_nodes": 2,
-                    "termination_grace": 1,
-                },
-            )
-            assert r.status_code == 201, r.text
+            await submit_sleeper(c0, "elastic", min_nodes=1, max_nodes=2)
             # And a job only n1 may run, cancelled (on n0) while n1 cannot hear of it: its
             # agent on n1 ends without forming another round once the link heals.
-            r = await c0.post(
-                "/jobs",
-                json={
-                    "id": "pinned",
-                    "entrypoint": sys.executable,
-                    "args": ["-c", "import time; time.sleep(600)"],
-                    "node_selector": {"host": "n1"},
-                    "termination_grace": 1,
-                },
-            )
-            assert r.status_code == 201, r.text
+            await submit_sleeper(c0, "pinned", node_selector={"host": "n1"})
 
             async def all_started() -> bool:
                 elastic = {
@@ -280,26 +278,12 @@ async def test_a_daemon_killed_during_an_outage_says_store_back_after_it_restart
     started again before the link heals: the new daemon takes up the outage from its own
     events and says ``store.back`` once the store answers (before, the list of open outages
     lived in the dead process, and the ``store.lost`` stayed unanswered for good)."""
-    cluster.start("n0")
-    await cluster.wait_ready("n0")
-    proxy = HalfOpenProxy(cluster.nodes["n0"].port)
-    await proxy.start()
+    proxy = await store_behind_proxy(cluster)
     try:
-        cluster.store_url = f"http://127.0.0.1:{proxy.port}"
         n1 = cluster.start("n1", "--labels", "host=n1")
         await cluster.wait_ready("n1")
         async with cluster.client("n0") as c0:
-            r = await c0.post(
-                "/jobs",
-                json={
-                    "id": "pinned",
-                    "entrypoint": sys.executable,
-                    "args": ["-c", "import time; time.sleep(600)"],
-                    "node_selector": {"host": "n1"},
-                    "termination_grace": 1,
-                },
-            )
-            assert r.status_code == 201, r.text
+            await submit_sleeper(c0, "pinned", node_selector={"host": "n1"})
 
             async def started() -> bool:
                 return any(e["kind"] == "workers.started" for e in await events_of(c0, "pinned"))

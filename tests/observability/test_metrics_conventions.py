@@ -226,7 +226,10 @@ async def test_a_real_prometheus_scrapes_a_jobs_restarts(tmp_path):
                     assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()
                     answer = None
                     try:
-                        answer = (await api.get("/api/v1/query", params={"query": query})).json()
+                        response = await api.get("/api/v1/query", params={"query": query})
+                        if response.status_code == 200:
+                            answer = response.json()
+                        # else Prometheus listens but is still starting ("Service Unavailable")
                     except httpx.TransportError:
                         pass  # not listening yet
                     result = answer["data"]["result"] if answer else []

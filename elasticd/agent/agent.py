@@ -145,6 +145,7 @@ class JobAgent:
     def refresh_progress(self) -> None:
         """Read the heartbeat files now (64 bytes each) so last_progress_at is current."""
         self._progress.refresh(running_only=True)
+        self._group.show_standbys()
 
     # the loop
 
@@ -165,6 +166,7 @@ class JobAgent:
         finally:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
+            await self._group.close_standbys()  # after the fills (background) ended
             await self._publisher.flush()
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
@@ -176,6 +178,7 @@ class JobAgent:
         The other nodes re-form at once; a new agent for the job joins as an arrival.
         """
         await self._stop_workers(None)
+        await self._group.close_standbys()
         self._progress.close()
         await self._departure.leave()
 

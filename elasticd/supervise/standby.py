@@ -240,6 +240,8 @@ class StandbyPool:
         self._made_for: dict[int, tuple[WorkerLaunch, Identity | None]] = {}
         self._replacements = 0
         self._replacing: set[asyncio.Task[None]] = set()
+        #: Why a local rank has no standby (it was lost), until a new one starts.
+        self._why_none: dict[int, str] = {}
         #: Why each local rank of the last start started cold.
         self.cold: dict[int, str] = {}
         #: Whether a standby was ever started (a node's first attempt has none).
@@ -307,6 +309,7 @@ class StandbyPool:
         parent.setblocking(False)
         standby = _Standby(launch, identity, program, process, parent, process_env(env, identity))
         self._standbys[launch.local_rank] = standby
+        self._why_none.pop(launch.local_rank, None)
         standby.watch = asyncio.get_running_loop().create_task(
             self._watch(standby), name=f"elasticd-standby-{launch.local_rank}"
         )
@@ -354,7 +357,7 @@ class StandbyPool:
         rank = standby.launch.local_rank
         if self._standbys.get(rank) is standby:
             del self._standbys[rank]
-        self.cold[rank] = f"its standby (pid {standby.pid}) was lost: {reason}"
+        self._why_none[rank] = f"its standby (pid {standby.pid}) was lost: {reason}"
         if self._on_lost is not None:
             self._on_lost(rank, reason)
         if replace and not self._closed and self._replacements < MAX_REPLACEMENTS:
@@ -390,7 +393,7 @@ class StandbyPool:
             return None
         standby = self._standbys.get(rank)
         if standby is None or standby.state is _State.GONE:
-            self.cold.setdefault(rank, "no standby for it")
+            self.cold[rank] = self._why_none.get(rank, "no standby for it")
             return None
         reason = mismatch(standby.launch, standby.identity, launch, identity)
         if reason is None and standby.state is _State.STARTING:

@@ -142,6 +142,17 @@ class JobAgent:
         attempt = self._group.attempt
         return attempt.view if attempt is not None else None
 
+    @property
+    def prewarm(self) -> bool:
+        """The job keeps standby interpreters (its spec's ``prewarm``)."""
+        return self._group.standbys is not None
+
+    def standby_memory(self) -> tuple[int, int]:
+        """(how many standbys, their resident bytes) on this node."""
+        pool = self._group.standbys
+        infos = pool.infos() if pool is not None else []
+        return len(infos), sum(i.rss_bytes or 0 for i in infos)
+
     def refresh_progress(self) -> None:
         """Read the heartbeat files now (64 bytes each) so last_progress_at is current."""
         self._progress.refresh(running_only=True)

@@ -252,10 +252,6 @@ class StandbyPool:
         """The live standbys, by local rank, with their memory."""
         return [s.info() for _, s in sorted(self._standbys.items()) if s.state is not _State.GONE]
 
-    @property
-    def rss_bytes(self) -> int:
-        return sum(info.rss_bytes or 0 for info in self.infos())
-
     async def fill(self, launches: Sequence[WorkerLaunch], identity: Identity | None) -> None:
         """One standby per launch that has none, made for that launch (in the background)."""
         async with self._filling:

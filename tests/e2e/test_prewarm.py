@@ -148,6 +148,7 @@ async def test_a_warm_start_is_observably_the_same_as_a_cold_one(tmp_path: Path,
             r = await c.post("/jobs", json=body)
             assert r.status_code == 201, r.text
             standbys = await ready_standbys(c, "warm", 2)
+            metrics = (await c.get("/metrics")).text
             (out / "go").touch()
             job = await wait_job(c, "warm")
             assert job["state"] == "SUCCEEDED", job
@@ -158,6 +159,9 @@ async def test_a_warm_start_is_observably_the_same_as_a_cold_one(tmp_path: Path,
             ]
     finally:
         daemon.stop()
+    assert 'elasticd_standby_processes{job_id="warm"} 2.0' in metrics
+    memory = re.search(r'elasticd_standby_resident_bytes\{job_id="warm"\} (\S+)', metrics)
+    assert memory is not None and float(memory.group(1)) > 1e6, metrics
     warm = [e for e in events if e["kind"] == "workers.warm_start"]
     assert len(warm) == 1, [e["kind"] for e in events]
     assert sorted(warm[0]["pids"]) == sorted(standbys.values())

@@ -5,6 +5,8 @@ exactly as a cold worker would; where that cannot be, they start cold and say wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -297,3 +299,61 @@ async def test_where_prewarm_cannot_apply_the_restart_starts_cold_and_says_why(
     assert sorted(e["local_rank"] for e in cold) == [0, 1], [e["kind"] for e in events]
     assert all(reason in e["message"] for e in cold), cold
     assert not [e for e in events if e["kind"] == "workers.warm_start"]
+
+
+#: Says whether torch was imported before its own first statement, and whether CUDA is set up.
+TORCH_PROBE = r"""
+import sys
+imported_before = "torch" in sys.modules
+import json, os, time
+import torch
+count = os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(f"{os.environ['OUT']}/t{count}.json", "w") as f:
+    json.dump({"imported_before": imported_before, "cuda": torch.cuda.is_initialized()}, f)
+if count == "0":
+    while not os.path.exists(f"{os.environ['OUT']}/go"):
+        time.sleep(0.02)
+    sys.exit(3)
+"""
+
+
+def _touches_the_gpu(pid: int) -> list[str]:
+    """What of the CUDA driver ``pid`` has loaded or opened (libcuda, /dev/nvidia*)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    found = sorted({line.split()[-1] for line in maps.splitlines() if "libcuda" in line})
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith("/dev/nvidia"):
+                found.append(os.readlink(fd))
+    return found
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+async def test_a_standby_imports_torch_but_never_initialises_cuda(tmp_path: Path) -> None:
+    """prewarm torch with CUDA_VISIBLE_DEVICES set: the standby has torch imported and has
+    neither loaded the CUDA driver nor opened a GPU; the warm worker finds torch already
+    imported and ``torch.cuda.is_initialized()`` false."""
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(TORCH_PROBE)
+    daemon = serve(tmp_path)
+    try:
+        async with asyncio.timeout(110), daemon.client() as c:
+            await daemon.wait_ready()
+            body = submit_body(
+                "torch", out, entrypoint=sys.executable, args=[str(probe)], nproc_per_node=1,
+                prewarm=["torch"], env={"OUT": str(out), "CUDA_VISIBLE_DEVICES": "0"},
+            )  # fmt: skip
+            assert (await c.post("/jobs", json=body)).status_code == 201
+            standbys = await ready_standbys(c, "torch", 1, timeout=90)
+            assert _touches_the_gpu(standbys[0]) == []
+            (out / "go").touch()
+            job = await wait_job(c, "torch")
+            assert job["state"] == "SUCCEEDED", job
+    finally:
+        daemon.stop()
+    cold = json.loads((out / "t0.json").read_text())
+    warm = json.loads((out / "t1.json").read_text())
+    assert cold == {"imported_before": False, "cuda": False}
+    assert warm == {"imported_before": True, "cuda": False}

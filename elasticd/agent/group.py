@@ -66,7 +66,11 @@ class LocalGroup:
     def __post_init__(self) -> None:
         if self.spec.prewarm:
             self.standbys = StandbyPool(
-                self.job_id, self.spec.prewarm, self.ctx.policy, on_lost=self._standby_lost
+                self.job_id,
+                self.spec.prewarm,
+                self.ctx.policy,
+                on_lost=self._standby_lost,
+                on_ready=self.show_standbys,
             )
 
     def log_dir(self, local_rank: int) -> Path:

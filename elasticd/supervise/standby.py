@@ -228,11 +228,13 @@ class StandbyPool:
         policy: SpawnPolicy,
         *,
         on_lost: Callable[[int, str], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         self.job_id = job_id
         self.modules = list(modules)
         self.policy = policy
         self._on_lost = on_lost
+        self._on_ready = on_ready
         self._standbys: dict[int, _Standby] = {}
         self._containment: AttemptContainment | None = None
         self._closed = False
@@ -337,6 +339,8 @@ class StandbyPool:
             reason = "it exited before it was ready"
         if not standby.ready.done():
             standby.ready.set_result(reason)
+        if reason is None and self._on_ready is not None:
+            self._on_ready()
         if reason is not None:
             await self._discard(standby)
             self._lost(standby, reason, replace=False)

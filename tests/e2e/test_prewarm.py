@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import events_of, wait_job
+from tests.e2e.cluster import LocalCluster
 from tests.hardening.support import eventually, pid_alive, serve
 
 pytestmark = [
@@ -357,3 +358,41 @@ async def test_a_standby_imports_torch_but_never_initialises_cuda(tmp_path: Path
     warm = json.loads((out / "t1.json").read_text())
     assert cold == {"imported_before": False, "cuda": False}
     assert warm == {"imported_before": True, "cuda": False}
+
+
+async def test_every_node_of_a_multi_node_job_hands_off_locally(tmp_path: Path) -> None:
+    """Two daemons, one job over both: after the crash each node's workers take over that
+    node's own standbys (a ``workers.warm_start`` per node, with its standbys' pids)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE.replace("r{os.environ['LOCAL_RANK']}", "r{os.environ['RANK']}"))
+    with LocalCluster(tmp_path) as cluster:
+        await cluster.start_all("n0", "n1")
+        async with asyncio.timeout(110), cluster.client("n0") as c:
+            body = submit_body(
+                "nodes", out, entrypoint=sys.executable, args=[str(probe)], nproc_per_node=1,
+                min_nodes=2, max_nodes=2,
+            )  # fmt: skip
+            assert (await c.post("/jobs", json=body)).status_code == 201, cluster.logs()
+            pids: dict[str, int] = {}
+            deadline = time.monotonic() + 90
+            while len(pids) < 2:
+                assert time.monotonic() < deadline, f"no ready standbys: {cluster.logs()}"
+                await asyncio.sleep(0.05)
+                view = (await c.get("/jobs/nodes/workers")).json()
+                pids = {
+                    g["node"]: g["standbys"][0]["pid"]
+                    for g in view.get("groups", [])
+                    if [s["state"] for s in g.get("standbys", [])] == ["ready"]
+                }
+            (out / "go").touch()
+            job = await wait_job(c, "nodes", timeout=90)
+            assert job["state"] == "SUCCEEDED", cluster.logs()
+            events = await events_of(c, "nodes")
+    warm = {e["node"]: e["pids"] for e in events if e["kind"] == "workers.warm_start"}
+    assert warm == {node: [pid] for node, pid in pids.items()}, [e["kind"] for e in events]
+    for rank in (0, 1):
+        hot = json.loads((out / f"r{rank}_1.json").read_text())
+        assert hot["env"]["WORLD_SIZE"] == "2"
+        assert hot["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"

@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,26 @@ async def ready_standbys(
     return found
 
 
+def prepare(tmp_path: Path, text: str = PROBE) -> tuple[Path, Path]:
+    """The output folder and the probe script of a test."""
+    out, probe = tmp_path / "out", tmp_path / "probe.py"
+    out.mkdir()
+    probe.write_text(text)
+    return out, probe
+
+
+@contextlib.asynccontextmanager
+async def served(tmp_path: Path, seconds: float = 100) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of a fresh root `elasticd serve`, stopped at the end; the block is bounded."""
+    daemon = serve(tmp_path)
+    try:
+        async with asyncio.timeout(seconds), daemon.client() as c:
+            await daemon.wait_ready()
+            yield c
+    finally:
+        daemon.stop()
+
+
 def submit_body(job_id: str, out: Path, **spec: Any) -> dict[str, Any]:
     return {
         "id": job_id,
@@ -138,30 +159,25 @@ async def test_a_warm_start_is_observably_the_same_as_a_cold_one(tmp_path: Path,
     """Attempt 0 starts cold, attempt 1 from the standbys: argv, __main__, __file__,
     sys.path, cwd, env, stdin/stdout/stderr, signals, umask, ids, cgroup and open fds are the
     same, the output lands in attempt 1's logs, and the workers are the standbys' pids."""
-    out, code = tmp_path / "out", tmp_path / "code"
-    out.mkdir()
+    code = tmp_path / "code"
     code.mkdir()
-    (code / "probe.py").write_text(PROBE)
+    out, probe = prepare(tmp_path)
+    probe.rename(code / "probe.py")
     args = [str(code / "probe.py"), "a b", "--x"] if form == "script" else ["-m", "probe", "y"]
-    daemon = serve(tmp_path)
-    try:
-        async with asyncio.timeout(100), daemon.client() as c:
-            await daemon.wait_ready()
-            body = submit_body("warm", out, entrypoint=sys.executable, args=args, cwd=str(code))
-            r = await c.post("/jobs", json=body)
-            assert r.status_code == 201, r.text
-            standbys = await ready_standbys(c, "warm", 2)
-            metrics = (await c.get("/metrics")).text
-            (out / "go").touch()
-            job = await wait_job(c, "warm")
-            assert job["state"] == "SUCCEEDED", job
-            events = await events_of(c, "warm")
-            logs = [
-                (await c.get("/jobs/warm/logs", params={"attempt": 1, "stream": s})).text
-                for s in ("stdout", "stderr")
-            ]
-    finally:
-        daemon.stop()
+    async with served(tmp_path) as c:
+        body = submit_body("warm", out, entrypoint=sys.executable, args=args, cwd=str(code))
+        r = await c.post("/jobs", json=body)
+        assert r.status_code == 201, r.text
+        standbys = await ready_standbys(c, "warm", 2)
+        metrics = (await c.get("/metrics")).text
+        (out / "go").touch()
+        job = await wait_job(c, "warm")
+        assert job["state"] == "SUCCEEDED", job
+        events = await events_of(c, "warm")
+        logs = [
+            (await c.get("/jobs/warm/logs", params={"attempt": 1, "stream": s})).text
+            for s in ("stdout", "stderr")
+        ]
     assert 'elasticd_standby_processes{job_id="warm"} 2.0' in metrics
     memory = re.search(r'elasticd_standby_resident_bytes\{job_id="warm"\} (\S+)', metrics)
     assert memory is not None and float(memory.group(1)) > 1e6, metrics
@@ -188,35 +204,27 @@ async def test_a_warm_start_is_observably_the_same_as_a_cold_one(tmp_path: Path,
 
 async def test_cancel_and_job_end_leave_no_standby(tmp_path: Path) -> None:
     """The standbys of a cancelled job, and of a job that ended, are gone with it."""
-    out = tmp_path / "out"
-    out.mkdir()
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    daemon = serve(tmp_path)
-    try:
-        async with asyncio.timeout(100), daemon.client() as c:
-            await daemon.wait_ready()
-            body = submit_body("cancelled", out, entrypoint=sys.executable, args=[str(probe)])
-            assert (await c.post("/jobs", json=body)).status_code == 201
-            cancelled = await ready_standbys(c, "cancelled", 2)
-            assert (await c.post("/jobs/cancelled/cancel", json={})).status_code in (200, 202)
-            job = await wait_job(c, "cancelled")
-            assert job["state"] == "CANCELLED", job
-            await eventually(
-                lambda: not any(pid_alive(p) for p in cancelled.values()), 30, "no standby"
-            )
-            ends = tmp_path / "ends.py"
-            ends.write_text(f"import os, time\nwhile not os.path.exists({str(out / 'end')!r}):\n"
-                            "    time.sleep(0.02)\n")  # fmt: skip
-            body = submit_body("ends", out, entrypoint=sys.executable, args=[str(ends)])
-            assert (await c.post("/jobs", json=body)).status_code == 201
-            ended = await ready_standbys(c, "ends", 2)
-            (out / "end").touch()
-            job = await wait_job(c, "ends")
-            assert job["state"] == "SUCCEEDED", job
-            await eventually(lambda: not any(pid_alive(p) for p in ended.values()), 30, "none")
-    finally:
-        daemon.stop()
+    out, probe = prepare(tmp_path)
+    async with served(tmp_path) as c:
+        body = submit_body("cancelled", out, entrypoint=sys.executable, args=[str(probe)])
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        cancelled = await ready_standbys(c, "cancelled", 2)
+        assert (await c.post("/jobs/cancelled/cancel", json={})).status_code in (200, 202)
+        job = await wait_job(c, "cancelled")
+        assert job["state"] == "CANCELLED", job
+        await eventually(
+            lambda: not any(pid_alive(p) for p in cancelled.values()), 30, "no standby"
+        )
+        ends = tmp_path / "ends.py"
+        ends.write_text(f"import os, time\nwhile not os.path.exists({str(out / 'end')!r}):\n"
+                        "    time.sleep(0.02)\n")  # fmt: skip
+        body = submit_body("ends", out, entrypoint=sys.executable, args=[str(ends)])
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        ended = await ready_standbys(c, "ends", 2)
+        (out / "end").touch()
+        job = await wait_job(c, "ends")
+        assert job["state"] == "SUCCEEDED", job
+        await eventually(lambda: not any(pid_alive(p) for p in ended.values()), 30, "none")
 
 
 async def test_a_killed_standby_is_replaced_and_the_restart_is_still_warm(
@@ -224,29 +232,21 @@ async def test_a_killed_standby_is_replaced_and_the_restart_is_still_warm(
 ) -> None:
     """SIGKILL a ready standby: ``standby.lost``, a new one takes its place, and the restart
     hands off to the new one."""
-    out = tmp_path / "out"
-    out.mkdir()
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    daemon = serve(tmp_path)
-    try:
-        async with asyncio.timeout(100), daemon.client() as c:
-            await daemon.wait_ready()
-            body = submit_body("killed", out, entrypoint=sys.executable, args=[str(probe)])
-            assert (await c.post("/jobs", json=body)).status_code == 201
-            first = await ready_standbys(c, "killed", 2)
-            os.kill(first[1], signal.SIGKILL)
-            second: dict[int, int] = {}
-            deadline = time.monotonic() + 60
-            while second.get(1) in (None, first[1]):
-                assert time.monotonic() < deadline, "the killed standby was not replaced"
-                second = await ready_standbys(c, "killed", 2)
-            (out / "go").touch()
-            job = await wait_job(c, "killed")
-            assert job["state"] == "SUCCEEDED", job
-            events = await events_of(c, "killed")
-    finally:
-        daemon.stop()
+    out, probe = prepare(tmp_path)
+    async with served(tmp_path) as c:
+        body = submit_body("killed", out, entrypoint=sys.executable, args=[str(probe)])
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        first = await ready_standbys(c, "killed", 2)
+        os.kill(first[1], signal.SIGKILL)
+        second: dict[int, int] = {}
+        deadline = time.monotonic() + 60
+        while second.get(1) in (None, first[1]):
+            assert time.monotonic() < deadline, "the killed standby was not replaced"
+            second = await ready_standbys(c, "killed", 2)
+        (out / "go").touch()
+        job = await wait_job(c, "killed")
+        assert job["state"] == "SUCCEEDED", job
+        events = await events_of(c, "killed")
     lost = [e for e in events if e["kind"] == "standby.lost"]
     assert [e["local_rank"] for e in lost] == [1], lost
     assert "killed by signal 9" in lost[0]["message"]
@@ -266,36 +266,28 @@ async def test_where_prewarm_cannot_apply_the_restart_starts_cold_and_says_why(
 ) -> None:
     """A shell entrypoint, or a module the standby cannot import: the restart's workers start
     cold, each with a ``worker.cold_start`` event that says why, and the job still runs."""
-    out = tmp_path / "out"
-    out.mkdir()
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
+    out, probe = prepare(tmp_path)
     args = [str(probe)]
     if spec["entrypoint"] == "/bin/sh":
         args = ["-c", f'exec {sys.executable} "$0"', str(probe)]
-    daemon = serve(tmp_path)
-    try:
-        async with asyncio.timeout(100), daemon.client() as c:
-            await daemon.wait_ready()
-            body = submit_body("cold", out, args=args, **spec)
-            assert (await c.post("/jobs", json=body)).status_code == 201
-            await eventually(lambda: (out / "r1_0.json").exists(), 60, "attempt 0")
-            if "prewarm" in spec:  # let the standbys fail their imports first
+    async with served(tmp_path) as c:
+        body = submit_body("cold", out, args=args, **spec)
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        await eventually(lambda: (out / "r1_0.json").exists(), 60, "attempt 0")
+        if "prewarm" in spec:  # let the standbys fail their imports first
 
-                async def lost() -> bool:
-                    kinds = [e["kind"] for e in await events_of(c, "cold")]
-                    return kinds.count("standby.lost") == 2
+            async def lost() -> bool:
+                kinds = [e["kind"] for e in await events_of(c, "cold")]
+                return kinds.count("standby.lost") == 2
 
-                deadline = time.monotonic() + 60
-                while not await lost():
-                    assert time.monotonic() < deadline, "no standby.lost"
-                    await asyncio.sleep(0.05)
-            (out / "go").touch()
-            job = await wait_job(c, "cold")
-            assert job["state"] == "SUCCEEDED", job
-            events = await events_of(c, "cold")
-    finally:
-        daemon.stop()
+            deadline = time.monotonic() + 60
+            while not await lost():
+                assert time.monotonic() < deadline, "no standby.lost"
+                await asyncio.sleep(0.05)
+        (out / "go").touch()
+        job = await wait_job(c, "cold")
+        assert job["state"] == "SUCCEEDED", job
+        events = await events_of(c, "cold")
     cold = [e for e in events if e["kind"] == "worker.cold_start"]
     assert sorted(e["local_rank"] for e in cold) == [0, 1], [e["kind"] for e in events]
     assert all(reason in e["message"] for e in cold), cold
@@ -334,26 +326,18 @@ async def test_a_standby_imports_torch_but_never_initialises_cuda(tmp_path: Path
     """prewarm torch with CUDA_VISIBLE_DEVICES set: the standby has torch imported and has
     neither loaded the CUDA driver nor opened a GPU; the warm worker finds torch already
     imported and ``torch.cuda.is_initialized()`` false."""
-    out = tmp_path / "out"
-    out.mkdir()
-    probe = tmp_path / "probe.py"
-    probe.write_text(TORCH_PROBE)
-    daemon = serve(tmp_path)
-    try:
-        async with asyncio.timeout(110), daemon.client() as c:
-            await daemon.wait_ready()
-            body = submit_body(
-                "torch", out, entrypoint=sys.executable, args=[str(probe)], nproc_per_node=1,
-                prewarm=["torch"], env={"OUT": str(out), "CUDA_VISIBLE_DEVICES": "0"},
-            )  # fmt: skip
-            assert (await c.post("/jobs", json=body)).status_code == 201
-            standbys = await ready_standbys(c, "torch", 1, timeout=90)
-            assert _touches_the_gpu(standbys[0]) == []
-            (out / "go").touch()
-            job = await wait_job(c, "torch")
-            assert job["state"] == "SUCCEEDED", job
-    finally:
-        daemon.stop()
+    out, probe = prepare(tmp_path, TORCH_PROBE)
+    async with served(tmp_path, 110) as c:
+        body = submit_body(
+            "torch", out, entrypoint=sys.executable, args=[str(probe)], nproc_per_node=1,
+            prewarm=["torch"], env={"OUT": str(out), "CUDA_VISIBLE_DEVICES": "0"},
+        )  # fmt: skip
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        standbys = await ready_standbys(c, "torch", 1, timeout=90)
+        assert _touches_the_gpu(standbys[0]) == []
+        (out / "go").touch()
+        job = await wait_job(c, "torch")
+        assert job["state"] == "SUCCEEDED", job
     cold = json.loads((out / "t0.json").read_text())
     warm = json.loads((out / "t1.json").read_text())
     assert cold == {"imported_before": False, "cuda": False}

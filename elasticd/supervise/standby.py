@@ -71,6 +71,8 @@ HANDOFF_TIMEOUT = 5.0
 #: How long a start waits for a standby still importing (it is further along than a cold
 #: start would be); past it, the worker starts cold.
 READY_WAIT = 120.0
+#: The most of a standby's "ready" line that is read (it is the job's process that writes it).
+MAX_READY_LINE = 64 << 10
 #: Standbys that died after they were ready are replaced this many times an attempt.
 MAX_REPLACEMENTS = 3
 
@@ -320,7 +322,8 @@ class StandbyPool:
         loop = asyncio.get_running_loop()
         line = b""
         with contextlib.suppress(OSError):
-            while not line.endswith(b"\n"):
+            # Written by the job's process (its LD_PRELOAD could write anything): bounded.
+            while not line.endswith(b"\n") and len(line) < MAX_READY_LINE:
                 chunk = await loop.sock_recv(standby.control, 4096)
                 if not chunk:
                     break

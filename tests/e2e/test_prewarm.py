@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -380,3 +381,46 @@ async def test_every_node_of_a_multi_node_job_hands_off_locally(tmp_path: Path) 
         hot = json.loads((out / f"r{rank}_1.json").read_text())
         assert hot["env"]["WORLD_SIZE"] == "2"
         assert hot["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+
+
+#: Attempt 0 waits for its job's standby to exist (a process whose command line names the
+#: standby's namespace and whose environment names the job), then fails; every attempt prints whether ``colorsys`` was imported before its first line.
+RUN_PROBE = r"""
+import sys
+print("colorsys imported before:", "colorsys" in sys.modules, flush=True)
+import os, time
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    mine = ("ELASTICD_JOB_ID=" + os.environ["ELASTICD_JOB_ID"]).encode()
+    def standby():  # this job's: its environment names the job
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                command = open(f"/proc/{pid}/cmdline", "rb").read()
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"elasticd_standby" in command and mine in environ:
+                return True
+        return False
+    while not standby():
+        time.sleep(0.02)
+    sys.exit(3)
+"""
+
+
+def test_elasticd_run_prewarm_restarts_warm(tmp_path: Path) -> None:
+    """`elasticd run --prewarm colorsys`: the restart's worker finds the module imported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(RUN_PROBE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env["ELASTICD_ALLOW_ROOT"] = "true"
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--max-restarts", "1", "--prewarm",
+         "colorsys", str(probe)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=100, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if "colorsys" in line]
+    assert lines == [
+        "colorsys imported before: False",
+        "colorsys imported before: True",
+    ], done.stdout

@@ -322,6 +322,7 @@ def _touches_the_gpu(pid: int) -> list[str]:
     return found
 
 
+@pytest.mark.torch
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 async def test_a_standby_imports_torch_but_never_initialises_cuda(tmp_path: Path) -> None:
     """prewarm torch with CUDA_VISIBLE_DEVICES set: the standby has torch imported and has

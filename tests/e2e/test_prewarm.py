@@ -425,3 +425,43 @@ def test_elasticd_run_prewarm_restarts_warm(tmp_path: Path) -> None:
         "colorsys imported before: False",
         "colorsys imported before: True",
     ], done.stdout
+
+
+async def test_a_node_that_joins_late_starts_cold_and_says_so(tmp_path: Path) -> None:
+    """A job of 1-2 nodes runs on n0; n1 joins: the new round's worker on n0 takes over n0's
+    standby, n1's (which has none yet) starts cold with ``worker.cold_start`` saying why."""
+    out, probe = prepare(
+        tmp_path,
+        "import os, time\nwhile not os.path.exists(os.path.join(os.environ['OUT'], 'end')):\n"
+        "    time.sleep(0.02)\n",
+    )
+    with LocalCluster(tmp_path) as cluster:
+        await cluster.start_all("n0")
+        async with asyncio.timeout(110), cluster.client("n0") as c:
+            body = submit_body(
+                "late", out, entrypoint=sys.executable, args=[str(probe)], nproc_per_node=1,
+                min_nodes=1, max_nodes=2,
+            )  # fmt: skip
+            assert (await c.post("/jobs", json=body)).status_code == 201, cluster.logs()
+            standby = (await ready_standbys(c, "late", 1))[0]
+            cluster.start("n1")
+            await cluster.wait_ready("n1")
+
+            async def both_started() -> list[dict[str, Any]]:
+                events = await events_of(c, "late")
+                return [
+                    e for e in events if e["kind"] in ("workers.warm_start", "worker.cold_start")
+                ]
+
+            deadline = time.monotonic() + 60
+            while len(starts := await both_started()) < 2:
+                assert time.monotonic() < deadline, f"no second round: {cluster.logs()}"
+                await asyncio.sleep(0.05)
+            (out / "end").touch()
+            job = await wait_job(c, "late", timeout=60)
+            assert job["state"] == "SUCCEEDED", cluster.logs()
+    by_node = {e["node"]: e for e in starts}
+    assert by_node["n0"]["kind"] == "workers.warm_start"
+    assert by_node["n0"]["pids"] == [standby]
+    assert by_node["n1"]["kind"] == "worker.cold_start"
+    assert "joined the job late" in by_node["n1"]["message"]

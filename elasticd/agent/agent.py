@@ -142,9 +142,21 @@ class JobAgent:
         attempt = self._group.attempt
         return attempt.view if attempt is not None else None
 
+    @property
+    def prewarm(self) -> bool:
+        """The job keeps standby interpreters (its spec's ``prewarm``)."""
+        return self._group.standbys is not None
+
+    def standby_memory(self) -> tuple[int, int]:
+        """(how many standbys, their resident bytes) on this node."""
+        pool = self._group.standbys
+        infos = pool.infos() if pool is not None else []
+        return len(infos), sum(i.rss_bytes or 0 for i in infos)
+
     def refresh_progress(self) -> None:
         """Read the heartbeat files now (64 bytes each) so last_progress_at is current."""
         self._progress.refresh(running_only=True)
+        self._group.show_standbys()
 
     # the loop
 
@@ -165,6 +177,7 @@ class JobAgent:
         finally:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
+            await self._group.close_standbys()  # after the fills (background) ended
             await self._publisher.flush()
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
@@ -176,6 +189,7 @@ class JobAgent:
         The other nodes re-form at once; a new agent for the job joins as an arrival.
         """
         await self._stop_workers(None)
+        await self._group.close_standbys()
         self._progress.close()
         await self._departure.leave()
 

@@ -472,6 +472,10 @@ class Daemon:
             storage=self.storage,
             db=self.db,
         )
+        agents = self.jobs.supervisor.agents
+        self.metrics.standbys = lambda: {
+            job_id: agent.standby_memory() for job_id, agent in agents.items() if agent.prewarm
+        }
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
             self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())

@@ -16,6 +16,10 @@ job ended still shows how it ended while a daemon that runs thousands of
 jobs does not grow its ``/metrics`` page forever. The names are listed in
 ``docs/observability.md``.
 
+The standby interpreters of ``prewarm`` jobs (their number and memory) are
+read at scrape time from the agents, through :attr:`Metrics.standbys`,
+which the daemon sets.
+
 Two tables say which events feed what, so a new event kind from the agent
 needs one line here, not a new code path:
 
@@ -32,7 +36,7 @@ every daemon's ``/metrics`` includes them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -279,11 +283,31 @@ class _JobSeries(Collector):
             placed.add_metric([node], count)
         yield placed
 
+        yield from _standby_series(m)
+
         build = GaugeMetricFamily(
             "elasticd_build_info", "Always 1; the daemon's version.", labels=["version"]
         )
         build.add_metric([__version__], 1)
         yield build
+
+
+def _standby_series(m: Metrics) -> Iterator[Metric]:
+    """The standby interpreters of ``prewarm`` jobs on this node: how many, and their memory."""
+    count = GaugeMetricFamily(
+        "elasticd_standby_processes",
+        "Standby interpreters this node keeps for a prewarm job's next attempt.",
+        labels=["job_id"],
+    )
+    memory = GaugeMetricFamily(
+        "elasticd_standby_resident_bytes",
+        "Resident memory of a prewarm job's standby interpreters on this node (prewarm's cost).",
+        labels=["job_id"],
+    )
+    for job_id, (n, rss) in sorted((m.standbys() if m.standbys else {}).items()):
+        count.add_metric([job_id], n)
+        memory.add_metric([job_id], rss)
+    yield from (count, memory)
 
 
 class Metrics:
@@ -292,6 +316,8 @@ class Metrics:
 
     def __init__(self, *, keep_finished: int = KEEP_FINISHED_JOBS) -> None:
         self.keep_finished = keep_finished
+        #: This node's standbys by job: (count, resident bytes); the daemon sets it.
+        self.standbys: Callable[[], Mapping[str, tuple[int, int]]] | None = None
         #: The latest job documents, by id.
         self.jobs: dict[str, Job] = {}
         #: The fleet's latest plan (the scheduler's plan watch hands it over).

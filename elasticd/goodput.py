@@ -47,6 +47,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
+from elasticd.eventkinds import EventKind
+from elasticd.models import Event, Job
+
 __all__ = [
     "BADPUT_KINDS",
     "MAX_ATTEMPTS",
@@ -59,10 +62,15 @@ __all__ = [
     "GoodputSteps",
     "JobFacts",
     "NodeGoodput",
+    "Observation",
     "StepPoint",
     "account",
     "add_sample",
+    "begin_attempt",
+    "end_attempt",
+    "job_facts",
     "merge_nodes",
+    "observe",
 ]
 
 #: The badput kinds, in the order they are shown.
@@ -137,6 +145,27 @@ class JobFacts:
     """Preemptions (``job.preempted``): an attempt running then ended by one."""
 
 
+def job_facts(job: Job, events: Iterable[Event]) -> JobFacts:
+    """The job's submission and end (its document), its first placement and its preemptions
+    (its ``job.placed`` and ``job.preempted`` events)."""
+    placed: list[float] = []
+    preempted: list[float] = []
+    for event in events:
+        if event.kind == EventKind.JOB_PLACED:
+            placed.append(event.time)
+        elif event.kind == EventKind.JOB_PREEMPTED:
+            preempted.append(event.time)
+    finished = job.finished_at if job.state.is_terminal else None
+    if job.state.is_terminal and finished is None:
+        finished = job.started_at or job.created_at
+    return JobFacts(
+        submitted_at=job.created_at,
+        placed_at=min(placed) if placed else None,
+        finished_at=finished,
+        preempted_at=tuple(sorted(preempted)),
+    )
+
+
 class GoodputSteps(BaseModel):
     max_step: int | None = Field(description="The highest step any attempt reported.")
     checkpoint_step: int | None = Field(description="The last durable checkpoint's step.")
@@ -184,6 +213,89 @@ def add_sample(samples: list[StepPoint], point: StepPoint) -> None:
     if len(samples) >= MAX_SAMPLES:
         samples[:] = samples[::2]
     samples.append(point)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One worker's heartbeat as read now (``ProgressHook.observations``)."""
+
+    last_progress_at: float | None
+    """Wall time of its last ping; None when it never pinged."""
+    step: int | None = None
+    """The step of its last ``ping(step=)``; None when it never gave one."""
+    checkpoint_step: int | None = None
+    """Its last ``checkpointed(step)``; None when none."""
+
+
+def observe(
+    attempt: AttemptFacts, seen: Sequence[Observation], now: float
+) -> tuple[AttemptFacts, bool]:
+    """The attempt as the workers' heartbeats say now, and whether a fact worth writing at
+    once changed (the first progress, the first step, a new checkpoint); mere step samples
+    may wait.
+
+    A step's time is the ping that carried it (the worker's own clock reading,
+    exact); a checkpoint's is ``now`` (the file has no time for it: the
+    read that first sees it, so a checkpoint is placed at most one sampling
+    interval late). The attempt's step is the highest of its workers'.
+    """
+    pinged = [o for o in seen if o.last_progress_at is not None]
+    if not pinged:
+        return attempt, False
+    update: dict[str, object] = {}
+    urgent = False
+    last = max(o.last_progress_at for o in pinged if o.last_progress_at is not None)
+    if attempt.first_progress_at is None:
+        update["first_progress_at"] = min(o.last_progress_at or last for o in pinged)
+        urgent = True
+    update["last_progress_at"] = max(last, attempt.last_progress_at or last)
+    stepped = [o for o in pinged if o.step is not None]
+    samples = list(attempt.samples)
+    if stepped:
+        top = max(stepped, key=lambda o: (o.step or 0, o.last_progress_at or 0.0))
+        step, at = top.step or 0, top.last_progress_at or now
+        if attempt.first_step is None:
+            update.update(first_step=step, first_step_at=at)
+            urgent = True
+        if attempt.max_step is None or step > attempt.max_step:
+            update.update(max_step=step, max_step_at=at)
+            add_sample(samples, StepPoint(t=at, step=step))
+            update["samples"] = samples
+    marks = [o.checkpoint_step for o in pinged if o.checkpoint_step is not None]
+    if marks:
+        mark = max(marks)
+        known = attempt.checkpoints[-1].step if attempt.checkpoints else None
+        if mark != known:
+            points = [*attempt.checkpoints, StepPoint(t=now, step=mark)]
+            update["checkpoints"] = points[-MAX_CHECKPOINTS:]
+            urgent = True
+    return attempt.model_copy(update=update), urgent
+
+
+def begin_attempt(record: NodeGoodput, round_: int, spawned_at: float) -> NodeGoodput:
+    """A new attempt in the node's record (the oldest dropped past :data:`MAX_ATTEMPTS`).
+
+    An attempt still open there (its daemon stopped without saying how it
+    ended) is closed as stopped at its last known time.
+    """
+    attempts = [close_open(a) for a in record.attempts]
+    attempts.append(AttemptFacts(round=round_, spawned_at=spawned_at))
+    return record.model_copy(update={"attempts": attempts[-MAX_ATTEMPTS:]})
+
+
+def close_open(attempt: AttemptFacts) -> AttemptFacts:
+    """An attempt with no end, ended (stopped) at the last time it was known alive."""
+    if attempt.end is not None:
+        return attempt
+    known = [attempt.spawned_at, attempt.last_progress_at or 0.0, attempt.max_step_at or 0.0]
+    return attempt.model_copy(update={"end": End.STOPPED, "ended_at": max(known)})
+
+
+def end_attempt(attempt: AttemptFacts, end: End, at: float) -> AttemptFacts:
+    """The attempt ended (the first end said counts: a stop after a failure is its recovery)."""
+    if attempt.end is not None:
+        return attempt
+    return attempt.model_copy(update={"end": end, "ended_at": at})
 
 
 _END_RANK = {End.HUNG: 4, End.FAILED: 3, End.PREEMPTED: 2, End.STOPPED: 1, End.FINISHED: 0}

@@ -40,6 +40,7 @@ from elasticd.clock import Clock
 from elasticd.console import ConsoleLine
 from elasticd.errors import InvalidTransition
 from elasticd.eventkinds import EventKind, recovery_phase_kind
+from elasticd.goodput import Observation
 from elasticd.logs import stream_file
 from elasticd.models import GroupView, JobSpec, RootCause, std_for_rank
 from elasticd.rendezvous import RoundInfo
@@ -297,6 +298,13 @@ class ProgressHook:
         for w in self.attempt.view.workers:
             if not running_only or w.state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
                 w.last_progress_at = self.monitor.last_progress_at(w.local_rank)
+
+    def observations(self) -> list[Observation]:
+        """Every worker's heartbeat as read now (also those that exited), for goodput."""
+        monitor = self.monitor
+        if monitor is None:
+            return []
+        return [Observation(monitor.last_progress_at(rank)) for rank in sorted(monitor.files)]
 
     def _checked(self, beats: list[Beat]) -> None:
         if self.attempt is None or self.monitor is None:

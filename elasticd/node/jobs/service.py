@@ -155,6 +155,7 @@ class JobService:
         self.queue = self.queries.queue
         self.list_jobs = self.queries.list_jobs
         self.workers = self.queries.workers
+        self.goodput = self.queries.goodput
         self.list_events = self.queries.list_events
         self.follow_events = self.queries.follow_events
         self.wait = self.queries.wait

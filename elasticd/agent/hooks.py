@@ -304,7 +304,7 @@ class ProgressHook:
         monitor = self.monitor
         if monitor is None:
             return []
-        return [Observation(monitor.last_progress_at(rank)) for rank in sorted(monitor.files)]
+        return [monitor.observation(rank) for rank in sorted(monitor.files)]
 
     def _checked(self, beats: list[Beat]) -> None:
         if self.attempt is None or self.monitor is None:

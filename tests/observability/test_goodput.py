@@ -1,0 +1,140 @@
+"""GET /jobs/{id}/goodput on a real daemon, against workers whose steps, checkpoints and
+crashes are known (they note each step's time in a file: the ground truth)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import elasticd
+from tests.conftest import PY
+from tests.hardening.support import script, serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: A served daemon passes its jobs only a login shell's environment: the workers import
+#: the elasticd under test.
+JOB_ENV = {"PYTHONPATH": str(Path(elasticd.__file__).resolve().parents[1])}
+
+#: Seconds per step of the workers below.
+STEP_S = 0.05
+
+# Attempt 1 runs steps 1..55, checkpointing every 20, and crashes after step 55;
+# attempt 2 resumes from its own last checkpoint (40) and runs to 100, checkpointing
+# every 20. Each step's wall time goes to notes.jsonl: the ground truth.
+WORKER = """
+    import json, os, sys, time
+    from pathlib import Path
+    from elasticd.worker import checkpointed, ping
+
+    here = Path(sys.argv[1])
+    notes = (here / "notes.jsonl").open("a")
+    ckpt = here / "ckpt"
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    crash_at = None if (here / "crashed").exists() else 55
+    for step in range(start + 1, 101):
+        time.sleep({step_s})
+        ping(step=step)
+        notes.write(json.dumps({{"step": step, "t": time.time(), "start": start}}) + "\\n")
+        notes.flush()
+        if step % 20 == 0:
+            ckpt.write_text(str(step))
+            checkpointed(step)
+            notes.write(json.dumps({{"checkpoint": step, "t": time.time()}}) + "\\n")
+        if step == crash_at:
+            (here / "crashed").write_text("")
+            sys.exit(3)
+"""
+
+
+def notes(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / "notes.jsonl").read_text().splitlines()]
+
+
+async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
+    """One crash after checkpoint 40 at step 55: 15 lost steps (their time), one failure,
+    checkpoint 100, and productive + badput = wall."""
+    work = tmp_path / "work"
+    work.mkdir()
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    daemon = serve(tmp_path)
+    try:
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
+            job = (await c.post("/jobs", json=spec)).json()
+            async with asyncio.timeout(120):
+                while (await c.get(f"/jobs/{job['id']}")).json()["state"] not in (
+                    "SUCCEEDED",
+                    "FAILED",
+                ):
+                    await asyncio.sleep(0.1)
+            assert (await c.get(f"/jobs/{job['id']}")).json()["state"] == "SUCCEEDED"
+            answer = await c.get(f"/jobs/{job['id']}/goodput")
+        assert answer.status_code == 200, answer.text
+        g = answer.json()
+    finally:
+        daemon.stop()
+
+    truth = notes(work)
+    steps = {(n["step"], n["start"]): n["t"] for n in truth if "step" in n}
+    lost_s = steps[(55, 0)] - steps[(40, 0)]  # the crashed attempt's time past its checkpoint
+    assert g["steps"] == {
+        "max_step": 100,
+        "checkpoint_step": 100,
+        "lost_steps": 15,
+        "failures": 1,
+    }
+    assert g["lost_work_known"] is True
+    assert g["badput_s"]["lost_work"] == pytest.approx(lost_s, rel=0.25, abs=0.15)
+    total = g["productive_s"] + sum(g["badput_s"].values())
+    assert total == pytest.approx(g["wall_s"], rel=0.05)
+    assert g["badput_s"]["recovery"] > 0
+    assert g["badput_s"]["startup"] > 0
+    assert [f["end"] for f in g["failures"]] == ["failed"]
+    assert [c["step"] for c in g["checkpoints"]][-1] == 100
+    assert g["series"] and g["series"][-1]["step"] == 100
+
+
+async def test_a_job_that_reports_no_steps_says_lost_work_is_unknown(tmp_path: Path) -> None:
+    """A worker that pings without steps and crashes once: start-up and recovery are measured,
+    lost work is unknown (null lost_steps), the time still adds up."""
+    marker = tmp_path / "crashed"
+    worker = script(
+        tmp_path,
+        "plain.py",
+        f"""
+        import os, sys, time
+        from elasticd.worker import ping
+        for _ in range(10):
+            time.sleep(0.05)
+            ping()
+        if not os.path.exists({str(marker)!r}):
+            open({str(marker)!r}, "w").close()
+            sys.exit(3)
+        """,
+    )
+    daemon = serve(tmp_path)
+    try:
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            spec = {"entrypoint": PY, "args": [worker], "env": JOB_ENV}
+            job = (await c.post("/jobs", json=spec)).json()
+            async with asyncio.timeout(120):
+                while (await c.get(f"/jobs/{job['id']}")).json()["state"] != "SUCCEEDED":
+                    await asyncio.sleep(0.1)
+            g = (await c.get(f"/jobs/{job['id']}/goodput")).json()
+            missing = await c.get("/jobs/no-such-job/goodput")
+    finally:
+        daemon.stop()
+    assert missing.status_code == 404
+    assert g["steps"]["failures"] == 1
+    assert g["steps"]["lost_steps"] is None
+    assert g["lost_work_known"] is False
+    assert g["steps_reported"] is False
+    assert g["badput_s"]["recovery"] > 0
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)

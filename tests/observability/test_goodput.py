@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +14,19 @@ import pytest
 import elasticd
 from tests.conftest import PY
 from tests.hardening.support import script, serve
+from tests.observability.test_metrics import samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 #: A served daemon passes its jobs only a login shell's environment: the workers import
 #: the elasticd under test.
 JOB_ENV = {"PYTHONPATH": str(Path(elasticd.__file__).resolve().parents[1])}
+
+#: The CLI under test, told nothing by the environment of the test's runner.
+CLI_ENV = {
+    **{k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")},
+    **JOB_ENV,
+}
 
 #: Seconds per step of the workers below.
 STEP_S = 0.05
@@ -51,6 +59,16 @@ WORKER = """
 """
 
 
+async def run(*args: str) -> str:
+    """A CLI command's output (it must succeed)."""
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=CLI_ENV
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
 def notes(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "notes.jsonl").read_text().splitlines()]
 
@@ -75,8 +93,13 @@ async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
                     await asyncio.sleep(0.1)
             assert (await c.get(f"/jobs/{job['id']}")).json()["state"] == "SUCCEEDED"
             answer = await c.get(f"/jobs/{job['id']}/goodput")
+            scrape = (await c.get("/metrics")).text
         assert answer.status_code == 200, answer.text
         g = answer.json()
+        cli = [PY, "-m", "elasticd", "goodput", job["id"], "--url", daemon.url]
+        cli += ["--token-file", str(tmp_path / f"auto-token-{daemon.port}")]
+        table = await run(*cli)
+        as_json = json.loads(await run(*cli, "--json"))
     finally:
         daemon.stop()
 
@@ -98,6 +121,18 @@ async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
     assert [f["end"] for f in g["failures"]] == ["failed"]
     assert [c["step"] for c in g["checkpoints"]][-1] == 100
     assert g["series"] and g["series"][-1]["step"] == 100
+
+    # The same figures on the other surfaces: Prometheus and the CLI.
+    series = samples(scrape)
+    assert series[("elasticd_job_goodput_ratio", (("job_id", job["id"]),))] == pytest.approx(
+        g["goodput"]
+    )
+    lost = ("elasticd_job_badput_seconds_total", (("job_id", job["id"]), ("kind", "lost_work")))
+    assert series[lost] == pytest.approx(g["badput_s"]["lost_work"])
+    assert as_json["steps"] == g["steps"]
+    assert f"job {job['id']}: goodput" in table
+    assert "lost_work" in table
+    assert "steps: max 100, checkpoint 100, lost 15" in table
 
 
 async def test_a_job_that_reports_no_steps_says_lost_work_is_unknown(tmp_path: Path) -> None:

@@ -140,6 +140,18 @@ class JobQueries:
         attempts = merge_nodes(records.values())
         return account(job_id, job_facts(job, events), attempts, now)
 
+    async def goodput_of(self, job_ids: list[str]) -> list[Goodput]:
+        """The goodput of each of these jobs that can be read now (the others are left out)."""
+        out = []
+        for job_id in job_ids:
+            with contextlib.suppress(JobNotFound, StoreError):
+                out.append(await self.goodput(job_id))
+        return out
+
+    def running_here(self) -> list[str]:
+        """The jobs this node has an agent for."""
+        return list(self._agents)
+
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         await self.get(job_id)
         return (await self.side.events.cluster_events(job_id, after))[:limit]

@@ -8,15 +8,20 @@ import pytest
 
 from elasticd.goodput import (
     BADPUT_KINDS,
+    MAX_ATTEMPTS,
     MAX_SAMPLES,
     AttemptFacts,
     End,
     JobFacts,
     NodeGoodput,
+    Observation,
     StepPoint,
     account,
     add_sample,
+    begin_attempt,
+    end_attempt,
     merge_nodes,
+    observe,
 )
 
 
@@ -281,3 +286,38 @@ def test_samples_are_thinned_and_bounded() -> None:
     assert samples[-1].step == 10 * MAX_SAMPLES - 1
     add_sample(samples, StepPoint(t=1e9, step=samples[-1].step))  # the same step again
     assert samples[-1].t != 1e9
+
+
+def test_observe_takes_first_progress_steps_and_checkpoints() -> None:
+    """Reads of the heartbeats: the first ping and first step are urgent, a higher step is a
+    sample (its time the ping's), a new checkpoint is urgent and timed at the read."""
+    a = AttemptFacts(round=0, spawned_at=0)
+    a, urgent = observe(a, [Observation(None)], now=1)
+    assert (a.first_progress_at, urgent) == (None, False)
+    a, urgent = observe(a, [Observation(2.0), Observation(None)], now=2.5)
+    assert (a.first_progress_at, a.first_step, urgent) == (2.0, None, True)
+    a, urgent = observe(a, [Observation(3.0, step=5), Observation(2.9, step=4)], now=3.5)
+    assert (a.first_step, a.first_step_at, a.max_step, urgent) == (5, 3.0, 5, True)
+    a, urgent = observe(a, [Observation(4.0, step=9)], now=4.5)
+    assert (a.max_step, a.max_step_at, a.last_progress_at, urgent) == (9, 4.0, 4.0, False)
+    a, urgent = observe(a, [Observation(5.0, step=10, checkpoint_step=10)], now=5.5)
+    assert ([(c.step, c.t) for c in a.checkpoints], urgent) == ([(10, 5.5)], True)
+    a, urgent = observe(a, [Observation(6.0, step=11, checkpoint_step=10)], now=6.5)
+    assert (len(a.checkpoints), urgent) == (1, False)
+    assert [p.step for p in a.samples] == [5, 9, 10, 11]
+
+
+def test_attempts_begin_and_end_once() -> None:
+    """A new attempt closes one left open (a daemon that stopped unawares) at its last sign
+    of life; the first end said is kept; the record stays bounded."""
+    record = NodeGoodput(node="n")
+    record = begin_attempt(record, 0, spawned_at=1)
+    open_one = record.attempts[0].model_copy(update={"last_progress_at": 7.0})
+    record = begin_attempt(record.model_copy(update={"attempts": [open_one]}), 1, spawned_at=9)
+    assert (record.attempts[0].end, record.attempts[0].ended_at) == (End.STOPPED, 7.0)
+    ended = end_attempt(record.attempts[1], End.FAILED, 12)
+    assert end_attempt(ended, End.STOPPED, 13) == ended
+    for n in range(MAX_ATTEMPTS + 5):
+        record = begin_attempt(record, n + 2, spawned_at=20 + n)
+    assert len(record.attempts) == MAX_ATTEMPTS
+    NodeGoodput.model_validate_json(record.model_dump_json())  # within its own bounds

@@ -395,10 +395,10 @@ class Metrics:
             self.goodput[g.job_id] = g
 
     def goodput_to_refresh(self, running_here: Iterable[str]) -> list[str]:
-        """The jobs whose goodput a scrape computes: those this node runs, and those whose
-        last figures were taken before they ended (once more, for their final figures)."""
-        unfinished = [job_id for job_id, g in self.goodput.items() if not g.finished]
-        return sorted({*running_here, *unfinished})
+        """The jobs whose goodput a scrape computes: those this node runs, and those it ran
+        whose final figures it has not taken yet (once more, after they ended)."""
+        final = {job_id for job_id, g in self.goodput.items() if g.finished}
+        return sorted({*running_here, *(self._ran_here - final)})
 
     def on_plan(self, plan: FleetPlan) -> None:
         """Take the fleet's current plan (queue and placements)."""

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 import elasticd
@@ -27,6 +28,8 @@ CLI_ENV = {
     **{k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")},
     **JOB_ENV,
 }
+
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 #: Seconds per step of the workers below.
 STEP_S = 0.05
@@ -69,6 +72,16 @@ async def run(*args: str) -> str:
     return out.decode()
 
 
+async def succeeded(c: httpx.AsyncClient, spec: dict[str, Any]) -> str:
+    """Submit the job and wait (bounded) until it ends; it must succeed. Its id."""
+    job_id = str((await c.post("/jobs", json={**spec, "env": JOB_ENV})).json()["id"])
+    async with asyncio.timeout(120):
+        while (state := (await c.get(f"/jobs/{job_id}")).json()["state"]) not in TERMINAL:
+            await asyncio.sleep(0.1)
+    assert state == "SUCCEEDED"
+    return job_id
+
+
 def notes(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "notes.jsonl").read_text().splitlines()]
 
@@ -83,20 +96,12 @@ async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
     try:
         await daemon.wait_ready()
         async with daemon.client() as c:
-            spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
-            job = (await c.post("/jobs", json=spec)).json()
-            async with asyncio.timeout(120):
-                while (await c.get(f"/jobs/{job['id']}")).json()["state"] not in (
-                    "SUCCEEDED",
-                    "FAILED",
-                ):
-                    await asyncio.sleep(0.1)
-            assert (await c.get(f"/jobs/{job['id']}")).json()["state"] == "SUCCEEDED"
-            answer = await c.get(f"/jobs/{job['id']}/goodput")
+            job_id = await succeeded(c, {"entrypoint": PY, "args": [worker, str(work)]})
+            answer = await c.get(f"/jobs/{job_id}/goodput")
             scrape = (await c.get("/metrics")).text
         assert answer.status_code == 200, answer.text
         g = answer.json()
-        cli = [PY, "-m", "elasticd", "goodput", job["id"], "--url", daemon.url]
+        cli = [PY, "-m", "elasticd", "goodput", job_id, "--url", daemon.url]
         cli += ["--token-file", str(tmp_path / f"auto-token-{daemon.port}")]
         table = await run(*cli)
         as_json = json.loads(await run(*cli, "--json"))
@@ -124,13 +129,13 @@ async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
 
     # The same figures on the other surfaces: Prometheus and the CLI.
     series = samples(scrape)
-    assert series[("elasticd_job_goodput_ratio", (("job_id", job["id"]),))] == pytest.approx(
+    assert series[("elasticd_job_goodput_ratio", (("job_id", job_id),))] == pytest.approx(
         g["goodput"]
     )
-    lost = ("elasticd_job_badput_seconds_total", (("job_id", job["id"]), ("kind", "lost_work")))
+    lost = ("elasticd_job_badput_seconds_total", (("job_id", job_id), ("kind", "lost_work")))
     assert series[lost] == pytest.approx(g["badput_s"]["lost_work"])
     assert as_json["steps"] == g["steps"]
-    assert f"job {job['id']}: goodput" in table
+    assert f"job {job_id}: goodput" in table
     assert "lost_work" in table
     assert "steps: max 100, checkpoint 100, lost 15" in table
 
@@ -157,12 +162,8 @@ async def test_a_job_that_reports_no_steps_says_lost_work_is_unknown(tmp_path: P
     try:
         await daemon.wait_ready()
         async with daemon.client() as c:
-            spec = {"entrypoint": PY, "args": [worker], "env": JOB_ENV}
-            job = (await c.post("/jobs", json=spec)).json()
-            async with asyncio.timeout(120):
-                while (await c.get(f"/jobs/{job['id']}")).json()["state"] != "SUCCEEDED":
-                    await asyncio.sleep(0.1)
-            g = (await c.get(f"/jobs/{job['id']}/goodput")).json()
+            job_id = await succeeded(c, {"entrypoint": PY, "args": [worker]})
+            g = (await c.get(f"/jobs/{job_id}/goodput")).json()
             missing = await c.get("/jobs/no-such-job/goodput")
     finally:
         daemon.stop()

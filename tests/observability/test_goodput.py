@@ -14,6 +14,7 @@ import pytest
 
 import elasticd
 from tests.conftest import PY
+from tests.e2e.cluster import LocalCluster
 from tests.hardening.support import script, serve
 from tests.observability.test_metrics import samples
 
@@ -82,8 +83,8 @@ async def succeeded(c: httpx.AsyncClient, spec: dict[str, Any]) -> str:
     return job_id
 
 
-def notes(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (folder / "notes.jsonl").read_text().splitlines()]
+def notes(folder: Path, name: str = "notes.jsonl") -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (folder / name).read_text().splitlines()]
 
 
 async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
@@ -173,4 +174,56 @@ async def test_a_job_that_reports_no_steps_says_lost_work_is_unknown(tmp_path: P
     assert g["lost_work_known"] is False
     assert g["steps_reported"] is False
     assert g["badput_s"]["recovery"] > 0
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)
+
+
+# Two nodes, one worker each, both stepping. Rank 0 checkpoints every 20 steps; in the
+# first attempt both stop at step 55 (rank 1 crashes once rank 0 is there, rank 0 waits
+# to be stopped), so exactly 15 steps are past checkpoint 40; the second attempt resumes
+# from 40 on whichever node rank 0 now is and runs to 100.
+TWO_NODE_WORKER = """
+    import json, os, sys, threading, time
+    from pathlib import Path
+    from elasticd.worker import checkpointed, ping
+
+    here, rank = Path(sys.argv[1]), int(os.environ["RANK"])
+    ckpt = here / "ckpt"
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    first = not (here / "crashed").exists()
+    notes = (here / f"notes-{{rank}}.jsonl").open("a")
+    for step in range(start + 1, 101):
+        time.sleep({step_s})
+        ping(step=step)
+        notes.write(json.dumps({{"step": step, "t": time.time(), "first": first}}) + "\\n")
+        notes.flush()
+        if rank == 0 and step % 20 == 0:
+            ckpt.write_text(str(step))
+            checkpointed(step)
+        if first and step == 55:
+            if rank == 0:
+                (here / "rank0-at-55").write_text("")
+                threading.Event().wait()  # no step past 55: stopped with the group
+            while not (here / "rank0-at-55").exists():
+                time.sleep(0.01)
+            (here / "crashed").write_text("")
+            sys.exit(3)
+"""
+
+
+async def test_goodput_joins_the_nodes_records(tmp_path: Path) -> None:
+    """A two-node job read from the node it was not submitted to: every node's record in
+    the store joined by round gives the ground truth's failure, lost steps and checkpoint."""
+    work = tmp_path / "work"
+    work.mkdir()
+    worker = script(tmp_path, "two.py", TWO_NODE_WORKER.format(step_s=STEP_S))
+    with LocalCluster(tmp_path) as cluster:
+        await cluster.start_all("n0", "n1")
+        spec = {"entrypoint": PY, "args": [worker, str(work)], "min_nodes": 2, "max_nodes": 2}
+        async with cluster.client("n0") as c0:
+            job_id = await succeeded(c0, spec)
+        async with cluster.client("n1") as c1:
+            g = (await c1.get(f"/jobs/{job_id}/goodput")).json()
+    assert g["steps"] == {"max_step": 100, "checkpoint_step": 100, "lost_steps": 15, "failures": 1}
+    steps = {n["step"]: n["t"] for n in notes(work, "notes-0.jsonl") if n["first"]}
+    assert g["badput_s"]["lost_work"] == pytest.approx(steps[55] - steps[40], rel=0.25, abs=0.15)
     assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)

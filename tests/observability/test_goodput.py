@@ -227,3 +227,44 @@ async def test_goodput_joins_the_nodes_records(tmp_path: Path) -> None:
     steps = {n["step"]: n["t"] for n in notes(work, "notes-0.jsonl") if n["first"]}
     assert g["badput_s"]["lost_work"] == pytest.approx(steps[55] - steps[40], rel=0.25, abs=0.15)
     assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)
+
+
+async def test_goodput_survives_a_daemon_restart(tmp_path: Path) -> None:
+    """The daemon stops mid-job and comes back: the first attempt's facts are read back
+    from the store, the time it was down is badput (other), and the job's steps are whole."""
+    work = tmp_path / "work"
+    work.mkdir()
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    (work / "crashed").write_text("")  # no crash in this one
+    daemon = serve(tmp_path)
+    try:
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
+            job_id = (await c.post("/jobs", json=spec)).json()["id"]
+            async with asyncio.timeout(60):
+                while not any(n.get("step") == 30 for n in notes_so_far(work)):
+                    await asyncio.sleep(0.05)
+        daemon.stop()  # the job waits, RESTARTING, for this node to come back
+        daemon = serve(tmp_path, state_dir=daemon.state_dir, port=daemon.port)
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            async with asyncio.timeout(120):
+                while (await c.get(f"/jobs/{job_id}")).json()["state"] not in TERMINAL:
+                    await asyncio.sleep(0.1)
+            g = (await c.get(f"/jobs/{job_id}/goodput")).json()
+    finally:
+        daemon.stop()
+    assert g["attempts"] == 2
+    assert g["steps"] == {"max_step": 100, "checkpoint_step": 100, "lost_steps": 0, "failures": 0}
+    assert g["badput_s"]["other"] > 0  # from the stop to the new attempt's spawn
+    first_attempt = [p for p in g["series"] if p["step"] <= 30]
+    assert first_attempt, "the first attempt's samples were read back"
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)
+
+
+def notes_so_far(folder: Path) -> list[dict[str, Any]]:
+    """The notes written whole so far (the worker may be writing the last line)."""
+    path = folder / "notes.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]

@@ -127,8 +127,11 @@ class JobAgent:
         self._output = OutputHook(emit, node, job.id, self.spec, ctx.console)
         self._recovery = RecoveryHook(emit, node, job.id, ctx.clock, ctx.update_job)
         self._progress = ProgressHook(
-            emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress
-        )
+            emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress,
+            job.id, ctx.clock, ctx.update_job,
+        )  # fmt: skip
+        #: The job's last checkpoint as last read (a restarted attempt starts from it).
+        self._job_progress = job.progress
         self._health = HealthHook(
             emit, node, job.id, self.spec, ctx.health, ctx.clock, ctx.cuda_visible_devices
         )
@@ -248,6 +251,7 @@ class JobAgent:
             await self._on(m.JoinEnded(False, f"rendezvous failed on {self.ctx.node}: {exc}"))
             return
         self._round, self._restart_count = round_, job.restart_count
+        self._job_progress = job.progress
         confirmed = round_ == early and job.restart_count == count
         if started and not confirmed:
             log.info("job %s on %s: the early start did not match the round", *self._who)
@@ -298,6 +302,7 @@ class JobAgent:
                 await self._running(round_, early=early)
             case m.ReleaseGroup():
                 await self._group.release()  # every worker exited: nothing of it stays
+                await self._progress.report()  # the attempt's last steps and checkpoint
             case m.WaitAtBarrier():
                 assert round_ is not None
                 change = await self._watch.exit_barrier(round_, self.spec.exit_barrier_timeout)
@@ -446,8 +451,13 @@ class JobAgent:
         if self._progress.watches_hangs:
             contenders.append(self._hang())
         contenders.append(self._round_changed(round_.round))
+        contenders.append(self._watch_progress())  # never returns: steps and checkpoints
         _, event = await race(*contenders)
         return event
+
+    async def _watch_progress(self) -> m.Event:
+        await self._progress.watch()
+        raise AssertionError("the progress watch never returns")  # pragma: no cover
 
     async def _hang(self) -> m.Event:
         return m.HangSeen(await self._progress.hang())
@@ -484,8 +494,10 @@ class JobAgent:
             node=facts,
             state=self.state,
             now=ctx.clock.time(),
+            progress=self._job_progress,
         )
-        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag)
+        started_from = self._job_progress.checkpoint_step
+        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
         self._spawned_at = ctx.clock.time()
         await self._group.start(attempt, plan, self._identity, early=early)
 
@@ -529,6 +541,7 @@ class JobAgent:
     async def _stop_group(self, target: WorkerState | None) -> None:
         if await self._group.stop():
             self._recovery.stopped(self.spawn_seq)
+        await self._progress.report()  # the attempt's last steps and checkpoint, in the job
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
@@ -547,6 +560,7 @@ class JobAgent:
         root, what = self._group.root_cause(cause, round_.round, at)
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
+        self._job_progress = job.progress
         pending = job.pending_failure
         return m.FailureRecorded(
             job_ended=job.state.is_terminal,

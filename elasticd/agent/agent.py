@@ -165,20 +165,22 @@ class JobAgent:
     async def run(self) -> None:
         """The agent's whole life; returns when the job is over for this node."""
         self._publisher.start(f"publish-{self.job_id}")
-        await self._goodput.start()
         try:
+            await self._goodput.start()
             await self._run()
         except asyncio.CancelledError:
             # The daemon is stopping, or the fleet's plan took this node from the job.
-            await self._goodput.ended(End.STOPPED, self.ctx.clock.time())
+            stopped = self.ctx.clock.time()
             await self._on(m.Cancelled(leave_first=self.leave_first))
+            await self._goodput.ended(End.STOPPED, stopped)  # after the workers' stop
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
-            await self._goodput.ended(End.STOPPED, self.ctx.clock.time())
+            stopped = self.ctx.clock.time()
             reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
             with contextlib.suppress(ElasticdError):
                 await self._on(m.Crashed(reason))
+            await self._goodput.ended(End.STOPPED, stopped)
         finally:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)

@@ -268,3 +268,42 @@ def notes_so_far(folder: Path) -> list[dict[str, Any]]:
     path = folder / "notes.jsonl"
     text = path.read_text() if path.exists() else ""
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+async def test_a_preemption_is_its_own_badput(tmp_path: Path) -> None:
+    """A higher-priority job takes the only slot mid-run: the wait until the job is back is
+    `preempted`, the steps past its checkpoint are lost work, and no failure is counted."""
+    work = tmp_path / "work"
+    work.mkdir()
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    (work / "crashed").write_text("")  # no crash in this one
+    with LocalCluster(tmp_path, slots=1) as cluster:
+        await cluster.start_all("n0")
+        async with cluster.client("n0") as c:
+            low = {"id": "low", "entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
+            assert (await c.post("/jobs", json=low)).status_code == 201
+            async with asyncio.timeout(60):
+                while not any(n.get("step") == 30 for n in notes_so_far(work)):
+                    await asyncio.sleep(0.05)
+            high = {"entrypoint": PY, "args": ["-c", "import time; time.sleep(1)"], "priority": 5}
+            await succeeded(c, high)
+            async with asyncio.timeout(120):
+                while (await c.get("/jobs/low")).json()["state"] not in TERMINAL:
+                    await asyncio.sleep(0.1)
+            g = (await c.get("/jobs/low/goodput")).json()
+    first = []  # the first attempt's notes: before the first step of a resumed one
+    for n in notes(work):
+        if n.get("start", 0) != 0:
+            break
+        first.append(n)
+    reached = max(n["step"] for n in first if "step" in n)
+    saved = max((n["checkpoint"] for n in first if "checkpoint" in n), default=0)
+    assert g["attempts"] == 2
+    assert g["steps"] == {
+        "max_step": 100,
+        "checkpoint_step": 100,
+        "lost_steps": reached - saved,
+        "failures": 0,
+    }
+    assert g["badput_s"]["preempted"] >= 1.0  # at least the other job's second
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)

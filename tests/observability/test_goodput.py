@@ -242,9 +242,7 @@ async def test_goodput_survives_a_daemon_restart(tmp_path: Path) -> None:
         async with daemon.client() as c:
             spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
             job_id = (await c.post("/jobs", json=spec)).json()["id"]
-            async with asyncio.timeout(60):
-                while not any(n.get("step") == 30 for n in notes_so_far(work)):
-                    await asyncio.sleep(0.05)
+            await reached_step(work, 30)
         daemon.stop()  # the job waits, RESTARTING, for this node to come back
         daemon = serve(tmp_path, state_dir=daemon.state_dir, port=daemon.port)
         await daemon.wait_ready()
@@ -261,6 +259,13 @@ async def test_goodput_survives_a_daemon_restart(tmp_path: Path) -> None:
     first_attempt = [p for p in g["series"] if p["step"] <= 30]
     assert first_attempt, "the first attempt's samples were read back"
     assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)
+
+
+async def reached_step(folder: Path, step: int) -> None:
+    """Until the worker noted ``step`` (bounded)."""
+    async with asyncio.timeout(60):
+        while not any(n.get("step") == step for n in notes_so_far(folder)):
+            await asyncio.sleep(0.05)
 
 
 def notes_so_far(folder: Path) -> list[dict[str, Any]]:
@@ -282,9 +287,7 @@ async def test_a_preemption_is_its_own_badput(tmp_path: Path) -> None:
         async with cluster.client("n0") as c:
             low = {"id": "low", "entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
             assert (await c.post("/jobs", json=low)).status_code == 201
-            async with asyncio.timeout(60):
-                while not any(n.get("step") == 30 for n in notes_so_far(work)):
-                    await asyncio.sleep(0.05)
+            await reached_step(work, 30)
             high = {"entrypoint": PY, "args": ["-c", "import time; time.sleep(1)"], "priority": 5}
             await succeeded(c, high)
             async with asyncio.timeout(120):

@@ -362,6 +362,9 @@ class ProgressHook:
         except ElasticdError as exc:  # the store, or the job ended: the next read retries
             log.info("job %s on %s: progress not written (%s)", self.job_id, self.node, exc)
             return
+        except Exception:  # a report is never a reason for the job to fail
+            log.exception("job %s on %s: progress not written", self.job_id, self.node)
+            return
         self.reported = mine
 
     def observations(self) -> list[Observation]:

@@ -22,7 +22,7 @@ The file (little endian)::
     56      4     checkpoint sequence: odd while the worker writes 40..63 and the path
     60      2     checkpoint path length in bytes (at most 960)
     62      2     reserved, zero
-    64      960   checkpoint path (``os.fsencode``; no NUL)
+    64      960   checkpoint path (``os.fsencode``; no NUL; read as UTF-8, bad bytes replaced)
 
 **Compatibility.** The magic and the version stay those of the first
 layout, and the first 32 bytes mean what they meant, so both halves of two
@@ -349,7 +349,8 @@ def _parse(data: bytes) -> HeartbeatValue | None:
     return replace(
         beat,
         checkpoint_step=checkpoint_step if checkpoint_step >= 0 else None,
-        checkpoint_path=os.fsdecode(raw) if raw and b"\0" not in raw else None,
+        # UTF-8 with replacement: the path goes into JSON (the job document) and an env var.
+        checkpoint_path=raw.decode("utf-8", "replace") if raw and b"\0" not in raw else None,
         checkpointing_since=since_ns / 1e9 if since_ns else None,
     )
 

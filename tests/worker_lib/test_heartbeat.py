@@ -250,3 +250,28 @@ def test_a_ping_with_a_step_costs_microseconds(
     assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per ping"
     value = read_heartbeat(path)
     assert value is not None and value.step == n - 1
+
+
+@pytest.mark.parametrize(
+    ("length", "path", "expected"),
+    [
+        (5000, b"x" * 16, None),  # a length past the field: no checkpoint fields at all
+        (3, b"a\0b", None),  # a NUL: no path
+        (4, b"\xff/ok", "\ufffd/ok"),  # not UTF-8: replaced, so it can go into JSON
+    ],
+)
+def test_a_hostile_checkpoint_path_is_bounded_and_decoded_safely(
+    tmp_path: Path, length: int, path: bytes, expected: str | None
+) -> None:
+    """What a worker writes in the path field is read within the file, never past it, and only
+    as text the job document and an environment variable can hold."""
+    file = tmp_path / "hb"
+    create_heartbeat_file(file)
+    data = bytearray(file.read_bytes())
+    data[40:48] = (7).to_bytes(8, "little")
+    data[60:62] = length.to_bytes(2, "little")
+    data[64 : 64 + len(path)] = path
+    file.write_bytes(bytes(data))
+    value = read_heartbeat(file)
+    assert value is not None and value.checkpoint_path == expected
+    assert value.checkpoint_step == (None if length > 960 else 7)

@@ -20,9 +20,12 @@ from elasticd.goodput import (
     add_sample,
     begin_attempt,
     end_attempt,
+    job_facts,
     merge_nodes,
     observe,
 )
+from elasticd.models import Event, Job, JobSpec
+from elasticd.states import JobState
 
 
 def attempt(
@@ -321,3 +324,20 @@ def test_attempts_begin_and_end_once() -> None:
         record = begin_attempt(record, n + 2, spawned_at=20 + n)
     assert len(record.attempts) == MAX_ATTEMPTS
     NodeGoodput.model_validate_json(record.model_dump_json())  # within its own bounds
+
+
+def test_job_facts_come_from_the_document_and_the_events() -> None:
+    """Submission and end from the job document (an end only once terminal), the first
+    placement and every preemption from its events."""
+
+    def event(kind: str, t: float) -> Event:
+        return Event(seq=1, time=t, job_id="j", node="n", source="daemon", kind=kind)
+
+    spec = JobSpec(entrypoint="x")
+    running = Job(id="j", spec=spec, state=JobState.RUNNING, max_restarts=3, created_at=1.0)
+    events = [event("job.placed", 3.0), event("job.preempted", 9.0), event("job.placed", 12.0)]
+    assert job_facts(running.model_copy(update={"finished_at": 20.0}), events) == JobFacts(
+        submitted_at=1.0, placed_at=3.0, finished_at=None, preempted_at=(9.0,)
+    )
+    done = running.model_copy(update={"state": JobState.SUCCEEDED, "finished_at": 20.0})
+    assert job_facts(done, []).finished_at == 20.0

@@ -226,12 +226,28 @@ class JobSpec(BaseModel):
         le=3600,
         description="Seconds a round stays open for stragglers once min_nodes have joined.",
     )
-    progress_timeout: float | None = Field(
+    progress_timeout: float | Literal["auto"] | None = Field(
+        default=None,
+        description="A worker that has pinged (elasticd.worker.ping) must ping again within "
+        "this many seconds (0 < s <= 86400), or the group is UNHEALTHY and restarted. "
+        '"auto": sized from the observed intervals between pings (see docs/goodput.md). '
+        "Off by default.",
+    )
+    checkpoint_timeout: float | None = Field(
         default=None,
         gt=0,
         le=86_400,
-        description="A worker that has pinged (elasticd.worker.ping) must ping again within "
-        "this many seconds, or the group is UNHEALTHY and restarted. Off by default.",
+        description="While a checkpoint is in progress (elasticd.worker.checkpointing() until "
+        "checkpointed()), the worker is judged by this many seconds from the checkpoint's "
+        "start instead of progress_timeout. Unset: a checkpoint in progress has no deadline.",
+    )
+    max_no_progress_restarts: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_RESTARTS,
+        description="The job fails once this many restarts in a row made no progress: no "
+        "checkpoint past the one the attempt started from (for a job that never reports a "
+        "checkpoint: no step past every earlier attempt's). Off by default.",
     )
     startup_timeout: float | None = Field(
         default=None,
@@ -282,6 +298,19 @@ class JobSpec(BaseModel):
         "imports while an attempt runs; a restart hands the round to it instead of starting "
         "a new interpreter (a Python entrypoint only; else the workers start cold).",
     )
+
+    @field_validator("progress_timeout", mode="before")
+    @classmethod
+    def _progress_timeout(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f'progress_timeout must be a number of seconds or "auto", not {value!r}'
+            )
+        if not 0 < value <= 86_400:
+            raise ValueError(f"progress_timeout must be in (0, 86400] seconds, not {value!r}")
+        return float(value)
 
     @field_validator("entrypoint")
     @classmethod
@@ -405,6 +434,62 @@ class RecoveryTotals(BaseModel):
     total_s: float = 0.0
 
 
+class AttemptProgress(BaseModel):
+    """What the workers of one attempt (one round) reported: steps and checkpoints.
+
+    Each node's agent keeps one from its workers' heartbeat files
+    (:mod:`elasticd.agent.checkpoints`) and merges it into the job's
+    (:attr:`JobProgress.attempt`) when a checkpoint lands and when its
+    workers stop; across nodes the highest step and checkpoint win. Rebuilt
+    from the heartbeat files and the job document alone (nothing else is
+    kept), so a daemon that restarts loses no more than its samples.
+    """
+
+    round: int = Field(description="The rendezvous round of the attempt.")
+    started_from: int | None = Field(
+        default=None,
+        description="The job's checkpoint step when the attempt started "
+        "(ELASTICD_CHECKPOINT_STEP); None: none yet.",
+    )
+    max_step: int | None = Field(default=None, description="The highest step any worker reported.")
+    checkpoint_step: int | None = Field(
+        default=None, description="The highest checkpoint step any worker reported."
+    )
+    checkpoint_path: str | None = Field(default=None, max_length=4096)
+    first_step_at: float | None = Field(
+        default=None, description="Wall time of the first ping of the attempt."
+    )
+    last_step_at: float | None = Field(
+        default=None, description="Wall time of the last ping seen (at the last report)."
+    )
+    checkpointing_since: float | None = Field(
+        default=None, description="Wall time a checkpoint in progress began (at the last report)."
+    )
+
+
+class JobProgress(BaseModel):
+    """A job's training progress across attempts and nodes: the last checkpoint, the policy."""
+
+    checkpoint_step: int | None = Field(
+        default=None,
+        description="The job's last durable checkpoint (elasticd.worker.checkpointed), from "
+        "any attempt on any node; a restarted attempt gets it as ELASTICD_CHECKPOINT_STEP.",
+    )
+    checkpoint_path: str | None = Field(default=None, max_length=4096)
+    checkpoint_at: float | None = Field(
+        default=None, description="When the daemon learnt of that checkpoint (wall time)."
+    )
+    max_step: int | None = Field(
+        default=None, description="The highest step of every attempt that ended."
+    )
+    attempt: AttemptProgress | None = Field(
+        default=None, description="The current (or last) attempt's progress."
+    )
+    no_progress_restarts: int = Field(
+        default=0, ge=0, description="Failed restarts in a row that made no progress."
+    )
+
+
 class PendingFailure(BaseModel):
     """A failure in a round, charged to the budget once the next round shows who came back."""
 
@@ -485,6 +570,10 @@ class Job(BaseModel):
         default=None, description="Phase durations of the latest recovery."
     )
     recovery_totals: RecoveryTotals = Field(default_factory=RecoveryTotals)
+    progress: JobProgress = Field(
+        default_factory=JobProgress,
+        description="Steps and checkpoints the workers reported, and the no-progress count.",
+    )
     queue: QueueEntry | None = Field(
         default=None,
         description="While the job waits for nodes: its place in the fleet's queue and why "
@@ -536,6 +625,7 @@ class JobEdit(TypedDict, total=False):
     charged_round: int
     last_recovery: Recovery | None
     recovery_totals: RecoveryTotals
+    progress: JobProgress
 
 
 #: A job-document edit decided from the current document (applied by compare-and-set,
@@ -612,6 +702,10 @@ class WorkerView(BaseModel):
     started_at: float | None = None
     exited_at: float | None = None
     last_progress_at: float | None = None
+    step: int | None = Field(default=None, description="The last step it reported.")
+    checkpoint_step: int | None = Field(
+        default=None, description="The last checkpoint it reported."
+    )
 
 
 class StandbyView(BaseModel):

@@ -782,6 +782,12 @@ class Daemon:
             except Exception:  # a pass that failed is tried again next time
                 log.exception("log retention failed")
 
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the series, with the goodput of the jobs run here computed now."""
+        wanted = self.metrics.goodput_to_refresh(self.jobs.running_here())
+        self.metrics.on_goodput(await self.jobs.goodput_of(wanted))
+        return self.metrics.render()
+
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):
             self.jobs.on_refused(key, reason)

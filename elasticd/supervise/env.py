@@ -137,6 +137,15 @@ class AttemptInfo:
     daemon_url: str
     token_file: str | None = None
     cuda_visible_devices: str | None = None
+    checkpoint_step: int | None = None
+    """The job's last durable checkpoint (``ELASTICD_CHECKPOINT_STEP``), None: none yet."""
+    checkpoint_path: str | None = None
+    """Where it lies (``ELASTICD_CHECKPOINT_PATH``), when the worker said."""
+
+
+#: What a restarted attempt is told of the job's last checkpoint (the daemon's value wins
+#: over the job's ``env``, which may set them for a first attempt that resumes).
+CHECKPOINT_VARS = ("ELASTICD_CHECKPOINT_STEP", "ELASTICD_CHECKPOINT_PATH")
 
 
 #: torchrun's macro in worker arguments: replaced by the worker's local rank.
@@ -159,6 +168,8 @@ def worker_env(
 ) -> dict[str, str]:
     """The complete environment of one worker."""
     env = _daemon_base(base)
+    for name in CHECKPOINT_VARS:  # never the daemon's own; the job's may seed a first attempt
+        env.pop(name, None)
     env.update(job_env)
     for name in WITHHELD:
         env.pop(name, None)
@@ -199,6 +210,10 @@ def worker_env(
         env.pop("ELASTICD_TOKEN_FILE", None)
     if heartbeat_file:
         env["ELASTICD_HEARTBEAT_FILE"] = heartbeat_file
+    if attempt.checkpoint_step is not None:
+        env["ELASTICD_CHECKPOINT_STEP"] = str(attempt.checkpoint_step)
+        if attempt.checkpoint_path:
+            env["ELASTICD_CHECKPOINT_PATH"] = attempt.checkpoint_path
     if attempt.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = attempt.cuda_visible_devices
     return env

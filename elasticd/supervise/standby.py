@@ -408,15 +408,32 @@ class StandbyPool:
         standby.state = _State.GONE  # HANDED OFF: the watch lets go of it
         del self._standbys[rank]
         try:
-            if containment is not None and containment.procs_fd is not None:
-                os.write(containment.procs_fd, str(standby.pid).encode())
-            await self._send(
-                standby, launch, identity, [stdout, stderr, *([stdin] if stdin is not None else [])]
-            )
+            # All of it bounded: a standby that stops reading (stopped, or the job's code
+            # in it) must not hold the start, however large the environment sent to it.
+            async with asyncio.timeout(HANDOFF_TIMEOUT):
+                if containment is not None and containment.procs_fd is not None:
+                    os.write(containment.procs_fd, str(standby.pid).encode())
+                await self._send(
+                    standby,
+                    launch,
+                    identity,
+                    [stdout, stderr, *([stdin] if stdin is not None else [])],
+                )
         except (OSError, TimeoutError, ValueError) as exc:
-            self.cold[rank] = f"the hand-off to its standby (pid {standby.pid}) failed: {exc}"
+            self.cold[rank] = (
+                f"the hand-off to its standby (pid {standby.pid}) failed: "
+                f"{exc or type(exc).__name__}"
+            )
             await self._kill(standby)
             return None
+        except BaseException:
+            # Cancelled (the start, the job): it is no longer the pool's, so aclose() would
+            # not find it; it may even run the program already. It goes with the start.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(standby.pid, signal.SIGKILL)
+            standby.control.close()
+            await self._kill(standby)
+            raise
         self.cold.pop(rank, None)
         return standby.process
 
@@ -445,8 +462,7 @@ class StandbyPool:
         # The first bytes carry the descriptors (a short write into an empty socket buffer).
         socket.send_fds(control, [str(len(data)).encode() + b"\n"], fds)
         await loop.sock_sendall(control, data)
-        async with asyncio.timeout(HANDOFF_TIMEOUT):
-            answer = await loop.sock_recv(control, 1)
+        answer = await loop.sock_recv(control, 1)
         control.close()
         if answer != b"1":
             raise OSError("the standby ended before it took the worker's place")

@@ -1,0 +1,114 @@
+"""StandbyPool against real standby interpreters (review of issue 27): the daemon never waits
+unboundedly on a standby that does not read, and a hand-off cut short leaves no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticd.supervise import standby as standby_mod
+from elasticd.supervise.process import WorkerLaunch
+from elasticd.supervise.spawn import DEFAULT_POLICY
+from elasticd.supervise.standby import StandbyPool
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch(tmp_path: Path, env: dict[str, str] | None = None) -> WorkerLaunch:
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RANK": "0"}
+    base.update(env or {})
+    return WorkerLaunch(
+        local_rank=0, argv=[sys.executable, str(script)], env=base, cwd=str(tmp_path),
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+
+
+async def _ready_pool(tmp_path: Path, launch: WorkerLaunch, modules: list[str]) -> StandbyPool:
+    pool = StandbyPool("j", modules, DEFAULT_POLICY)
+    await pool.fill([launch], None)
+    return pool
+
+
+async def _wait_ready(pool: StandbyPool) -> int:
+    async with asyncio.timeout(30):
+        while not (infos := pool.infos()) or infos[0].state != "ready":
+            await asyncio.sleep(0.02)
+    return infos[0].pid
+
+
+async def test_a_hand_off_to_a_standby_that_does_not_read_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ready standby that stops reading (SIGSTOP: a debugger, the job's own kill) and a job
+    environment larger than a socket's buffer: the hand-off gives up within HANDOFF_TIMEOUT
+    and the worker starts cold, instead of waiting forever in sock_sendall."""
+    monkeypatch.setattr(standby_mod, "HANDOFF_TIMEOUT", 1.0)
+    big = {f"BIG{i}": "x" * 100_000 for i in range(4)}
+    launch = _launch(tmp_path, big)
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    try:
+        pid = await _wait_ready(pool)
+        os.kill(pid, signal.SIGSTOP)
+        r, w = os.pipe()
+        try:
+            started = time.monotonic()
+            async with asyncio.timeout(15):  # without the bound: forever
+                got = await pool.hand_off(
+                    launch, None, stdout=w, stderr=w, stdin=None, containment=None
+                )
+            assert got is None
+            assert time.monotonic() - started < 10
+            assert "hand-off" in pool.cold[0]
+            assert not _alive(pid)
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_cancelled_hand_off_leaves_no_standby(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start is cancelled (the job is cancelled) while the hand-off waits for the
+    standby's answer: the standby is no longer the pool's, so it must be killed right there,
+    or it outlives the job (aclose does not know it)."""
+    launch = _launch(tmp_path)
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    pid = await _wait_ready(pool)
+    os.kill(pid, signal.SIGSTOP)  # it does not answer: the hand-off waits (HANDOFF_TIMEOUT)
+    r, w = os.pipe()
+    try:
+        task = asyncio.create_task(
+            pool.hand_off(launch, None, stdout=w, stderr=w, stdin=None, containment=None)
+        )
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await pool.aclose()
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        alive = _alive(pid)
+    finally:
+        os.close(r)
+        os.close(w)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not alive, "the standby outlived its pool's close"

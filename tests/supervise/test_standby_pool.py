@@ -112,3 +112,56 @@ async def test_a_cancelled_hand_off_leaves_no_standby(
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
     assert not alive, "the standby outlived its pool's close"
+
+
+async def _warm_run(tmp_path: Path, launch: WorkerLaunch, before: object = None) -> tuple[int, str]:
+    """Hand ``launch`` to a ready standby; its exit code and its stderr."""
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    try:
+        await _wait_ready(pool)
+        if callable(before):
+            before()
+        r, w = os.pipe()
+        try:
+            process = await pool.hand_off(
+                launch, None, stdout=w, stderr=w, stdin=None, containment=None
+            )
+        finally:
+            os.close(w)
+        assert process is not None, pool.cold
+        code = await process.wait()
+        with os.fdopen(r, "rb") as f:
+            return code, f.read().decode()
+    finally:
+        await pool.aclose()
+
+
+def _cold_run(launch: WorkerLaunch) -> tuple[int, str]:
+    import subprocess
+
+    done = subprocess.run(
+        list(launch.argv), cwd=launch.cwd, env=dict(launch.env), capture_output=True, check=False
+    )
+    return done.returncode, done.stderr.decode()
+
+
+async def test_a_script_that_cannot_be_opened_exits_as_a_cold_start_would(
+    tmp_path: Path,
+) -> None:
+    """The script is gone by the restart: ``python x.py`` exits 2 saying it cannot open it;
+    the warm worker must too (not 1, with the standby's frames in a traceback)."""
+    launch = _launch(tmp_path)
+    script = Path(launch.argv[1])
+    warm = await _warm_run(tmp_path, launch, script.unlink)
+    cold = _cold_run(launch)
+    assert cold[0] == 2
+    assert warm == cold
+
+
+async def test_a_script_with_a_syntax_error_fails_as_a_cold_start_would(tmp_path: Path) -> None:
+    launch = _launch(tmp_path)
+    script = Path(launch.argv[1])
+    warm = await _warm_run(tmp_path, launch, lambda: script.write_text("def (\n"))
+    cold = _cold_run(launch)
+    assert cold[0] == 1
+    assert warm == cold

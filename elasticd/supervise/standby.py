@@ -310,6 +310,9 @@ class StandbyPool:
                 "job %s: no standby for local rank %d: %s", self.job_id, launch.local_rank, exc
             )
             return
+        except BaseException:  # cancelled (the job ended): start_process left no process
+            parent.close()
+            raise
         finally:
             child.close()
             os.close(null)

@@ -165,3 +165,23 @@ async def test_a_script_with_a_syntax_error_fails_as_a_cold_start_would(tmp_path
     cold = _cold_run(launch)
     assert cold[0] == 1
     assert warm == cold
+
+
+async def test_a_cancelled_standby_start_leaks_no_descriptor_of_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill cancelled during the standby's start (the job ends): the daemon's end of the
+    control socket is closed, not left open until garbage collection."""
+
+    async def cancelled(*_args: object, **_kwargs: object) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(standby_mod, "start_process", cancelled)
+    launch = _launch(tmp_path)
+    pool = StandbyPool("j", ["json"], DEFAULT_POLICY)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(asyncio.CancelledError):
+        await pool.fill([launch], None)
+    after = set(os.listdir("/proc/self/fd"))
+    await pool.aclose()
+    assert after - before == set()

@@ -205,3 +205,36 @@ async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path
         os.close(r)
         os.close(w)
         await pool.aclose()
+
+
+
+async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: Path) -> None:
+    """The restart waits for a standby still importing; it says "ready" and dies at once, and
+    the watch handles both (ready, then the death: ``_lost`` takes it out of the pool, a
+    replacement may already be there) before the hand-off resumes. The worker must start
+    cold, not fail its start with a KeyError (nor take the replacement out of the pool).
+    The watch's order is forced here: the death is handled in a callback of ``ready``."""
+    (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(1.0)\n")
+    launch = _launch(tmp_path)
+    pool = await _ready_pool(tmp_path, launch, ["slow_mod"])
+    standby = pool._standbys[0]
+
+    def died_at_once(_: object) -> None:  # what _watch does when process.wait() is done
+        standby.state = standby_mod._State.GONE
+        standby.control.close()
+        pool._lost(standby, "it died (killed by signal 9)", replace=False)
+
+    standby.ready.add_done_callback(died_at_once)
+    r, w = os.pipe()
+    try:
+        async with asyncio.timeout(20):
+            got = await pool.hand_off(
+                launch, None, stdout=w, stderr=w, stdin=None, containment=None
+            )
+        assert got is None
+        assert "lost" in pool.cold[0] or "died" in pool.cold[0], pool.cold
+    finally:
+        os.close(r)
+        os.close(w)
+        os.kill(standby.pid, signal.SIGKILL)
+        await pool.aclose()

@@ -446,9 +446,7 @@ class StandbyPool:
         reason = mismatch(standby.launch, standby.identity, launch, identity)
         if reason is None and standby.state is _State.STARTING:
             reason = await self._until_ready(standby)
-            if reason is None and (
-                standby.state is _State.GONE or self._standbys.get(rank) is not standby
-            ):
+            if reason is None and self._standbys.get(rank) is not standby:
                 # Ready, then dead before this resumed: the watch took it out of the pool
                 # (a replacement may be there already, for the next start: leave it).
                 self.cold[rank] = self._why_none.get(rank, "its standby died as it got ready")

@@ -26,6 +26,7 @@ def test_reading_the_standbys_memory_publishes_only_when_a_standby_changes() -> 
     for _ in range(5):
         group.show_standbys()
     assert len(published) == 1
+    assert group.attempt is not None
     assert group.attempt.view.standbys[0].rss_bytes == 1000 + 4 * 4096
     pids[0] = 12  # a replacement
     group.show_standbys()

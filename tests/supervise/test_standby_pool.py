@@ -187,8 +187,11 @@ async def test_a_cancelled_standby_start_leaks_no_descriptor_of_the_daemon(
     assert after - before == set()
 
 
-@pytest.mark.xfail(strict=True, reason="review of issue 27: a standby stuck in its imports "
-                   "holds the restart for READY_WAIT (120 s), again at every restart")
+@pytest.mark.xfail(
+    strict=True,
+    reason="review of issue 27: a standby stuck in its imports "
+    "holds the restart for READY_WAIT (120 s), again at every restart",
+)
 async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path: Path) -> None:
     (tmp_path / "stuck_mod.py").write_text("import time\ntime.sleep(600)\n")
     launch = _launch(tmp_path)
@@ -205,7 +208,6 @@ async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path
         os.close(r)
         os.close(w)
         await pool.aclose()
-
 
 
 async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: Path) -> None:

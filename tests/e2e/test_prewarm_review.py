@@ -122,3 +122,61 @@ async def test_a_standbys_helper_is_swept_by_the_next_daemon_after_a_kill9(
         for pid in helpers:
             if pid_alive(pid):
                 os.kill(pid, 9)
+
+
+ATTEMPTS = r"""
+import os, sys, time
+out, count = os.environ["OUT"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+flag = os.path.join(out, "go" + count if count in ("0", "1") else "end")
+while not os.path.exists(flag):
+    time.sleep(0.02)
+sys.exit(3 if count in ("0", "1") else 0)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review of issue 27: what a standby's imports started "
+    "outside its process group stays in the pool's cgroup after the hand-off",
+)
+async def test_an_attempt_that_ends_leaves_nothing_its_warm_workers_imports_started(
+    tmp_path: Path,
+) -> None:
+    """A cold worker's helper (its own session) is in its attempt's cgroup and dies with the
+    attempt (a stray, reported). A warm worker's helper, started by its imports while it was
+    a standby, stays in the pool's cgroup: it outlives the attempt, one more every restart."""
+    if cgroup_home() is None:
+        pytest.skip("no cgroup v2 here")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "helper_mod.py").write_text(HELPER)
+    (code / "w.py").write_text(ATTEMPTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon = serve(tmp_path)
+    helpers: list[int] = []
+    try:
+        async with asyncio.timeout(100), daemon.client() as c:
+            await daemon.wait_ready()
+            body = submit_body(
+                "a", out, entrypoint=sys.executable, args=[str(code / "w.py")],
+                cwd=str(code), prewarm=["helper_mod"], nproc_per_node=1, max_restarts=2,
+            )  # fmt: skip
+            assert (await c.post("/jobs", json=body)).status_code == 201
+            first = (await ready_standbys(c, "a", 1))[0]
+            (out / "go0").touch()  # attempt 1: the first standby's
+            second = first
+            while second == first:
+                second = (await ready_standbys(c, "a", 1))[0]
+            helper_of_attempt_1 = int((out / f"helper.{first}").read_text())
+            helpers = _helpers(out)
+            (out / "go1").touch()  # attempt 1 ends; attempt 2: the second standby's
+            while not (await c.get("/jobs/a")).json().get("restart_count") == 2:
+                await asyncio.sleep(0.05)
+            await eventually(lambda: not pid_alive(helper_of_attempt_1), 10, "attempt 1's")
+            (out / "end").touch()
+    finally:
+        daemon.kill9()
+        for pid in _helpers(out) + helpers:
+            if pid_alive(pid):
+                os.kill(pid, 9)

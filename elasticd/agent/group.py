@@ -158,11 +158,16 @@ class LocalGroup:
         pool, attempt = self.standbys, self.attempt
         if pool is None or attempt is None:
             return
+        before = [(s.local_rank, s.pid, s.state) for s in attempt.view.standbys]
         attempt.view.standbys = [
             StandbyView(local_rank=i.local_rank, pid=i.pid, state=i.state, rss_bytes=i.rss_bytes)
             for i in pool.infos()
         ]
-        self.changed()
+        # Published only when a standby came, went or got ready: the memory changes at every
+        # read (GET .../workers calls this), and a publish is a store write. This node's own
+        # view, which its API serves, has the fresh figures regardless.
+        if [(s.local_rank, s.pid, s.state) for s in attempt.view.standbys] != before:
+            self.changed()
 
     def _standby_lost(self, local_rank: int, reason: str) -> None:
         attempt = self.attempt

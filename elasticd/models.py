@@ -44,6 +44,10 @@ DEFAULT_LOG_LIMIT_BYTES = 1 << 30
 #: The budget's bounds: enough for a traceback at least, and no more than 1 TiB a stream.
 MIN_LOG_LIMIT_BYTES = 64 << 10
 MAX_LOG_LIMIT_BYTES = 1 << 40
+#: ``prewarm``: at most this many modules, each a dotted name of identifiers.
+MAX_PREWARM = 64
+MAX_MODULE_NAME = 256
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 Std = Literal["none", "out", "err", "all"]
 _STD_BY_NUMBER: dict[str, Std] = {"0": "none", "1": "out", "2": "err", "3": "all"}
@@ -287,6 +291,13 @@ class JobSpec(BaseModel):
         description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "
         "the others, which restart in-process; the group fails only if every worker fails.",
     )
+    prewarm: list[Annotated[str, Field(max_length=MAX_MODULE_NAME)]] = Field(
+        default_factory=list,
+        max_length=MAX_PREWARM,
+        description="Modules (dotted names, e.g. 'torch') a standby interpreter per local rank "
+        "imports while an attempt runs; a restart hands the round to it instead of starting "
+        "a new interpreter (a Python entrypoint only; else the workers start cold).",
+    )
 
     @field_validator("progress_timeout", mode="before")
     @classmethod
@@ -308,6 +319,17 @@ class JobSpec(BaseModel):
             raise ValueError("entrypoint must name a program, not be blank")
         if "\x00" in value:
             raise ValueError("entrypoint must not contain NUL")
+        return value
+
+    @field_validator("prewarm")
+    @classmethod
+    def _prewarm_modules(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not MODULE_NAME.fullmatch(name):
+                raise ValueError(
+                    f"prewarm names modules to import: {name!r} is not a dotted name "
+                    "of identifiers (e.g. 'torch' or 'torch.distributed')"
+                )
         return value
 
     @field_validator("umask", mode="before")
@@ -686,6 +708,17 @@ class WorkerView(BaseModel):
     )
 
 
+class StandbyView(BaseModel):
+    """A standby interpreter of a ``prewarm`` job: the next attempt's worker, past its imports."""
+
+    local_rank: int
+    pid: int
+    state: Literal["starting", "ready"]
+    """``starting``: importing the job's ``prewarm`` modules; ``ready``: waiting for a restart."""
+    rss_bytes: int | None = None
+    """Its resident memory: what prewarm costs this node while the attempt runs."""
+
+
 class GroupView(BaseModel):
     """The worker group of one job on one node."""
 
@@ -702,6 +735,8 @@ class GroupView(BaseModel):
     log_dir: str | None = None
     updated_at: float
     workers: list[WorkerView] = Field(default_factory=list)
+    standbys: list[StandbyView] = Field(default_factory=list)
+    """The node's standby interpreters for the next attempt (a ``prewarm`` job)."""
 
 
 class WorkersView(BaseModel):

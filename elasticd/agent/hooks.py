@@ -42,6 +42,7 @@ from elasticd.clock import Clock
 from elasticd.console import ConsoleLine
 from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind, recovery_phase_kind
+from elasticd.goodput import Observation
 from elasticd.logs import stream_file
 from elasticd.models import AttemptProgress, GroupView, JobSpec, RootCause, std_for_rank
 from elasticd.rendezvous import RoundInfo
@@ -365,6 +366,13 @@ class ProgressHook:
             log.exception("job %s on %s: progress not written", self.job_id, self.node)
             return
         self.reported = mine
+
+    def observations(self) -> list[Observation]:
+        """Every worker's heartbeat as read now (also those that exited), for goodput."""
+        monitor = self.monitor
+        if monitor is None:
+            return []
+        return [monitor.observation(rank) for rank in sorted(monitor.files)]
 
     def _checked(self, beats: list[Beat]) -> None:
         if self.attempt is None or self.monitor is None:

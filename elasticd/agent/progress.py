@@ -78,6 +78,7 @@ from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
+from elasticd.goodput import Observation
 from elasticd.supervise.env import WITHHELD
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
 from elasticd.tasks import race
@@ -423,6 +424,16 @@ class ProgressMonitor:
     def auto(self) -> float | None:
         """The automatic progress timeout now (None unless the settings ask for one)."""
         return auto_timeout(self.samples) if self.settings.auto else None
+
+    def observation(self, local_rank: int) -> Observation:
+        """The worker's progress as read now, in wall time, for goodput (also once it exited)."""
+        handle = self._handles.get(local_rank)
+        value = handle.read() if handle is not None else None
+        if value is None or value.last is None:
+            return Observation(None)
+        last = min(value.last, self._clock.monotonic())
+        at = self._clock.time() - (self._clock.monotonic() - last)
+        return Observation(at, value.step, value.checkpoint_step)
 
     def _check_replaced(self, local_rank: int, handle: HeartbeatFile) -> None:
         if local_rank in self._reported or self._on_replaced is None:

@@ -35,6 +35,31 @@ from elasticd.rendezvous.ranks import WorkerRanks
 WITHHELD = frozenset({"NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "ELASTICD_TOKEN"})
 
 
+#: What changes from one round (or attempt) to the next for the same worker: the ranks,
+#: sizes, master, restart count and the attempt's files. A standby interpreter starts
+#: without them and gets them at the hand-off (:mod:`elasticd.supervise.standby`);
+#: everything else of a worker's environment must be the same to hand off.
+ROUND_VARIABLES = frozenset(
+    {
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_ERROR_FILE",
+        "ELASTICD_HEARTBEAT_FILE",
+        "ELASTICD_ATTEMPT",
+    }
+)
+
+
 #: The names a served daemon passes from its own environment to a job: what a login
 #: shell of the job's user would have and that says nothing about the daemon's secrets.
 #: ``HOME``, ``USER`` and ``LOGNAME`` are the job user's when it runs as another user.

@@ -1,16 +1,19 @@
-"""The job's last checkpoint survives the node that reported it: rank 0 checkpoints on one
-node, that node is lost with everything on it, and the attempt that re-forms on the other
-node (now rank 0) is told the checkpoint (ELASTICD_CHECKPOINT_STEP / _PATH)."""
+"""A restarted attempt resumes from the job's last checkpoint (ELASTICD_CHECKPOINT_STEP /
+_PATH) on real `elasticd serve` daemons: after the node that reported it is lost (rank 0
+moves to another node), and when the restart is warm (a prewarmed standby takes over)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import events_of, wait_job
 from tests.e2e.cluster import LocalCluster
+from tests.e2e.test_prewarm import ready_standbys, served
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -80,3 +83,55 @@ async def test_the_checkpoint_outlives_the_node_of_rank_0(tmp_path: Path) -> Non
         assert job["progress"]["checkpoint_step"] == 5
         assert job["restart_count"] == 0  # a node loss is free
         print("rank 0 moved to", survivor)
+
+
+#: Attempt 0 checkpoints step 5 and waits for $OUT/go, then fails; a later attempt writes
+#: what it was told and ends.
+WARM = r"""
+import os, sys, time
+import elasticd.worker as w
+out = os.environ["OUT"]
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    for step in range(6):
+        w.ping(step=step)
+    w.checkpointed(5, os.path.join(out, "ckpt-5"))
+    while not os.path.exists(os.path.join(out, "go")):
+        time.sleep(0.02)
+    sys.exit(3)
+with open(os.path.join(out, "told"), "w") as f:
+    f.write(f"{os.environ.get('ELASTICD_CHECKPOINT_STEP')} {os.environ.get('ELASTICD_CHECKPOINT_PATH')}")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a root daemon, as deployed")
+async def test_a_warm_restart_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint since the standby started does not turn the restart cold, and the warm
+    worker is told it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = tmp_path / "warm.py"
+    worker.write_text(WARM)
+    async with served(tmp_path) as c:
+        r = await c.post(
+            "/jobs",
+            json={
+                "id": "warm",
+                "entrypoint": sys.executable,
+                "args": [str(worker)],
+                "env": {"OUT": str(out), "PYTHONPATH": str(ROOT)},
+                "max_restarts": 1,
+                "gpu_health_check": False,
+                "prewarm": ["json"],
+            },
+        )
+        assert r.status_code == 201, r.text
+        await ready_standbys(c, "warm", 1)
+        async with asyncio.timeout(60):  # the checkpoint is in the job before the failure
+            while (await c.get("/jobs/warm")).json()["progress"]["checkpoint_step"] != 5:
+                await asyncio.sleep(0.05)
+        (out / "go").touch()
+        job = await wait_job(c, "warm")
+        assert job["state"] == "SUCCEEDED", job
+        kinds = [e["kind"] for e in await events_of(c, "warm")]
+    assert "workers.warm_start" in kinds and "worker.cold_start" not in kinds, kinds
+    assert (out / "told").read_text() == f"5 {out / 'ckpt-5'}"

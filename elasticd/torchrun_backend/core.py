@@ -31,7 +31,7 @@ from elasticd.store.http import HttpStore
 from elasticd.tokens import read_token_file
 from elasticd.torchrun_backend.config import BackendConfig, address_towards, node_name
 from elasticd.torchrun_backend.edits import RunStep, run_edit, waiting_nodes
-from elasticd.torchrun_backend.loop import LoopThread
+from elasticd.store.blocking import LoopThread
 
 log = logging.getLogger("elasticd.torchrun")
 

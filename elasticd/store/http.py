@@ -450,7 +450,12 @@ class HttpStore(Store):
         prefix: bool = False,
     ) -> builtins.list[WatchEvent]:
         validate_key(key, prefix=prefix)
-        return await self._shared.watch(key, after_version, timeout, prefix)
+        try:
+            return await self._shared.watch(key, after_version, timeout, prefix)
+        except StoreCompacted:
+            if self.retry.empty_on_compacted:
+                return []  # as at the timeout: this caller reads again anyway
+            raise
 
     async def _watch(
         self, key: str, after_version: int, timeout: float, prefix: bool
@@ -459,17 +464,12 @@ class HttpStore(Store):
         remaining = max(timeout, 0.0)
         while True:
             poll = min(remaining, MAX_POLL_SECONDS)
-            try:
-                events = await self._do(
-                    watch_call(key, after_version, poll, prefix),
-                    timeout=poll + self._timeout,
-                    gated=False,  # a long-poll holds its connection: it must not hold a turn
-                    patience=max(poll, self._timeout),  # retried as long as it would wait
-                )
-            except StoreCompacted:
-                if self.retry.empty_on_compacted:
-                    return []  # as at the timeout: this caller reads again anyway
-                raise
+            events = await self._do(
+                watch_call(key, after_version, poll, prefix),
+                timeout=poll + self._timeout,
+                gated=False,  # a long-poll holds its connection: it must not hold a turn
+                patience=max(poll, self._timeout),  # retried as long as it would wait
+            )
             remaining -= poll
             if events or remaining <= 0:
                 return events

@@ -24,6 +24,7 @@ from pathlib import Path
 from elasticd.agent.attempt import AttemptPlan
 from elasticd.agent.context import AgentContext, Emit
 from elasticd.agent.edits import root_cause_of, root_cause_of_hang
+from elasticd.agent.handover import AgentHandover
 from elasticd.agent.hooks import Attempt, OutputHook, ProgressHook
 from elasticd.agent.progress import Hang
 from elasticd.errors import ElasticdError
@@ -90,6 +91,42 @@ class LocalGroup:
             on_written=self.ctx.log_growth,
         )
         self.output.poststart(attempt, self.processes)
+
+    async def adopt(
+        self,
+        attempt: Attempt,
+        plan: AttemptPlan,
+        handover: AgentHandover,
+        identity: Identity | None,
+    ) -> None:
+        """Take up the running workers of the daemon's previous program image (re-exec);
+        exits it saw and did not act on are held until :meth:`release_adopted_exits`."""
+        self.release_exits()
+        self.held = []
+        self.attempt = attempt
+        self.progress.adopt(attempt, plan.heartbeats, identity, handover.workers)
+        self.exited = set()
+        self.all_exited = asyncio.Event()
+        self.processes = await WorkerGroupProcesses.adopt(
+            plan.launches,
+            handover.workers,
+            handover.cgroup,
+            on_output=self.output.forwarder(attempt),
+            on_exit=self.on_exit,
+            clock=self.ctx.clock,
+            storage=self.ctx.storage,
+            policy=self.ctx.policy,
+            on_written=self.ctx.log_growth,
+        )
+        self.output.poststart(attempt, self.processes)
+        for w in attempt.view.workers:
+            w.pid = self.processes.pids.get(w.local_rank)
+            w.started_at = self.processes.started_at.get(w.local_rank)
+            w.state = WorkerState.HEALTHY
+
+    def release_adopted_exits(self) -> None:
+        """After ``job.readopted``: the exits that came through the re-exec, in order."""
+        self.release_exits()
 
     def running(self) -> None:
         """The workers run as the round's: the heartbeats' clocks start, the view HEALTHY."""

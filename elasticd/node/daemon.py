@@ -42,6 +42,10 @@ publication, the lease's revocation, the HTTP drain) gets what is left of it,
 at least 1 s (:func:`step_bound`).
 
 Signal handlers only set an event; uvicorn's own handlers are switched off.
+
+Re-exec (SIGHUP, or an admin's ``POST /reload``): the daemon re-executes the
+installed program in place, same pid, after a pre-flight check; the workers
+run on and the new image takes them up (:mod:`elasticd.node.reexec`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -94,6 +99,7 @@ from elasticd.node.db import Database
 from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
+from elasticd.node.reexec import Manifest, exec_self, preflight, reap_swept
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -113,13 +119,22 @@ from elasticd.store import (
     store_endpoints,
 )
 from elasticd.store.embedded import EmbeddedStore
+from elasticd.supervise.adopt import adopted_children, end_handed, inheritable_dup
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
 from elasticd.supervise.sweep import sweep_orphans
-from elasticd.tasks import cancel_and_wait
+from elasticd.tasks import TaskSet, cancel_and_wait, race
 
 log = logging.getLogger("elasticd.node.daemon")
+
+#: When this program image started: ``/healthz``'s ``started_at`` (a re-exec changes it).
+IMAGE_STARTED = time.time()
+#: Seconds the HTTP server drains before a re-exec (what is still running is cut off).
+REEXEC_DRAIN = 1.0
+#: Seconds a handed-over job waits to be taken up (the plan places it here) before its
+#: workers are ended (it ended meanwhile, or the fleet moved it).
+ADOPT_DEADLINE = 30.0
 
 #: The least one step of the wind-down gets, however little of ``shutdown_timeout`` is left.
 MIN_STEP = 1.0
@@ -234,6 +249,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _inherited_socket(fd: int) -> socket.socket:
+    """A listening socket that came through the exec (re-exec): closed at the next one."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    sock.setblocking(False)
+    return sock
+
+
 def _user_name(uid: int) -> str | None:
     try:
         return pwd.getpwuid(uid).pw_name
@@ -270,6 +293,7 @@ class Daemon:
         worker_stdin: int | None = None,
         pass_environment: bool = False,
         state_lock: StateLock | None = None,
+        handover: Manifest | None = None,
     ) -> None:
         """``pass_environment``: the jobs get this process's whole environment, as torchrun's
         workers get the caller's; only an embedded daemon (``elasticd run``,
@@ -279,8 +303,22 @@ class Daemon:
 
         ``state_lock``: the state folder's lock, already held by the caller (``elasticd run``
         locks the folder before it writes its token there); otherwise :meth:`start` takes it
-        first and releases it last."""
+        first and releases it last.
+
+        ``handover``: what the daemon's previous program image handed over (it
+        re-executed itself: :mod:`elasticd.node.reexec`)."""
         self.config = config
+        self._handover = handover
+        #: Set by ``elasticd serve``: this daemon may re-execute itself (SIGHUP, /reload).
+        self.can_reexec = False
+        self._reload = asyncio.Event()
+        self._reexecing = False
+        #: The image's start and the process (``/healthz``).
+        self.started_at = IMAGE_STARTED
+        self.pid = os.getpid()
+        #: Work of the start-up that nobody awaits (reaping swept workers, the adoption
+        #: deadline): closed at the stop.
+        self._background = TaskSet("daemon")
         self._state_lock = state_lock
         #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
         self._worker_stdin = worker_stdin
@@ -333,6 +371,7 @@ class Daemon:
         #: The unix socket this daemon listens on, once bound.
         self.socket_path: Path | None = None
         self._server_task: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
         self._state = DaemonState.NEW
         #: Why the store cannot be used yet (start-up waits for it), None once it answered.
         self._store_wait: str | None = None
@@ -362,6 +401,10 @@ class Daemon:
         if self._store_wait is not None:
             return f"waiting for the store: {self._store_wait}"
         if self._state is DaemonState.RUNNING:
+            if self._reexecing:
+                return "re-executing (elasticd reload): back in a moment"
+            if adopting := self.jobs.adopting:
+                return f"re-adopting the workers of {adopting} job(s) after a re-exec"
             if not self.jobs.accepting:
                 return "not accepting jobs (shutting down)"
             return self.storage.reason
@@ -472,11 +515,20 @@ class Daemon:
             storage=self.storage,
             db=self.db,
         )
+        manifest = self._handover
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
-            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())
+            kept = {a.job_id for a in manifest.agents} if manifest is not None else set()
+            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir(kept))
+            for job_id, digest in (manifest.job_tokens if manifest else {}).items():
+                if job_id in kept:  # its workers read the token before the re-exec
+                    self.authenticator.jobs.restore(job_id, digest)
+        stack.push_async_callback(self._background.aclose)
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
+        if manifest is not None and manifest.lease is not None and not self.config.store_only:
+            # Before its TTL runs out: the node's keys, presence and leadership stay.
+            await self.cluster.resume_lease(manifest.lease)
         if self.job_users.serves_others and not self.config.allow_insecure_store:
             await self.refuse_open_store()
         await self.events.start()
@@ -496,9 +548,17 @@ class Daemon:
         # The wrapper and the root stage are probed once (each runs a program): in a
         # thread now, not on the event loop at the first worker's spawn.
         await asyncio.to_thread(self.jobs.spawn_policy.warm)
-        self._sweep_orphans()
+        if manifest is not None:
+            manifest.check(cgroup_ok=self.containment.mode == "cgroup")
+        self._sweep_orphans(manifest)
         stack.push_async_callback(self._stop_jobs)
-        await self.jobs.recover()
+        if manifest is None:
+            await self.jobs.recover()
+        else:
+            await self.jobs.recover(manifest.agents, {**manifest.not_handed, **manifest.refused})
+            self._said_reexec(manifest)
+            if manifest.agents:
+                self._background.spawn(self._adoption_deadline(), name="adoption-deadline")
         if not self.config.store_only:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
@@ -632,6 +692,7 @@ class Daemon:
         from api.app import create_app  # the API depends on the daemon, not the reverse
         from api.protocol import connection_cap, uvicorn_settings
 
+        manifest = self._handover
         soft, hard = raise_nofile_limit()
         self.max_connections = self.config.max_connections or connection_cap(soft)
         log.info(
@@ -654,11 +715,17 @@ class Daemon:
             **uvicorn_settings(self.max_connections),
         )
         self._server = _Server(uv_config)
-        sock = bind_socket(self.config.host, self.config.port)
+        if manifest is not None and manifest.tcp_fd is not None:
+            sock = _inherited_socket(manifest.tcp_fd)  # it listened through the exec
+        else:
+            sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
         sockets = [sock]
         path = self.config.socket_path
-        if self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
+        if manifest is not None and manifest.unix_fd is not None:
+            sockets.append(_inherited_socket(manifest.unix_fd))
+            self.socket_path = path
+        elif self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
             log.warning("no unix socket: its default path %s is too long; set unix_socket", path)
         else:
             try:
@@ -674,9 +741,10 @@ class Daemon:
                 sock.close()
                 raise
             self.socket_path = path
+        self._listeners = sockets
         self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
 
-    def _token_dir(self) -> Path:
+    def _token_dir(self, keep: set[str] | None = None) -> Path:
         """The folder of the jobs' own token files: the daemon's, 0711 (no listing)."""
         folder = self.config.state_dir / "tokens"
         folder.mkdir(mode=0o711, exist_ok=True)
@@ -685,6 +753,8 @@ class Daemon:
             raise ConfigError(f"{folder} must be a folder of the daemon's own user")
         folder.chmod(0o711)
         for stale in folder.iterdir():  # a previous run's: its jobs' workers are gone
+            if stale.name.removesuffix(".token") in (keep or ()):
+                continue  # a job carried across a re-exec: its workers hold this token
             with contextlib.suppress(OSError):
                 stale.unlink()
         return folder
@@ -696,7 +766,7 @@ class Daemon:
                 self.config.containment,
                 node=self.config.node_name,
                 state_dir=self.config.state_dir,
-                known=live_children,
+                known=lambda: live_children() | adopted_children(),
             )
         except OSError as exc:
             raise ConfigError(
@@ -713,15 +783,19 @@ class Daemon:
             log.info("each job attempt runs in its own cgroup under %s", containment.base)
         return containment
 
-    def _sweep_orphans(self) -> None:
+    def _sweep_orphans(self, manifest: Manifest | None = None) -> None:
         """Kill the workers a previous run of this daemon left alive, and say so in their jobs.
 
         First the recorded workers (by pid), then every attempt cgroup left in the
         daemon's subtree: what is still in one is a stray (a process that left its
-        worker's process group), reported in ``workers.strays``.
+        worker's process group), reported in ``workers.strays``. After a re-exec the
+        workers handed over and taken up (``manifest``) are spared, with their cgroups;
+        those killed that were this process's children are reaped.
         """
         killed: set[int] = set()
-        for orphan in sweep_orphans(self.db):
+        keep = manifest.adopted_pids() if manifest is not None else set()
+        live = {Path(a.cgroup).name for a in manifest.agents if a.cgroup} if manifest else set()
+        for orphan in sweep_orphans(self.db, keep=keep):
             killed.update(orphan.pids)
             record = orphan.record
             if not record.job_id:
@@ -738,7 +812,7 @@ class Daemon:
                 local_rank=record.local_rank,
                 attempt=record.attempt,
             )
-        for leftover in self.containment.sweep():
+        for leftover in self.containment.sweep(live):
             pids = [pid for pid in leftover.pids if pid not in killed]
             if not pids:
                 continue
@@ -753,6 +827,32 @@ class Daemon:
                 count=len(pids),
                 pids=pids,
             )
+
+        if manifest is not None and killed:
+            self._background.spawn(reap_swept(sorted(killed)), name="reap-swept")
+
+    def _said_reexec(self, manifest: Manifest) -> None:
+        """``daemon.reexec`` on every job this node ran through the re-exec."""
+        message = (
+            f"the daemon on {self.config.node_name} re-executed itself in place (pid "
+            f"{self.pid}): elasticd {manifest.old_version} -> {__version__}"
+        )
+        log.info("%s", message)
+        jobs = [a.job_id for a in manifest.agents] + [*manifest.not_handed, *manifest.refused]
+        for job_id in dict.fromkeys(jobs):
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, message)
+
+    async def _adoption_deadline(self) -> None:
+        """Handed-over attempts that no agent took up in time: their workers end."""
+        await asyncio.sleep(ADOPT_DEADLINE)
+        for handover in self.jobs.abandon_adoptions():
+            log.warning(
+                "job %s: its handed-over workers were not taken up in %.0f s (the job ended "
+                "or moved); ending them",
+                handover.job_id,
+                ADOPT_DEADLINE,
+            )
+            await end_handed(handover.workers)
 
     async def _retain(self) -> None:
         """Delete finished jobs once they are older than ``job_retention``, forever."""
@@ -803,15 +903,118 @@ class Daemon:
         """Return once a stop was asked for (a signal, or :meth:`request_stop`)."""
         await self._stop.wait()
 
+    def request_reload(self) -> None:
+        """Ask for a re-exec in place (what SIGHUP and ``POST /reload`` do)."""
+        self._reload.set()
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
+        if self.can_reexec:
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)
 
     async def serve(self) -> None:
-        """Run until asked to stop, then shut down in order."""
-        await self._stop.wait()
+        """Run until asked to stop, then shut down in order; re-exec when asked to."""
+        while not self._stop.is_set():
+            await race(self._stop.wait(), self._reload.wait())
+            if self._reload.is_set() and not self._stop.is_set():
+                self._reload.clear()
+                await self.reexec()
         await self.shutdown()
+
+    async def reexec(self) -> None:
+        """Re-execute the installed program in place (see :mod:`elasticd.node.reexec`).
+
+        Returns only when refused: the pre-flight check failed (or the exec
+        itself); the daemon then runs on as it was, and says why in the log and
+        in a ``daemon.reexec_refused`` event on each job it runs.
+        """
+        if self._state is not DaemonState.RUNNING:
+            return
+        if not self.can_reexec:
+            self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
+            return
+        new_version, reason = await preflight(self._environ)
+        if reason is not None:
+            self._refuse_reexec(reason)
+            return
+        log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
+        self._reexecing = True
+        accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
+        await self._renew_lease()
+        listeners = await self._drain_http()
+        # No exit half-delivered: each is with its worker, or still a zombie for the next image.
+        for _ in range(1000):
+            if not self.jobs.pending_exit():
+                break
+            await asyncio.sleep(0)
+        # From here to the exec nothing awaits: the hand-over is what the exec carries.
+        handed, not_handed = self.jobs.hand_over()
+        manifest = Manifest(
+            old_version=__version__,
+            tcp_fd=listeners[0] if listeners else None,
+            unix_fd=listeners[1] if len(listeners) > 1 else None,
+            lease=None if self.config.store_only else self.cluster.lease_id,
+            agents=handed,
+            not_handed=not_handed,
+            job_tokens=self.authenticator.jobs.digests(),
+        )
+        try:
+            exec_self(manifest)
+        except OSError as exc:
+            for fd in manifest.fds[len(listeners) :]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._reexecing = False
+            self.jobs.reconciler.accepting = accepting
+            self._restart_http(listeners)
+            self._refuse_reexec(f"the exec failed: {exc}")
+
+    def _refuse_reexec(self, reason: str) -> None:
+        log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
+        for job_id in list(self.jobs.supervisor.agents):
+            self.events.emit(
+                job_id,
+                "daemon",
+                EventKind.DAEMON_REEXEC_REFUSED,
+                f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
+                f"it runs on as elasticd {__version__}",
+            )
+
+    async def _renew_lease(self) -> None:
+        """A renewal right before the exec: the new image has a whole TTL to take it up."""
+        lease = None if self.config.store_only else self.cluster.lease_id
+        if lease is None:
+            return
+        with contextlib.suppress(StoreError, TimeoutError):
+            async with asyncio.timeout(self.config.lease_ttl / 3):
+                await self.store.keep_alive(lease)
+
+    async def _drain_http(self) -> list[int]:
+        """Stop serving HTTP but keep listening: inheritable copies of the listening sockets
+        (what connects meanwhile waits in their backlog); requests under way get
+        :data:`REEXEC_DRAIN` to finish."""
+        if self._server is None or self._server_task is None:
+            return []
+        listeners = [inheritable_dup(sock.fileno()) for sock in self._listeners]
+        self.closing_streams.set()
+        self._server.config.timeout_graceful_shutdown = math.ceil(REEXEC_DRAIN)
+        self._server.should_exit = True
+        with contextlib.suppress(TimeoutError, Exception):
+            async with asyncio.timeout(REEXEC_DRAIN + 1.0):
+                await asyncio.shield(self._server_task)
+        return listeners
+
+    def _restart_http(self, listeners: list[int]) -> None:
+        """Serve again on the kept sockets (the exec failed)."""
+        if self._server is None or not listeners:
+            return
+        self.closing_streams = asyncio.Event()
+        sockets = [_inherited_socket(fd) for fd in listeners]
+        self._listeners = sockets
+        self._server = _Server(self._server.config)
+        self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
 
     async def shutdown(self) -> None:
         """Stop in order (see the module); safe to call in any state, and more than once."""

@@ -1,0 +1,316 @@
+"""The in-place upgrade (issue 25): SIGHUP or ``POST /reload`` re-executes a real daemon with the
+same pid, and its running workers go on untouched, supervised by the new program image."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.hardening.support import (
+    PY,
+    Served,
+    eventually,
+    healthy_pids,
+    pid_alive,
+    proc_state,
+    script,
+    serve,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A worker that pings its heartbeat and counts, one numbered line every 20 ms.
+COUNTER = """
+import os, sys, time
+from elasticd.worker import ping
+i = 0
+while True:
+    print(i, flush=True)
+    ping()
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+async def health(c: httpx.AsyncClient) -> dict[str, Any]:
+    answer: dict[str, Any] = (await c.get("/healthz")).json()
+    return answer
+
+
+async def events(c: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    r = await c.get(f"/jobs/{job_id}/events", params={"limit": 1000})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()
+    return out
+
+
+async def kinds(c: httpx.AsyncClient, job_id: str) -> list[str]:
+    return [e["kind"] for e in await events(c, job_id)]
+
+
+async def reexec(
+    daemon: Served, c: httpx.AsyncClient, *, timeout: float = 60, api: bool = False
+) -> set[str]:
+    """SIGHUP (or ``POST /reload``), then wait until a new program image of the same process
+    is ready; the reasons ``/readyz`` gave for not being ready meanwhile."""
+    before = await health(c)
+    if api:
+        r = await c.post("/reload", json={})
+        assert r.status_code == 202, r.text
+    else:
+        daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    reasons: set[str] = set()
+    while True:
+        assert daemon.proc.poll() is None, daemon.output()[-3000:]
+        try:
+            ready = await c.get("/readyz", timeout=2)
+            if ready.status_code == 503:
+                reasons.add(ready.json()["reason"])
+            now = await health(c)
+            if now["started_at"] != before["started_at"] and ready.status_code == 200:
+                assert now["pid"] == before["pid"] == daemon.proc.pid
+                return reasons
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no re-exec in {timeout}s:\n{daemon.output()[-4000:]}")
+        await asyncio.sleep(0.02)
+
+
+async def submit(c: httpx.AsyncClient, job_id: str, program: str, **spec: Any) -> None:
+    body = {
+        "id": job_id,
+        "entrypoint": PY,
+        "args": [program],
+        "env": {"PYTHONPATH": str(ROOT)},
+        "termination_grace": 2,
+        **spec,
+    }
+    r = await c.post("/jobs", json=body)
+    assert r.status_code == 201, r.text
+
+
+async def test_workers_keep_their_pids_through_one_and_five_reexecs(tmp_path: Path) -> None:
+    """A running job keeps its worker pids, attempt and restart count through a SIGHUP and
+    through five in a row; healthz keeps the pid and changes started_at; the job's events say
+    daemon.reexec and job.readopted each time; nothing of it is restarted."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(240):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                await submit(c, "up", worker, nproc_per_node=2, progress_timeout=10)
+                pids = await healthy_pids(c, "up", 2)
+                reasons: set[str] = set()
+                for n in range(6):
+                    reasons |= await reexec(daemon, c)
+                    assert await healthy_pids(c, "up", 2) == pids, n
+                    assert all(pid_alive(p) for p in pids)
+                # Not ready while it re-executes and re-adopts (seen at least once in six).
+                assert any(
+                    r.startswith(("re-executing", "re-adopting", "starting")) for r in reasons
+                ), reasons
+                job = (await c.get("/jobs/up")).json()
+                assert job["state"] == "RUNNING"
+                assert job["restart_count"] == 0
+                seen = await kinds(c, "up")
+                assert seen.count("daemon.reexec") == 6
+                assert seen.count("job.readopted") == 6
+                assert seen.count("workers.started") == 1
+                assert "workers.stopped" not in seen
+                assert "worker.exited" not in seen
+                assert "job.resumed" not in seen
+    finally:
+        daemon.stop()
+
+
+async def test_a_worker_killed_after_the_reexec_restarts_the_group_once(tmp_path: Path) -> None:
+    """The new image supervises the adopted workers: one killed after the re-exec is seen
+    (exit by SIGKILL), the group restarts exactly once, and the old pids are all reaped."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                await submit(c, "kill", worker, nproc_per_node=2, max_restarts=5)
+                pids = await healthy_pids(c, "kill", 2)
+                await reexec(daemon, c)
+                os.kill(pids[0], signal.SIGKILL)
+                await eventually(
+                    lambda: all(proc_state(p) is None for p in pids), 60, "old workers reaped"
+                )
+                new = await healthy_pids(c, "kill", 2, timeout=60)
+                assert not set(new) & set(pids)
+                job = (await c.get("/jobs/kill")).json()
+                assert job["restart_count"] == 1, job
+                exits = [e for e in await events(c, "kill") if e["kind"] == "worker.exited"]
+                killed = [e for e in exits if e["pid"] == pids[0]]
+                assert [e["signal"] for e in killed] == [signal.SIGKILL], exits
+                assert (await kinds(c, "kill")).count("workers.started") == 2
+    finally:
+        daemon.stop()
+
+
+async def test_a_cancel_after_the_reexec_leaves_no_process(tmp_path: Path) -> None:
+    """Cancelling a job the new image adopted stops its workers (SIGTERM, grace), reaps them
+    (no zombie is left) and ends the job CANCELLED."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                await submit(c, "cancel", worker, nproc_per_node=2)
+                pids = await healthy_pids(c, "cancel", 2)
+                await reexec(daemon, c)
+                r = await c.post("/jobs/cancel/cancel", json={})
+                assert r.status_code == 200, r.text
+                await eventually(
+                    lambda: all(proc_state(p) is None for p in pids), 60, "workers gone, reaped"
+                )
+                async with asyncio.timeout(30):
+                    while (await c.get("/jobs/cancel")).json()["state"] != "CANCELLED":
+                        await asyncio.sleep(0.05)
+    finally:
+        daemon.stop()
+
+
+#: Exits with code 7 the moment the daemon stops answering (its re-exec), once armed.
+EXIT_IN_THE_GAP = """
+import os, sys, time, urllib.request
+from elasticd.worker import ping
+armed = sys.argv[1]
+url = os.environ["ELASTICD_URL"].rstrip("/") + "/healthz"
+while True:
+    ping()
+    if os.path.exists(armed):
+        try:
+            urllib.request.urlopen(url, timeout=0.3).read()
+        except Exception:
+            sys.exit(7)
+    time.sleep(0.005)
+"""
+
+
+async def test_an_exit_during_the_reexec_is_recorded_with_its_code(tmp_path: Path) -> None:
+    """A worker that exits with code 7 while the daemon re-executes (it stops answering) is
+    reaped by the new image and recorded with code 7: the job fails on it (no restarts left)."""
+    armed = tmp_path / "armed"
+    worker = script(tmp_path, "gap.py", EXIT_IN_THE_GAP)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                body = {
+                    "id": "gap",
+                    "entrypoint": PY,
+                    "args": [worker, str(armed)],
+                    "env": {"PYTHONPATH": str(ROOT)},
+                    "max_restarts": 0,
+                }
+                assert (await c.post("/jobs", json=body)).status_code == 201
+                (pid,) = await healthy_pids(c, "gap", 1)
+                armed.touch()
+                daemon.proc.send_signal(signal.SIGHUP)
+                async with asyncio.timeout(90):
+                    while True:
+                        with contextlib.suppress(httpx.TransportError, ValueError):
+                            job = (await c.get("/jobs/gap")).json()
+                            if job["state"] == "FAILED":
+                                break
+                        await asyncio.sleep(0.05)
+                assert daemon.proc.poll() is None
+                assert job["error"]["exit_code"] == 7, job
+                exits = [e for e in await events(c, "gap") if e["kind"] == "worker.exited"]
+                assert [(e["pid"], e["exit_code"]) for e in exits] == [(pid, 7)], exits
+                assert proc_state(pid) is None  # reaped
+    finally:
+        daemon.stop()
+
+
+async def test_numbered_lines_lose_and_repeat_none_across_two_reexecs(tmp_path: Path) -> None:
+    """A worker printing a numbered line every 20 ms: across two re-execs its stdout.log
+    holds every number once, in order (the pipe's unread bytes wait for the new image)."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                await submit(c, "lines", worker)
+                await healthy_pids(c, "lines", 1)
+                await reexec(daemon, c)
+                await reexec(daemon, c, api=True)
+                log_file = daemon.state_dir / "logs" / "lines" / "attempt_0" / "0" / "stdout.log"
+                size = log_file.stat().st_size
+                await eventually(lambda: log_file.stat().st_size > size + 200, 30, "more lines")
+                r = await c.post("/jobs/lines/cancel", json={})
+                assert r.status_code == 200
+                async with asyncio.timeout(30):
+                    while (await c.get("/jobs/lines")).json()["state"] != "CANCELLED":
+                        await asyncio.sleep(0.05)
+                assert (await kinds(c, "lines")).count("job.readopted") == 2
+        numbers = [int(line) for line in log_file.read_text().splitlines()]
+        assert numbers == list(range(len(numbers))), "a line was lost or repeated"
+        assert len(numbers) > 100
+    finally:
+        daemon.stop()
+
+
+async def test_a_reexec_into_a_broken_install_keeps_the_old_daemon(tmp_path: Path) -> None:
+    """The installed package is broken (a module raises on import): the pre-flight check
+    fails, the daemon runs on unchanged (same image, same workers) and says why in the job's
+    events; once the install is mended (a new version), the re-exec goes through."""
+    install = tmp_path / "install"
+    for package in ("elasticd", "api"):
+        shutil.copytree(ROOT / package, install / package, ignore=shutil.ignore_patterns("*.pyc"))
+    worker = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(install)}, cwd=tmp_path)
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                await submit(c, "broken", worker)
+                pids = await healthy_pids(c, "broken", 1)
+                before = await health(c)
+                app = install / "api" / "app.py"
+                good = app.read_text()
+                app.write_text("raise ImportError('a broken install')\n")
+                daemon.proc.send_signal(signal.SIGHUP)
+                async with asyncio.timeout(90):
+                    while "daemon.reexec_refused" not in await kinds(c, "broken"):
+                        await asyncio.sleep(0.1)
+                refused = [
+                    e for e in await events(c, "broken") if e["kind"] == "daemon.reexec_refused"
+                ]
+                assert "a broken install" in refused[0]["message"], refused
+                assert await health(c) == before
+                assert (await c.get("/readyz")).status_code == 200
+                assert await healthy_pids(c, "broken", 1) == pids
+                # Mended, as a new version: the re-exec goes through.
+                app.write_text(good)
+                init = install / "elasticd" / "__init__.py"
+                init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.'))
+                await reexec(daemon, c, api=True)
+                assert (await health(c))["version"].startswith("9.9.")
+                assert await healthy_pids(c, "broken", 1) == pids
+                said = [e for e in await events(c, "broken") if e["kind"] == "daemon.reexec"]
+                assert len(said) == 1
+                assert "-> 9.9." in said[0]["message"], said
+    finally:
+        daemon.stop()

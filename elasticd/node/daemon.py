@@ -99,7 +99,7 @@ from elasticd.node.db import Database
 from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
 from elasticd.node.metrics import Metrics
-from elasticd.node.reexec import Manifest, exec_self, preflight, reap_swept
+from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket, reap_swept
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -119,7 +119,7 @@ from elasticd.store import (
     store_endpoints,
 )
 from elasticd.store.embedded import EmbeddedStore
-from elasticd.supervise.adopt import adopted_children, end_handed, inheritable_dup
+from elasticd.supervise.adopt import adopted_children
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
@@ -130,11 +130,6 @@ log = logging.getLogger("elasticd.node.daemon")
 
 #: When this program image started: ``/healthz``'s ``started_at`` (a re-exec changes it).
 IMAGE_STARTED = time.time()
-#: Seconds the HTTP server drains before a re-exec (what is still running is cut off).
-REEXEC_DRAIN = 1.0
-#: Seconds a handed-over job waits to be taken up (the plan places it here) before its
-#: workers are ended (it ended meanwhile, or the fleet moved it).
-ADOPT_DEADLINE = 30.0
 
 #: The least one step of the wind-down gets, however little of ``shutdown_timeout`` is left.
 MIN_STEP = 1.0
@@ -249,14 +244,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _inherited_socket(fd: int) -> socket.socket:
-    """A listening socket that came through the exec (re-exec): closed at the next one."""
-    sock = socket.socket(fileno=fd)
-    sock.set_inheritable(False)
-    sock.setblocking(False)
-    return sock
-
-
 def _user_name(uid: int) -> str | None:
     try:
         return pwd.getpwuid(uid).pw_name
@@ -278,7 +265,7 @@ class DaemonState(enum.Enum):
     CLOSED = "closed"
 
 
-class Daemon:
+class Daemon(ReexecMixin):
     """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
 
     def __init__(
@@ -419,6 +406,9 @@ class Daemon:
         if refusal is None or self.config.store_only:
             return []
         return [f"jobs that name no user (the admin's) are refused: {refusal}"]
+
+    def _reexec_possible(self) -> bool:
+        return self._state is DaemonState.RUNNING
 
     @property
     def state(self) -> DaemonState:
@@ -716,14 +706,14 @@ class Daemon:
         )
         self._server = _Server(uv_config)
         if manifest is not None and manifest.tcp_fd is not None:
-            sock = _inherited_socket(manifest.tcp_fd)  # it listened through the exec
+            sock = inherited_socket(manifest.tcp_fd)  # it listened through the exec
         else:
             sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
         sockets = [sock]
         path = self.config.socket_path
         if manifest is not None and manifest.unix_fd is not None:
-            sockets.append(_inherited_socket(manifest.unix_fd))
+            sockets.append(inherited_socket(manifest.unix_fd))
             self.socket_path = path
         elif self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
             log.warning("no unix socket: its default path %s is too long; set unix_socket", path)
@@ -831,29 +821,6 @@ class Daemon:
         if manifest is not None and killed:
             self._background.spawn(reap_swept(sorted(killed)), name="reap-swept")
 
-    def _said_reexec(self, manifest: Manifest) -> None:
-        """``daemon.reexec`` on every job this node ran through the re-exec."""
-        message = (
-            f"the daemon on {self.config.node_name} re-executed itself in place (pid "
-            f"{self.pid}): elasticd {manifest.old_version} -> {__version__}"
-        )
-        log.info("%s", message)
-        jobs = [a.job_id for a in manifest.agents] + [*manifest.not_handed, *manifest.refused]
-        for job_id in dict.fromkeys(jobs):
-            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, message)
-
-    async def _adoption_deadline(self) -> None:
-        """Handed-over attempts that no agent took up in time: their workers end."""
-        await asyncio.sleep(ADOPT_DEADLINE)
-        for handover in self.jobs.abandon_adoptions():
-            log.warning(
-                "job %s: its handed-over workers were not taken up in %.0f s (the job ended "
-                "or moved); ending them",
-                handover.job_id,
-                ADOPT_DEADLINE,
-            )
-            await end_handed(handover.workers)
-
     async def _retain(self) -> None:
         """Delete finished jobs once they are older than ``job_retention``, forever."""
         retention = self.config.job_retention
@@ -903,10 +870,6 @@ class Daemon:
         """Return once a stop was asked for (a signal, or :meth:`request_stop`)."""
         await self._stop.wait()
 
-    def request_reload(self) -> None:
-        """Ask for a re-exec in place (what SIGHUP and ``POST /reload`` do)."""
-        self._reload.set()
-
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -922,99 +885,6 @@ class Daemon:
                 self._reload.clear()
                 await self.reexec()
         await self.shutdown()
-
-    async def reexec(self) -> None:
-        """Re-execute the installed program in place (see :mod:`elasticd.node.reexec`).
-
-        Returns only when refused: the pre-flight check failed (or the exec
-        itself); the daemon then runs on as it was, and says why in the log and
-        in a ``daemon.reexec_refused`` event on each job it runs.
-        """
-        if self._state is not DaemonState.RUNNING:
-            return
-        if not self.can_reexec:
-            self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
-            return
-        new_version, reason = await preflight(self._environ)
-        if reason is not None:
-            self._refuse_reexec(reason)
-            return
-        log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
-        self._reexecing = True
-        accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
-        await self._renew_lease()
-        listeners = await self._drain_http()
-        # No exit half-delivered: each is with its worker, or still a zombie for the next image.
-        for _ in range(1000):
-            if not self.jobs.pending_exit():
-                break
-            await asyncio.sleep(0)
-        # From here to the exec nothing awaits: the hand-over is what the exec carries.
-        handed, not_handed = self.jobs.hand_over()
-        manifest = Manifest(
-            old_version=__version__,
-            tcp_fd=listeners[0] if listeners else None,
-            unix_fd=listeners[1] if len(listeners) > 1 else None,
-            lease=None if self.config.store_only else self.cluster.lease_id,
-            agents=handed,
-            not_handed=not_handed,
-            job_tokens=self.authenticator.jobs.digests(),
-        )
-        try:
-            exec_self(manifest)
-        except OSError as exc:
-            for fd in manifest.fds[len(listeners) :]:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._reexecing = False
-            self.jobs.reconciler.accepting = accepting
-            self._restart_http(listeners)
-            self._refuse_reexec(f"the exec failed: {exc}")
-
-    def _refuse_reexec(self, reason: str) -> None:
-        log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
-        for job_id in list(self.jobs.supervisor.agents):
-            self.events.emit(
-                job_id,
-                "daemon",
-                EventKind.DAEMON_REEXEC_REFUSED,
-                f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
-                f"it runs on as elasticd {__version__}",
-            )
-
-    async def _renew_lease(self) -> None:
-        """A renewal right before the exec: the new image has a whole TTL to take it up."""
-        lease = None if self.config.store_only else self.cluster.lease_id
-        if lease is None:
-            return
-        with contextlib.suppress(StoreError, TimeoutError):
-            async with asyncio.timeout(self.config.lease_ttl / 3):
-                await self.store.keep_alive(lease)
-
-    async def _drain_http(self) -> list[int]:
-        """Stop serving HTTP but keep listening: inheritable copies of the listening sockets
-        (what connects meanwhile waits in their backlog); requests under way get
-        :data:`REEXEC_DRAIN` to finish."""
-        if self._server is None or self._server_task is None:
-            return []
-        listeners = [inheritable_dup(sock.fileno()) for sock in self._listeners]
-        self.closing_streams.set()
-        self._server.config.timeout_graceful_shutdown = math.ceil(REEXEC_DRAIN)
-        self._server.should_exit = True
-        with contextlib.suppress(TimeoutError, Exception):
-            async with asyncio.timeout(REEXEC_DRAIN + 1.0):
-                await asyncio.shield(self._server_task)
-        return listeners
-
-    def _restart_http(self, listeners: list[int]) -> None:
-        """Serve again on the kept sockets (the exec failed)."""
-        if self._server is None or not listeners:
-            return
-        self.closing_streams = asyncio.Event()
-        sockets = [_inherited_socket(fd) for fd in listeners]
-        self._listeners = sockets
-        self._server = _Server(self._server.config)
-        self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
 
     async def shutdown(self) -> None:
         """Stop in order (see the module); safe to call in any state, and more than once."""

@@ -43,23 +43,44 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+import uvicorn
+
+from elasticd import __version__
 from elasticd.agent.handover import AgentHandover
 from elasticd.config import Config
-from elasticd.errors import WorkerSpawnError
+from elasticd.errors import StoreError, WorkerSpawnError
+from elasticd.eventkinds import EventKind
+from elasticd.identity import Authenticator
+from elasticd.node.cluster import Cluster
+from elasticd.node.events import EventLog
+from elasticd.node.jobs import JobService
 from elasticd.security import resolve_job_users
-from elasticd.supervise.adopt import AdoptedProcess, check_worker, close_fds
+from elasticd.store import Store
+from elasticd.supervise.adopt import (
+    AdoptedProcess,
+    check_worker,
+    close_fds,
+    end_handed,
+    inheritable_dup,
+)
 from elasticd.supervise.spawn import start_process
 
 __all__ = [
+    "ADOPT_DEADLINE",
     "ENV_FD",
+    "REEXEC_DRAIN",
+    "ReexecMixin",
+    "inherited_socket",
     "PREFLIGHT_TIMEOUT",
     "Manifest",
     "exec_self",
@@ -74,6 +95,11 @@ log = logging.getLogger("elasticd.node.reexec")
 ENV_FD = "ELASTICD_REEXEC_FD"
 #: Seconds the pre-flight check may take (imports on a loaded node are slow).
 PREFLIGHT_TIMEOUT = 60.0
+#: Seconds the HTTP server drains before a re-exec (what is still running is cut off).
+REEXEC_DRAIN = 1.0
+#: Seconds a handed-over job waits to be taken up (the plan places it here) before its
+#: workers are ended (it ended meanwhile, or the fleet moved it).
+ADOPT_DEADLINE = 30.0
 #: The manifest's format; a new image that does not know it starts afresh (jobs resume).
 FORMAT = 1
 
@@ -269,3 +295,156 @@ async def reap_swept(pids: list[int]) -> None:
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # noqa: ASYNC222 - WNOHANG
             ours.append(AdoptedProcess(pid))
     await asyncio.gather(*(child.wait() for child in ours))
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """A listening socket that came through the exec (re-exec): closed at the next one."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    sock.setblocking(False)
+    return sock
+
+
+class ReexecMixin:
+    """The daemon's side of the re-exec (:class:`elasticd.node.daemon.Daemon` mixes it in):
+    the request, the pre-flight, the quiesce, the hand-over and the exec; and, in the new
+    image, what it says and the deadline of the adoptions."""
+
+    config: Config
+    pid: int
+    events: EventLog
+    jobs: JobService
+    store: Store
+    cluster: Cluster
+    authenticator: Authenticator
+    closing_streams: asyncio.Event
+    can_reexec: bool
+    _environ: dict[str, str]
+    _reload: asyncio.Event
+    _reexecing: bool
+    _server: uvicorn.Server | None
+    _server_task: asyncio.Task[None] | None
+    _listeners: list[socket.socket]
+
+    def _reexec_possible(self) -> bool:
+        raise NotImplementedError
+
+    def request_reload(self) -> None:
+        """Ask for a re-exec in place (what SIGHUP and ``POST /reload`` do)."""
+        self._reload.set()
+
+    def _said_reexec(self, manifest: Manifest) -> None:
+        """``daemon.reexec`` on every job this node ran through the re-exec."""
+        message = (
+            f"the daemon on {self.config.node_name} re-executed itself in place (pid "
+            f"{self.pid}): elasticd {manifest.old_version} -> {__version__}"
+        )
+        log.info("%s", message)
+        jobs = [a.job_id for a in manifest.agents] + [*manifest.not_handed, *manifest.refused]
+        for job_id in dict.fromkeys(jobs):
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, message)
+
+    async def _adoption_deadline(self) -> None:
+        """Handed-over attempts that no agent took up in time: their workers end."""
+        await asyncio.sleep(ADOPT_DEADLINE)
+        for handover in self.jobs.abandon_adoptions():
+            log.warning(
+                "job %s: its handed-over workers were not taken up in %.0f s (the job ended "
+                "or moved); ending them",
+                handover.job_id,
+                ADOPT_DEADLINE,
+            )
+            await end_handed(handover.workers)
+
+    async def reexec(self) -> None:
+        """Re-execute the installed program in place (see :mod:`elasticd.node.reexec`).
+
+        Returns only when refused: the pre-flight check failed (or the exec
+        itself); the daemon then runs on as it was, and says why in the log and
+        in a ``daemon.reexec_refused`` event on each job it runs.
+        """
+        if not self._reexec_possible():
+            return
+        if not self.can_reexec:
+            self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
+            return
+        new_version, reason = await preflight(self._environ)
+        if reason is not None:
+            self._refuse_reexec(reason)
+            return
+        log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
+        self._reexecing = True
+        accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
+        await self._renew_lease()
+        listeners = await self._drain_http()
+        # No exit half-delivered: each is with its worker, or still a zombie for the next image.
+        for _ in range(1000):
+            if not self.jobs.pending_exit():
+                break
+            await asyncio.sleep(0)
+        # From here to the exec nothing awaits: the hand-over is what the exec carries.
+        handed, not_handed = self.jobs.hand_over()
+        manifest = Manifest(
+            old_version=__version__,
+            tcp_fd=listeners[0] if listeners else None,
+            unix_fd=listeners[1] if len(listeners) > 1 else None,
+            lease=None if self.config.store_only else self.cluster.lease_id,
+            agents=handed,
+            not_handed=not_handed,
+            job_tokens=self.authenticator.jobs.digests(),
+        )
+        try:
+            exec_self(manifest)
+        except OSError as exc:
+            for fd in manifest.fds[len(listeners) :]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._reexecing = False
+            self.jobs.reconciler.accepting = accepting
+            self._restart_http(listeners)
+            self._refuse_reexec(f"the exec failed: {exc}")
+
+    def _refuse_reexec(self, reason: str) -> None:
+        log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
+        for job_id in list(self.jobs.supervisor.agents):
+            self.events.emit(
+                job_id,
+                "daemon",
+                EventKind.DAEMON_REEXEC_REFUSED,
+                f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
+                f"it runs on as elasticd {__version__}",
+            )
+
+    async def _renew_lease(self) -> None:
+        """A renewal right before the exec: the new image has a whole TTL to take it up."""
+        lease = None if self.config.store_only else self.cluster.lease_id
+        if lease is None:
+            return
+        with contextlib.suppress(StoreError, TimeoutError):
+            async with asyncio.timeout(self.config.lease_ttl / 3):
+                await self.store.keep_alive(lease)
+
+    async def _drain_http(self) -> list[int]:
+        """Stop serving HTTP but keep listening: inheritable copies of the listening sockets
+        (what connects meanwhile waits in their backlog); requests under way get
+        :data:`REEXEC_DRAIN` to finish."""
+        if self._server is None or self._server_task is None:
+            return []
+        listeners = [inheritable_dup(sock.fileno()) for sock in self._listeners]
+        self.closing_streams.set()
+        self._server.config.timeout_graceful_shutdown = math.ceil(REEXEC_DRAIN)
+        self._server.should_exit = True
+        with contextlib.suppress(TimeoutError, Exception):
+            async with asyncio.timeout(REEXEC_DRAIN + 1.0):
+                await asyncio.shield(self._server_task)
+        return listeners
+
+    def _restart_http(self, listeners: list[int]) -> None:
+        """Serve again on the kept sockets (the exec failed)."""
+        if self._server is None or not listeners:
+            return
+        self.closing_streams = asyncio.Event()
+        sockets = [inherited_socket(fd) for fd in listeners]
+        self._listeners = sockets
+        self._server = type(self._server)(self._server.config)
+        self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")

@@ -172,8 +172,8 @@ def check_worker(worker: HandedWorker, cgroup: Path | None) -> str | None:
     for fd, kind, what in (
         (worker.stdout.read_fd, stat.S_ISFIFO, "stdout pipe"),
         (worker.stderr.read_fd, stat.S_ISFIFO, "stderr pipe"),
-        (worker.stdout.file_fd, stat.S_ISREG, "stdout.log"),
-        (worker.stderr.file_fd, stat.S_ISREG, "stderr.log"),
+        (worker.stdout.file_fd, stat.S_ISREG, "stdout log file"),
+        (worker.stderr.file_fd, stat.S_ISREG, "stderr log file"),
     ):
         try:
             if not kind(os.fstat(fd).st_mode):

@@ -18,6 +18,7 @@ import pytest
 from tests.hardening.support import (
     PY,
     Served,
+    cgroup_home,
     eventually,
     healthy_pids,
     pid_alive,
@@ -312,5 +313,64 @@ async def test_a_reexec_into_a_broken_install_keeps_the_old_daemon(tmp_path: Pat
                 said = [e for e in await events(c, "broken") if e["kind"] == "daemon.reexec"]
                 assert len(said) == 1
                 assert "-> 9.9." in said[0]["message"], said
+    finally:
+        daemon.stop()
+
+
+#: Once armed, moves itself out of its attempt's cgroup (into ``argv[2]``), then runs on.
+ESCAPER = """
+import os, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+armed, target, moved = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+while True:
+    ping()
+    if armed.exists() and not moved.exists():
+        (target / "cgroup.procs").write_text(str(os.getpid()))
+        moved.write_text("yes")
+    time.sleep(0.02)
+"""
+
+
+async def test_a_worker_that_cannot_be_readopted_resumes_its_job_alone(tmp_path: Path) -> None:
+    """A worker that left its attempt's cgroup fails the new image's check: its job alone
+    resumes as a new attempt (the old worker killed and reaped, no restart charged, the event
+    says why) while another job on the node is re-adopted as it runs."""
+    home = cgroup_home()
+    if home is None:
+        pytest.skip("needs a writable cgroup v2 (root)")
+    armed, moved = tmp_path / "armed", tmp_path / "moved"
+    escaper = script(tmp_path, "escaper.py", ESCAPER)
+    counter = script(tmp_path, "counter.py", COUNTER)
+    daemon = serve(tmp_path, env={"PYTHONPATH": str(ROOT)})
+    try:
+        async with asyncio.timeout(180):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                body = {
+                    "id": "escaped",
+                    "entrypoint": PY,
+                    "args": [escaper, str(armed), str(home), str(moved)],
+                    "env": {"PYTHONPATH": str(ROOT)},
+                    "termination_grace": 1,
+                }
+                assert (await c.post("/jobs", json=body)).status_code == 201
+                await submit(c, "stays", counter)
+                (old,) = await healthy_pids(c, "escaped", 1)
+                stays = await healthy_pids(c, "stays", 1)
+                armed.touch()
+                await eventually(moved.exists, 30, "the worker left its cgroup")
+                await reexec(daemon, c)
+                await eventually(lambda: proc_state(old) is None, 60, "old worker reaped")
+                (new,) = await healthy_pids(c, "escaped", 1, timeout=60)
+                assert new != old
+                job = (await c.get("/jobs/escaped")).json()
+                assert job["restart_count"] == 0, job
+                resumed = [e for e in await events(c, "escaped") if e["kind"] == "job.resumed"]
+                assert len(resumed) == 1
+                assert "left its attempt's cgroup" in resumed[0]["message"], resumed
+                assert "job.readopted" not in await kinds(c, "escaped")
+                assert await healthy_pids(c, "stays", 1) == stays
+                assert "job.readopted" in await kinds(c, "stays")
     finally:
         daemon.stop()

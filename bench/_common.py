@@ -330,6 +330,11 @@ class ElasticdServer:
         self.exit_code: int | None = None
 
     @property
+    def proc_env(self) -> dict[str, str]:
+        """The daemon's environment (its token, the bench's tag)."""
+        return {**tagged_env(self.tag), "ELASTICD_TOKEN": self.token}
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -355,7 +360,7 @@ class ElasticdServer:
             self.proc = subprocess.Popen(
                 self.command(),
                 cwd=ROOT,
-                env={**tagged_env(self.tag), "ELASTICD_TOKEN": self.token},
+                env=self.proc_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

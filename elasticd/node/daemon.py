@@ -804,6 +804,7 @@ class Daemon(ReexecMixin):
             )
         for leftover in self.containment.sweep(live):
             pids = [pid for pid in leftover.pids if pid not in killed]
+            killed.update(pids)
             if not pids:
                 continue
             self.events.emit(

@@ -355,8 +355,9 @@ class ElasticdServer:
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ]
 
-    def __enter__(self) -> ElasticdServer:
-        with self.log_path.open("wb") as log:
+    def spawn(self, mode: str = "wb") -> None:
+        """Start ``elasticd serve`` (again, with ``mode="ab"``: its log goes on)."""
+        with self.log_path.open(mode) as log:
             self.proc = subprocess.Popen(
                 self.command(),
                 cwd=ROOT,
@@ -366,6 +367,9 @@ class ElasticdServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def __enter__(self) -> ElasticdServer:
+        self.spawn()
         try:
             poll_until(self._healthy, self.start_timeout, f"elasticd on {self.url}", 0.05)
         except BaseException:

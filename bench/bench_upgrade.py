@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -116,16 +115,7 @@ def measure(server: ElasticdServer, job_id: str, upgrade: str, work: Path) -> di
     else:
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(120)
-        with server.log_path.open("ab") as log:
-            server.proc = subprocess.Popen(
-                server.command(),
-                cwd=ROOT,
-                env=server.proc_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        server.spawn("ab")
         ready_again(server, None)
     api_away = time.monotonic() - t0
     after = healthy_pids(server, job_id, 2)

@@ -19,9 +19,13 @@ private = APIRouter(tags=["health"])
 async def healthz(request: Request) -> Health:
     """The daemon process is alive and its event loop answers; its pid, and when the running
     program image started (``started_at`` changes at a re-exec, ``pid`` does not)."""
+    return _alive(request, "ok")
+
+
+def _alive(request: Request, status: str) -> Health:
     daemon = daemon_of(request)
     return Health(
-        status="ok",
+        status=status,
         node=daemon.config.node_name,
         version=__version__,
         pid=daemon.pid,
@@ -45,15 +49,8 @@ async def reload(body: Empty, request: Request) -> Health:
     decision = authorize(principal_of(request), Action.RELOAD)
     if isinstance(decision, Deny):
         raise HTTPException(403, decision.reason)
-    daemon = daemon_of(request)
-    daemon.request_reload()
-    return Health(
-        status="reloading",
-        node=daemon.config.node_name,
-        version=__version__,
-        pid=daemon.pid,
-        started_at=daemon.started_at,
-    )
+    daemon_of(request).request_reload()
+    return _alive(request, "reloading")
 
 
 @private.get("/readyz", response_model=Health, responses={503: {"model": Health}})

@@ -32,7 +32,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, RootCause
 from elasticd.security import Identity
 from elasticd.states import WorkerState
-from elasticd.supervise.process import GroupResult, WorkerExit, WorkerGroupProcesses
+from elasticd.supervise.process import GroupHooks, GroupResult, WorkerExit, WorkerGroupProcesses
 from elasticd.tasks import TaskSet
 from elasticd.worker.names import attempt_tag
 
@@ -75,22 +75,28 @@ class LocalGroup:
         ``early``: the store has not formed the round yet; exits are held until
         :meth:`running` (or the stop) reports them, after ``workers.started``.
         """
-        self.release_exits()
-        self.held = [] if early else None
-        self.attempt = attempt
+        self._begin(attempt, held=[] if early else None)
         self.progress.prerun(attempt, plan.heartbeats, identity)
+        self.processes = await WorkerGroupProcesses.start(plan.launches, **self._hooks(attempt))
+        self.output.poststart(attempt, self.processes)
+
+    def _begin(self, attempt: Attempt, held: list[WorkerExit] | None) -> None:
+        self.release_exits()
+        self.held = held
+        self.attempt = attempt
         self.exited = set()
         self.all_exited = asyncio.Event()
-        self.processes = await WorkerGroupProcesses.start(
-            plan.launches,
-            on_output=self.output.forwarder(attempt),
-            on_exit=self.on_exit,
-            clock=self.ctx.clock,
-            storage=self.ctx.storage,
-            policy=self.ctx.policy,
-            on_written=self.ctx.log_growth,
-        )
-        self.output.poststart(attempt, self.processes)
+
+    def _hooks(self, attempt: Attempt) -> GroupHooks:
+        """What the attempt's processes tell: output, exits, log growth; and their clock."""
+        return {
+            "on_output": self.output.forwarder(attempt),
+            "on_exit": self.on_exit,
+            "clock": self.ctx.clock,
+            "storage": self.ctx.storage,
+            "policy": self.ctx.policy,
+            "on_written": self.ctx.log_growth,
+        }
 
     async def adopt(
         self,
@@ -101,22 +107,10 @@ class LocalGroup:
     ) -> None:
         """Take up the running workers of the daemon's previous program image (re-exec);
         exits it saw and did not act on are held until :meth:`release_adopted_exits`."""
-        self.release_exits()
-        self.held = []
-        self.attempt = attempt
+        self._begin(attempt, held=[])
         self.progress.adopt(attempt, plan.heartbeats, identity, handover.workers)
-        self.exited = set()
-        self.all_exited = asyncio.Event()
         self.processes = await WorkerGroupProcesses.adopt(
-            plan.launches,
-            handover.workers,
-            handover.cgroup,
-            on_output=self.output.forwarder(attempt),
-            on_exit=self.on_exit,
-            clock=self.ctx.clock,
-            storage=self.ctx.storage,
-            policy=self.ctx.policy,
-            on_written=self.ctx.log_growth,
+            plan.launches, handover.workers, handover.cgroup, **self._hooks(attempt)
         )
         self.output.poststart(attempt, self.processes)
         for w in attempt.view.workers:

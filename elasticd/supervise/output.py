@@ -156,21 +156,25 @@ class OutputPipe:
             fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
         pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health, on_written)
         pipe.limit_bytes, pipe._guard = limit_bytes, guard
+        await pipe._read(read_fd)
+        return pipe
+
+    async def _read(self, read_fd: int) -> None:
+        """Have the loop read ``read_fd``; if that fails, nothing of the pipe is left open."""
         try:
             reader = os.fdopen(read_fd, "rb", buffering=0)
         except BaseException:
             os.close(read_fd)
-            pipe.close()
+            self.close()
             raise
         try:
             loop = asyncio.get_running_loop()
-            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(pipe), reader)
+            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(self), reader)
         except BaseException:
             reader.close()
-            pipe.close()
+            self.close()
             raise
-        pipe._transport = transport
-        return pipe
+        self._transport = transport
 
     @classmethod
     async def adopt(
@@ -195,19 +199,7 @@ class OutputPipe:
         pipe = cls(local_rank, stream, log_path, file, -1, sink, health, on_written)
         pipe._write_fd = None
         pipe.limit_bytes, pipe._guard, pipe._offered = limit_bytes, guard, handed.offered
-        try:
-            reader = os.fdopen(handed.read_fd, "rb", buffering=0)
-        except BaseException:
-            pipe.close()
-            raise
-        try:
-            loop = asyncio.get_running_loop()
-            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(pipe), reader)
-        except BaseException:
-            reader.close()
-            pipe.close()
-            raise
-        pipe._transport = transport
+        await pipe._read(handed.read_fd)
         return pipe
 
     def hand_over(self) -> HandedPipe:

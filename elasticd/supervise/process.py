@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
@@ -154,6 +154,17 @@ class WorkerExit:
         if len(message) > _DESCRIBE_MESSAGE_CHARS:
             message = message[:_DESCRIBE_MESSAGE_CHARS] + "..."
         return f"{who} {how}: {message}"
+
+
+class GroupHooks(TypedDict):
+    """What a group's owner hands :meth:`WorkerGroupProcesses.start` and ``adopt``."""
+
+    on_output: OutputSink | None
+    on_exit: Callable[[WorkerExit], None] | None
+    clock: Clock
+    storage: StorageHealth | None
+    policy: SpawnPolicy
+    on_written: Callable[[Path], None] | None
 
 
 @dataclass(frozen=True)
@@ -476,7 +487,7 @@ class WorkerGroupProcesses:
     async def _adopt_pipe(
         self, launch: WorkerLaunch, stream: Stream, console: bool, handed: HandedPipe
     ) -> OutputPipe:
-        guard = self._guards.get((os.fstat(handed.file_fd).st_dev, None))
+        guard = self._guard(os.fstat(handed.file_fd).st_dev, None)
         return await OutputPipe.adopt(
             launch.local_rank,
             stream,
@@ -579,10 +590,7 @@ class WorkerGroupProcesses:
     ) -> OutputPipe:
         sink = self._on_output if console else None
         owner = (identity.uid, identity.gid) if identity is not None else None
-        device = os.stat(launch.log_dir).st_dev
-        guard = self._guards.get((device, owner))
-        if guard is None:
-            guard = self._guards[(device, owner)] = SpaceGuard(owner, self._clock)
+        guard = self._guard(os.stat(launch.log_dir).st_dev, owner)
         return await OutputPipe.open(
             launch.local_rank,
             stream,
@@ -594,6 +602,13 @@ class WorkerGroupProcesses:
             limit_bytes=launch.log_limit_bytes,
             guard=guard,
         )
+
+    def _guard(self, device: int, owner: tuple[int, int] | None) -> SpaceGuard:
+        """One per (filesystem, job user): the room that user has there."""
+        guard = self._guards.get((device, owner))
+        if guard is None:
+            guard = self._guards[(device, owner)] = SpaceGuard(owner, self._clock)
+        return guard
 
     def lost_output(self) -> dict[int, int]:
         """Bytes of output per local rank that could not be written to its log files."""

@@ -11,8 +11,10 @@ heartbeat and print the ``CLOCK_MONOTONIC`` of each ping (every 10 ms):
 
 For each it reports the longest pause in the workers' heartbeats around the
 upgrade (from their own record: the pings are the job's progress), whether
-the worker pids survived, and how long the daemon's API was away (from the
-signal until ``/readyz`` answers 200 again). A real training job pays on top
+the worker pids survived, how long the daemon's API was away (from the
+signal until ``/readyz`` answers 200 again; for the re-exec that includes the
+pre-flight check, while the old image still serves) and the longest time
+``/healthz`` got no answer at all (what a node using this daemon's store sees). A real training job pays on top
 of the stop-and-resume pause its own start-up: imports, NCCL init and a
 checkpoint reload; the re-exec pause does not include any of that.
 
@@ -78,19 +80,28 @@ def healthy_pids(server: ElasticdServer, job_id: str, n: int) -> list[int]:
     return pids
 
 
-def ready_again(server: ElasticdServer, since_started: float | None) -> None:
-    """Until /readyz is 200 from a program image that started after ``since_started``."""
+def ready_again(server: ElasticdServer, since_started: float | None) -> float:
+    """Until /readyz is 200 from a program image that started after ``since_started``; the
+    longest time meanwhile that /healthz went unanswered (polled every 10 ms)."""
+    last_answer, worst = time.monotonic(), 0.0
 
     def ok() -> bool | None:
+        nonlocal last_answer, worst
         try:
             health = server.client.get("/healthz", timeout=1).json()
-            if since_started is not None and health["started_at"] == since_started:
-                return None
+        except (httpx.HTTPError, ValueError):
+            return None
+        now = time.monotonic()
+        worst, last_answer = max(worst, now - last_answer), now
+        if since_started is not None and health.get("started_at") == since_started:
+            return None
+        try:
             return True if server.client.get("/readyz", timeout=1).status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError):
+        except httpx.HTTPError:
             return None
 
     poll_until(ok, 120, "the daemon ready again", 0.01)
+    return worst
 
 
 def measure(server: ElasticdServer, job_id: str, upgrade: str, work: Path) -> dict[str, Any]:
@@ -111,12 +122,12 @@ def measure(server: ElasticdServer, job_id: str, upgrade: str, work: Path) -> di
     t0 = time.monotonic()
     if upgrade == "reexec":
         server.proc.send_signal(signal.SIGHUP)
-        ready_again(server, started_at)
+        unanswered = ready_again(server, started_at)
     else:
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(120)
         server.spawn("ab")
-        ready_again(server, None)
+        unanswered = ready_again(server, None)
     api_away = time.monotonic() - t0
     after = healthy_pids(server, job_id, 2)
     time.sleep(1.0)  # the workers run on (or again) for a while
@@ -128,6 +139,7 @@ def measure(server: ElasticdServer, job_id: str, upgrade: str, work: Path) -> di
         "upgrade": upgrade,
         "worst_heartbeat_pause_s": round(worst_pause(times, t0, t1), 4),
         "api_away_s": round(api_away, 3),
+        "http_unanswered_s": round(unanswered, 3),
         "pids_kept": after == pids,
         "job": server.job(job_id)["restart_count"],
     }
@@ -149,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         row["restart_count"] = row.pop("job")
         print(
             f"{row['upgrade']:8} worst heartbeat pause {row['worst_heartbeat_pause_s'] * 1000:8.1f}"
-            f" ms, API away {row['api_away_s']:.2f} s, pids kept: {row['pids_kept']}, "
+            f" ms, API away {row['api_away_s']:.2f} s (no answer at all "
+            f"{row['http_unanswered_s']:.2f} s), pids kept: {row['pids_kept']}, "
             f"restarts charged: {row['restart_count']}"
         )
     summary = {"rows": rows}

@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -95,8 +94,8 @@ log = logging.getLogger("elasticd.node.reexec")
 ENV_FD = "ELASTICD_REEXEC_FD"
 #: Seconds the pre-flight check may take (imports on a loaded node are slow).
 PREFLIGHT_TIMEOUT = 60.0
-#: Seconds the HTTP server drains before a re-exec (what is still running is cut off).
-REEXEC_DRAIN = 1.0
+#: Seconds requests under way get before a re-exec (what still runs then is cut off).
+REEXEC_DRAIN = 0.5
 #: Seconds a handed-over job waits to be taken up (the plan places it here) before its
 #: workers are ended (it ended meanwhile, or the fleet moved it).
 ADOPT_DEADLINE = 30.0
@@ -401,7 +400,7 @@ class ReexecMixin:
                     os.close(fd)
             self._reexecing = False
             self.jobs.reconciler.accepting = accepting
-            self._restart_http(listeners)
+            await self._restart_http(listeners)
             self._refuse_reexec(f"the exec failed: {exc}")
 
     def _refuse_reexec(self, reason: str) -> None:
@@ -425,24 +424,29 @@ class ReexecMixin:
                 await self.store.keep_alive(lease)
 
     async def _drain_http(self) -> list[int]:
-        """Stop serving HTTP but keep listening: inheritable copies of the listening sockets
-        (what connects meanwhile waits in their backlog); requests under way get
-        :data:`REEXEC_DRAIN` to finish."""
+        """Stop taking connections but keep listening: inheritable copies of the listening
+        sockets (what connects meanwhile waits in their backlog for the new image).
+        Requests under way get :data:`REEXEC_DRAIN` to finish; what still runs then (a
+        long-poll) is cut off by the exec, and its client asks again."""
         if self._server is None or self._server_task is None:
             return []
         listeners = [inheritable_dup(sock.fileno()) for sock in self._listeners]
-        self.closing_streams.set()
-        self._server.config.timeout_graceful_shutdown = math.ceil(REEXEC_DRAIN)
-        self._server.should_exit = True
-        with contextlib.suppress(TimeoutError, Exception):
-            async with asyncio.timeout(REEXEC_DRAIN + 1.0):
-                await asyncio.shield(self._server_task)
+        for server in getattr(self._server, "servers", []):
+            server.close()  # the loop stops accepting; the copies keep the sockets open
+        self.closing_streams.set()  # streams (SSE, log follow) end now
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REEXEC_DRAIN
+        while self._server.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.01)
         return listeners
 
-    def _restart_http(self, listeners: list[int]) -> None:
+    async def _restart_http(self, listeners: list[int]) -> None:
         """Serve again on the kept sockets (the exec failed)."""
-        if self._server is None or not listeners:
+        if self._server is None or self._server_task is None or not listeners:
             return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._server_task
         self.closing_streams = asyncio.Event()
         sockets = [inherited_socket(fd) for fd in listeners]
         self._listeners = sockets

@@ -328,7 +328,6 @@ class JobAgent:
         round_ = handover.round
         self._round, self._restart_count = round_, handover.restart_count
         self._formed_at, self.spawn_seq = handover.formed_at, handover.spawn_seq
-        await self.ctx.rendezvous.resume(round_)
         plan = plan_attempt(
             self.job_id,
             self.spec,
@@ -340,9 +339,15 @@ class JobAgent:
             now=self.ctx.clock.time(),
         )
         attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag)
-        await self._group.adopt(attempt, plan, handover, self._identity)
+        try:
+            await self._group.adopt(attempt, plan, handover, self._identity)
+        except BaseException:
+            if self._group.processes is None:  # nobody watches them: nothing of it runs on
+                await asyncio.shield(end_handed(handover.workers))
+            raise
         self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY: it never stopped running
+        await self.ctx.rendezvous.resume(round_)  # a store error now: as in any running round
         pids = ", ".join(str(w.pid) for w in handover.workers)
         self._emit(
             EventKind.JOB_READOPTED,

@@ -171,7 +171,7 @@ async def test_an_attempt_that_ends_leaves_nothing_its_warm_workers_imports_star
             helper_of_attempt_1 = int((out / f"helper.{first}").read_text())
             helpers = _helpers(out)
             (out / "go1").touch()  # attempt 1 ends; attempt 2: the second standby's
-            while not (await c.get("/jobs/a")).json().get("restart_count") == 2:
+            while (await c.get("/jobs/a")).json().get("restart_count") != 2:
                 await asyncio.sleep(0.05)
             await eventually(lambda: not pid_alive(helper_of_attempt_1), 10, "attempt 1's")
             (out / "end").touch()

@@ -239,4 +239,5 @@ async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: 
         os.close(r)
         os.close(w)
         os.kill(standby.pid, signal.SIGKILL)
+        await standby.process.wait()  # reaped here: the pool no longer knows it
         await pool.aclose()

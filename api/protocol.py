@@ -49,12 +49,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import resource
 import socket
 import struct
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("elasticd.api")
 
 #: The request line and headers of one request (nginx's default allows 4 × 8 KiB).
 MAX_HEAD_BYTES = 64 * 1024
@@ -283,3 +287,33 @@ def uvicorn_settings(max_connections: int | None = None) -> dict[str, Any]:
         "limit_concurrency": max_connections + 1,
         "timeout_keep_alive": 5,
     }
+
+
+class AcceptErrors:
+    """A loop exception handler that says "out of descriptors" once a period, not per accept.
+
+    asyncio reports every accept that failed for want of a descriptor (and
+    retries it a second later); under a flood at the fd limit that is hundreds
+    of identical log records a second. Everything else goes to the default handler.
+    """
+
+    def __init__(self, period: float = 10.0) -> None:
+        self.period = period
+        self._last = float("-inf")
+        self.suppressed = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != "socket.accept() out of system resource":
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self._last < self.period:
+            self.suppressed += 1
+            return
+        self._last = now
+        log.warning(
+            "cannot accept connections: %s (%d more since the last report; retried every second)",
+            context.get("exception"),
+            self.suppressed,
+        )
+        self.suppressed = 0

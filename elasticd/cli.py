@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     from elasticd.node.daemon import Daemon
     from elasticd.node.reexec import check_install, take_manifest
-    from elasticd.supervise.adopt import use_pidfd_watcher
+    from elasticd.supervise.adopt import use_loop_child_watcher
 
     set_private_umask()  # before anything is created: every file of the daemon is born private
     flags = {
@@ -390,7 +390,7 @@ async def _serve(args: argparse.Namespace) -> int:
     manifest = take_manifest()
     daemon = Daemon(config, handover=manifest)
     # Children reaped on the loop's thread only: nothing may reap one across a re-exec.
-    daemon.can_reexec = use_pidfd_watcher()
+    daemon.can_reexec = use_loop_child_watcher()
     daemon.install_signal_handlers()
     await daemon.start()
     print(f"elasticd listening on http://{config.host}:{config.port}", flush=True)

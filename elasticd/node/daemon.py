@@ -684,7 +684,9 @@ class Daemon(ReexecMixin):
 
     async def _start_http(self) -> None:
         from api.app import create_app  # the API depends on the daemon, not the reverse
-        from api.protocol import connection_cap, uvicorn_settings
+        from api.protocol import AcceptErrors, connection_cap, uvicorn_settings
+
+        asyncio.get_running_loop().set_exception_handler(AcceptErrors())
 
         manifest = self._handover
         soft, hard = raise_nofile_limit()

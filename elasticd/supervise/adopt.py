@@ -9,9 +9,9 @@ heartbeat file) and as a small JSON record, :class:`HandedWorker`, in the
 hand-over manifest. Never pickle: the new image may be another version.
 
 Nothing may reap a worker between the images. The daemon waits for its
-children with asyncio's *pidfd* watcher, which reaps on the event loop's
+children with :class:`LoopChildWatcher`, which reaps on the event loop's
 own thread (never a thread blocked in ``waitpid``, whose reaped status an
-``exec`` would lose): :func:`use_pidfd_watcher`. The old image execs from
+``exec`` would lose): :func:`use_loop_child_watcher`. The old image execs from
 the loop thread once no exit is half-delivered (:func:`unreported_exit`),
 so a worker that exits around the exec is either reported in the manifest
 with its status (``returncode``) or still a zombie that the new image
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import stat
@@ -50,7 +51,7 @@ __all__ = [
     "end_handed",
     "inheritable_dup",
     "unreported_exit",
-    "use_pidfd_watcher",
+    "use_loop_child_watcher",
 ]
 
 #: Adopted workers this image has not reaped yet: the subreaper's zombie sweep leaves them.
@@ -62,13 +63,15 @@ def adopted_children() -> set[int]:
     return set(_adopted)
 
 
-def use_pidfd_watcher() -> bool:
-    """Have asyncio reap children on the event loop's thread (pidfd), never in a thread.
+def use_loop_child_watcher() -> bool:
+    """Have asyncio reap children on the event loop's thread (:class:`LoopChildWatcher`),
+    never in a thread.
 
-    Python 3.12+ does by default where ``pidfd_open`` works. On 3.11 the default
-    watcher blocks a thread per child in ``waitpid``: a child reaped there just
-    before an ``exec`` would lose its status. Returns False where pidfds are
-    not available (re-exec then refuses: :mod:`elasticd.node.reexec`).
+    On 3.11 the default watcher blocks a thread per child in ``waitpid``: a
+    child reaped there just before an ``exec`` would lose its status. Python
+    3.12+ reaps on the loop by pidfd where it works. Returns False where pidfds
+    are not available (the new image awaits its adopted workers by pidfd; re-exec
+    then refuses: :mod:`elasticd.node.reexec`).
     """
     if not hasattr(os, "pidfd_open"):
         return False
@@ -80,10 +83,41 @@ def use_pidfd_watcher() -> bool:
         return True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        watcher = asyncio.PidfdChildWatcher()
+        watcher = LoopChildWatcher()
         watcher.attach_loop(asyncio.get_running_loop())
         asyncio.set_child_watcher(watcher)
     return True
+
+
+#: How often a child is polled (``waitpid(pid, WNOHANG)``) when no pidfd could be opened.
+POLL_S = 0.1
+
+#: ``pidfd_open`` failed for want of a descriptor or memory: the node's trouble, not the child's.
+_NO_RESOURCE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def pidfd_or_none(pid: int) -> int | None:
+    """``pidfd_open(pid)``, or None when the daemon is out of descriptors (a connection
+    flood at the fd limit): the caller polls instead, on the loop's thread."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno in _NO_RESOURCE:
+            return None
+        raise
+
+
+class LoopChildWatcher(asyncio.SafeChildWatcher):
+    """Reaps the daemon's children on the event loop's thread, with no descriptor per child.
+
+    On ``SIGCHLD`` (delivered on the loop's thread) it polls each child it was
+    given with ``waitpid(pid, WNOHANG)``: never ``-1``, never in a thread, so
+    nothing is reaped behind the re-exec's back (above). asyncio's pidfd
+    watcher, used first, held one descriptor per child: under a connection
+    flood at the fd limit those were the ones the daemon lacked, and a spawn
+    whose ``pidfd_open`` failed never finished. O(children) per signal is cheap
+    at a node's scale (workers and their helpers, not thousands).
+    """
 
 
 def unreported_exit(pid: int, returncode: int | None) -> bool:
@@ -224,9 +258,13 @@ class AdoptedProcess:
         while self.returncode is None:
             loop = asyncio.get_running_loop()
             try:
-                pidfd = os.pidfd_open(self.pid)
+                pidfd = pidfd_or_none(self.pid)
             except ProcessLookupError:
                 self._reap()  # a zombie: waitpid below has it
+                continue
+            if pidfd is None:  # out of descriptors: poll
+                if not self._reap():
+                    await asyncio.sleep(POLL_S)
                 continue
             ready: asyncio.Future[None] = loop.create_future()
             loop.add_reader(pidfd, _settle, ready)

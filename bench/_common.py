@@ -461,12 +461,20 @@ class RawHttp:
 
     With ``keepalive`` it keeps a pool of idle connections and opens a new one
     only when all are busy (like any HTTP client library); without, each
-    request opens its own connection and sends ``Connection: close``. Only
+    request opens its own connection and sends ``Connection: close``.
+    ``headers`` go with every request (``Authorization``). Only
     ``Content-Length`` bodies are read (what uvicorn sends for JSON). asyncio
     sets ``TCP_NODELAY`` on the connections it opens.
     """
 
-    def __init__(self, host: str, port: int, keepalive: bool, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        keepalive: bool,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.keepalive = keepalive
@@ -474,7 +482,8 @@ class RawHttp:
         self.opened = 0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         connection = "keep-alive" if keepalive else "close"
-        self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n\r\n"
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n{extra}\r\n"
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError."""

@@ -486,10 +486,30 @@ class RawHttp:
         self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n{extra}\r\n"
 
     async def get(self, path: str) -> tuple[int, bytes]:
-        """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError."""
-        if self._idle:
+        """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError.
+
+        A pooled connection that the server closed while it was idle (its
+        keep-alive timeout) is replaced once, as HTTP clients do.
+        """
+        while self._idle:
             reader, writer = self._idle.pop()
-        else:
+            try:
+                return await self._get(path, reader, writer)
+            except HttpError as exc:
+                if (
+                    not isinstance(exc.__cause__, asyncio.IncompleteReadError)
+                    or exc.__cause__.partial
+                ):
+                    raise
+        return await self._get(path, None, None)
+
+    async def _get(
+        self,
+        path: str,
+        reader: asyncio.StreamReader | None,
+        writer: asyncio.StreamWriter | None,
+    ) -> tuple[int, bytes]:
+        if reader is None or writer is None:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), self.timeout
             )

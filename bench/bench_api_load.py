@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -387,6 +388,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (logs)")
     parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the daemon, its workers and the load at this niceness (negative: as root; "
+        "on a machine shared with others' work, -10 keeps their processes from preempting "
+        "the measured ones)",
+    )
+    parser.add_argument(
         "--generate",
         nargs=2,
         metavar=("URL", "JOB"),
@@ -402,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         token = sys.stdin.read().strip()
         print(json.dumps(asyncio.run(generate(url, token, job, args.rate, args.seconds))))
         return 0
+    if args.nice:
+        os.nice(args.nice)  # inherited by the daemon, its workers and the load generator
     info = machine_info()
+    info["nice"] = str(os.nice(0))
     started = time.monotonic()
     with scratch(prefix="elasticd-api-load-", keep=args.keep) as root:
         if args.keep:

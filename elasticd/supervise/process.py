@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import signal
-import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ from elasticd.supervise.errorfile import WorkerError, read_error_file
 from elasticd.supervise.output import OutputPipe, OutputSink, Stream
 from elasticd.supervise.outputlimits import SpaceGuard
 from elasticd.supervise.records import WorkerRecord
-from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry, start_process
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry, spawn_process
+from elasticd.supervise.spawner import ChildProcess
 from elasticd.supervise.sweep import boot_id, group_has_live_members, process_start_time
 from elasticd.supervise.tracebacks import traceback_from_log
 
@@ -192,7 +192,7 @@ class _Worker:
     def __init__(
         self,
         launch: WorkerLaunch,
-        process: asyncio.subprocess.Process,
+        process: ChildProcess,
         pipes: tuple[OutputPipe, OutputPipe],
     ) -> None:
         self.launch = launch
@@ -387,7 +387,6 @@ class WorkerGroupProcesses:
             raise WorkerSpawnError(
                 f"local rank {rank}: {exc}", stage=exc.stage or SpawnStage.USER, errno=exc.errno
             ) from None
-        _warn_if_not_main_thread()
         try:
             prepare_worker_dir(launch.log_dir, identity)
             _remove_stale_error_file(launch)
@@ -420,8 +419,9 @@ class WorkerGroupProcesses:
             ) from exc
         try:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
-            # user: the daemon never probes a job-chosen path with its own rights.
-            process = await start_process(
+            # user: the daemon never probes a job-chosen path with its own rights. Forked
+            # in the spawner thread: a restart never stalls the event loop (issue 27).
+            process = await spawn_process(
                 argv,
                 launch.env,
                 identity=identity,
@@ -639,17 +639,6 @@ def _check_launches(launches: Sequence[WorkerLaunch]) -> None:
     for launch in launches:
         if not launch.argv:
             raise ValueError(f"local rank {launch.local_rank}: argv is empty")
-
-
-def _warn_if_not_main_thread() -> None:
-    # The parent-death signal belongs to the forking thread: workers spawned from a
-    # loop in another thread die when that thread ends, not when the process does.
-    if threading.current_thread() is not threading.main_thread():
-        log.warning(
-            "workers are spawned from thread %r, not the main thread: they will be killed "
-            "when that thread exits (parent-death signal)",
-            threading.current_thread().name,
-        )
 
 
 def _remove_stale_error_file(launch: WorkerLaunch) -> None:

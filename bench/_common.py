@@ -449,6 +449,19 @@ class ElasticdServer:
             self.client.post(f"/jobs/{job_id}/cancel", json={})
 
 
+def python_job(job_id: str, code: str, *, nproc: int = 1, max_restarts: int = 0) -> dict[str, Any]:
+    """The spec of a job whose workers are this interpreter running ``code`` (``-c``)."""
+    return {
+        "id": job_id,
+        "entrypoint": PYTHON,
+        "args": ["-c", code],
+        "cwd": str(ROOT),
+        "nproc_per_node": nproc,
+        "max_restarts": max_restarts,
+        "termination_grace": 2,
+    }
+
+
 # -- a lean HTTP/1.1 client for load ------------------------------------------------------
 
 

@@ -6,7 +6,7 @@ folder, a free loopback port, its own token, ``--slots 2``) runs two jobs:
 * ``steady``: one worker that sleeps for an hour (a job that runs and asks
   nothing of the daemon);
 * ``crashloop`` (submitted after the steady phase): one tiny non-torch worker,
-  ``python -I -S -c``, that exits 1 after ``--crash-after`` seconds (0.3), with
+  ``python -c``, that exits 1 after ``--crash-after`` seconds (0.3), with
   a restart budget of a million: the daemon restarts it about three times a
   second.
 
@@ -72,6 +72,7 @@ from _common import (
     md_table,
     poll_until,
     proc_cpu_seconds,
+    python_job,
     scratch,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -200,27 +201,12 @@ class ApiLoadServer(ElasticdServer):
 
 
 def steady_spec() -> dict[str, Any]:
-    return {
-        "id": STEADY_JOB,
-        "entrypoint": PYTHON,
-        "args": ["-I", "-S", "-c", "import time; time.sleep(3600)"],
-        "cwd": str(ROOT),
-        "nproc_per_node": 1,
-        "max_restarts": 0,
-        "termination_grace": 2,
-    }
+    return python_job(STEADY_JOB, "import time; time.sleep(3600)")
 
 
 def crash_spec(after: float) -> dict[str, Any]:
-    return {
-        "id": CRASH_JOB,
-        "entrypoint": PYTHON,
-        "args": ["-I", "-S", "-c", f"import sys, time; time.sleep({after}); sys.exit(1)"],
-        "cwd": str(ROOT),
-        "nproc_per_node": 1,
-        "max_restarts": MAX_RESTARTS,
-        "termination_grace": 2,
-    }
+    code = f"import sys, time; time.sleep({after}); sys.exit(1)"
+    return python_job(CRASH_JOB, code, max_restarts=MAX_RESTARTS)
 
 
 def loop_lag_buckets(server: ElasticdServer) -> dict[float, float]:

@@ -20,10 +20,12 @@ No polling
     torch checks ``Popen.poll()`` every ``monitor_interval`` seconds. Here a
     task per worker awaits ``ChildProcess.wait()``, which a pidfd the loop
     watches completes when the kernel reports the exit (a thread blocked in
-    ``waitpid`` where there is no pidfd, as asyncio's watcher does); the agent's ``on_exit`` callback runs a few loop iterations later
-    (about 0.3 ms, see ``bench/bench_exit_detection.py``). :meth:`WorkerGroupProcesses.wait`
-    returns at the first failure, or when all succeeded, without touching
-    the other workers: stopping is a separate decision.
+    ``waitpid`` where there is no pidfd, as asyncio's watcher does); the
+    agent's ``on_exit`` callback runs a few loop iterations later (about
+    0.3 ms, see ``bench/bench_exit_detection.py``).
+    :meth:`WorkerGroupProcesses.wait` returns at the first failure, or when
+    all succeeded, without touching the other workers: stopping is a
+    separate decision.
 
 One termination routine
     :meth:`WorkerGroupProcesses.stop` is the only way workers end: SIGTERM to

@@ -80,7 +80,7 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack
 
 from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.security import Identity, JobUsers
@@ -445,18 +445,24 @@ def start_argv(argv: Sequence[str], cwd: str | None, *, setpriv: str | None) -> 
     return wrap_argv(*resolver_argv(argv, cwd), setpriv=setpriv)
 
 
+class StartOptions(TypedDict, total=False):
+    """How :func:`start_process` and :func:`spawn_process` start a process (see the former)."""
+
+    cwd: str | None
+    stdout: int | None
+    stderr: int | None
+    policy: SpawnPolicy | None
+    cgroup_procs: int | None
+    stdin: int | None
+    umask: int | None
+
+
 async def start_process(
     argv: Sequence[str],
     env: Mapping[str, str],
     *,
     identity: Identity | None,
-    cwd: str | None = None,
-    stdout: int | None = None,
-    stderr: int | None = None,
-    policy: SpawnPolicy | None = None,
-    cgroup_procs: int | None = None,
-    stdin: int | None = None,
-    umask: int | None = None,
+    **options: Unpack[StartOptions],
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
 
@@ -480,21 +486,9 @@ async def start_process(
     (``execve`` and ``setresuid`` never change it), and so the job's program
     starts with it on each path.
     """
-    return _as_asyncio(
-        await _start(
-            argv,
-            env,
-            identity=identity,
-            cwd=cwd,
-            stdout=stdout,
-            stderr=stderr,
-            policy=policy,
-            cgroup_procs=cgroup_procs,
-            stdin=stdin,
-            umask=umask,
-            off_loop=False,
-        )
-    )
+    process = await _start(argv, env, identity, options, off_loop=False)
+    assert isinstance(process, asyncio.subprocess.Process)
+    return process
 
 
 async def spawn_process(
@@ -502,36 +496,13 @@ async def spawn_process(
     env: Mapping[str, str],
     *,
     identity: Identity | None,
-    cwd: str | None = None,
-    stdout: int | None = None,
-    stderr: int | None = None,
-    policy: SpawnPolicy | None = None,
-    cgroup_procs: int | None = None,
-    stdin: int | None = None,
-    umask: int | None = None,
+    **options: Unpack[StartOptions],
 ) -> ChildProcess:
     """:func:`start_process`, forked off the event loop, in the spawner thread
     (:mod:`elasticd.supervise.spawner`): the workers' way, so that a restart
     never stalls the loop. Descriptors only (an asyncio pipe needs the loop)."""
-    process = await _start(
-        argv,
-        env,
-        identity=identity,
-        cwd=cwd,
-        stdout=stdout,
-        stderr=stderr,
-        policy=policy,
-        cgroup_procs=cgroup_procs,
-        stdin=stdin,
-        umask=umask,
-        off_loop=True,
-    )
+    process = await _start(argv, env, identity, options, off_loop=True)
     assert isinstance(process, ChildProcess)
-    return process
-
-
-def _as_asyncio(process: asyncio.subprocess.Process | ChildProcess) -> asyncio.subprocess.Process:
-    assert isinstance(process, asyncio.subprocess.Process)
     return process
 
 
@@ -553,20 +524,20 @@ async def _fork_off_loop(command: Sequence[str], options: dict[str, Any]) -> Chi
 async def _start(
     argv: Sequence[str],
     env: Mapping[str, str],
-    *,
     identity: Identity | None,
-    cwd: str | None,
-    stdout: int | None,
-    stderr: int | None,
-    policy: SpawnPolicy | None,
-    cgroup_procs: int | None,
-    stdin: int | None,
-    umask: int | None,
+    options: StartOptions,
+    *,
     off_loop: bool,
 ) -> asyncio.subprocess.Process | ChildProcess:
+    cwd, stdout, stderr = options.get("cwd"), options.get("stdout"), options.get("stderr")
+    cgroup_procs, stdin, umask = (
+        options.get("cgroup_procs"),
+        options.get("stdin"),
+        options.get("umask"),
+    )
+    policy = options.get("policy") or DEFAULT_POLICY
     if umask is not None and not 0 <= umask <= 0o777:
         raise ValueError(f"umask {umask:#o} is out of range")
-    policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
     full_env = {k: v for k, v in env.items() if k not in WITHHELD}
     credentials: dict[str, object] = {}
@@ -615,7 +586,7 @@ async def _start(
             f"cannot start {argv[0]!r}: no pipe for its start: {exc}", stage=SpawnStage.FORK
         ) from exc
     try:
-        options: dict[str, Any] = dict(
+        popen: dict[str, Any] = dict(
             stdin=verdict_w,
             stdout=stdout,
             stderr=stderr,
@@ -630,9 +601,9 @@ async def _start(
         try:
             process: asyncio.subprocess.Process | ChildProcess
             if off_loop:
-                process = await _fork_off_loop(command, options)
+                process = await _fork_off_loop(command, popen)
             else:
-                process = await asyncio.create_subprocess_exec(command[0], *command[1:], **options)
+                process = await asyncio.create_subprocess_exec(command[0], *command[1:], **popen)
         except (OSError, ValueError) as exc:
             raise WorkerSpawnError(
                 f"cannot start {argv[0]!r}: {exc}", stage=SpawnStage.FORK

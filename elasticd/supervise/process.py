@@ -528,8 +528,8 @@ class WorkerGroupProcesses:
     # Watching.
 
     async def _watch(self, worker: _Worker) -> None:
-        # The subprocess transport holds no pipe of ours, so this returns when the
-        # child watcher reaps the worker, not when its output closes.
+        # The process holds no pipe of ours, so this returns when its exit is reaped
+        # (ChildProcess: through a pidfd), not when its output closes.
         returncode = await worker.process.wait()
         if returncode != 0 and not worker.signalled:
             # Its traceback may still be in the stderr pipe: let it reach stderr.log

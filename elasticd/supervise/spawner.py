@@ -120,24 +120,24 @@ async def in_spawner(
     ``on_cancel(result)`` undoes what it did, then the cancellation goes on.
     """
     future = spawner.submit(fn)
-    cancelled: asyncio.CancelledError | None = None
-    while True:
-        try:
-            result = await asyncio.shield(future)
-            break
-        except asyncio.CancelledError as exc:
-            if future.done():
-                raise  # the future itself was cancelled: the loop is going away
-            cancelled = exc
-        except BaseException:
-            if cancelled is not None:
-                raise cancelled from None
-            raise
-    if cancelled is not None:
-        if on_cancel is not None:
-            await on_cancel(result)
-        raise cancelled
-    return result
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if future.cancelled():
+            raise  # the loop itself is going away
+        # The caller was cancelled, maybe after the thread had finished, maybe before:
+        # wait for it, then undo what it did, then let the cancellation go on.
+        while not future.done():
+            try:
+                await asyncio.shield(future)
+            except asyncio.CancelledError:
+                if future.cancelled():
+                    raise
+            except BaseException:
+                break
+        if on_cancel is not None and not future.cancelled() and future.exception() is None:
+            await on_cancel(future.result())
+        raise
 
 
 class ChildProcess:

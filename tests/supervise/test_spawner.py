@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from elasticd.supervise.spawn import live_children, spawn_process
-from elasticd.supervise.spawner import THREAD_NAME, in_spawner
+from elasticd.supervise.spawner import THREAD_NAME, in_spawner, spawner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +65,25 @@ async def test_a_cancelled_start_waits_for_the_thread_then_undoes_what_it_did() 
     await asyncio.sleep(0.05)
     assert not task.done()  # still waiting for the thread
     release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert undone == ["started"]
+
+
+async def test_a_start_cancelled_after_the_thread_finished_is_undone_too() -> None:
+    """Cancelled after the thread has finished but before the caller resumed with the
+    result: the process it started is still handed to on_cancel (else it would leak)."""
+    undone: list[str] = []
+
+    async def undo(result: str) -> None:
+        undone.append(result)
+
+    task = asyncio.ensure_future(in_spawner(lambda: "started", on_cancel=undo))
+    await asyncio.sleep(0)  # the task hands the work to the thread and waits
+    behind = threading.Event()
+    spawner.submit(behind.set)  # runs once the work above has run and queued its result
+    assert behind.wait(timeout=30)  # the loop is held here: the result is not delivered yet
+    task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert undone == ["started"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from elasticd.goodput import Goodput
 from elasticd.models import (
     Event,
     GroupView,
@@ -21,6 +22,7 @@ from elasticd.models import (
 
 __all__ = [
     "Event",
+    "Goodput",
     "GroupView",
     "Health",
     "Empty",

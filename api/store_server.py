@@ -53,6 +53,7 @@ from elasticd import __version__, tokens
 from elasticd.errors import ConfigError, ElasticdError
 from elasticd.security import PRIVATE_UMASK
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES, Store
+from elasticd.tasks import race
 
 #: Seconds uvicorn waits for in-flight requests at shutdown.
 SHUTDOWN_GRACE = 5.0
@@ -155,10 +156,9 @@ async def serve_store(
     listening = asyncio.Event()
     server = _Server(config, listening)
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    announced = asyncio.create_task(listening.wait())
-    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait((serving, announced), return_when=asyncio.FIRST_COMPLETED)
+        # The server is never a loser of these races: it is shielded, and stopped below.
+        await race(asyncio.shield(serving), listening.wait())
         if listening.is_set():
             shown = f"[{host}]" if ":" in host else host
             url = f"http://{shown}:{bound_port}"
@@ -166,10 +166,8 @@ async def serve_store(
                 print(f"listening on {url}", flush=True)
             else:
                 on_listening(url)
-        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+        await race(asyncio.shield(serving), stop.wait())
     finally:
-        announced.cancel()
-        stopping.cancel()
         await store.close()  # answers pending watches (503) and flushes pending commits
         server.should_exit = True
         await serving

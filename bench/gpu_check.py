@@ -10,7 +10,13 @@
    GPU, whose last rank crashes after its first all-reduce in attempt 0: through the
    daemon it must restart once and succeed, every rank's sums right.
 
-The re-exec and the prewarmed standbys of issue 28 do not exist yet: nothing checks them.
+4. ``prewarm``: the same job with ``prewarm: ["torch"]`` (issue 27): while attempt 0
+   runs, one standby per GPU imports torch and must neither load the CUDA driver nor
+   open a GPU; the restart's workers must take over the standbys
+   (``workers.warm_start``), find torch imported and CUDA not yet initialised, and then
+   all-reduce over NCCL right.
+
+The re-exec of issue 28 does not exist yet: nothing checks it.
 
 Without a GPU (no ``nvidia-smi``, or it lists none) it prints ``no GPU: skipped`` and
 exits 0, so that ``make gpu-check`` is harmless anywhere; ``--require-gpu`` makes that
@@ -236,6 +242,99 @@ def check_nccl(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outco
     )
 
 
+PREWARM_ALLREDUCE = """
+import sys
+imported = "torch" in sys.modules  # a warm worker: its standby imported torch
+import json, os, time, torch, torch.distributed as dist
+cuda_before = torch.cuda.is_initialized()
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+out = os.environ["OUT"]
+with open(f"{out}/seen-{attempt}-{rank}.json", "w") as f:
+    json.dump({"imported": imported, "cuda_before": cuda_before}, f)
+while attempt == 0 and not os.path.exists(f"{out}/go"):  # the standbys are ready first
+    time.sleep(0.05)
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+for step in range(20):
+    t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    assert torch.all(t == world * (world + 1) / 2).item(), (step, t[0].item())
+    if attempt == 0 and step == 0 and rank == world - 1:
+        sys.exit(3)
+print(f"rank {rank}: warm={imported}, 20 all-reduces right, attempt {attempt}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def touches_the_gpu(pid: int) -> list[str]:
+    """What of the CUDA driver ``pid`` has loaded or opened (libcuda, /dev/nvidia*)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    found = sorted({line.split()[-1] for line in maps.splitlines() if "libcuda" in line})
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("/dev/nvidia"):
+            found.append(target)
+    return found
+
+
+def check_prewarm(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outcome:
+    """The NCCL job with prewarmed standbys: they never touch a GPU; the restart is warm."""
+    why = torch_cuda()
+    if why is not None:
+        return Outcome("prewarm", "skipped", why)
+    out = work / "prewarm"
+    out.mkdir()
+    script = work / "prewarm_allreduce.py"
+    script.write_text(PREWARM_ALLREDUCE)
+    server.submit(
+        {
+            "id": "nccl-prewarm",
+            "entrypoint": sys.executable,
+            "args": [str(script)],
+            "env": {"OUT": str(out)},
+            "nproc_per_node": len(gpus),
+            "max_restarts": 1,
+            "termination_grace": 10,
+            "prewarm": ["torch"],
+        }
+    )
+
+    def ready() -> list[int] | None:
+        view = server.client.get("/jobs/nccl-prewarm/workers").json()
+        for group in view.get("groups", []):
+            standbys = group.get("standbys", [])
+            if len(standbys) == len(gpus) and all(s["state"] == "ready" for s in standbys):
+                return [s["pid"] for s in standbys]
+        return None
+
+    pids = poll_until(ready, 180, "the standbys to import torch", interval=0.1)
+    touched = {pid: touches_the_gpu(pid) for pid in pids}
+    (out / "go").touch()
+    job = server.wait_terminal("nccl-prewarm", 300)
+    events = server.events("nccl-prewarm")
+    warm = [e for e in events if e["kind"] == "workers.warm_start"]
+    seen = [json.loads(p.read_text()) for p in sorted(out.glob("seen-1-*.json"))]
+    problems = [f"standby {pid} touched the GPU: {what}" for pid, what in touched.items() if what]
+    if job["state"] != "SUCCEEDED" or job["restart_count"] != 1:
+        problems.append(f"{job['state']}, {job['restart_count']} restart(s): {job.get('error')}")
+    if not warm or sorted(warm[0]["pids"]) != sorted(pids):
+        problems.append(f"the restart did not take over the standbys {pids}: {warm}")
+    if len(seen) != len(gpus) or any(not s["imported"] or s["cuda_before"] for s in seen):
+        problems.append(f"the warm workers saw {seen} (want torch imported, CUDA not initialised)")
+    if problems:
+        return Outcome("prewarm", "failed", "; ".join(problems))
+    return Outcome(
+        "prewarm",
+        "passed",
+        f"{len(gpus)} standby(s) imported torch without touching a GPU; the restart took "
+        f"them over ({warm[0]['message']}) and all-reduced over NCCL",
+    )
+
+
 def run(nvidia_smi: str = "nvidia-smi") -> tuple[list[str] | None, list[Outcome]]:
     """The node's GPUs and every check's outcome (none without a GPU)."""
     gpus = gpus_present(nvidia_smi)
@@ -245,7 +344,7 @@ def run(nvidia_smi: str = "nvidia-smi") -> tuple[list[str] | None, list[Outcome]
     with tempfile.TemporaryDirectory(prefix="elasticd-gpu-check-") as tmp:
         work = Path(tmp)
         with ElasticdServer(work, name="gpu") as server:
-            for check in (check_devices, check_nccl):
+            for check in (check_devices, check_nccl, check_prewarm):
                 try:
                     outcomes.append(check(server, gpus, work))
                 except Exception as exc:  # one check's breakage must not hide the others

@@ -181,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
     run.add_argument(
+        "--prewarm",
+        action="append",
+        default=[],
+        metavar="MODULE[,MODULE...]",
+        help="keep a standby interpreter per worker that has imported these modules "
+        "(e.g. torch); a restart hands the round to it instead of starting cold",
+    )
+    run.add_argument(
         "-q",
         "--quiet",
         dest="console",
@@ -521,6 +529,7 @@ async def _run(args: argparse.Namespace) -> int:
                 master_addr=args.master_addr,
                 master_port=args.master_port,
                 umask=args.umask if args.umask is not None else format_umask(caller_umask),
+                prewarm=[m for arg in args.prewarm for m in arg.split(",") if m],
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

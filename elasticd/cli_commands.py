@@ -21,6 +21,7 @@ from typing import Any
 
 from elasticd.client import DEFAULT_URL, Client
 from elasticd.errors import ConfigError
+from elasticd.goodput import BADPUT_KINDS, Goodput
 from elasticd.models import format_umask
 from elasticd.security import current_umask
 from elasticd.states import JobState
@@ -73,7 +74,19 @@ def report(job: dict[str, Any], console: str = "normal") -> int:
 # client commands: talk to a running daemon
 
 CLIENT_COMMANDS = frozenset(
-    {"submit", "jobs", "queue", "status", "workers", "events", "logs", "cancel", "delete", "nodes"}
+    {
+        "submit",
+        "jobs",
+        "queue",
+        "status",
+        "workers",
+        "goodput",
+        "events",
+        "logs",
+        "cancel",
+        "delete",
+        "nodes",
+    }
 )
 
 
@@ -147,6 +160,7 @@ def add_client_commands(sub: Any) -> None:
     for name, text in (
         ("status", "one job: state, restarts, root cause"),
         ("workers", "a job's worker groups and workers"),
+        ("goodput", "where a job's time went: productive, start-up, recovery, lost work..."),
         ("cancel", "stop a job's workers and end it as CANCELLED"),
         ("delete", "forget a job that ended: its record and events (its log files stay)"),
     ):
@@ -468,6 +482,40 @@ def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_goodput(client: Any, args: argparse.Namespace) -> int:
+    g = client.goodput(args.job_id)
+    if args.json:
+        _print_json(g.model_dump(mode="json"))
+        return 0
+    print(goodput_text(g))
+    return 0
+
+
+def goodput_text(g: Goodput) -> str:
+    """``elasticd goodput JOB``: the split of the wall time, and the steps."""
+
+    def share(seconds: float) -> str:
+        return f"{100 * seconds / g.wall_s:.1f}%" if g.wall_s > 0 else "-"
+
+    rows = [["productive", f"{g.productive_s:.1f}", share(g.productive_s)]]
+    rows += [[kind, f"{g.badput_s[kind]:.1f}", share(g.badput_s[kind])] for kind in BADPUT_KINDS]
+    st = g.steps
+    if not g.steps_reported:
+        steps = "the job reports no steps (elasticd.worker.ping(step=N)): lost work unknown"
+    else:
+        lost = "unknown" if st.lost_steps is None else str(st.lost_steps)
+        steps = f"steps: max {st.max_step}, checkpoint {st.checkpoint_step}, lost {lost}"
+    as_of = "finished" if g.finished else "running"
+    return "\n".join(
+        [
+            f"job {g.job_id}: goodput {100 * g.goodput:.1f}% of {g.wall_s:.1f}s wall ({as_of}), "
+            f"{g.attempts} attempt(s), {st.failures} failure(s)",
+            _table(rows, ["TIME", "SECONDS", "SHARE"]),
+            steps,
+        ]
+    )
+
+
 def _event_line(event: Any) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
     extra = f" [{event.duration_s:.3f}s]" if event.duration_s is not None else ""
@@ -573,6 +621,7 @@ _HANDLERS = {
     "queue": _cmd_queue,
     "status": _cmd_status,
     "workers": _cmd_workers,
+    "goodput": _cmd_goodput,
     "events": _cmd_events,
     "logs": _cmd_logs,
     "cancel": _cmd_cancel,

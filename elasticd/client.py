@@ -45,6 +45,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from elasticd import tokens
 from elasticd.errors import ElasticdError
+from elasticd.goodput import Goodput
 from elasticd.models import Event, Job, JobList, JobSpec, QueueView, WorkersView
 from elasticd.states import JobState
 
@@ -392,6 +393,10 @@ class _Api:
     def workers(job_id: str) -> _Call:
         return _Call("GET", f"/jobs/{job_id}/workers")
 
+    @staticmethod
+    def goodput(job_id: str) -> _Call:
+        return _Call("GET", f"/jobs/{job_id}/goodput")
+
     def events(self, job_id: str, after: int, limit: int, wait: float) -> _Call:
         params = {"after": after, "limit": limit, "wait": wait}
         return _Call("GET", f"/jobs/{job_id}/events", params=params, timeout=self.timeout + wait)
@@ -529,6 +534,10 @@ class Client:
 
     def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, self._send(self._api.workers(job_id)))
+
+    def goodput(self, job_id: str) -> Goodput:
+        """Where the job's time went (docs/goodput.md)."""
+        return _parse(Goodput, self._send(self._api.goodput(job_id)))
 
     def events(
         self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0
@@ -683,6 +692,9 @@ class AsyncClient:
 
     async def workers(self, job_id: str) -> WorkersView:
         return _parse(WorkersView, await self._send(self._api.workers(job_id)))
+
+    async def goodput(self, job_id: str) -> Goodput:
+        return _parse(Goodput, await self._send(self._api.goodput(job_id)))
 
     async def events(
         self, job_id: str, after: int = 0, *, limit: int = 1000, wait: float = 0

@@ -59,6 +59,9 @@ class EventKind(enum.StrEnum):
     WORKER_HEARTBEAT_REPLACED = "worker.heartbeat_replaced"
     WORKER_HEALTH_CHECK_FAILED = "worker.health_check_failed"
     WORKER_ORPHAN_KILLED = "worker.orphan_killed"
+    WORKERS_WARM_START = "workers.warm_start"
+    WORKER_COLD_START = "worker.cold_start"
+    STANDBY_LOST = "standby.lost"
     CONTAINMENT_PARTIAL = "containment.partial"
     EXIT_BARRIER_DONE = "exit_barrier.done"
     EXIT_BARRIER_TIMEOUT = "exit_barrier.timeout"
@@ -142,6 +145,12 @@ MEANING: dict[EventKind, str] = {
     EventKind.WORKER_HEARTBEAT_REPLACED: "A worker's heartbeat file was replaced.",
     EventKind.WORKER_HEALTH_CHECK_FAILED: "A health check failed before the attempt.",
     EventKind.WORKER_ORPHAN_KILLED: "A worker of an earlier daemon run was killed at start-up.",
+    EventKind.WORKERS_WARM_START: "Workers of a prewarm job took over their standby "
+    "interpreters instead of starting cold.",
+    EventKind.WORKER_COLD_START: "A worker of a prewarm job started cold, and why (no Python "
+    "entrypoint, a changed spec or user, its standby lost, a node that joined late).",
+    EventKind.STANDBY_LOST: "A standby interpreter died or failed its imports (one that died "
+    "is replaced).",
     EventKind.CONTAINMENT_PARTIAL: "The attempt's processes could not all be put in a cgroup.",
     EventKind.EXIT_BARRIER_DONE: "Every node of the round finished.",
     EventKind.EXIT_BARRIER_TIMEOUT: "Not every node finished within exit_barrier_timeout.",

@@ -11,6 +11,7 @@ The cluster store holds, with one owner for each subtree::
     refused/<node>/<digest>           an unreadable job document         (jobs)
     ev/<id>/<node>/<seq>              a node's events, in its order      (events)
     group/<id>/<node>                 a node's published worker group    (agent)
+    gp/<id>/<node>                    a node's goodput facts of the job  (agent.goodput)
     barrier/<id>/<round>/<node>       a round's exit barrier             (agent)
     rdzv/<id>/...                     the job's rendezvous               (rendezvous.layout)
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
@@ -32,6 +33,7 @@ from __future__ import annotations
 __all__ = [
     "BARRIERS",
     "EVENTS",
+    "GOODPUT",
     "GROUPS",
     "JOBS",
     "NODES",
@@ -44,6 +46,8 @@ __all__ = [
     "barrier_prefix",
     "event_key",
     "event_prefix",
+    "goodput_key",
+    "goodput_prefix",
     "group_key",
     "group_prefix",
     "job_key",
@@ -60,6 +64,7 @@ JOBS = "job/"
 REFUSED = "refused/"
 EVENTS = "ev/"
 GROUPS = "group/"
+GOODPUT = "gp/"
 BARRIERS = "barrier/"
 RENDEZVOUS = "rdzv/"
 WORKER_SPACE = "jobs/"
@@ -99,6 +104,15 @@ def group_key(job_id: str, node: str) -> str:
     return group_prefix(job_id) + node
 
 
+def goodput_prefix(job_id: str) -> str:
+    return f"{GOODPUT}{job_id}/"
+
+
+def goodput_key(job_id: str, node: str) -> str:
+    """One node's record of what it saw of the job's attempts (``elasticd.goodput``)."""
+    return goodput_prefix(job_id) + node
+
+
 def barrier_prefix(job_id: str, round_: int | None = None) -> str:
     """One round's exit barrier, or (``round_`` None) every round's."""
     base = f"{BARRIERS}{job_id}/"
@@ -135,6 +149,7 @@ def keys_of_job(job_id: str) -> tuple[str, ...]:
     return (
         event_prefix(job_id),
         group_prefix(job_id),
+        goodput_prefix(job_id),
         barrier_prefix(job_id),
         rendezvous_prefix(job_id),
         worker_prefix(job_id),

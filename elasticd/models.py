@@ -44,6 +44,10 @@ DEFAULT_LOG_LIMIT_BYTES = 1 << 30
 #: The budget's bounds: enough for a traceback at least, and no more than 1 TiB a stream.
 MIN_LOG_LIMIT_BYTES = 64 << 10
 MAX_LOG_LIMIT_BYTES = 1 << 40
+#: ``prewarm``: at most this many modules, each a dotted name of identifiers.
+MAX_PREWARM = 64
+MAX_MODULE_NAME = 256
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 Std = Literal["none", "out", "err", "all"]
 _STD_BY_NUMBER: dict[str, Std] = {"0": "none", "1": "out", "2": "err", "3": "all"}
@@ -222,12 +226,28 @@ class JobSpec(BaseModel):
         le=3600,
         description="Seconds a round stays open for stragglers once min_nodes have joined.",
     )
-    progress_timeout: float | None = Field(
+    progress_timeout: float | Literal["auto"] | None = Field(
+        default=None,
+        description="A worker that has pinged (elasticd.worker.ping) must ping again within "
+        "this many seconds (0 < s <= 86400), or the group is UNHEALTHY and restarted. "
+        '"auto": sized from the observed intervals between pings (see docs/goodput.md). '
+        "Off by default.",
+    )
+    checkpoint_timeout: float | None = Field(
         default=None,
         gt=0,
         le=86_400,
-        description="A worker that has pinged (elasticd.worker.ping) must ping again within "
-        "this many seconds, or the group is UNHEALTHY and restarted. Off by default.",
+        description="While a checkpoint is in progress (elasticd.worker.checkpointing() until "
+        "checkpointed()), the worker is judged by this many seconds from the checkpoint's "
+        "start instead of progress_timeout. Unset: a checkpoint in progress has no deadline.",
+    )
+    max_no_progress_restarts: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_RESTARTS,
+        description="The job fails once this many restarts in a row made no progress: no "
+        "checkpoint past the one the attempt started from (for a job that never reports a "
+        "checkpoint: no step past every earlier attempt's). Off by default.",
     )
     startup_timeout: float | None = Field(
         default=None,
@@ -271,6 +291,26 @@ class JobSpec(BaseModel):
         description="The script uses elasticd.inprocess.Wrapper: a dead rank is reported to "
         "the others, which restart in-process; the group fails only if every worker fails.",
     )
+    prewarm: list[Annotated[str, Field(max_length=MAX_MODULE_NAME)]] = Field(
+        default_factory=list,
+        max_length=MAX_PREWARM,
+        description="Modules (dotted names, e.g. 'torch') a standby interpreter per local rank "
+        "imports while an attempt runs; a restart hands the round to it instead of starting "
+        "a new interpreter (a Python entrypoint only; else the workers start cold).",
+    )
+
+    @field_validator("progress_timeout", mode="before")
+    @classmethod
+    def _progress_timeout(cls, value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f'progress_timeout must be a number of seconds or "auto", not {value!r}'
+            )
+        if not 0 < value <= 86_400:
+            raise ValueError(f"progress_timeout must be in (0, 86400] seconds, not {value!r}")
+        return float(value)
 
     @field_validator("entrypoint")
     @classmethod
@@ -279,6 +319,17 @@ class JobSpec(BaseModel):
             raise ValueError("entrypoint must name a program, not be blank")
         if "\x00" in value:
             raise ValueError("entrypoint must not contain NUL")
+        return value
+
+    @field_validator("prewarm")
+    @classmethod
+    def _prewarm_modules(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not MODULE_NAME.fullmatch(name):
+                raise ValueError(
+                    f"prewarm names modules to import: {name!r} is not a dotted name "
+                    "of identifiers (e.g. 'torch' or 'torch.distributed')"
+                )
         return value
 
     @field_validator("umask", mode="before")
@@ -383,6 +434,62 @@ class RecoveryTotals(BaseModel):
     total_s: float = 0.0
 
 
+class AttemptProgress(BaseModel):
+    """What the workers of one attempt (one round) reported: steps and checkpoints.
+
+    Each node's agent keeps one from its workers' heartbeat files
+    (:mod:`elasticd.agent.checkpoints`) and merges it into the job's
+    (:attr:`JobProgress.attempt`) when a checkpoint lands and when its
+    workers stop; across nodes the highest step and checkpoint win. Rebuilt
+    from the heartbeat files and the job document alone (nothing else is
+    kept), so a daemon that restarts loses no more than its samples.
+    """
+
+    round: int = Field(description="The rendezvous round of the attempt.")
+    started_from: int | None = Field(
+        default=None,
+        description="The job's checkpoint step when the attempt started "
+        "(ELASTICD_CHECKPOINT_STEP); None: none yet.",
+    )
+    max_step: int | None = Field(default=None, description="The highest step any worker reported.")
+    checkpoint_step: int | None = Field(
+        default=None, description="The highest checkpoint step any worker reported."
+    )
+    checkpoint_path: str | None = Field(default=None, max_length=4096)
+    first_step_at: float | None = Field(
+        default=None, description="Wall time of the first ping of the attempt."
+    )
+    last_step_at: float | None = Field(
+        default=None, description="Wall time of the last ping seen (at the last report)."
+    )
+    checkpointing_since: float | None = Field(
+        default=None, description="Wall time a checkpoint in progress began (at the last report)."
+    )
+
+
+class JobProgress(BaseModel):
+    """A job's training progress across attempts and nodes: the last checkpoint, the policy."""
+
+    checkpoint_step: int | None = Field(
+        default=None,
+        description="The job's last durable checkpoint (elasticd.worker.checkpointed), from "
+        "any attempt on any node; a restarted attempt gets it as ELASTICD_CHECKPOINT_STEP.",
+    )
+    checkpoint_path: str | None = Field(default=None, max_length=4096)
+    checkpoint_at: float | None = Field(
+        default=None, description="When the daemon learnt of that checkpoint (wall time)."
+    )
+    max_step: int | None = Field(
+        default=None, description="The highest step of every attempt that ended."
+    )
+    attempt: AttemptProgress | None = Field(
+        default=None, description="The current (or last) attempt's progress."
+    )
+    no_progress_restarts: int = Field(
+        default=0, ge=0, description="Failed restarts in a row that made no progress."
+    )
+
+
 class PendingFailure(BaseModel):
     """A failure in a round, charged to the budget once the next round shows who came back."""
 
@@ -463,6 +570,10 @@ class Job(BaseModel):
         default=None, description="Phase durations of the latest recovery."
     )
     recovery_totals: RecoveryTotals = Field(default_factory=RecoveryTotals)
+    progress: JobProgress = Field(
+        default_factory=JobProgress,
+        description="Steps and checkpoints the workers reported, and the no-progress count.",
+    )
     queue: QueueEntry | None = Field(
         default=None,
         description="While the job waits for nodes: its place in the fleet's queue and why "
@@ -514,6 +625,7 @@ class JobEdit(TypedDict, total=False):
     charged_round: int
     last_recovery: Recovery | None
     recovery_totals: RecoveryTotals
+    progress: JobProgress
 
 
 #: A job-document edit decided from the current document (applied by compare-and-set,
@@ -590,6 +702,21 @@ class WorkerView(BaseModel):
     started_at: float | None = None
     exited_at: float | None = None
     last_progress_at: float | None = None
+    step: int | None = Field(default=None, description="The last step it reported.")
+    checkpoint_step: int | None = Field(
+        default=None, description="The last checkpoint it reported."
+    )
+
+
+class StandbyView(BaseModel):
+    """A standby interpreter of a ``prewarm`` job: the next attempt's worker, past its imports."""
+
+    local_rank: int
+    pid: int
+    state: Literal["starting", "ready"]
+    """``starting``: importing the job's ``prewarm`` modules; ``ready``: waiting for a restart."""
+    rss_bytes: int | None = None
+    """Its resident memory: what prewarm costs this node while the attempt runs."""
 
 
 class GroupView(BaseModel):
@@ -608,6 +735,8 @@ class GroupView(BaseModel):
     log_dir: str | None = None
     updated_at: float
     workers: list[WorkerView] = Field(default_factory=list)
+    standbys: list[StandbyView] = Field(default_factory=list)
+    """The node's standby interpreters for the next attempt (a ``prewarm`` job)."""
 
 
 class WorkersView(BaseModel):

@@ -1,4 +1,4 @@
-"""``/jobs``: submit, list, read, cancel; workers, events and logs of a job."""
+"""``/jobs``: submit, list, read, cancel; workers, goodput, events and logs of a job."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from api import proxy, streams
 from api.auth import principal_of, require_lister
 from api.deps import daemon_of, jobs_of, streams_of
 from api.problems import PROBLEM_JSON
-from api.schemas import Empty, Event, Job, JobList, JobSpec, Problem, WorkersView
+from api.schemas import Empty, Event, Goodput, Job, JobList, JobSpec, Problem, WorkersView
 from elasticd.errors import LogNotFound
 from elasticd.identity import Action
 from elasticd.models import NODE_NAME_PATTERN
@@ -114,6 +114,15 @@ async def get_workers(job_id: str, request: Request) -> WorkersView:
     jobs = jobs_of(request)
     await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
     return await jobs.workers(job_id)
+
+
+@router.get("/jobs/{job_id}/goodput", response_model=Goodput, responses=NOT_FOUND)
+async def get_goodput(job_id: str, request: Request) -> Goodput:
+    """Where the job's wall time went: productive time, badput by kind, steps and
+    checkpoints, failures (docs/goodput.md)."""
+    jobs = jobs_of(request)
+    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    return await jobs.goodput(job_id)
 
 
 @router.get(

@@ -35,6 +35,6 @@ def metrics_router(*, metrics_public: bool = False) -> APIRouter:
     )
     async def metrics(request: Request) -> Response:
         """Prometheus metrics: jobs, worker groups, restarts, exits, rendezvous, store."""
-        return Response(daemon_of(request).metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await daemon_of(request).metrics_text(), media_type=CONTENT_TYPE)
 
     return router

@@ -29,6 +29,7 @@ from elasticd.agent import machine as m
 from elasticd.agent.attempt import NodeFacts, plan_attempt
 from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
 from elasticd.agent.edits import charge_now
+from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
 from elasticd.agent.hooks import (
     Attempt,
@@ -55,6 +56,7 @@ from elasticd.errors import (
     WorkerSpawnError,
 )
 from elasticd.eventkinds import EventKind
+from elasticd.goodput import End, NodeGoodput
 from elasticd.keys import group_key
 from elasticd.models import GroupView, Job, JobSpec
 from elasticd.rendezvous import Change, RoundInfo
@@ -125,12 +127,18 @@ class JobAgent:
         self._output = OutputHook(emit, node, job.id, self.spec, ctx.console)
         self._recovery = RecoveryHook(emit, node, job.id, ctx.clock, ctx.update_job)
         self._progress = ProgressHook(
-            emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress
-        )
+            emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress,
+            job.id, ctx.clock, ctx.update_job,
+        )  # fmt: skip
+        #: The job's last checkpoint as last read (a restarted attempt starts from it).
+        self._job_progress = job.progress
         self._health = HealthHook(
             emit, node, job.id, self.spec, ctx.health, ctx.clock, ctx.cuda_visible_devices
         )
         self._hangs = HangHook(emit, node)
+        self._goodput = GoodputHook(ctx.store, job.id, node, ctx.clock, self._progress.observations)
+        #: When the last attempt's workers were spawned (wall time), for its start-up.
+        self._spawned_at = 0.0
         #: The attempt's workers (their processes, ranks, view and exits).
         self._group = LocalGroup(
             ctx, job.id, self.spec, emit, self._output, self._progress, self._background,
@@ -142,9 +150,27 @@ class JobAgent:
         attempt = self._group.attempt
         return attempt.view if attempt is not None else None
 
+    @property
+    def prewarm(self) -> bool:
+        """The job keeps standby interpreters (its spec's ``prewarm``)."""
+        return self._group.standbys is not None
+
+    def standby_memory(self) -> tuple[int, int]:
+        """(how many standbys, their resident bytes) on this node."""
+        pool = self._group.standbys
+        infos = pool.infos() if pool is not None else []
+        return len(infos), sum(i.rss_bytes or 0 for i in infos)
+
     def refresh_progress(self) -> None:
         """Read the heartbeat files now (64 bytes each) so last_progress_at is current."""
         self._progress.refresh(running_only=True)
+        self._group.show_standbys()
+        self._goodput.refresh()
+
+    @property
+    def goodput(self) -> NodeGoodput:
+        """This node's goodput record of the job, as of the last read of the heartbeats."""
+        return self._goodput.record
 
     # the loop
 
@@ -152,20 +178,27 @@ class JobAgent:
         """The agent's whole life; returns when the job is over for this node."""
         self._publisher.start(f"publish-{self.job_id}")
         try:
+            await self._goodput.start()
             await self._run()
         except asyncio.CancelledError:
             # The daemon is stopping, or the fleet's plan took this node from the job.
+            stopped = self.ctx.clock.time()
             await self._on(m.Cancelled(leave_first=self.leave_first))
+            await self._goodput.ended(End.STOPPED, stopped)  # after the workers' stop
             raise
         except Exception as exc:
             log.exception("agent for job %s failed", self.job_id)
+            stopped = self.ctx.clock.time()
             reason = f"internal error in the agent on {self.ctx.node}: {type(exc).__name__}: {exc}"
             with contextlib.suppress(ElasticdError):
                 await self._on(m.Crashed(reason))
+            await self._goodput.ended(End.STOPPED, stopped)
         finally:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
+            await self._group.close_standbys()  # after the fills (background) ended
             await self._publisher.flush()
+            await self._goodput.close()
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
         await self._departure.leave()
@@ -176,6 +209,7 @@ class JobAgent:
         The other nodes re-form at once; a new agent for the job joins as an arrival.
         """
         await self._stop_workers(None)
+        await self._group.close_standbys()
         self._progress.close()
         await self._departure.leave()
 
@@ -233,6 +267,7 @@ class JobAgent:
             await self._on(m.JoinEnded(False, f"rendezvous failed on {self.ctx.node}: {exc}"))
             return
         self._round, self._restart_count = round_, job.restart_count
+        self._job_progress = job.progress
         confirmed = round_ == early and job.restart_count == count
         if started and not confirmed:
             log.info("job %s on %s: the early start did not match the round", *self._who)
@@ -252,6 +287,7 @@ class JobAgent:
         match effect:
             case m.BeginRecovery(cause=cause, detected_at=at):
                 self._recovery.begin(cause, at, self.spawn_seq)
+                await self._goodput.ended(end_of(cause), at)
             case m.SayLeaving():
                 assert round_ is not None
                 self._departure.say_leaving(round_.round)
@@ -282,6 +318,7 @@ class JobAgent:
                 await self._running(round_, early=early)
             case m.ReleaseGroup():
                 await self._group.release()  # every worker exited: nothing of it stays
+                await self._progress.report()  # the attempt's last steps and checkpoint
             case m.WaitAtBarrier():
                 assert round_ is not None
                 change = await self._watch.exit_barrier(round_, self.spec.exit_barrier_timeout)
@@ -294,6 +331,7 @@ class JobAgent:
             case m.Succeed():
                 assert round_ is not None
                 self._set_state(WorkerState.SUCCEEDED)  # HEALTHY -> SUCCEEDED
+                await self._goodput.ended(End.FINISHED, self.ctx.clock.time())
                 await self._job.succeeded(round_)
             case m.CloseRendezvous(quiet=quiet):
                 with contextlib.suppress(*((ElasticdError,) if quiet else ())):
@@ -429,8 +467,13 @@ class JobAgent:
         if self._progress.watches_hangs:
             contenders.append(self._hang())
         contenders.append(self._round_changed(round_.round))
+        contenders.append(self._watch_progress())  # never returns: steps and checkpoints
         _, event = await race(*contenders)
         return event
+
+    async def _watch_progress(self) -> m.Event:
+        await self._progress.watch()
+        raise AssertionError("the progress watch never returns")  # pragma: no cover
 
     async def _hang(self) -> m.Event:
         return m.HangSeen(await self._progress.hang())
@@ -467,8 +510,11 @@ class JobAgent:
             node=facts,
             state=self.state,
             now=ctx.clock.time(),
+            progress=self._job_progress,
         )
-        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag)
+        started_from = self._job_progress.checkpoint_step
+        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
+        self._spawned_at = ctx.clock.time()
         await self._group.start(attempt, plan, self._identity, early=early)
 
     async def _running(self, round_: RoundInfo, *, early: bool) -> None:
@@ -477,6 +523,7 @@ class JobAgent:
         self._group.running()
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY
         self._group.say_started(early=early)
+        await self._goodput.began(round_.round, self._spawned_at)
         with contextlib.suppress(InvalidTransition):
             await self.ctx.update_job(self.job_id, state=JobState.RUNNING, round=round_.round)
         await self._recovery.poststart(
@@ -510,6 +557,7 @@ class JobAgent:
     async def _stop_group(self, target: WorkerState | None) -> None:
         if await self._group.stop():
             self._recovery.stopped(self.spawn_seq)
+        await self._progress.report()  # the attempt's last steps and checkpoint, in the job
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
@@ -528,6 +576,7 @@ class JobAgent:
         root, what = self._group.root_cause(cause, round_.round, at)
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
+        self._job_progress = job.progress
         pending = job.pending_failure
         return m.FailureRecorded(
             job_ended=job.state.is_terminal,

@@ -3,9 +3,10 @@
 :func:`plan_attempt` takes the round this node joined and the job, and
 returns an :class:`AttemptPlan`: the ranks of the local workers, each
 worker's launch (argv with torchrun's ``${local_rank}`` substituted, the
-environment contract, its folder under the log layout, its console streams),
-the heartbeat files and the group view to publish. The agent then acts on it
-(heartbeat files, the spawn, events). A round that gives this node more or
+environment contract with the job's last checkpoint (``progress``), its
+folder under the log layout, its console streams), the heartbeat files
+and the group view to publish. The agent then acts on it (heartbeat files,
+the spawn, events). A round that gives this node more or
 fewer workers than the job asks for is refused here: the round document is
 shared state that anyone with store access can write.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.logs import LogLayout
-from elasticd.models import GroupView, JobSpec, WorkerView, console_streams
+from elasticd.models import GroupView, JobProgress, JobSpec, WorkerView, console_streams
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks, ranks_from
 from elasticd.states import WorkerState
@@ -67,6 +68,7 @@ def plan_attempt(
     node: NodeFacts,
     state: WorkerState,
     now: float,
+    progress: JobProgress | None = None,
 ) -> AttemptPlan:
     """The plan of this node's ``spawn_seq``-th start of the job, in ``round_`` (see the module)."""
     seat = round_.seat
@@ -99,6 +101,8 @@ def plan_attempt(
         daemon_url=node.daemon_url,
         token_file=node.token_file,
         cuda_visible_devices=node.cuda_visible_devices,
+        checkpoint_step=progress.checkpoint_step if progress is not None else None,
+        checkpoint_path=progress.checkpoint_path if progress is not None else None,
     )
     tag = f"{round_.round}.{restart_count}"
     heartbeats = {r.local_rank: logs.heartbeat_file(job_id, spawn_seq, r.local_rank) for r in ranks}

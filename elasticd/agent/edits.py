@@ -9,6 +9,8 @@ that document alone):
   RESTARTING) until the next round forms;
 * :func:`settle_failure`: when a round forms, charge the previous round's
   failure once, or free it when a participant did not come back (a node loss);
+  a charged failure also closes the attempt's progress and may fail the job
+  for ``max_no_progress_restarts`` (:func:`elasticd.agent.checkpoints.close_attempt`);
 * :func:`charge_now`: spend a restart at once (a failed health check);
 * :func:`merge_recovery`: fold one node's recovery timeline into the job's.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import signal as signals
 from pathlib import Path
 
+from elasticd.agent.checkpoints import close_attempt
 from elasticd.agent.progress import Hang
 from elasticd.models import (
     Job,
@@ -154,22 +157,18 @@ def settle_failure(round_: RoundInfo) -> JobMutation:
         lost = sorted(set(pending.participants) - set(round_.participants))
         if lost:  # a participant did not come back: a membership change, free
             return {"pending_failure": None, "charged_round": pending.round}
+        err = pending.error
+        root = f"root cause: rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+        progress, stuck = close_attempt(job, pending.round)
+        charged: JobEdit = {"pending_failure": None, "charged_round": pending.round}
+        if progress != job.progress:
+            charged["progress"] = progress
         if job.restart_count >= job.max_restarts:
-            err = pending.error
-            return {
-                "pending_failure": None,
-                "charged_round": pending.round,
-                "state": JobState.FAILED,
-                "reason": (
-                    f"restart budget spent ({job.max_restarts} restarts); root cause: "
-                    f"rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
-                ),
-            }
-        return {
-            "pending_failure": None,
-            "charged_round": pending.round,
-            "restart_count": job.restart_count + 1,
-        }
+            reason = f"restart budget spent ({job.max_restarts} restarts); {root}"
+            return {**charged, "state": JobState.FAILED, "reason": reason}
+        if stuck is not None:
+            return {**charged, "state": JobState.FAILED, "reason": f"{stuck}; {root}"}
+        return {**charged, "restart_count": job.restart_count + 1}
 
     return edit
 

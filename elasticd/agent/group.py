@@ -28,10 +28,11 @@ from elasticd.agent.hooks import Attempt, OutputHook, ProgressHook
 from elasticd.agent.progress import Hang
 from elasticd.errors import ElasticdError
 from elasticd.eventkinds import EventKind
-from elasticd.models import JobSpec, RootCause
+from elasticd.models import JobSpec, RootCause, StandbyView
 from elasticd.security import Identity
 from elasticd.states import WorkerState
 from elasticd.supervise.process import GroupResult, WorkerExit, WorkerGroupProcesses
+from elasticd.supervise.standby import StandbyPool
 from elasticd.tasks import TaskSet
 from elasticd.worker.names import attempt_tag
 
@@ -58,6 +59,19 @@ class LocalGroup:
     all_exited: asyncio.Event = field(default_factory=asyncio.Event)
     held: list[WorkerExit] | None = None
     """Exits of early workers, reported (in order) once their start is confirmed."""
+    standbys: StandbyPool | None = None
+    """A ``prewarm`` job's standby interpreters for the next attempt
+    (:mod:`~elasticd.supervise.standby`)."""
+
+    def __post_init__(self) -> None:
+        if self.spec.prewarm:
+            self.standbys = StandbyPool(
+                self.job_id,
+                self.spec.prewarm,
+                self.ctx.policy,
+                on_lost=self._standby_lost,
+                on_ready=self.show_standbys,
+            )
 
     def log_dir(self, local_rank: int) -> Path:
         seq = self.attempt.spawn_seq if self.attempt is not None else 0
@@ -80,6 +94,10 @@ class LocalGroup:
         self.progress.prerun(attempt, plan.heartbeats, identity)
         self.exited = set()
         self.all_exited = asyncio.Event()
+        pool = self.standbys
+        had_standbys = pool is not None and pool.filled
+        if pool is not None:
+            pool.cold.clear()
         self.processes = await WorkerGroupProcesses.start(
             plan.launches,
             on_output=self.output.forwarder(attempt),
@@ -88,8 +106,78 @@ class LocalGroup:
             storage=self.ctx.storage,
             policy=self.ctx.policy,
             on_written=self.ctx.log_growth,
+            standbys=pool,
         )
         self.output.poststart(attempt, self.processes)
+        if pool is not None:
+            self._say_how_started(attempt, pool, had_standbys)
+            # After the workers: the attempt is never delayed by its own standbys.
+            self.background.spawn(self._fill(pool, plan, identity), f"standbys-{self.job_id}")
+
+    def _say_how_started(self, attempt: Attempt, pool: StandbyPool, had_standbys: bool) -> None:
+        """``workers.warm_start`` for the ranks handed to standbys, ``worker.cold_start``
+        (and why) for the others; nothing on a first start (no standby could exist yet)."""
+        processes = self.processes
+        assert processes is not None
+        first = attempt.round.round == 0 and attempt.spawn_seq == 0
+        warm = [r for r in sorted(processes.pids) if r not in pool.cold and had_standbys]
+        if warm:
+            pids = [processes.pids[r] for r in warm]
+            self.emit(
+                EventKind.WORKERS_WARM_START,
+                f"attempt {attempt.spawn_seq} on {self.ctx.node}: local ranks "
+                f"{', '.join(map(str, warm))} took over their standbys (pids "
+                f"{', '.join(map(str, pids))})",
+                attempt=attempt.spawn_seq,
+                count=len(warm),
+                pids=pids,
+            )
+        for rank in sorted(processes.pids):
+            if rank in warm or (first and not had_standbys):
+                continue
+            reason = pool.cold.get(rank)
+            if reason is None or (not had_standbys and reason == "no standby for it"):
+                reason = (
+                    "this node has no standbys yet (it joined the job late, or its agent is new)"
+                )
+            self.emit(
+                EventKind.WORKER_COLD_START,
+                f"rank {attempt.rank_of(rank)} on {self.ctx.node} started cold: {reason}",
+                attempt=attempt.spawn_seq,
+                rank=attempt.rank_of(rank),
+                local_rank=rank,
+                pid=processes.pids[rank],
+            )
+
+    async def _fill(self, pool: StandbyPool, plan: AttemptPlan, identity: Identity | None) -> None:
+        await pool.fill(plan.launches, identity)
+        self.show_standbys()
+
+    def show_standbys(self) -> None:
+        """The standbys (and their memory) in the group view, published."""
+        pool, attempt = self.standbys, self.attempt
+        if pool is None or attempt is None:
+            return
+        attempt.view.standbys = [
+            StandbyView(local_rank=i.local_rank, pid=i.pid, state=i.state, rss_bytes=i.rss_bytes)
+            for i in pool.infos()
+        ]
+        self.changed()
+
+    def _standby_lost(self, local_rank: int, reason: str) -> None:
+        attempt = self.attempt
+        self.emit(
+            EventKind.STANDBY_LOST,
+            f"the standby of local rank {local_rank} on {self.ctx.node} was lost: {reason}",
+            attempt=attempt.spawn_seq if attempt is not None else None,
+            local_rank=local_rank,
+        )
+        self.show_standbys()
+
+    async def close_standbys(self) -> None:
+        """Kill the standbys (the job is over here, or the agent stops)."""
+        if self.standbys is not None:
+            await self.standbys.aclose()
 
     def running(self) -> None:
         """The workers run as the round's: the heartbeats' clocks start, the view HEALTHY."""

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal as signals
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from elasticd.agent.checkpoints import merge_attempt, observe
 from elasticd.agent.context import ConsoleSink, Emit, JobUpdater
 from elasticd.agent.edits import merge_recovery
 from elasticd.agent.ports import HealthChecks
@@ -38,10 +40,11 @@ from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSetting
 from elasticd.agent.recovery import RecoveryTimeline
 from elasticd.clock import Clock
 from elasticd.console import ConsoleLine
-from elasticd.errors import InvalidTransition
+from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind, recovery_phase_kind
+from elasticd.goodput import Observation
 from elasticd.logs import stream_file
-from elasticd.models import GroupView, JobSpec, RootCause, std_for_rank
+from elasticd.models import AttemptProgress, GroupView, JobSpec, RootCause, std_for_rank
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity
@@ -60,6 +63,8 @@ __all__ = [
     "wait_for_growth",
 ]
 
+log = logging.getLogger("elasticd.agent")
+
 
 @dataclass
 class Attempt:
@@ -72,6 +77,8 @@ class Attempt:
     view: GroupView
     tag: str
     """``ELASTICD_ATTEMPT``: ``<round>.<restart count>``."""
+    started_from: int | None = None
+    """The job's checkpoint step the workers were given (``ELASTICD_CHECKPOINT_STEP``)."""
 
     def rank_of(self, local_rank: int) -> int:
         ranks = self.ranks
@@ -237,9 +244,18 @@ class RecoveryHook:
             )
 
 
+#: Seconds between two reads of the heartbeat files for steps and checkpoints
+#: (:meth:`ProgressHook.watch`; 1 KiB ``pread`` per worker, no store write unless a
+#: checkpoint landed).
+PROGRESS_POLL_S = 1.0
+#: The longest a stop waits to write its attempt's progress (the store may be out).
+PROGRESS_WRITE_TIMEOUT_S = 5.0
+
+
 @dataclass
 class ProgressHook:
-    """The heartbeat files of the attempt's workers: progress in the view, and hangs."""
+    """The heartbeat files of the attempt's workers: progress in the view, hangs, and the
+    attempt's steps and checkpoints (:mod:`elasticd.agent.checkpoints`) in the job."""
 
     emit: Emit
     node: str
@@ -248,8 +264,15 @@ class ProgressHook:
     owner_user: str | None
     on_progress: Callable[[], None]
     """Told after each read of the files (the view's ``last_progress_at`` is fresh)."""
+    job_id: str
+    clock: Clock
+    update_job: JobUpdater
     monitor: ProgressMonitor | None = None
     attempt: Attempt | None = None
+    progress: AttemptProgress | None = None
+    """This node's record of the attempt's steps and checkpoints (rebuilt from the files)."""
+    reported: AttemptProgress | None = None
+    """What of it the job document has (from this node)."""
 
     def prerun(
         self, attempt: Attempt, heartbeats: dict[int, Path], identity: Identity | None
@@ -257,9 +280,15 @@ class ProgressHook:
         """Before the spawn: the files are made (workers open them at their first ping)."""
         self.close()  # the previous attempt's descriptors
         self.attempt = attempt
+        self.progress = AttemptProgress(
+            round=attempt.round.round, started_from=attempt.started_from
+        )
+        self.reported = None
         self.monitor = ProgressMonitor(
             heartbeats,
-            ProgressSettings(self.spec.progress_timeout, self.spec.startup_timeout),
+            ProgressSettings.of(
+                self.spec.progress_timeout, self.spec.startup_timeout, self.spec.checkpoint_timeout
+            ),
             user=self.spec.user,  # the worker's own user must write its file
             owner_user=self.owner_user,
             owner=None if identity is None else (identity.uid, identity.gid),
@@ -291,12 +320,59 @@ class ProgressHook:
         return await self.monitor.wait_for_hang()
 
     def refresh(self, *, running_only: bool = False) -> None:
-        """The view's ``last_progress_at`` from the files (64 bytes each)."""
+        """The view's ``last_progress_at`` and steps from the files (1 KiB each)."""
         if self.attempt is None or self.monitor is None:
             return
         for w in self.attempt.view.workers:
             if not running_only or w.state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY):
                 w.last_progress_at = self.monitor.last_progress_at(w.local_rank)
+                beat = self.monitor.beat(w.local_rank)
+                if beat is not None:
+                    w.step, w.checkpoint_step = beat.step, beat.checkpoint_step
+
+    def observe(self) -> AttemptProgress | None:
+        """Read every worker's file (those that exited too) into :attr:`progress`."""
+        if self.monitor is None or self.progress is None:
+            return self.progress
+        offset = self.clock.time() - self.clock.monotonic()
+        self.progress = observe(self.progress, self.monitor.beats(finished=True), offset)
+        return self.progress
+
+    async def watch(self) -> None:
+        """While the workers run: read the files every :data:`PROGRESS_POLL_S`; write the
+        attempt's progress into the job when a checkpoint landed. Never returns."""
+        while True:
+            mine = self.observe()
+            if mine is not None and _new_checkpoint(mine, self.reported):
+                await self._write(mine)
+            await asyncio.sleep(PROGRESS_POLL_S)
+
+    async def report(self) -> None:
+        """The workers stopped: write the attempt's last progress into the job (bounded)."""
+        mine = self.observe()
+        if mine is None or mine == self.reported:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(PROGRESS_WRITE_TIMEOUT_S):
+                await self._write(mine)
+
+    async def _write(self, mine: AttemptProgress) -> None:
+        try:
+            await self.update_job(self.job_id, mutate=merge_attempt(mine, self.clock.time()))
+        except ElasticdError as exc:  # the store, or the job ended: the next read retries
+            log.info("job %s on %s: progress not written (%s)", self.job_id, self.node, exc)
+            return
+        except Exception:  # a report is never a reason for the job to fail
+            log.exception("job %s on %s: progress not written", self.job_id, self.node)
+            return
+        self.reported = mine
+
+    def observations(self) -> list[Observation]:
+        """Every worker's heartbeat as read now (also those that exited), for goodput."""
+        monitor = self.monitor
+        if monitor is None:
+            return []
+        return [monitor.observation(rank) for rank in sorted(monitor.files)]
 
     def _checked(self, beats: list[Beat]) -> None:
         if self.attempt is None or self.monitor is None:
@@ -316,6 +392,15 @@ class ProgressHook:
             rank=rank,
             local_rank=local_rank,
         )
+
+
+def _new_checkpoint(mine: AttemptProgress, reported: AttemptProgress | None) -> bool:
+    """Whether ``mine`` has a checkpoint (or a first step) the job was not told of."""
+    if reported is None:  # the attempt's first report: its start (first ping) and origin
+        return mine.first_step_at is not None
+    return mine.checkpoint_step is not None and (
+        reported.checkpoint_step is None or mine.checkpoint_step > reported.checkpoint_step
+    )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,20 @@ The rules (settings of the job):
 * ``startup_timeout`` (optional): a worker that has not pinged yet must do so
   within this many seconds of its start. Without it, a worker that never
   pings is never declared hung: it may not use the library at all.
+* ``progress_timeout: "auto"``: the timeout is sized from the intervals
+  between pings the monitor observes (:func:`auto_timeout`): each read that
+  finds new pings gives one sample, the mean interval since the previous
+  read; after :data:`AUTO_WARMUP_SAMPLES` samples the timeout is
+  :data:`AUTO_MULTIPLIER` times their :data:`AUTO_PERCENTILE` percentile
+  (the last :data:`AUTO_WINDOW`), never under :data:`AUTO_FLOOR_S`; before
+  that (start-up, compilation, the first steps) it is
+  :data:`AUTO_WARMUP_TIMEOUT_S`. The samples live in the monitor only: a
+  restarted daemon (or a new attempt) warms up again.
+* ``checkpoint_timeout`` (optional): while a checkpoint is in progress
+  (``checkpointing()`` until ``checkpointed()``), the worker's deadline is
+  the later of its usual one and ``checkpoint start + checkpoint_timeout``;
+  without it, a checkpoint in progress has no deadline. A slow checkpoint is
+  not a hang.
 
 **Event-by-deadline, not polling.** A worker's deadline only moves forward,
 and only when it pings: it is ``last ping + progress_timeout`` (or ``start +
@@ -52,16 +66,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
+from elasticd.goodput import Observation
 from elasticd.supervise.env import WITHHELD
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
 from elasticd.tasks import race
@@ -69,11 +86,18 @@ from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
 
 __all__ = [
+    "AUTO_FLOOR_S",
+    "AUTO_MULTIPLIER",
+    "AUTO_PERCENTILE",
+    "AUTO_WARMUP_SAMPLES",
+    "AUTO_WARMUP_TIMEOUT_S",
+    "AUTO_WINDOW",
     "Beat",
     "Hang",
     "ProgressMonitor",
     "ProgressSettings",
     "StackDump",
+    "auto_timeout",
     "dump_stacks",
     "next_deadline",
 ]
@@ -82,23 +106,71 @@ __all__ = [
 MAX_STACKS_CHARS = 64 * 1024
 
 
+#: ``progress_timeout: "auto"``: samples (mean ping intervals) needed before the sizing applies.
+AUTO_WARMUP_SAMPLES = 5
+#: ... and the timeout until then: start-up, compilation and first steps are slow.
+AUTO_WARMUP_TIMEOUT_S = 600.0
+#: The percentile of the samples the timeout is a multiple of.
+AUTO_PERCENTILE = 0.95
+#: The multiple.
+AUTO_MULTIPLIER = 4.0
+#: The least an automatic timeout is: a step a few times slower than usual is not a hang.
+AUTO_FLOOR_S = 10.0
+#: The most recent samples kept (per worker group).
+AUTO_WINDOW = 256
+
+
 @dataclass(frozen=True)
 class ProgressSettings:
     """A job's progress rules; ``None`` turns a rule off."""
 
     progress_timeout: float | None = None
     startup_timeout: float | None = None
+    auto: bool = False
+    """``progress_timeout: "auto"``: sized from observed intervals (then ``progress_timeout``
+    is ignored; :func:`auto_timeout` gives it)."""
+    checkpoint_timeout: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("progress_timeout", "startup_timeout"):
+        for name in ("progress_timeout", "startup_timeout", "checkpoint_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
 
+    @classmethod
+    def of(
+        cls,
+        progress_timeout: float | str | None,
+        startup_timeout: float | None = None,
+        checkpoint_timeout: float | None = None,
+    ) -> ProgressSettings:
+        """From a job spec's fields (``progress_timeout`` may be ``"auto"``)."""
+        auto = progress_timeout == "auto"
+        return cls(
+            progress_timeout=None if auto or progress_timeout is None else float(progress_timeout),
+            startup_timeout=startup_timeout,
+            auto=auto,
+            checkpoint_timeout=checkpoint_timeout,
+        )
+
     @property
     def enabled(self) -> bool:
         """Whether any rule is on."""
-        return self.progress_timeout is not None or self.startup_timeout is not None
+        return self.progress_timeout is not None or self.startup_timeout is not None or self.auto
+
+
+def auto_timeout(samples: Sequence[float]) -> float:
+    """The automatic ``progress_timeout`` for these ping intervals (seconds; pure).
+
+    :data:`AUTO_WARMUP_TIMEOUT_S` before :data:`AUTO_WARMUP_SAMPLES`
+    samples; then :data:`AUTO_MULTIPLIER` times the :data:`AUTO_PERCENTILE`
+    percentile (nearest rank), floored at :data:`AUTO_FLOOR_S`.
+    """
+    if len(samples) < AUTO_WARMUP_SAMPLES:
+        return AUTO_WARMUP_TIMEOUT_S
+    ordered = sorted(samples)
+    high = ordered[min(len(ordered) - 1, math.ceil(AUTO_PERCENTILE * len(ordered)) - 1)]
+    return min(86_400.0, max(AUTO_FLOOR_S, AUTO_MULTIPLIER * high))
 
 
 @dataclass(frozen=True)
@@ -112,6 +184,13 @@ class Beat:
     """When it last pinged; None when it never did."""
     count: int = 0
     """How many pings so far."""
+    step: int | None = None
+    """The last step it reported (``ping(step=N)``)."""
+    checkpoint_step: int | None = None
+    """Its last durable checkpoint (``checkpointed(step)``)."""
+    checkpoint_path: str | None = None
+    checkpointing_since: float | None = None
+    """When the checkpoint in progress began (monotonic); None when none is."""
 
 
 @dataclass(frozen=True)
@@ -124,60 +203,82 @@ class Hang:
     never_pinged: bool
     deadline: float
     """The monotonic time it was due by."""
+    rule: str = "progress_timeout"
+    """The rule it broke: ``progress_timeout`` (``= auto, N s`` when sized), ``startup_timeout``,
+    ``checkpoint_timeout``."""
 
     def describe(self) -> str:
         """One line for people."""
         if self.never_pinged:
             return (
                 f"local rank {self.local_rank} has not reported progress since it started "
-                f"{self.silent_for:.1f} s ago (startup_timeout)"
+                f"{self.silent_for:.1f} s ago ({self.rule})"
             )
         return (
             f"local rank {self.local_rank} has reported no progress for "
-            f"{self.silent_for:.1f} s (progress_timeout)"
+            f"{self.silent_for:.1f} s ({self.rule})"
         )
 
 
-def deadline_of(beat: Beat, settings: ProgressSettings) -> float | None:
-    """When ``beat``'s worker is due next; None when no rule applies to it."""
+def deadline_of(
+    beat: Beat, settings: ProgressSettings, auto: float | None = None
+) -> tuple[float, str] | None:
+    """When ``beat``'s worker is due next, and the rule; None when no rule applies to it.
+
+    ``auto``: the automatic progress timeout (:func:`auto_timeout`) when the
+    settings ask for one.
+    """
     if beat.last_ping is None:
         if settings.startup_timeout is None:
             return None
-        return beat.started_at + settings.startup_timeout
-    if settings.progress_timeout is None:
-        return None
-    return beat.last_ping + settings.progress_timeout
+        return beat.started_at + settings.startup_timeout, "startup_timeout"
+    timeout = settings.progress_timeout
+    rule = "progress_timeout"
+    if settings.auto:
+        timeout = AUTO_WARMUP_TIMEOUT_S if auto is None else auto
+        rule = f"progress_timeout = auto, {timeout:.1f} s"
+    due = None if timeout is None else (beat.last_ping + timeout, rule)
+    if beat.checkpointing_since is not None:
+        # A checkpoint in progress: its own bound, and only ever later than the usual one.
+        if settings.checkpoint_timeout is None:
+            return None
+        mine = beat.checkpointing_since + settings.checkpoint_timeout
+        if due is None or mine > due[0]:
+            due = (mine, "checkpoint_timeout")
+    return due
 
 
 def next_deadline(
-    beats: Iterable[Beat], now: float, settings: ProgressSettings
+    beats: Iterable[Beat], now: float, settings: ProgressSettings, auto: float | None = None
 ) -> tuple[float | None, Hang | None]:
     """The pure decision: ``(earliest future deadline, None)`` or ``(None, hang)``.
 
     A hang is reported for the worker most overdue (lowest local rank on a
     tie). ``(None, None)`` means nothing can become hung until a beat changes
-    (no rule applies, or no worker is left).
+    (no rule applies, or no worker is left). ``auto``: as for :func:`deadline_of`.
     """
     earliest: float | None = None
-    worst: tuple[float, int, Beat] | None = None
+    worst: tuple[float, int, Beat, str] | None = None
     for beat in beats:
-        due = deadline_of(beat, settings)
-        if due is None:
+        ruled = deadline_of(beat, settings, auto)
+        if ruled is None:
             continue
+        due, rule = ruled
         if due <= now:
-            key = (due, beat.local_rank, beat)
+            key = (due, beat.local_rank, beat, rule)
             if worst is None or key[:2] < worst[:2]:
                 worst = key
         elif earliest is None or due < earliest:
             earliest = due
     if worst is not None:
-        due, _, beat = worst
+        due, _, beat, rule = worst
         since = beat.started_at if beat.last_ping is None else beat.last_ping
         return None, Hang(
             local_rank=beat.local_rank,
             silent_for=max(0.0, now - since),
             never_pinged=beat.last_ping is None,
             deadline=due,
+            rule=rule,
         )
     return earliest, None
 
@@ -228,6 +329,11 @@ class ProgressMonitor:
         self._started: dict[int, float] = {}
         self._done: set[int] = set()
         self._changed = asyncio.Event()
+        #: ``progress_timeout: "auto"``: the mean ping interval of each read that found
+        #: new pings, and what each worker's last read found (count, last ping).
+        self.samples: deque[float] = deque(maxlen=AUTO_WINDOW)
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._auto: float | None = None
 
     def prepare(self) -> None:
         """Create every heartbeat file, "never pinged", owned by the job's user; keep descriptors.
@@ -252,6 +358,9 @@ class ProgressMonitor:
                     stage=SpawnStage.HEARTBEAT,
                 ) from exc
         self._reported.clear()
+        self._seen.clear()
+        self.samples.clear()
+        self._auto = None
 
     def close(self) -> None:
         """Release the descriptors of the heartbeat files (idempotent)."""
@@ -284,8 +393,47 @@ class ProgressMonitor:
         if value is None or value.last is None:
             return Beat(local_rank, started, None, 0)
         # A value from the future is garbage (or a lie): count it as "now", never later.
+        now = self._clock.monotonic()
+        last = min(value.last, now)
+        self._sample(local_rank, value.count, last)
+        since = value.checkpointing_since
+        return Beat(
+            local_rank,
+            started,
+            last,
+            value.count,
+            step=value.step,
+            checkpoint_step=value.checkpoint_step,
+            checkpoint_path=value.checkpoint_path,
+            checkpointing_since=None if since is None else min(since, now),
+        )
+
+    def _sample(self, local_rank: int, count: int, last: float) -> None:
+        """One interval sample for ``"auto"``: the mean gap of the pings since the last read."""
+        seen = self._seen.get(local_rank)
+        self._seen[local_rank] = (count, last)
+        if not self.settings.auto or seen is None or count <= seen[0] or last <= seen[1]:
+            return
+        self.samples.append((last - seen[1]) / (count - seen[0]))
+        auto = auto_timeout(self.samples)
+        if auto != self._auto:
+            self._auto = auto
+            self._changed.set()  # the waiter sleeps until a deadline of the old timeout
+
+    @property
+    def auto(self) -> float | None:
+        """The automatic progress timeout now (None unless the settings ask for one)."""
+        return auto_timeout(self.samples) if self.settings.auto else None
+
+    def observation(self, local_rank: int) -> Observation:
+        """The worker's progress as read now, in wall time, for goodput (also once it exited)."""
+        handle = self._handles.get(local_rank)
+        value = handle.read() if handle is not None else None
+        if value is None or value.last is None:
+            return Observation(None)
         last = min(value.last, self._clock.monotonic())
-        return Beat(local_rank, started, last, value.count)
+        at = self._clock.time() - (self._clock.monotonic() - last)
+        return Observation(at, value.step, value.checkpoint_step)
 
     def _check_replaced(self, local_rank: int, handle: HeartbeatFile) -> None:
         if local_rank in self._reported or self._on_replaced is None:
@@ -302,11 +450,11 @@ class ProgressMonitor:
             return None
         return self._clock.time() - (self._clock.monotonic() - beat.last_ping)
 
-    def beats(self) -> list[Beat]:
-        """The beats of every started worker that has not finished."""
+    def beats(self, *, finished: bool = False) -> list[Beat]:
+        """The beats of every started worker that has not finished (``finished``: all)."""
         out = []
         for rank in sorted(self._started):
-            if rank in self._done:
+            if rank in self._done and not finished:
                 continue
             beat = self.beat(rank)
             if beat is not None:
@@ -320,18 +468,17 @@ class ProgressMonitor:
             beats = self.beats()
             if self._on_check is not None:
                 self._on_check(beats)  # e.g. refresh last_progress_at in the published view
-            deadline, hang = next_deadline(beats, self._clock.monotonic(), self.settings)
+            now = self._clock.monotonic()
+            deadline, hang = next_deadline(beats, now, self.settings, self.auto)
             if hang is not None:
                 return hang
             waits: list[Awaitable[Any]] = [self._changed.wait()]
-            if (
-                deadline is None
-                and self.settings.progress_timeout is not None
-                and any(b.last_ping is None for b in beats)
-            ):
+            timeout = self.auto if self.settings.auto else self.settings.progress_timeout
+            if deadline is None and timeout is not None and beats:
                 # A worker that has not pinged yet has no deadline (no startup_timeout),
-                # but its first ping starts one: look again one progress_timeout later.
-                deadline = self._clock.monotonic() + self.settings.progress_timeout
+                # but its first ping starts one; a checkpoint in progress without a
+                # checkpoint_timeout ends and starts one: look again one timeout later.
+                deadline = now + timeout
             if deadline is not None:
                 waits.append(self._sleep(max(0.0, deadline - self._clock.monotonic())))
             await race(*waits)

@@ -1,5 +1,8 @@
 """Publishing a node's group view to the store (``group/<job>/<node>``), coalesced.
 
+(The same publisher writes the node's goodput record, ``gp/<job>/<node>``:
+any model one node alone writes.)
+
 Any daemon answers ``GET /jobs/{id}/workers`` from these views. The agent
 calls :meth:`GroupPublisher.request` on every change; one background task
 writes the latest view, so a burst of changes costs one write. A write the
@@ -19,6 +22,8 @@ import json
 import logging
 from collections.abc import Callable
 
+from pydantic import BaseModel
+
 from elasticd.errors import ElasticdError
 from elasticd.models import GroupView
 from elasticd.store import Store
@@ -32,7 +37,7 @@ FLUSH_TIMEOUT = 5.0
 
 
 class GroupPublisher:
-    def __init__(self, store: Store, key: str, view: Callable[[], GroupView | None]) -> None:
+    def __init__(self, store: Store, key: str, view: Callable[[], BaseModel | None]) -> None:
         self._store = store
         self._key = key
         self._view = view

@@ -483,6 +483,10 @@ class Daemon:
             storage=self.storage,
             db=self.db,
         )
+        agents = self.jobs.supervisor.agents
+        self.metrics.standbys = lambda: {
+            job_id: agent.standby_memory() for job_id, agent in agents.items() if agent.prewarm
+        }
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
             self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())
@@ -788,6 +792,12 @@ class Daemon:
                 await self.jobs.retain_logs()
             except Exception:  # a pass that failed is tried again next time
                 log.exception("log retention failed")
+
+    async def metrics_text(self) -> bytes:
+        """``/metrics``: the series, with the goodput of the jobs run here computed now."""
+        wanted = self.metrics.goodput_to_refresh(self.jobs.running_here())
+        self.metrics.on_goodput(await self.jobs.goodput_of(wanted))
+        return self.metrics.render()
 
     def _on_refused_job(self, key: str, reason: str) -> None:
         if self._state in (DaemonState.RUNNING, DaemonState.STARTING):

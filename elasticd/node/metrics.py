@@ -16,6 +16,10 @@ job ended still shows how it ended while a daemon that runs thousands of
 jobs does not grow its ``/metrics`` page forever. The names are listed in
 ``docs/observability.md``.
 
+The standby interpreters of ``prewarm`` jobs (their number and memory) are
+read at scrape time from the agents, through :attr:`Metrics.standbys`,
+which the daemon sets.
+
 Two tables say which events feed what, so a new event kind from the agent
 needs one line here, not a new code path:
 
@@ -32,7 +36,7 @@ every daemon's ``/metrics`` includes them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,11 +45,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
+from elasticd.goodput import Goodput
 from elasticd.models import Event, Job
 from elasticd.node.looplag import LAG_BUCKETS, LoopLag
 from elasticd.sched.plan import FleetPlan
@@ -254,6 +259,25 @@ class _JobSeries(Collector):
                 flaky.add_metric([job_id, role], value)
         yield flaky
 
+        ratio = GaugeMetricFamily(
+            "elasticd_job_goodput_ratio",
+            "Share of a job's wall time that became kept progress (docs/goodput.md), as of "
+            "the scrape, for the jobs this node runs or ran.",
+            labels=["job_id"],
+        )
+        badput = CounterMetricFamily(
+            "elasticd_job_badput_seconds",
+            "Seconds of a job's wall time that were not kept progress, by kind (startup, "
+            "queue, recovery, lost_work, hang, preempted, other; docs/goodput.md).",
+            labels=["job_id", "kind"],
+        )
+        for job_id, g in sorted(m.goodput.items()):
+            if job_id in ids:
+                ratio.add_metric([job_id], g.goodput)
+                for kind, seconds in g.badput_s.items():
+                    badput.add_metric([job_id, kind], seconds)
+        yield from (ratio, badput)
+
         queued = GaugeMetricFamily(
             "elasticd_queued_jobs",
             "Jobs waiting in the fleet's queue, by reason (capacity, unplaceable).",
@@ -280,11 +304,31 @@ class _JobSeries(Collector):
             placed.add_metric([node], count)
         yield placed
 
+        yield from _standby_series(m)
+
         build = GaugeMetricFamily(
             "elasticd_build_info", "Always 1; the daemon's version.", labels=["version"]
         )
         build.add_metric([__version__], 1)
         yield build
+
+
+def _standby_series(m: Metrics) -> Iterator[Metric]:
+    """The standby interpreters of ``prewarm`` jobs on this node: how many, and their memory."""
+    count = GaugeMetricFamily(
+        "elasticd_standby_processes",
+        "Standby interpreters this node keeps for a prewarm job's next attempt.",
+        labels=["job_id"],
+    )
+    memory = GaugeMetricFamily(
+        "elasticd_standby_resident_bytes",
+        "Resident memory of a prewarm job's standby interpreters on this node (prewarm's cost).",
+        labels=["job_id"],
+    )
+    for job_id, (n, rss) in sorted((m.standbys() if m.standbys else {}).items()):
+        count.add_metric([job_id], n)
+        memory.add_metric([job_id], rss)
+    yield from (count, memory)
 
 
 class Metrics:
@@ -293,6 +337,8 @@ class Metrics:
 
     def __init__(self, *, keep_finished: int = KEEP_FINISHED_JOBS) -> None:
         self.keep_finished = keep_finished
+        #: This node's standbys by job: (count, resident bytes); the daemon sets it.
+        self.standbys: Callable[[], Mapping[str, tuple[int, int]]] | None = None
         #: The latest job documents, by id.
         self.jobs: dict[str, Job] = {}
         #: The fleet's latest plan (the scheduler's plan watch hands it over).
@@ -301,6 +347,8 @@ class Metrics:
         self.group_states: dict[tuple[str, str], str] = {}
         #: job -> (role, flakiness) of the finished jobs this node ran.
         self.flakiness: dict[str, tuple[str, float]] = {}
+        #: job -> its goodput as last computed (:meth:`on_goodput`), for the jobs run here.
+        self.goodput: dict[str, Goodput] = {}
         self._ran_here: set[str] = set()  # jobs this node has had a worker group for
         self._recorded: set[str] = set()  # jobs whose run metrics are recorded
         self._failure_at: dict[str, float] = {}  # job -> first failed exit of its attempt
@@ -379,6 +427,17 @@ class Metrics:
 
     # inputs
 
+    def on_goodput(self, figures: Iterable[Goodput]) -> None:
+        """Take jobs' goodput, computed before a scrape (``Daemon.metrics_text``)."""
+        for g in figures:
+            self.goodput[g.job_id] = g
+
+    def goodput_to_refresh(self, running_here: Iterable[str]) -> list[str]:
+        """The jobs whose goodput a scrape computes: those this node runs, and those it ran
+        whose final figures it has not taken yet (once more, after they ended)."""
+        final = {job_id for job_id, g in self.goodput.items() if g.finished}
+        return sorted({*running_here, *(self._ran_here - final)})
+
     def on_plan(self, plan: FleetPlan) -> None:
         """Take the fleet's current plan (queue and placements)."""
         self.plan = plan
@@ -453,6 +512,7 @@ class Metrics:
             self._ran_here.discard(job_id)
             self._recorded.discard(job_id)
             self.flakiness.pop(job_id, None)
+            self.goodput.pop(job_id, None)
             self._failure_at.pop(job_id, None)
             self._recovering.discard(job_id)
         for key in [k for k in self.group_states if k[0] not in keep]:

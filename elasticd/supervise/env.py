@@ -35,6 +35,31 @@ from elasticd.rendezvous.ranks import WorkerRanks
 WITHHELD = frozenset({"NOTIFY_SOCKET", "WATCHDOG_PID", "WATCHDOG_USEC", "ELASTICD_TOKEN"})
 
 
+#: What changes from one round (or attempt) to the next for the same worker: the ranks,
+#: sizes, master, restart count and the attempt's files. A standby interpreter starts
+#: without them and gets them at the hand-off (:mod:`elasticd.supervise.standby`);
+#: everything else of a worker's environment must be the same to hand off.
+ROUND_VARIABLES = frozenset(
+    {
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_ERROR_FILE",
+        "ELASTICD_HEARTBEAT_FILE",
+        "ELASTICD_ATTEMPT",
+    }
+)
+
+
 #: The names a served daemon passes from its own environment to a job: what a login
 #: shell of the job's user would have and that says nothing about the daemon's secrets.
 #: ``HOME``, ``USER`` and ``LOGNAME`` are the job user's when it runs as another user.
@@ -112,6 +137,15 @@ class AttemptInfo:
     daemon_url: str
     token_file: str | None = None
     cuda_visible_devices: str | None = None
+    checkpoint_step: int | None = None
+    """The job's last durable checkpoint (``ELASTICD_CHECKPOINT_STEP``), None: none yet."""
+    checkpoint_path: str | None = None
+    """Where it lies (``ELASTICD_CHECKPOINT_PATH``), when the worker said."""
+
+
+#: What a restarted attempt is told of the job's last checkpoint (the daemon's value wins
+#: over the job's ``env``, which may set them for a first attempt that resumes).
+CHECKPOINT_VARS = ("ELASTICD_CHECKPOINT_STEP", "ELASTICD_CHECKPOINT_PATH")
 
 
 #: torchrun's macro in worker arguments: replaced by the worker's local rank.
@@ -134,6 +168,8 @@ def worker_env(
 ) -> dict[str, str]:
     """The complete environment of one worker."""
     env = _daemon_base(base)
+    for name in CHECKPOINT_VARS:  # never the daemon's own; the job's may seed a first attempt
+        env.pop(name, None)
     env.update(job_env)
     for name in WITHHELD:
         env.pop(name, None)
@@ -174,6 +210,10 @@ def worker_env(
         env.pop("ELASTICD_TOKEN_FILE", None)
     if heartbeat_file:
         env["ELASTICD_HEARTBEAT_FILE"] = heartbeat_file
+    if attempt.checkpoint_step is not None:
+        env["ELASTICD_CHECKPOINT_STEP"] = str(attempt.checkpoint_step)
+        if attempt.checkpoint_path:
+            env["ELASTICD_CHECKPOINT_PATH"] = attempt.checkpoint_path
     if attempt.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = attempt.cuda_visible_devices
     return env

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
@@ -34,6 +35,9 @@ from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry
 from elasticd.supervise.spawner import ChildProcess
 from elasticd.supervise.sweep import boot_id, group_has_live_members, process_start_time
 from elasticd.supervise.tracebacks import traceback_from_log
+
+if TYPE_CHECKING:
+    from elasticd.supervise.standby import StandbyPool
 
 __all__ = [
     "DEFAULT_STOP_GRACE",
@@ -243,6 +247,7 @@ class WorkerGroupProcesses:
         #: Pids killed at the stop that had left the workers' process groups (strays).
         self.strays: list[int] = []
         self._partial_reason: str | None = None
+        self._standbys: StandbyPool | None = None
 
     @classmethod
     async def start(
@@ -255,6 +260,7 @@ class WorkerGroupProcesses:
         storage: StorageHealth | None = None,
         policy: SpawnPolicy = DEFAULT_POLICY,
         on_written: Callable[[Path], None] | None = None,
+        standbys: StandbyPool | None = None,
     ) -> WorkerGroupProcesses:
         """Spawn every worker (concurrently) and start watching them.
 
@@ -266,6 +272,7 @@ class WorkerGroupProcesses:
         group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
         group._policy = policy
         group._on_written = on_written
+        group._standbys = standbys
         group._expected = len(launches)
         try:
             # Concurrently: each spawn waits for its child to join the attempt's cgroup
@@ -421,7 +428,17 @@ class WorkerGroupProcesses:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
             # user: the daemon never probes a job-chosen path with its own rights. Forked
             # in the spawner thread: a restart never stalls the event loop (issue 27).
-            process = await spawn_process(
+            process = None
+            if self._standbys is not None:
+                process = await self._standbys.hand_off(
+                    launch,
+                    identity,
+                    stdout=stdout.write_fd,
+                    stderr=stderr.write_fd,
+                    stdin=policy.worker_stdin,
+                    containment=self._containment,
+                )
+            process = process or await spawn_process(
                 argv,
                 launch.env,
                 identity=identity,

@@ -99,6 +99,7 @@ __all__ = [
     "WorkerRegistry",
     "DEFAULT_POLICY",
     "live_children",
+    "process_env",
     "spawn_process",
     "start_argv",
     "start_process",
@@ -539,10 +540,9 @@ async def _start(
     if umask is not None and not 0 <= umask <= 0o777:
         raise ValueError(f"umask {umask:#o} is out of range")
     argv = [str(arg) for arg in argv]
-    full_env = {k: v for k, v in env.items() if k not in WITHHELD}
+    full_env = process_env(env, identity)
     credentials: dict[str, object] = {}
     if identity is not None:
-        full_env.update(identity.env())
         # Switched in the child between fork and exec, in C: before the
         # wrapper sets the parent-death signal (a credential change clears it).
         credentials = {
@@ -624,6 +624,14 @@ async def _start(
         return process
     await _discard(process)  # the resolver exits 127 right after its verdict
     raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath))
+
+
+def process_env(env: Mapping[str, str], identity: Identity | None) -> dict[str, str]:
+    """The environment a process started as ``identity`` with ``env`` gets (pure)."""
+    full_env = {k: v for k, v in env.items() if k not in WITHHELD}
+    if identity is not None:
+        full_env.update(identity.env())
+    return full_env
 
 
 def _env_memfd(env: Mapping[str, str]) -> int:

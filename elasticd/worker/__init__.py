@@ -1,6 +1,6 @@
 """The worker-side library: what runs *inside* a worker that elasticd started.
 
-Three things a training script may use, none of which imports torch at
+What a training script may use, none of which imports torch at
 import time (torch is imported only by :func:`store`, which returns a
 ``torch.distributed.Store``):
 
@@ -9,6 +9,13 @@ import time (torch is imported only by :func:`store`, which returns a
   never blocks, never raises, a no-op outside elasticd. The daemon's
   progress monitor (:mod:`elasticd.agent.progress`) reads these files to
   detect hung workers. See :mod:`elasticd.worker.heartbeat` for the format.
+  ``ping(step=N)`` also carries the training step, at the same cost.
+* :func:`checkpointing` / :func:`checkpointed` — "a checkpoint begins" and
+  "the checkpoint of step N is durable (at path)", through the same file: a
+  checkpoint in progress is judged by ``checkpoint_timeout``, and a restarted
+  attempt gets the last one in ``ELASTICD_CHECKPOINT_STEP`` /
+  ``ELASTICD_CHECKPOINT_PATH``. One-line callbacks for Lightning and Hugging
+  Face call them (:mod:`elasticd.worker.integrations`).
 * :func:`record` — torch's ``@record`` without torch: an uncaught exception
   becomes ``$TORCHELASTIC_ERROR_FILE`` in torch's exact format, so the
   daemon reports it as the job's root cause.
@@ -29,12 +36,20 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd.worker import stacks as _stacks
 from elasticd.worker.errors import record, write_error_file
-from elasticd.worker.heartbeat import ping
+from elasticd.worker.heartbeat import checkpointed, checkpointing, ping
 
 if TYPE_CHECKING:
     from elasticd.worker.store import ClusterStoreClient
 
-__all__ = ["client", "ping", "record", "store", "write_error_file"]
+__all__ = [
+    "checkpointed",
+    "checkpointing",
+    "client",
+    "ping",
+    "record",
+    "store",
+    "write_error_file",
+]
 
 
 def store(namespace: str | None = None, *, timeout: float = 300.0) -> Any:

@@ -1,4 +1,4 @@
-"""The progress heartbeat: a 64-byte file the daemon creates and the worker writes through mmap.
+"""The progress heartbeat: a small file the daemon creates and the worker writes through mmap.
 
 Why a shared file and not a pipe or a socket: a ping must cost microseconds,
 never block and never fail when the daemon is gone. Writing 16 bytes into a
@@ -14,7 +14,28 @@ The file (little endian)::
     8       8     count: pings so far (0 = never pinged)
     16      8     CLOCK_MONOTONIC of the last ping, in nanoseconds
     24      4     pid of the process that mapped the file
-    28      36    reserved, zero
+    28      4     layout size: 0 in the first 64-byte layout, 1024 in this one
+    -- the progress fields (present when the layout size is 1024 or more) --
+    32      8     step: the last step reported by ping(step=N), signed; -1 = none
+    40      8     checkpoint step: the last durable checkpoint, signed; -1 = none
+    48      8     CLOCK_MONOTONIC when the checkpoint in progress began; 0 = none
+    56      4     checkpoint sequence: odd while the worker writes 40..63 and the path
+    60      2     checkpoint path length in bytes (at most 960)
+    62      2     reserved, zero
+    64      960   checkpoint path (``os.fsencode``; no NUL; read as UTF-8, bad bytes replaced)
+
+**Compatibility.** The magic and the version stay those of the first
+layout, and the first 32 bytes mean what they meant, so both halves of two
+versions of elasticd work together. A worker library that knows only 64
+bytes maps the first 64 bytes of a new file and pings (no step). A new
+worker library that finds a 64-byte file (an older daemon) pings without
+step or checkpoint. A new daemon reading an old file (a worker adopted after
+an upgrade) sees ``layout size`` 0 and reports no step and no checkpoint.
+
+**Cost.** ``ping(step=N)`` writes count, time, pid, layout size and step with
+one ``pack_into`` (the pid and layout size it writes are the values already
+there), so a step costs what a ping costs: about 0.2 µs, no system call.
+``checkpointing()`` and ``checkpointed()`` are rare and may write more.
 
 ``CLOCK_MONOTONIC`` is one clock for every process of a machine, so the
 daemon compares the value with its own ``time.monotonic()`` directly; the
@@ -28,7 +49,7 @@ Rules both sides keep:
   it created it with, never by name again. The file lies in the worker's own
   log folder, which the worker owns and may fill with anything: a FIFO, a
   symbolic link to a root-only file, a directory. None of that reaches the
-  daemon, which keeps reading (``pread``, 64 bytes) the inode it made: a
+  daemon, which keeps reading (``pread``, one file's size) the inode it made: a
   worker that maps what it put there instead reports no progress (one that
   mapped the file before replacing the path still pings the daemon's
   inode), and :meth:`HeartbeatFile.replaced` says what now lies at the path
@@ -49,9 +70,13 @@ Rules both sides keep:
 * A forked child (a DataLoader worker) does not inherit the right to ping:
   after ``fork`` the child's ping is a no-op, so only the worker itself
   reports progress.
-* The two 8-byte fields are written with one ``pack_into``; a reader that
+* The ping fields are written with one ``pack_into``; a reader that
   could see a torn write reads twice and keeps a value only when both reads
-  agree (:meth:`HeartbeatFile.read`).
+  agree (:meth:`HeartbeatFile.read`). The checkpoint fields and the path are
+  several writes, framed by the checkpoint sequence (odd while in flux): a
+  read that sees it odd reports no checkpoint fields, and the daemon keeps
+  what it last read. The path is bounded (960 bytes) and only ever read from
+  the daemon's own descriptor, like the rest of the file.
 
 This module imports only the standard library: the daemon uses its reading
 half, workers its writing half.
@@ -62,20 +87,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import mmap
+import operator
 import os
 import secrets
 import stat
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 __all__ = [
     "ENV_VAR",
     "FILE_SIZE",
+    "MAX_CHECKPOINT_PATH",
     "HeartbeatFile",
     "HeartbeatValue",
+    "checkpointed",
+    "checkpointing",
     "create_heartbeat_file",
     "ping",
     "read_heartbeat",
@@ -86,23 +115,54 @@ ENV_VAR = "ELASTICD_HEARTBEAT_FILE"
 
 MAGIC = b"EDHB"
 VERSION = 1
-FILE_SIZE = 64
+FILE_SIZE = 1024
+"""The size of the file the daemon creates (the layout with progress fields)."""
+V1_SIZE = 64
+"""The size of the first layout (count and time only), still read and written."""
+MAX_CHECKPOINT_PATH = FILE_SIZE - 64
+"""The longest checkpoint path (bytes, ``os.fsencode``) :func:`checkpointed` accepts."""
 
 _HEADER = struct.Struct("<4sI")  # magic, version
 _BEAT = struct.Struct("<QQ")  # count, monotonic ns
+_BEAT_STEP = struct.Struct("<QQIIq")  # count, monotonic ns, pid, layout size, step
 _PID = struct.Struct("<I")
+_LAYOUT = struct.Struct("<I")
+_STEP = struct.Struct("<q")
+_CHECKPOINT = struct.Struct("<qQIH")  # checkpoint step, checkpointing since ns, sequence, length
+_SINCE = struct.Struct("<Q")
+_SEQ = struct.Struct("<I")
 _BEAT_OFFSET = 8
 _PID_OFFSET = 24
+_LAYOUT_OFFSET = 28
+_STEP_OFFSET = 32
+_CHECKPOINT_OFFSET = 40
+_SINCE_OFFSET = 48
+_SEQ_OFFSET = 56
+_PATH_OFFSET = 64
 
 
 @dataclass(frozen=True)
 class HeartbeatValue:
-    """What a heartbeat file says: how many pings, and the monotonic time of the last one."""
+    """What a heartbeat file says: pings, the step, and the last durable checkpoint.
+
+    ``step``, ``checkpoint_step``, ``checkpoint_path`` and
+    ``checkpointing_since`` are None when the worker has not reported them,
+    when the file has the first (64-byte) layout, and (the checkpoint fields)
+    when the worker was writing them at the moment of the read.
+    """
 
     count: int
     last_ns: int
     """``CLOCK_MONOTONIC`` nanoseconds of the last ping; 0 when never pinged."""
     pid: int
+    step: int | None = None
+    """The last step given to ``ping(step=N)``."""
+    checkpoint_step: int | None = None
+    """The step of the last checkpoint reported by :func:`checkpointed`."""
+    checkpoint_path: str | None = None
+    """Where that checkpoint lies, when the worker said so."""
+    checkpointing_since: float | None = None
+    """``time.monotonic()`` seconds when the checkpoint in progress began (``checkpointing()``)."""
 
     @property
     def last(self) -> float | None:
@@ -144,7 +204,7 @@ class HeartbeatFile:
         try:
             fd, tmp = _create_exclusive(folder)
             try:
-                _write_all(fd, _HEADER.pack(MAGIC, VERSION) + bytes(FILE_SIZE - _HEADER.size))
+                _write_all(fd, _new_file())
                 if owner is not None:
                     os.fchown(fd, owner[0], owner[1])
                 os.fchmod(fd, 0o600)
@@ -188,6 +248,16 @@ class HeartbeatFile:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _new_file() -> bytes:
+    """The content of a fresh file: never pinged, no step, no checkpoint."""
+    data = bytearray(FILE_SIZE)
+    _HEADER.pack_into(data, 0, MAGIC, VERSION)
+    _LAYOUT.pack_into(data, _LAYOUT_OFFSET, FILE_SIZE)
+    _STEP.pack_into(data, _STEP_OFFSET, -1)
+    _STEP.pack_into(data, _CHECKPOINT_OFFSET, -1)
+    return bytes(data)
 
 
 def _create_exclusive(folder: int) -> tuple[int, str]:
@@ -267,7 +337,22 @@ def _parse(data: bytes) -> HeartbeatValue | None:
         return None
     count, last_ns = _BEAT.unpack_from(data, _BEAT_OFFSET)
     (pid,) = _PID.unpack_from(data, _PID_OFFSET)
-    return HeartbeatValue(count=count, last_ns=last_ns, pid=pid)
+    beat = HeartbeatValue(count=count, last_ns=last_ns, pid=pid)
+    if len(data) < FILE_SIZE or _LAYOUT.unpack_from(data, _LAYOUT_OFFSET)[0] < FILE_SIZE:
+        return beat  # the first layout: count and time only
+    (step,) = _STEP.unpack_from(data, _STEP_OFFSET)
+    beat = replace(beat, step=step if step >= 0 else None)
+    checkpoint_step, since_ns, seq, length = _CHECKPOINT.unpack_from(data, _CHECKPOINT_OFFSET)
+    if seq % 2 or length > MAX_CHECKPOINT_PATH:
+        return beat  # the worker is writing the checkpoint fields (or they are garbage)
+    raw = data[_PATH_OFFSET : _PATH_OFFSET + length]
+    return replace(
+        beat,
+        checkpoint_step=checkpoint_step if checkpoint_step >= 0 else None,
+        # UTF-8 with replacement: the path goes into JSON (the job document) and an env var.
+        checkpoint_path=raw.decode("utf-8", "replace") if raw and b"\0" not in raw else None,
+        checkpointing_since=since_ns / 1e9 if since_ns else None,
+    )
 
 
 # -- worker side -----------------------------------------------------------------
@@ -276,12 +361,18 @@ def _parse(data: bytes) -> HeartbeatValue | None:
 class _Heartbeat:
     """The worker's mapping of its heartbeat file; ``ping`` is the hot path."""
 
-    __slots__ = ("count", "map", "tried")
+    __slots__ = ("count", "extended", "layout", "map", "pid", "seq", "step", "tried")
 
     def __init__(self) -> None:
         self.map: mmap.mmap | None = None
         self.tried = False
+        self.extended = False
+        """The file has the progress fields (not the first 64-byte layout)."""
         self.count = 0
+        self.step = -1
+        self.seq = 0
+        self.pid = 0
+        self.layout = 0
 
     def open(self) -> None:
         """Map the file named by the environment, once; on any problem stay disabled."""
@@ -294,9 +385,15 @@ class _Heartbeat:
         except OSError:
             return
         try:
-            if os.fstat(fd).st_size < FILE_SIZE:
+            size = os.fstat(fd).st_size
+            if size < V1_SIZE:
                 return
-            mapped = mmap.mmap(fd, FILE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapped = mmap.mmap(
+                fd,
+                FILE_SIZE if size >= FILE_SIZE else V1_SIZE,
+                mmap.MAP_SHARED,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except (OSError, ValueError):
             return
         finally:
@@ -304,7 +401,12 @@ class _Heartbeat:
         if _HEADER.unpack_from(mapped, 0) != (MAGIC, VERSION):
             mapped.close()
             return
-        _PID.pack_into(mapped, _PID_OFFSET, os.getpid())
+        self.layout = _LAYOUT.unpack_from(mapped, _LAYOUT_OFFSET)[0]
+        self.extended = len(mapped) >= FILE_SIZE and self.layout >= FILE_SIZE
+        if self.extended:
+            self.seq = _SEQ.unpack_from(mapped, _SEQ_OFFSET)[0] & ~1
+        self.pid = os.getpid()
+        _PID.pack_into(mapped, _PID_OFFSET, self.pid)
         self.map = mapped
 
     def forget(self) -> None:
@@ -318,29 +420,103 @@ _OPEN_LOCK = threading.Lock()
 os.register_at_fork(after_in_child=_HB.forget)
 
 
-def ping() -> None:
-    """Tell the daemon this worker is making progress.
+def _mapping() -> mmap.mmap | None:
+    """The mapped file (mapping it on the first call); None outside elasticd."""
+    hb = _HB
+    if hb.map is None and not hb.tried:
+        with _OPEN_LOCK:
+            if not hb.tried:
+                hb.open()
+    return hb.map
+
+
+def ping(step: int | None = None) -> None:
+    """Tell the daemon this worker is making progress, at training step ``step`` if given.
 
     Costs well under a microsecond once the file is mapped (the first call
-    maps it), never blocks on the daemon and never raises. Outside elasticd
-    (no ``ELASTICD_HEARTBEAT_FILE``) it does nothing.
+    maps it), with or without a step; never blocks on the daemon and never
+    raises (a step that is not an integer of 64 bits is ignored). Without
+    ``step`` the last step given stays. Outside elasticd (no
+    ``ELASTICD_HEARTBEAT_FILE``) it does nothing.
     """
     hb = _HB
     mapped = hb.map
     if mapped is None:
-        if hb.tried:
-            return
-        with _OPEN_LOCK:
-            if not hb.tried:
-                hb.open()
-        mapped = hb.map
+        mapped = _mapping()
         if mapped is None:
             return
     hb.count += 1
     try:
-        _BEAT.pack_into(mapped, _BEAT_OFFSET, hb.count, time.monotonic_ns())
-    except (ValueError, TypeError):  # closed by a concurrent forget(); never raise
-        pass
+        if hb.extended:
+            _BEAT_STEP.pack_into(
+                mapped,
+                _BEAT_OFFSET,
+                hb.count,
+                time.monotonic_ns(),
+                hb.pid,
+                hb.layout,
+                hb.step if step is None else step,
+            )
+            if step is not None:
+                hb.step = step
+        else:
+            _BEAT.pack_into(mapped, _BEAT_OFFSET, hb.count, time.monotonic_ns())
+    except (ValueError, TypeError, struct.error):  # closed by a concurrent forget(); a bad step
+        if step is not None:  # a refused step may have left a half-written beat: rewrite it
+            hb.count -= 1
+            ping()
+
+
+def checkpointing() -> None:
+    """Say that a checkpoint begins now: until :func:`checkpointed`, ``checkpoint_timeout`` applies.
+
+    A checkpoint may take much longer than a step; while one is in progress
+    the daemon judges the worker by the job's ``checkpoint_timeout`` instead
+    of its ``progress_timeout``. Counts as a ping. Never raises; a no-op
+    outside elasticd.
+    """
+    mapped = _mapping()
+    if mapped is None:
+        return
+    if _HB.extended:
+        with contextlib.suppress(ValueError, TypeError):
+            _SINCE.pack_into(mapped, _SINCE_OFFSET, time.monotonic_ns())
+    ping()
+
+
+def checkpointed(step: int, path: str | os.PathLike[str] | None = None) -> None:
+    """Report a durable checkpoint of training step ``step`` (at ``path``, when given).
+
+    Ends the checkpoint begun by :func:`checkpointing` (if any) and counts as
+    a ping. A restarted attempt of the job gets the last checkpoint in
+    ``ELASTICD_CHECKPOINT_STEP`` (and ``ELASTICD_CHECKPOINT_PATH``). Raises
+    ``ValueError`` for a negative step, or a path longer than
+    :data:`MAX_CHECKPOINT_PATH` bytes or holding a NUL; a no-op outside
+    elasticd.
+    """
+    step = operator.index(step)
+    if not 0 <= step < 2**63:
+        raise ValueError(f"checkpointed(step): a step is a non-negative integer, not {step!r}")
+    raw = b"" if path is None else os.fsencode(path)
+    if len(raw) > MAX_CHECKPOINT_PATH or b"\0" in raw:
+        raise ValueError(
+            f"checkpointed(path=): the path must be at most {MAX_CHECKPOINT_PATH} bytes "
+            f"without NUL, not {len(raw)} bytes"
+        )
+    mapped = _mapping()
+    if mapped is None:
+        return
+    hb = _HB
+    if hb.extended:
+        with _OPEN_LOCK, contextlib.suppress(ValueError, TypeError):
+            # Odd while in flux: a reader that sees it keeps what it read before.
+            hb.seq += 1
+            _SEQ.pack_into(mapped, _SEQ_OFFSET, hb.seq)
+            mapped[_PATH_OFFSET : _PATH_OFFSET + len(raw)] = raw
+            hb.seq += 1
+            _CHECKPOINT.pack_into(mapped, _CHECKPOINT_OFFSET, step, 0, hb.seq - 1, len(raw))
+            _SEQ.pack_into(mapped, _SEQ_OFFSET, hb.seq)
+    ping()
 
 
 def _reset_for_tests() -> None:
@@ -351,3 +527,5 @@ def _reset_for_tests() -> None:
         _HB.map = None
         _HB.tried = False
         _HB.count = 0
+        _HB.step = -1
+        _HB.extended = False

@@ -127,6 +127,7 @@ async def test_the_token_never_appears_in_logs_events_api_env_or_state(tmp_path:
                 ("/jobs", {}),
                 ("/jobs/leak", {}),
                 ("/jobs/leak/workers", {}),
+                ("/jobs/leak/goodput", {}),
                 ("/jobs/leak/events", {}),
                 ("/jobs/leak/logs", {"stream": "stdout", "attempt": 0}),
                 ("/jobs/leak/logs", {"stream": "stderr", "attempt": 0}),

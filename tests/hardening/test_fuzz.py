@@ -251,6 +251,7 @@ HUGE = 10**40
         ("huge lease ttl", ("POST", "/store/leases", {"json": {"ttl": 1e300}}), 422),
         ("unknown job", ("GET", "/jobs/no-such-job", {}), 404),
         ("unknown job workers", ("GET", "/jobs/no-such-job/workers", {}), 404),
+        ("unknown job goodput", ("GET", "/jobs/no-such-job/goodput", {}), 404),
         ("unknown job events", ("GET", "/jobs/no-such-job/events", {}), 404),
         ("unknown job logs", ("GET", "/jobs/no-such-job/logs", {}), 404),
         ("cancel unknown job", ("POST", "/jobs/no-such-job/cancel", {"json": {}}), 404),
@@ -428,6 +429,11 @@ def test_a_rendezvous_document_that_is_not_json_fails_the_job_clearly(runs_jobs:
         assert job["state"] == "FAILED", job
         assert "malformed" in json.dumps(job), job
         assert c.get("/jobs/garbled/workers").status_code == 200
+        # A garbled goodput record (anyone with the cluster token writes the store) is
+        # left out of the job's figures, never an error.
+        junk = base64.b64encode(b'{"node": "evil", "attempts": [{"round": -1}]}').decode()
+        assert c.put("/store/kv", json={"key": "gp/garbled/evil", "value": junk}).status_code == 200
+        assert c.get("/jobs/garbled/goodput").status_code == 200
         assert c.get("/jobs").status_code == 200
         assert c.get("/healthz").status_code == 200
 
@@ -441,6 +447,7 @@ def test_a_job_document_that_is_not_a_job_is_a_clear_409(live: Served) -> None:
         for method, path in [
             ("GET", "/jobs/junk"),
             ("GET", "/jobs/junk/workers"),
+            ("GET", "/jobs/junk/goodput"),
             ("GET", "/jobs/junk/events"),
             ("GET", "/jobs/junk/logs"),
             ("POST", "/jobs/junk/cancel"),

@@ -135,6 +135,7 @@ async def test_local_users_on_the_socket_run_jobs_as_themselves_and_only_their_o
                 ("GET", "/jobs/hers/logs"),
                 ("GET", "/jobs/hers/events"),
                 ("GET", "/jobs/hers/workers"),
+                ("GET", "/jobs/hers/goodput"),
                 ("GET", "/store/list?prefix="),
             ]:
                 answer = request(bob, target, method, path, {} if method == "POST" else None)

@@ -3,7 +3,8 @@
 The first test runs an in-process daemon; the others run ``elasticd serve`` subprocesses
 (tests/hardening/support.py) with real jobs: the log viewer, cancel (confirmed, and
 refused for another identity's job), hash routing with back and forward, the wording of
-a job that succeeded after a failure, a phone-width layout and the favicon.
+a job that succeeded after a failure, the goodput panel, a phone-width layout and the
+favicon.
 
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
 fails, so CI cannot silently stop testing the page. The screenshot goes to
@@ -30,6 +31,8 @@ from elasticd.identity import hash_token, new_token
 from tests.conftest import PY, script
 from tests.hardening.support import Served, serve
 from tests.observability.support import CRASH_ONCE, live_daemon, url_of
+from tests.observability.test_goodput import JOB_ENV, STEP_S
+from tests.observability.test_goodput import WORKER as GOODPUT_WORKER
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 MISSING = [
@@ -360,3 +363,28 @@ async def test_the_favicon_is_served(tmp_path):
         assert icon is not None and icon.status == 200
         assert icon.headers["content-type"].startswith("image/svg+xml")
         assert (await icon.text()).startswith("<svg")
+
+
+async def test_the_goodput_panel_shows_where_the_time_went(tmp_path):
+    """A job with checkpoints and one crash: the bar has its productive and lost-work parts
+    (the API's seconds), the step chart one line per attempt, its checkpoints and the failure."""
+    work = tmp_path / "work"
+    work.mkdir()
+    worker = script(tmp_path, "steps.py", GOODPUT_WORKER.format(step_s=STEP_S))
+    artifacts = Path(os.environ.get("ELASTICD_ARTIFACTS") or tmp_path)
+    async with session(tmp_path) as s:
+        spec = {"id": "steps", "entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
+        assert (await s.api.post("/jobs", json=spec)).status_code == 201
+        await s.sign_in("#steps")
+        await s.page.wait_for_selector('#job-head .badge[data-state="SUCCEEDED"]')
+        g = (await s.api.get("/jobs/steps/goodput")).json()
+        await s.page.wait_for_selector('#goodput .bar .seg[data-kind="lost_work"]')
+        for kind in ("productive", "lost_work", "recovery", "startup"):
+            shown = await s.page.get_attribute(f'#goodput li[data-kind="{kind}"]', "data-seconds")
+            expected = g["productive_s"] if kind == "productive" else g["badput_s"][kind]
+            assert float(shown or "nan") == pytest.approx(expected, abs=0.5), kind
+        assert "lost 15 over 1 failure(s)" in await s.page.inner_text("#goodput .steps")
+        assert await s.page.locator("#goodput svg polyline").count() == 2  # two attempts
+        assert await s.page.locator("#goodput svg circle.ckpt").count() >= 5
+        assert await s.page.locator('#goodput svg line.fail[data-end="failed"]').count() == 1
+        await s.page.locator("#goodput").screenshot(path=str(artifacts / "goodput.png"))

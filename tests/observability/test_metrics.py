@@ -230,3 +230,26 @@ async def test_metrics_need_the_token_unless_public_on_loopback(
                 assert ok.status_code == 200 and "elasticd_jobs" in ok.text
         finally:
             await d.shutdown()
+
+
+def test_goodput_series_are_the_last_figures_of_jobs_run_here():
+    """elasticd_job_goodput_ratio and elasticd_job_badput_seconds_total{kind} show the figures
+    handed in; a scrape recomputes the jobs running here and, once, those that ended here."""
+    from elasticd.goodput import BADPUT_KINDS, Goodput, GoodputSteps
+
+    metrics = Metrics()
+    metrics.on_jobs([job("a", JobState.SUCCEEDED, finished_at=5.0), job("b", JobState.RUNNING)])
+    metrics.on_event(event("group.state", job_id="a", state="SUCCEEDED"))
+    assert metrics.goodput_to_refresh(["b"]) == ["a", "b"]
+    steps = GoodputSteps(max_step=None, checkpoint_step=None, lost_steps=None, failures=0)
+    bad = dict.fromkeys(BADPUT_KINDS, 0.0) | {"startup": 1.0}
+    figures = Goodput(
+        job_id="a", as_of=5, finished=True, wall_s=4, productive_s=3, goodput=0.75,
+        badput_s=bad, steps=steps, steps_reported=False, lost_work_known=False, attempts=1,
+    )  # fmt: skip
+    metrics.on_goodput([figures])
+    assert metrics.goodput_to_refresh([]) == []  # its final figures are taken
+    scrape = samples(metrics.render().decode())
+    assert value(scrape, "elasticd_job_goodput_ratio", job_id="a") == 0.75
+    labels = {"job_id": "a", "kind": "startup"}
+    assert value(scrape, "elasticd_job_badput_seconds_total", **labels) == 1.0

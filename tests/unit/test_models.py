@@ -51,6 +51,12 @@ def test_std_for_rank_reads_per_rank_maps():
         ({"entrypoint": "x", "umask": True}, "umask"),
         ({"entrypoint": "x", "umask": ""}, "umask"),
         ({"entrypoint": "x", "umask": 7.0}, "umask"),
+        ({"entrypoint": "x", "progress_timeout": "fast"}, "progress_timeout"),
+        ({"entrypoint": "x", "progress_timeout": 0}, "progress_timeout"),
+        ({"entrypoint": "x", "progress_timeout": 90_000}, "progress_timeout"),
+        ({"entrypoint": "x", "progress_timeout": True}, "progress_timeout"),
+        ({"entrypoint": "x", "checkpoint_timeout": 0}, "checkpoint_timeout"),
+        ({"entrypoint": "x", "max_no_progress_restarts": 0}, "max_no_progress_restarts"),
     ],
 )
 def test_bad_specs_name_the_field(body, field):
@@ -126,3 +132,20 @@ def test_a_umask_is_octal_text_or_an_int_kept_as_four_digits(given, kept, bits):
     """`umask` takes "077" or an int, keeps four octal digits; no umask means 0027."""
     spec = JobSpec(entrypoint="x", umask=given)
     assert (spec.umask, spec.umask_bits) == (kept, bits)
+
+
+def test_progress_rules_of_a_spec():
+    """progress_timeout is seconds or "auto"; the no-progress rule and checkpoint_timeout are
+    off by default."""
+    spec = JobSpec(entrypoint="x")
+    assert spec.progress_timeout is None and spec.checkpoint_timeout is None
+    assert spec.max_no_progress_restarts is None
+    assert (
+        JobSpec.model_validate({"entrypoint": "x", "progress_timeout": "auto"}).progress_timeout
+        == "auto"
+    )
+    assert (
+        JobSpec.model_validate({"entrypoint": "x", "progress_timeout": 5}).progress_timeout == 5.0
+    )
+    with pytest.raises(ValidationError, match='a number of seconds or "auto"'):
+        JobSpec.model_validate({"entrypoint": "x", "progress_timeout": "fast"})

@@ -212,3 +212,23 @@ def test_a_served_daemon_passes_on_the_node_settings_it_is_told_to() -> None:
         k: daemon[k] for k in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_X", "PATH")
     }
     assert job_base_env(daemon, inherit=False, passthrough=["AWS_*"])["AWS_SECRET_ACCESS_KEY"]
+
+
+def test_a_restarted_attempt_is_told_the_jobs_last_checkpoint():
+    """ELASTICD_CHECKPOINT_STEP/_PATH: the daemon's value wins; the daemon's own environment
+    never leaks one; a job's env may seed a first attempt that has none from the daemon."""
+    from dataclasses import replace
+
+    ranks = assign_ranks([NodeSlot(0, "default", 1)], 0)[0]
+    info = AttemptInfo("j1", "j1", "127.0.0.1", 29500, 1, 3, "http://127.0.0.1:7070")
+
+    def env(info, base=None, job=None):
+        return worker_env(base or {}, job or {}, ranks, info, error_file="/e.json")
+
+    stale = {"ELASTICD_CHECKPOINT_STEP": "1", "ELASTICD_CHECKPOINT_PATH": "/old"}
+    assert "ELASTICD_CHECKPOINT_STEP" not in env(info, base=stale)
+    assert env(info, job={"ELASTICD_CHECKPOINT_STEP": "7"})["ELASTICD_CHECKPOINT_STEP"] == "7"
+    told = env(replace(info, checkpoint_step=40, checkpoint_path="/ck/40"), job=stale)
+    assert told["ELASTICD_CHECKPOINT_STEP"] == "40" and told["ELASTICD_CHECKPOINT_PATH"] == "/ck/40"
+    no_path = env(replace(info, checkpoint_step=0), base=stale)
+    assert no_path["ELASTICD_CHECKPOINT_STEP"] == "0" and "ELASTICD_CHECKPOINT_PATH" not in no_path

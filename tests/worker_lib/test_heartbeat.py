@@ -143,3 +143,135 @@ async def test_a_forked_child_does_not_ping_for_its_parent(tmp_path: Path) -> No
         await finish(proc)
     value = read_heartbeat(path)
     assert value is not None and value.count == 1
+
+
+def test_a_step_rides_on_the_ping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ping(step=N) stores the step; a ping without one keeps the last; a bad step is ignored."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    assert (value := read_heartbeat(path)) is not None and value.step is None
+    monkeypatch.setenv(ENV_VAR, str(path))
+    ping(step=7)
+    ping()
+    ping(step="eight")  # type: ignore[arg-type]
+    ping(step=2**70)
+    value = read_heartbeat(path)
+    assert value is not None and value.step == 7 and value.count == 4
+    assert value.checkpoint_step is None and value.checkpointing_since is None
+
+
+def test_checkpointing_then_checkpointed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpointing() stamps a start; checkpointed() clears it and stores the step and the path."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    before = time.monotonic()
+    heartbeat.checkpointing()
+    value = read_heartbeat(path)
+    assert value is not None and value.checkpointing_since is not None
+    assert before <= value.checkpointing_since <= time.monotonic()
+    heartbeat.checkpointed(40, tmp_path / "ckpt" / "step-40.pt")
+    value = read_heartbeat(path)
+    assert value is not None and value.checkpointing_since is None
+    assert value.checkpoint_step == 40 and value.count == 2
+    assert value.checkpoint_path == str(tmp_path / "ckpt" / "step-40.pt")
+    heartbeat.checkpointed(80)
+    value = read_heartbeat(path)
+    assert value is not None and (value.checkpoint_step, value.checkpoint_path) == (80, None)
+
+
+def test_checkpointed_refuses_bad_input_even_outside_elasticd() -> None:
+    """A negative step, a NUL or an overlong path is a clear ValueError, before anything is written."""
+    with pytest.raises(ValueError, match="non-negative"):
+        heartbeat.checkpointed(-1)
+    with pytest.raises(ValueError, match="at most"):
+        heartbeat.checkpointed(1, "x" * (heartbeat.MAX_CHECKPOINT_PATH + 1))
+    with pytest.raises(ValueError, match="NUL"):
+        heartbeat.checkpointed(1, "a\0b")
+    with pytest.raises(TypeError):
+        heartbeat.checkpointed(1.5)  # type: ignore[arg-type]
+    heartbeat.checkpointed(1, "ok")  # no file: a no-op
+
+
+def test_a_checkpoint_being_written_reads_as_unknown(tmp_path: Path) -> None:
+    """An odd checkpoint sequence (the worker is mid-write) hides the checkpoint fields, not the ping."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    data = bytearray(path.read_bytes())
+    data[40:48] = (5).to_bytes(8, "little")
+    data[56:60] = (3).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    value = read_heartbeat(path)
+    assert value is not None and value.checkpoint_step is None and value.count == 0
+
+
+def test_the_first_layout_still_works_both_ways(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64-byte file (an older daemon's) is read and pinged; step and checkpoint are just absent."""
+    path = tmp_path / "hb"
+    path.write_bytes(b"EDHB" + (1).to_bytes(4, "little") + bytes(56))
+    path.chmod(0o600)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    ping(step=3)
+    heartbeat.checkpointing()
+    heartbeat.checkpointed(3, "/ckpt")
+    assert path.stat().st_size == 64
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 3 and value.pid == os.getpid()
+    assert (value.step, value.checkpoint_step, value.checkpoint_path) == (None, None, None)
+
+
+def test_an_old_worker_library_still_pings_a_new_file(tmp_path: Path) -> None:
+    """The first 32 bytes mean what they meant: a writer of the 64-byte layout is understood."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    data = bytearray(path.read_bytes())
+    assert data[:8] == b"EDHB" + (1).to_bytes(4, "little")
+    data[8:24] = (9).to_bytes(8, "little") + time.monotonic_ns().to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    value = read_heartbeat(path)
+    assert value is not None and value.count == 9 and value.step is None
+
+
+def test_a_ping_with_a_step_costs_microseconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ping(step=N) stays far below the 20 µs goal (about 0.3 µs measured; loaded-CI bound)."""
+    path = tmp_path / "hb"
+    create_heartbeat_file(path)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    ping(step=0)
+    n = 20_000
+    started = time.perf_counter()
+    for i in range(n):
+        ping(step=i)
+    per_call = (time.perf_counter() - started) / n
+    assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per ping"
+    value = read_heartbeat(path)
+    assert value is not None and value.step == n - 1
+
+
+@pytest.mark.parametrize(
+    ("length", "path", "expected"),
+    [
+        (5000, b"x" * 16, None),  # a length past the field: no checkpoint fields at all
+        (3, b"a\0b", None),  # a NUL: no path
+        (4, b"\xff/ok", "\ufffd/ok"),  # not UTF-8: replaced, so it can go into JSON
+    ],
+)
+def test_a_hostile_checkpoint_path_is_bounded_and_decoded_safely(
+    tmp_path: Path, length: int, path: bytes, expected: str | None
+) -> None:
+    """What a worker writes in the path field is read within the file, never past it, and only
+    as text the job document and an environment variable can hold."""
+    file = tmp_path / "hb"
+    create_heartbeat_file(file)
+    data = bytearray(file.read_bytes())
+    data[40:48] = (7).to_bytes(8, "little")
+    data[60:62] = length.to_bytes(2, "little")
+    data[64 : 64 + len(path)] = path
+    file.write_bytes(bytes(data))
+    value = read_heartbeat(file)
+    assert value is not None and value.checkpoint_path == expected
+    assert value.checkpoint_step == (None if length > 960 else 7)

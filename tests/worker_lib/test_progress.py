@@ -295,3 +295,93 @@ async def test_a_failing_or_stuck_py_spy_falls_back_to_the_signal(tmp_path: Path
             assert "did not finish within 0.5 s" in dump.text and "sent SIGUSR1" in dump.text
     finally:
         await finish(proc)
+
+
+# -- progress_timeout "auto" and checkpoint_timeout (pure) ------------------------------
+
+
+def test_auto_timeout_warms_up_then_sizes_from_the_high_percentile() -> None:
+    """Before the warm-up: the generous bound; then 4x the 95th percentile, floored at 10 s."""
+    from elasticd.agent.progress import (
+        AUTO_FLOOR_S,
+        AUTO_MULTIPLIER,
+        AUTO_WARMUP_SAMPLES,
+        AUTO_WARMUP_TIMEOUT_S,
+        auto_timeout,
+    )
+
+    assert auto_timeout([0.1] * (AUTO_WARMUP_SAMPLES - 1)) == AUTO_WARMUP_TIMEOUT_S
+    assert auto_timeout([0.1] * AUTO_WARMUP_SAMPLES) == AUTO_FLOOR_S
+    samples = [4.0] * 95 + [5.0] * 4 + [100.0]  # the 95th percentile is 4 s; outliers above
+    assert auto_timeout(samples) == AUTO_MULTIPLIER * 4.0 == 16.0
+    assert auto_timeout([5.0] * 20) == 20.0
+    assert auto_timeout([1e9] * 20) == 86_400.0
+
+
+@pytest.mark.parametrize(
+    ("settings", "beat", "auto", "expected"),
+    [
+        # A checkpoint in progress without checkpoint_timeout: no deadline.
+        (
+            ProgressSettings(progress_timeout=1.0),
+            Beat(0, 0.0, 10.0, 1, checkpointing_since=10.0),
+            None,
+            None,
+        ),
+        # ... with it: the later of the two.
+        (
+            ProgressSettings(progress_timeout=1.0, checkpoint_timeout=30.0),
+            Beat(0, 0.0, 10.0, 1, checkpointing_since=9.0),
+            None,
+            (39.0, "checkpoint_timeout"),
+        ),
+        (
+            ProgressSettings(progress_timeout=60.0, checkpoint_timeout=30.0),
+            Beat(0, 0.0, 10.0, 1, checkpointing_since=9.0),
+            None,
+            (70.0, "progress_timeout"),
+        ),
+        # auto: the sized timeout, named; the warm-up bound when none is given.
+        (
+            ProgressSettings(auto=True),
+            Beat(0, 0.0, 10.0, 1),
+            12.5,
+            (22.5, "progress_timeout = auto, 12.5 s"),
+        ),
+        (
+            ProgressSettings(auto=True),
+            Beat(0, 0.0, 10.0, 1),
+            None,
+            (610.0, "progress_timeout = auto, 600.0 s"),
+        ),
+        (
+            ProgressSettings(auto=True, startup_timeout=5.0),
+            Beat(0, 1.0, None),
+            12.5,
+            (6.0, "startup_timeout"),
+        ),
+    ],
+)
+def test_deadline_rules_for_checkpoints_and_auto(
+    settings: ProgressSettings, beat: Beat, auto: float | None, expected: tuple[float, str] | None
+) -> None:
+    """Which rule sets a worker's deadline, and when."""
+    from elasticd.agent.progress import deadline_of
+
+    assert deadline_of(beat, settings, auto) == expected
+
+
+def test_a_hang_names_the_rule_it_broke() -> None:
+    """A stuck checkpoint is reported as checkpoint_timeout, not as a missed step."""
+    settings = ProgressSettings(progress_timeout=1.0, checkpoint_timeout=5.0)
+    beats = [Beat(0, 0.0, 10.0, 1, checkpointing_since=10.0)]
+    assert next_deadline(beats, 12.0, settings) == (15.0, None)
+    _, hang = next_deadline(beats, 15.5, settings)
+    assert hang is not None and "(checkpoint_timeout)" in hang.describe()
+
+
+def test_settings_of_a_spec() -> None:
+    """ "auto" switches the sizing on; a number stays a fixed timeout."""
+    assert ProgressSettings.of("auto").auto and ProgressSettings.of("auto").enabled
+    assert ProgressSettings.of(2.0) == ProgressSettings(progress_timeout=2.0)
+    assert not ProgressSettings.of(None).enabled

@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping
 from typing import BinaryIO, Literal
 
 from elasticd.agent.agent import JobAgent, decode_group
+from elasticd.agent.goodput import parse_record
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
-from elasticd.keys import group_prefix, job_key
+from elasticd.goodput import Goodput, account, job_facts, merge_nodes
+from elasticd.keys import goodput_prefix, group_prefix, job_key
 from elasticd.logs import stream_file
 from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
 from elasticd.node.cluster import valid_node_url
@@ -117,6 +119,38 @@ class JobQueries:
             for w in group.workers
         ]
         return group.model_copy(update={"state": WorkerState.UNKNOWN, "workers": workers})
+
+    async def goodput(self, job_id: str) -> Goodput:
+        """Where the job's time went, as of now: every node's record joined, this
+        node's read fresh from the heartbeats (``elasticd.goodput``)."""
+        job = await self.get(job_id)
+        now = self.side.clock.time()
+        listing = await self.side.store.list(goodput_prefix(job_id))
+        records = {}
+        for entry in listing.entries:
+            node = entry.key.removeprefix(goodput_prefix(job_id))
+            record = parse_record(entry.value, node)
+            if record is not None:
+                records[node] = record
+        agent = self._agents.get(job_id)
+        if agent is not None:
+            agent.refresh_progress()
+            records[self.side.node] = agent.goodput
+        events = await self.side.events.cluster_events(job_id, 0)  # bounded by retention
+        attempts = merge_nodes(records.values())
+        return account(job_id, job_facts(job, events), attempts, now)
+
+    async def goodput_of(self, job_ids: list[str]) -> list[Goodput]:
+        """The goodput of each of these jobs that can be read now (the others are left out)."""
+        out = []
+        for job_id in job_ids:
+            with contextlib.suppress(JobNotFound, StoreError):
+                out.append(await self.goodput(job_id))
+        return out
+
+    def running_here(self) -> list[str]:
+        """The jobs this node has an agent for."""
+        return list(self._agents)
 
     async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
         await self.get(job_id)

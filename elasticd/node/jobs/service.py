@@ -155,6 +155,9 @@ class JobService:
         self.queue = self.queries.queue
         self.list_jobs = self.queries.list_jobs
         self.workers = self.queries.workers
+        self.goodput = self.queries.goodput
+        self.goodput_of = self.queries.goodput_of
+        self.running_here = self.queries.running_here
         self.list_events = self.queries.list_events
         self.follow_events = self.queries.follow_events
         self.wait = self.queries.wait

@@ -1,0 +1,174 @@
+"""The agent's goodput hook: what this node sees of each attempt, kept in the store.
+
+One record per job and node, ``gp/<job>/<node>`` (:func:`elasticd.keys.goodput_key`),
+written by this node only (a put, through a coalescing
+:class:`~elasticd.agent.publish.GroupPublisher`): each attempt's spawn,
+first progress, first and highest step, checkpoints and end
+(:class:`elasticd.goodput.AttemptFacts`). Any daemon joins the nodes'
+records into the job's accounting (:mod:`elasticd.goodput`), so it survives
+rank 0 moving to another node, and a daemon that restarts reads its record
+back before it adds to it.
+
+Volume is bounded: no write per step. While an attempt runs, the hook reads
+the heartbeat files (the daemon's own descriptors, one ``pread`` each) every
+:data:`FAST_SAMPLE_S` until the first progress, then every :data:`SAMPLE_S`;
+a first progress, a first step, a checkpoint and an end are written at
+once, a higher step at most every :data:`WRITE_EVERY_S`. The record holds at
+most :data:`~elasticd.goodput.MAX_ATTEMPTS` attempts of at most
+:data:`~elasticd.goodput.MAX_SAMPLES` step samples each.
+
+Which side of the boundary: the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+from pydantic import ValidationError
+
+from elasticd.agent.publish import GroupPublisher
+from elasticd.clock import Clock
+from elasticd.errors import ElasticdError
+from elasticd.goodput import (
+    AttemptFacts,
+    End,
+    NodeGoodput,
+    Observation,
+    begin_attempt,
+    close_open,
+    end_attempt,
+    observe,
+)
+from elasticd.keys import goodput_key
+from elasticd.store import Store
+from elasticd.tasks import cancel_and_wait
+
+__all__ = ["FAST_SAMPLE_S", "SAMPLE_S", "WRITE_EVERY_S", "GoodputHook", "end_of", "parse_record"]
+
+log = logging.getLogger("elasticd.agent")
+
+#: Seconds between heartbeat reads until the attempt's first progress.
+FAST_SAMPLE_S = 0.2
+#: Seconds between heartbeat reads after it.
+SAMPLE_S = 1.0
+#: Most frequent write of a record whose only news is a higher step.
+WRITE_EVERY_S = 15.0
+
+#: How the agent's recovery causes end an attempt (anything else: stopped).
+_ENDS = {
+    "worker failure": End.FAILED,
+    "hang": End.HUNG,
+    "a participant's lease expired": End.FAILED,  # a node was lost: the work since is lost
+    "the rendezvous was closed": End.FINISHED,
+}
+
+
+def end_of(cause: str) -> End:
+    """How a recovery's ``cause`` (``agent.machine``'s, a rendezvous change's) ends an attempt."""
+    return _ENDS.get(cause, End.STOPPED)
+
+
+def parse_record(raw: bytes, node: str) -> NodeGoodput | None:
+    """A stored record (untrusted: anyone with the cluster token writes the store)."""
+    try:
+        record = NodeGoodput.model_validate_json(raw)
+    except ValidationError:
+        return None
+    return record if record.node == node else None
+
+
+class GoodputHook:
+    """This node's goodput facts of one job: sampled while an attempt runs, published."""
+
+    def __init__(
+        self,
+        store: Store,
+        job_id: str,
+        node: str,
+        clock: Clock,
+        read: Callable[[], Sequence[Observation]],
+    ) -> None:
+        """``read``: the attempt's heartbeats now (``ProgressHook.observations``)."""
+        self._store, self._clock, self._read = store, clock, read
+        self._key = goodput_key(job_id, node)
+        self.record = NodeGoodput(node=node)
+        self._publisher = GroupPublisher(store, self._key, lambda: self.record)
+        self._sampler: asyncio.Task[None] | None = None
+        self._written_at = float("-inf")
+
+    async def start(self) -> None:
+        """Read back what this node recorded before (a daemon restart), then publish."""
+        self._publisher.start(f"goodput-{self._key}")
+        with contextlib.suppress(ElasticdError):
+            entry = await self._store.get(self._key)
+            if entry is not None and not self.record.attempts:
+                earlier = parse_record(entry.value, self.record.node)
+                if earlier is not None:
+                    closed = [close_open(a) for a in earlier.attempts]
+                    self.record = earlier.model_copy(update={"attempts": closed})
+
+    @property
+    def current(self) -> AttemptFacts | None:
+        attempts = self.record.attempts
+        return attempts[-1] if attempts and attempts[-1].end is None else None
+
+    async def began(self, round_: int, spawned_at: float) -> None:
+        """An attempt's workers run: record it and sample its heartbeats until it ends."""
+        await self._stop_sampler()
+        self.record = begin_attempt(self.record, round_, spawned_at)
+        self._publish()
+        self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
+
+    def refresh(self) -> None:
+        """Read the heartbeats now (an API read wants the freshest figures)."""
+        self._observe(force=False)
+
+    async def ended(self, end: End, at: float) -> None:
+        """The attempt ended: a last read of its heartbeats (the exited ones' too), then the end."""
+        if self.current is None:
+            return
+        await self._stop_sampler()
+        self._observe(force=False)
+        current = self.current
+        if current is not None:
+            self._replace(end_attempt(current, end, at))
+            self._publish()
+
+    async def close(self) -> None:
+        """Stop sampling and write the record (bounded)."""
+        await self._stop_sampler()
+        await self._publisher.flush()
+
+    async def _sample(self) -> None:
+        while self.current is not None:
+            fast = self.current.first_progress_at is None
+            await asyncio.sleep(FAST_SAMPLE_S if fast else SAMPLE_S)
+            self._observe(force=False)
+
+    def _observe(self, *, force: bool) -> None:
+        current = self.current
+        if current is None:
+            return
+        now = self._clock.time()
+        updated, urgent = observe(current, self._read(), now)
+        if updated is current:
+            return
+        self._replace(updated)
+        if urgent or force or now - self._written_at >= WRITE_EVERY_S:
+            self._publish()
+
+    def _replace(self, attempt: AttemptFacts) -> None:
+        attempts = [*self.record.attempts[:-1], attempt]
+        self.record = self.record.model_copy(update={"attempts": attempts})
+
+    def _publish(self) -> None:
+        self._written_at = self._clock.time()
+        self._publisher.request()
+
+    async def _stop_sampler(self) -> None:
+        task, self._sampler = self._sampler, None
+        if task is not None:
+            await cancel_and_wait(task)

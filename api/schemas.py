@@ -46,6 +46,10 @@ class Health(BaseModel):
     """Why the daemon is not ready (``/readyz`` only)."""
     warnings: list[str] = []
     """What this ready daemon will refuse, and how to fix it (``/readyz`` only)."""
+    pid: int | None = None
+    """The daemon's process id (the same across a re-exec: ``elasticd reload``)."""
+    started_at: float | None = None
+    """When the running program image started (Unix time): a re-exec changes it."""
 
 
 class Problem(BaseModel):

@@ -330,6 +330,11 @@ class ElasticdServer:
         self.exit_code: int | None = None
 
     @property
+    def proc_env(self) -> dict[str, str]:
+        """The daemon's environment (its token, the bench's tag)."""
+        return {**tagged_env(self.tag), "ELASTICD_TOKEN": self.token}
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -350,17 +355,21 @@ class ElasticdServer:
             *(["--allow-root"] if os.geteuid() == 0 else []),
         ]
 
-    def __enter__(self) -> ElasticdServer:
-        with self.log_path.open("wb") as log:
+    def spawn(self, mode: str = "wb") -> None:
+        """Start ``elasticd serve`` (again, with ``mode="ab"``: its log goes on)."""
+        with self.log_path.open(mode) as log:
             self.proc = subprocess.Popen(
                 self.command(),
                 cwd=ROOT,
-                env={**tagged_env(self.tag), "ELASTICD_TOKEN": self.token},
+                env=self.proc_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def __enter__(self) -> ElasticdServer:
+        self.spawn()
         try:
             poll_until(self._healthy, self.start_timeout, f"elasticd on {self.url}", 0.05)
         except BaseException:

@@ -9,14 +9,15 @@
 3. ``nccl``: an NCCL all-reduce job across all of the node's GPUs, one worker per
    GPU, whose last rank crashes after its first all-reduce in attempt 0: through the
    daemon it must restart once and succeed, every rank's sums right.
-
-4. ``prewarm``: the same job with ``prewarm: ["torch"]`` (issue 27): while attempt 0
-   runs, one standby per GPU imports torch and must neither load the CUDA driver nor
-   open a GPU; the restart's workers must take over the standbys
+4. ``nccl-reexec``: the in-place upgrade (issue 25) under NCCL: a job all-reduces over
+   every GPU without end; the daemon re-executes itself (SIGHUP) mid-run; the job must
+   not notice: the same worker pids, no restart, ``job.readopted``, and it succeeds
+   once told to stop, every rank's sums right throughout.
+5. ``prewarm``: the NCCL job of ``nccl`` with ``prewarm: ["torch"]`` (issue 27): while
+   attempt 0 runs, one standby per GPU imports torch and must neither load the CUDA
+   driver nor open a GPU; the restart's workers must take over the standbys
    (``workers.warm_start``), find torch imported and CUDA not yet initialised, and then
    all-reduce over NCCL right.
-
-The re-exec of issue 28 does not exist yet: nothing checks it.
 
 Without a GPU (no ``nvidia-smi``, or it lists none) it prints ``no GPU: skipped`` and
 exits 0, so that ``make gpu-check`` is harmless anywhere; ``--require-gpu`` makes that
@@ -36,6 +37,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
 
 from bench._common import ElasticdServer, poll_until  # noqa: E402
 
@@ -242,6 +246,93 @@ def check_nccl(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outco
     )
 
 
+NCCL_LOOP = """
+import os, pathlib, sys, time, torch, torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+folder, steps = pathlib.Path(sys.argv[1]), 0
+while True:
+    t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    assert torch.all(t == world * (world + 1) / 2).item(), (steps, t[0].item())
+    steps += 1
+    if rank == 0 and steps == 50:
+        (folder / "steady").touch()
+    stop = torch.tensor([int(rank == 0 and (folder / "stop").exists())], device="cuda")
+    dist.broadcast(stop, 0)  # every rank stops at the same step
+    if stop.item():
+        break
+    time.sleep(0.01)
+print(f"rank {rank} of {world}: {steps} all-reduces right", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def check_nccl_reexec(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outcome:
+    """An NCCL job runs on while its daemon re-executes itself in place (issue 25)."""
+    why = torch_cuda()
+    if why is not None:
+        return Outcome("nccl-reexec", "skipped", why)
+    folder = work / "reexec"
+    folder.mkdir()
+    script = work / "nccl_loop.py"
+    script.write_text(NCCL_LOOP)
+    server.submit(
+        {
+            "id": "nccl-reexec",
+            "entrypoint": sys.executable,
+            "args": [str(script), str(folder)],
+            "nproc_per_node": len(gpus),
+            "max_restarts": 0,
+            "termination_grace": 10,
+        }
+    )
+    poll_until(lambda: (folder / "steady").exists() or None, 300, "50 all-reduces")
+
+    def pids() -> list[int]:
+        groups = server.client.get("/jobs/nccl-reexec/workers").json()["groups"]
+        return sorted(w["pid"] for g in groups for w in g["workers"] if w.get("pid"))
+
+    before, started_at = pids(), server.client.get("/healthz").json()["started_at"]
+    assert server.proc is not None
+    began = time.monotonic()
+    server.proc.send_signal(signal.SIGHUP)
+
+    def back() -> bool | None:
+        try:
+            health = server.client.get("/healthz", timeout=2).json()
+            ready = server.client.get("/readyz", timeout=2).status_code == 200
+        except (httpx.HTTPError, ValueError):
+            return None
+        return True if health["started_at"] != started_at and ready else None
+
+    poll_until(back, 120, "the re-executed daemon ready")
+    took = time.monotonic() - began
+    after = pids()
+    (folder / "stop").touch()
+    job = server.wait_terminal("nccl-reexec", 120)
+    kinds = [e["kind"] for e in server.events("nccl-reexec")]
+    if (
+        job["state"] != "SUCCEEDED"
+        or job["restart_count"] != 0
+        or after != before
+        or "job.readopted" not in kinds
+    ):
+        return Outcome(
+            "nccl-reexec",
+            "failed",
+            f"{job['state']}, {job['restart_count']} restart(s), pids {before} -> {after}, "
+            f"readopted: {'job.readopted' in kinds}; {job.get('reason')}",
+        )
+    return Outcome(
+        "nccl-reexec",
+        "passed",
+        f"{len(gpus)} rank(s) all-reducing; daemon re-executed in {took:.1f} s (SIGHUP to "
+        "ready), same pids, no restart, SUCCEEDED",
+    )
+
+
 PREWARM_ALLREDUCE = """
 import sys
 imported = "torch" in sys.modules  # a warm worker: its standby imported torch
@@ -344,11 +435,11 @@ def run(nvidia_smi: str = "nvidia-smi") -> tuple[list[str] | None, list[Outcome]
     with tempfile.TemporaryDirectory(prefix="elasticd-gpu-check-") as tmp:
         work = Path(tmp)
         with ElasticdServer(work, name="gpu") as server:
-            for check in (check_devices, check_nccl, check_prewarm):
+            for check in (check_devices, check_nccl, check_nccl_reexec, check_prewarm):
                 try:
                     outcomes.append(check(server, gpus, work))
                 except Exception as exc:  # one check's breakage must not hide the others
-                    name = check.__name__.removeprefix("check_")
+                    name = check.__name__.removeprefix("check_").replace("_", "-")
                     outcomes.append(Outcome(name, "failed", f"{type(exc).__name__}: {exc}"))
     return gpus, outcomes
 

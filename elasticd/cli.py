@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--store-only", action="store_true", help="serve only the cluster store, run no jobs"
     )
+    serve.add_argument(
+        "--check",
+        action="store_true",
+        help="import everything the daemon runs and validate the configuration, print the "
+        "version, exit (the pre-flight of a re-exec: elasticd reload)",
+    )
 
     run = sub.add_parser(
         "run",
@@ -348,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     from elasticd.node.daemon import Daemon
+    from elasticd.node.reexec import check_install, take_manifest
+    from elasticd.supervise.adopt import use_pidfd_watcher
 
     set_private_umask()  # before anything is created: every file of the daemon is born private
     flags = {
@@ -377,7 +385,12 @@ async def _serve(args: argparse.Namespace) -> int:
         config.store_only = True
     if config.allow_root is None:
         config.allow_root = False  # the service never runs jobs as root unless told to
-    daemon = Daemon(config)
+    if args.check:
+        return check_install(config)
+    manifest = take_manifest()
+    daemon = Daemon(config, handover=manifest)
+    # Children reaped on the loop's thread only: nothing may reap one across a re-exec.
+    daemon.can_reexec = use_pidfd_watcher()
     daemon.install_signal_handlers()
     await daemon.start()
     print(f"elasticd listening on http://{config.host}:{config.port}", flush=True)

@@ -86,6 +86,7 @@ CLIENT_COMMANDS = frozenset(
         "cancel",
         "delete",
         "nodes",
+        "reload",
     }
 )
 
@@ -168,6 +169,12 @@ def add_client_commands(sub: Any) -> None:
         p.add_argument("job_id", help="the job's id")
     sub.add_parser(
         "nodes", parents=[common], help="the cluster's live nodes: address, slots, labels"
+    )
+    sub.add_parser(
+        "reload",
+        parents=[common],
+        help="re-execute the daemon in place (the installed version, same pid; jobs run on); "
+        "admins only, like systemctl reload elasticd",
     )
 
     events = sub.add_parser("events", parents=[common], help="a job's events")
@@ -615,6 +622,18 @@ def _cmd_cancel(client: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reload(client: Any, args: argparse.Namespace) -> int:
+    answer = client.reload()
+    if args.json:
+        _print_json(answer)
+    else:
+        print(
+            f"{answer['node']}: re-exec requested (pid {answer['pid']}, elasticd "
+            f"{answer['version']}); its jobs' events say how it went"
+        )
+    return 0
+
+
 _HANDLERS = {
     "submit": _cmd_submit,
     "jobs": _cmd_jobs,
@@ -627,4 +646,5 @@ _HANDLERS = {
     "cancel": _cmd_cancel,
     "delete": _cmd_delete,
     "nodes": _cmd_nodes,
+    "reload": _cmd_reload,
 }

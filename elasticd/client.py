@@ -418,6 +418,10 @@ class _Api:
     def nodes() -> _Call:
         return _Call("GET", "/nodes")
 
+    @staticmethod
+    def reload() -> _Call:
+        return _Call("POST", "/reload", json={})
+
     def logs(
         self,
         job_id: str,
@@ -527,6 +531,11 @@ class Client:
         """The cluster's live nodes, as the API's JSON."""
         nodes: list[dict[str, Any]] = self._send(self._api.nodes()).json()
         return nodes
+
+    def reload(self) -> dict[str, Any]:
+        """Ask the daemon to re-execute itself in place (admins only); its health answer."""
+        answer: dict[str, Any] = self._send(self._api.reload()).json()
+        return answer
 
     def queue(self) -> QueueView:
         """The fleet's queue in placement order, and where placed jobs run."""
@@ -685,6 +694,11 @@ class AsyncClient:
         """The cluster's live nodes, as the API's JSON."""
         nodes: list[dict[str, Any]] = (await self._send(self._api.nodes())).json()
         return nodes
+
+    async def reload(self) -> dict[str, Any]:
+        """Ask the daemon to re-execute itself in place (admins only); its health answer."""
+        answer: dict[str, Any] = (await self._send(self._api.reload())).json()
+        return answer
 
     async def queue(self) -> QueueView:
         """The fleet's queue in placement order, and where placed jobs run."""

@@ -31,6 +31,9 @@ class EventKind(enum.StrEnum):
     JOB_SHRUNK = "job.shrunk"
     SCHED_CRASHED = "sched.crashed"
     DAEMON_STOPPED = "daemon.stopped"
+    DAEMON_REEXEC = "daemon.reexec"
+    DAEMON_REEXEC_REFUSED = "daemon.reexec_refused"
+    JOB_READOPTED = "job.readopted"
     AGENT_ERROR = "agent.error"
     AGENT_CRASHED = "agent.crashed"
     AGENT_FENCED = "agent.fenced"
@@ -101,6 +104,18 @@ MEANING: dict[EventKind, str] = {
         "for a while and another one takes over."
     ),
     EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
+    EventKind.DAEMON_REEXEC: (
+        "The daemon running the job re-executed itself in place (SIGHUP, elasticd reload): "
+        "same pid, old and new version in the message; the workers ran on."
+    ),
+    EventKind.DAEMON_REEXEC_REFUSED: (
+        "A re-exec was asked for but the new program failed its pre-flight check: the "
+        "daemon runs on unchanged, the reason in the message."
+    ),
+    EventKind.JOB_READOPTED: (
+        "After a re-exec the daemon took up the job's running workers again (same pids, "
+        "pipes, heartbeats, attempt and restart count)."
+    ),
     EventKind.AGENT_ERROR: "The agent hit an internal error.",
     EventKind.AGENT_CRASHED: "The agent task died; its workers were stopped.",
     EventKind.AGENT_GAVE_BACK: "This node could not start the workers for node_failure_grace "

@@ -144,6 +144,8 @@ class Action(enum.Enum):
     CANCEL = "cancel"
     DELETE = "delete"
     STORE = "store"
+    RELOAD = "reload"
+    """Re-execute the daemon in place (``POST /reload``): admins only."""
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,8 @@ def authorize(principal: Principal, action: Action, job: JobFacts | None = None)
         if principal.may_use_store:
             return Allow()
         return Deny("the store is for the daemons and admins only")
+    if action is Action.RELOAD:
+        return Allow() if principal.admin else Deny("only an admin may reload the daemon")
     if action in (Action.LIST, Action.READ):
         return Allow()
     if action is Action.SUBMIT:
@@ -447,6 +451,15 @@ class JobTokens:
         self._by_hash[digest] = job_id
         self._by_job[job_id] = digest
         return token
+
+    def digests(self) -> dict[str, str]:
+        """Each job's token hash (the daemon's re-exec hands them over; never the tokens)."""
+        return dict(self._by_job)
+
+    def restore(self, job_id: str, digest: str) -> None:
+        """Know a job's token again by its hash (after the daemon's re-exec)."""
+        self._by_hash[digest] = job_id
+        self._by_job[job_id] = digest
 
     def revoke(self, job_id: str) -> None:
         digest = self._by_job.pop(job_id, None)

@@ -142,13 +142,21 @@ def run(spec: dict[str, Any], message: dict[str, Any]) -> None:
         return
     path = os.path.abspath(target)
     sys.argv[:] = [target, *rest]
-    with open(path, "rb") as source:
-        code = compile(source.read(), path, "exec")
+    try:
+        with open(path, "rb") as source:
+            text = source.read()
+    except OSError as exc:
+        # What the interpreter says (Modules/main.c, pymain_run_file), and its exit code 2.
+        sys.stderr.write(
+            f"{sys.orig_argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n"
+        )
+        sys.stderr.flush()
+        raise SystemExit(2) from None
     # The loader class the interpreter itself uses for a script, without importing anything.
     loader = sys.modules["_frozen_importlib_external"].SourceFileLoader
     namespace.update(__file__=path, __cached__=None, __loader__=loader("__main__", path))
     try:
-        exec(code, namespace)
+        exec(compile(text, path, "exec"), namespace)  # a SyntaxError too: as the interpreter
     except Exception as exc:  # noqa: BLE001 - as the interpreter reports it
         report(exc)
 
@@ -158,7 +166,9 @@ def report(exc: BaseException) -> None:
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_globals is globals():
         tb = tb.tb_next
-    sys.excepthook(type(exc), exc, tb)
+    # On the exception too: given no traceback (a SyntaxError from compile() has only the
+    # standby's frame), the hook would print the exception's own, the standby's frames in it.
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
     raise SystemExit(1)
 
 

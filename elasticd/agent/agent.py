@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -31,6 +32,7 @@ from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
 from elasticd.agent.edits import charge_now
 from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
+from elasticd.agent.handover import AgentHandover
 from elasticd.agent.hooks import (
     Attempt,
     HangHook,
@@ -62,6 +64,7 @@ from elasticd.models import GroupView, Job, JobSpec
 from elasticd.rendezvous import Change, RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
+from elasticd.supervise.adopt import end_handed
 from elasticd.supervise.process import GroupResult
 from elasticd.tasks import TaskSet, cancel_and_wait, race
 
@@ -76,8 +79,15 @@ HEALTH_FRESH_FOR = 60.0
 class JobAgent:
     """Runs one job's workers on this node until the job ends."""
 
-    def __init__(self, job: Job, ctx: AgentContext) -> None:
+    def __init__(self, job: Job, ctx: AgentContext, handover: AgentHandover | None = None) -> None:
+        """``handover``: the attempt the daemon's previous program image ran (re-exec):
+        taken up as it runs instead of forming a round and starting workers."""
         self.job_id = job.id
+        self._handover = handover
+        #: Taking up a handed-over attempt: ``/readyz`` is not ready until it is done.
+        self.adopting = handover is not None
+        #: Parked in :meth:`_monitor` with the workers running: a re-exec may hand it over.
+        self._monitoring = False
         self.spec: JobSpec = job.spec
         self.ctx = ctx
         #: The Unix user its submitter proved to be: its jobs may run as that user.
@@ -194,6 +204,7 @@ class JobAgent:
                 await self._on(m.Crashed(reason))
             await self._goodput.ended(End.STOPPED, stopped)
         finally:
+            self.adopting = False
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._group.close_standbys()  # after the fills (background) ended
@@ -215,6 +226,16 @@ class JobAgent:
 
     async def _run(self) -> None:
         await self._check_user()
+        handover, self._handover = self._handover, None
+        if handover is not None and self._machine.phase is m.Phase.DONE:
+            await end_handed(handover.workers)  # refused here: nothing of it may run on
+        elif handover is not None:
+            try:
+                await self._resume(handover)
+            except StoreError as exc:
+                log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
+                self._next = None
+                await self._on(m.StoreLost(isinstance(exc, StoreUnavailable), str(exc)))
         while self._machine.phase is not m.Phase.DONE:
             try:
                 await self._round_once()
@@ -273,13 +294,120 @@ class JobAgent:
             log.info("job %s on %s: the early start did not match the round", *self._who)
             self._early_spawned = None
         await self._on(m.RoundFormed(job.state.is_terminal, started, confirmed))
-        while True:  # the round's events, until it ends for this node
+        await self._events(round_)
+
+    async def _events(self, round_: RoundInfo) -> None:
+        """The round's events, until it ends for this node."""
+        while True:
             event, self._next = self._next, None
             if event is None and self._machine.phase is m.Phase.RUNNING:
-                event = await self._monitor(round_)
+                self._monitoring = True
+                try:
+                    event = await self._monitor(round_)
+                finally:
+                    self._monitoring = False
             if event is None:
                 return
             await self._on(event)
+
+    # across the daemon's re-exec (elasticd.node.reexec)
+
+    def hand_over(self, slots: list[int]) -> AgentHandover | None:
+        """The running attempt for the daemon's next program image, or None when the
+        agent is anywhere but watching its running workers (then the job resumes there
+        as a new attempt, uncharged). Called on the loop's thread right before the exec."""
+        round_, attempt = self._round, self._group.attempt
+        processes = self._group.processes
+        if (
+            not self._monitoring
+            or self._machine.phase is not m.Phase.RUNNING
+            or self.state is not WorkerState.HEALTHY
+            or self._group.held is not None
+            or round_ is None
+            or attempt is None
+            or processes is None
+        ):
+            return None
+        handed = processes.hand_over()
+        if handed is None:
+            return None
+        workers, cgroup = handed
+        beats = self._progress.hand_over()
+        workers = [
+            dataclasses.replace(
+                w,
+                heartbeat_fd=beats.get(w.local_rank, (None, None))[0],
+                beat_started=beats.get(w.local_rank, (None, None))[1],
+            )
+            for w in workers
+        ]
+        return AgentHandover(
+            job_id=self.job_id,
+            spawn_seq=self.spawn_seq,
+            round=round_,
+            restart_count=self._restart_count,
+            formed_at=self._formed_at,
+            token_file=self._token_file,
+            cgroup=cgroup,
+            workers=workers,
+            slots=slots,
+        )
+
+    async def close_standbys(self) -> None:
+        """Kill this job's standbys on this node (before the daemon's re-exec)."""
+        await self._group.close_standbys()
+
+    def pending_exit(self) -> bool:
+        processes = self._group.processes
+        return processes is not None and processes.pending_exit()
+
+    async def _resume(self, handover: AgentHandover) -> None:
+        """Take up the attempt the previous program image ran: its round, its workers (same
+        pids, pipes, heartbeats), its state; then watch it as any running attempt."""
+        round_ = handover.round
+        self._round, self._restart_count = round_, handover.restart_count
+        self._formed_at, self.spawn_seq = handover.formed_at, handover.spawn_seq
+        plan = plan_attempt(
+            self.job_id,
+            self.spec,
+            round_,
+            restart_count=handover.restart_count,
+            spawn_seq=self.spawn_seq,
+            node=self._facts(),
+            state=self.state,
+            now=self.ctx.clock.time(),
+            progress=self._job_progress,
+        )
+        current = self._job_progress.attempt  # the attempt's own start point, if recorded
+        started_from = (
+            current.started_from
+            if current is not None and current.round == round_.round
+            else self._job_progress.checkpoint_step
+        )
+        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
+        try:
+            await self._group.adopt(attempt, plan, handover, self._identity)
+        except BaseException:
+            if self._group.processes is None:  # nobody watches them: nothing of it runs on
+                await asyncio.shield(end_handed(handover.workers))
+            raise
+        self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
+        self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY: it never stopped running
+        await self.ctx.rendezvous.resume(round_)  # a store error now: as in any running round
+        pids = ", ".join(str(w.pid) for w in handover.workers)
+        self._emit(
+            EventKind.JOB_READOPTED,
+            f"attempt {self.spawn_seq} on {self.ctx.node} taken up after the daemon's re-exec: "
+            f"round {round_.round}, restart count {handover.restart_count}, pids {pids}",
+            state=WorkerState.HEALTHY.value,
+            attempt=self.spawn_seq,
+            pids=[w.pid for w in handover.workers],
+        )
+        self._spawned_at = self.ctx.clock.time()  # only if the record lacks the attempt
+        await self._goodput.resumed(round_.round, self._spawned_at)
+        self.adopting = False
+        self._group.release_adopted_exits()
+        await self._events(round_)
 
     async def _do(self, effect: m.Effect) -> None:  # noqa: C901 - one case per effect
         """Carry out one effect of :func:`~elasticd.agent.machine.step`."""
@@ -376,7 +504,9 @@ class JobAgent:
             self._identity = self.ctx.policy.identity_for(
                 self.spec.user, owner_user=self._owner_user, job_id=self.job_id
             )
-            if self.ctx.job_token is not None:
+            if self._handover is not None:  # its workers hold this file's token already
+                self._token_file = self._handover.token_file
+            elif self.ctx.job_token is not None:
                 self._token_file = self.ctx.job_token(self.job_id, self._identity)
         except WorkerSpawnError as exc:  # its token file: the node's trouble
             message = f"the job cannot run on {self.ctx.node}: {exc}"
@@ -491,8 +621,25 @@ class JobAgent:
         self._checked_at = None  # the next (re)start runs the health checks again
         self.spawn_seq += 1
         self._round = round_
+        plan = plan_attempt(
+            self.job_id,
+            self.spec,
+            round_,
+            restart_count=restart_count,
+            spawn_seq=self.spawn_seq,
+            node=self._facts(),
+            state=self.state,
+            now=self.ctx.clock.time(),
+            progress=self._job_progress,
+        )
+        started_from = self._job_progress.checkpoint_step
+        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
+        self._spawned_at = self.ctx.clock.time()
+        await self._group.start(attempt, plan, self._identity, early=early)
+
+    def _facts(self) -> NodeFacts:
         ctx = self.ctx
-        facts = NodeFacts(
+        return NodeFacts(
             node=ctx.node,
             logs=ctx.logs,
             base_env=ctx.job_env_base,
@@ -501,21 +648,6 @@ class JobAgent:
             cuda_visible_devices=ctx.cuda_visible_devices,
             owner_user=self._owner_user,
         )
-        plan = plan_attempt(
-            self.job_id,
-            self.spec,
-            round_,
-            restart_count=restart_count,
-            spawn_seq=self.spawn_seq,
-            node=facts,
-            state=self.state,
-            now=ctx.clock.time(),
-            progress=self._job_progress,
-        )
-        started_from = self._job_progress.checkpoint_step
-        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
-        self._spawned_at = ctx.clock.time()
-        await self._group.start(attempt, plan, self._identity, early=early)
 
     async def _running(self, round_: RoundInfo, *, early: bool) -> None:
         """The attempt's workers run as the round's: HEALTHY, ``workers.started``, the job

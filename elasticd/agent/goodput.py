@@ -122,6 +122,20 @@ class GoodputHook:
         self._publish()
         self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
 
+    async def resumed(self, round_: int, spawned_at: float) -> None:
+        """The daemon re-executed under a running attempt (issue 25): carry on with that
+        attempt's facts (read back and closed as stopped by :meth:`start`), sampling again;
+        a record without it (never written before the exec) begins it at ``spawned_at``."""
+        await self._stop_sampler()
+        attempts = self.record.attempts
+        last = attempts[-1] if attempts else None
+        if last is not None and last.round == round_ and last.end is End.STOPPED:
+            self._replace(last.model_copy(update={"end": None, "ended_at": None}))
+        else:
+            self.record = begin_attempt(self.record, round_, spawned_at)
+        self._publish()
+        self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
+
     def refresh(self) -> None:
         """Read the heartbeats now (an API read wants the freshest figures)."""
         self._observe(force=False)

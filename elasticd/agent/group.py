@@ -24,6 +24,7 @@ from pathlib import Path
 from elasticd.agent.attempt import AttemptPlan
 from elasticd.agent.context import AgentContext, Emit
 from elasticd.agent.edits import root_cause_of, root_cause_of_hang
+from elasticd.agent.handover import AgentHandover
 from elasticd.agent.hooks import Attempt, OutputHook, ProgressHook
 from elasticd.agent.progress import Hang
 from elasticd.errors import ElasticdError
@@ -31,7 +32,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, RootCause, StandbyView
 from elasticd.security import Identity
 from elasticd.states import WorkerState
-from elasticd.supervise.process import GroupResult, WorkerExit, WorkerGroupProcesses
+from elasticd.supervise.process import GroupHooks, GroupResult, WorkerExit, WorkerGroupProcesses
 from elasticd.supervise.standby import StandbyPool
 from elasticd.tasks import TaskSet
 from elasticd.worker.names import attempt_tag
@@ -88,31 +89,64 @@ class LocalGroup:
         ``early``: the store has not formed the round yet; exits are held until
         :meth:`running` (or the stop) reports them, after ``workers.started``.
         """
-        self.release_exits()
-        self.held = [] if early else None
-        self.attempt = attempt
+        self._begin(attempt, held=[] if early else None)
         self.progress.prerun(attempt, plan.heartbeats, identity)
-        self.exited = set()
-        self.all_exited = asyncio.Event()
         pool = self.standbys
         had_standbys = pool is not None and pool.filled
         if pool is not None:
             pool.cold.clear()
         self.processes = await WorkerGroupProcesses.start(
-            plan.launches,
-            on_output=self.output.forwarder(attempt),
-            on_exit=self.on_exit,
-            clock=self.ctx.clock,
-            storage=self.ctx.storage,
-            policy=self.ctx.policy,
-            on_written=self.ctx.log_growth,
-            standbys=pool,
+            plan.launches, **self._hooks(attempt), standbys=pool
         )
         self.output.poststart(attempt, self.processes)
         if pool is not None:
             self._say_how_started(attempt, pool, had_standbys)
             # After the workers: the attempt is never delayed by its own standbys.
             self.background.spawn(self._fill(pool, plan, identity), f"standbys-{self.job_id}")
+
+    def _begin(self, attempt: Attempt, held: list[WorkerExit] | None) -> None:
+        self.release_exits()
+        self.held = held
+        self.attempt = attempt
+        self.exited = set()
+        self.all_exited = asyncio.Event()
+
+    def _hooks(self, attempt: Attempt) -> GroupHooks:
+        """What the attempt's processes tell: output, exits, log growth; and their clock."""
+        return {
+            "on_output": self.output.forwarder(attempt),
+            "on_exit": self.on_exit,
+            "clock": self.ctx.clock,
+            "storage": self.ctx.storage,
+            "policy": self.ctx.policy,
+            "on_written": self.ctx.log_growth,
+        }
+
+    async def adopt(
+        self,
+        attempt: Attempt,
+        plan: AttemptPlan,
+        handover: AgentHandover,
+        identity: Identity | None,
+    ) -> None:
+        """Take up the running workers of the daemon's previous program image (re-exec);
+        exits it saw and did not act on are held until :meth:`release_adopted_exits`."""
+        self._begin(attempt, held=[])
+        self.progress.adopt(attempt, plan.heartbeats, identity, handover.workers)
+        self.processes = await WorkerGroupProcesses.adopt(
+            plan.launches, handover.workers, handover.cgroup, **self._hooks(attempt)
+        )
+        self.output.poststart(attempt, self.processes)
+        for w in attempt.view.workers:
+            w.pid = self.processes.pids.get(w.local_rank)
+            w.started_at = self.processes.started_at.get(w.local_rank)
+            w.state = WorkerState.HEALTHY
+        if (pool := self.standbys) is not None:  # the old image's standbys were killed
+            self.background.spawn(self._fill(pool, plan, identity), f"standbys-{self.job_id}")
+
+    def release_adopted_exits(self) -> None:
+        """After ``job.readopted``: the exits that came through the re-exec, in order."""
+        self.release_exits()
 
     def _say_how_started(self, attempt: Attempt, pool: StandbyPool, had_standbys: bool) -> None:
         """``workers.warm_start`` for the ranks handed to standbys, ``worker.cold_start``
@@ -158,11 +192,16 @@ class LocalGroup:
         pool, attempt = self.standbys, self.attempt
         if pool is None or attempt is None:
             return
+        before = [(s.local_rank, s.pid, s.state) for s in attempt.view.standbys]
         attempt.view.standbys = [
             StandbyView(local_rank=i.local_rank, pid=i.pid, state=i.state, rss_bytes=i.rss_bytes)
             for i in pool.infos()
         ]
-        self.changed()
+        # Published only when a standby came, went or got ready: the memory changes at every
+        # read (GET .../workers calls this), and a publish is a store write. This node's own
+        # view, which its API serves, has the fresh figures regardless.
+        if [(s.local_rank, s.pid, s.state) for s in attempt.view.standbys] != before:
+            self.changed()
 
     def _standby_lost(self, local_rank: int, reason: str) -> None:
         attempt = self.attempt

@@ -49,6 +49,7 @@ from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity
 from elasticd.states import WorkerState
+from elasticd.supervise.adopt import HandedWorker
 from elasticd.supervise.process import WorkerGroupProcesses
 from elasticd.supervise.spawn import SpawnPolicy
 
@@ -279,12 +280,22 @@ class ProgressHook:
     ) -> None:
         """Before the spawn: the files are made (workers open them at their first ping)."""
         self.close()  # the previous attempt's descriptors
+        self._begin(attempt)
+        self.monitor = self._monitor_of(heartbeats, identity)
+        self.monitor.prepare()
+
+    def _begin(self, attempt: Attempt) -> None:
+        """A fresh record of the attempt's progress (rebuilt from the heartbeat files)."""
         self.attempt = attempt
         self.progress = AttemptProgress(
             round=attempt.round.round, started_from=attempt.started_from
         )
         self.reported = None
-        self.monitor = ProgressMonitor(
+
+    def _monitor_of(
+        self, heartbeats: dict[int, Path], identity: Identity | None
+    ) -> ProgressMonitor:
+        return ProgressMonitor(
             heartbeats,
             ProgressSettings.of(
                 self.spec.progress_timeout, self.spec.startup_timeout, self.spec.checkpoint_timeout
@@ -296,7 +307,26 @@ class ProgressHook:
             on_replaced=self._replaced,
             policy=self.policy,
         )
-        self.monitor.prepare()
+
+    def adopt(
+        self,
+        attempt: Attempt,
+        heartbeats: dict[int, Path],
+        identity: Identity | None,
+        workers: list[HandedWorker],
+    ) -> None:
+        """After the daemon's re-exec: the heartbeat files its previous image created (their
+        descriptors), each worker's deadline clock where it was."""
+        self.close()
+        self._begin(attempt)
+        self.monitor = self._monitor_of(heartbeats, identity)
+        for w in workers:
+            if w.heartbeat_fd is not None and w.local_rank in heartbeats:
+                self.monitor.adopt(w.local_rank, w.heartbeat_fd, w.beat_started)
+
+    def hand_over(self) -> dict[int, tuple[int, float | None]]:
+        """The heartbeats for the daemon's next program image (re-exec)."""
+        return self.monitor.hand_over() if self.monitor is not None else {}
 
     def poststart(self) -> None:
         assert self.monitor is not None

@@ -79,6 +79,7 @@ from typing import Any
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.goodput import Observation
+from elasticd.supervise.adopt import inheritable_dup
 from elasticd.supervise.env import WITHHELD
 from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
 from elasticd.tasks import race
@@ -361,6 +362,22 @@ class ProgressMonitor:
         self._seen.clear()
         self.samples.clear()
         self._auto = None
+
+    def hand_over(self) -> dict[int, tuple[int, float | None]]:
+        """Each worker's heartbeat for the daemon's next program image (re-exec): an
+        inheritable copy of the file's descriptor, and when its clock started."""
+        return {
+            rank: (inheritable_dup(handle.fileno()), self._started.get(rank))
+            for rank, handle in self._handles.items()
+        }
+
+    def adopt(self, local_rank: int, fd: int, started: float | None) -> None:
+        """Take up a heartbeat the previous program image created (its descriptor, never
+        the path), with its deadline's clock where it was."""
+        os.set_inheritable(fd, False)
+        self._handles[local_rank] = HeartbeatFile(self.files[local_rank], fd)
+        if started is not None:
+            self.started(local_rank, at=started)
 
     def close(self) -> None:
         """Release the descriptors of the heartbeat files (idempotent)."""

@@ -159,6 +159,26 @@ class Cluster:
                 log.info("node %s registered (lease %x)", self.record.name, lease)
             return self._lease
 
+    @property
+    def lease_id(self) -> int | None:
+        """The node's lease as granted now (None: not registered)."""
+        return self._lease
+
+    async def resume_lease(self, lease: int) -> None:
+        """Take up the lease of this daemon's previous program image (re-exec): renewed now
+        and the record written on it again, so the node's keys, its rendezvous presence and
+        its leadership stay. A lease that lapsed meanwhile: a new one is granted later."""
+        async with self._lease_lock:
+            sent = self._clock.monotonic()
+            try:
+                await self.store.keep_alive(lease)
+            except LeaseNotFound:
+                log.warning("node %s: the lease from before the re-exec lapsed", self.record.name)
+                return
+            self._lease, self.renewed_at = lease, sent
+            await self.store.put(self.key, self.record.model_dump_json().encode(), lease=lease)
+            log.info("node %s kept its lease %x through the re-exec", self.record.name, lease)
+
     async def publish(self, **changes: object) -> None:
         """Update this node's record (e.g. free slots)."""
         self.record = self.record.model_copy(update=changes)

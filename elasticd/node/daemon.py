@@ -42,6 +42,10 @@ publication, the lease's revocation, the HTTP drain) gets what is left of it,
 at least 1 s (:func:`step_bound`).
 
 Signal handlers only set an event; uvicorn's own handlers are switched off.
+
+Re-exec (SIGHUP, or an admin's ``POST /reload``): the daemon re-executes the
+installed program in place, same pid, after a pre-flight check; the workers
+run on and the new image takes them up (:mod:`elasticd.node.reexec`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 from collections.abc import Generator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -95,6 +100,7 @@ from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
+from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket, reap_swept
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -114,13 +120,17 @@ from elasticd.store import (
     store_endpoints,
 )
 from elasticd.store.embedded import EmbeddedStore
+from elasticd.supervise.adopt import adopted_children
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
 from elasticd.supervise.sweep import sweep_orphans
-from elasticd.tasks import cancel_and_wait
+from elasticd.tasks import TaskSet, cancel_and_wait, race
 
 log = logging.getLogger("elasticd.node.daemon")
+
+#: When this program image started: ``/healthz``'s ``started_at`` (a re-exec changes it).
+IMAGE_STARTED = time.time()
 
 #: The least one step of the wind-down gets, however little of ``shutdown_timeout`` is left.
 MIN_STEP = 1.0
@@ -266,7 +276,7 @@ class DaemonState(enum.Enum):
     CLOSED = "closed"
 
 
-class Daemon:
+class Daemon(ReexecMixin):
     """One node's elasticd. Use as ``async with Daemon(config) as d: await d.serve()``."""
 
     def __init__(
@@ -281,6 +291,7 @@ class Daemon:
         worker_stdin: int | None = None,
         pass_environment: bool = False,
         state_lock: StateLock | None = None,
+        handover: Manifest | None = None,
     ) -> None:
         """``pass_environment``: the jobs get this process's whole environment, as torchrun's
         workers get the caller's; only an embedded daemon (``elasticd run``,
@@ -290,8 +301,22 @@ class Daemon:
 
         ``state_lock``: the state folder's lock, already held by the caller (``elasticd run``
         locks the folder before it writes its token there); otherwise :meth:`start` takes it
-        first and releases it last."""
+        first and releases it last.
+
+        ``handover``: what the daemon's previous program image handed over (it
+        re-executed itself: :mod:`elasticd.node.reexec`)."""
         self.config = config
+        self._handover = handover
+        #: Set by ``elasticd serve``: this daemon may re-execute itself (SIGHUP, /reload).
+        self.can_reexec = False
+        self._reload = asyncio.Event()
+        self._reexecing = False
+        #: The image's start and the process (``/healthz``).
+        self.started_at = IMAGE_STARTED
+        self.pid = os.getpid()
+        #: Work of the start-up that nobody awaits (reaping swept workers, the adoption
+        #: deadline): closed at the stop.
+        self._background = TaskSet("daemon")
         self._state_lock = state_lock
         #: ``elasticd run``'s stdin, for its workers (:attr:`SpawnPolicy.worker_stdin`).
         self._worker_stdin = worker_stdin
@@ -344,6 +369,7 @@ class Daemon:
         #: The unix socket this daemon listens on, once bound.
         self.socket_path: Path | None = None
         self._server_task: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
         self._state = DaemonState.NEW
         #: Why the store cannot be used yet (start-up waits for it), None once it answered.
         self._store_wait: str | None = None
@@ -373,6 +399,10 @@ class Daemon:
         if self._store_wait is not None:
             return f"waiting for the store: {self._store_wait}"
         if self._state is DaemonState.RUNNING:
+            if self._reexecing:
+                return "re-executing (elasticd reload): back in a moment"
+            if adopting := self.jobs.adopting:
+                return f"re-adopting the workers of {adopting} job(s) after a re-exec"
             if not self.jobs.accepting:
                 return "not accepting jobs (shutting down)"
             return self.storage.reason
@@ -387,6 +417,9 @@ class Daemon:
         if refusal is None or self.config.store_only:
             return []
         return [f"jobs that name no user (the admin's) are refused: {refusal}"]
+
+    def _reexec_possible(self) -> bool:
+        return self._state is DaemonState.RUNNING
 
     @property
     def state(self) -> DaemonState:
@@ -487,11 +520,20 @@ class Daemon:
         self.metrics.standbys = lambda: {
             job_id: agent.standby_memory() for job_id, agent in agents.items() if agent.prewarm
         }
+        manifest = self._handover
         if not self.config.store_only:
             self.jobs.check_user = self.job_users.check
-            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir())
+            kept = {a.job_id for a in manifest.agents} if manifest is not None else set()
+            self.jobs.use_job_tokens(self.authenticator.jobs, self._token_dir(kept))
+            for job_id, digest in (manifest.job_tokens if manifest else {}).items():
+                if job_id in kept:  # its workers read the token before the re-exec
+                    self.authenticator.jobs.restore(job_id, digest)
+        stack.push_async_callback(self._background.aclose)
         if not await self._wait_for_store():
             return  # asked to stop before the store ever answered: serve() shuts down
+        if manifest is not None and manifest.lease is not None and not self.config.store_only:
+            # Before its TTL runs out: the node's keys, presence and leadership stay.
+            await self.cluster.resume_lease(manifest.lease)
         if self.job_users.serves_others and not self.config.allow_insecure_store:
             await self.refuse_open_store()
         await self.events.start()
@@ -511,9 +553,17 @@ class Daemon:
         # The wrapper and the root stage are probed once (each runs a program): in a
         # thread now, not on the event loop at the first worker's spawn.
         await asyncio.to_thread(self.jobs.spawn_policy.warm)
-        self._sweep_orphans()
+        if manifest is not None:
+            manifest.check(cgroup_ok=self.containment.mode == "cgroup")
+        self._sweep_orphans(manifest)
         stack.push_async_callback(self._stop_jobs)
-        await self.jobs.recover()
+        if manifest is None:
+            await self.jobs.recover()
+        else:
+            await self.jobs.recover(manifest.agents, {**manifest.not_handed, **manifest.refused})
+            self._said_reexec(manifest)
+            if manifest.agents:
+                self._background.spawn(self._adoption_deadline(), name="adoption-deadline")
         if not self.config.store_only:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
@@ -647,6 +697,7 @@ class Daemon:
         from api.app import create_app  # the API depends on the daemon, not the reverse
         from api.protocol import connection_cap, uvicorn_settings
 
+        manifest = self._handover
         soft, hard = raise_nofile_limit()
         self.max_connections = self.config.max_connections or connection_cap(soft)
         log.info(
@@ -669,11 +720,17 @@ class Daemon:
             **uvicorn_settings(self.max_connections),
         )
         self._server = _Server(uv_config, self.metrics.loop_lag)
-        sock = bind_socket(self.config.host, self.config.port)
+        if manifest is not None and manifest.tcp_fd is not None:
+            sock = inherited_socket(manifest.tcp_fd)  # it listened through the exec
+        else:
+            sock = bind_socket(self.config.host, self.config.port)
         self.config.port = sock.getsockname()[1]
         sockets = [sock]
         path = self.config.socket_path
-        if self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
+        if manifest is not None and manifest.unix_fd is not None:
+            sockets.append(inherited_socket(manifest.unix_fd))
+            self.socket_path = path
+        elif self.config.unix_socket is None and len(os.fsencode(path)) > UNIX_PATH_MAX:
             log.warning("no unix socket: its default path %s is too long; set unix_socket", path)
         else:
             try:
@@ -689,9 +746,10 @@ class Daemon:
                 sock.close()
                 raise
             self.socket_path = path
+        self._listeners = sockets
         self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")
 
-    def _token_dir(self) -> Path:
+    def _token_dir(self, keep: set[str] | None = None) -> Path:
         """The folder of the jobs' own token files: the daemon's, 0711 (no listing)."""
         folder = self.config.state_dir / "tokens"
         folder.mkdir(mode=0o711, exist_ok=True)
@@ -700,6 +758,8 @@ class Daemon:
             raise ConfigError(f"{folder} must be a folder of the daemon's own user")
         folder.chmod(0o711)
         for stale in folder.iterdir():  # a previous run's: its jobs' workers are gone
+            if stale.name.removesuffix(".token") in (keep or ()):
+                continue  # a job carried across a re-exec: its workers hold this token
             with contextlib.suppress(OSError):
                 stale.unlink()
         return folder
@@ -711,7 +771,7 @@ class Daemon:
                 self.config.containment,
                 node=self.config.node_name,
                 state_dir=self.config.state_dir,
-                known=live_children,
+                known=lambda: live_children() | adopted_children(),
             )
         except OSError as exc:
             raise ConfigError(
@@ -728,15 +788,19 @@ class Daemon:
             log.info("each job attempt runs in its own cgroup under %s", containment.base)
         return containment
 
-    def _sweep_orphans(self) -> None:
+    def _sweep_orphans(self, manifest: Manifest | None = None) -> None:
         """Kill the workers a previous run of this daemon left alive, and say so in their jobs.
 
         First the recorded workers (by pid), then every attempt cgroup left in the
         daemon's subtree: what is still in one is a stray (a process that left its
-        worker's process group), reported in ``workers.strays``.
+        worker's process group), reported in ``workers.strays``. After a re-exec the
+        workers handed over and taken up (``manifest``) are spared, with their cgroups;
+        those killed that were this process's children are reaped.
         """
         killed: set[int] = set()
-        for orphan in sweep_orphans(self.db):
+        keep = manifest.adopted_pids() if manifest is not None else set()
+        live = {Path(a.cgroup).name for a in manifest.agents if a.cgroup} if manifest else set()
+        for orphan in sweep_orphans(self.db, keep=keep):
             killed.update(orphan.pids)
             record = orphan.record
             if not record.job_id:
@@ -753,8 +817,9 @@ class Daemon:
                 local_rank=record.local_rank,
                 attempt=record.attempt,
             )
-        for leftover in self.containment.sweep():
+        for leftover in self.containment.sweep(live):
             pids = [pid for pid in leftover.pids if pid not in killed]
+            killed.update(pids)
             if not pids:
                 continue
             self.events.emit(
@@ -768,6 +833,9 @@ class Daemon:
                 count=len(pids),
                 pids=pids,
             )
+
+        if manifest is not None and killed:
+            self._background.spawn(reap_swept(sorted(killed)), name="reap-swept")
 
     async def _retain(self) -> None:
         """Delete finished jobs once they are older than ``job_retention``, forever."""
@@ -828,10 +896,16 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig)
+        if self.can_reexec:
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)
 
     async def serve(self) -> None:
-        """Run until asked to stop, then shut down in order."""
-        await self._stop.wait()
+        """Run until asked to stop, then shut down in order; re-exec when asked to."""
+        while not self._stop.is_set():
+            await race(self._stop.wait(), self._reload.wait())
+            if self._reload.is_set() and not self._stop.is_set():
+                self._reload.clear()
+                await self.reexec()
         await self.shutdown()
 
     async def shutdown(self) -> None:

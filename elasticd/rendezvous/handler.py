@@ -899,6 +899,15 @@ class StoreRendezvous:
             return replace(round_, participants=dict(state.participants))
         raise RendezvousError(f"the participants of round {round_.round} are no longer known")
 
+    async def resume(self, round_: RoundInfo) -> None:
+        """Go on in ``round_`` after the daemon's re-exec: this node's seat, and its presence
+        key as it was last written (:meth:`leaving` rewrites it); nothing is written."""
+        self._seat, self._seat_read = round_.seat, True
+        entry = await self._store.get(self._node_prefix + self._me)
+        if entry is not None:
+            with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+                self._announced = NodeInfo.from_json(json.loads(entry.value))
+
     async def close(self) -> None:
         await self._apply(decide_close)
 

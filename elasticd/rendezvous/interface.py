@@ -70,6 +70,10 @@ class Rendezvous(Protocol):
         """
         ...
 
+    async def resume(self, round_: RoundInfo) -> None:
+        """Go on in ``round_``, which this node joined before the daemon re-executed itself."""
+        ...
+
     async def wait_for_change(
         self, my_round: int, on_contact: Callable[[], None] | None = None
     ) -> Change:

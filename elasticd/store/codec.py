@@ -1,11 +1,10 @@
 """The ``/store`` wire format, one codec for every side of it.
 
 The store's HTTP API (``api/routes/store.py``, answered by
-``api/store_http.py`` in every daemon and in ``elasticd store-server``), the
-daemon's store client
-(:mod:`elasticd.store.http`) and the workers' client
-(:mod:`elasticd.worker.store`) all encode and decode through these functions,
-so the three can never drift apart. Values travel as standard base64 (with
+``api/store_http.py`` in every daemon and in ``elasticd store-server``) and
+the one client of it (:mod:`elasticd.store.http`, which the workers reach
+through :mod:`elasticd.store.blocking`) encode and decode through these
+functions, so the two sides can never drift apart. Values travel as standard base64 (with
 padding); entries and watch events as JSON objects::
 
     entry:  {"key": str, "value": b64, "version": int, "created": int, "lease": int | null}
@@ -15,7 +14,7 @@ Which side of the boundary: both. Decoding is strict: what a server (or a
 job with store access) sends is parsed field by field into plain data
 classes, never unpickled; anything malformed raises :class:`WireFormatError`.
 Requests are built here too (:class:`StoreCall`: method, path, parameters,
-body, and the reader of the answer), so that the two clients only send them.
+body, and the reader of the answer), so that the client only sends them.
 Standard library only (workers import it).
 """
 
@@ -159,13 +158,15 @@ def decode_events(data: Any) -> list[WatchEvent]:
 # -- the requests a client sends, and how it reads their answers ----------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StoreCall(Generic[T]):
     """One ``/store`` request (the declaration is ``api/routes/store.py``) and its answer's reader.
 
-    Both clients, the daemon's async one (:mod:`elasticd.store.http`) and the
-    workers' synchronous one (:mod:`elasticd.worker.store`), build their
-    requests here and read the answers with :meth:`answer`; each only sends.
+    The one client (:mod:`elasticd.store.http`, also under its blocking
+    facade) builds its requests here, sends them and reads the answers with
+    :meth:`answer`. Not changed once built; not ``frozen`` because a frozen
+    dataclass's ``__init__`` costs 2 µs more, once per request, on the
+    rendezvous' hot path (issue 24's scale figure).
     """
 
     what: str  # for messages: "GET", "CAS", "list", ...
@@ -186,14 +187,20 @@ class StoreCall(Generic[T]):
 
 
 def get_call(key: str) -> StoreCall[Entry | None]:
-    return StoreCall(
-        "GET", "GET", "/store/kv", lambda d: decode_entry_or_none(d["entry"]), {"key": key}
-    )
+    return StoreCall("GET", "GET", "/store/kv", _entry_or_none, {"key": key})
+
+
+def _entry_or_none(data: Any) -> Entry | None:
+    return decode_entry_or_none(data["entry"])
+
+
+def _entry(data: Any) -> Entry:
+    return decode_entry(data["entry"])
 
 
 def put_call(key: str, value: bytes, lease: int | None = None) -> StoreCall[Entry]:
     body = {"key": key, "value": encode_value(value), "lease": lease}
-    return StoreCall("PUT", "PUT", "/store/kv", lambda d: decode_entry(d["entry"]), body=body)
+    return StoreCall("PUT", "PUT", "/store/kv", _entry, body=body)
 
 
 def cas_call(
@@ -225,14 +232,22 @@ def batch_call(items: Sequence[tuple[str, bytes]]) -> StoreCall[list[Entry]]:
 
 def add_call(key: str, delta: int) -> StoreCall[int]:
     body = {"key": key, "delta": delta}
-    return StoreCall("add", "POST", "/store/add", lambda d: int(d["value"]), body=body)
+    return StoreCall("add", "POST", "/store/add", _value, body=body)
+
+
+def _value(data: Any) -> int:
+    return int(data["value"])
 
 
 def delete_call(key: str, expected_version: int | None = None) -> StoreCall[bool]:
     params: dict[str, Any] = {"key": key}
     if expected_version is not None:
         params["expected_version"] = expected_version
-    return StoreCall("DELETE", "DELETE", "/store/kv", lambda d: bool(d["deleted"]), params)
+    return StoreCall("DELETE", "DELETE", "/store/kv", _deleted, params)
+
+
+def _deleted(data: Any) -> bool:
+    return bool(data["deleted"])
 
 
 def list_call(prefix: str) -> StoreCall[Listing]:
@@ -246,7 +261,11 @@ def _listing(data: Any) -> Listing:
 
 
 def grant_call(ttl: float) -> StoreCall[int]:
-    return StoreCall("grant", "POST", "/store/leases", lambda d: int(d["lease"]), body={"ttl": ttl})
+    return StoreCall("grant", "POST", "/store/leases", _lease, body={"ttl": ttl})
+
+
+def _lease(data: Any) -> int:
+    return int(data["lease"])
 
 
 def keep_alive_call(lease: int) -> StoreCall[None]:

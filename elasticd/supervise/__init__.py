@@ -7,10 +7,8 @@ is torch's ``SubprocessContext`` (``PContext``) rebuilt for a long-lived
 asyncio daemon, and differs from it where a daemon needs it to.
 
 Process groups
-    Every worker is spawned with ``subprocess.Popen(...,
-    start_new_session=True)`` in the spawner thread (:mod:`.spawner`: the
-    fork and the wait for the exec never stall the event loop, issue 27):
-    a session and a process group of its own,
+    Every worker is spawned with ``asyncio.create_subprocess_exec(...,
+    start_new_session=True)``: a session and a process group of its own,
     whose id is the worker's pid. Signals go to the group (``os.killpg``),
     so the processes a worker starts (data-loader workers, compilers, a
     shell's children) get them too, and a Ctrl-C aimed at a daemon running
@@ -18,9 +16,9 @@ Process groups
 
 No polling
     torch checks ``Popen.poll()`` every ``monitor_interval`` seconds. Here a
-    task per worker awaits ``ChildProcess.wait()``, which a pidfd the loop
-    watches completes when the kernel reports the exit (a thread blocked in
-    ``waitpid`` where there is no pidfd, as asyncio's watcher does); the
+    task per worker awaits ``Process.wait()``, which asyncio's child watcher
+    (a thread blocked in ``waitpid``) completes when the kernel reports the
+    exit; the
     agent's ``on_exit`` callback runs a few loop iterations later (about
     0.3 ms, see ``bench/bench_exit_detection.py``).
     :meth:`WorkerGroupProcesses.wait` returns at the first failure, or when

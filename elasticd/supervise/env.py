@@ -56,6 +56,8 @@ ROUND_VARIABLES = frozenset(
         "TORCHELASTIC_ERROR_FILE",
         "ELASTICD_HEARTBEAT_FILE",
         "ELASTICD_ATTEMPT",
+        "ELASTICD_CHECKPOINT_STEP",  # the job's last checkpoint moves on between attempts
+        "ELASTICD_CHECKPOINT_PATH",
     }
 )
 

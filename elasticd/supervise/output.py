@@ -51,6 +51,7 @@ from typing import BinaryIO, Literal
 
 from elasticd.security import LOG_FILE_MODE
 from elasticd.storage import StorageHealth, describe
+from elasticd.supervise.adopt import HandedPipe, inheritable_dup
 from elasticd.supervise.outputlimits import Limit, SpaceGuard, admit
 
 __all__ = ["MAX_LINE_BYTES", "PIPE_BUFFER_BYTES", "OutputPipe", "OutputSink", "Stream"]
@@ -155,21 +156,63 @@ class OutputPipe:
             fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PIPE_BUFFER_BYTES)
         pipe = cls(local_rank, stream, log_path, file, write_fd, sink, health, on_written)
         pipe.limit_bytes, pipe._guard = limit_bytes, guard
+        await pipe._read(read_fd)
+        return pipe
+
+    async def _read(self, read_fd: int) -> None:
+        """Have the loop read ``read_fd``; if that fails, nothing of the pipe is left open."""
         try:
             reader = os.fdopen(read_fd, "rb", buffering=0)
         except BaseException:
             os.close(read_fd)
-            pipe.close()
+            self.close()
             raise
         try:
             loop = asyncio.get_running_loop()
-            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(pipe), reader)
+            transport, _ = await loop.connect_read_pipe(lambda: _PipeProtocol(self), reader)
         except BaseException:
             reader.close()
-            pipe.close()
+            self.close()
             raise
-        pipe._transport = transport
+        self._transport = transport
+
+    @classmethod
+    async def adopt(
+        cls,
+        local_rank: int,
+        stream: Stream,
+        log_path: Path,
+        sink: OutputSink | None,
+        handed: HandedPipe,
+        *,
+        health: StorageHealth | None = None,
+        on_written: Callable[[Path], None] | None = None,
+        limit_bytes: int | None = None,
+        guard: SpaceGuard | None = None,
+    ) -> OutputPipe:
+        """The pipe of a worker taken up after the daemon's re-exec: the read end and the log
+        file the previous image handed over (:mod:`elasticd.supervise.adopt`). What the
+        worker wrote meanwhile waits in the pipe: nothing is lost or read twice."""
+        for fd in (handed.read_fd, handed.file_fd):
+            os.set_inheritable(fd, False)  # no later child may inherit them
+        file = os.fdopen(handed.file_fd, "ab", buffering=0)
+        pipe = cls(local_rank, stream, log_path, file, -1, sink, health, on_written)
+        pipe._write_fd = None
+        pipe.limit_bytes, pipe._guard, pipe._offered = limit_bytes, guard, handed.offered
+        await pipe._read(handed.read_fd)
         return pipe
+
+    def hand_over(self) -> HandedPipe:
+        """Inheritable copies of the read end and the log file, for the next program image
+        (the daemon's re-exec); everything read so far is in the file already."""
+        assert self._transport is not None
+        assert self._file is not None
+        read_fd = self._transport.get_extra_info("pipe").fileno()
+        return HandedPipe(
+            read_fd=inheritable_dup(read_fd),
+            file_fd=inheritable_dup(self._file.fileno()),
+            offered=self._offered,
+        )
 
     @property
     def write_fd(self) -> int:

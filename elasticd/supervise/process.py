@@ -19,20 +19,25 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.logs import attempt_of, stream_file
 from elasticd.security import Identity, prepare_worker_dir
 from elasticd.storage import StorageHealth
-from elasticd.supervise.cgroup import AttemptContainment
+from elasticd.supervise.adopt import (
+    AdoptedProcess,
+    HandedPipe,
+    HandedWorker,
+    unreported_exit,
+)
+from elasticd.supervise.cgroup import AttemptContainment, Cgroup
 from elasticd.supervise.errorfile import WorkerError, read_error_file
 from elasticd.supervise.output import OutputPipe, OutputSink, Stream
 from elasticd.supervise.outputlimits import SpaceGuard
 from elasticd.supervise.records import WorkerRecord
-from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry, spawn_process
-from elasticd.supervise.spawner import ChildProcess
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, WorkerRegistry, start_process
 from elasticd.supervise.sweep import boot_id, group_has_live_members, process_start_time
 from elasticd.supervise.tracebacks import traceback_from_log
 
@@ -153,6 +158,17 @@ class WorkerExit:
         return f"{who} {how}: {message}"
 
 
+class GroupHooks(TypedDict):
+    """What a group's owner hands :meth:`WorkerGroupProcesses.start` and ``adopt``."""
+
+    on_output: OutputSink | None
+    on_exit: Callable[[WorkerExit], None] | None
+    clock: Clock
+    storage: StorageHealth | None
+    policy: SpawnPolicy
+    on_written: Callable[[Path], None] | None
+
+
 @dataclass(frozen=True)
 class GroupResult:
     """The outcome of a worker group so far."""
@@ -190,13 +206,25 @@ class _Phase(enum.Enum):
     """Every worker has exited and the pipes and log files are closed."""
 
 
+class _Child(Protocol):
+    """What a worker's process is to the group: spawned here, or adopted after a re-exec."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
 class _Worker:
     """One spawned worker: its process, its pipes, its exit."""
 
     def __init__(
         self,
         launch: WorkerLaunch,
-        process: ChildProcess,
+        process: _Child,
         pipes: tuple[OutputPipe, OutputPipe],
     ) -> None:
         self.launch = launch
@@ -377,6 +405,106 @@ class WorkerGroupProcesses:
     ) -> None:
         await self.stop(DEFAULT_STOP_GRACE)
 
+    # Across the daemon's re-exec (elasticd.supervise.adopt).
+
+    def pending_exit(self) -> bool:
+        """Some worker was reaped but asyncio has not delivered its exit yet."""
+        return any(unreported_exit(w.pid, w.process.returncode) for w in self._workers.values())
+
+    def hand_over(self) -> tuple[list[HandedWorker], str | None] | None:
+        """The workers for the next program image (inheritable copies of their descriptors),
+        and the attempt's cgroup; None when this group is not simply running."""
+        if self._phase is not _Phase.RUNNING or self._stop_task is not None:
+            return None
+        recorded = dict(self._recorded)
+        handed = []
+        for rank, w in sorted(self._workers.items()):
+            start_time = recorded.get(w.pid)
+            if start_time is None:
+                return None  # never recorded: nothing proves its identity to the next image
+            returncode = w.process.returncode
+            if w.exit is not None:  # reported already: the next image reports it again
+                code = w.exit.exit_code
+                returncode = -(w.exit.signal or 0) if code is None else code
+            handed.append(
+                HandedWorker(
+                    local_rank=rank,
+                    pid=w.pid,
+                    start_time=start_time,
+                    started_at=self.started_at[rank],
+                    stdout=w.pipes[0].hand_over(),
+                    stderr=w.pipes[1].hand_over(),
+                    heartbeat_fd=None,
+                    beat_started=None,
+                    returncode=returncode,
+                )
+            )
+        cgroup = self._containment.cgroup if self._containment is not None else None
+        return handed, str(cgroup.path) if cgroup is not None else None
+
+    @classmethod
+    async def adopt(
+        cls,
+        launches: Sequence[WorkerLaunch],
+        handed: Sequence[HandedWorker],
+        cgroup: str | None,
+        *,
+        on_output: OutputSink | None = None,
+        on_exit: Callable[[WorkerExit], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+        storage: StorageHealth | None = None,
+        policy: SpawnPolicy = DEFAULT_POLICY,
+        on_written: Callable[[Path], None] | None = None,
+    ) -> WorkerGroupProcesses:
+        """Take up workers the previous program image of this daemon spawned (checked by
+        the caller: :func:`elasticd.supervise.adopt.check_worker`); watched from now on
+        exactly as if this image had spawned them."""
+        by_rank = {launch.local_rank: launch for launch in launches}
+        group = cls(on_output=on_output, on_exit=on_exit, clock=clock, storage=storage)
+        group._policy, group._on_written, group._registry = policy, on_written, policy.registry
+        group._expected = len(handed)
+        job_id = launches[0].job_id or launches[0].env.get("ELASTICD_JOB_ID", "")
+        containment = policy.containment
+        group._containment = AttemptContainment(
+            cgroup=Cgroup(Path(cgroup)) if cgroup is not None else None,
+            job_id=job_id,
+            attempt_tag=launches[0].env.get("ELASTICD_ATTEMPT"),
+            known=containment._known if containment is not None else frozenset,
+        )
+        for worker in handed:
+            launch = by_rank[worker.local_rank]
+            pipes = (
+                await group._adopt_pipe(launch, "stdout", launch.console_stdout, worker.stdout),
+                await group._adopt_pipe(launch, "stderr", launch.console_stderr, worker.stderr),
+            )
+            process = AdoptedProcess(worker.pid, worker.returncode)
+            w = _Worker(launch, process, pipes)
+            group._workers[worker.local_rank] = w
+            group.pids[worker.local_rank] = worker.pid
+            group.started_at[worker.local_rank] = worker.started_at
+            group._recorded.append((worker.pid, worker.start_time))
+            w.watch = asyncio.get_running_loop().create_task(
+                group._watch(w), name=f"elasticd-worker-{worker.local_rank}-exit"
+            )
+        group._phase = _Phase.RUNNING
+        return group
+
+    async def _adopt_pipe(
+        self, launch: WorkerLaunch, stream: Stream, console: bool, handed: HandedPipe
+    ) -> OutputPipe:
+        guard = self._guard(os.fstat(handed.file_fd).st_dev, None)
+        return await OutputPipe.adopt(
+            launch.local_rank,
+            stream,
+            launch.log_dir / stream_file(stream),
+            self._on_output if console else None,
+            handed,
+            health=self._storage,
+            on_written=self._on_written,
+            limit_bytes=launch.log_limit_bytes,
+            guard=guard,
+        )
+
     # Spawning.
 
     async def _spawn(self, launch: WorkerLaunch) -> None:
@@ -426,8 +554,9 @@ class WorkerGroupProcesses:
             ) from exc
         try:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
-            # user: the daemon never probes a job-chosen path with its own rights. Forked
-            # in the spawner thread: a restart never stalls the event loop (issue 27).
+            # user: the daemon never probes a job-chosen path with its own rights. Forked on
+            # the loop's (main) thread: the parent-death signal belongs to the forking thread,
+            # and only the main thread lives through the daemon's re-exec (node/reexec.py).
             process = None
             if self._standbys is not None:
                 process = await self._standbys.hand_off(
@@ -438,7 +567,7 @@ class WorkerGroupProcesses:
                     stdin=policy.worker_stdin,
                     containment=self._containment,
                 )
-            process = process or await spawn_process(
+            process = process or await start_process(
                 argv,
                 launch.env,
                 identity=identity,
@@ -477,10 +606,7 @@ class WorkerGroupProcesses:
     ) -> OutputPipe:
         sink = self._on_output if console else None
         owner = (identity.uid, identity.gid) if identity is not None else None
-        device = os.stat(launch.log_dir).st_dev
-        guard = self._guards.get((device, owner))
-        if guard is None:
-            guard = self._guards[(device, owner)] = SpaceGuard(owner, self._clock)
+        guard = self._guard(os.stat(launch.log_dir).st_dev, owner)
         return await OutputPipe.open(
             launch.local_rank,
             stream,
@@ -492,6 +618,13 @@ class WorkerGroupProcesses:
             limit_bytes=launch.log_limit_bytes,
             guard=guard,
         )
+
+    def _guard(self, device: int, owner: tuple[int, int] | None) -> SpaceGuard:
+        """One per (filesystem, job user): the room that user has there."""
+        guard = self._guards.get((device, owner))
+        if guard is None:
+            guard = self._guards[(device, owner)] = SpaceGuard(owner, self._clock)
+        return guard
 
     def lost_output(self) -> dict[int, int]:
         """Bytes of output per local rank that could not be written to its log files."""
@@ -546,7 +679,7 @@ class WorkerGroupProcesses:
 
     async def _watch(self, worker: _Worker) -> None:
         # The process holds no pipe of ours, so this returns when its exit is reaped
-        # (ChildProcess: through a pidfd), not when its output closes.
+        # (asyncio's child watcher), not when its output closes.
         returncode = await worker.process.wait()
         if returncode != 0 and not worker.signalled:
             # Its traceback may still be in the stderr pipe: let it reach stderr.log

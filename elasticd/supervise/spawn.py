@@ -11,13 +11,13 @@ Parent-death signal
     between fork and prctl) by checking its parent afterwards.
     ``preexec_fn`` is not used: it is unsafe in a process with threads.
 
-    The signal is tied to the *thread* that forked, not the process. Workers
-    are forked in the spawner thread (:func:`spawn_process`,
-    :mod:`elasticd.supervise.spawner`), one thread that lives as long as the
-    process, so the fork never stalls the event loop and the signal comes
-    only when the daemon dies. :func:`start_process` (a start whose output
-    the daemon reads through asyncio pipes: health checks, ``nvidia-smi``)
-    forks on the loop's thread, the main thread in the daemon.
+    The signal is tied to the *thread* that forked, not the process:
+    :func:`start_process` forks on the loop's thread, the main thread in the
+    daemon, the one thread that lives through the daemon's re-exec
+    (:mod:`elasticd.node.reexec`). :func:`spawn_process` forks in the
+    spawner thread (:mod:`elasticd.supervise.spawner`), off the loop; no
+    worker uses it yet: ``execve`` ends every other thread, so a re-exec
+    would kill what that thread started (issue 27, point 6: see the report).
 
 Who the worker runs as
     When the job runs as another user (:mod:`elasticd.security`),

@@ -2,7 +2,7 @@
 
 A job that names modules in ``prewarm`` gets, while an attempt runs, one
 standby process per local rank (:class:`StandbyPool`): started exactly as
-that rank's worker is (:func:`~elasticd.supervise.spawn.spawn_process`: the
+that rank's worker is (:func:`~elasticd.supervise.spawn.start_process`: the
 job's user, umask, working folder, the parent-death signal, a cgroup), with
 the worker's environment less :data:`~elasticd.supervise.env.ROUND_VARIABLES`,
 running :mod:`elasticd.standby_main`: it imports the modules and blocks on
@@ -14,7 +14,7 @@ its standby instead of a new interpreter: the standby is moved into the
 attempt's cgroup, gets the worker's stdout/stderr pipes (and stdin) and the
 whole environment over the socket (JSON and ``SCM_RIGHTS``, never pickle),
 and runs the program as the cold start would. The supervisor then holds the
-same :class:`~elasticd.supervise.spawner.ChildProcess` it would have spawned: pid, exit,
+same :class:`asyncio.subprocess.Process` it would have spawned: pid, exit,
 logs, heartbeat and stack dumps follow.
 
 Where it cannot apply, the worker starts cold and the pool says why
@@ -26,7 +26,10 @@ dies after it was ready is replaced (at most :data:`MAX_REPLACEMENTS` times
 an attempt); :meth:`StandbyPool.aclose` leaves none.
 
 If the daemon dies, its standbys die with it (the parent-death signal). They
-are not in the spawn registry: nothing of the job has run in them.
+are in the spawn registry all the same (attempt None): their imports are the
+job's code (the job's modules, its ``.pth`` files, its ``LD_PRELOAD``), and what
+they started in their process group is the next daemon's to sweep, as a
+worker's is; a standby that becomes a worker is recorded again as that worker.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ from typing import TYPE_CHECKING
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity
 from elasticd.supervise.env import ROUND_VARIABLES
-from elasticd.supervise.spawn import SpawnPolicy, process_env, spawn_process
-from elasticd.supervise.spawner import ChildProcess
+from elasticd.supervise.records import WorkerRecord
+from elasticd.supervise.spawn import SpawnPolicy, process_env, start_process
+from elasticd.supervise.sweep import boot_id, process_start_time
 
 if TYPE_CHECKING:
     from elasticd.supervise.cgroup import AttemptContainment
@@ -178,7 +182,7 @@ class _Standby:
     launch: WorkerLaunch
     identity: Identity | None
     program: PythonProgram
-    process: ChildProcess
+    process: asyncio.subprocess.Process
     control: socket.socket
     given: dict[str, str]
     """The environment it was started with (after :func:`process_env`)."""
@@ -188,6 +192,8 @@ class _Standby:
     )
     """None once it is ready, else why it is not (its imports failed, it died)."""
     watch: asyncio.Task[None] | None = None
+    record: tuple[int, int] | None = None
+    """(pid, start time) in the spawn registry, until it is forgotten or handed off."""
 
     @property
     def pid(self) -> int:
@@ -286,7 +292,7 @@ class StandbyPool:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            process = await spawn_process(
+            process = await start_process(
                 argv,
                 env,
                 identity=identity,
@@ -304,11 +310,15 @@ class StandbyPool:
                 "job %s: no standby for local rank %d: %s", self.job_id, launch.local_rank, exc
             )
             return
+        except BaseException:  # cancelled (the job ended): start_process left no process
+            parent.close()
+            raise
         finally:
             child.close()
             os.close(null)
         parent.setblocking(False)
         standby = _Standby(launch, identity, program, process, parent, process_env(env, identity))
+        self._record(standby)
         self._standbys[launch.local_rank] = standby
         self._why_none.pop(launch.local_rank, None)
         standby.watch = asyncio.get_running_loop().create_task(
@@ -317,6 +327,37 @@ class StandbyPool:
         log.info(
             "job %s: standby for local rank %d: pid %d", self.job_id, launch.local_rank, process.pid
         )
+
+    def _record(self, standby: _Standby) -> None:
+        """Into the spawn registry, for the next daemon's sweep after a kill -9."""
+        registry = self.policy.registry
+        start_time = process_start_time(standby.pid)
+        if registry is None or start_time is None:
+            return
+        try:
+            registry.record_worker(
+                WorkerRecord(
+                    pid=standby.pid,
+                    start_time=start_time,
+                    boot_id=boot_id(),
+                    job_id=self.job_id,
+                    attempt=None,
+                    local_rank=standby.launch.local_rank,
+                )
+            )
+            standby.record = (standby.pid, start_time)
+        except Exception:  # a safety net; never fail over it
+            log.exception("cannot record standby pid %d for the orphan sweep", standby.pid)
+
+    def _forget(self, standby: _Standby) -> None:
+        """Out of the registry: its process group is gone (killed, or it died)."""
+        record, standby.record = standby.record, None
+        if record is None or self.policy.registry is None:
+            return
+        try:
+            self.policy.registry.forget_workers([record])
+        except Exception:
+            log.exception("cannot forget standby pid %d", standby.pid)
 
     async def _watch(self, standby: _Standby) -> None:
         """Its ready line, then its end; a ready one that dies unhanded is replaced."""
@@ -354,6 +395,9 @@ class StandbyPool:
             return  # handed off or discarded: not ours any more
         standby.state = _State.GONE
         standby.control.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(standby.pid, signal.SIGKILL)  # what it started in its group goes too
+        self._forget(standby)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._lost(standby, f"it died ({how})", replace=True)
 
@@ -388,7 +432,7 @@ class StandbyPool:
         stderr: int,
         stdin: int | None,
         containment: AttemptContainment | None,
-    ) -> ChildProcess | None:
+    ) -> asyncio.subprocess.Process | None:
         """``launch``'s worker from its standby, or None (start it cold: :attr:`cold` says why)."""
         rank = launch.local_rank
         program = python_program(launch.argv)
@@ -402,22 +446,48 @@ class StandbyPool:
         reason = mismatch(standby.launch, standby.identity, launch, identity)
         if reason is None and standby.state is _State.STARTING:
             reason = await self._until_ready(standby)
+            if reason is None and self._standbys.get(rank) is not standby:
+                # Ready, then dead before this resumed: the watch took it out of the pool
+                # (a replacement may be there already, for the next start: leave it).
+                self.cold[rank] = self._why_none.get(rank, "its standby died as it got ready")
+                return None
         if reason is not None:
             self.cold[rank] = reason
             await self._discard(standby)
             return None
         standby.state = _State.GONE  # HANDED OFF: the watch lets go of it
         del self._standbys[rank]
+        handed = standby.record
+        standby.record = None  # the worker's own record replaces it (same pid, start time)
         try:
-            if containment is not None and containment.procs_fd is not None:
-                os.write(containment.procs_fd, str(standby.pid).encode())
-            await self._send(
-                standby, launch, identity, [stdout, stderr, *([stdin] if stdin is not None else [])]
-            )
+            # All of it bounded: a standby that stops reading (stopped, or the job's code
+            # in it) must not hold the start, however large the environment sent to it.
+            async with asyncio.timeout(HANDOFF_TIMEOUT):
+                if containment is not None and containment.procs_fd is not None:
+                    os.write(containment.procs_fd, str(standby.pid).encode())
+                await self._send(
+                    standby,
+                    launch,
+                    identity,
+                    [stdout, stderr, *([stdin] if stdin is not None else [])],
+                )
         except (OSError, TimeoutError, ValueError) as exc:
-            self.cold[rank] = f"the hand-off to its standby (pid {standby.pid}) failed: {exc}"
+            standby.record = handed
+            self.cold[rank] = (
+                f"the hand-off to its standby (pid {standby.pid}) failed: "
+                f"{exc or type(exc).__name__}"
+            )
             await self._kill(standby)
             return None
+        except BaseException:
+            # Cancelled (the start, the job): it is no longer the pool's, so aclose() would
+            # not find it; it may even run the program already. It goes with the start.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(standby.pid, signal.SIGKILL)
+            standby.control.close()
+            standby.record = handed
+            await self._kill(standby)
+            raise
         self.cold.pop(rank, None)
         return standby.process
 
@@ -446,8 +516,7 @@ class StandbyPool:
         # The first bytes carry the descriptors (a short write into an empty socket buffer).
         socket.send_fds(control, [str(len(data)).encode() + b"\n"], fds)
         await loop.sock_sendall(control, data)
-        async with asyncio.timeout(HANDOFF_TIMEOUT):
-            answer = await loop.sock_recv(control, 1)
+        answer = await loop.sock_recv(control, 1)
         control.close()
         if answer != b"1":
             raise OSError("the standby ended before it took the worker's place")
@@ -468,6 +537,7 @@ class StandbyPool:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.pid, signal.SIGKILL)
         await asyncio.shield(standby.process.wait())
+        self._forget(standby)
 
     async def aclose(self) -> None:
         """Kill every standby and await its end (a cancel or the job's end leaves none)."""

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +114,7 @@ class Orphan:
     leader_alive: bool
 
 
-def sweep_orphans(registry: WorkerRegistry) -> list[Orphan]:
+def sweep_orphans(registry: WorkerRegistry, keep: Collection[tuple[int, int]] = ()) -> list[Orphan]:
     """Kill what is left of every worker a previous run of the daemon recorded; forget them all.
 
     A recorded worker is ours if a process with its pid and its start time
@@ -124,8 +124,10 @@ def sweep_orphans(registry: WorkerRegistry) -> list[Orphan]:
     not reuse a pid while it still names a process group. Anything else (a
     pid now used by someone else, an earlier boot) is only forgotten.
     SIGKILL is final, so nothing here waits for the processes to go.
+    ``keep``: (pid, start time) of workers carried across the daemon's re-exec:
+    neither killed nor forgotten.
     """
-    records = registry.recorded_workers()
+    records = [r for r in registry.recorded_workers() if (r.pid, r.start_time) not in keep]
     if not records:
         return []
     me = boot_id()

@@ -59,8 +59,9 @@ run all of whose torchruns were killed keeps its last state; its nodes'
 presence keys are gone once their leases expire.
 
 The package, one job per module: :mod:`.config` (torchrun's parameters),
-:mod:`.edits` (the run's document: pure edits), :mod:`.loop` (the private
-event loop), :mod:`.core` (:class:`TorchrunRendezvous`) and
+:mod:`.edits` (the run's document: pure edits), :mod:`.core`
+(:class:`TorchrunRendezvous`, on the store client's private event loop
+thread, :class:`elasticd.store.blocking.LoopThread`) and
 :mod:`.torch_adapter` (torch's handler class; the only module that imports
 torch, and only when torch asks for a handler).
 """

@@ -27,11 +27,11 @@ from elasticd.models import Event, EventSource, GroupView, Job, JobSpec
 from elasticd.rendezvous import Change, RoundInfo, StoreRendezvous
 from elasticd.states import JobState, WorkerState
 from elasticd.store import Store
+from elasticd.store.blocking import LoopThread
 from elasticd.store.http import HttpStore
 from elasticd.tokens import read_token_file
 from elasticd.torchrun_backend.config import BackendConfig, address_towards, node_name
 from elasticd.torchrun_backend.edits import RunStep, run_edit, waiting_nodes
-from elasticd.torchrun_backend.loop import LoopThread
 
 log = logging.getLogger("elasticd.torchrun")
 

@@ -239,6 +239,12 @@ class HeartbeatFile:
             return None
         return _kind(st.st_mode)
 
+    def fileno(self) -> int:
+        """The daemon's descriptor of the file (handed across its re-exec)."""
+        if self._fd is None:
+            raise ValueError("the heartbeat file is closed")
+        return self._fd
+
     def close(self) -> None:
         """Release the descriptor (idempotent); reads return None afterwards."""
         fd, self._fd = self._fd, None

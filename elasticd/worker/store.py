@@ -8,9 +8,11 @@ restart (:mod:`elasticd.inprocess`) coordinates through.
 
 Two layers:
 
-* :class:`ClusterStoreClient` — torch-free and synchronous (one
-  ``httpx.Client``, safe to share between threads). It speaks the daemon's
-  ``/store`` JSON API (see :mod:`api.routes.store`) with the bearer token read
+* :class:`ClusterStoreClient` — torch-free and synchronous (safe to share
+  between threads). It reaches the daemon's ``/store`` API through the one
+  store client, :class:`elasticd.store.http.HttpStore`, by its synchronous
+  facade :class:`elasticd.store.blocking.BlockingStore` with the workers'
+  retry (:data:`elasticd.store.http.RIDE_OUT`) and the bearer token read
   from ``ELASTICD_TOKEN_FILE``, and implements torch's store semantics:
   ``get`` and ``wait`` block until the key exists, by *watching* the key
   (a long-poll answered when the key is written), never by sleeping and
@@ -28,8 +30,9 @@ keys of the previous one. A torch key is escaped so that any string is a
 valid store key (``%``-quoting, ``/`` kept; ``.`` and ``..`` segments quoted).
 
 Values are bytes in and out; nothing is ever unpickled. A failure to reach
-the daemon is retried with backoff until the operation's deadline (the
-daemon may be restarting), then raised as :class:`StoreUnreachable`; a wait
+the daemon (or its 503) is retried with backoff until the operation's
+deadline (the daemon may be restarting), then raised, like any other store
+error, as :class:`StoreUnreachable`; a wait
 that passes its timeout raises :class:`TimeoutError` (torch's adapter turns
 both into ``torch.distributed.DistStoreError``).
 """
@@ -40,23 +43,14 @@ import datetime
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
-import httpx
-
+from elasticd.errors import StoreError
 from elasticd.store.base import Entry, WatchEvent
-from elasticd.store.codec import (
-    StoreCall,
-    WireFormatError,
-    add_call,
-    cas_call,
-    delete_call,
-    get_call,
-    list_call,
-    put_call,
-    watch_call,
-)
+from elasticd.store.blocking import BlockingStore
+from elasticd.store.http import RIDE_OUT
 from elasticd.tokens import TokenFileError, read_token_file
 from elasticd.worker.names import attempt_tag, default_namespace, escape_key
 
@@ -75,10 +69,6 @@ __all__ = [
 
 #: Longest single long-poll; a longer wait is several polls.
 MAX_POLL_SECONDS = 60.0
-
-#: First and largest pause between retries while the daemon cannot be reached.
-_RETRY_FIRST = 0.05
-_RETRY_MAX = 1.0
 
 
 class StoreUnreachable(RuntimeError):
@@ -100,24 +90,18 @@ class ClusterStoreClient:
         *,
         timeout: float = 300.0,
         request_timeout: float = 10.0,
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
         if namespace and not namespace.endswith("/"):
             namespace += "/"
         self.base_url = base_url.rstrip("/")
         self.namespace = namespace
         self.timeout = timeout
-        self._request_timeout = request_timeout
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
+        self._store = BlockingStore(
+            base_url,
+            token,
             timeout=request_timeout,
-            transport=transport,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=16),
+            retry=replace(RIDE_OUT, patience=timeout),
         )
-        self._closed = False
-        self._lock = threading.Lock()
 
     @classmethod
     def from_env(
@@ -150,11 +134,7 @@ class ClusterStoreClient:
 
     def close(self) -> None:
         """Close the connections; later calls raise :class:`StoreUnreachable`."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._http.close()
+        self._store.close()
 
     def __enter__(self) -> ClusterStoreClient:
         return self
@@ -168,95 +148,30 @@ class ClusterStoreClient:
         """The store key that holds ``key`` (escaped, under the namespace)."""
         return self.namespace + escape_key(key)
 
-    # -- the one request path ----------------------------------------------------
-
-    def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        body: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
-        deadline: float | None = None,
-        none_on: int | None = None,
-    ) -> Any:
-        """One API call; transport errors and 503s are retried until ``deadline``.
-
-        A response with status ``none_on`` returns None instead of raising.
-        """
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout
-        pause = _RETRY_FIRST
-        while True:
-            if self._closed:
-                raise StoreUnreachable(f"the store client of {self.base_url} is closed")
-            try:
-                response = self._http.request(
-                    method,
-                    path,
-                    params=params,
-                    json=body,
-                    timeout=self._request_timeout if timeout is None else timeout,
-                )
-            except httpx.TransportError as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-            except RuntimeError as exc:  # the client was closed under us
-                raise StoreUnreachable(f"store client of {self.base_url}: {exc}") from exc
-            else:
-                if response.status_code == none_on:
-                    return None
-                if response.status_code == 503:
-                    problem = f"503: {response.text[:200]}"
-                elif response.status_code >= 300:
-                    raise StoreUnreachable(
-                        f"the store at {self.base_url} answered {method} {path} with "
-                        f"{response.status_code}: {response.text[:300]}"
-                    )
-                else:
-                    try:
-                        return response.json()
-                    except ValueError as exc:
-                        raise StoreUnreachable(
-                            f"the store at {self.base_url} answered {method} {path} "
-                            "with something that is not JSON"
-                        ) from exc
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise StoreUnreachable(
-                    f"the store at {self.base_url} could not be reached ({problem})"
-                )
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, _RETRY_MAX)
-
-    def _do(self, call: StoreCall[T], **options: Any) -> T:
-        """Send ``call`` and read its answer; a body of the wrong shape: not our store."""
-        data = self._call(call.method, call.path, params=call.params, body=call.body, **options)
-        return self._answer(call, data)
-
-    def _answer(self, call: StoreCall[T], data: Any) -> T:
+    def _do(self, call: Callable[[BlockingStore], T]) -> T:
+        """``call`` on the store client; its errors as :class:`StoreUnreachable`."""
         try:
-            return call.answer(data)
-        except WireFormatError as exc:
-            raise StoreUnreachable(f"the store at {self.base_url} {exc}") from exc
+            return call(self._store)
+        except StoreError as exc:
+            raise StoreUnreachable(str(exc)) from exc
 
     # -- raw operations on full keys ---------------------------------------------
 
     def read(self, full_key: str) -> Entry | None:
         """The entry at ``full_key`` (not namespaced), or None."""
-        return self._do(get_call(full_key))
+        return self._do(lambda s: s.get(full_key))
 
     def write(self, full_key: str, value: bytes) -> int:
         """Write ``full_key`` (not namespaced); return the new version."""
-        return self._do(put_call(full_key, value)).version
+        return self._do(lambda s: s.put(full_key, value)).version
 
     def create(self, full_key: str, value: bytes) -> bool:
         """Create ``full_key`` only if it is absent; True if this call created it."""
-        return self._do(cas_call(full_key, value, None)).ok
+        return self._do(lambda s: s.compare_and_set(full_key, value, None)).ok
 
     def listing(self, prefix: str) -> tuple[list[Entry], int]:
         """The entries under ``prefix`` (not namespaced) and the revision they were read at."""
-        result = self._do(list_call(prefix))
+        result = self._do(lambda s: s.list(prefix))
         return list(result.entries), result.revision
 
     def watch(
@@ -267,18 +182,7 @@ class ClusterStoreClient:
         A compacted history answers ``[]`` too: the caller re-reads anyway.
         """
         poll = max(0.0, min(timeout, MAX_POLL_SECONDS))
-        call = watch_call(key, after, poll, prefix)
-        data = self._call(
-            call.method,
-            call.path,
-            params=call.params,
-            timeout=poll + self._request_timeout,
-            deadline=time.monotonic() + max(poll, self._request_timeout),
-            none_on=410,  # history compacted: the caller re-reads anyway
-        )
-        if data is None:
-            return []
-        return self._answer(call, data)
+        return self._do(lambda s: s.watch(key, after, poll, prefix=prefix))
 
     def wait_for(self, full_key: str, timeout: float | None = None) -> bytes:
         """Block until ``full_key`` (not namespaced) exists; return its value.
@@ -320,7 +224,7 @@ class ClusterStoreClient:
 
     def add(self, key: str, delta: int) -> int:
         """Atomically add ``delta`` to the counter ``key`` (absent = 0); the new value."""
-        return self._do(add_call(self.full_key(key), delta))
+        return self._do(lambda s: s.add(self.full_key(key), delta))
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """torch's compare_set: set ``desired`` if the value is ``expected``; the value after.
@@ -339,13 +243,14 @@ class ClusterStoreClient:
                 return entry.value
             else:
                 version = entry.version
-            if self._do(cas_call(full, desired, version)).ok:
+            on = version  # this pass's version, bound now
+            if self._do(lambda s: s.compare_and_set(full, desired, on)).ok:  # noqa: B023
                 return desired
             # Lost a race: decide again on the winner's value.
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
-        return self._do(delete_call(self.full_key(key)))
+        return self._do(lambda s: s.delete(self.full_key(key)))
 
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every key exists now."""

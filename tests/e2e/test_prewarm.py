@@ -111,7 +111,10 @@ async def ready_standbys(
         for group in view.get("groups", []):
             standbys = group.get("standbys", [])
             if len(standbys) == count and all(s["state"] == "ready" for s in standbys):
-                assert all(s["rss_bytes"] > 0 for s in standbys), standbys
+                # A standby just killed (a zombie not reaped yet) is still listed, without
+                # memory: look again until the pool has taken it out.
+                if not all((s["rss_bytes"] or 0) > 0 for s in standbys):
+                    continue
                 found = {s["local_rank"]: s["pid"] for s in standbys}
                 return True
         return False

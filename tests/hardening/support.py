@@ -143,10 +143,12 @@ def serve(
     port: int | None = None,
     verbose: bool = False,
     nofile: tuple[int, int] | None = None,
+    cwd: Path | None = None,
 ) -> Served:
     """Start `elasticd serve` on a free loopback port (as root, jobs may run as root).
 
     ``nofile``: the daemon's (soft, hard) ``RLIMIT_NOFILE``, set before its exec.
+    ``cwd``: where it runs (``python -m`` imports from there first).
     """
     port = port or free_port()
     state_dir = state_dir or root / "state"
@@ -187,6 +189,7 @@ def serve(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=None if nofile is None else _limit_nofile(nofile),
+            cwd=cwd,
         )
     return Served(proc, port, state_dir, log, token, args)
 

@@ -4,6 +4,7 @@ max_no_progress_restarts, progress_timeout "auto" and checkpoint_timeout, on a r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +13,24 @@ from tests.conftest import PY, events_of, script, wait_job
 
 #: The workers import this tree's elasticd (not an installed one).
 ENV = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+
+async def run_script(
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+    body: str,
+    *args: str,
+    timeout: float = 60,
+    **spec: Any,
+) -> dict[str, Any]:
+    """Submit ``python <body> args...`` with ``spec`` and wait for the job to end."""
+    path = script(tmp_path, "worker.py", body)
+    r = await client.post(
+        "/jobs", json={"entrypoint": PY, "env": ENV, "args": [path, *args], **spec}
+    )
+    assert r.status_code in (200, 201), r.text
+    return await wait_job(client, r.json()["id"], timeout=timeout)
+
 
 #: Attempt 0 reports steps 0..9 and a checkpoint at 5, then crashes; attempt 1 writes
 #: what it was told (ELASTICD_CHECKPOINT_STEP / _PATH) and succeeds.
@@ -38,12 +57,7 @@ async def test_a_restart_resumes_from_the_jobs_last_checkpoint(
 ) -> None:
     """The checkpoint and steps reach the job document; the restarted attempt is told of them."""
     out = tmp_path / "told"
-    path = script(tmp_path, "resume.py", RESUMES)
-    r = await client.post(
-        "/jobs",
-        json={"entrypoint": PY, "args": [path, str(out)], "max_restarts": 1, "env": ENV},
-    )
-    job = await wait_job(client, r.json()["id"])
+    job = await run_script(client, tmp_path, RESUMES, str(out), max_restarts=1)
     assert job["state"] == "SUCCEEDED" and job["restart_count"] == 1, job
     assert out.read_text() == f"5 {out}.ckpt-5"
     progress = job["progress"]
@@ -75,18 +89,9 @@ async def test_a_crash_loop_without_progress_stops_after_max_no_progress_restart
 ) -> None:
     """A job that restarts without progress fails after max_no_progress_restarts restarts,
     long before its restart budget, and says why."""
-    path = script(tmp_path, "loop.py", CRASH_LOOP)
-    r = await client.post(
-        "/jobs",
-        json={
-            "entrypoint": PY,
-            "env": ENV,
-            "args": [path, kind],
-            "max_restarts": 20,
-            "max_no_progress_restarts": 2,
-        },
+    job = await run_script(
+        client, tmp_path, CRASH_LOOP, kind, timeout=90, max_restarts=20, max_no_progress_restarts=2
     )
-    job = await wait_job(client, r.json()["id"], timeout=90)
     assert job["state"] == "FAILED"
     assert job["restart_count"] == 2, job["reason"]
     assert "no progress in 2 restarts in a row (max_no_progress_restarts = 2)" in job["reason"]
@@ -125,19 +130,15 @@ async def test_an_auto_timeout_spares_a_slow_step_and_catches_a_hang(
 ) -> None:
     """progress_timeout "auto": a 4 s step among 0.1 s steps is not a hang; a real hang is
     caught within the sized timeout (floor 10 s, 4x the 95th percentile)."""
-    path = script(tmp_path, "auto.py", SLOW_THEN_HANG)
-    r = await client.post(
-        "/jobs",
-        json={
-            "entrypoint": PY,
-            "env": ENV,
-            "args": [path],
-            "progress_timeout": "auto",
-            "max_restarts": 0,
-            "termination_grace": 1,
-        },
+    job = await run_script(
+        client,
+        tmp_path,
+        SLOW_THEN_HANG,
+        timeout=110,
+        progress_timeout="auto",
+        max_restarts=0,
+        termination_grace=1,
     )
-    job = await wait_job(client, r.json()["id"], timeout=110)
     assert job["state"] == "FAILED" and "hung" in job["error"]["message"]
     hangs = [e for e in await events_of(client, job["id"]) if e["kind"] == "worker.hang"]
     assert len(hangs) == 1, [h["message"] for h in hangs]
@@ -171,20 +172,16 @@ async def test_a_slow_checkpoint_is_not_a_hang(
 ) -> None:
     """A checkpoint longer than progress_timeout is judged by checkpoint_timeout: a 3 s one
     passes; one that never ends is a hang named after checkpoint_timeout."""
-    path = script(tmp_path, "ckpt.py", SLOW_CHECKPOINT)
-    r = await client.post(
-        "/jobs",
-        json={
-            "entrypoint": PY,
-            "env": ENV,
-            "args": [path, ending],
-            "progress_timeout": 1.0,
-            "checkpoint_timeout": 6.0,
-            "max_restarts": 0,
-            "termination_grace": 1,
-        },
+    job = await run_script(
+        client,
+        tmp_path,
+        SLOW_CHECKPOINT,
+        ending,
+        progress_timeout=1.0,
+        checkpoint_timeout=6.0,
+        max_restarts=0,
+        termination_grace=1,
     )
-    job = await wait_job(client, r.json()["id"], timeout=60)
     hangs = [e for e in await events_of(client, job["id"]) if e["kind"] == "worker.hang"]
     if ending == "ok":
         assert job["state"] == "SUCCEEDED", job["reason"]

@@ -86,6 +86,12 @@ def submit(user: str | None = None, priority: int = 0) -> JobFacts:
         (JOB, Action.LIST, None, Deny),
         (JOB, Action.CANCEL, J1, Deny),
         (JOB, Action.READ_DETAIL, J1, Deny),
+        # Re-executing the daemon (POST /reload): an admin's only.
+        (ADMIN, Action.RELOAD, None, Allow()),
+        (ALICE, Action.RELOAD, None, Deny),
+        (BOB_TOKEN, Action.RELOAD, None, Deny),
+        (CLUSTER, Action.RELOAD, None, Allow()),  # the cluster identity is an admin
+        (JOB, Action.RELOAD, None, Deny),
     ],
 )
 def test_authorize_table(

@@ -79,8 +79,9 @@ async def finish(proc: asyncio.subprocess.Process) -> None:
 
 
 @contextmanager
-def store_server(token: str | None = None) -> Iterator[str]:
-    """Serve an in-memory cluster store on a free loopback port from a thread; yields its URL."""
+def store_server(token: str | None = None, store: MemoryStore | None = None) -> Iterator[str]:
+    """Serve ``store`` (default: a fresh in-memory one) on a free loopback port from a
+    thread; yields its URL."""
     urls: queue.Queue[str | BaseException] = queue.Queue()
     ready: queue.Queue[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = queue.Queue()
 
@@ -88,7 +89,7 @@ def store_server(token: str | None = None) -> Iterator[str]:
         stop = asyncio.Event()
         ready.put((asyncio.get_running_loop(), stop))
         await serve_store(
-            MemoryStore(),
+            MemoryStore() if store is None else store,
             host="127.0.0.1",
             port=0,
             token=token,

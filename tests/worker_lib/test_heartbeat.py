@@ -104,18 +104,28 @@ def test_torn_or_garbage_files_read_as_none(tmp_path: Path) -> None:
     assert read_heartbeat(tmp_path / "junk") is None
 
 
-def test_a_ping_costs_microseconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A mapped ping stays far below the 20 µs goal (generous bound for a loaded CI machine)."""
+@pytest.mark.parametrize("with_step", [False, True])
+def test_a_ping_costs_microseconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_step: bool
+) -> None:
+    """A mapped ping, with or without a step, stays far below the 20 µs goal (about 0.25 µs
+    measured with python -m timeit; a generous bound for a loaded CI machine)."""
     path = tmp_path / "hb"
     create_heartbeat_file(path)
     monkeypatch.setenv(ENV_VAR, str(path))
     ping()
     n = 20_000
     started = time.perf_counter()
-    for _ in range(n):
-        ping()
+    if with_step:
+        for i in range(n):
+            ping(step=i)
+    else:
+        for _ in range(n):
+            ping()
     per_call = (time.perf_counter() - started) / n
     assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per ping"
+    value = read_heartbeat(path)
+    assert value is not None and value.step == (n - 1 if with_step else None)
 
 
 async def test_a_forked_child_does_not_ping_for_its_parent(tmp_path: Path) -> None:
@@ -232,24 +242,6 @@ def test_an_old_worker_library_still_pings_a_new_file(tmp_path: Path) -> None:
     path.write_bytes(bytes(data))
     value = read_heartbeat(path)
     assert value is not None and value.count == 9 and value.step is None
-
-
-def test_a_ping_with_a_step_costs_microseconds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """ping(step=N) stays far below the 20 µs goal (about 0.3 µs measured; loaded-CI bound)."""
-    path = tmp_path / "hb"
-    create_heartbeat_file(path)
-    monkeypatch.setenv(ENV_VAR, str(path))
-    ping(step=0)
-    n = 20_000
-    started = time.perf_counter()
-    for i in range(n):
-        ping(step=i)
-    per_call = (time.perf_counter() - started) / n
-    assert per_call < 20e-6, f"{per_call * 1e6:.2f} µs per ping"
-    value = read_heartbeat(path)
-    assert value is not None and value.step == n - 1
 
 
 @pytest.mark.parametrize(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from elasticd.errors import StoreUnavailable
+from elasticd.store.blocking import BlockingStore
 from elasticd.worker.store import (
     ClusterStoreClient,
     StoreUnreachable,
@@ -18,6 +22,8 @@ from elasticd.worker.store import (
     default_namespace,
     escape_key,
 )
+from tests.e2e.cluster import TOKEN as CLUSTER_TOKEN
+from tests.e2e.cluster import LocalCluster, free_port
 
 from .support import child_env, finish, spawn, store_server
 
@@ -200,3 +206,38 @@ async def test_torch_accepts_the_store_for_a_gloo_process_group(tmp_path: Path) 
     for proc, (out, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0, err.decode()[-2000:]
         assert out.decode().split() == ["sum", "3.0", "3.0", "True"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_worker_rides_out_a_daemon_whose_store_answers_503(tmp_path: Path) -> None:
+    """A daemon whose store is not up yet answers /store with 503: the daemon's own client
+    (FAIL_FAST) raises at once, a worker's client keeps asking and succeeds once it is up."""
+    store_port = free_port()
+    cluster = LocalCluster(tmp_path, store_url=f"http://127.0.0.1:{store_port}")
+    with cluster:
+        late = cluster.start("late")
+        cluster.store_url = None  # the next node hosts the store, on store_port
+        async with cluster.client("late") as c:
+            deadline = time.monotonic() + 60
+            while True:  # until the daemon answers, with its store still missing
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get("/healthz")).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, cluster.logs()
+                await asyncio.sleep(0.05)
+        fast = BlockingStore(late.url, CLUSTER_TOKEN)
+        worker = ClusterStoreClient(late.url, CLUSTER_TOKEN, "jobs/w/torch/0/", timeout=90)
+        with fast, worker:
+            with pytest.raises(StoreUnavailable, match="503"):
+                fast.get("jobs/w/probe")
+            writing = asyncio.ensure_future(asyncio.to_thread(worker.set, "k", b"after"))
+            # Let the worker ask for a second (pauses 0.05, 0.1, 0.2, 0.4 s: four 503s or
+            # more); a worker that gave up on a 503 is done by then with its error.
+            await asyncio.wait([writing], timeout=1.0)
+            with pytest.raises(StoreUnavailable, match="503"):
+                fast.get("jobs/w/probe")  # still no store: what the worker got was 503s
+            assert not writing.done()
+            cluster.start("n0", port=store_port)
+            await asyncio.wait_for(writing, 90)
+            assert worker.get_now("k") == b"after"

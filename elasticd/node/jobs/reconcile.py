@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from elasticd.agent.handover import AgentHandover
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
 from elasticd.models import Job, JobEdit, Launcher
 from elasticd.node.db import Database
@@ -49,6 +50,16 @@ class Slots:
         slots = self.free[:n]
         del self.free[:n]
         self.held[job_id] = slots
+        if self.gpu_ids is None:
+            return None
+        return ",".join(self.gpu_ids[s] for s in slots)
+
+    def take_exact(self, job_id: str, slots: list[int]) -> str | None:
+        """Hold these slots for the job (re-adopted after a re-exec: the GPUs it runs on)."""
+        if not slots or not set(slots) <= set(self.free):
+            return self.take(job_id, len(slots))
+        self.free = [s for s in self.free if s not in slots]
+        self.held[job_id] = list(slots)
         if self.gpu_ids is None:
             return None
         return ",".join(self.gpu_ids[s] for s in slots)
@@ -93,6 +104,9 @@ class Reconciler:
         #: Jobs whose agent here is being stopped because the plan no longer places them here.
         self.unplaced: set[str] = set()
         self.crashing: set[str] = set()  # jobs whose dead agent is being cleaned up
+        #: Attempts handed over by the daemon's previous program image (re-exec), by job:
+        #: taken up by the job's next agent here (:meth:`reconcile`).
+        self.adoptions: dict[str, AgentHandover] = {}
         #: When this node saw each finished job end, on its monotonic clock
         #: (:mod:`elasticd.node.retention`); loaded from ``db`` at the first watch.
         self._db = db
@@ -173,8 +187,12 @@ class Reconciler:
                 or not self.slots.fits(job.spec.nproc_per_node)
             ):
                 continue
-            cuda = self.slots.take(job.id, job.spec.nproc_per_node)
-            self.supervisor.start(job, cuda)
+            handover = self.adoptions.pop(job.id, None)
+            if handover is not None:
+                cuda = self.slots.take_exact(job.id, handover.slots)
+            else:
+                cuda = self.slots.take(job.id, job.spec.nproc_per_node)
+            self.supervisor.start(job, cuda, handover)
             self.publish_slots()
 
     async def _after_unplaced(self, job_id: str) -> None:

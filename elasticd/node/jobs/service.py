@@ -35,12 +35,13 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from typing_extensions import Unpack
 
 from elasticd.agent.agent import ConsoleSink
+from elasticd.agent.handover import AgentHandover
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.config import Config
 from elasticd.errors import (
@@ -192,8 +193,40 @@ class JobService:
 
     # lifecycle
 
-    async def recover(self) -> None:
-        await self.supervisor.recover()
+    async def recover(
+        self, adopt: Sequence[AgentHandover] = (), refused: Mapping[str, str] | None = None
+    ) -> None:
+        """After a start: resume the jobs a previous run left active. ``adopt``: attempts the
+        daemon's previous program image handed over (re-exec), taken up by the jobs' next
+        agents here; ``refused``: why a job was not (it resumes as a new attempt)."""
+        self.reconciler.adoptions = {a.job_id: a for a in adopt}
+        await self.supervisor.recover(skip=frozenset(self.reconciler.adoptions), why=refused)
+
+    def hand_over(self) -> tuple[list[AgentHandover], dict[str, str]]:
+        """Every running attempt for the daemon's next program image (re-exec)."""
+        return self.supervisor.hand_over(dict(self.reconciler.slots.held))
+
+    async def close_standbys(self) -> None:
+        """Kill every job's standby interpreters (before a re-exec: the new program image
+        would not know them; its agents start new ones)."""
+        for agent in list(self.supervisor.agents.values()):
+            await agent.close_standbys()
+
+    def pending_exit(self) -> bool:
+        """A worker of this node was reaped and its exit is not delivered yet (re-exec)."""
+        return any(agent.pending_exit() for agent in self.supervisor.agents.values())
+
+    @property
+    def adopting(self) -> int:
+        """Jobs handed over by the previous program image not taken up yet (``/readyz``)."""
+        pending = sum(1 for agent in self.supervisor.agents.values() if agent.adopting)
+        return pending + len(self.reconciler.adoptions)
+
+    def abandon_adoptions(self) -> list[AgentHandover]:
+        """The handed-over attempts no agent took up (the plan no longer places the job here,
+        or it ended meanwhile): the caller ends their workers."""
+        left, self.reconciler.adoptions = list(self.reconciler.adoptions.values()), {}
+        return left
 
     def stop_accepting(self) -> None:
         self.reconciler.accepting = False

@@ -21,11 +21,12 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
+from elasticd.agent.handover import AgentHandover
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.errors import (
     InvalidTransition,
@@ -62,6 +63,10 @@ DAEMON_STOPPED = (
 DAEMON_CRASHED = (
     "the elasticd daemon was not running (it crashed or was killed) while the job was running; "
     "the job resumes as a new attempt, no restart charged"
+)
+READOPT_FAILED = (
+    "the elasticd daemon re-executed itself but could not take up the job's workers: "
+    "{reason}; the job resumes as a new attempt, no restart charged"
 )
 #: Agent deaths (internal errors) after which a job is FAILED instead of resumed.
 MAX_AGENT_CRASHES = 3
@@ -121,7 +126,24 @@ class AgentSupervisor:
         #: How often each job's agent died of an internal error in this daemon's life.
         self._crashes: dict[str, list[float]] = {}  # job -> when its agents died
 
-    async def recover(self) -> None:
+    def hand_over(self, slots: dict[str, list[int]]) -> tuple[list[AgentHandover], dict[str, str]]:
+        """Every agent's running attempt for the daemon's next program image (re-exec), and
+        the jobs that cannot be handed over, with why; no await: right before the exec."""
+        handed, not_handed = [], {}
+        for job_id, agent in self.agents.items():
+            handover = agent.hand_over(slots.get(job_id, []))
+            if handover is None:
+                not_handed[job_id] = (
+                    "its agent was not simply watching running workers at the re-exec "
+                    "(starting, restarting or stopping them)"
+                )
+            else:
+                handed.append(handover)
+        return handed, not_handed
+
+    async def recover(
+        self, skip: frozenset[str] = frozenset(), why: Mapping[str, str] | None = None
+    ) -> None:
         """After a start: a job this node was running resumes, never failed for the daemon's sake.
 
         A job with other live members carries on without us; this node will
@@ -138,7 +160,7 @@ class AgentSupervisor:
             log.error("cannot recover the jobs of this node: %s", exc)
             return
         for job in jobs:
-            if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD:
+            if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD or job.id in skip:
                 continue
             ours = await self.side.store.get(group_key(job.id, self.side.node))
             if ours is not None:
@@ -148,7 +170,9 @@ class AgentSupervisor:
                 continue
             if ours is None and self.side.node not in members and not self._started_here(job.id):
                 continue
-            self.side.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, DAEMON_CRASHED)
+            reason = (why or {}).get(job.id)
+            message = DAEMON_CRASHED if reason is None else READOPT_FAILED.format(reason=reason)
+            self.side.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, message)
             if job.state is JobState.RUNNING:
                 with contextlib.suppress(InvalidTransition):
                     await self.side.documents.update(
@@ -243,8 +267,11 @@ class AgentSupervisor:
             clock=self.side.clock,
         )
 
-    def start(self, job: Job, cuda_visible_devices: str | None) -> None:
-        """Start the job's agent on slots the caller holds for it (their GPUs given)."""
+    def start(
+        self, job: Job, cuda_visible_devices: str | None, handover: AgentHandover | None = None
+    ) -> None:
+        """Start the job's agent on slots the caller holds for it (their GPUs given);
+        ``handover``: it takes up the attempt the daemon's previous image ran (re-exec)."""
         ctx = AgentContext(
             node=self.side.node,
             advertise_addr=self.side.config.advertise,
@@ -275,7 +302,7 @@ class AgentSupervisor:
             log_growth=self.log_growth.grew,
             node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
         )
-        agent = JobAgent(job, ctx)
+        agent = JobAgent(job, ctx, handover)
         try:
             # The job's log folder is this job's: one left by an earlier job of this id
             # (deleted, the id taken again) is moved aside, never read or appended to.
@@ -284,7 +311,8 @@ class AgentSupervisor:
             log.warning("job %s: cannot claim its log folder: %s", job.id, exc)
         # A job this node ran before (before a daemon restart) goes on with the next
         # attempt number: its earlier attempts' logs stay where they are.
-        agent.spawn_seq = self.side.logs.last_attempt(job.id)
+        if handover is None:
+            agent.spawn_seq = self.side.logs.last_attempt(job.id)
         self.agents[job.id] = agent
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self.tasks[job.id] = task

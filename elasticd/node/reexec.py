@@ -1,0 +1,456 @@
+"""The in-place upgrade: the daemon re-executes itself with the same pid (issue 25).
+
+``SIGHUP`` (``systemctl reload elasticd``: ``ExecReload=/bin/kill -HUP
+$MAINPID``) or an admin's ``POST /reload`` (``elasticd reload``) asks for
+it. In order:
+
+1. **Pre-flight** (:func:`preflight`): the installed program is run with the
+   daemon's own command line and ``--check``: it imports everything the
+   daemon would and validates the configuration, then prints its version.
+   If that fails the daemon stays as it is, and says why in the log and in a
+   ``daemon.reexec_refused`` event on each job it runs.
+2. **Quiesce** (:meth:`Daemon.reexec <elasticd.node.daemon.Daemon.reexec>`):
+   ``/readyz`` says "re-executing"; the node's lease is renewed (a full TTL
+   for the new image to take it up); the HTTP server stops accepting and
+   drains briefly, its listening sockets kept (connections that arrive
+   meanwhile wait in the kernel's backlog for the new image: none is
+   refused); the loop runs until no worker exit is half-delivered.
+3. **Hand-over** (:class:`Manifest`, JSON, never pickle): with no await
+   between it and the ``exec``, each agent that is watching its running
+   workers hands over its attempt (:mod:`elasticd.agent.handover`); the
+   descriptors named in the manifest (listening sockets, pipes, log files,
+   heartbeats) are inheritable copies, every other descriptor closes at the
+   ``exec``. The manifest travels in a memfd whose number is in
+   ``ELASTICD_REEXEC_FD``: it never touches the disk (it names the job
+   tokens' hashes).
+4. **exec** of the same interpreter with the same command line: same pid,
+   so the workers stay its children; no parent-death signal fires; nothing
+   is signalled.
+
+The new image (:func:`take_manifest` at start-up) keeps the listening
+sockets, takes up the node's lease and the job tokens, leaves the handed
+workers out of the orphan sweep, and re-adopts each job whose workers pass
+:func:`~elasticd.supervise.adopt.check_worker` (``job.readopted``; ``/readyz``
+is not ready until every handed job is taken up). A job that was not handed
+over, or whose workers fail the check, has them killed by the orphan sweep
+and resumes as a new attempt with no restart charged (``job.resumed`` says
+why), as after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import uvicorn
+
+from elasticd import __version__
+from elasticd.agent.handover import AgentHandover
+from elasticd.config import Config
+from elasticd.errors import StoreError, WorkerSpawnError
+from elasticd.eventkinds import EventKind
+from elasticd.identity import Authenticator
+from elasticd.node.cluster import Cluster
+from elasticd.node.events import EventLog
+from elasticd.node.jobs import JobService
+from elasticd.security import resolve_job_users
+from elasticd.store import Store
+from elasticd.supervise.adopt import (
+    AdoptedProcess,
+    check_worker,
+    close_fds,
+    end_handed,
+    inheritable_dup,
+)
+from elasticd.supervise.spawn import start_process
+
+__all__ = [
+    "ADOPT_DEADLINE",
+    "ENV_FD",
+    "REEXEC_DRAIN",
+    "ReexecMixin",
+    "inherited_socket",
+    "PREFLIGHT_TIMEOUT",
+    "Manifest",
+    "exec_self",
+    "preflight",
+    "reap_swept",
+    "take_manifest",
+]
+
+log = logging.getLogger("elasticd.node.reexec")
+
+#: The environment variable that names the hand-over manifest's descriptor in the new image.
+ENV_FD = "ELASTICD_REEXEC_FD"
+#: Seconds the pre-flight check may take (imports on a loaded node are slow).
+PREFLIGHT_TIMEOUT = 60.0
+#: Seconds requests under way get before a re-exec (what still runs then is cut off).
+REEXEC_DRAIN = 0.5
+#: Seconds a handed-over job waits to be taken up (the plan places it here) before its
+#: workers are ended (it ended meanwhile, or the fleet moved it).
+ADOPT_DEADLINE = 30.0
+#: The manifest's format; a new image that does not know it starts afresh (jobs resume).
+FORMAT = 1
+
+
+@dataclass
+class Manifest:
+    """What one program image of the daemon hands to the next (JSON)."""
+
+    old_version: str
+    tcp_fd: int | None = None
+    unix_fd: int | None = None
+    lease: int | None = None
+    agents: list[AgentHandover] = field(default_factory=list)
+    #: Jobs this node ran that were not handed over, and why (they resume as new attempts).
+    not_handed: dict[str, str] = field(default_factory=dict)
+    #: Each job's token hash on this node (its workers keep the token they read).
+    job_tokens: dict[str, str] = field(default_factory=dict)
+    #: Filled in by the new image: handed jobs whose workers failed the check, and why.
+    refused: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "old_version": self.old_version,
+                "tcp_fd": self.tcp_fd,
+                "unix_fd": self.unix_fd,
+                "lease": self.lease,
+                "agents": [a.to_json() for a in self.agents],
+                "not_handed": self.not_handed,
+                "job_tokens": self.job_tokens,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Manifest:
+        doc = json.loads(raw)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"unknown hand-over format {doc.get('format')!r}")
+        return cls(
+            old_version=str(doc["old_version"]),
+            tcp_fd=_int_or_none(doc.get("tcp_fd")),
+            unix_fd=_int_or_none(doc.get("unix_fd")),
+            lease=_int_or_none(doc.get("lease")),
+            agents=[AgentHandover.from_json(a) for a in doc.get("agents", [])],
+            not_handed={str(k): str(v) for k, v in doc.get("not_handed", {}).items()},
+            job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
+        )
+
+    @property
+    def fds(self) -> list[int]:
+        listeners = [fd for fd in (self.tcp_fd, self.unix_fd) if fd is not None]
+        return listeners + [fd for a in self.agents for fd in a.fds]
+
+    def adopted_pids(self) -> set[tuple[int, int]]:
+        """(pid, start time) of every worker handed over and found fit (the sweep spares them)."""
+        return {(w.pid, w.start_time) for a in self.agents for w in a.workers}
+
+    def check(self, cgroup_ok: bool) -> None:
+        """Keep only the jobs whose every worker can be taken up; the rest go to
+        :attr:`refused` with the reason (their workers are swept, their descriptors closed)."""
+        kept = []
+        for agent in self.agents:
+            reasons = [
+                check_worker(w, Path(agent.cgroup) if cgroup_ok and agent.cgroup else None)
+                for w in agent.workers
+            ]
+            reason = next((r for r in reasons if r is not None), None)
+            if reason is None:
+                kept.append(agent)
+                continue
+            self.refused[agent.job_id] = reason
+            close_fds(agent.fds)
+        self.agents = kept
+
+
+def _int_or_none(value: object) -> int | None:
+    return None if value is None else int(str(value))
+
+
+def take_manifest() -> Manifest | None:
+    """The new image's start: the manifest its previous image left (None: a plain start).
+
+    Removes ``ELASTICD_REEXEC_FD`` from the environment so that nothing started
+    later sees it.
+    """
+    value = os.environ.pop(ENV_FD, None)
+    if value is None:
+        return None
+    try:
+        fd = int(value)
+        with os.fdopen(fd, "rb") as f:
+            f.seek(0)
+            return Manifest.decode(f.read())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error(
+            "the hand-over of the previous program image is unreadable (%s); "
+            "starting afresh: its jobs resume as new attempts",
+            exc,
+        )
+        return None
+
+
+#: What the pre-flight imports: the daemon's whole program (never the job's side: torch).
+CHECKED_PACKAGES = (
+    "api",
+    "elasticd.node",
+    "elasticd.agent",
+    "elasticd.supervise",
+    "elasticd.rendezvous",
+    "elasticd.store",
+    "elasticd.sched",
+)
+
+
+def check_install(config: Config) -> int:
+    """``elasticd serve --check``: import every module the daemon runs, validate ``config``
+    (already loaded by the caller), print ``elasticd <version>``; 0, or 2 with the error."""
+    import importlib
+    import pkgutil
+
+    from elasticd import __version__
+
+    try:
+        for name in CHECKED_PACKAGES:
+            package = importlib.import_module(name)
+            for module in pkgutil.walk_packages(package.__path__, f"{name}."):
+                importlib.import_module(module.name)
+        resolve_job_users(config)
+    except Exception as exc:
+        print(f"elasticd: the check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(f"elasticd {__version__}", flush=True)
+    return 0
+
+
+async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """Run the installed daemon with ``--check``: (its version, None), or (None, why not)."""
+    argv = [sys.executable, *sys.orig_argv[1:], "--check"]
+    try:
+        proc = await start_process(
+            argv,
+            environ,
+            identity=None,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    except WorkerSpawnError as exc:
+        return None, f"the new program could not be started: {exc}"
+    try:
+        async with asyncio.timeout(PREFLIGHT_TIMEOUT):
+            out, _ = await proc.communicate()
+    except TimeoutError:
+        return None, f"the new program's check did not finish in {PREFLIGHT_TIMEOUT:.0f} s"
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
+    text = out.decode(errors="replace").strip()
+    if proc.returncode != 0:
+        last = text.splitlines()[-1] if text else "no output"
+        return None, f"the new program's check failed (exit {proc.returncode}): {last}"
+    lines = [line for line in text.splitlines() if line.startswith("elasticd ")]
+    return (lines[-1].split(" ", 1)[1].strip() if lines else "unknown"), None
+
+
+def exec_self(manifest: Manifest) -> NoReturn:
+    """Replace this program image with the installed one, same pid, handing ``manifest`` over.
+
+    Raises ``OSError`` when the exec itself fails (this image then runs on).
+    """
+    fd = os.memfd_create("elasticd-handover", 0)  # inheritable: the new image reads it
+    try:
+        os.write(fd, manifest.encode())
+        env = dict(os.environ)
+        env[ENV_FD] = str(fd)
+        for handed in manifest.fds:
+            os.set_inheritable(handed, True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+    finally:
+        os.close(fd)
+
+
+async def reap_swept(pids: list[int]) -> None:
+    """Reap the swept workers that were this process's own children (handed over by the
+    previous image but not taken up): killed by the sweep, they would stay zombies."""
+    ours = []
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # noqa: ASYNC222 - WNOHANG
+            ours.append(AdoptedProcess(pid))
+    await asyncio.gather(*(child.wait() for child in ours))
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    """A listening socket that came through the exec (re-exec): closed at the next one."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    sock.setblocking(False)
+    return sock
+
+
+class ReexecMixin:
+    """The daemon's side of the re-exec (:class:`elasticd.node.daemon.Daemon` mixes it in):
+    the request, the pre-flight, the quiesce, the hand-over and the exec; and, in the new
+    image, what it says and the deadline of the adoptions."""
+
+    config: Config
+    pid: int
+    events: EventLog
+    jobs: JobService
+    store: Store
+    cluster: Cluster
+    authenticator: Authenticator
+    closing_streams: asyncio.Event
+    can_reexec: bool
+    _environ: dict[str, str]
+    _reload: asyncio.Event
+    _reexecing: bool
+    _server: uvicorn.Server | None
+    _server_task: asyncio.Task[None] | None
+    _listeners: list[socket.socket]
+
+    def _reexec_possible(self) -> bool:
+        raise NotImplementedError
+
+    def request_reload(self) -> None:
+        """Ask for a re-exec in place (what SIGHUP and ``POST /reload`` do)."""
+        self._reload.set()
+
+    def _said_reexec(self, manifest: Manifest) -> None:
+        """``daemon.reexec`` on every job this node ran through the re-exec."""
+        message = (
+            f"the daemon on {self.config.node_name} re-executed itself in place (pid "
+            f"{self.pid}): elasticd {manifest.old_version} -> {__version__}"
+        )
+        log.info("%s", message)
+        jobs = [a.job_id for a in manifest.agents] + [*manifest.not_handed, *manifest.refused]
+        for job_id in dict.fromkeys(jobs):
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, message)
+
+    async def _adoption_deadline(self) -> None:
+        """Handed-over attempts that no agent took up in time: their workers end."""
+        await asyncio.sleep(ADOPT_DEADLINE)
+        for handover in self.jobs.abandon_adoptions():
+            log.warning(
+                "job %s: its handed-over workers were not taken up in %.0f s (the job ended "
+                "or moved); ending them",
+                handover.job_id,
+                ADOPT_DEADLINE,
+            )
+            await end_handed(handover.workers)
+
+    async def reexec(self) -> None:
+        """Re-execute the installed program in place (see :mod:`elasticd.node.reexec`).
+
+        Returns only when refused: the pre-flight check failed (or the exec
+        itself); the daemon then runs on as it was, and says why in the log and
+        in a ``daemon.reexec_refused`` event on each job it runs.
+        """
+        if not self._reexec_possible():
+            return
+        if not self.can_reexec:
+            self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
+            return
+        new_version, reason = await preflight(self._environ)
+        if reason is not None:
+            self._refuse_reexec(reason)
+            return
+        log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
+        self._reexecing = True
+        accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
+        await self._renew_lease()
+        listeners = await self._drain_http()
+        # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
+        await self.jobs.close_standbys()
+        # No exit half-delivered: each is with its worker, or still a zombie for the next image.
+        for _ in range(1000):
+            if not self.jobs.pending_exit():
+                break
+            await asyncio.sleep(0)
+        # From here to the exec nothing awaits: the hand-over is what the exec carries.
+        handed, not_handed = self.jobs.hand_over()
+        manifest = Manifest(
+            old_version=__version__,
+            tcp_fd=listeners[0] if listeners else None,
+            unix_fd=listeners[1] if len(listeners) > 1 else None,
+            lease=None if self.config.store_only else self.cluster.lease_id,
+            agents=handed,
+            not_handed=not_handed,
+            job_tokens=self.authenticator.jobs.digests(),
+        )
+        try:
+            exec_self(manifest)
+        except OSError as exc:
+            for fd in manifest.fds[len(listeners) :]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._reexecing = False
+            self.jobs.reconciler.accepting = accepting
+            await self._restart_http(listeners)
+            self._refuse_reexec(f"the exec failed: {exc}")
+
+    def _refuse_reexec(self, reason: str) -> None:
+        log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
+        for job_id in list(self.jobs.supervisor.agents):
+            self.events.emit(
+                job_id,
+                "daemon",
+                EventKind.DAEMON_REEXEC_REFUSED,
+                f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
+                f"it runs on as elasticd {__version__}",
+            )
+
+    async def _renew_lease(self) -> None:
+        """A renewal right before the exec: the new image has a whole TTL to take it up."""
+        lease = None if self.config.store_only else self.cluster.lease_id
+        if lease is None:
+            return
+        with contextlib.suppress(StoreError, TimeoutError):
+            async with asyncio.timeout(self.config.lease_ttl / 3):
+                await self.store.keep_alive(lease)
+
+    async def _drain_http(self) -> list[int]:
+        """Stop taking connections but keep listening: inheritable copies of the listening
+        sockets (what connects meanwhile waits in their backlog for the new image).
+        Requests under way get :data:`REEXEC_DRAIN` to finish; what still runs then (a
+        long-poll) is cut off by the exec, and its client asks again."""
+        if self._server is None or self._server_task is None:
+            return []
+        listeners = [inheritable_dup(sock.fileno()) for sock in self._listeners]
+        for server in getattr(self._server, "servers", []):
+            server.close()  # the loop stops accepting; the copies keep the sockets open
+        self.closing_streams.set()  # streams (SSE, log follow) end now
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REEXEC_DRAIN
+        while self._server.server_state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return listeners
+
+    async def _restart_http(self, listeners: list[int]) -> None:
+        """Serve again on the kept sockets (the exec failed)."""
+        if self._server is None or self._server_task is None or not listeners:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._server_task
+        self.closing_streams = asyncio.Event()
+        sockets = [inherited_socket(fd) for fd in listeners]
+        self._listeners = sockets
+        self._server = type(self._server)(self._server.config)
+        self._server_task = asyncio.create_task(self._server.serve(sockets), name="http")

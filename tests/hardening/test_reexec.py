@@ -1,0 +1,336 @@
+"""The in-place upgrade (issue 25): SIGHUP or ``POST /reload`` re-executes a real daemon with the
+same pid, and its running workers go on untouched, supervised by the new program image."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.hardening.support import (
+    PY,
+    Served,
+    cgroup_home,
+    eventually,
+    healthy_pids,
+    pid_alive,
+    proc_state,
+    script,
+    serve,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A worker that pings its heartbeat and counts, one numbered line every 20 ms.
+COUNTER = """
+import os, sys, time
+from elasticd.worker import ping
+i = 0
+while True:
+    print(i, flush=True)
+    ping()
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+async def health(c: httpx.AsyncClient) -> dict[str, Any]:
+    answer: dict[str, Any] = (await c.get("/healthz")).json()
+    return answer
+
+
+async def events(c: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    r = await c.get(f"/jobs/{job_id}/events", params={"limit": 1000})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()
+    return out
+
+
+async def kinds(c: httpx.AsyncClient, job_id: str) -> list[str]:
+    return [e["kind"] for e in await events(c, job_id)]
+
+
+async def reexec(
+    daemon: Served, c: httpx.AsyncClient, *, timeout: float = 60, api: bool = False
+) -> set[str]:
+    """SIGHUP (or ``POST /reload``), then wait until a new program image of the same process
+    is ready; the reasons ``/readyz`` gave for not being ready meanwhile."""
+    before = await health(c)
+    if api:
+        r = await c.post("/reload", json={})
+        assert r.status_code == 202, r.text
+    else:
+        daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    reasons: set[str] = set()
+    while True:
+        assert daemon.proc.poll() is None, daemon.output()[-3000:]
+        try:
+            ready = await c.get("/readyz", timeout=2)
+            if ready.status_code == 503:
+                reasons.add(ready.json()["reason"])
+            now = await health(c)
+            if now["started_at"] != before["started_at"] and ready.status_code == 200:
+                assert now["pid"] == before["pid"] == daemon.proc.pid
+                return reasons
+        except (httpx.TransportError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no re-exec in {timeout}s:\n{daemon.output()[-4000:]}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    tmp_path: Path, *, env: dict[str, str], cwd: Path | None = None, timeout: float
+) -> AsyncIterator[tuple[Served, httpx.AsyncClient]]:
+    """A real ``elasticd serve`` and a client, the whole test bounded by ``timeout``."""
+    daemon = serve(tmp_path, env=env, cwd=cwd)
+    try:
+        async with asyncio.timeout(timeout):
+            await daemon.wait_ready()
+            async with daemon.client() as c:
+                yield daemon, c
+    finally:
+        daemon.stop()
+
+
+async def cancelled(c: httpx.AsyncClient, job_id: str) -> None:
+    """Cancel the job and wait until it is CANCELLED."""
+    r = await c.post(f"/jobs/{job_id}/cancel", json={})
+    assert r.status_code == 200, r.text
+    async with asyncio.timeout(30):
+        while (await c.get(f"/jobs/{job_id}")).json()["state"] != "CANCELLED":
+            await asyncio.sleep(0.05)
+
+
+async def submit(c: httpx.AsyncClient, job_id: str, program: str, *args: str, **spec: Any) -> None:
+    body = {
+        "id": job_id,
+        "entrypoint": PY,
+        "args": [program, *args],
+        "env": {"PYTHONPATH": str(ROOT)},
+        "termination_grace": 2,
+        **spec,
+    }
+    r = await c.post("/jobs", json=body)
+    assert r.status_code == 201, r.text
+
+
+async def test_workers_keep_their_pids_through_one_and_five_reexecs(tmp_path: Path) -> None:
+    """A running job keeps its worker pids, attempt and restart count through a SIGHUP and
+    through five in a row; healthz keeps the pid and changes started_at; the job's events say
+    daemon.reexec and job.readopted each time; nothing of it is restarted."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        await submit(c, "up", worker, nproc_per_node=2, progress_timeout=10)
+        pids = await healthy_pids(c, "up", 2)
+        reasons: set[str] = set()
+        for n in range(6):
+            reasons |= await reexec(daemon, c)
+            assert await healthy_pids(c, "up", 2) == pids, n
+            assert all(pid_alive(p) for p in pids)
+        # Not ready while it re-executes and re-adopts (seen at least once in six).
+        assert any(r.startswith(("re-executing", "re-adopting", "starting")) for r in reasons), (
+            reasons
+        )
+        job = (await c.get("/jobs/up")).json()
+        assert job["state"] == "RUNNING"
+        assert job["restart_count"] == 0
+        seen = await kinds(c, "up")
+        assert seen.count("daemon.reexec") == 6
+        assert seen.count("job.readopted") == 6
+        assert seen.count("workers.started") == 1
+        assert "workers.stopped" not in seen
+        assert "worker.exited" not in seen
+        assert "job.resumed" not in seen
+
+
+async def test_a_worker_killed_after_the_reexec_restarts_the_group_once(tmp_path: Path) -> None:
+    """The new image supervises the adopted workers: one killed after the re-exec is seen
+    (exit by SIGKILL), the group restarts exactly once, and the old pids are all reaped."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(c, "kill", worker, nproc_per_node=2, max_restarts=5)
+        pids = await healthy_pids(c, "kill", 2)
+        await reexec(daemon, c)
+        os.kill(pids[0], signal.SIGKILL)
+        await eventually(lambda: all(proc_state(p) is None for p in pids), 60, "old workers reaped")
+        new = await healthy_pids(c, "kill", 2, timeout=60)
+        assert not set(new) & set(pids)
+        job = (await c.get("/jobs/kill")).json()
+        assert job["restart_count"] == 1, job
+        exits = [e for e in await events(c, "kill") if e["kind"] == "worker.exited"]
+        killed = [e for e in exits if e["pid"] == pids[0]]
+        assert [e["signal"] for e in killed] == [signal.SIGKILL], exits
+        assert (await kinds(c, "kill")).count("workers.started") == 2
+
+
+async def test_a_cancel_after_the_reexec_leaves_no_process(tmp_path: Path) -> None:
+    """Cancelling a job the new image adopted stops its workers (SIGTERM, grace), reaps them
+    (no zombie is left) and ends the job CANCELLED."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(c, "cancel", worker, nproc_per_node=2)
+        pids = await healthy_pids(c, "cancel", 2)
+        await reexec(daemon, c)
+        await cancelled(c, "cancel")
+        await eventually(
+            lambda: all(proc_state(p) is None for p in pids), 60, "workers gone, reaped"
+        )
+
+
+#: Exits with code 7 the moment the daemon stops answering (its re-exec), once armed.
+EXIT_IN_THE_GAP = """
+import os, sys, time, urllib.request
+from elasticd.worker import ping
+armed = sys.argv[1]
+url = os.environ["ELASTICD_URL"].rstrip("/") + "/healthz"
+while True:
+    ping()
+    if os.path.exists(armed):
+        try:
+            urllib.request.urlopen(url, timeout=0.3).read()
+        except Exception:
+            sys.exit(7)
+    time.sleep(0.005)
+"""
+
+
+async def test_an_exit_during_the_reexec_is_recorded_with_its_code(tmp_path: Path) -> None:
+    """A worker that exits with code 7 while the daemon re-executes (it stops answering) is
+    reaped by the new image and recorded with code 7: the job fails on it (no restarts left)."""
+    armed = tmp_path / "armed"
+    worker = script(tmp_path, "gap.py", EXIT_IN_THE_GAP)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(c, "gap", worker, str(armed), max_restarts=0)
+        (pid,) = await healthy_pids(c, "gap", 1)
+        armed.touch()
+        daemon.proc.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(90):
+            while True:
+                with contextlib.suppress(httpx.TransportError, ValueError):
+                    job = (await c.get("/jobs/gap")).json()
+                    if job["state"] == "FAILED":
+                        break
+                await asyncio.sleep(0.05)
+        assert daemon.proc.poll() is None
+        assert job["error"]["exit_code"] == 7, job
+        exits = [e for e in await events(c, "gap") if e["kind"] == "worker.exited"]
+        assert [(e["pid"], e["exit_code"]) for e in exits] == [(pid, 7)], exits
+        assert proc_state(pid) is None  # reaped
+
+
+async def test_numbered_lines_lose_and_repeat_none_across_two_reexecs(tmp_path: Path) -> None:
+    """A worker printing a numbered line every 20 ms: across two re-execs its stdout.log
+    holds every number once, in order (the pipe's unread bytes wait for the new image)."""
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(c, "lines", worker)
+        await healthy_pids(c, "lines", 1)
+        await reexec(daemon, c)
+        await reexec(daemon, c, api=True)
+        log_file = daemon.state_dir / "logs" / "lines" / "attempt_0" / "0" / "stdout.log"
+        size = log_file.stat().st_size
+        await eventually(lambda: log_file.stat().st_size > size + 200, 30, "more lines")
+        await cancelled(c, "lines")
+        assert (await kinds(c, "lines")).count("job.readopted") == 2
+    numbers = [int(line) for line in log_file.read_text().splitlines()]
+    assert numbers == list(range(len(numbers))), "a line was lost or repeated"
+    assert len(numbers) > 100
+
+
+async def test_a_reexec_into_a_broken_install_keeps_the_old_daemon(tmp_path: Path) -> None:
+    """The installed package is broken (a module raises on import): the pre-flight check
+    fails, the daemon runs on unchanged (same image, same workers) and says why in the job's
+    events; once the install is mended (a new version), the re-exec goes through."""
+    install = tmp_path / "install"
+    for package in ("elasticd", "api"):
+        shutil.copytree(ROOT / package, install / package, ignore=shutil.ignore_patterns("*.pyc"))
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(install)}, cwd=tmp_path, timeout=180) as (
+        daemon,
+        c,
+    ):
+        await submit(c, "broken", worker)
+        pids = await healthy_pids(c, "broken", 1)
+        before = await health(c)
+        app = install / "api" / "app.py"
+        good = app.read_text()
+        app.write_text("raise ImportError('a broken install')\n")
+        daemon.proc.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(90):
+            while "daemon.reexec_refused" not in await kinds(c, "broken"):
+                await asyncio.sleep(0.1)
+        refused = [e for e in await events(c, "broken") if e["kind"] == "daemon.reexec_refused"]
+        assert "a broken install" in refused[0]["message"], refused
+        assert await health(c) == before
+        assert (await c.get("/readyz")).status_code == 200
+        assert await healthy_pids(c, "broken", 1) == pids
+        # Mended, as a new version: the re-exec goes through.
+        app.write_text(good)
+        init = install / "elasticd" / "__init__.py"
+        init.write_text(init.read_text().replace('__version__ = "', '__version__ = "9.9.'))
+        await reexec(daemon, c, api=True)
+        assert (await health(c))["version"].startswith("9.9.")
+        assert await healthy_pids(c, "broken", 1) == pids
+        said = [e for e in await events(c, "broken") if e["kind"] == "daemon.reexec"]
+        assert len(said) == 1
+        assert "-> 9.9." in said[0]["message"], said
+
+
+#: Once armed, moves itself out of its attempt's cgroup (into ``argv[2]``), then runs on.
+ESCAPER = """
+import os, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+armed, target, moved = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+while True:
+    ping()
+    if armed.exists() and not moved.exists():
+        (target / "cgroup.procs").write_text(str(os.getpid()))
+        moved.write_text("yes")
+    time.sleep(0.02)
+"""
+
+
+async def test_a_worker_that_cannot_be_readopted_resumes_its_job_alone(tmp_path: Path) -> None:
+    """A worker that left its attempt's cgroup fails the new image's check: its job alone
+    resumes as a new attempt (the old worker killed and reaped, no restart charged, the event
+    says why) while another job on the node is re-adopted as it runs."""
+    home = cgroup_home()
+    if home is None:
+        pytest.skip("needs a writable cgroup v2 (root)")
+    armed, moved = tmp_path / "armed", tmp_path / "moved"
+    escaper = script(tmp_path, "escaper.py", ESCAPER)
+    counter = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(c, "escaped", escaper, str(armed), str(home), str(moved))
+        await submit(c, "stays", counter)
+        (old,) = await healthy_pids(c, "escaped", 1)
+        stays = await healthy_pids(c, "stays", 1)
+        armed.touch()
+        await eventually(moved.exists, 30, "the worker left its cgroup")
+        await reexec(daemon, c)
+        await eventually(lambda: proc_state(old) is None, 60, "old worker reaped")
+        (new,) = await healthy_pids(c, "escaped", 1, timeout=60)
+        assert new != old
+        job = (await c.get("/jobs/escaped")).json()
+        assert job["restart_count"] == 0, job
+        resumed = [e for e in await events(c, "escaped") if e["kind"] == "job.resumed"]
+        assert len(resumed) == 1
+        assert "left its attempt's cgroup" in resumed[0]["message"], resumed
+        assert "job.readopted" not in await kinds(c, "escaped")
+        assert await healthy_pids(c, "stays", 1) == stays
+        assert "job.readopted" in await kinds(c, "stays")

@@ -1,0 +1,243 @@
+"""StandbyPool against real standby interpreters (review of issue 27): the daemon never waits
+unboundedly on a standby that does not read, and a hand-off cut short leaves no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elasticd.supervise import standby as standby_mod
+from elasticd.supervise.process import WorkerLaunch
+from elasticd.supervise.spawn import DEFAULT_POLICY
+from elasticd.supervise.standby import StandbyPool
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _launch(tmp_path: Path, env: dict[str, str] | None = None) -> WorkerLaunch:
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RANK": "0"}
+    base.update(env or {})
+    return WorkerLaunch(
+        local_rank=0, argv=[sys.executable, str(script)], env=base, cwd=str(tmp_path),
+        log_dir=tmp_path / "logs",
+    )  # fmt: skip
+
+
+async def _ready_pool(tmp_path: Path, launch: WorkerLaunch, modules: list[str]) -> StandbyPool:
+    pool = StandbyPool("j", modules, DEFAULT_POLICY)
+    await pool.fill([launch], None)
+    return pool
+
+
+async def _wait_ready(pool: StandbyPool) -> int:
+    async with asyncio.timeout(30):
+        while not (infos := pool.infos()) or infos[0].state != "ready":
+            await asyncio.sleep(0.02)
+    return infos[0].pid
+
+
+async def test_a_hand_off_to_a_standby_that_does_not_read_is_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ready standby that stops reading (SIGSTOP: a debugger, the job's own kill) and a job
+    environment larger than a socket's buffer: the hand-off gives up within HANDOFF_TIMEOUT
+    and the worker starts cold, instead of waiting forever in sock_sendall."""
+    monkeypatch.setattr(standby_mod, "HANDOFF_TIMEOUT", 1.0)
+    big = {f"BIG{i}": "x" * 100_000 for i in range(4)}
+    launch = _launch(tmp_path, big)
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    try:
+        pid = await _wait_ready(pool)
+        os.kill(pid, signal.SIGSTOP)
+        r, w = os.pipe()
+        try:
+            started = time.monotonic()
+            async with asyncio.timeout(15):  # without the bound: forever
+                got = await pool.hand_off(
+                    launch, None, stdout=w, stderr=w, stdin=None, containment=None
+                )
+            assert got is None
+            assert time.monotonic() - started < 10
+            assert "hand-off" in pool.cold[0]
+            assert not _alive(pid)
+        finally:
+            os.close(r)
+            os.close(w)
+    finally:
+        await pool.aclose()
+
+
+async def test_a_cancelled_hand_off_leaves_no_standby(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start is cancelled (the job is cancelled) while the hand-off waits for the
+    standby's answer: the standby is no longer the pool's, so it must be killed right there,
+    or it outlives the job (aclose does not know it)."""
+    launch = _launch(tmp_path)
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    pid = await _wait_ready(pool)
+    os.kill(pid, signal.SIGSTOP)  # it does not answer: the hand-off waits (HANDOFF_TIMEOUT)
+    r, w = os.pipe()
+    try:
+        task = asyncio.create_task(
+            pool.hand_off(launch, None, stdout=w, stderr=w, stdin=None, containment=None)
+        )
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await pool.aclose()
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        alive = _alive(pid)
+    finally:
+        os.close(r)
+        os.close(w)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert not alive, "the standby outlived its pool's close"
+
+
+async def _warm_run(tmp_path: Path, launch: WorkerLaunch, before: object = None) -> tuple[int, str]:
+    """Hand ``launch`` to a ready standby; its exit code and its stderr."""
+    pool = await _ready_pool(tmp_path, launch, ["json"])
+    try:
+        await _wait_ready(pool)
+        if callable(before):
+            before()
+        r, w = os.pipe()
+        try:
+            process = await pool.hand_off(
+                launch, None, stdout=w, stderr=w, stdin=None, containment=None
+            )
+        finally:
+            os.close(w)
+        assert process is not None, pool.cold
+        code = await process.wait()
+        with os.fdopen(r, "rb") as f:
+            return code, f.read().decode()
+    finally:
+        await pool.aclose()
+
+
+def _cold_run(launch: WorkerLaunch) -> tuple[int, str]:
+    import subprocess
+
+    done = subprocess.run(
+        list(launch.argv), cwd=launch.cwd, env=dict(launch.env), capture_output=True, check=False
+    )
+    return done.returncode, done.stderr.decode()
+
+
+async def test_a_script_that_cannot_be_opened_exits_as_a_cold_start_would(
+    tmp_path: Path,
+) -> None:
+    """The script is gone by the restart: ``python x.py`` exits 2 saying it cannot open it;
+    the warm worker must too (not 1, with the standby's frames in a traceback)."""
+    launch = _launch(tmp_path)
+    script = Path(launch.argv[1])
+    warm = await _warm_run(tmp_path, launch, script.unlink)
+    cold = _cold_run(launch)
+    assert cold[0] == 2
+    assert warm == cold
+
+
+async def test_a_script_with_a_syntax_error_fails_as_a_cold_start_would(tmp_path: Path) -> None:
+    launch = _launch(tmp_path)
+    script = Path(launch.argv[1])
+    warm = await _warm_run(tmp_path, launch, lambda: script.write_text("def (\n"))
+    cold = _cold_run(launch)
+    assert cold[0] == 1
+    assert warm == cold
+
+
+async def test_a_cancelled_standby_start_leaks_no_descriptor_of_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill cancelled during the standby's start (the job ends): the daemon's end of the
+    control socket is closed, not left open until garbage collection."""
+
+    async def cancelled(*_args: object, **_kwargs: object) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(standby_mod, "start_process", cancelled)
+    launch = _launch(tmp_path)
+    pool = StandbyPool("j", ["json"], DEFAULT_POLICY)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(asyncio.CancelledError):
+        await pool.fill([launch], None)
+    after = set(os.listdir("/proc/self/fd"))
+    await pool.aclose()
+    assert after - before == set()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review of issue 27: a standby stuck in its imports "
+    "holds the restart for READY_WAIT (120 s), again at every restart",
+)
+async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path: Path) -> None:
+    (tmp_path / "stuck_mod.py").write_text("import time\ntime.sleep(600)\n")
+    launch = _launch(tmp_path)
+    pool = await _ready_pool(tmp_path, launch, ["stuck_mod"])
+    r, w = os.pipe()
+    try:
+        await asyncio.sleep(1.0)  # importing: a cold start would be running by now
+        async with asyncio.timeout(10):
+            got = await pool.hand_off(
+                launch, None, stdout=w, stderr=w, stdin=None, containment=None
+            )
+        assert got is None
+    finally:
+        os.close(r)
+        os.close(w)
+        await pool.aclose()
+
+
+async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: Path) -> None:
+    """The restart waits for a standby still importing; it says "ready" and dies at once, and
+    the watch handles both (ready, then the death: ``_lost`` takes it out of the pool, a
+    replacement may already be there) before the hand-off resumes. The worker must start
+    cold, not fail its start with a KeyError (nor take the replacement out of the pool).
+    The watch's order is forced here: the death is handled in a callback of ``ready``."""
+    (tmp_path / "slow_mod.py").write_text("import time\ntime.sleep(1.0)\n")
+    launch = _launch(tmp_path)
+    pool = await _ready_pool(tmp_path, launch, ["slow_mod"])
+    standby = pool._standbys[0]
+
+    def died_at_once(_: object) -> None:  # what _watch does when process.wait() is done
+        standby.state = standby_mod._State.GONE
+        standby.control.close()
+        pool._lost(standby, "it died (killed by signal 9)", replace=False)
+
+    standby.ready.add_done_callback(died_at_once)
+    r, w = os.pipe()
+    try:
+        async with asyncio.timeout(20):
+            got = await pool.hand_off(
+                launch, None, stdout=w, stderr=w, stdin=None, containment=None
+            )
+        assert got is None
+        assert "lost" in pool.cold[0] or "died" in pool.cold[0], pool.cold
+    finally:
+        os.close(r)
+        os.close(w)
+        os.kill(standby.pid, signal.SIGKILL)
+        await standby.process.wait()  # reaped here: the pool no longer knows it
+        await pool.aclose()

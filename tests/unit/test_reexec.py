@@ -1,0 +1,80 @@
+"""The re-exec's hand-over manifest (elasticd.node.reexec): what crosses the exec reads back
+the same, and a manifest of another format is refused, not guessed at."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from elasticd.agent.handover import AgentHandover
+from elasticd.node.reexec import ENV_FD, Manifest, take_manifest
+from elasticd.rendezvous import RoundInfo
+from elasticd.rendezvous.protocol import Seat
+from elasticd.rendezvous.ranks import NodeSlot
+from elasticd.supervise.adopt import HandedPipe, HandedWorker
+
+
+def a_handover(seat: Seat | None = None) -> AgentHandover:
+    return AgentHandover(
+        job_id="j1",
+        spawn_seq=3,
+        round=RoundInfo(
+            round=4,
+            group_rank=1,
+            group_world_size=2,
+            nodes=[NodeSlot(0, "default", 2), NodeSlot(1, "default", 2)],
+            master_addr="10.0.0.1",
+            master_port=29500,
+            participants={"a": 0, "b": 1},
+            seat=seat,
+        ),
+        restart_count=2,
+        formed_at=1700000000.5,
+        token_file="/var/lib/elasticd/tokens/j1.token",
+        cgroup="/sys/fs/cgroup/elasticd.n/a3.abcd.j1",
+        workers=[
+            HandedWorker(0, 100, 7, 1.0, HandedPipe(20, 21, 0), HandedPipe(22, 23, 9), 24, 5.0)
+        ],
+        slots=[2, 3],
+    )
+
+
+def test_the_manifest_reads_back_the_same() -> None:
+    """Every field of a manifest, with a round that has a seat (large jobs) and one without."""
+    seat = Seat(4, 1, 2, "10.0.0.1", 29500, "default", 2, 2, 4, 2, 4, {"a": 0, "b": 1})
+    manifest = Manifest(
+        old_version="0.1.0",
+        tcp_fd=5,
+        unix_fd=6,
+        lease=0xABC,
+        agents=[a_handover(), a_handover(seat)],
+        not_handed={"j2": "restarting"},
+        job_tokens={"j1": "digest"},
+    )
+    back = Manifest.decode(manifest.encode())
+    assert back == manifest
+    assert back.adopted_pids() == {(100, 7)}
+    assert back.fds == [5, 6, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24]
+
+
+def test_a_manifest_of_another_format_is_refused() -> None:
+    """A format this version does not know is an error (its jobs then resume as new attempts)."""
+    with pytest.raises(ValueError, match="format"):
+        Manifest.decode(json.dumps({"format": 99, "old_version": "9"}).encode())
+
+
+def test_take_manifest_reads_the_memfd_once_and_clears_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The new image reads the manifest from the inherited descriptor; the variable is gone
+    from the environment afterwards (nothing started later sees it); no variable: None."""
+    fd = os.memfd_create("test-handover", 0)
+    os.write(fd, Manifest(old_version="0.0.9", lease=7).encode())
+    monkeypatch.setenv(ENV_FD, str(fd))
+    manifest = take_manifest()
+    assert manifest is not None
+    assert (manifest.old_version, manifest.lease) == ("0.0.9", 7)
+    assert ENV_FD not in os.environ
+    assert take_manifest() is None

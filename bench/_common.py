@@ -458,6 +458,19 @@ class ElasticdServer:
             self.client.post(f"/jobs/{job_id}/cancel", json={})
 
 
+def python_job(job_id: str, code: str, *, nproc: int = 1, max_restarts: int = 0) -> dict[str, Any]:
+    """The spec of a job whose workers are this interpreter running ``code`` (``-c``)."""
+    return {
+        "id": job_id,
+        "entrypoint": PYTHON,
+        "args": ["-c", code],
+        "cwd": str(ROOT),
+        "nproc_per_node": nproc,
+        "max_restarts": max_restarts,
+        "termination_grace": 2,
+    }
+
+
 # -- a lean HTTP/1.1 client for load ------------------------------------------------------
 
 
@@ -470,12 +483,20 @@ class RawHttp:
 
     With ``keepalive`` it keeps a pool of idle connections and opens a new one
     only when all are busy (like any HTTP client library); without, each
-    request opens its own connection and sends ``Connection: close``. Only
+    request opens its own connection and sends ``Connection: close``.
+    ``headers`` go with every request (``Authorization``). Only
     ``Content-Length`` bodies are read (what uvicorn sends for JSON). asyncio
     sets ``TCP_NODELAY`` on the connections it opens.
     """
 
-    def __init__(self, host: str, port: int, keepalive: bool, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        keepalive: bool,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.host = host
         self.port = port
         self.keepalive = keepalive
@@ -483,13 +504,34 @@ class RawHttp:
         self.opened = 0
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         connection = "keep-alive" if keepalive else "close"
-        self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n\r\n"
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        self._head = f"Host: {host}:{port}\r\nConnection: {connection}\r\n{extra}\r\n"
 
     async def get(self, path: str) -> tuple[int, bytes]:
-        """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError."""
-        if self._idle:
+        """GET ``path``: (status, body). Raises :class:`HttpError` or TimeoutError.
+
+        A pooled connection that the server closed while it was idle (its
+        keep-alive timeout) is replaced once, as HTTP clients do.
+        """
+        while self._idle:
             reader, writer = self._idle.pop()
-        else:
+            try:
+                return await self._get(path, reader, writer)
+            except HttpError as exc:
+                if (
+                    not isinstance(exc.__cause__, asyncio.IncompleteReadError)
+                    or exc.__cause__.partial
+                ):
+                    raise
+        return await self._get(path, None, None)
+
+    async def _get(
+        self,
+        path: str,
+        reader: asyncio.StreamReader | None,
+        writer: asyncio.StreamWriter | None,
+    ) -> tuple[int, bytes]:
+        if reader is None or writer is None:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), self.timeout
             )

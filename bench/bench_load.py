@@ -57,8 +57,6 @@ from typing import Any
 
 import httpx
 from _common import (
-    PYTHON,
-    ROOT,
     Deadline,
     ElasticdServer,
     Stats,
@@ -68,6 +66,7 @@ from _common import (
     poll_until,
     proc_cpu_seconds,
     proc_rss_mb,
+    python_job,
     scratch,
 )
 
@@ -125,27 +124,12 @@ class LoadServer(ElasticdServer):
 
 def crash_spec(crash_every: float) -> dict[str, Any]:
     """The crash-looping job: 2 plain-Python workers that sleep, then exit 1."""
-    return {
-        "id": CRASH_JOB,
-        "entrypoint": PYTHON,
-        "args": ["-c", f"import sys, time; time.sleep({crash_every}); sys.exit(1)"],
-        "cwd": str(ROOT),
-        "nproc_per_node": 2,
-        "max_restarts": 100,
-        "termination_grace": 2,
-    }
+    code = f"import sys, time; time.sleep({crash_every}); sys.exit(1)"
+    return python_job(CRASH_JOB, code, nproc=2, max_restarts=100)
 
 
 def short_spec(job_id: str) -> dict[str, Any]:
-    return {
-        "id": job_id,
-        "entrypoint": PYTHON,
-        "args": ["-c", "pass"],
-        "cwd": str(ROOT),
-        "nproc_per_node": 1,
-        "max_restarts": 0,
-        "termination_grace": 2,
-    }
+    return python_job(job_id, "pass")
 
 
 async def drive(server: ElasticdServer, args: argparse.Namespace) -> Load:

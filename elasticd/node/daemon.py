@@ -98,6 +98,7 @@ from elasticd.node.cluster import MAX_NODE_SLOTS, Cluster, NodeRecord
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
+from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
 from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket, reap_swept
 from elasticd.node.scheduler import FleetScheduler
@@ -149,11 +150,21 @@ def step_bound(left: float, *, degraded: bool) -> float:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the daemon owns the signals."""
+    """uvicorn without its signal handlers: the daemon owns the signals. Its tick measures
+    the event loop's lag (:mod:`elasticd.node.looplag`)."""
+
+    def __init__(self, config: uvicorn.Config, lag: LoopLag) -> None:
+        super().__init__(config)
+        self.lag = lag
+        lag.restart()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def on_tick(self, counter: int) -> bool:
+        self.lag.tick(asyncio.get_running_loop().time())
+        return await super().on_tick(counter)
 
 
 async def detect_gpus(
@@ -710,7 +721,7 @@ class Daemon(ReexecMixin):
             # Bounded request heads, head read time and connections (api.protocol).
             **uvicorn_settings(self.max_connections),
         )
-        self._server = _Server(uv_config)
+        self._server = _Server(uv_config, self.metrics.loop_lag)
         if manifest is not None and manifest.tcp_fd is not None:
             sock = inherited_socket(manifest.tcp_fd)  # it listened through the exec
         else:

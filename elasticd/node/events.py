@@ -301,6 +301,8 @@ class EventLog:
         self._trimming = False
         #: Store keys of trimmed events not deleted yet (the store was away), per job.
         self._unpublish: dict[str, list[str]] = {}
+        #: Jobs forgotten so far (a trim that read a job's events meanwhile is dropped).
+        self._forgets = 0
 
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` synchronously after every emit (metrics)."""
@@ -377,14 +379,18 @@ class EventLog:
 
     # retention (see the module docstring)
 
-    def trim(self, job_id: str) -> Trim:
+    async def trim(self, job_id: str) -> Trim:
         """Apply the retention policy to this node's events of ``job_id`` now (locally).
 
         Returns what was decided; the store keys of the deleted events are
         deleted by the trimming task (:meth:`_unpublish_trimmed`), the marker
-        is published like any event.
+        is published like any event. The events are read off the event loop
+        (:meth:`Database.retention_view`); a job forgotten meanwhile is left alone.
         """
-        rows = self._db.retention_view(job_id)
+        forgets = self._forgets
+        rows = await self._db.retention_view(job_id)
+        if self._forgets != forgets:
+            return Trim()  # a job was forgotten while its events were read: decide again later
         view = []
         for seq, time, kind, state, has_error, published, count, span, *failed in rows:
             failure = kind != EventKind.EVENTS_TRIMMED and is_failure(kind, state, bool(has_error))
@@ -436,7 +442,7 @@ class EventLog:
             jobs, self._to_trim = self._to_trim, set()
             for job_id in sorted(jobs):
                 try:
-                    self.trim(job_id)
+                    await self.trim(job_id)
                 except Exception as exc:  # never let retention take the event log down
                     if not is_storage_fault(exc):
                         log.exception("event retention of job %s failed", job_id)
@@ -609,6 +615,7 @@ class EventLog:
 
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""
+        self._forgets += 1
         self._store_lost.pop(job_id, None)
         self._db.delete_events(job_id)
         self._since_trim.pop(job_id, None)

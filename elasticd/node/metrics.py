@@ -52,6 +52,7 @@ from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.goodput import Goodput
 from elasticd.models import Event, Job
+from elasticd.node.looplag import LAG_BUCKETS, LoopLag
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 
@@ -398,6 +399,17 @@ class Metrics:
             "outcome: success or failed, with or without a restart (torch's run_* counters).",
             ["role", "outcome"],
             registry=r,
+        )
+
+        #: Fed by uvicorn's tick (:mod:`elasticd.node.looplag`).
+        self.loop_lag = LoopLag(
+            Histogram(
+                "elasticd_event_loop_lag_seconds",
+                "How much later than due the daemon's event loop ran a periodic tick: a "
+                "loop blocked by anything delays every job's supervision and every API answer.",
+                buckets=LAG_BUCKETS,
+                registry=r,
+            )
         )
 
     def render(self) -> bytes:

@@ -11,6 +11,11 @@ Design:
   :meth:`EmbeddedStore._settle` awaits the durable revision. Watchers are
   woken only after the commit, and a read waits until what it saw is
   committed, so no caller ever acts on a change that a crash could lose.
+  *Only* what it saw: a read of a key (or a prefix) waits for the commit of
+  the latest change to that key (or under that prefix) if it is not durable
+  yet, and answers at once otherwise, however many other keys' changes wait
+  for the disk (issue 27: under a crash loop the store is written all the
+  time, and every API read used to wait for one or two commits, each an ``fsync``).
 * **Group commit.** One writer thread commits whatever queued up while the
   previous commit ran, as one transaction (later writes to the same key in a
   batch replace earlier ones). Under load one fsync covers many writes, and
@@ -59,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -119,6 +125,14 @@ _UPSERT = (
 Synchronous = Literal["FULL", "NORMAL"]
 
 
+def read_target(undurable: Mapping[str, int], key: str, *, prefix: bool = False) -> int:
+    """The revision a read of ``key`` (or of the keys under it) waits to be durable: that of
+    the latest change it saw which is not durable yet; 0 when all it saw is (pure)."""
+    if not prefix:
+        return undurable.get(key, 0)
+    return max((rev for k, rev in undurable.items() if k.startswith(key)), default=0)
+
+
 class EmbeddedStore(MemoryStore):
     """A :class:`MemoryStore` whose every acknowledged change is in SQLite at ``path``.
 
@@ -153,6 +167,8 @@ class EmbeddedStore(MemoryStore):
         self._db = self._open(self.path, synchronous)
         self._durable = self._revision
         self._pending: list[tuple[WatchEvent, Entry | None]] = []
+        #: Key -> the revision of its latest change that is not durable yet.
+        self._undurable: dict[str, int] = {}
         #: Lease grants (id, ttl) and ends (id, None) not yet committed.
         self._lease_ops: list[tuple[int, float | None]] = []
         self._settle_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -259,26 +275,34 @@ class EmbeddedStore(MemoryStore):
 
     def _changed(self, event: WatchEvent, entry: Entry | None) -> None:
         self._pending.append((event, entry))
+        self._undurable[event.key] = event.revision
         if self._flusher is None:
             self._flusher = self._tasks.spawn(self._flush(), name="store-commit")
 
     async def _settle(self) -> None:
+        await self._settle_to(self._revision)
+
+    async def _settle_to(self, target: int) -> None:
+        """Until every change up to revision ``target`` is durable."""
         if self._broken is not None:
             raise self._broken
-        target = self._revision
         if self._durable >= target:
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._settle_waiters.append((target, waiter))
         await waiter
 
-    async def _settle_read(self) -> None:
+    async def _settle_read(self, key: str, *, prefix: bool = False, revision: int = 0) -> int:
         # While the disk refuses commits, answer reads from memory (see the module docstring).
         if self.health.is_failing(self._source):
             if self._broken is not None:
                 raise self._broken
-            return
-        await self._settle()
+            return revision
+        await self._settle_to(read_target(self._undurable, key, prefix=prefix))
+        # Every change under the prefix up to ``revision`` is durable now; later changes to
+        # other keys may not be: the listing is the prefix's state at the durable revision
+        # too, which is the one to report (a watch from it misses nothing after a crash).
+        return min(revision, self._durable)
 
     async def _flush(self) -> None:
         """Commit queued changes, batch after batch, until none are left."""
@@ -306,6 +330,9 @@ class EmbeddedStore(MemoryStore):
                 delay = BACKOFF_FIRST
                 self.health.ok(self._source)
                 self._durable = self._visible = top
+                for event, _ in batch:
+                    if self._undurable.get(event.key, top + 1) <= top:
+                        del self._undurable[event.key]
                 self._wake(event for event, _ in batch)
                 still: list[tuple[int, asyncio.Future[None]]] = []
                 for target, waiter in self._settle_waiters:

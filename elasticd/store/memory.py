@@ -294,7 +294,7 @@ class MemoryStore(Store):
         self._check_open()
         validate_key(key)
         entry = self._entries.get(key)
-        await self._settle_read()
+        await self._settle_read(key)
         return entry
 
     async def compare_and_set(
@@ -375,7 +375,7 @@ class MemoryStore(Store):
             at += 1
         revision = self._revision
         self._recent.note(self._clock(), revision)  # its holder may watch from it next
-        await self._settle_read()
+        revision = await self._settle_read(prefix, prefix=True, revision=revision)
         return Listing(entries=entries, revision=revision)
 
     async def grant(self, ttl: float) -> int:
@@ -490,9 +490,13 @@ class MemoryStore(Store):
     async def _settle(self) -> None:
         """Return once every change applied so far is durable (here: at once)."""
 
-    async def _settle_read(self) -> None:
-        """Before a read answers: by default, once what it saw is durable (as :meth:`_settle`)."""
+    async def _settle_read(self, key: str, *, prefix: bool = False, revision: int = 0) -> int:
+        """Before a read of ``key`` (or of the keys under it, with ``prefix``) answers: by
+        default, once every change is durable (as :meth:`_settle`); the embedded store waits
+        only for the changes of what was read. Returns the revision a listing made at
+        ``revision`` reports (one a crash cannot take back)."""
         await self._settle()
+        return revision
 
     # -- the state machine -------------------------------------------------
 

@@ -18,10 +18,12 @@ No polling
     torch checks ``Popen.poll()`` every ``monitor_interval`` seconds. Here a
     task per worker awaits ``Process.wait()``, which asyncio's child watcher
     (a thread blocked in ``waitpid``) completes when the kernel reports the
-    exit; the agent's ``on_exit`` callback runs a few loop iterations later
-    (about 0.3 ms, see ``bench/bench_exit_detection.py``). :meth:`WorkerGroupProcesses.wait`
-    returns at the first failure, or when all succeeded, without touching
-    the other workers: stopping is a separate decision.
+    exit; the
+    agent's ``on_exit`` callback runs a few loop iterations later (about
+    0.3 ms, see ``bench/bench_exit_detection.py``).
+    :meth:`WorkerGroupProcesses.wait` returns at the first failure, or when
+    all succeeded, without touching the other workers: stopping is a
+    separate decision.
 
 One termination routine
     :meth:`WorkerGroupProcesses.stop` is the only way workers end: SIGTERM to

@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import signal
-import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -523,7 +522,6 @@ class WorkerGroupProcesses:
             raise WorkerSpawnError(
                 f"local rank {rank}: {exc}", stage=exc.stage or SpawnStage.USER, errno=exc.errno
             ) from None
-        _warn_if_not_main_thread()
         try:
             prepare_worker_dir(launch.log_dir, identity)
             _remove_stale_error_file(launch)
@@ -556,7 +554,9 @@ class WorkerGroupProcesses:
             ) from exc
         try:
             # The entrypoint is looked up, and cwd entered, by the child as the job's
-            # user: the daemon never probes a job-chosen path with its own rights.
+            # user: the daemon never probes a job-chosen path with its own rights. Forked on
+            # the loop's (main) thread: the parent-death signal belongs to the forking thread,
+            # and only the main thread lives through the daemon's re-exec (node/reexec.py).
             process = None
             if self._standbys is not None:
                 process = await self._standbys.hand_off(
@@ -678,8 +678,8 @@ class WorkerGroupProcesses:
     # Watching.
 
     async def _watch(self, worker: _Worker) -> None:
-        # The subprocess transport holds no pipe of ours, so this returns when the
-        # child watcher reaps the worker, not when its output closes.
+        # The process holds no pipe of ours, so this returns when its exit is reaped
+        # (asyncio's child watcher), not when its output closes.
         returncode = await worker.process.wait()
         if returncode != 0 and not worker.signalled:
             # Its traceback may still be in the stderr pipe: let it reach stderr.log
@@ -789,17 +789,6 @@ def _check_launches(launches: Sequence[WorkerLaunch]) -> None:
     for launch in launches:
         if not launch.argv:
             raise ValueError(f"local rank {launch.local_rank}: argv is empty")
-
-
-def _warn_if_not_main_thread() -> None:
-    # The parent-death signal belongs to the forking thread: workers spawned from a
-    # loop in another thread die when that thread ends, not when the process does.
-    if threading.current_thread() is not threading.main_thread():
-        log.warning(
-            "workers are spawned from thread %r, not the main thread: they will be killed "
-            "when that thread exits (parent-death signal)",
-            threading.current_thread().name,
-        )
 
 
 def _remove_stale_error_file(launch: WorkerLaunch) -> None:

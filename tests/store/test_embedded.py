@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreUnavailable
-from elasticd.store.embedded import SCHEMA_VERSION, EmbeddedStore
+from elasticd.store.embedded import SCHEMA_VERSION, EmbeddedStore, read_target
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -191,3 +192,53 @@ def test_wal_mode_is_used(tmp_path: Path) -> None:
             assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         asyncio.run(store.close())
+
+
+@pytest.mark.parametrize(
+    ("key", "prefix", "target"),
+    [
+        ("/jobs/a", False, 7),  # its own change is not durable yet
+        ("/jobs/b", False, 0),  # nothing of it waits: answer at once
+        ("/jobs/", True, 9),  # the latest change under the prefix
+        ("/nodes/", True, 0),
+        ("/", True, 9),
+    ],
+)
+def test_a_read_waits_for_the_changes_it_saw(key: str, prefix: bool, target: int) -> None:
+    """read_target: the revision a read waits to be durable is that of the latest change of
+    what it reads that is not durable yet, 0 when there is none."""
+    undurable = {"/jobs/a": 7, "/jobs/c": 9, "/events/x": 8}
+    assert read_target(undurable, key, prefix=prefix) == target
+
+
+async def test_a_read_never_waits_for_the_commit_of_other_keys(tmp_path: Path) -> None:
+    """While the disk holds another key's commit, a read of a durable key (or prefix) answers
+    at once; a read of the pending key waits for its commit, and a listing reports a
+    revision that is durable (a watch from it misses nothing after a crash)."""
+    async with EmbeddedStore(tmp_path / "store.sqlite3") as store:
+        durable = await store.put("/jobs/a", b"1")
+        held, release = asyncio.Event(), threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def hold_the_disk() -> None:  # the writer thread, busy as with a slow fsync
+            loop.call_soon_threadsafe(held.set)
+            release.wait(timeout=20)
+
+        blocker = loop.run_in_executor(store._writer, hold_the_disk)
+        await held.wait()
+        pending = asyncio.create_task(store.put("/events/x", b"2"))
+        await asyncio.sleep(0)
+        try:
+            async with asyncio.timeout(5):
+                assert await store.get("/jobs/a") == durable
+                listing = await store.list("/jobs/")
+            assert listing.entries == [durable]
+            assert listing.revision <= store._durable
+            waiting = asyncio.create_task(store.get("/events/x"))
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # its change is not on disk yet
+        finally:
+            release.set()
+            await blocker
+        written = await pending
+        assert await waiting == written

@@ -11,13 +11,10 @@ Parent-death signal
     between fork and prctl) by checking its parent afterwards.
     ``preexec_fn`` is not used: it is unsafe in a process with threads.
 
-    The signal is tied to the *thread* that forked, not the process:
-    :func:`start_process` forks on the loop's thread, the main thread in the
-    daemon, the one thread that lives through the daemon's re-exec
-    (:mod:`elasticd.node.reexec`). :func:`spawn_process` forks in the
-    spawner thread (:mod:`elasticd.supervise.spawner`), off the loop; no
-    worker uses it yet: ``execve`` ends every other thread, so a re-exec
-    would kill what that thread started (issue 27, point 6: see the report).
+    The signal is tied to the *thread* that forked, not the process: asyncio
+    forks on the event loop's thread, which in the daemon is the main thread
+    and lives as long as the daemon. A loop run in another thread would take
+    its workers with it when that thread ends, which is when the loop ends.
 
 Who the worker runs as
     When the job runs as another user (:mod:`elasticd.security`),
@@ -76,17 +73,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, Unpack
+from typing import TYPE_CHECKING, Protocol
 
 from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.security import Identity, JobUsers
 from elasticd.supervise.env import WITHHELD
 from elasticd.supervise.records import WorkerRecord
-from elasticd.supervise.spawner import ChildProcess, in_spawner
 
 if TYPE_CHECKING:
     from elasticd.supervise.cgroup import Containment
@@ -100,7 +95,6 @@ __all__ = [
     "DEFAULT_POLICY",
     "live_children",
     "process_env",
-    "spawn_process",
     "start_argv",
     "start_process",
     "wrap_argv",
@@ -297,31 +291,14 @@ def cgroup_argv(
     ]
 
 
-class _Started(Protocol):
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-
 #: Every process :func:`start_process` started, while the daemon holds it: a child of
-#: the daemon that is not one of these was adopted (the subreaper's strays). Added to
-#: by the spawner thread too, hence the lock.
-_started: weakref.WeakSet[_Started] = weakref.WeakSet()
-_started_lock = threading.Lock()
-
-
-def _register(process: _Started) -> None:
-    with _started_lock:
-        _started.add(process)
+#: the daemon that is not one of these was adopted (the subreaper's strays).
+_started: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
 
 
 def live_children() -> set[int]:
-    """Pids of the processes :func:`start_process` started that are not reaped yet."""
-    with _started_lock:
-        started = list(_started)
-    return {p.pid for p in started if p.returncode is None}
+    """Pids of the processes :func:`start_process` started that asyncio has not reaped."""
+    return {p.pid for p in list(_started) if p.returncode is None}
 
 
 @functools.cache
@@ -446,24 +423,18 @@ def start_argv(argv: Sequence[str], cwd: str | None, *, setpriv: str | None) -> 
     return wrap_argv(*resolver_argv(argv, cwd), setpriv=setpriv)
 
 
-class StartOptions(TypedDict, total=False):
-    """How :func:`start_process` and :func:`spawn_process` start a process (see the former)."""
-
-    cwd: str | None
-    stdout: int | None
-    stderr: int | None
-    policy: SpawnPolicy | None
-    cgroup_procs: int | None
-    stdin: int | None
-    umask: int | None
-
-
 async def start_process(
     argv: Sequence[str],
     env: Mapping[str, str],
     *,
     identity: Identity | None,
-    **options: Unpack[StartOptions],
+    cwd: str | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+    policy: SpawnPolicy | None = None,
+    cgroup_procs: int | None = None,
+    stdin: int | None = None,
+    umask: int | None = None,
 ) -> asyncio.subprocess.Process:
     """Start ``argv`` as ``identity`` (None: as the daemon), the one way anything is started.
 
@@ -487,58 +458,9 @@ async def start_process(
     (``execve`` and ``setresuid`` never change it), and so the job's program
     starts with it on each path.
     """
-    process = await _start(argv, env, identity, options, off_loop=False)
-    assert isinstance(process, asyncio.subprocess.Process)
-    return process
-
-
-async def spawn_process(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    *,
-    identity: Identity | None,
-    **options: Unpack[StartOptions],
-) -> ChildProcess:
-    """:func:`start_process`, forked off the event loop, in the spawner thread
-    (:mod:`elasticd.supervise.spawner`): the workers' way, so that a restart
-    never stalls the loop. Descriptors only (an asyncio pipe needs the loop)."""
-    process = await _start(argv, env, identity, options, off_loop=True)
-    assert isinstance(process, ChildProcess)
-    return process
-
-
-async def _fork_off_loop(command: Sequence[str], options: dict[str, Any]) -> ChildProcess:
-    """``Popen`` in the spawner thread, registered there (so the subreaper never takes it for
-    a stray), watched from the loop; a cancelled caller leaves no process behind."""
-
-    def fork() -> subprocess.Popen[bytes]:
-        popen = subprocess.Popen(list(command), **options)
-        _register(popen)
-        return popen
-
-    async def discard(popen: subprocess.Popen[bytes]) -> None:
-        await _discard(ChildProcess(popen))
-
-    return ChildProcess(await in_spawner(fork, on_cancel=discard))
-
-
-async def _start(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    identity: Identity | None,
-    options: StartOptions,
-    *,
-    off_loop: bool,
-) -> asyncio.subprocess.Process | ChildProcess:
-    cwd, stdout, stderr = options.get("cwd"), options.get("stdout"), options.get("stderr")
-    cgroup_procs, stdin, umask = (
-        options.get("cgroup_procs"),
-        options.get("stdin"),
-        options.get("umask"),
-    )
-    policy = options.get("policy") or DEFAULT_POLICY
     if umask is not None and not 0 <= umask <= 0o777:
         raise ValueError(f"umask {umask:#o} is out of range")
+    policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
     full_env = process_env(env, identity)
     credentials: dict[str, object] = {}
@@ -586,24 +508,21 @@ async def _start(
             f"cannot start {argv[0]!r}: no pipe for its start: {exc}", stage=SpawnStage.FORK
         ) from exc
     try:
-        popen: dict[str, Any] = dict(
-            stdin=verdict_w,
-            stdout=stdout,
-            stderr=stderr,
-            env=exec_env,
-            # Own session, so own process group: signals reach the program's
-            # children too, and a terminal's Ctrl-C on the daemon does not.
-            start_new_session=True,
-            pass_fds=pass_fds,
-            umask=-1 if umask is None else umask,
-            **credentials,
-        )
         try:
-            process: asyncio.subprocess.Process | ChildProcess
-            if off_loop:
-                process = await _fork_off_loop(command, popen)
-            else:
-                process = await asyncio.create_subprocess_exec(command[0], *command[1:], **popen)
+            process = await asyncio.create_subprocess_exec(
+                command[0],
+                *command[1:],
+                stdin=verdict_w,
+                stdout=stdout,
+                stderr=stderr,
+                env=exec_env,
+                # Own session, so own process group: signals reach the program's
+                # children too, and a terminal's Ctrl-C on the daemon does not.
+                start_new_session=True,
+                pass_fds=pass_fds,
+                umask=-1 if umask is None else umask,
+                **credentials,  # type: ignore[arg-type]
+            )
         except (OSError, ValueError) as exc:
             raise WorkerSpawnError(
                 f"cannot start {argv[0]!r}: {exc}", stage=SpawnStage.FORK
@@ -612,7 +531,7 @@ async def _start(
             os.close(verdict_w)  # the child has its copy; ours would keep EOF away
             if env_fd is not None:
                 os.close(env_fd)
-        _register(process)
+        _started.add(process)
         try:
             verdict = await _read_verdict(verdict_r)
         except BaseException:
@@ -649,7 +568,7 @@ def _env_memfd(env: Mapping[str, str]) -> int:
     return fd
 
 
-async def _discard(process: asyncio.subprocess.Process | ChildProcess) -> None:
+async def _discard(process: asyncio.subprocess.Process) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
     await asyncio.shield(process.wait())

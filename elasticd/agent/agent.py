@@ -208,8 +208,8 @@ class JobAgent:
             await self._cancel_store_task()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._group.close_standbys()  # after the fills (background) ended
-            await self._publisher.flush()
-            await self._goodput.close()
+            # Side by side: with the store stuck (a full disk) each waits out its own bound.
+            await asyncio.gather(self._publisher.flush(), self._goodput.close())
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
         await self._departure.leave()

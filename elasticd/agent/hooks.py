@@ -250,7 +250,7 @@ class RecoveryHook:
 #: checkpoint landed).
 PROGRESS_POLL_S = 1.0
 #: The longest a stop waits to write its attempt's progress (the store may be out).
-PROGRESS_WRITE_TIMEOUT_S = 5.0
+PROGRESS_WRITE_TIMEOUT_S = 3.0
 
 
 @dataclass

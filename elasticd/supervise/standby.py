@@ -76,6 +76,29 @@ HANDOFF_TIMEOUT = 5.0
 #: How long a start waits for a standby still importing (it is further along than a cold
 #: start would be); past it, the worker starts cold.
 READY_WAIT = 120.0
+
+#: With no import time observed yet, a restart waits for a standby still importing until it
+#: is this old (seconds since its start); past that it starts cold.
+FIRST_IMPORT_GUESS_S = 5.0
+#: With import times observed, it waits until the standby is this many times the slowest of
+#: them old, plus IMPORT_SLACK_S (a slow one still beats a cold start; a stuck one does not).
+IMPORT_MARGIN = 1.5
+IMPORT_SLACK_S = 1.0
+#: Import times kept per pool (the newest).
+IMPORT_SAMPLES = 8
+
+
+def ready_wait(observed: Sequence[float], age: float) -> float:
+    """How much longer a restart waits for a standby still importing (pure).
+
+    ``observed``: how long this pool's standbys took to become ready; ``age``:
+    how long ago this one started. The wait ends when the standby is as old as
+    an import should take, never past :data:`READY_WAIT`; 0 means start cold now.
+    """
+    expected = max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S if observed else FIRST_IMPORT_GUESS_S
+    return max(0.0, min(expected, READY_WAIT) - age)
+
+
 #: The most of a standby's "ready" line that is read (it is the job's process that writes it).
 MAX_READY_LINE = 64 << 10
 #: Standbys that died after they were ready are replaced this many times an attempt.
@@ -194,6 +217,8 @@ class _Standby:
     watch: asyncio.Task[None] | None = None
     record: tuple[int, int] | None = None
     """(pid, start time) in the spawn registry, until it is forgotten or handed off."""
+    started_at: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+    """When it was started (the loop's clock): its age, for :func:`ready_wait`."""
 
     @property
     def pid(self) -> int:
@@ -253,6 +278,8 @@ class StandbyPool:
         self._replacing: set[asyncio.Task[None]] = set()
         #: Why a local rank has no standby (it was lost), until a new one starts.
         self._why_none: dict[int, str] = {}
+        #: How long this pool's standbys took to become ready (the newest), for ready_wait.
+        self._import_s: list[float] = []
         #: Why each local rank of the last start started cold.
         self.cold: dict[int, str] = {}
         #: Whether a standby was ever started (a node's first attempt has none).
@@ -378,6 +405,7 @@ class StandbyPool:
         if isinstance(answer, dict) and answer.get("ready") is True:
             standby.state = _State.READY
             reason = None
+            self._import_s = [*self._import_s, loop.time() - standby.started_at][-IMPORT_SAMPLES:]
         elif isinstance(answer, dict):
             reason = f"its imports failed ({str(answer.get('error'))[:300]})"
         else:
@@ -491,14 +519,22 @@ class StandbyPool:
         self.cold.pop(rank, None)
         return standby.process
 
-    @staticmethod
-    async def _until_ready(standby: _Standby) -> str | None:
-        """Wait for a standby still importing: it is further along than a cold start."""
+    async def _until_ready(self, standby: _Standby) -> str | None:
+        """Wait for a standby still importing, as long as an import should take
+        (:func:`ready_wait`): a slow one is further along than a cold start; a stuck one
+        is not, and is given up (then discarded and replaced by the caller)."""
+        age = asyncio.get_running_loop().time() - standby.started_at
+        wait = ready_wait(self._import_s, age)
         try:
-            async with asyncio.timeout(READY_WAIT):
+            async with asyncio.timeout(wait):
                 return await asyncio.shield(standby.ready)
         except TimeoutError:
-            return f"its standby was not ready within {READY_WAIT:g} s"
+            return (
+                f"its standby was still importing after {age + wait:.1f} s "
+                f"(imports here took {max(self._import_s):.1f} s at most)"
+                if self._import_s
+                else f"its standby was still importing after {age + wait:.1f} s"
+            )
 
     async def _send(
         self, standby: _Standby, launch: WorkerLaunch, identity: Identity | None, fds: list[int]

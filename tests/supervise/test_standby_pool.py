@@ -187,11 +187,6 @@ async def test_a_cancelled_standby_start_leaks_no_descriptor_of_the_daemon(
     assert after - before == set()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of issue 27: a standby stuck in its imports "
-    "holds the restart for READY_WAIT (120 s), again at every restart",
-)
 async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path: Path) -> None:
     (tmp_path / "stuck_mod.py").write_text("import time\ntime.sleep(600)\n")
     launch = _launch(tmp_path)
@@ -208,6 +203,24 @@ async def test_a_standby_stuck_in_its_imports_does_not_hold_the_restart(tmp_path
         os.close(r)
         os.close(w)
         await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    ("observed", "age", "wait"),
+    [
+        ([], 0.0, 5.0),  # nothing observed yet: the first guess
+        ([], 1.0, 4.0),
+        ([], 7.0, 0.0),  # older than the guess: cold at once
+        ([2.0], 0.5, 3.5),  # 2 s x 1.5 + 1 s, minus its age
+        ([2.0, 4.0], 1.0, 6.0),  # the slowest observed counts
+        ([1000.0], 0.0, 120.0),  # never past READY_WAIT
+        ([2.0], 10.0, 0.0),
+    ],
+)
+def test_ready_wait_is_as_long_as_an_import_should_take(
+    observed: list[float], age: float, wait: float
+) -> None:
+    assert standby_mod.ready_wait(observed, age) == pytest.approx(wait)
 
 
 async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ import logging
 from typing import Any
 
 from elasticd.agent import machine as m
-from elasticd.agent.attempt import NodeFacts, plan_attempt
+from elasticd.agent.attempt import AttemptPlan, NodeFacts, plan_attempt
 from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
 from elasticd.agent.edits import charge_now
 from elasticd.agent.goodput import GoodputHook, end_of
@@ -367,24 +367,13 @@ class JobAgent:
         round_ = handover.round
         self._round, self._restart_count = round_, handover.restart_count
         self._formed_at, self.spawn_seq = handover.formed_at, handover.spawn_seq
-        plan = plan_attempt(
-            self.job_id,
-            self.spec,
-            round_,
-            restart_count=handover.restart_count,
-            spawn_seq=self.spawn_seq,
-            node=self._facts(),
-            state=self.state,
-            now=self.ctx.clock.time(),
-            progress=self._job_progress,
-        )
         current = self._job_progress.attempt  # the attempt's own start point, if recorded
         started_from = (
             current.started_from
             if current is not None and current.round == round_.round
             else self._job_progress.checkpoint_step
         )
-        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
+        plan, attempt = self._plan(round_, handover.restart_count, started_from)
         try:
             await self._group.adopt(attempt, plan, handover, self._identity)
         except BaseException:
@@ -621,6 +610,14 @@ class JobAgent:
         self._checked_at = None  # the next (re)start runs the health checks again
         self.spawn_seq += 1
         self._round = round_
+        plan, attempt = self._plan(round_, restart_count, self._job_progress.checkpoint_step)
+        self._spawned_at = self.ctx.clock.time()
+        await self._group.start(attempt, plan, self._identity, early=early)
+
+    def _plan(
+        self, round_: RoundInfo, restart_count: int, started_from: int | None
+    ) -> tuple[AttemptPlan, Attempt]:
+        """Attempt ``spawn_seq`` in ``round_``: spawned, or taken up after a re-exec."""
         plan = plan_attempt(
             self.job_id,
             self.spec,
@@ -632,10 +629,7 @@ class JobAgent:
             now=self.ctx.clock.time(),
             progress=self._job_progress,
         )
-        started_from = self._job_progress.checkpoint_step
-        attempt = Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
-        self._spawned_at = self.ctx.clock.time()
-        await self._group.start(attempt, plan, self._identity, early=early)
+        return plan, Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
 
     def _facts(self) -> NodeFacts:
         ctx = self.ctx

@@ -24,11 +24,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from typing import Any
 
 from elasticd.agent import machine as m
 from elasticd.agent.attempt import AttemptPlan, NodeFacts, plan_attempt
 from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
+from elasticd.agent.early import Formation
 from elasticd.agent.edits import charge_now
 from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
@@ -66,7 +66,7 @@ from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.supervise.adopt import end_handed
 from elasticd.supervise.process import GroupResult
-from elasticd.tasks import TaskSet, cancel_and_wait, race
+from elasticd.tasks import TaskSet, race
 
 __all__ = ["AgentContext", "ConsoleSink", "JobAgent", "JobUpdater", "decode_group"]
 
@@ -118,8 +118,6 @@ class JobAgent:
         self._formed_at = 0.0
         self._restart_count = 0
         self._early_spawned: float | None = None
-        #: The store work of an early restart while it runs (cancelled with the agent).
-        self._store_task: asyncio.Task[tuple[RoundInfo, Job, float]] | None = None
         #: When the health checks last passed, until workers are started after them.
         self._checked_at: float | None = None
         #: Work started where nobody awaits it (the "leaving" write, telling survivors a
@@ -153,6 +151,11 @@ class JobAgent:
         self._group = LocalGroup(
             ctx, job.id, self.spec, emit, self._output, self._progress, self._background,
             self._publisher.request,
+        )  # fmt: skip
+        self._formation = Formation(
+            job.id, node, ctx.clock, ctx.fence_after, self._watch.form,
+            lambda round_, count: self._launch(round_, count, early=True),
+            lambda: self._stop_group(None),
         )  # fmt: skip
 
     @property
@@ -205,7 +208,7 @@ class JobAgent:
             await self._goodput.ended(End.STOPPED, stopped)
         finally:
             self.adopting = False
-            await self._cancel_store_task()
+            await self._formation.cancel()
             await self._background.aclose(grace=LEAVING_TIMEOUT)
             await self._group.close_standbys()  # after the fills (background) ended
             # Side by side: with the store stuck (a full disk) each waits out its own bound.
@@ -259,41 +262,21 @@ class JobAgent:
             # Passed: not run again (nor evented) while rounds fail on a lost store,
             # until workers start or the result is stale.
             self._checked_at = now
-        early, count = self._machine.early, self._machine.early_restart_count
-        started = False
-        self._early_spawned = None
         try:
-            if early is None:
-                round_, job, self._formed_at = await self._watch.form()
-            else:
-                store = self._store_task = asyncio.create_task(
-                    self._watch.form(port=early.master_port)
-                )
-                started = await self._launch_early(early, count, store)
-                self._early_spawned = self.ctx.clock.time() if started else None
-                if started and not await self._store_answers_in_time(store):
-                    log.warning(
-                        "job %s on %s: the store is slow; stopping the early "
-                        "workers until it forms the round",
-                        *self._who,
-                    )
-                    await self._stop_group(None)
-                    started, self._early_spawned = False, None
-                round_, job, self._formed_at = await store
-                self._store_task = None
+            formed = await self._formation.next(
+                self._machine.early, self._machine.early_restart_count
+            )
         except RendezvousClosed:
             await self._on(m.JoinEnded(closed=True))
             return
         except RendezvousError as exc:  # the join timed out
             await self._on(m.JoinEnded(False, f"rendezvous failed on {self.ctx.node}: {exc}"))
             return
+        round_, job = formed.round, formed.job
         self._round, self._restart_count = round_, job.restart_count
+        self._formed_at, self._early_spawned = formed.formed_at, formed.spawned_at
         self._job_progress = job.progress
-        confirmed = round_ == early and job.restart_count == count
-        if started and not confirmed:
-            log.info("job %s on %s: the early start did not match the round", *self._who)
-            self._early_spawned = None
-        await self._on(m.RoundFormed(job.state.is_terminal, started, confirmed))
+        await self._on(m.RoundFormed(job.state.is_terminal, formed.started, formed.confirmed))
         await self._events(round_)
 
     async def _events(self, round_: RoundInfo) -> None:
@@ -475,7 +458,7 @@ class JobAgent:
                     f"{self.ctx.node} left the job: it failed its health check",
                 )
             case m.CancelEarly():
-                await self._cancel_store_task()
+                await self._formation.cancel()
             case m.WaitForStore(outage=False):
                 # The store answered (a lease that expired while it was away, a compacted
                 # watch): not an outage; go again after a short pause.
@@ -514,32 +497,6 @@ class JobAgent:
         job = await self.ctx.update_job(self.job_id, mutate=charge_now(root))
         await self._on(m.HealthFailed(job_ended=job.state.is_terminal))
         return False
-
-    async def _store_answers_in_time(self, store: asyncio.Task[Any]) -> bool:
-        """Unconfirmed workers run without a round watch: bounded, like a node that loses
-        the store (``fence_after``), they stop when it is slow to form the round."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.ctx.fence_after):
-                await asyncio.shield(store)
-        return store.done()
-
-    async def _launch_early(
-        self, round_: RoundInfo, count: int, store: asyncio.Task[tuple[RoundInfo, Job, float]]
-    ) -> bool:
-        """Start the workers of a restart whose round is known before the store says so.
-
-        False when they could not be started: the round's own start (after the
-        store) tries again and reports the error as any start does.
-        """
-        try:
-            await self._launch(round_, count, early=True)
-        except WorkerSpawnError as exc:
-            log.info("job %s: early start failed (%s); starting after the round", self.job_id, exc)
-            return False
-        except BaseException:
-            await cancel_and_wait(store)
-            raise
-        return True
 
     async def _start(self, round_: RoundInfo) -> m.Event:
         """Start the round's workers: WorkersStarted, or StartFailed (whose side it is)."""
@@ -687,11 +644,6 @@ class JobAgent:
         if target is not None and self.state is not target and not self.state.is_terminal:
             with contextlib.suppress(InvalidTransition):
                 self._set_state(target)
-
-    async def _cancel_store_task(self) -> None:
-        task, self._store_task = self._store_task, None
-        if task is not None and not task.done():  # a done one was awaited where it ended
-            await cancel_and_wait(task)
 
     # the job document
 

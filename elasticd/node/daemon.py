@@ -100,7 +100,7 @@ from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
-from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket, reap_swept
+from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -120,7 +120,7 @@ from elasticd.store import (
     store_endpoints,
 )
 from elasticd.store.embedded import EmbeddedStore
-from elasticd.supervise.adopt import adopted_children
+from elasticd.supervise.adopt import adopted_children, end_inherited
 from elasticd.supervise.cgroup import Containment
 from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import SpawnPolicy, live_children, start_process
@@ -797,7 +797,8 @@ class Daemon(ReexecMixin):
         daemon's subtree: what is still in one is a stray (a process that left its
         worker's process group), reported in ``workers.strays``. After a re-exec the
         workers handed over and taken up (``manifest``) are spared, with their cgroups;
-        those killed that were this process's children are reaped.
+        every other child of the old image is reaped (killed first when nobody reads its
+        end: :meth:`Manifest.inherited_to_end`).
         """
         killed: set[int] = set()
         keep = manifest.adopted_pids() if manifest is not None else set()
@@ -836,8 +837,12 @@ class Daemon(ReexecMixin):
                 pids=pids,
             )
 
-        if manifest is not None and killed:
-            self._background.spawn(reap_swept(sorted(killed)), name="reap-swept")
+        if manifest is not None:
+            # Every child of the old image this one does not supervise (those swept just
+            # now, a health check still running): killed if nobody reads its end, reaped.
+            kill, reap = manifest.inherited_to_end()
+            if reap:
+                self._background.spawn(end_inherited(kill, reap), name="reap-inherited")
 
     async def _retain(self) -> None:
         """Delete finished jobs once they are older than ``job_retention``, forever."""

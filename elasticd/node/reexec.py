@@ -66,13 +66,14 @@ from elasticd.node.jobs import JobService
 from elasticd.security import resolve_job_users
 from elasticd.store import Store
 from elasticd.supervise.adopt import (
-    AdoptedProcess,
     check_worker,
     close_fds,
     end_handed,
     inheritable_dup,
+    inherited_to_end,
 )
-from elasticd.supervise.spawn import start_process
+from elasticd.supervise.spawn import live_children, start_process
+from elasticd.supervise.sweep import own_children, process_start_time, start_time_of
 
 __all__ = [
     "ADOPT_DEADLINE",
@@ -84,7 +85,6 @@ __all__ = [
     "Manifest",
     "exec_self",
     "preflight",
-    "reap_swept",
     "take_manifest",
 ]
 
@@ -116,8 +116,14 @@ class Manifest:
     not_handed: dict[str, str] = field(default_factory=dict)
     #: Each job's token hash on this node (its workers keep the token they read).
     job_tokens: dict[str, str] = field(default_factory=dict)
+    #: (pid, start time) of what the old image started and did not hand over (a health
+    #: check, a standby being stopped, a worker of a job not handed): nobody reads its end.
+    unhanded: list[tuple[int, int]] = field(default_factory=list)
     #: Filled in by the new image: handed jobs whose workers failed the check, and why.
     refused: dict[str, str] = field(default_factory=dict)
+    #: Filled in by the new image at its start: its children (pid: start time), all the
+    #: old image's (see :meth:`inherited_to_end`).
+    children: dict[int, int | None] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -130,6 +136,7 @@ class Manifest:
                 "agents": [a.to_json() for a in self.agents],
                 "not_handed": self.not_handed,
                 "job_tokens": self.job_tokens,
+                "unhanded": [list(pair) for pair in self.unhanded],
             }
         ).encode()
 
@@ -146,6 +153,7 @@ class Manifest:
             agents=[AgentHandover.from_json(a) for a in doc.get("agents", [])],
             not_handed={str(k): str(v) for k, v in doc.get("not_handed", {}).items()},
             job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
+            unhanded=[(int(pid), int(start)) for pid, start in doc.get("unhanded", [])],
         )
 
     @property
@@ -156,6 +164,11 @@ class Manifest:
     def adopted_pids(self) -> set[tuple[int, int]]:
         """(pid, start time) of every worker handed over and found fit (the sweep spares them)."""
         return {(w.pid, w.start_time) for a in self.agents for w in a.workers}
+
+    def inherited_to_end(self) -> tuple[set[int], set[int]]:
+        """The children the old image left that this one does not supervise: ``(kill,
+        reap)`` (:func:`~elasticd.supervise.adopt.inherited_to_end`); after :meth:`check`."""
+        return inherited_to_end(self.children, self.adopted_pids(), self.unhanded)
 
     def check(self, cgroup_ok: bool) -> None:
         """Keep only the jobs whose every worker can be taken up; the rest go to
@@ -188,11 +201,13 @@ def take_manifest() -> Manifest | None:
     value = os.environ.pop(ENV_FD, None)
     if value is None:
         return None
+    # Before this image starts anything: every child now is the old image's.
+    children = {pid: start_time_of(pid) for pid in own_children()}
     try:
         fd = int(value)
         with os.fdopen(fd, "rb") as f:
             f.seek(0)
-            return Manifest.decode(f.read())
+            manifest = Manifest.decode(f.read())
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.error(
             "the hand-over of the previous program image is unreadable (%s); "
@@ -200,6 +215,8 @@ def take_manifest() -> Manifest | None:
             exc,
         )
         return None
+    manifest.children = children
+    return manifest
 
 
 #: What the pre-flight imports: the daemon's whole program (never the job's side: torch).
@@ -283,17 +300,6 @@ def exec_self(manifest: Manifest) -> NoReturn:
         os.execve(sys.executable, sys.orig_argv, env)
     finally:
         os.close(fd)
-
-
-async def reap_swept(pids: list[int]) -> None:
-    """Reap the swept workers that were this process's own children (handed over by the
-    previous image but not taken up): killed by the sweep, they would stay zombies."""
-    ours = []
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError):
-            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # noqa: ASYNC222 - WNOHANG
-            ours.append(AdoptedProcess(pid))
-    await asyncio.gather(*(child.wait() for child in ours))
 
 
 def inherited_socket(fd: int) -> socket.socket:
@@ -385,6 +391,12 @@ class ReexecMixin:
             await asyncio.sleep(0)
         # From here to the exec nothing awaits: the hand-over is what the exec carries.
         handed, not_handed = self.jobs.hand_over()
+        workers = {w.pid for a in handed for w in a.workers}
+        unhanded = [
+            (pid, start)
+            for pid in sorted(live_children() - workers)
+            if (start := process_start_time(pid)) is not None
+        ]
         manifest = Manifest(
             old_version=__version__,
             tcp_fd=listeners[0] if listeners else None,
@@ -393,6 +405,7 @@ class ReexecMixin:
             agents=handed,
             not_handed=not_handed,
             job_tokens=self.authenticator.jobs.digests(),
+            unhanded=unhanded,
         )
         try:
             exec_self(manifest)

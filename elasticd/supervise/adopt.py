@@ -35,6 +35,7 @@ import signal
 import stat
 import sys
 import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ __all__ = [
     "check_worker",
     "close_fds",
     "end_handed",
+    "end_inherited",
+    "inherited_to_end",
     "inheritable_dup",
     "unreported_exit",
     "use_loop_child_watcher",
@@ -307,6 +310,38 @@ async def end_handed(workers: list[HandedWorker]) -> None:
             os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # noqa: ASYNC222
             ours.append(AdoptedProcess(worker.pid))
     await asyncio.gather(*(child.wait() for child in ours))
+
+
+def inherited_to_end(
+    children: Mapping[int, int | None],
+    handed: Collection[tuple[int, int]],
+    unhanded: Collection[tuple[int, int]],
+) -> tuple[set[int], set[int]]:
+    """Which of the children a new image found at its start it ends: ``(kill, reap)``.
+
+    ``children``: each child's pid and start time (None: unreadable), read before the new
+    image started anything. ``handed``: the (pid, start time) of the workers it takes up;
+    their exits are the adopting group's to reap, with their real code. Every other child
+    is the old image's and nobody else waits for it (a health check, a stack dump, a
+    swept worker): reaped, once it exits. ``unhanded``: what the old image started and did
+    not hand over (nobody will read its result): killed first.
+    """
+    reap = {pid for pid, start in children.items() if start is None or (pid, start) not in handed}
+    kill = {pid for pid in reap if (pid, children[pid]) in set(unhanded)}
+    return kill, reap
+
+
+async def end_inherited(kill: Collection[int], reap: Collection[int]) -> None:
+    """SIGKILL each of ``kill`` (its process group when it leads one), then reap each of
+    ``reap`` as it exits, on the loop (pidfd). Only this process's children: a pid is not
+    reused until its parent reaps it, so it names the same process throughout."""
+    for pid in kill:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    await asyncio.gather(*(AdoptedProcess(pid).wait() for pid in reap))
 
 
 def _settle(future: asyncio.Future[None]) -> None:

@@ -104,6 +104,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from elasticd.supervise.sweep import own_children
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -256,20 +258,9 @@ def _children_of(parent: int) -> list[tuple[int, bool]]:
 
 
 def _zombie_children() -> set[int]:
-    """This process's children that are zombies (``/proc/self/task/*/children``: every
-    thread's, cheap; else a walk of /proc)."""
-    me = os.getpid()
-    try:
-        tasks = os.listdir(f"/proc/{me}/task")
-        children: set[int] = set()
-        for tid in tasks:
-            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
-                text = Path(f"/proc/{me}/task/{tid}/children").read_text()
-                children.update(int(pid) for pid in text.split())
-    except OSError:  # no CONFIG_PROC_CHILDREN
-        return {pid for pid, zombie in _children_of(me) if zombie}
+    """This process's children that are zombies."""
     found = set()
-    for pid in children:
+    for pid in own_children():
         fields = _stat_fields(pid)
         if fields is not None and fields[:1] == ["Z"]:
             found.add(pid)

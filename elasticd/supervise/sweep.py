@@ -25,7 +25,15 @@ from elasticd.supervise.spawn import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Orphan", "boot_id", "group_has_live_members", "process_start_time", "sweep_orphans"]
+__all__ = [
+    "Orphan",
+    "boot_id",
+    "group_has_live_members",
+    "own_children",
+    "process_start_time",
+    "start_time_of",
+    "sweep_orphans",
+]
 
 
 # -- /proc -------------------------------------------------------------------------
@@ -44,6 +52,7 @@ def boot_id() -> str:
 class _Stat:
     pid: int
     state: str
+    ppid: int
     pgrp: int
     session: int
     start_time: int
@@ -61,6 +70,7 @@ def _read_stat(pid: int | str) -> _Stat | None:
         return _Stat(
             pid=int(head.split(" ", 1)[0]),
             state=fields[0],
+            ppid=int(fields[1]),
             pgrp=int(fields[2]),
             session=int(fields[3]),
             start_time=int(fields[19]),
@@ -75,6 +85,29 @@ def process_start_time(pid: int) -> int | None:
     if st is None or st.state in ("Z", "X"):
         return None
     return st.start_time
+
+
+def start_time_of(pid: int) -> int | None:
+    """When ``pid`` started, a zombie's too (its start time stays until it is reaped): with
+    the pid, the identity of a child (None: no such process)."""
+    st = _read_stat(pid)
+    return None if st is None else st.start_time
+
+
+def own_children() -> set[int]:
+    """This process's children, zombies included (``/proc/self/task/*/children``: every
+    thread's, cheap; else a walk of /proc)."""
+    me = os.getpid()
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+        children: set[int] = set()
+        for tid in tasks:
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                text = Path(f"/proc/{me}/task/{tid}/children").read_text()
+                children.update(int(pid) for pid in text.split())
+    except OSError:  # no CONFIG_PROC_CHILDREN
+        return {st.pid for st in _all_stats() if st.ppid == me}
+    return children
 
 
 def _all_stats() -> Iterator[_Stat]:

@@ -93,10 +93,15 @@ async def reexec(
 
 @contextlib.asynccontextmanager
 async def running(
-    tmp_path: Path, *, env: dict[str, str], cwd: Path | None = None, timeout: float
+    tmp_path: Path,
+    *extra: str,
+    env: dict[str, str],
+    cwd: Path | None = None,
+    timeout: float,
 ) -> AsyncIterator[tuple[Served, httpx.AsyncClient]]:
-    """A real ``elasticd serve`` and a client, the whole test bounded by ``timeout``."""
-    daemon = serve(tmp_path, env=env, cwd=cwd)
+    """A real ``elasticd serve`` (``extra``: more of its flags) and a client, the whole test
+    bounded by ``timeout``."""
+    daemon = serve(tmp_path, *extra, env=env, cwd=cwd)
     try:
         async with asyncio.timeout(timeout):
             await daemon.wait_ready()
@@ -334,3 +339,54 @@ async def test_a_worker_that_cannot_be_readopted_resumes_its_job_alone(tmp_path:
         assert "job.readopted" not in await kinds(c, "escaped")
         assert await healthy_pids(c, "stays", 1) == stays
         assert "job.readopted" in await kinds(c, "stays")
+
+
+#: The node's health check: once ``argv[1]`` exists, the first run writes its pid to ``argv[2]``
+#: and takes 5 s (it is still running at the re-exec); every other run passes at once.
+SLOW_CHECK = """
+import os, sys, time
+from pathlib import Path
+block, pidfile = Path(sys.argv[1]), Path(sys.argv[2])
+if block.exists() and not pidfile.exists():
+    pidfile.write_text(str(os.getpid()))
+    time.sleep(5)
+"""
+
+
+def zombie_children(parent: int) -> list[int]:
+    """The children of ``parent`` that are zombies (nobody reaped them yet)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[1] == str(parent) and fields[0] == "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+async def test_a_child_running_at_the_reexec_is_ended_and_reaped(tmp_path: Path) -> None:
+    """The node's health check, still running at the re-exec (a child of the old image that
+    is no worker), is ended and reaped by the new image: no zombie stays under the daemon's
+    pid, and the running job's workers keep their pids."""
+    block, pidfile = tmp_path / "block", tmp_path / "check.pid"
+    check = script(tmp_path, "check.py", SLOW_CHECK)
+    config = tmp_path / "node.toml"
+    config.write_text(f"health_check = [{PY!r}, {check!r}, {str(block)!r}, {str(pidfile)!r}]\n")
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(
+        tmp_path, "--config", str(config), env={"PYTHONPATH": str(ROOT)}, timeout=180
+    ) as (daemon, c):
+        await submit(c, "runs", worker, gpu_health_check=False)
+        pids = await healthy_pids(c, "runs", 1)
+        block.touch()
+        await submit(c, "checks", worker, gpu_health_check=False)
+        await eventually(lambda: pidfile.exists() and pidfile.read_text() != "", 30, "check runs")
+        checker = int(pidfile.read_text())
+        await reexec(daemon, c)
+        await eventually(lambda: proc_state(checker) is None, 30, "the old check ended, reaped")
+        await eventually(
+            lambda: not zombie_children(daemon.proc.pid), 30, "no zombie under the daemon"
+        )
+        assert await healthy_pids(c, "runs", 1) == pids
+        await healthy_pids(c, "checks", 1, timeout=60)

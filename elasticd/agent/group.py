@@ -264,7 +264,12 @@ class LocalGroup:
         self.exited.add(exit_.local_rank)
         if len(self.exited) >= len(attempt.ranks):
             self.all_exited.set()
-        if self.spec.inprocess_restart and exit_.failed and not exit_.stopped:
+        if (
+            self.spec.inprocess_restart
+            and exit_.failed
+            and not exit_.stopped
+            and not exit_.reported
+        ):
             # Tell the surviving ranks at once, so they restart in-process instead of
             # waiting for a collective to time out.
             self.background.spawn(self._report_terminated(exit_, attempt), "report-terminated")
@@ -280,6 +285,9 @@ class LocalGroup:
                 w.signal = exit_.signal
                 w.exited_at = exit_.exited_at
                 w.state = state
+        if exit_.reported:  # the daemon's previous program image said it (re-exec)
+            self.changed()
+            return
         suffix = ", stopped by the agent" if exit_.stopped else ""
         error = None
         if exit_.error is not None:

@@ -153,6 +153,22 @@ class HandedPipe:
     file_fd: int
     offered: int
     """Bytes already handed to the file (the attempt's ``log_limit_bytes`` counts them)."""
+    at_eof: bool = False
+    """The pipe had reached its end (every byte is in the file, both closed): nothing
+    crosses the exec, and ``read_fd`` and ``file_fd`` are -1 (a worker that exited)."""
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> HandedPipe:
+        return cls(
+            read_fd=int(doc["read_fd"]),
+            file_fd=int(doc["file_fd"]),
+            offered=int(doc["offered"]),
+            at_eof=bool(doc.get("at_eof", False)),
+        )
+
+    @property
+    def fds(self) -> list[int]:
+        return [] if self.at_eof else [self.read_fd, self.file_fd]
 
 
 @dataclass(frozen=True)
@@ -171,8 +187,11 @@ class HandedWorker:
     beat_started: float | None
     """Monotonic time its heartbeat clock started (``CLOCK_MONOTONIC`` survives exec)."""
     returncode: int | None = None
-    """The old image reaped it (asyncio's convention: ``-signal`` when killed) and had not
-    acted on it; the new image reports it as the exit."""
+    """The old image reaped it (asyncio's convention: ``-signal`` when killed); the new
+    image records it as the exit."""
+    reported_at: float | None = None
+    """When the old image recorded the exit and reported it (``worker.exited``): the new
+    image counts it and never reports it again (None: not reported)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -184,16 +203,17 @@ class HandedWorker:
             pid=int(doc["pid"]),
             start_time=int(doc["start_time"]),
             started_at=float(doc["started_at"]),
-            stdout=HandedPipe(**{k: int(v) for k, v in doc["stdout"].items()}),
-            stderr=HandedPipe(**{k: int(v) for k, v in doc["stderr"].items()}),
+            stdout=HandedPipe.from_json(doc["stdout"]),
+            stderr=HandedPipe.from_json(doc["stderr"]),
             heartbeat_fd=None if doc.get("heartbeat_fd") is None else int(doc["heartbeat_fd"]),
             beat_started=None if doc.get("beat_started") is None else float(doc["beat_started"]),
             returncode=None if doc.get("returncode") is None else int(doc["returncode"]),
+            reported_at=None if doc.get("reported_at") is None else float(doc["reported_at"]),
         )
 
     @property
     def fds(self) -> list[int]:
-        out = [self.stdout.read_fd, self.stdout.file_fd, self.stderr.read_fd, self.stderr.file_fd]
+        out = self.stdout.fds + self.stderr.fds
         return out + ([self.heartbeat_fd] if self.heartbeat_fd is not None else [])
 
 
@@ -206,12 +226,14 @@ def check_worker(worker: HandedWorker, cgroup: Path | None) -> str | None:
     files. A worker the old image already reaped (``returncode``) is only
     checked for its descriptors.
     """
-    for fd, kind, what in (
-        (worker.stdout.read_fd, stat.S_ISFIFO, "stdout pipe"),
-        (worker.stderr.read_fd, stat.S_ISFIFO, "stderr pipe"),
-        (worker.stdout.file_fd, stat.S_ISREG, "stdout log file"),
-        (worker.stderr.file_fd, stat.S_ISREG, "stderr log file"),
+    for pipe, fd, kind, what in (
+        (worker.stdout, worker.stdout.read_fd, stat.S_ISFIFO, "stdout pipe"),
+        (worker.stderr, worker.stderr.read_fd, stat.S_ISFIFO, "stderr pipe"),
+        (worker.stdout, worker.stdout.file_fd, stat.S_ISREG, "stdout log file"),
+        (worker.stderr, worker.stderr.file_fd, stat.S_ISREG, "stderr log file"),
     ):
+        if pipe.at_eof:
+            continue  # at its end before the exec: nothing of it crossed
         try:
             if not kind(os.fstat(fd).st_mode):
                 return f"its {what} (fd {fd}) is not what was handed over"

@@ -88,7 +88,7 @@ class OutputPipe:
         local_rank: int,
         stream: Stream,
         log_path: Path,
-        file: BinaryIO,
+        file: BinaryIO | None,
         write_fd: int,
         sink: OutputSink | None,
         health: StorageHealth | None = None,
@@ -193,18 +193,24 @@ class OutputPipe:
         """The pipe of a worker taken up after the daemon's re-exec: the read end and the log
         file the previous image handed over (:mod:`elasticd.supervise.adopt`). What the
         worker wrote meanwhile waits in the pipe: nothing is lost or read twice."""
-        for fd in (handed.read_fd, handed.file_fd):
+        for fd in handed.fds:
             os.set_inheritable(fd, False)  # no later child may inherit them
-        file = os.fdopen(handed.file_fd, "ab", buffering=0)
+        file = None if handed.at_eof else os.fdopen(handed.file_fd, "ab", buffering=0)
         pipe = cls(local_rank, stream, log_path, file, -1, sink, health, on_written)
         pipe._write_fd = None
         pipe.limit_bytes, pipe._guard, pipe._offered = limit_bytes, guard, handed.offered
-        await pipe._read(handed.read_fd)
+        if handed.at_eof:
+            pipe._finish()  # its worker exited before the exec and every byte is in the file
+        else:
+            await pipe._read(handed.read_fd)
         return pipe
 
     def hand_over(self) -> HandedPipe:
         """Inheritable copies of the read end and the log file, for the next program image
-        (the daemon's re-exec); everything read so far is in the file already."""
+        (the daemon's re-exec); everything read so far is in the file already. A pipe at
+        its end hands nothing (its read end and file are closed)."""
+        if self._eof.is_set():
+            return HandedPipe(read_fd=-1, file_fd=-1, offered=self._offered, at_eof=True)
         assert self._transport is not None
         assert self._file is not None
         read_fd = self._transport.get_extra_info("pipe").fileno()

@@ -132,6 +132,9 @@ class WorkerExit:
     """The worker's error file, read when the exit is a failure and the file exists."""
     stopped: bool = False
     """The worker was still running when :meth:`WorkerGroupProcesses.stop` signalled it."""
+    reported: bool = False
+    """The daemon's previous program image reported this exit already (re-exec): told
+    again only so that the group counts it, never to be reported twice."""
 
     @property
     def failed(self) -> bool:
@@ -235,6 +238,8 @@ class _Worker:
         self.exited = asyncio.Event()
         self.signalled = False
         self.watch: asyncio.Task[None] | None = None
+        #: When the previous program image reported its exit (re-exec; None: it did not).
+        self.reported_at: float | None = None
 
 
 class WorkerGroupProcesses:
@@ -423,9 +428,11 @@ class WorkerGroupProcesses:
             if start_time is None:
                 return None  # never recorded: nothing proves its identity to the next image
             returncode = w.process.returncode
-            if w.exit is not None:  # reported already: the next image reports it again
+            reported_at = None
+            if w.exit is not None:  # reported already: the next image only counts it
                 code = w.exit.exit_code
                 returncode = -(w.exit.signal or 0) if code is None else code
+                reported_at = w.exit.exited_at
             handed.append(
                 HandedWorker(
                     local_rank=rank,
@@ -437,6 +444,7 @@ class WorkerGroupProcesses:
                     heartbeat_fd=None,
                     beat_started=None,
                     returncode=returncode,
+                    reported_at=reported_at,
                 )
             )
         cgroup = self._containment.cgroup if self._containment is not None else None
@@ -479,6 +487,7 @@ class WorkerGroupProcesses:
             )
             process = AdoptedProcess(worker.pid, worker.returncode)
             w = _Worker(launch, process, pipes)
+            w.reported_at = worker.reported_at
             group._workers[worker.local_rank] = w
             group.pids[worker.local_rank] = worker.pid
             group.started_at[worker.local_rank] = worker.started_at
@@ -492,7 +501,8 @@ class WorkerGroupProcesses:
     async def _adopt_pipe(
         self, launch: WorkerLaunch, stream: Stream, console: bool, handed: HandedPipe
     ) -> OutputPipe:
-        guard = self._guard(os.fstat(handed.file_fd).st_dev, None)
+        # A pipe at its end (its worker exited before the exec) writes nothing more.
+        guard = None if handed.at_eof else self._guard(os.fstat(handed.file_fd).st_dev, None)
         return await OutputPipe.adopt(
             launch.local_rank,
             stream,
@@ -681,14 +691,15 @@ class WorkerGroupProcesses:
         # The process holds no pipe of ours, so this returns when its exit is reaped
         # (asyncio's child watcher), not when its output closes.
         returncode = await worker.process.wait()
-        if returncode != 0 and not worker.signalled:
+        if returncode != 0 and not worker.signalled and worker.reported_at is None:
             # Its traceback may still be in the stderr pipe: let it reach stderr.log
             # (at once, unless a child of the worker still holds the pipe).
             await _all_done([worker.pipes[1].wait_eof], LOG_SETTLE_TIMEOUT)
         self._record_exit(worker, returncode)
 
     def _record_exit(self, worker: _Worker, returncode: int) -> None:
-        exited_at = self._clock.time()
+        reported = worker.reported_at is not None
+        exited_at = worker.reported_at if worker.reported_at is not None else self._clock.time()
         exit_code, signal_number = (None, -returncode) if returncode < 0 else (returncode, None)
         failed = exit_code != 0
         error_file = worker.launch.error_file
@@ -707,12 +718,14 @@ class WorkerGroupProcesses:
             exited_at=exited_at,
             error=error,
             stopped=worker.signalled,
+            reported=reported,
         )
         worker.exit = exit_
         worker.exited.set()
         # INFO, a failure too: the agent's worker.exited event says it (at WARNING it was
         # said twice in a daemon's log, and twice on `elasticd run`'s console).
-        log.info("%s", exit_.describe())
+        if not reported:
+            log.info("%s", exit_.describe())
         if self._on_exit is not None:
             try:
                 self._on_exit(exit_)

@@ -390,3 +390,71 @@ async def test_a_child_running_at_the_reexec_is_ended_and_reaped(tmp_path: Path)
         )
         assert await healthy_pids(c, "runs", 1) == pids
         await healthy_pids(c, "checks", 1, timeout=60)
+
+
+#: In-process restart: local rank 1 exits with code 3 once ``argv[1]`` exists (with ``argv[2]``
+#: "held", after starting a child that holds its output open); rank 0 counts.
+ONE_RANK_EXITS = """
+import os, subprocess, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+armed = Path(sys.argv[1])
+while True:
+    ping()
+    if os.environ["LOCAL_RANK"] == "1" and armed.exists():
+        if sys.argv[2] == "held":
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        sys.exit(3)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.parametrize("output", ["closed", "held"])
+async def test_an_exit_reported_before_the_reexec_is_not_reported_again(
+    tmp_path: Path, output: str
+) -> None:
+    """In an in-process-restart job a rank exited (and was reported) before the re-exec; the
+    others ran on. The re-exec goes through, its output at its end ("closed") or still held
+    by a child it left ("held"); after it the job's events hold exactly one ``worker.exited``
+    for that rank, and the new image still counts it: when the last rank dies the group
+    restarts."""
+    armed = tmp_path / "armed"
+    worker = script(tmp_path, "one_exits.py", ONE_RANK_EXITS)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=180) as (daemon, c):
+        await submit(
+            c,
+            "inproc",
+            worker,
+            str(armed),
+            output,
+            nproc_per_node=2,
+            inprocess_restart=True,
+            max_restarts=3,
+        )
+        first, second = await healthy_pids(c, "inproc", 2)
+        armed.touch()
+
+        async def exits(pid: int) -> list[dict[str, Any]]:
+            return [
+                e
+                for e in await events(c, "inproc")
+                if e["kind"] == "worker.exited" and e["pid"] == pid
+            ]
+
+        async with asyncio.timeout(30):
+            while not await exits(second):
+                await asyncio.sleep(0.05)
+        armed.unlink()
+        await reexec(daemon, c)
+        assert "job.readopted" in await kinds(c, "inproc")
+        # The last rank dies after the re-exec: the group restarts once the new image has
+        # both exits (any second report of the first would come before).
+        os.kill(first, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while (await kinds(c, "inproc")).count("workers.started") < 2:
+                await asyncio.sleep(0.05)
+        said = await exits(second)
+        assert [e["exit_code"] for e in said] == [3], said
+        assert len(await exits(first)) == 1
+        new = await healthy_pids(c, "inproc", 2, timeout=60)
+        assert not set(new) & {first, second}

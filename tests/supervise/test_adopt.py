@@ -19,6 +19,8 @@ from elasticd.supervise.adopt import (
     adopted_children,
     check_worker,
     end_handed,
+    end_inherited,
+    inherited_to_end,
     unreported_exit,
 )
 from elasticd.supervise.sweep import process_start_time
@@ -143,3 +145,83 @@ def test_a_handed_worker_survives_its_json() -> None:
     )
     assert HandedWorker.from_json(worker.to_json()) == worker
     assert worker.fds == [10, 11, 12, 13, 14]
+    # Its exit reported before the exec, its stdout at its end: nothing of that pipe crosses.
+    exited = HandedWorker(
+        local_rank=1,
+        pid=4242,
+        start_time=99,
+        started_at=12.5,
+        stdout=HandedPipe(-1, -1, 5, at_eof=True),
+        stderr=HandedPipe(12, 13, 0),
+        heartbeat_fd=None,
+        beat_started=None,
+        returncode=3,
+        reported_at=20.0,
+    )
+    assert HandedWorker.from_json(exited.to_json()) == exited
+    assert exited.fds == [12, 13]
+
+
+async def test_check_worker_takes_a_pipe_at_its_end_without_descriptors(tmp_path: Path) -> None:
+    """A worker that exited before the exec, its pipes at their end (nothing handed: -1),
+    passes the check on its status alone."""
+    proc = child("import time; time.sleep(60)")
+    try:
+        worker = handed(
+            proc,
+            tmp_path,
+            stdout=HandedPipe(-1, -1, 0, at_eof=True),
+            stderr=HandedPipe(-1, -1, 0, at_eof=True),
+            returncode=0,
+            reported_at=1.0,
+        )
+        assert check_worker(worker, None) is None
+        assert worker.fds == []
+    finally:
+        proc.kill()
+
+
+async def test_end_inherited_kills_what_it_must_and_reaps_every_one() -> None:
+    """Of the children a new image found: one nobody reads is killed (its group) and reaped,
+    one that ends on its own is reaped with it; a handed worker is left alone, still ours."""
+    killed = child("import time; time.sleep(60)")
+    ends = child("import time; time.sleep(0.2)")
+    worker = child("import time; time.sleep(60)")
+    try:
+        async with asyncio.timeout(30):
+            await end_inherited({killed.pid}, {killed.pid, ends.pid})
+        for reaped in (killed, ends):
+            with pytest.raises(ChildProcessError):
+                os.waitpid(reaped.pid, os.WNOHANG)  # noqa: ASYNC222 - reaped already
+        assert _state(worker.pid) not in (None, "Z")
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize(
+    ("children", "handed", "unhanded", "kill", "reap"),
+    [
+        # nothing left: nothing to do
+        ({}, set(), [], set(), set()),
+        # a handed worker (alive, or a zombie that exited in the exec) is its group's to reap
+        ({100: 7}, {(100, 7)}, [], set(), set()),
+        # a health check the old image started and did not hand over: killed, reaped
+        ({100: 7, 200: 9}, {(100, 7)}, [(200, 9)], {200}, {200}),
+        # a child nobody started through start_process (a stack dump, a swept worker): reaped
+        ({300: 4}, set(), [], set(), {300}),
+        # same pid, another start time: not the handed worker, nor the unhanded check
+        ({100: 8}, {(100, 7)}, [(100, 9)], set(), {100}),
+        # start time unreadable: not a worker this image can name; reaped, never killed
+        ({400: None}, set(), [(400, 1)], set(), {400}),
+    ],
+)
+def test_which_inherited_children_are_killed_and_reaped(
+    children: dict[int, int | None],
+    handed: set[tuple[int, int]],
+    unhanded: list[tuple[int, int]],
+    kill: set[int],
+    reap: set[int],
+) -> None:
+    """After an exec every child that is not a handed worker is reaped; those the old image
+    started and handed nothing of are killed first (by pid and start time, never pid alone)."""
+    assert inherited_to_end(children, handed, unhanded) == (kill, reap)

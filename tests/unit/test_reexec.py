@@ -15,7 +15,7 @@ from elasticd.node.reexec import ENV_FD, Manifest, take_manifest
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
 from elasticd.rendezvous.ranks import NodeSlot
-from elasticd.supervise.adopt import HandedPipe, HandedWorker, inherited_to_end
+from elasticd.supervise.adopt import HandedPipe, HandedWorker
 from elasticd.supervise.sweep import start_time_of
 
 
@@ -100,32 +100,3 @@ def test_take_manifest_names_the_children_the_old_image_left(
     finally:
         child.kill()
         child.wait()
-
-
-@pytest.mark.parametrize(
-    ("children", "handed", "unhanded", "kill", "reap"),
-    [
-        # nothing left: nothing to do
-        ({}, set(), [], set(), set()),
-        # a handed worker (alive, or a zombie that exited in the exec) is its group's to reap
-        ({100: 7}, {(100, 7)}, [], set(), set()),
-        # a health check the old image started and did not hand over: killed, reaped
-        ({100: 7, 200: 9}, {(100, 7)}, [(200, 9)], {200}, {200}),
-        # a child nobody started through start_process (a stack dump, a swept worker): reaped
-        ({300: 4}, set(), [], set(), {300}),
-        # same pid, another start time: not the handed worker, nor the unhanded check
-        ({100: 8}, {(100, 7)}, [(100, 9)], set(), {100}),
-        # start time unreadable: not a worker this image can name; reaped, never killed
-        ({400: None}, set(), [(400, 1)], set(), {400}),
-    ],
-)
-def test_which_inherited_children_are_killed_and_reaped(
-    children: dict[int, int | None],
-    handed: set[tuple[int, int]],
-    unhanded: list[tuple[int, int]],
-    kill: set[int],
-    reap: set[int],
-) -> None:
-    """After an exec every child that is not a handed worker is reaped; those the old image
-    started and handed nothing of are killed first (by pid and start time, never pid alone)."""
-    assert inherited_to_end(children, handed, unhanded) == (kill, reap)

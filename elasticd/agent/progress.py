@@ -81,7 +81,7 @@ from elasticd.errors import SpawnStage, WorkerSpawnError
 from elasticd.goodput import Observation
 from elasticd.supervise.adopt import inheritable_dup
 from elasticd.supervise.env import WITHHELD
-from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy
+from elasticd.supervise.spawn import DEFAULT_POLICY, SpawnPolicy, track
 from elasticd.tasks import race
 from elasticd.worker.heartbeat import HeartbeatFile
 from elasticd.worker.stacks import STACK_SIGNAL
@@ -530,6 +530,7 @@ async def _py_spy(exe: str, pid: int, timeout: float) -> tuple[bool, str]:
         # The daemon's own environment less its secrets, as every other child gets.
         env={k: v for k, v in os.environ.items() if k not in WITHHELD},
     )
+    track(proc)  # the daemon's own child: a re-exec kills it (nobody reads the dump)
     try:
         async with asyncio.timeout(timeout):
             out, _ = await proc.communicate()

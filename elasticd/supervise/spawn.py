@@ -97,6 +97,7 @@ __all__ = [
     "process_env",
     "start_argv",
     "start_process",
+    "track",
     "wrap_argv",
 ]
 
@@ -299,6 +300,14 @@ _started: weakref.WeakSet[asyncio.subprocess.Process] = weakref.WeakSet()
 def live_children() -> set[int]:
     """Pids of the processes :func:`start_process` started that asyncio has not reaped."""
     return {p.pid for p in list(_started) if p.returncode is None}
+
+
+def track(process: asyncio.subprocess.Process) -> asyncio.subprocess.Process:
+    """Count a child started another way (a tool of the daemon's, not a job's: py-spy) among
+    :func:`live_children`: its own waiter reaps it, and a re-exec kills it (nobody would
+    read its result)."""
+    _started.add(process)
+    return process
 
 
 @functools.cache

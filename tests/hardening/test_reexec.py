@@ -365,14 +365,21 @@ def zombie_children(parent: int) -> list[int]:
     return found
 
 
-async def test_a_child_running_at_the_reexec_is_ended_and_reaped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("containment", ["auto", "subreaper"])
+async def test_a_child_running_at_the_reexec_is_ended_and_reaped(
+    tmp_path: Path, containment: str
+) -> None:
     """The node's health check, still running at the re-exec (a child of the old image that
     is no worker), is ended and reaped by the new image: no zombie stays under the daemon's
-    pid, and the running job's workers keep their pids."""
+    pid, and the running job's workers keep their pids; with cgroups (as root: "auto") and
+    without (the subreaper, whose zombie sweep must leave what the new image reaps)."""
     block, pidfile = tmp_path / "block", tmp_path / "check.pid"
     check = script(tmp_path, "check.py", SLOW_CHECK)
     config = tmp_path / "node.toml"
-    config.write_text(f"health_check = [{PY!r}, {check!r}, {str(block)!r}, {str(pidfile)!r}]\n")
+    config.write_text(
+        f"health_check = [{PY!r}, {check!r}, {str(block)!r}, {str(pidfile)!r}]\n"
+        f"containment = {containment!r}\n"
+    )
     worker = script(tmp_path, "counter.py", COUNTER)
     async with running(
         tmp_path, "--config", str(config), env={"PYTHONPATH": str(ROOT)}, timeout=180

@@ -210,11 +210,11 @@ class JobService:
         """Kill every job's standby interpreters (before a re-exec: the new program image
         would not know them; its agents start new ones)."""
         for agent in list(self.supervisor.agents.values()):
-            await agent.close_standbys()
+            await agent.readoption.close_standbys()
 
     def pending_exit(self) -> bool:
         """A worker of this node was reaped and its exit is not delivered yet (re-exec)."""
-        return any(agent.pending_exit() for agent in self.supervisor.agents.values())
+        return any(agent.readoption.pending_exit() for agent in self.supervisor.agents.values())
 
     @property
     def adopting(self) -> int:

@@ -139,7 +139,9 @@ class JobAgent:
             ctx.fence_after, ctx.lease_lapsed,
         )  # fmt: skip
         self._output = OutputHook(emit, node, job.id, self.spec, ctx.console)
-        self._recovery = RecoveryHook(emit, node, job.id, ctx.clock, ctx.update_job)
+        self._recovery = RecoveryHook(
+            emit, node, job.id, ctx.clock, ctx.update_job, self._background.spawn
+        )
         self._progress = ProgressHook(
             emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress,
             job.id, ctx.clock, ctx.update_job,
@@ -326,6 +328,7 @@ class JobAgent:
                 job_id=self.job_id, spawn_seq=self.spawn_seq, round=self._round,
                 restart_count=self._restart_count, formed_at=self._formed_at,
                 token_file=self._token_file, cgroup=None, workers=[], slots=slots,
+                recovery=self._recovery.awaiting,
             )
         )  # fmt: skip
 
@@ -338,6 +341,7 @@ class JobAgent:
         begun = started_from(self._job_progress, round_.round)
         plan, attempt = self._plan(round_, handover.restart_count, begun)
         await self.readoption.take_up(handover, attempt, plan, self._identity)
+        self._recovery.awaiting = handover.recovery  # timed to the first ping here
         self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY: it never stopped running
         await self.ctx.rendezvous.resume(round_)  # a store error now: as in any running round

@@ -6,7 +6,9 @@ manifest (:mod:`elasticd.node.reexec`; never pickle: the next image may be
 another version): the round it runs in, its attempt number, restart count
 and state, the job's token file, the attempt's cgroup and each worker
 (:class:`~elasticd.supervise.adopt.HandedWorker`: pid, start time, the
-descriptors of its pipes, log files and heartbeat). The next image's agent
+descriptors of its pipes, log files and heartbeat), and the recovery still
+waiting for the new workers' first ping
+(:class:`~elasticd.agent.recovery.FirstProgress`). The next image's agent
 takes the attempt up where this one left it (:meth:`JobAgent.run
 <elasticd.agent.agent.JobAgent.run>`): no new round, no spawn, nothing
 signalled.
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from elasticd.agent.machine import Phase
+from elasticd.agent.recovery import FirstProgress
 from elasticd.eventkinds import EventKind
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
@@ -85,6 +88,8 @@ class AgentHandover:
     workers: list[HandedWorker]
     slots: list[int]
     """The node's slots the job held (the same GPUs stay its ``CUDA_VISIBLE_DEVICES``)."""
+    recovery: FirstProgress | None = None
+    """A recovery whose new workers had not pinged yet: timed to their first ping there."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +102,7 @@ class AgentHandover:
             "cgroup": self.cgroup,
             "workers": [w.to_json() for w in self.workers],
             "slots": list(self.slots),
+            "recovery": self.recovery.to_json() if self.recovery is not None else None,
         }
 
     @classmethod
@@ -111,6 +117,7 @@ class AgentHandover:
             cgroup=None if doc.get("cgroup") is None else str(doc["cgroup"]),
             workers=[HandedWorker.from_json(w) for w in doc["workers"]],
             slots=[int(s) for s in doc.get("slots", [])],
+            recovery=FirstProgress.from_json(r) if (r := doc.get("recovery")) else None,
         )
 
     @property

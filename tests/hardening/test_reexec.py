@@ -334,3 +334,59 @@ async def test_a_worker_that_cannot_be_readopted_resumes_its_job_alone(tmp_path:
         assert "job.readopted" not in await kinds(c, "escaped")
         assert await healthy_pids(c, "stays", 1) == stays
         assert "job.readopted" in await kinds(c, "stays")
+
+
+#: Fails once (its first attempt); restarted, it pings only once ``argv[2]`` exists.
+LATE_PINGER = """
+import sys, time
+from pathlib import Path
+from elasticd.worker import ping
+crashed, go = Path(sys.argv[1]), Path(sys.argv[2])
+if not crashed.exists():
+    crashed.write_text("once")
+    sys.exit(1)
+while not go.exists():
+    time.sleep(0.02)
+while True:
+    ping()
+    time.sleep(0.05)
+"""
+
+
+async def kind_seen(c: httpx.AsyncClient, job_id: str, kind: str, timeout: float) -> None:
+    """Wait until the job has an event of ``kind``."""
+    deadline = time.monotonic() + timeout
+    while kind not in (seen := await kinds(c, job_id)):
+        assert time.monotonic() < deadline, f"no {kind} in {timeout}s: {seen}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_recovery_awaiting_its_first_progress_is_timed_across_the_reexec(
+    tmp_path: Path,
+) -> None:
+    """A re-exec between a restart and the restarted worker's first ping: the new image still
+    says recovery.first_progress exactly once, timed from the spawn before the exec to the
+    ping after it, and the job's last_recovery holds the figure."""
+    crashed, go = tmp_path / "crashed", tmp_path / "go"
+    worker = script(tmp_path, "late.py", LATE_PINGER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        # A progress deadline: the heartbeat files are read at least every 5 s, and the
+        # first ping seen (no startup_timeout: no deadline before it).
+        await submit(c, "late", worker, str(crashed), str(go), max_restarts=3, progress_timeout=5)
+        await kind_seen(c, "late", "recovery.total", 60)
+        await healthy_pids(c, "late", 1, timeout=60)
+        spawned = (await c.get("/jobs/late")).json()["last_recovery"]["spawned_at"]
+        await reexec(daemon, c)
+        assert "job.readopted" in await kinds(c, "late")
+        go.touch()
+        went = time.time()  # the first ping comes after this, past the exec
+        await kind_seen(c, "late", "recovery.first_progress", 60)
+        firsts = [e for e in await events(c, "late") if e["kind"] == "recovery.first_progress"]
+        assert len(firsts) == 1, firsts
+        assert firsts[0]["duration_s"] >= went - spawned, (firsts, went, spawned)
+        async with asyncio.timeout(30):
+            while (await c.get("/jobs/late")).json()["last_recovery"]["first_progress_s"] is None:
+                await asyncio.sleep(0.05)
+        job = (await c.get("/jobs/late")).json()
+        assert job["last_recovery"]["first_progress_s"] == pytest.approx(firsts[0]["duration_s"])
+        assert job["restart_count"] == 1

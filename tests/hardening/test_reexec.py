@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.node.reexec import HANDOVER_WAIT
 from tests.hardening.support import (
     PY,
     Served,
@@ -390,3 +391,107 @@ async def test_a_recovery_awaiting_its_first_progress_is_timed_across_the_reexec
         job = (await c.get("/jobs/late")).json()
         assert job["last_recovery"]["first_progress_s"] == pytest.approx(firsts[0]["duration_s"])
         assert job["restart_count"] == 1
+
+
+#: Fails once (its first attempt); restarted, it pings and counts.
+CRASH_ONCE = """
+import sys, time
+from pathlib import Path
+from elasticd.worker import ping
+crashed = Path(sys.argv[1])
+if not crashed.exists():
+    crashed.write_text("once")
+    sys.exit(1)
+while True:
+    ping()
+    time.sleep(0.05)
+"""
+
+#: A health check that passes at once the first time, then only once ``argv[2]`` exists.
+GATE = """
+import sys, time
+from pathlib import Path
+first, go = Path(sys.argv[1]), Path(sys.argv[2])
+if not first.exists():
+    first.write_text("checked")
+    sys.exit(0)
+while not go.exists():
+    time.sleep(0.02)
+"""
+
+
+async def new_image(
+    daemon: Served, c: httpx.AsyncClient, before: dict[str, Any], *, re_executing: bool = False
+) -> None:
+    """Wait until the daemon's new program image is ready (``re_executing``: or until the
+    old one says it re-executes); the pre-flight imports the daemon: slow when loaded."""
+    deadline = time.monotonic() + 90
+    while True:
+        assert daemon.proc.poll() is None, daemon.output()[-3000:]
+        with contextlib.suppress(httpx.TransportError, ValueError):
+            ready = await c.get("/readyz", timeout=2)
+            if (await health(c))["started_at"] != before["started_at"] and ready.is_success:
+                return
+            reason = ready.json()["reason"] or ""
+            if re_executing and reason.startswith("re-executing"):
+                return
+        assert time.monotonic() < deadline, daemon.output()[-4000:]
+        await asyncio.sleep(0.02)
+
+
+async def test_a_reexec_requested_as_a_job_restarts_waits_and_hands_it_over(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP right after a worker's crash is seen, with the restart held in its health check
+    until the daemon says it is re-executing: the re-exec waits for the restarted workers
+    (within HANDOVER_WAIT) and hands them over: the same pids run on, job.readopted, no
+    job.resumed, no restart charged beyond the crash's."""
+    crashed, first, go = tmp_path / "crashed", tmp_path / "first", tmp_path / "go"
+    worker = script(tmp_path, "crash_once.py", CRASH_ONCE)
+    gate = script(tmp_path, "gate.py", GATE)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        check = [PY, gate, str(first), str(go)]
+        await submit(c, "mid", worker, str(crashed), max_restarts=3, health_check=check)
+        await kind_seen(c, "mid", "worker.exited", 60)
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        # Until the daemon says it re-executes (or, without a wait, has already done so).
+        await new_image(daemon, c, before, re_executing=True)
+        go.touch()  # the restart goes on while the daemon waits to hand it over
+        await new_image(daemon, c, before)
+        pids = await healthy_pids(c, "mid", 1, timeout=60)
+        said = await events(c, "mid")
+        readopted = [e for e in said if e["kind"] == "job.readopted"]
+        assert [e["pids"] for e in readopted] == [pids], said
+        seen = [e["kind"] for e in said]
+        assert "job.resumed" not in seen
+        assert seen.count("workers.started") == 2  # the first attempt and its restart
+        job = (await c.get("/jobs/mid")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job
+
+
+async def test_a_job_still_restarting_past_the_wait_takes_the_fallback_and_is_named(
+    tmp_path: Path,
+) -> None:
+    """A restart held in its health check past HANDOVER_WAIT: the daemon re-executes anyway;
+    the job resumes as a new attempt, not failed, and its daemon.reexec event says it was not
+    carried over, and why."""
+    crashed, first, go = tmp_path / "crashed", tmp_path / "first", tmp_path / "go"
+    worker = script(tmp_path, "crash_once.py", CRASH_ONCE)
+    gate = script(tmp_path, "gate.py", GATE)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        check = [PY, gate, str(first), str(go)]
+        await submit(c, "late", worker, str(crashed), max_restarts=3, health_check=check)
+        await kind_seen(c, "late", "worker.exited", 60)
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        started = time.monotonic()
+        await new_image(daemon, c, before)
+        assert time.monotonic() - started >= HANDOVER_WAIT
+        await kind_seen(c, "late", "job.resumed", 60)
+        said = [e for e in await events(c, "late") if e["kind"] == "daemon.reexec"]
+        assert len(said) == 1, said
+        assert "not carried over" in said[0]["message"], said
+        assert f"after {HANDOVER_WAIT:.0f} s of waiting" in said[0]["message"], said
+        assert "job.readopted" not in await kinds(c, "late")
+        assert (await c.get("/jobs/late")).json()["state"] in ("RESTARTING", "PENDING", "RUNNING")

@@ -202,6 +202,10 @@ class JobService:
         self.reconciler.adoptions = {a.job_id: a for a in adopt}
         await self.supervisor.recover(skip=frozenset(self.reconciler.adoptions), why=refused)
 
+    def not_ready(self) -> dict[str, str]:
+        """The jobs whose agent cannot hand its attempt over now, and why (re-exec)."""
+        return self.supervisor.not_ready()
+
     def hand_over(self) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every running attempt for the daemon's next program image (re-exec)."""
         return self.supervisor.hand_over(dict(self.reconciler.slots.held))

@@ -242,16 +242,13 @@ class JobAgent:
         handover, self._handover = self._handover, None
         if handover is not None and self._machine.phase is m.Phase.DONE:
             await end_handed(handover.workers)  # refused here: nothing of it may run on
-        elif handover is not None:
-            try:
-                await self._resume(handover)
-            except StoreError as exc:
-                log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
-                self._next = None
-                await self._on(m.StoreLost(isinstance(exc, StoreUnavailable), str(exc)))
         while self._machine.phase is not m.Phase.DONE:
             try:
-                await self._round_once()
+                if handover is not None:  # the first round is the one handed over
+                    taken, handover = handover, None
+                    await self._resume(taken)
+                else:
+                    await self._round_once()
             except StoreError as exc:
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
                 self._next = None  # the round's next event, if any, is moot now

@@ -393,31 +393,25 @@ async def test_a_recovery_awaiting_its_first_progress_is_timed_across_the_reexec
         assert job["restart_count"] == 1
 
 
-#: Fails once (its first attempt); restarted, it pings and counts.
-CRASH_ONCE = """
-import sys, time
-from pathlib import Path
-from elasticd.worker import ping
-crashed = Path(sys.argv[1])
-if not crashed.exists():
-    crashed.write_text("once")
-    sys.exit(1)
-while True:
-    ping()
-    time.sleep(0.05)
-"""
-
 #: A health check that passes at once the first time, then only once ``argv[2]`` exists.
 GATE = """
 import sys, time
 from pathlib import Path
-first, go = Path(sys.argv[1]), Path(sys.argv[2])
-if not first.exists():
-    first.write_text("checked")
-    sys.exit(0)
-while not go.exists():
+checked, go = Path(sys.argv[1]), Path(sys.argv[2])
+while checked.exists() and not go.exists():
     time.sleep(0.02)
+checked.touch()
 """
+
+
+async def crashed_and_held(tmp_path: Path, c: httpx.AsyncClient, job_id: str, go: Path) -> None:
+    """Submit a job whose worker fails once and whose restart is held in its health check
+    until ``go`` exists; return once the failure is seen."""
+    worker = script(tmp_path, "late.py", LATE_PINGER)
+    check = [PY, script(tmp_path, "gate.py", GATE), str(tmp_path / "checked"), str(go)]
+    crashed = str(tmp_path / "crashed")
+    await submit(c, job_id, worker, crashed, str(go), max_restarts=3, health_check=check)
+    await kind_seen(c, job_id, "worker.exited", 60)
 
 
 async def new_image(
@@ -446,13 +440,9 @@ async def test_a_reexec_requested_as_a_job_restarts_waits_and_hands_it_over(
     until the daemon says it is re-executing: the re-exec waits for the restarted workers
     (within HANDOVER_WAIT) and hands them over: the same pids run on, job.readopted, no
     job.resumed, no restart charged beyond the crash's."""
-    crashed, first, go = tmp_path / "crashed", tmp_path / "first", tmp_path / "go"
-    worker = script(tmp_path, "crash_once.py", CRASH_ONCE)
-    gate = script(tmp_path, "gate.py", GATE)
+    go = tmp_path / "go"
     async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
-        check = [PY, gate, str(first), str(go)]
-        await submit(c, "mid", worker, str(crashed), max_restarts=3, health_check=check)
-        await kind_seen(c, "mid", "worker.exited", 60)
+        await crashed_and_held(tmp_path, c, "mid", go)
         before = await health(c)
         daemon.proc.send_signal(signal.SIGHUP)
         # Until the daemon says it re-executes (or, without a wait, has already done so).
@@ -476,13 +466,8 @@ async def test_a_job_still_restarting_past_the_wait_takes_the_fallback_and_is_na
     """A restart held in its health check past HANDOVER_WAIT: the daemon re-executes anyway;
     the job resumes as a new attempt, not failed, and its daemon.reexec event says it was not
     carried over, and why."""
-    crashed, first, go = tmp_path / "crashed", tmp_path / "first", tmp_path / "go"
-    worker = script(tmp_path, "crash_once.py", CRASH_ONCE)
-    gate = script(tmp_path, "gate.py", GATE)
     async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
-        check = [PY, gate, str(first), str(go)]
-        await submit(c, "late", worker, str(crashed), max_restarts=3, health_check=check)
-        await kind_seen(c, "late", "worker.exited", 60)
+        await crashed_and_held(tmp_path, c, "late", tmp_path / "go")  # never let go
         before = await health(c)
         daemon.proc.send_signal(signal.SIGHUP)
         started = time.monotonic()

@@ -15,7 +15,8 @@ it. In order:
    to have its workers running and watched (:func:`~elasticd.agent.handover.not_ready`,
    polled), so that its job is handed over rather than resumed as a new
    attempt; past it the exec goes on, and those jobs take the fallback (the
-   ``daemon.reexec`` event names them). The node's lease is renewed (a full TTL
+   ``daemon.reexec`` event names them); a stop asked for meanwhile wins (no
+   exec, the daemon stops). The node's lease is renewed (a full TTL
    for the new image to take it up); the HTTP server stops accepting and
    drains briefly, its listening sockets kept (connections that arrive
    meanwhile wait in the kernel's backlog for the new image: none is
@@ -332,6 +333,7 @@ class ReexecMixin:
     can_reexec: bool
     _environ: dict[str, str]
     _reload: asyncio.Event
+    _stop: asyncio.Event
     _reexecing: bool
     _server: uvicorn.Server | None
     _server_task: asyncio.Task[None] | None
@@ -379,7 +381,8 @@ class ReexecMixin:
 
         Returns only when refused: the pre-flight check failed (or the exec
         itself); the daemon then runs on as it was, and says why in the log and
-        in a ``daemon.reexec_refused`` event on each job it runs.
+        in a ``daemon.reexec_refused`` event on each job it runs. Or when a stop
+        was asked for while it waited for the agents: the daemon then stops.
         """
         if not self._reexec_possible():
             return
@@ -394,6 +397,10 @@ class ReexecMixin:
         self._reexecing = True
         accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
         unready = await self._await_handover()
+        if self._stop.is_set():  # a stop asked for meanwhile wins: no exec, the daemon stops
+            self._reexecing = False
+            log.info("re-exec abandoned: the daemon is asked to stop")
+            return
         await self._renew_lease()
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
@@ -429,10 +436,13 @@ class ReexecMixin:
 
     async def _await_handover(self) -> dict[str, str]:
         """Wait up to :data:`HANDOVER_WAIT` for every agent to be ready to hand its attempt
-        over (looked at every :data:`HANDOVER_POLL`); the jobs still not ready, and why."""
+        over (looked at every :data:`HANDOVER_POLL`), or until a stop is asked for; the jobs
+        still not ready, and why."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HANDOVER_WAIT
         while (unready := self.jobs.not_ready()) and loop.time() < deadline:
+            if self._stop.is_set():
+                break
             await asyncio.sleep(HANDOVER_POLL)
         if unready:
             log.warning(

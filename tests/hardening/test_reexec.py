@@ -480,3 +480,18 @@ async def test_a_job_still_restarting_past_the_wait_takes_the_fallback_and_is_na
         assert f"after {HANDOVER_WAIT:.0f} s of waiting" in said[0]["message"], said
         assert "job.readopted" not in await kinds(c, "late")
         assert (await c.get("/jobs/late")).json()["state"] in ("RESTARTING", "PENDING", "RUNNING")
+
+
+async def test_a_stop_asked_for_while_the_reexec_waits_wins(tmp_path: Path) -> None:
+    """SIGTERM while the re-exec waits for a job held mid-restart: no exec; the daemon shuts
+    down (exit 0) well before it would have run out its wait and a new image started."""
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        await crashed_and_held(tmp_path, c, "stop", tmp_path / "go")  # never let go
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        await new_image(daemon, c, before, re_executing=True)
+        assert (await health(c))["started_at"] == before["started_at"]  # still waiting
+        daemon.proc.send_signal(signal.SIGTERM)
+        await eventually(lambda: daemon.proc.poll() is not None, 60, "the daemon stopped")
+        assert daemon.proc.returncode == 0, daemon.output()[-3000:]
+        assert "re-exec abandoned" in daemon.output()

@@ -161,7 +161,7 @@ class JobAgent:
             self._publisher.request,
         )  # fmt: skip
         #: Its side of the daemon's re-exec: hand the attempt over, or take one up.
-        self.readoption = Readoption(node, self._group, emit)
+        self.readoption = Readoption(node, self._group, self._recovery, emit)
         self._formation = Formation(
             job.id, node, ctx.clock, ctx.fence_after, self._watch.form,
             lambda round_, count: self._launch(round_, count, early=True),
@@ -325,7 +325,6 @@ class JobAgent:
                 job_id=self.job_id, spawn_seq=self.spawn_seq, round=self._round,
                 restart_count=self._restart_count, formed_at=self._formed_at,
                 token_file=self._token_file, cgroup=None, workers=[], slots=slots,
-                recovery=self._recovery.awaiting,
             )
         )  # fmt: skip
 
@@ -338,15 +337,13 @@ class JobAgent:
         begun = started_from(self._job_progress, round_.round)
         plan, attempt = self._plan(round_, handover.restart_count, begun)
         await self.readoption.take_up(handover, attempt, plan, self._identity)
-        self._recovery.awaiting = handover.recovery  # timed to the first ping here
         self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY: it never stopped running
         await self.ctx.rendezvous.resume(round_)  # a store error now: as in any running round
-        self.readoption.say_readopted(handover)
         self._spawned_at = self.ctx.clock.time()  # only if the record lacks the attempt
         await self._goodput.resumed(round_.round, self._spawned_at)
         self.adopting = False
-        self._group.release_adopted_exits()
+        self.readoption.readopted(handover)
         await self._events(round_)
 
     async def _do(self, effect: m.Effect) -> None:  # noqa: C901 - one case per effect

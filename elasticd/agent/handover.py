@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from elasticd.agent.attempt import AttemptPlan
     from elasticd.agent.context import Emit
     from elasticd.agent.group import LocalGroup
-    from elasticd.agent.hooks import Attempt
+    from elasticd.agent.hooks import Attempt, RecoveryHook
     from elasticd.models import JobProgress
     from elasticd.security import Identity
 
@@ -169,9 +169,10 @@ class Readoption:
     """One agent's side of the daemon's re-exec: hand its running attempt over, or take one
     up in the next program image (the workers of :class:`LocalGroup` stay as they run)."""
 
-    def __init__(self, node: str, group: LocalGroup, emit: Emit) -> None:
+    def __init__(self, node: str, group: LocalGroup, recovery: RecoveryHook, emit: Emit) -> None:
         self._node = node
         self._group = group
+        self._recovery = recovery
         self._emit = emit
 
     def pending_exit(self) -> bool:
@@ -185,7 +186,8 @@ class Readoption:
 
     def hand_over(self, template: AgentHandover) -> AgentHandover | None:
         """``template`` (the attempt's facts, no workers yet) with the workers' pids, pipes
-        and heartbeats, or None when the processes cannot be handed over. No await."""
+        and heartbeats and the recovery awaiting their first ping, or None when the
+        processes cannot be handed over. No await."""
         processes = self._group.processes
         handed = processes.hand_over() if processes is not None else None
         if handed is None:
@@ -200,7 +202,8 @@ class Readoption:
             )
             for w in workers
         ]
-        return dataclasses.replace(template, workers=workers, cgroup=cgroup)
+        recovery = self._recovery.awaiting
+        return dataclasses.replace(template, workers=workers, cgroup=cgroup, recovery=recovery)
 
     async def take_up(
         self,
@@ -209,17 +212,20 @@ class Readoption:
         plan: AttemptPlan,
         identity: Identity | None,
     ) -> None:
-        """Watch the handed workers as this attempt's (same pids, pipes, heartbeats); if
-        that fails before anybody watches them, they are ended: nothing of it runs on."""
+        """Watch the handed workers as this attempt's (same pids, pipes, heartbeats), and
+        time their recovery's first ping here; if that fails before anybody watches them,
+        they are ended: nothing of it runs on."""
         try:
             await self._group.adopt(attempt, plan, handover, identity)
         except BaseException:
             if self._group.processes is None:
                 await asyncio.shield(end_handed(handover.workers))
             raise
+        self._recovery.awaiting = handover.recovery
 
-    def say_readopted(self, handover: AgentHandover) -> None:
-        """``job.readopted``: the attempt runs on under this program image."""
+    def readopted(self, handover: AgentHandover) -> None:
+        """``job.readopted``: the attempt runs on under this program image; then the exits
+        that came through the exec, in order."""
         pids = [w.pid for w in handover.workers]
         self._emit(
             EventKind.JOB_READOPTED,
@@ -230,3 +236,4 @@ class Readoption:
             attempt=handover.spawn_seq,
             pids=pids,
         )
+        self._group.release_adopted_exits()

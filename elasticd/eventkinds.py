@@ -106,7 +106,8 @@ MEANING: dict[EventKind, str] = {
     EventKind.DAEMON_STOPPED: "The daemon running the job stopped.",
     EventKind.DAEMON_REEXEC: (
         "The daemon running the job re-executed itself in place (SIGHUP, elasticd reload): "
-        "same pid, old and new version in the message; the workers ran on."
+        "same pid, old and new version in the message; the workers ran on, or, on a job not "
+        "carried over, why (it resumes as a new attempt)."
     ),
     EventKind.DAEMON_REEXEC_REFUSED: (
         "A re-exec was asked for but the new program failed its pre-flight check: the "

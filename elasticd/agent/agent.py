@@ -32,7 +32,13 @@ from elasticd.agent.early import Formation
 from elasticd.agent.edits import charge_now
 from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
-from elasticd.agent.handover import AgentHandover
+from elasticd.agent.handover import (
+    AgentHandover,
+    HandoverFacts,
+    Readoption,
+    not_ready,
+    started_from,
+)
 from elasticd.agent.hooks import (
     Attempt,
     HangHook,
@@ -133,7 +139,9 @@ class JobAgent:
             ctx.fence_after, ctx.lease_lapsed,
         )  # fmt: skip
         self._output = OutputHook(emit, node, job.id, self.spec, ctx.console)
-        self._recovery = RecoveryHook(emit, node, job.id, ctx.clock, ctx.update_job)
+        self._recovery = RecoveryHook(
+            emit, node, job.id, ctx.clock, ctx.update_job, self._background.spawn
+        )
         self._progress = ProgressHook(
             emit, node, self.spec, ctx.policy, self._owner_user, self._on_progress,
             job.id, ctx.clock, ctx.update_job,
@@ -152,6 +160,8 @@ class JobAgent:
             ctx, job.id, self.spec, emit, self._output, self._progress, self._background,
             self._publisher.request,
         )  # fmt: skip
+        #: Its side of the daemon's re-exec: hand the attempt over, or take one up.
+        self.readoption = Readoption(node, self._group, self._recovery, emit)
         self._formation = Formation(
             job.id, node, ctx.clock, ctx.fence_after, self._watch.form,
             lambda round_, count: self._launch(round_, count, early=True),
@@ -232,16 +242,13 @@ class JobAgent:
         handover, self._handover = self._handover, None
         if handover is not None and self._machine.phase is m.Phase.DONE:
             await end_handed(handover.workers)  # refused here: nothing of it may run on
-        elif handover is not None:
-            try:
-                await self._resume(handover)
-            except StoreError as exc:
-                log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
-                self._next = None
-                await self._on(m.StoreLost(isinstance(exc, StoreUnavailable), str(exc)))
         while self._machine.phase is not m.Phase.DONE:
             try:
-                await self._round_once()
+                if handover is not None:  # the first round is the one handed over
+                    taken, handover = handover, None
+                    await self._resume(taken)
+                else:
+                    await self._round_once()
             except StoreError as exc:
                 log.warning("job %s on %s: store unavailable: %s", self.job_id, self.ctx.node, exc)
                 self._next = None  # the round's next event, if any, is moot now
@@ -293,56 +300,33 @@ class JobAgent:
                 return
             await self._on(event)
 
-    # across the daemon's re-exec (elasticd.node.reexec)
+    # across the daemon's re-exec (elasticd.node.reexec, elasticd.agent.handover)
 
-    def hand_over(self, slots: list[int]) -> AgentHandover | None:
-        """The running attempt for the daemon's next program image, or None when the
-        agent is anywhere but watching its running workers (then the job resumes there
-        as a new attempt, uncharged). Called on the loop's thread right before the exec."""
-        round_, attempt = self._round, self._group.attempt
-        processes = self._group.processes
-        if (
-            not self._monitoring
-            or self._machine.phase is not m.Phase.RUNNING
-            or self.state is not WorkerState.HEALTHY
-            or self._group.held is not None
-            or round_ is None
-            or attempt is None
-            or processes is None
-        ):
-            return None
-        handed = processes.hand_over()
-        if handed is None:
-            return None
-        workers, cgroup = handed
-        beats = self._progress.hand_over()
-        workers = [
-            dataclasses.replace(
-                w,
-                heartbeat_fd=beats.get(w.local_rank, (None, None))[0],
-                beat_started=beats.get(w.local_rank, (None, None))[1],
-            )
-            for w in workers
-        ]
-        return AgentHandover(
-            job_id=self.job_id,
-            spawn_seq=self.spawn_seq,
-            round=round_,
-            restart_count=self._restart_count,
-            formed_at=self._formed_at,
-            token_file=self._token_file,
-            cgroup=cgroup,
-            workers=workers,
-            slots=slots,
+    def handover_facts(self) -> HandoverFacts:
+        """What :func:`~elasticd.agent.handover.not_ready` decides the hand-over on."""
+        group = self._group
+        return HandoverFacts(
+            phase=self._machine.phase,
+            state=self.state,
+            monitoring=self._monitoring,
+            holding_exits=group.held is not None,
+            has_round=self._round is not None,
+            has_workers=group.attempt is not None and group.processes is not None,
         )
 
-    async def close_standbys(self) -> None:
-        """Kill this job's standbys on this node (before the daemon's re-exec)."""
-        await self._group.close_standbys()
-
-    def pending_exit(self) -> bool:
-        processes = self._group.processes
-        return processes is not None and processes.pending_exit()
+    def hand_over(self, slots: list[int]) -> AgentHandover | None:
+        """The running attempt for the daemon's next program image, or None when the agent
+        is anywhere but watching its running workers (the job then resumes there as a new
+        attempt, uncharged). Called on the loop's thread right before the exec."""
+        if self._round is None or not_ready(self.handover_facts()) is not None:
+            return None
+        return self.readoption.hand_over(
+            AgentHandover(
+                job_id=self.job_id, spawn_seq=self.spawn_seq, round=self._round,
+                restart_count=self._restart_count, formed_at=self._formed_at,
+                token_file=self._token_file, cgroup=None, workers=[], slots=slots,
+            )
+        )  # fmt: skip
 
     async def _resume(self, handover: AgentHandover) -> None:
         """Take up the attempt the previous program image ran: its round, its workers (same
@@ -350,35 +334,16 @@ class JobAgent:
         round_ = handover.round
         self._round, self._restart_count = round_, handover.restart_count
         self._formed_at, self.spawn_seq = handover.formed_at, handover.spawn_seq
-        current = self._job_progress.attempt  # the attempt's own start point, if recorded
-        started_from = (
-            current.started_from
-            if current is not None and current.round == round_.round
-            else self._job_progress.checkpoint_step
-        )
-        plan, attempt = self._plan(round_, handover.restart_count, started_from)
-        try:
-            await self._group.adopt(attempt, plan, handover, self._identity)
-        except BaseException:
-            if self._group.processes is None:  # nobody watches them: nothing of it runs on
-                await asyncio.shield(end_handed(handover.workers))
-            raise
+        begun = started_from(self._job_progress, round_.round)
+        plan, attempt = self._plan(round_, handover.restart_count, begun)
+        await self.readoption.take_up(handover, attempt, plan, self._identity)
         self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
         self._set_state(WorkerState.HEALTHY)  # INIT -> HEALTHY: it never stopped running
         await self.ctx.rendezvous.resume(round_)  # a store error now: as in any running round
-        pids = ", ".join(str(w.pid) for w in handover.workers)
-        self._emit(
-            EventKind.JOB_READOPTED,
-            f"attempt {self.spawn_seq} on {self.ctx.node} taken up after the daemon's re-exec: "
-            f"round {round_.round}, restart count {handover.restart_count}, pids {pids}",
-            state=WorkerState.HEALTHY.value,
-            attempt=self.spawn_seq,
-            pids=[w.pid for w in handover.workers],
-        )
         self._spawned_at = self.ctx.clock.time()  # only if the record lacks the attempt
         await self._goodput.resumed(round_.round, self._spawned_at)
         self.adopting = False
-        self._group.release_adopted_exits()
+        self.readoption.readopted(handover)
         await self._events(round_)
 
     async def _do(self, effect: m.Effect) -> None:  # noqa: C901 - one case per effect

@@ -212,3 +212,17 @@ def merge_recovery(mine: Recovery) -> JobMutation:
         return {"last_recovery": new, "recovery_totals": totals}
 
     return edit
+
+
+def merge_first_progress(round_: int, seconds: float) -> JobMutation:
+    """Job-document edit: the new workers of round ``round_``'s recovery pinged after
+    ``seconds``; the job's figure is the slowest node's."""
+
+    def edit(job: Job) -> JobEdit:
+        old = job.last_recovery
+        if job.state.is_terminal or old is None or old.round != round_:
+            return {}
+        slowest = max(seconds, old.first_progress_s or 0.0)
+        return {"last_recovery": old.model_copy(update={"first_progress_s": slowest})}
+
+    return edit

@@ -6,25 +6,54 @@ manifest (:mod:`elasticd.node.reexec`; never pickle: the next image may be
 another version): the round it runs in, its attempt number, restart count
 and state, the job's token file, the attempt's cgroup and each worker
 (:class:`~elasticd.supervise.adopt.HandedWorker`: pid, start time, the
-descriptors of its pipes, log files and heartbeat). The next image's agent
+descriptors of its pipes, log files and heartbeat), and the recovery still
+waiting for the new workers' first ping
+(:class:`~elasticd.agent.recovery.FirstProgress`). The next image's agent
 takes the attempt up where this one left it (:meth:`JobAgent.run
 <elasticd.agent.agent.JobAgent.run>`): no new round, no spawn, nothing
 signalled.
+
+:class:`Readoption` is the agent's side of it: whether the agent can hand its
+attempt over now (:func:`not_ready`, pure), the hand-over itself, and taking
+one up in the next image (the same pids, pipes and heartbeats, then
+``job.readopted``). The agent keeps only the calls and its own state.
 
 Which side of the boundary: the daemon.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from elasticd.agent.machine import Phase
+from elasticd.agent.recovery import FirstProgress
+from elasticd.eventkinds import EventKind
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
 from elasticd.rendezvous.ranks import NodeSlot
-from elasticd.supervise.adopt import HandedWorker
+from elasticd.states import WorkerState
+from elasticd.supervise.adopt import HandedWorker, end_handed
 
-__all__ = ["AgentHandover", "round_from_json", "round_to_json"]
+if TYPE_CHECKING:
+    from elasticd.agent.attempt import AttemptPlan
+    from elasticd.agent.context import Emit
+    from elasticd.agent.group import LocalGroup
+    from elasticd.agent.hooks import Attempt, RecoveryHook
+    from elasticd.models import JobProgress
+    from elasticd.security import Identity
+
+__all__ = [
+    "AgentHandover",
+    "HandoverFacts",
+    "Readoption",
+    "not_ready",
+    "round_from_json",
+    "round_to_json",
+    "started_from",
+]
 
 
 def round_to_json(round_: RoundInfo) -> dict[str, Any]:
@@ -59,6 +88,8 @@ class AgentHandover:
     workers: list[HandedWorker]
     slots: list[int]
     """The node's slots the job held (the same GPUs stay its ``CUDA_VISIBLE_DEVICES``)."""
+    recovery: FirstProgress | None = None
+    """A recovery whose new workers had not pinged yet: timed to their first ping there."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +102,7 @@ class AgentHandover:
             "cgroup": self.cgroup,
             "workers": [w.to_json() for w in self.workers],
             "slots": list(self.slots),
+            "recovery": self.recovery.to_json() if self.recovery is not None else None,
         }
 
     @classmethod
@@ -85,8 +117,123 @@ class AgentHandover:
             cgroup=None if doc.get("cgroup") is None else str(doc["cgroup"]),
             workers=[HandedWorker.from_json(w) for w in doc["workers"]],
             slots=[int(s) for s in doc.get("slots", [])],
+            recovery=FirstProgress.from_json(r) if (r := doc.get("recovery")) else None,
         )
 
     @property
     def fds(self) -> list[int]:
         return [fd for w in self.workers for fd in w.fds]
+
+
+@dataclass(frozen=True)
+class HandoverFacts:
+    """What decides whether an agent can hand its attempt over (read right before the exec)."""
+
+    phase: Phase
+    state: WorkerState
+    monitoring: bool
+    """Parked awaiting its workers' result, a hang or a round change (nothing half-done)."""
+    holding_exits: bool
+    """Exits held while a start is unconfirmed (an early start) or an adoption is not done."""
+    has_round: bool
+    has_workers: bool
+
+
+def not_ready(facts: HandoverFacts) -> str | None:
+    """None when the agent can hand its attempt over now; else why not (pure).
+
+    Only an agent watching its running, healthy workers can: anything else is
+    half-way through a start, a restart or a stop, and its job would resume in
+    the next image as a new attempt (uncharged, its workers restarted).
+    """
+    if facts.phase is not Phase.RUNNING or not facts.has_round or not facts.has_workers:
+        return f"its workers were not running ({facts.phase.value})"
+    if facts.state is not WorkerState.HEALTHY:
+        return f"its worker group was {facts.state.value}"
+    if facts.holding_exits:
+        return "its workers' start was not confirmed yet"
+    if not facts.monitoring:
+        return "it was handling an event of its workers"
+    return None
+
+
+def started_from(progress: JobProgress, round_: int) -> int | None:
+    """The step a taken-up attempt started from: its own, if the job recorded it."""
+    current = progress.attempt
+    if current is not None and current.round == round_:
+        return current.started_from
+    return progress.checkpoint_step
+
+
+class Readoption:
+    """One agent's side of the daemon's re-exec: hand its running attempt over, or take one
+    up in the next program image (the workers of :class:`LocalGroup` stay as they run)."""
+
+    def __init__(self, node: str, group: LocalGroup, recovery: RecoveryHook, emit: Emit) -> None:
+        self._node = node
+        self._group = group
+        self._recovery = recovery
+        self._emit = emit
+
+    def pending_exit(self) -> bool:
+        """A worker was reaped and its exit is not delivered yet (the exec waits for it)."""
+        processes = self._group.processes
+        return processes is not None and processes.pending_exit()
+
+    async def close_standbys(self) -> None:
+        """Kill the job's standbys on this node (the next image starts its own)."""
+        await self._group.close_standbys()
+
+    def hand_over(self, template: AgentHandover) -> AgentHandover | None:
+        """``template`` (the attempt's facts, no workers yet) with the workers' pids, pipes
+        and heartbeats and the recovery awaiting their first ping, or None when the
+        processes cannot be handed over. No await."""
+        processes = self._group.processes
+        handed = processes.hand_over() if processes is not None else None
+        if handed is None:
+            return None
+        workers, cgroup = handed
+        beats = self._group.progress.hand_over()
+        workers = [
+            dataclasses.replace(
+                w,
+                heartbeat_fd=beats.get(w.local_rank, (None, None))[0],
+                beat_started=beats.get(w.local_rank, (None, None))[1],
+            )
+            for w in workers
+        ]
+        recovery = self._recovery.awaiting
+        return dataclasses.replace(template, workers=workers, cgroup=cgroup, recovery=recovery)
+
+    async def take_up(
+        self,
+        handover: AgentHandover,
+        attempt: Attempt,
+        plan: AttemptPlan,
+        identity: Identity | None,
+    ) -> None:
+        """Watch the handed workers as this attempt's (same pids, pipes, heartbeats), and
+        time their recovery's first ping here; if that fails before anybody watches them,
+        they are ended: nothing of it runs on."""
+        try:
+            await self._group.adopt(attempt, plan, handover, identity)
+        except BaseException:
+            if self._group.processes is None:
+                await asyncio.shield(end_handed(handover.workers))
+            raise
+        self._recovery.awaiting = handover.recovery
+
+    def readopted(self, handover: AgentHandover) -> None:
+        """``job.readopted``: the attempt runs on under this program image; then the exits
+        that came through the exec, in order."""
+        pids = [w.pid for w in handover.workers]
+        self._emit(
+            EventKind.JOB_READOPTED,
+            f"attempt {handover.spawn_seq} on {self._node} taken up after the daemon's "
+            f"re-exec: round {handover.round.round}, restart count {handover.restart_count}, "
+            f"pids {', '.join(map(str, pids))}",
+            state=WorkerState.HEALTHY.value,
+            attempt=handover.spawn_seq,
+            pids=pids,
+        )
+        self._group.release_adopted_exits()

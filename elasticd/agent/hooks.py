@@ -28,16 +28,17 @@ import contextlib
 import logging
 import os
 import signal as signals
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from elasticd.agent.checkpoints import merge_attempt, observe
 from elasticd.agent.context import ConsoleSink, Emit, JobUpdater
-from elasticd.agent.edits import merge_recovery
+from elasticd.agent.edits import merge_first_progress, merge_recovery
 from elasticd.agent.ports import HealthChecks
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
-from elasticd.agent.recovery import RecoveryTimeline
+from elasticd.agent.recovery import FirstProgress, RecoveryTimeline
 from elasticd.clock import Clock
 from elasticd.console import ConsoleLine
 from elasticd.errors import ElasticdError, InvalidTransition
@@ -178,9 +179,11 @@ class RecoveryHook:
     job_id: str
     clock: Clock
     update_job: JobUpdater
+    spawn: Callable[[Coroutine[Any, Any, None], str], object]
+    """Runs work nobody awaits (the agent's background: the job's first-progress figure)."""
     timeline: RecoveryTimeline = field(default_factory=RecoveryTimeline)
-    awaiting_first_progress: float | None = None
-    """Wall time the workers of a recovery were spawned, until their first ping."""
+    awaiting: FirstProgress | None = None
+    """A recovery's workers run and have not pinged yet (handed over across a re-exec)."""
 
     def begin(self, cause: str, detected_at: float, attempt: int) -> None:
         if not self.timeline.begin(cause, detected_at):
@@ -212,7 +215,7 @@ class RecoveryHook:
         mine = self.timeline.finish(round_.round, rendezvous_done=rendezvous_done, spawned=spawned)
         if mine is None:
             return
-        self.awaiting_first_progress = spawned
+        self.awaiting = FirstProgress(round_.round, spawned)
         for phase, seconds in (("rendezvous", mine.rendezvous_s), ("spawn", mine.spawn_s)):
             self.emit(
                 recovery_phase_kind(phase),
@@ -235,14 +238,21 @@ class RecoveryHook:
     def progressed(self, view: GroupView, attempt: int) -> None:
         """The heartbeat files were read: time the first ping after a recovery."""
         pinged = [w.last_progress_at for w in view.workers if w.last_progress_at]
-        if self.awaiting_first_progress is not None and pinged:
-            spawned, self.awaiting_first_progress = self.awaiting_first_progress, None
-            self.emit(
-                EventKind.RECOVERY_FIRST_PROGRESS,
-                f"first progress ping on {self.node} after the recovery",
-                attempt=attempt,
-                duration_s=max(0.0, min(pinged) - spawned),
-            )
+        if self.awaiting is None or not pinged:
+            return
+        awaited, self.awaiting = self.awaiting, None
+        seconds = awaited.seconds(min(pinged))
+        self.emit(
+            EventKind.RECOVERY_FIRST_PROGRESS,
+            f"first progress ping on {self.node} after the recovery",
+            attempt=attempt,
+            duration_s=seconds,
+        )
+        self.spawn(self._record(awaited.round, seconds), f"first-progress-{self.job_id}")
+
+    async def _record(self, round_: int, seconds: float) -> None:
+        with contextlib.suppress(ElasticdError):  # a figure: the store may be away
+            await self.update_job(self.job_id, mutate=merge_first_progress(round_, seconds))
 
 
 #: Seconds between two reads of the heartbeat files for steps and checkpoints

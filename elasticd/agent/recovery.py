@@ -9,16 +9,42 @@ attempt's workers are spawned. :class:`RecoveryTimeline` keeps its marks
 (:func:`elasticd.agent.edits.merge_recovery`). Pure: times come in as
 arguments.
 
+After the spawn one mark is still pending, :class:`FirstProgress`: the new
+workers' first heartbeat (``recovery.first_progress``, the job's
+``first_progress_s``). Its times are wall clock, so it crosses the daemon's
+re-exec in the hand-over (:mod:`elasticd.agent.handover`) and the new image
+times it as if nothing happened between.
+
 Which side of the boundary: the daemon; no IO.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from elasticd.models import Recovery
 
-__all__ = ["RecoveryTimeline"]
+__all__ = ["FirstProgress", "RecoveryTimeline"]
+
+
+@dataclass(frozen=True)
+class FirstProgress:
+    """A recovery whose new workers have not pinged yet: its round and their spawn (wall)."""
+
+    round: int
+    spawned_at: float
+
+    def seconds(self, pinged_at: float) -> float:
+        """Spawn to first ping (never negative: a ping file older than the spawn)."""
+        return max(0.0, pinged_at - self.spawned_at)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "spawned_at": self.spawned_at}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> FirstProgress:
+        return cls(round=int(doc["round"]), spawned_at=float(doc["spawned_at"]))
 
 
 @dataclass

@@ -10,7 +10,13 @@ it. In order:
    If that fails the daemon stays as it is, and says why in the log and in a
    ``daemon.reexec_refused`` event on each job it runs.
 2. **Quiesce** (:meth:`Daemon.reexec <elasticd.node.daemon.Daemon.reexec>`):
-   ``/readyz`` says "re-executing"; the node's lease is renewed (a full TTL
+   ``/readyz`` says "re-executing" and no new job is taken; every agent
+   half-way through a start or a restart gets up to :data:`HANDOVER_WAIT`
+   to have its workers running and watched (:func:`~elasticd.agent.handover.not_ready`,
+   polled), so that its job is handed over rather than resumed as a new
+   attempt; past it the exec goes on, and those jobs take the fallback (the
+   ``daemon.reexec`` event names them); a stop asked for meanwhile wins (no
+   exec, the daemon stops). The node's lease is renewed (a full TTL
    for the new image to take it up); the HTTP server stops accepting and
    drains briefly, its listening sockets kept (connections that arrive
    meanwhile wait in the kernel's backlog for the new image: none is
@@ -78,6 +84,7 @@ from elasticd.supervise.sweep import own_children, process_start_time, start_tim
 __all__ = [
     "ADOPT_DEADLINE",
     "ENV_FD",
+    "HANDOVER_WAIT",
     "REEXEC_DRAIN",
     "ReexecMixin",
     "inherited_socket",
@@ -96,6 +103,12 @@ ENV_FD = "ELASTICD_REEXEC_FD"
 PREFLIGHT_TIMEOUT = 60.0
 #: Seconds requests under way get before a re-exec (what still runs then is cut off).
 REEXEC_DRAIN = 0.5
+#: Seconds a re-exec waits, at most, for each agent mid-start or mid-restart to be watching its
+#: running workers (ready to hand them over); past it the exec goes on, and those jobs resume
+#: in the next image as new attempts (uncharged, their workers restarted).
+HANDOVER_WAIT = 10.0
+#: Seconds between two looks at the agents while the re-exec waits for them.
+HANDOVER_POLL = 0.05
 #: Seconds a handed-over job waits to be taken up (the plan places it here) before its
 #: workers are ended (it ended meanwhile, or the fleet moved it).
 ADOPT_DEADLINE = 30.0
@@ -326,6 +339,7 @@ class ReexecMixin:
     can_reexec: bool
     _environ: dict[str, str]
     _reload: asyncio.Event
+    _stop: asyncio.Event
     _reexecing: bool
     _server: uvicorn.Server | None
     _server_task: asyncio.Task[None] | None
@@ -339,15 +353,22 @@ class ReexecMixin:
         self._reload.set()
 
     def _said_reexec(self, manifest: Manifest) -> None:
-        """``daemon.reexec`` on every job this node ran through the re-exec."""
+        """``daemon.reexec`` on every job this node ran through the re-exec; on a job that
+        was not carried over, why (it resumes as a new attempt)."""
         message = (
             f"the daemon on {self.config.node_name} re-executed itself in place (pid "
             f"{self.pid}): elasticd {manifest.old_version} -> {__version__}"
         )
-        log.info("%s", message)
-        jobs = [a.job_id for a in manifest.agents] + [*manifest.not_handed, *manifest.refused]
-        for job_id in dict.fromkeys(jobs):
-            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, message)
+        fallback = {**manifest.not_handed, **manifest.refused}
+        log.info(
+            "%s; resumed as new attempts: %s",
+            message,
+            ", ".join(f"{job} ({why})" for job, why in fallback.items()) or "none",
+        )
+        for job_id in dict.fromkeys([*(a.job_id for a in manifest.agents), *fallback]):
+            why = fallback.get(job_id)
+            said = message if why is None else f"{message}; the job was not carried over ({why})"
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said)
 
     async def _adoption_deadline(self) -> None:
         """Handed-over attempts that no agent took up in time: their workers end."""
@@ -366,7 +387,8 @@ class ReexecMixin:
 
         Returns only when refused: the pre-flight check failed (or the exec
         itself); the daemon then runs on as it was, and says why in the log and
-        in a ``daemon.reexec_refused`` event on each job it runs.
+        in a ``daemon.reexec_refused`` event on each job it runs. Or when a stop
+        was asked for while it waited for the agents: the daemon then stops.
         """
         if not self._reexec_possible():
             return
@@ -380,6 +402,11 @@ class ReexecMixin:
         log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
         self._reexecing = True
         accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
+        unready = await self._await_handover()
+        if self._stop.is_set():  # a stop asked for meanwhile wins: no exec, the daemon stops
+            self._reexecing = False
+            log.info("re-exec abandoned: the daemon is asked to stop")
+            return
         await self._renew_lease()
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
@@ -397,6 +424,8 @@ class ReexecMixin:
             for pid in sorted(live_children() - workers)
             if (start := process_start_time(pid)) is not None
         ]
+        for job_id in set(not_handed) & set(unready):
+            not_handed[job_id] += f", still after {HANDOVER_WAIT:.0f} s of waiting"
         manifest = Manifest(
             old_version=__version__,
             tcp_fd=listeners[0] if listeners else None,
@@ -417,6 +446,24 @@ class ReexecMixin:
             self.jobs.reconciler.accepting = accepting
             await self._restart_http(listeners)
             self._refuse_reexec(f"the exec failed: {exc}")
+
+    async def _await_handover(self) -> dict[str, str]:
+        """Wait up to :data:`HANDOVER_WAIT` for every agent to be ready to hand its attempt
+        over (looked at every :data:`HANDOVER_POLL`), or until a stop is asked for; the jobs
+        still not ready, and why."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HANDOVER_WAIT
+        while (unready := self.jobs.not_ready()) and loop.time() < deadline:
+            if self._stop.is_set():
+                break
+            await asyncio.sleep(HANDOVER_POLL)
+        if unready:
+            log.warning(
+                "re-exec: not ready to be handed over after %.0f s: %s",
+                HANDOVER_WAIT,
+                ", ".join(f"{job} ({why})" for job, why in unready.items()),
+            )
+        return unready
 
     def _refuse_reexec(self, reason: str) -> None:
         log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from elasticd.agent.recovery import RecoveryTimeline
+import pytest
+
+from elasticd.agent.edits import merge_first_progress
+from elasticd.agent.recovery import FirstProgress, RecoveryTimeline
+from elasticd.models import Job, JobSpec, Recovery
+from elasticd.states import JobState
 
 
 def test_a_recovery_is_split_into_stop_rendezvous_and_spawn() -> None:
@@ -33,3 +38,36 @@ def test_without_a_stop_mark_the_rendezvous_phase_counts_from_detection() -> Non
     t.begin("a node is waiting to join", 0.0)
     r = t.finish(1, rendezvous_done=0.3, spawned=0.4)
     assert r is not None and r.stop_s == 0.0 and abs(r.rendezvous_s - 0.3) < 1e-9
+
+
+def test_the_first_progress_is_timed_from_the_spawn_and_crosses_json() -> None:
+    """Spawn to first ping, never negative; what crosses the re-exec reads back the same."""
+    pending = FirstProgress(round=3, spawned_at=100.0)
+    assert pending.seconds(104.5) == 4.5
+    assert pending.seconds(99.0) == 0.0  # a file older than the spawn
+    assert FirstProgress.from_json(pending.to_json()) == pending
+
+
+def _job(last: Recovery | None, state: JobState = JobState.RUNNING) -> Job:
+    spec = JobSpec(entrypoint="x")
+    return Job(id="j", spec=spec, state=state, max_restarts=0, created_at=0.0, last_recovery=last)
+
+
+@pytest.mark.parametrize(
+    ("last", "state", "seconds", "expected"),
+    [
+        (None, JobState.RUNNING, 2.0, None),  # no recovery recorded: nothing to fill
+        (Recovery(round=2, cause="c", detected_at=0.0), JobState.RUNNING, 2.0, None),  # stale
+        (Recovery(round=3, cause="c", detected_at=0.0), JobState.RUNNING, 2.0, 2.0),
+        # Several nodes: the job's figure is the slowest node's.
+        (Recovery(round=3, cause="c", detected_at=0, first_progress_s=5), JobState.RUNNING, 2, 5),
+        (Recovery(round=3, cause="c", detected_at=0, first_progress_s=1), JobState.RUNNING, 2, 2),
+        (Recovery(round=3, cause="c", detected_at=0.0), JobState.CANCELLED, 2.0, None),  # final
+    ],
+)
+def test_the_first_progress_folds_into_the_jobs_last_recovery_of_its_round(
+    last: Recovery | None, state: JobState, seconds: float, expected: float | None
+) -> None:
+    edit = merge_first_progress(3, seconds)(_job(last, state))
+    got = edit["last_recovery"].first_progress_s if "last_recovery" in edit else None
+    assert got == expected

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.node.reexec import HANDOVER_WAIT
 from tests.hardening.support import (
     PY,
     Served,
@@ -465,3 +466,163 @@ async def test_an_exit_reported_before_the_reexec_is_not_reported_again(
         assert len(await exits(first)) == 1
         new = await healthy_pids(c, "inproc", 2, timeout=60)
         assert not set(new) & {first, second}
+
+
+#: Fails once (its first attempt); restarted, it pings only once ``argv[2]`` exists.
+LATE_PINGER = """
+import sys, time
+from pathlib import Path
+from elasticd.worker import ping
+crashed, go = Path(sys.argv[1]), Path(sys.argv[2])
+if not crashed.exists():
+    crashed.write_text("once")
+    sys.exit(1)
+while not go.exists():
+    time.sleep(0.02)
+while True:
+    ping()
+    time.sleep(0.05)
+"""
+
+
+async def kind_seen(c: httpx.AsyncClient, job_id: str, kind: str, timeout: float) -> None:
+    """Wait until the job has an event of ``kind``."""
+    deadline = time.monotonic() + timeout
+    while kind not in (seen := await kinds(c, job_id)):
+        assert time.monotonic() < deadline, f"no {kind} in {timeout}s: {seen}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_recovery_awaiting_its_first_progress_is_timed_across_the_reexec(
+    tmp_path: Path,
+) -> None:
+    """A re-exec between a restart and the restarted worker's first ping: the new image still
+    says recovery.first_progress exactly once, timed from the spawn before the exec to the
+    ping after it, and the job's last_recovery holds the figure."""
+    crashed, go = tmp_path / "crashed", tmp_path / "go"
+    worker = script(tmp_path, "late.py", LATE_PINGER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        # A progress deadline: the heartbeat files are read at least every 5 s, and the
+        # first ping seen (no startup_timeout: no deadline before it).
+        await submit(c, "late", worker, str(crashed), str(go), max_restarts=3, progress_timeout=5)
+        await kind_seen(c, "late", "recovery.total", 60)
+        await healthy_pids(c, "late", 1, timeout=60)
+        spawned = (await c.get("/jobs/late")).json()["last_recovery"]["spawned_at"]
+        await reexec(daemon, c)
+        assert "job.readopted" in await kinds(c, "late")
+        go.touch()
+        went = time.time()  # the first ping comes after this, past the exec
+        await kind_seen(c, "late", "recovery.first_progress", 60)
+        firsts = [e for e in await events(c, "late") if e["kind"] == "recovery.first_progress"]
+        assert len(firsts) == 1, firsts
+        assert firsts[0]["duration_s"] >= went - spawned, (firsts, went, spawned)
+        async with asyncio.timeout(30):
+            while (await c.get("/jobs/late")).json()["last_recovery"]["first_progress_s"] is None:
+                await asyncio.sleep(0.05)
+        job = (await c.get("/jobs/late")).json()
+        assert job["last_recovery"]["first_progress_s"] == pytest.approx(firsts[0]["duration_s"])
+        assert job["restart_count"] == 1
+
+
+#: A health check that passes at once the first time, then only once ``argv[2]`` exists.
+GATE = """
+import sys, time
+from pathlib import Path
+checked, go = Path(sys.argv[1]), Path(sys.argv[2])
+while checked.exists() and not go.exists():
+    time.sleep(0.02)
+checked.touch()
+"""
+
+
+async def crashed_and_held(tmp_path: Path, c: httpx.AsyncClient, job_id: str, go: Path) -> None:
+    """Submit a job whose worker fails once and whose restart is held in its health check
+    until ``go`` exists; return once the failure is seen."""
+    worker = script(tmp_path, "late.py", LATE_PINGER)
+    check = [PY, script(tmp_path, "gate.py", GATE), str(tmp_path / "checked"), str(go)]
+    crashed = str(tmp_path / "crashed")
+    await submit(c, job_id, worker, crashed, str(go), max_restarts=3, health_check=check)
+    await kind_seen(c, job_id, "worker.exited", 60)
+
+
+async def new_image(
+    daemon: Served, c: httpx.AsyncClient, before: dict[str, Any], *, re_executing: bool = False
+) -> None:
+    """Wait until the daemon's new program image is ready (``re_executing``: or until the
+    old one says it re-executes); the pre-flight imports the daemon: slow when loaded."""
+    deadline = time.monotonic() + 90
+    while True:
+        assert daemon.proc.poll() is None, daemon.output()[-3000:]
+        with contextlib.suppress(httpx.TransportError, ValueError):
+            ready = await c.get("/readyz", timeout=2)
+            if (await health(c))["started_at"] != before["started_at"] and ready.is_success:
+                return
+            reason = ready.json()["reason"] or ""
+            if re_executing and reason.startswith("re-executing"):
+                return
+        assert time.monotonic() < deadline, daemon.output()[-4000:]
+        await asyncio.sleep(0.02)
+
+
+async def test_a_reexec_requested_as_a_job_restarts_waits_and_hands_it_over(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP right after a worker's crash is seen, with the restart held in its health check
+    until the daemon says it is re-executing: the re-exec waits for the restarted workers
+    (within HANDOVER_WAIT) and hands them over: the same pids run on, job.readopted, no
+    job.resumed, no restart charged beyond the crash's."""
+    go = tmp_path / "go"
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        await crashed_and_held(tmp_path, c, "mid", go)
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        # Until the daemon says it re-executes (or, without a wait, has already done so).
+        await new_image(daemon, c, before, re_executing=True)
+        go.touch()  # the restart goes on while the daemon waits to hand it over
+        await new_image(daemon, c, before)
+        pids = await healthy_pids(c, "mid", 1, timeout=60)
+        said = await events(c, "mid")
+        readopted = [e for e in said if e["kind"] == "job.readopted"]
+        assert [e["pids"] for e in readopted] == [pids], said
+        seen = [e["kind"] for e in said]
+        assert "job.resumed" not in seen
+        assert seen.count("workers.started") == 2  # the first attempt and its restart
+        job = (await c.get("/jobs/mid")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job
+
+
+async def test_a_job_still_restarting_past_the_wait_takes_the_fallback_and_is_named(
+    tmp_path: Path,
+) -> None:
+    """A restart held in its health check past HANDOVER_WAIT: the daemon re-executes anyway;
+    the job resumes as a new attempt, not failed, and its daemon.reexec event says it was not
+    carried over, and why."""
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        await crashed_and_held(tmp_path, c, "late", tmp_path / "go")  # never let go
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        started = time.monotonic()
+        await new_image(daemon, c, before)
+        assert time.monotonic() - started >= HANDOVER_WAIT
+        await kind_seen(c, "late", "job.resumed", 60)
+        said = [e for e in await events(c, "late") if e["kind"] == "daemon.reexec"]
+        assert len(said) == 1, said
+        assert "not carried over" in said[0]["message"], said
+        assert f"after {HANDOVER_WAIT:.0f} s of waiting" in said[0]["message"], said
+        assert "job.readopted" not in await kinds(c, "late")
+        assert (await c.get("/jobs/late")).json()["state"] in ("RESTARTING", "PENDING", "RUNNING")
+
+
+async def test_a_stop_asked_for_while_the_reexec_waits_wins(tmp_path: Path) -> None:
+    """SIGTERM while the re-exec waits for a job held mid-restart: no exec; the daemon shuts
+    down (exit 0) well before it would have run out its wait and a new image started."""
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=240) as (daemon, c):
+        await crashed_and_held(tmp_path, c, "stop", tmp_path / "go")  # never let go
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        await new_image(daemon, c, before, re_executing=True)
+        assert (await health(c))["started_at"] == before["started_at"]  # still waiting
+        daemon.proc.send_signal(signal.SIGTERM)
+        await eventually(lambda: daemon.proc.poll() is not None, 60, "the daemon stopped")
+        assert daemon.proc.returncode == 0, daemon.output()[-3000:]
+        assert "re-exec abandoned" in daemon.output()

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from elasticd.agent.handover import AgentHandover
+from elasticd.agent.recovery import FirstProgress
 from elasticd.node.reexec import ENV_FD, Manifest, take_manifest
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
@@ -19,7 +20,7 @@ from elasticd.supervise.adopt import HandedPipe, HandedWorker
 from elasticd.supervise.sweep import start_time_of
 
 
-def a_handover(seat: Seat | None = None) -> AgentHandover:
+def a_handover(seat: Seat | None = None, recovery: FirstProgress | None = None) -> AgentHandover:
     return AgentHandover(
         job_id="j1",
         spawn_seq=3,
@@ -41,18 +42,20 @@ def a_handover(seat: Seat | None = None) -> AgentHandover:
             HandedWorker(0, 100, 7, 1.0, HandedPipe(20, 21, 0), HandedPipe(22, 23, 9), 24, 5.0)
         ],
         slots=[2, 3],
+        recovery=recovery,
     )
 
 
 def test_the_manifest_reads_back_the_same() -> None:
-    """Every field of a manifest, with a round that has a seat (large jobs) and one without."""
+    """Every field of a manifest, with a round that has a seat (large jobs) and one without,
+    and a recovery still awaiting its first ping."""
     seat = Seat(4, 1, 2, "10.0.0.1", 29500, "default", 2, 2, 4, 2, 4, {"a": 0, "b": 1})
     manifest = Manifest(
         old_version="0.1.0",
         tcp_fd=5,
         unix_fd=6,
         lease=0xABC,
-        agents=[a_handover(), a_handover(seat)],
+        agents=[a_handover(), a_handover(seat, FirstProgress(4, 1700000001.25))],
         not_handed={"j2": "restarting"},
         job_tokens={"j1": "digest"},
         unhanded=[(300, 11)],
@@ -61,6 +64,13 @@ def test_the_manifest_reads_back_the_same() -> None:
     assert back == manifest
     assert back.adopted_pids() == {(100, 7)}
     assert back.fds == [5, 6, 20, 21, 22, 23, 24, 20, 21, 22, 23, 24]
+
+
+def test_a_handover_without_a_recovery_reads_back_with_none() -> None:
+    """A hand-over written without the recovery field (an older image) has none pending."""
+    doc = a_handover(recovery=FirstProgress(4, 2.0)).to_json()
+    del doc["recovery"]
+    assert AgentHandover.from_json(doc).recovery is None
 
 
 def test_a_manifest_of_another_format_is_refused() -> None:

@@ -202,6 +202,10 @@ class JobService:
         self.reconciler.adoptions = {a.job_id: a for a in adopt}
         await self.supervisor.recover(skip=frozenset(self.reconciler.adoptions), why=refused)
 
+    def not_ready(self) -> dict[str, str]:
+        """The jobs whose agent cannot hand its attempt over now, and why (re-exec)."""
+        return self.supervisor.not_ready()
+
     def hand_over(self) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every running attempt for the daemon's next program image (re-exec)."""
         return self.supervisor.hand_over(dict(self.reconciler.slots.held))
@@ -210,11 +214,11 @@ class JobService:
         """Kill every job's standby interpreters (before a re-exec: the new program image
         would not know them; its agents start new ones)."""
         for agent in list(self.supervisor.agents.values()):
-            await agent.close_standbys()
+            await agent.readoption.close_standbys()
 
     def pending_exit(self) -> bool:
         """A worker of this node was reaped and its exit is not delivered yet (re-exec)."""
-        return any(agent.pending_exit() for agent in self.supervisor.agents.values())
+        return any(agent.readoption.pending_exit() for agent in self.supervisor.agents.values())
 
     @property
     def adopting(self) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
-from elasticd.agent.handover import AgentHandover
+from elasticd.agent.handover import AgentHandover, not_ready
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.errors import (
     InvalidTransition,
@@ -126,19 +126,22 @@ class AgentSupervisor:
         #: How often each job's agent died of an internal error in this daemon's life.
         self._crashes: dict[str, list[float]] = {}  # job -> when its agents died
 
+    def not_ready(self) -> dict[str, str]:
+        """The jobs whose agent cannot hand its attempt over now, and why (re-exec)."""
+        why = {job_id: not_ready(agent.handover_facts()) for job_id, agent in self.agents.items()}
+        return {job_id: reason for job_id, reason in why.items() if reason is not None}
+
     def hand_over(self, slots: dict[str, list[int]]) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every agent's running attempt for the daemon's next program image (re-exec), and
         the jobs that cannot be handed over, with why; no await: right before the exec."""
         handed, not_handed = [], {}
         for job_id, agent in self.agents.items():
             handover = agent.hand_over(slots.get(job_id, []))
-            if handover is None:
-                not_handed[job_id] = (
-                    "its agent was not simply watching running workers at the re-exec "
-                    "(starting, restarting or stopping them)"
-                )
-            else:
+            if handover is not None:
                 handed.append(handover)
+                continue
+            why = not_ready(agent.handover_facts()) or "its workers could not be handed over"
+            not_handed[job_id] = f"{why} at the re-exec"
         return handed, not_handed
 
     async def recover(

@@ -209,6 +209,9 @@ class _Standby:
     control: socket.socket
     given: dict[str, str]
     """The environment it was started with (after :func:`process_env`)."""
+    containment: AttemptContainment | None
+    """Its own cgroup (or the subreaper's bookkeeping): it and all it starts, until the
+    hand-off moves them into the attempt's, or its end kills them."""
     state: _State = _State.STARTING
     ready: asyncio.Future[str | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -270,7 +273,6 @@ class StandbyPool:
         self._on_lost = on_lost
         self._on_ready = on_ready
         self._standbys: dict[int, _Standby] = {}
-        self._containment: AttemptContainment | None = None
         self._closed = False
         self._filling: asyncio.Lock = asyncio.Lock()
         self._made_for: dict[int, tuple[WorkerLaunch, Identity | None]] = {}
@@ -311,8 +313,10 @@ class StandbyPool:
         if isinstance(program, str):
             return  # the start says why, as a cold start's reason
         self.filled = True
-        if self._containment is None and self.policy.containment is not None:
-            self._containment = self.policy.containment.open_attempt(self.job_id, None, None)
+        containment = None
+        if self.policy.containment is not None:
+            # One cgroup per standby: at the hand-off all of it goes into the attempt's.
+            containment = self.policy.containment.open_attempt(self.job_id, None, None)
         spec = json.dumps({"modules": self.modules, "kind": program.kind, "target": program.target})
         argv = [program.interpreter, *program.options, "-c", self._bootstrap, spec]
         env = standby_env(launch.env)
@@ -327,24 +331,30 @@ class StandbyPool:
                 stdout=null,
                 stderr=null,
                 policy=self.policy,
-                cgroup_procs=self._containment.procs_fd if self._containment else None,
+                cgroup_procs=containment.procs_fd if containment else None,
                 stdin=child.fileno(),
                 umask=launch.umask,
             )
         except WorkerSpawnError as exc:
             parent.close()
+            if containment is not None:
+                await containment.stop(())
             log.warning(
                 "job %s: no standby for local rank %d: %s", self.job_id, launch.local_rank, exc
             )
             return
         except BaseException:  # cancelled (the job ended): start_process left no process
             parent.close()
+            if containment is not None:
+                await asyncio.shield(containment.stop(()))
             raise
         finally:
             child.close()
             os.close(null)
         parent.setblocking(False)
-        standby = _Standby(launch, identity, program, process, parent, process_env(env, identity))
+        standby = _Standby(
+            launch, identity, program, process, parent, process_env(env, identity), containment
+        )
         self._record(standby)
         self._standbys[launch.local_rank] = standby
         self._why_none.pop(launch.local_rank, None)
@@ -425,6 +435,7 @@ class StandbyPool:
         standby.control.close()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.pid, signal.SIGKILL)  # what it started in its group goes too
+        await self._release(standby)  # and what it started anywhere else
         self._forget(standby)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._lost(standby, f"it died ({how})", replace=True)
@@ -491,7 +502,11 @@ class StandbyPool:
             # All of it bounded: a standby that stops reading (stopped, or the job's code
             # in it) must not hold the start, however large the environment sent to it.
             async with asyncio.timeout(HANDOFF_TIMEOUT):
-                if containment is not None and containment.procs_fd is not None:
+                if standby.containment is not None and containment is not None:
+                    # It and everything its imports started (their own sessions too) now
+                    # live and die with the attempt, as a cold worker's would.
+                    standby.containment.hand_over(containment)
+                elif containment is not None and containment.procs_fd is not None:
                     os.write(containment.procs_fd, str(standby.pid).encode())
                 await self._send(
                     standby,
@@ -573,7 +588,16 @@ class StandbyPool:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.pid, signal.SIGKILL)
         await asyncio.shield(standby.process.wait())
+        await self._release(standby)
         self._forget(standby)
+
+    @staticmethod
+    async def _release(standby: _Standby) -> None:
+        """Kill what is left in its cgroup (what its imports started outside its process
+        group) and remove the folder; under the subreaper, what of its is orphaned."""
+        if standby.containment is not None:
+            with contextlib.suppress(OSError):
+                await asyncio.shield(standby.containment.stop(()))
 
     async def aclose(self) -> None:
         """Kill every standby and await its end (a cancel or the job's end leaves none)."""
@@ -584,7 +608,3 @@ class StandbyPool:
             standbys = list(self._standbys.values())
             for standby in standbys:
                 await self._discard(standby)
-            if self._containment is not None:
-                with contextlib.suppress(OSError):
-                    await self._containment.stop(())
-                self._containment = None

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PythonProgram",
+    "fill_wait",
     "StandbyInfo",
     "StandbyPool",
     "mismatch",
@@ -97,6 +98,33 @@ def ready_wait(observed: Sequence[float], age: float) -> float:
     """
     expected = max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S if observed else FIRST_IMPORT_GUESS_S
     return max(0.0, min(expected, READY_WAIT) - age)
+
+
+#: A cold attempt's standbys start once its workers have all pinged their heartbeat (past
+#: their imports), or at the latest this long after the workers started when no import
+#: time was seen yet: before, they would take the CPU from the workers' own imports.
+FIRST_FILL_AFTER_S = 5.0
+#: With import times seen, the latest is as long as the slowest of them (IMPORT_MARGIN,
+#: IMPORT_SLACK_S), never more than this.
+MAX_FILL_AFTER_S = 30.0
+
+
+def fill_wait(*, warm: bool, pinged: bool, age: float, observed: Sequence[float]) -> float:
+    """How much longer an attempt's standbys wait before they start (pure; 0: now).
+
+    ``warm``: every worker took over a standby (past its imports already); ``pinged``: every
+    worker has pinged its heartbeat; ``age``: seconds since the workers started;
+    ``observed``: how long this pool's standbys took to import. A cold worker imports what
+    its standby would: the standbys wait for the workers' imports, as long as one takes.
+    """
+    if warm or pinged:
+        return 0.0
+    bound = (
+        min(max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S, MAX_FILL_AFTER_S)
+        if observed
+        else FIRST_FILL_AFTER_S
+    )
+    return max(0.0, bound - age)
 
 
 #: The most of a standby's "ready" line that is read (it is the job's process that writes it).
@@ -287,6 +315,11 @@ class StandbyPool:
         #: Whether a standby was ever started (a node's first attempt has none).
         self.filled = False
         self._bootstrap = _bootstrap()
+
+    @property
+    def import_times(self) -> list[float]:
+        """How long this pool's standbys took to import (the newest), seconds."""
+        return list(self._import_s)
 
     def infos(self) -> list[StandbyInfo]:
         """The live standbys, by local rank, with their memory."""

@@ -10,8 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.supervise.standby import FIRST_FILL_AFTER_S
+from elasticd.supervise.sweep import process_start_time
 from tests.e2e.test_prewarm import ready_standbys, submit_body
 from tests.hardening.support import cgroup_home, daemon_subtree, eventually, pid_alive, serve
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
@@ -252,3 +256,55 @@ async def test_a_standby_killed_replaced_or_closed_leaves_no_process_and_no_cgro
         for pid in _helpers(out):
             if pid_alive(pid):
                 os.kill(pid, 9)
+
+
+#: A worker that writes its pid, pings its heartbeat at once (``ping``), or never.
+PINGS = r"""
+import os, sys, time
+if sys.argv[1] == "ping":
+    from elasticd.worker.heartbeat import ping
+    ping()
+with open(os.path.join(os.environ["OUT"], f"worker.{os.getpid()}"), "w") as f:
+    f.write("")
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("worker", ["silent", "ping"])
+async def test_a_first_attempts_standbys_start_after_its_workers_imports(
+    tmp_path: Path, worker: str
+) -> None:
+    """The standbys of a first attempt start only once its workers have pinged (they are past
+    their imports), or FIRST_FILL_AFTER_S after they started: never beside their imports.
+    Measured on the processes' own start times (the kernel's), not the test's clock."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "w.py").write_text(PINGS)
+    out = tmp_path / "out"
+    out.mkdir()
+    daemon = serve(tmp_path)
+    try:
+        async with asyncio.timeout(100), daemon.client() as c:
+            await daemon.wait_ready()
+            body = submit_body(
+                "f", out, entrypoint=sys.executable, args=[str(code / "w.py"), worker],
+                cwd=str(code), nproc_per_node=1,
+            )  # fmt: skip
+            body["env"]["PYTHONPATH"] = str(ROOT)
+            assert (await c.post("/jobs", json=body)).status_code == 201
+            standby = (await ready_standbys(c, "f", 1))[0]
+            (pid,) = (int(p.name.split(".")[1]) for p in out.glob("worker.*"))
+            ticks = os.sysconf("SC_CLK_TCK")
+            after = (_started(standby) - _started(pid)) / ticks
+            if worker == "silent":
+                assert after >= FIRST_FILL_AFTER_S
+            else:  # the ping came well before the bound (its poll: FILL_POLL_S)
+                assert after < FIRST_FILL_AFTER_S - 1
+    finally:
+        daemon.kill9()
+
+
+def _started(pid: int) -> int:
+    started = process_start_time(pid)
+    assert started is not None, pid
+    return started

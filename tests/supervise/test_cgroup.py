@@ -148,6 +148,52 @@ def test_the_freezer_fallback_kills_every_member(tmp_path: Path) -> None:
 
 
 @NEEDS_CGROUPS
+async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: Path) -> None:
+    """A standby's cgroup with it and a child in a session of its own, forking on: every
+    member moves into the attempt's cgroup, the standby's folder goes, and the attempt's
+    stop then kills them all."""
+    containment = Containment.setup("cgroup", node="unit-handover", state_dir=tmp_path)
+    standby = containment.open_attempt("h", None, None)
+    attempt = containment.open_attempt("h", 1, None)
+    assert standby.procs_fd is not None and standby.cgroup is not None
+    assert attempt.cgroup is not None
+    forker = (  # a helper that keeps forking (short-lived children) while it is moved
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    while True:\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0: time.sleep(0.01); os._exit(0)\n"
+        "        os.waitpid(pid, 0)\n"
+        "time.sleep(60)\n"
+    )
+    proc = await start_process(
+        [sys.executable, "-c", forker], dict(os.environ), identity=None,
+        cgroup_procs=standby.procs_fd,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(20):
+            while len(standby.cgroup.pids()) < 2:
+                await asyncio.sleep(0.01)
+        members = set(standby.cgroup.pids())
+        standby.hand_over(attempt)
+        assert standby.stopped and standby.procs_fd is None
+        assert not standby.cgroup.path.exists()
+        assert members <= set(attempt.cgroup.pids()) | {proc.pid}
+        assert proc.pid in attempt.cgroup.pids()
+        await attempt.stop([proc.pid])
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+        assert not attempt.cgroup.path.exists()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await standby.stop(())
+        await attempt.stop(())
+        containment.close()
+
+
+@NEEDS_CGROUPS
 async def test_the_sweep_kills_and_removes_leftover_attempts(tmp_path: Path) -> None:
     """An attempt cgroup left with a process in it (a killed daemon's): killed, reported, gone."""
     containment = Containment.setup("cgroup", node="unit-sweep", state_dir=tmp_path)

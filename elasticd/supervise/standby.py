@@ -7,11 +7,11 @@ job's user, umask, working folder, the parent-death signal, a cgroup), with
 the worker's environment less :data:`~elasticd.supervise.env.ROUND_VARIABLES`,
 running :mod:`elasticd.standby_main`: it imports the modules and blocks on
 its control socket. Its output goes nowhere (``/dev/null``) and it opens no
-file of the job; it lives in a cgroup of the pool's own.
+file of the job; it lives in a cgroup of its own, with all it starts.
 
 On the next start, :meth:`StandbyPool.hand_off` gives the rank's worker to
-its standby instead of a new interpreter: the standby is moved into the
-attempt's cgroup, gets the worker's stdout/stderr pipes (and stdin) and the
+its standby instead of a new interpreter: the standby, and everything its
+imports started (in any session), is moved into the attempt's cgroup, gets the worker's stdout/stderr pipes (and stdin) and the
 whole environment over the socket (JSON and ``SCM_RIGHTS``, never pickle),
 and runs the program as the cold start would. The supervisor then holds the
 same :class:`asyncio.subprocess.Process` it would have spawned: pid, exit,
@@ -23,7 +23,13 @@ or ``-m module`` (:func:`python_program`), the worker's argv, folder, user,
 umask or environment differ from what the standby was made for
 (:func:`mismatch`), or the standby died or failed its imports. A standby that
 dies after it was ready is replaced (at most :data:`MAX_REPLACEMENTS` times
-an attempt); :meth:`StandbyPool.aclose` leaves none.
+an attempt); :meth:`StandbyPool.aclose` leaves none. A standby that ends any
+way but the hand-off takes its cgroup along (killed, removed); under the
+subreaper, its process group, then what of the job's orphans reached the daemon.
+
+A cold attempt's standbys start only after its workers' own imports
+(:func:`fill_wait`): beside them they would take the CPU the first attempt
+needs.
 
 If the daemon dies, its standbys die with it (the parent-death signal). They
 are in the spawn registry all the same (attempt None): their imports are the

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt(b.p50, 0)} ({fmt(b.min, 0)}–{fmt(b.max, 0)}, n={b.n})",
             ]
         )
-    info = machine_info()
+    info = {k: v for k, v in machine_info().items() if not k.startswith("loadavg")}
     print(f"load average {load_start} at the start, {load_end} at the end; {info}")
     print(
         md_table(

@@ -35,18 +35,25 @@ with open(os.path.join(os.environ["OUT"], f"helper.{os.getpid()}"), "w") as f:
 """
 
 
+def _job_files(tmp_path: Path, worker: str, helper: str | None) -> tuple[Path, Path]:
+    """(code, out): the worker ``w.py`` and the prewarm module ``helper_mod``, and a folder
+    for what they write."""
+    code, out = tmp_path / "code", tmp_path / "out"
+    code.mkdir()
+    out.mkdir()
+    (code / "w.py").write_text(worker)
+    if helper is not None:
+        (code / "helper_mod.py").write_text(helper)
+    return code, out
+
+
 def _helpers(out: Path) -> list[int]:
     return [int(p.read_text()) for p in out.glob("helper.*")]
 
 
 @pytest.mark.parametrize("how", ["kill9", "stop"])
 async def test_the_daemons_end_leaves_no_standby(tmp_path: Path, how: str) -> None:
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "helper_mod.py").write_text(HELPER)
-    (code / "w.py").write_text("import time\ntime.sleep(600)\n")
-    out = tmp_path / "out"
-    out.mkdir()
+    code, out = _job_files(tmp_path, "import time\ntime.sleep(600)\n", HELPER)
     daemon = serve(tmp_path)
     helpers: list[int] = []
     standbys: dict[int, int] = {}
@@ -87,12 +94,7 @@ GROUP_HELPER = HELPER.replace("    os.setsid()\n", "")
 async def test_a_standbys_helper_is_swept_by_the_next_daemon_after_a_kill9(
     tmp_path: Path, containment: str
 ) -> None:
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "helper_mod.py").write_text(GROUP_HELPER)
-    (code / "w.py").write_text("import time\ntime.sleep(600)\n")
-    out = tmp_path / "out"
-    out.mkdir()
+    code, out = _job_files(tmp_path, "import time\ntime.sleep(600)\n", GROUP_HELPER)
     if containment == "cgroup" and cgroup_home() is None:
         pytest.skip("no cgroup v2 here")
     env = {"ELASTICD_CONTAINMENT": containment}
@@ -153,12 +155,7 @@ async def test_an_attempt_that_ends_leaves_nothing_its_warm_workers_imports_star
     """
     if containment == "cgroup" and cgroup_home() is None:
         pytest.skip("no cgroup v2 here")
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "helper_mod.py").write_text(HELPER)
-    (code / "w.py").write_text(ATTEMPTS)
-    out = tmp_path / "out"
-    out.mkdir()
+    code, out = _job_files(tmp_path, ATTEMPTS, HELPER)
     daemon = serve(tmp_path, env={"ELASTICD_CONTAINMENT": containment})
     helpers: list[int] = []
     try:
@@ -209,12 +206,7 @@ async def test_a_standby_killed_replaced_or_closed_leaves_no_process_and_no_cgro
     home = cgroup_home() if containment == "cgroup" else None
     if containment == "cgroup" and home is None:
         pytest.skip("no cgroup v2 here")
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "helper_mod.py").write_text(HELPER)
-    (code / "w.py").write_text("import time\ntime.sleep(600)\n")
-    out = tmp_path / "out"
-    out.mkdir()
+    code, out = _job_files(tmp_path, "import time\ntime.sleep(600)\n", HELPER)
     daemon = serve(tmp_path, env={"ELASTICD_CONTAINMENT": containment})
     try:
         async with asyncio.timeout(100), daemon.client() as c:
@@ -277,11 +269,7 @@ async def test_a_first_attempts_standbys_start_after_its_workers_imports(
     """The standbys of a first attempt start only once its workers have pinged (they are past
     their imports), or FIRST_FILL_AFTER_S after they started: never beside their imports.
     Measured on the processes' own start times (the kernel's), not the test's clock."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "w.py").write_text(PINGS)
-    out = tmp_path / "out"
-    out.mkdir()
+    code, out = _job_files(tmp_path, PINGS, None)
     daemon = serve(tmp_path)
     try:
         async with asyncio.timeout(100), daemon.client() as c:

@@ -191,12 +191,10 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
         await attempt.stop([proc.pid])
         assert await asyncio.wait_for(proc.wait(), 10) == -9
         assert not attempt.cgroup.path.exists()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    finally:  # the process is in one of the two: their stops kill it
         await standby.stop(())
         await attempt.stop(())
+        await asyncio.wait_for(proc.wait(), 10)
         containment.close()
 
 

@@ -11,11 +11,12 @@ file of the job; it lives in a cgroup of its own, with all it starts.
 
 On the next start, :meth:`StandbyPool.hand_off` gives the rank's worker to
 its standby instead of a new interpreter: the standby, and everything its
-imports started (in any session), is moved into the attempt's cgroup, gets the worker's stdout/stderr pipes (and stdin) and the
-whole environment over the socket (JSON and ``SCM_RIGHTS``, never pickle),
-and runs the program as the cold start would. The supervisor then holds the
-same :class:`asyncio.subprocess.Process` it would have spawned: pid, exit,
-logs, heartbeat and stack dumps follow.
+imports started (in any session), is moved into the attempt's cgroup, gets
+the worker's stdout/stderr pipes (and stdin) and the whole environment over
+the socket (JSON and ``SCM_RIGHTS``, never pickle), and runs the program as
+the cold start would. The supervisor then holds the same
+:class:`asyncio.subprocess.Process` it would have spawned: pid, exit, logs,
+heartbeat and stack dumps follow.
 
 Where it cannot apply, the worker starts cold and the pool says why
 (:attr:`StandbyPool.cold`): the entrypoint is not ``python`` running a script
@@ -68,9 +69,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PythonProgram",
-    "fill_wait",
     "StandbyInfo",
     "StandbyPool",
+    "fill_wait",
     "mismatch",
     "python_program",
     "standby_env",
@@ -355,7 +356,11 @@ class StandbyPool:
         containment = None
         if self.policy.containment is not None:
             # One cgroup per standby: at the hand-off all of it goes into the attempt's.
-            containment = self.policy.containment.open_attempt(self.job_id, None, None)
+            try:
+                containment = self.policy.containment.open_attempt(self.job_id, None, None)
+            except OSError as exc:  # the worker starts cold ("no standby for it")
+                log.warning("job %s: no cgroup for a standby: %s", self.job_id, exc)
+                return
         spec = json.dumps({"modules": self.modules, "kind": program.kind, "target": program.target})
         argv = [program.interpreter, *program.options, "-c", self._bootstrap, spec]
         env = standby_env(launch.env)

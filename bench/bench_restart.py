@@ -423,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--torch-crash-after",
         type=float,
-        default=6.0,
+        default=10.0,
         help="seconds a torch attempt runs before rank 1 crashes (a standby needs its own "
-        "import torch done by then; default 6)",
+        "import torch done by then, and a cold attempt's standbys start only after its "
+        "workers' imports, FIRST_FILL_AFTER_S without heartbeats; default 10)",
     )
     args = p.parse_args(argv)
     which = set(args.figures.split(","))

@@ -33,11 +33,14 @@ from elasticd.models import JobSpec, RootCause, StandbyView
 from elasticd.security import Identity
 from elasticd.states import WorkerState
 from elasticd.supervise.process import GroupHooks, GroupResult, WorkerExit, WorkerGroupProcesses
-from elasticd.supervise.standby import StandbyPool
+from elasticd.supervise.standby import StandbyPool, fill_wait
 from elasticd.tasks import TaskSet
 from elasticd.worker.names import attempt_tag
 
 __all__ = ["LocalGroup"]
+
+#: How often a start waiting for its standbys (fill_wait) looks at the heartbeats.
+FILL_POLL_S = 0.25
 
 
 @dataclass
@@ -101,8 +104,13 @@ class LocalGroup:
         self.output.poststart(attempt, self.processes)
         if pool is not None:
             self._say_how_started(attempt, pool, had_standbys)
-            # After the workers: the attempt is never delayed by its own standbys.
-            self.background.spawn(self._fill(pool, plan, identity), f"standbys-{self.job_id}")
+            # After the workers and their imports: the attempt is never delayed by its own
+            # standbys (fill_wait). Workers that all took over standbys are past them.
+            warm = had_standbys and not pool.cold
+            self.background.spawn(
+                self._fill_when_due(attempt, pool, plan, identity, warm=warm),
+                f"standbys-{self.job_id}",
+            )
 
     def _begin(self, attempt: Attempt, held: list[WorkerExit] | None) -> None:
         self.release_exits()
@@ -186,6 +194,38 @@ class LocalGroup:
     async def _fill(self, pool: StandbyPool, plan: AttemptPlan, identity: Identity | None) -> None:
         await pool.fill(plan.launches, identity)
         self.show_standbys()
+
+    async def _fill_when_due(
+        self,
+        attempt: Attempt,
+        pool: StandbyPool,
+        plan: AttemptPlan,
+        identity: Identity | None,
+        *,
+        warm: bool,
+    ) -> None:
+        """The attempt's standbys once :func:`fill_wait` says so (none if it ended first)."""
+        clock = self.ctx.clock
+        started = clock.monotonic()
+        ranks = [launch.local_rank for launch in plan.launches]
+        while self.attempt is attempt and self.processes is not None:
+            wait = fill_wait(
+                warm=warm,
+                pinged=self._all_pinged(ranks),
+                age=clock.monotonic() - started,
+                observed=pool.import_times,
+            )
+            if wait <= 0:
+                await self._fill(pool, plan, identity)
+                return
+            await asyncio.sleep(min(wait, FILL_POLL_S))
+
+    def _all_pinged(self, ranks: list[int]) -> bool:
+        """Every worker of the attempt has pinged its heartbeat (it is past its imports)."""
+        monitor = self.progress.monitor
+        if monitor is None:
+            return False
+        return all(monitor.observation(r).last_progress_at is not None for r in ranks)
 
     def show_standbys(self) -> None:
         """The standbys (and their memory) in the group view, published."""

@@ -340,6 +340,23 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 _write(self.path / "cgroup.freeze", "0")
 
+    def move_all(self, target_procs: int, rounds: int = 100) -> bool:
+        """Move every member into the cgroup whose ``cgroup.procs`` is open as ``target_procs``.
+
+        A member forking meanwhile may leave its child behind: read again until none is
+        left (False if ``rounds`` did not suffice).
+        """
+        for _ in range(rounds):
+            pids = self.pids()
+            if not pids:
+                return True
+            for pid in pids:
+                try:
+                    os.write(target_procs, str(pid).encode())
+                except ProcessLookupError:
+                    pass  # gone meanwhile (a zombie is no member: reaped or not, it is out)
+        return not self.pids()
+
     def remove(self) -> bool:
         """rmdir; False if it still has members (left for the next sweep)."""
         try:
@@ -430,6 +447,24 @@ class AttemptContainment:
             await self.cgroup.stop()
             return found
         return await self._reap_adopted(worker_groups)
+
+    def hand_over(self, to: AttemptContainment) -> None:
+        """Move everything of this containment into ``to``'s cgroup, then close this one
+        (its folder removed): a standby's own and what its imports started go with it.
+
+        Without cgroups (the subreaper) nothing moves: what a standby started in its process
+        group is killed with it, and what left it is found by its job's id when orphaned.
+        """
+        if self.stopped:
+            return
+        if self.cgroup is not None and to.procs_fd is not None:
+            if not self.cgroup.move_all(to.procs_fd):  # then stop() kills what is left
+                raise OSError(f"{self.cgroup.path}: members still arriving after the move")
+            self.cgroup.remove()
+        self.stopped = True
+        if self.procs_fd is not None:
+            os.close(self.procs_fd)
+            self.procs_fd = None
 
     async def _reap_adopted(self, worker_groups: Collection[int]) -> list[int]:
         """Subreaper: kill and reap the daemon's adopted children that belong to this attempt."""

@@ -7,15 +7,16 @@ job's user, umask, working folder, the parent-death signal, a cgroup), with
 the worker's environment less :data:`~elasticd.supervise.env.ROUND_VARIABLES`,
 running :mod:`elasticd.standby_main`: it imports the modules and blocks on
 its control socket. Its output goes nowhere (``/dev/null``) and it opens no
-file of the job; it lives in a cgroup of the pool's own.
+file of the job; it lives in a cgroup of its own, with all it starts.
 
 On the next start, :meth:`StandbyPool.hand_off` gives the rank's worker to
-its standby instead of a new interpreter: the standby is moved into the
-attempt's cgroup, gets the worker's stdout/stderr pipes (and stdin) and the
-whole environment over the socket (JSON and ``SCM_RIGHTS``, never pickle),
-and runs the program as the cold start would. The supervisor then holds the
-same :class:`asyncio.subprocess.Process` it would have spawned: pid, exit,
-logs, heartbeat and stack dumps follow.
+its standby instead of a new interpreter: the standby, and everything its
+imports started (in any session), is moved into the attempt's cgroup, gets
+the worker's stdout/stderr pipes (and stdin) and the whole environment over
+the socket (JSON and ``SCM_RIGHTS``, never pickle), and runs the program as
+the cold start would. The supervisor then holds the same
+:class:`asyncio.subprocess.Process` it would have spawned: pid, exit, logs,
+heartbeat and stack dumps follow.
 
 Where it cannot apply, the worker starts cold and the pool says why
 (:attr:`StandbyPool.cold`): the entrypoint is not ``python`` running a script
@@ -23,7 +24,13 @@ or ``-m module`` (:func:`python_program`), the worker's argv, folder, user,
 umask or environment differ from what the standby was made for
 (:func:`mismatch`), or the standby died or failed its imports. A standby that
 dies after it was ready is replaced (at most :data:`MAX_REPLACEMENTS` times
-an attempt); :meth:`StandbyPool.aclose` leaves none.
+an attempt); :meth:`StandbyPool.aclose` leaves none. A standby that ends any
+way but the hand-off takes its cgroup along (killed, removed); under the
+subreaper, its process group, then what of the job's orphans reached the daemon.
+
+A cold attempt's standbys start only after its workers' own imports
+(:func:`fill_wait`): beside them they would take the CPU the first attempt
+needs.
 
 If the daemon dies, its standbys die with it (the parent-death signal). They
 are in the spawn registry all the same (attempt None): their imports are the
@@ -64,6 +71,7 @@ __all__ = [
     "PythonProgram",
     "StandbyInfo",
     "StandbyPool",
+    "fill_wait",
     "mismatch",
     "python_program",
     "standby_env",
@@ -97,6 +105,33 @@ def ready_wait(observed: Sequence[float], age: float) -> float:
     """
     expected = max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S if observed else FIRST_IMPORT_GUESS_S
     return max(0.0, min(expected, READY_WAIT) - age)
+
+
+#: A cold attempt's standbys start once its workers have all pinged their heartbeat (past
+#: their imports), or at the latest this long after the workers started when no import
+#: time was seen yet: before, they would take the CPU from the workers' own imports.
+FIRST_FILL_AFTER_S = 5.0
+#: With import times seen, the latest is as long as the slowest of them (IMPORT_MARGIN,
+#: IMPORT_SLACK_S), never more than this.
+MAX_FILL_AFTER_S = 30.0
+
+
+def fill_wait(*, warm: bool, pinged: bool, age: float, observed: Sequence[float]) -> float:
+    """How much longer an attempt's standbys wait before they start (pure; 0: now).
+
+    ``warm``: every worker took over a standby (past its imports already); ``pinged``: every
+    worker has pinged its heartbeat; ``age``: seconds since the workers started;
+    ``observed``: how long this pool's standbys took to import. A cold worker imports what
+    its standby would: the standbys wait for the workers' imports, as long as one takes.
+    """
+    if warm or pinged:
+        return 0.0
+    bound = (
+        min(max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S, MAX_FILL_AFTER_S)
+        if observed
+        else FIRST_FILL_AFTER_S
+    )
+    return max(0.0, bound - age)
 
 
 #: The most of a standby's "ready" line that is read (it is the job's process that writes it).
@@ -209,6 +244,9 @@ class _Standby:
     control: socket.socket
     given: dict[str, str]
     """The environment it was started with (after :func:`process_env`)."""
+    containment: AttemptContainment | None
+    """Its own cgroup (or the subreaper's bookkeeping): it and all it starts, until the
+    hand-off moves them into the attempt's, or its end kills them."""
     state: _State = _State.STARTING
     ready: asyncio.Future[str | None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -270,7 +308,6 @@ class StandbyPool:
         self._on_lost = on_lost
         self._on_ready = on_ready
         self._standbys: dict[int, _Standby] = {}
-        self._containment: AttemptContainment | None = None
         self._closed = False
         self._filling: asyncio.Lock = asyncio.Lock()
         self._made_for: dict[int, tuple[WorkerLaunch, Identity | None]] = {}
@@ -285,6 +322,11 @@ class StandbyPool:
         #: Whether a standby was ever started (a node's first attempt has none).
         self.filled = False
         self._bootstrap = _bootstrap()
+
+    @property
+    def import_times(self) -> list[float]:
+        """How long this pool's standbys took to import (the newest), seconds."""
+        return list(self._import_s)
 
     def infos(self) -> list[StandbyInfo]:
         """The live standbys, by local rank, with their memory."""
@@ -311,8 +353,14 @@ class StandbyPool:
         if isinstance(program, str):
             return  # the start says why, as a cold start's reason
         self.filled = True
-        if self._containment is None and self.policy.containment is not None:
-            self._containment = self.policy.containment.open_attempt(self.job_id, None, None)
+        containment = None
+        if self.policy.containment is not None:
+            # One cgroup per standby: at the hand-off all of it goes into the attempt's.
+            try:
+                containment = self.policy.containment.open_attempt(self.job_id, None, None)
+            except OSError as exc:  # the worker starts cold ("no standby for it")
+                log.warning("job %s: no cgroup for a standby: %s", self.job_id, exc)
+                return
         spec = json.dumps({"modules": self.modules, "kind": program.kind, "target": program.target})
         argv = [program.interpreter, *program.options, "-c", self._bootstrap, spec]
         env = standby_env(launch.env)
@@ -327,24 +375,30 @@ class StandbyPool:
                 stdout=null,
                 stderr=null,
                 policy=self.policy,
-                cgroup_procs=self._containment.procs_fd if self._containment else None,
+                cgroup_procs=containment.procs_fd if containment else None,
                 stdin=child.fileno(),
                 umask=launch.umask,
             )
         except WorkerSpawnError as exc:
             parent.close()
+            if containment is not None:
+                await containment.stop(())
             log.warning(
                 "job %s: no standby for local rank %d: %s", self.job_id, launch.local_rank, exc
             )
             return
         except BaseException:  # cancelled (the job ended): start_process left no process
             parent.close()
+            if containment is not None:
+                await asyncio.shield(containment.stop(()))
             raise
         finally:
             child.close()
             os.close(null)
         parent.setblocking(False)
-        standby = _Standby(launch, identity, program, process, parent, process_env(env, identity))
+        standby = _Standby(
+            launch, identity, program, process, parent, process_env(env, identity), containment
+        )
         self._record(standby)
         self._standbys[launch.local_rank] = standby
         self._why_none.pop(launch.local_rank, None)
@@ -425,6 +479,7 @@ class StandbyPool:
         standby.control.close()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.pid, signal.SIGKILL)  # what it started in its group goes too
+        await self._release(standby)  # and what it started anywhere else
         self._forget(standby)
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         self._lost(standby, f"it died ({how})", replace=True)
@@ -491,7 +546,11 @@ class StandbyPool:
             # All of it bounded: a standby that stops reading (stopped, or the job's code
             # in it) must not hold the start, however large the environment sent to it.
             async with asyncio.timeout(HANDOFF_TIMEOUT):
-                if containment is not None and containment.procs_fd is not None:
+                if standby.containment is not None and containment is not None:
+                    # It and everything its imports started (their own sessions too) now
+                    # live and die with the attempt, as a cold worker's would.
+                    standby.containment.hand_over(containment)
+                elif containment is not None and containment.procs_fd is not None:
                     os.write(containment.procs_fd, str(standby.pid).encode())
                 await self._send(
                     standby,
@@ -573,7 +632,16 @@ class StandbyPool:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(standby.pid, signal.SIGKILL)
         await asyncio.shield(standby.process.wait())
+        await self._release(standby)
         self._forget(standby)
+
+    @staticmethod
+    async def _release(standby: _Standby) -> None:
+        """Kill what is left in its cgroup (what its imports started outside its process
+        group) and remove the folder; under the subreaper, what of its is orphaned."""
+        if standby.containment is not None:
+            with contextlib.suppress(OSError):
+                await asyncio.shield(standby.containment.stop(()))
 
     async def aclose(self) -> None:
         """Kill every standby and await its end (a cancel or the job's end leaves none)."""
@@ -584,7 +652,3 @@ class StandbyPool:
             standbys = list(self._standbys.values())
             for standby in standbys:
                 await self._discard(standby)
-            if self._containment is not None:
-                with contextlib.suppress(OSError):
-                    await self._containment.stop(())
-                self._containment = None

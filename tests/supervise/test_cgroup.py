@@ -147,6 +147,57 @@ def test_the_freezer_fallback_kills_every_member(tmp_path: Path) -> None:
     assert not containment.base.exists()
 
 
+def _leads(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except ProcessLookupError:
+        return False
+
+
+@NEEDS_CGROUPS
+async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: Path) -> None:
+    """A standby's cgroup with it and a child in a session of its own, forking on: every
+    member moves into the attempt's cgroup, the standby's folder goes, and the attempt's
+    stop then kills them all."""
+    containment = Containment.setup("cgroup", node="unit-handover", state_dir=tmp_path)
+    standby = containment.open_attempt("h", None, None)
+    attempt = containment.open_attempt("h", 1, None)
+    assert standby.procs_fd is not None and standby.cgroup is not None
+    assert attempt.cgroup is not None
+    forker = (  # a helper that keeps forking (short-lived children) while it is moved
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    while True:\n"
+        "        pid = os.fork()\n"
+        "        if pid == 0: time.sleep(0.01); os._exit(0)\n"
+        "        os.waitpid(pid, 0)\n"
+        "time.sleep(60)\n"
+    )
+    proc = await start_process(
+        [sys.executable, "-c", forker], dict(os.environ), identity=None,
+        cgroup_procs=standby.procs_fd,
+    )  # fmt: skip
+    try:
+        helpers: list[int] = []
+        async with asyncio.timeout(20):  # the helper: the member leading a session of its own
+            while not helpers:
+                helpers = [p for p in standby.cgroup.pids() if p != proc.pid and _leads(p)]
+                await asyncio.sleep(0.01)
+        standby.hand_over(attempt)
+        assert standby.stopped and standby.procs_fd is None
+        assert not standby.cgroup.path.exists()
+        assert {proc.pid, *helpers} <= set(attempt.cgroup.pids())
+        await attempt.stop([proc.pid])
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+        assert not attempt.cgroup.path.exists()
+    finally:  # the process is in one of the two: their stops kill it
+        await standby.stop(())
+        await attempt.stop(())
+        await asyncio.wait_for(proc.wait(), 10)
+        containment.close()
+
+
 @NEEDS_CGROUPS
 async def test_the_sweep_kills_and_removes_leftover_attempts(tmp_path: Path) -> None:
     """An attempt cgroup left with a process in it (a killed daemon's): killed, reported, gone."""

@@ -223,6 +223,28 @@ def test_ready_wait_is_as_long_as_an_import_should_take(
     assert standby_mod.ready_wait(observed, age) == pytest.approx(wait)
 
 
+@pytest.mark.parametrize(
+    ("warm", "pinged", "age", "observed", "wait"),
+    [
+        (False, False, 0.0, [], 5.0),  # a first attempt: its workers import first
+        (False, False, 2.0, [], 3.0),
+        (False, False, 6.0, [], 0.0),  # past the bound, pings or not
+        (False, True, 0.0, [], 0.0),  # every worker pinged: past its imports
+        (True, False, 0.0, [], 0.0),  # every worker took over a standby: nothing to import
+        (False, False, 0.0, [2.0], 4.0),  # as long as an import took: 2 s x 1.5 + 1 s
+        (False, False, 1.0, [2.0, 4.0], 6.0),  # the slowest counts
+        (False, False, 0.0, [1000.0], 30.0),  # never past MAX_FILL_AFTER_S
+        (True, True, 0.0, [9.0], 0.0),
+    ],
+)
+def test_standbys_start_after_the_workers_imports(
+    warm: bool, pinged: bool, age: float, observed: list[float], wait: float
+) -> None:
+    """A cold attempt's standbys wait for its workers' first pings or an import's time."""
+    got = standby_mod.fill_wait(warm=warm, pinged=pinged, age=age, observed=observed)
+    assert got == pytest.approx(wait)
+
+
 async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: Path) -> None:
     """The restart waits for a standby still importing; it says "ready" and dies at once, and
     the watch handles both (ready, then the death: ``_lost`` takes it out of the pool, a

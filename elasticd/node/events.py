@@ -77,7 +77,7 @@ from elasticd.models import Event, EventSource
 from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
 from elasticd.store import Store
-from elasticd.store.base import MAX_BATCH_KEYS
+from elasticd.store.base import MAX_BATCH_KEYS, Entry
 from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.events")
@@ -90,6 +90,15 @@ SEQ_STRIDE = 1000
 #: batch has a size limit, and the embedded store's HTTP route a body limit).
 PUBLISH_BATCH_EVENTS = MAX_BATCH_KEYS
 PUBLISH_BATCH_BYTES = 256 * 1024
+
+
+def _parsed(entry: Entry) -> Event | None:
+    """The event a store entry holds; None (and a warning) when it is malformed."""
+    try:
+        return Event.model_validate_json(entry.value)
+    except ValidationError:
+        log.warning("ignoring malformed event %s", entry.key)
+        return None
 
 
 def published_key(event: Event) -> str:
@@ -665,15 +674,10 @@ class EventLog:
         needles = [f'"{kind.value}"'.encode() for kind in kinds]
         found: list[Event] = []
         for entry in (await self._store.list(event_prefix(job_id))).entries:
-            if not any(needle in entry.value for needle in needles):
-                continue
-            try:
-                event = Event.model_validate_json(entry.value)
-            except ValidationError:
-                log.warning("ignoring malformed event %s", entry.key)
-                continue
-            if event.kind in kinds:
-                found.append(event)
+            if any(needle in entry.value for needle in needles):
+                event = _parsed(entry)
+                if event is not None and event.kind in kinds:
+                    found.append(event)
         return found
 
     async def _cluster_events(self, job_id: str, after: int) -> tuple[list[Event], int]:
@@ -685,12 +689,9 @@ class EventLog:
             # Whole revisions only: the cursor's revision may still hold later events.
             if entry.created < after // SEQ_STRIDE:
                 continue
-            try:
-                event = Event.model_validate_json(entry.value)
-            except ValidationError:
-                log.warning("ignoring malformed event %s", entry.key)
-                continue
-            found.append((entry.created, event))
+            event = _parsed(entry)
+            if event is not None:
+                found.append((entry.created, event))
         found.sort(key=lambda pair: merge_key(*pair))
         seqs = merged_seqs([created for created, _ in found])
         events = [

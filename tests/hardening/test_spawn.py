@@ -136,7 +136,8 @@ identity = Identity("probe", int(uid), int(gid), "/", tuple(int(g) for g in grou
 async def main():
     proc = await start_process(
         ["/bin/sh", "-c", "exec sleep 600"], dict(os.environ), identity=identity,
-        policy=policy, umask=0o027,
+        policy=policy, umask=0o027, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,  # not this process's pipes: the test reads them to EOF
     )
     status = Path(f"/proc/{proc.pid}/status")
     deadline = time.monotonic() + 20

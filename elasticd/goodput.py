@@ -52,6 +52,7 @@ from elasticd.models import Event, Job
 
 __all__ = [
     "BADPUT_KINDS",
+    "FACT_KINDS",
     "MAX_ATTEMPTS",
     "MAX_CHECKPOINTS",
     "MAX_SAMPLES",
@@ -143,6 +144,10 @@ class JobFacts:
     finished_at: float | None = None
     preempted_at: tuple[float, ...] = ()
     """Preemptions (``job.preempted``): an attempt running then ended by one."""
+
+
+#: The event kinds :func:`job_facts` reads (the rest it ignores, so a caller need read no other).
+FACT_KINDS = frozenset({EventKind.JOB_PLACED, EventKind.JOB_PREEMPTED})
 
 
 def job_facts(job: Job, events: Iterable[Event]) -> JobFacts:

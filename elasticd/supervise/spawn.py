@@ -17,12 +17,25 @@ Parent-death signal
     its workers with it when that thread ends, which is when the loop ends.
 
 Who the worker runs as
-    When the job runs as another user (:mod:`elasticd.security`),
-    ``subprocess`` switches groups, gid and uid in the child between fork and
-    exec, in C, and the wrapper then runs as that user: the kernel clears
-    the parent-death signal on a credential change, so it must be set after
-    it, and the job's environment (``LD_PRELOAD`` and friends) is never seen
-    by a process with more privilege than the job itself.
+    When the job runs as another user (:mod:`elasticd.security`), the root
+    stage below switches groups, gid and uid (with or without a cgroup to
+    join), and only then is the parent-death signal set (``setpriv``, or the
+    stage itself): the kernel clears the signal on a credential change. The
+    job's environment (``LD_PRELOAD`` and friends) is never seen by a process
+    with more privilege than the job itself: the stage runs with an empty
+    environment and hands the job's on after the switch.
+
+On the event loop's thread
+    Workers are forked on the loop's thread (above), so the fork must be
+    cheap: ``subprocess`` (CPython 3.11's ``_posixsubprocess``) uses
+    ``vfork()`` (no copy of the daemon's page tables; the parent resumes as
+    soon as the child execs) unless given ``preexec_fn`` or
+    ``user``/``group``/``extra_groups``, when it uses ``fork()`` and then
+    waits on its error pipe until the child has exec'd (about 8 ms of the
+    loop's time per start on a busy machine). So :func:`start_process` passes
+    none of them: a start as another user goes through the root stage, like a
+    start into a cgroup, and every start is a ``vfork()``. The umask and the
+    new session are set in the child by ``_posixsubprocess`` either way.
 
 One way to start anything: :func:`start_process`
     Workers and a job's own health check are started the same way (the
@@ -47,11 +60,11 @@ The start-up sweep
     Every spawn is also recorded (:class:`WorkerRegistry`); what a previous run
     left is killed by :func:`elasticd.supervise.sweep.sweep_orphans`.
 
-Into a cgroup before the job's code runs: :data:`PERL_STAGE`, else :data:`CGROUP_STAGE`
-    Given a ``cgroup.procs`` descriptor, :func:`start_process` execs a short
-    stage first, as root with an empty environment: it joins the cgroup,
-    closes the descriptor, switches user itself (and, in Perl, checks the
-    switch in ``/proc/self/status``), sets the parent-death signal and execs
+Into a cgroup, or as another user: :data:`PERL_STAGE`, else :data:`CGROUP_STAGE`
+    Given a ``cgroup.procs`` descriptor or another user, :func:`start_process`
+    execs a short stage first, as root with an empty environment: it joins the
+    cgroup (if given) and closes the descriptor, switches user itself (and, in
+    Perl, checks the switch in ``/proc/self/status``), sets the parent-death signal and execs
     the resolver with the job's environment (passed in a memfd). The job's
     environment thus still never reaches a process with more privilege than
     the job. The stage is ``perl -e`` where perl is usable (~2 ms to start,
@@ -115,23 +128,24 @@ PY_WRAPPER = (
 )
 
 
-#: The first program of a process started into a cgroup, run as root with an EMPTY
-#: environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv executable argv0
-#: args...`` (uid -1: no switch; setpriv "": none). It joins the cgroup through the
-#: daemon's descriptor and closes it, reads the environment from ``env_fd`` (``K=V``
-#: NUL-separated), switches user, and execs with that environment: through ``setpriv
-#: --pdeathsig KILL`` (as :func:`wrap_argv` does; saves importing ctypes here), else
-#: setting the parent-death signal itself (after the switch, which clears it) and
-#: making sure the parent did not die before that. A failure to join is reported on
-#: stdin (the verdict pipe) like the resolver's.
+#: The first program of a process started into a cgroup or as another user, run as root
+#: with an EMPTY environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv
+#: executable argv0 args...`` (procs_fd -1: no cgroup; uid -1: no switch; setpriv "":
+#: none). It joins the cgroup through the daemon's descriptor and closes it, reads the
+#: environment from ``env_fd`` (``K=V`` NUL-separated), switches user, and execs with
+#: that environment: through ``setpriv --pdeathsig KILL`` (as :func:`wrap_argv` does;
+#: saves importing ctypes here), else setting the parent-death signal itself (after the
+#: switch, which clears it) and making sure the parent did not die before that. A
+#: failure to join is reported on stdin (the verdict pipe) like the resolver's.
 CGROUP_STAGE = (
     "import os,sys\n"
     "a=sys.argv\n"
-    "try:os.write(int(a[1]),b'0')\n"
-    "except OSError as e:\n"
-    " import errno;n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
-    " os.write(0,b'cgroup\\0'+n+b'\\0');sys.exit(127)\n"
-    "os.close(int(a[1]))\n"
+    "if int(a[1])>=0:\n"
+    " try:os.write(int(a[1]),b'0')\n"
+    " except OSError as e:\n"
+    "  import errno;n=errno.errorcode.get(e.errno or 5,'EIO').encode()\n"
+    "  os.write(0,b'cgroup\\0'+n+b'\\0');sys.exit(127)\n"
+    " os.close(int(a[1]))\n"
     "with open(int(a[2]),'rb') as f:d=f.read()\n"
     "env=dict(x.split(b'=',1) for x in d.split(b'\\0') if b'=' in x)\n"
     "if not a[7]:import ctypes  # before the switch: the job's user may not read the stdlib\n"
@@ -174,9 +188,11 @@ sub fail {  # a verdict on the pipe (fd 0), as the Python stage and the resolver
   exit 127;
 }
 my %name = (1, "EPERM", 2, "ENOENT", 20, "ENOTDIR", 13, "EACCES");
-my $p;
-(open($p, ">&=", $pfd) and syswrite($p, "0")) or fail("cgroup", $name{$! + 0} || "EIO");
-close($p);
+if ($pfd >= 0) {
+  my $p;
+  (open($p, ">&=", $pfd) and syswrite($p, "0")) or fail("cgroup", $name{$! + 0} || "EIO");
+  close($p);
+}
 my ($e, $d, $got) = (undef, "", 0);
 open($e, "<&=", $efd) or fail("env", "EIO");
 while ($got = sysread($e, $d, 65536, length $d)) {}
@@ -266,7 +282,7 @@ def cgroup_argv(
     perl: str | None = None,
 ) -> list[str]:
     """The command line that runs ``argv`` (program ``executable``) through :data:`CGROUP_STAGE`
-    (or, given ``perl``, through :data:`PERL_STAGE`)."""
+    (or, given ``perl``, through :data:`PERL_STAGE`); ``procs_fd`` -1: join no cgroup."""
     uid, gid, groups = (
         (-1, -1, "")
         if identity is None
@@ -472,24 +488,17 @@ async def start_process(
     policy = policy or DEFAULT_POLICY
     argv = [str(arg) for arg in argv]
     full_env = process_env(env, identity)
-    credentials: dict[str, object] = {}
-    if identity is not None:
-        # Switched in the child between fork and exec, in C: before the
-        # wrapper sets the parent-death signal (a credential change clears it).
-        credentials = {
-            "user": identity.uid,
-            "group": identity.gid,
-            "extra_groups": list(identity.groups),
-        }
     program, resolver = resolver_argv(argv, cwd, stdin)
     env_fd: int | None = None
     pass_fds: tuple[int, ...] = () if stdin is None else (stdin,)
-    if cgroup_procs is None:
+    if cgroup_procs is None and identity is None:
         command = wrap_argv(program, resolver, setpriv=policy.wrapper())
         exec_env = full_env
     else:
         # The stage runs as root: it gets an empty environment, the job's comes in a
-        # memfd, and the user switch is the stage's own (not subprocess's).
+        # memfd, and the user switch is the stage's own, never subprocess's (its
+        # user=/group=/extra_groups= make it fork() where it would vfork(): see the
+        # module docstring, "On the event loop's thread").
         try:
             env_fd = _env_memfd(full_env)
         except OSError as exc:  # EMFILE, ENOMEM: the node's, not the job's
@@ -500,14 +509,14 @@ async def start_process(
         command = cgroup_argv(
             program,
             resolver,
-            procs_fd=cgroup_procs,
+            procs_fd=-1 if cgroup_procs is None else cgroup_procs,
             env_fd=env_fd,
             identity=identity,
             setpriv=policy.wrapper(),
             perl=policy.perl(),
         )
-        exec_env, credentials = {}, {}
-        pass_fds = (*pass_fds, cgroup_procs, env_fd)
+        exec_env = {}
+        pass_fds = (*pass_fds, *(() if cgroup_procs is None else (cgroup_procs,)), env_fd)
     try:
         verdict_r, verdict_w = os.pipe()
     except OSError as exc:  # EMFILE, ENFILE: the node's, not the job's
@@ -530,7 +539,6 @@ async def start_process(
                 start_new_session=True,
                 pass_fds=pass_fds,
                 umask=-1 if umask is None else umask,
-                **credentials,  # type: ignore[arg-type]
             )
         except (OSError, ValueError) as exc:
             raise WorkerSpawnError(

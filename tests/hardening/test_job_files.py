@@ -387,8 +387,8 @@ def _cgroups_writable(root: Path) -> bool:
 @pytest.mark.parametrize("stage", ["perl", "python", "none"])
 async def test_the_umask_holds_on_every_start_path(tmp_path: Path, stage: str) -> None:
     """start_process with umask 0o027, from a process whose umask is 077: the program has
-    0027 after the Perl root stage, the Python root stage (both with a user switch to
-    nobody) and the plain wrapped start."""
+    0027 after the Perl root stage, the Python root stage (each into a cgroup) and the
+    start with no cgroup (the Python stage again: all three switch to nobody)."""
     import pwd
 
     from elasticd.security import Identity

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
@@ -17,6 +18,7 @@ from elasticd.supervise import WorkerGroupProcesses, WorkerLaunch
 from elasticd.supervise.spawn import (
     PY_WRAPPER,
     SpawnPolicy,
+    find_perl,
     find_setpriv,
     wrap_argv,
 )
@@ -63,8 +65,13 @@ asyncio.run(main())
 
 
 def _orphan_worker(wrapper: str, user: str, log_dir: Path) -> int:
+    return int(_parent_output([PARENT, wrapper, user, str(log_dir)]).split()[-1])
+
+
+def _parent_output(args: list[str]) -> str:
+    """The stdout of ``python -c *args`` (a stand-in daemon), which must succeed."""
     done = subprocess.run(
-        [sys.executable, "-c", PARENT, wrapper, user, str(log_dir)],
+        [sys.executable, "-c", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -72,7 +79,7 @@ def _orphan_worker(wrapper: str, user: str, log_dir: Path) -> int:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
+    return done.stdout
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS)
@@ -111,6 +118,63 @@ def _runs_as_nobody(program: str) -> bool:
     except (OSError, subprocess.CalledProcessError):
         return False
     return True
+
+
+# A stand-in daemon that starts one worker as another user, with no cgroup, straight
+# through start_process (the root stage, then the parent-death signal), reads the
+# worker's ids and umask once it runs its program, prints them and dies at once.
+IDS_PARENT = """
+import asyncio, json, os, sys, time
+from pathlib import Path
+from elasticd.security import Identity
+from elasticd.supervise.spawn import SpawnPolicy, start_process
+
+stage, wrapper, uid, gid, groups = sys.argv[1:6]
+policy = SpawnPolicy(setpriv=wrapper == "setpriv", stage=stage == "perl")
+identity = Identity("probe", int(uid), int(gid), "/", tuple(int(g) for g in groups.split(",")))
+
+async def main():
+    proc = await start_process(
+        ["/bin/sh", "-c", "exec sleep 600"], dict(os.environ), identity=identity,
+        policy=policy, umask=0o027, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,  # not this process's pipes: the test reads them to EOF
+    )
+    status = Path(f"/proc/{proc.pid}/status")
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(bytes(1))[0] != b"sleep":
+        assert time.monotonic() < deadline, "the worker never ran its program"
+        await asyncio.sleep(0.005)
+    fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+    print(json.dumps({k: fields[k].split() for k in ("Uid", "Gid", "Groups", "Umask")}))
+    print(proc.pid, flush=True)
+    os._exit(0)  # die like a SIGKILLed daemon: nothing is stopped
+
+asyncio.run(main())
+"""
+
+
+@AS_ROOT
+@pytest.mark.parametrize("stage", ["perl", "python"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+async def test_a_worker_of_another_user_without_a_cgroup_has_its_ids_umask_and_death_signal(
+    stage: str, wrapper: str
+) -> None:
+    """Started as another user with no cgroup (the root stage, where subprocess would fork()
+    to switch users itself): the user's real, effective and saved uid and gid, exactly its
+    groups, the umask asked for, and the worker dies with its parent."""
+    if stage == "perl" and find_perl() is None:
+        pytest.skip("no usable perl")
+    nobody = lookup_user("nobody")
+    groups = sorted({nobody.gid, 100})
+    ids = [str(nobody.uid), str(nobody.gid), ",".join(map(str, groups))]
+    seen_line, pid_line = _parent_output([IDS_PARENT, stage, wrapper, *ids]).splitlines()[-2:]
+    seen = json.loads(seen_line)
+    assert seen["Uid"] == [str(nobody.uid)] * 4
+    assert seen["Gid"] == [str(nobody.gid)] * 4
+    assert sorted(int(g) for g in seen["Groups"]) == groups
+    assert seen["Umask"] == ["0027"]
+    pid = int(pid_line)
+    await eventually(lambda: not pid_alive(pid), 2.0, f"worker {pid} ({stage}, {wrapper}) to die")
 
 
 def test_the_wrapper_argv() -> None:

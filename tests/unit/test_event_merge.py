@@ -74,3 +74,31 @@ async def test_events_emitted_before_start_are_published_once_in_order(tmp_path)
         await log.stop()
     assert [e.message for e in merged] == [f"event {i}" for i in range(150)]
     assert [e.seq for e in merged] == sorted({e.seq for e in merged})
+
+
+@pytest.mark.timeout(10)
+async def test_events_of_some_kinds_are_those_of_the_full_merge(tmp_path) -> None:
+    """``cluster_events_of`` (the goodput's cheap read) finds exactly the merged view's
+    events of those kinds, also when another event's message names one of them."""
+    from elasticd.eventkinds import EventKind
+    from elasticd.goodput import FACT_KINDS
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
+    from elasticd.store.memory import MemoryStore
+
+    kinds = [EventKind.JOB_STATE, EventKind.JOB_PLACED, EventKind.WORKER_EXITED]
+    async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:
+        log = EventLog(db, "n0", store=store)
+        await log.start()
+        for i in range(60):
+            log.emit("j", "daemon", kinds[i % 3], f"event {i}")
+        log.emit("j", "daemon", EventKind.JOB_STATE, '"job.preempted" (only a message)')
+        log.emit("j", "daemon", EventKind.JOB_PREEMPTED, "preempted")
+        log.emit("other", "daemon", EventKind.JOB_PLACED, "another job's")
+        await log.flush()
+        merged = await log.cluster_events("j")
+        some = await log.cluster_events_of("j", FACT_KINDS)
+        await log.stop()
+    want = sorted(e.message for e in merged if e.kind in FACT_KINDS)
+    assert len(want) == 21
+    assert sorted(e.message for e in some) == want

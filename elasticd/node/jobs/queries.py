@@ -21,7 +21,7 @@ from typing import BinaryIO, Literal
 from elasticd.agent.agent import JobAgent, decode_group
 from elasticd.agent.goodput import parse_record
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
-from elasticd.goodput import Goodput, account, job_facts, merge_nodes
+from elasticd.goodput import FACT_KINDS, Goodput, account, job_facts, merge_nodes
 from elasticd.keys import goodput_prefix, group_prefix, job_key
 from elasticd.logs import stream_file
 from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
@@ -136,7 +136,7 @@ class JobQueries:
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput
-        events = await self.side.events.cluster_events(job_id, 0)  # bounded by retention
+        events = await self.side.events.cluster_events_of(job_id, FACT_KINDS)
         attempts = merge_nodes(records.values())
         return account(job_id, job_facts(job, events), attempts, now)
 

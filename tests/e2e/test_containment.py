@@ -218,7 +218,13 @@ async def test_a_stray_dies_when_the_job_ends_normally(open_tmp: Path, drop: Pat
             await _wait_event(c, "ends", "workers.strays")
             took = await eventually(lambda: not pid_alive(pid), 10, "the grandchild to die")
             events = await _events(c, "ends")
+            # The strays are reported when the attempt's cgroup goes, before the job's end
+            # is written: wait for the end (a stray's death must not fail the job).
             job = (await c.get("/jobs/ends")).json()
+            async with asyncio.timeout(30):
+                while job["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    await asyncio.sleep(0.05)
+                    job = (await c.get("/jobs/ends")).json()
     finally:
         daemon.stop()
     assert job["state"] == "SUCCEEDED", job

@@ -27,9 +27,9 @@ import logging
 
 from elasticd.agent import machine as m
 from elasticd.agent.attempt import AttemptPlan, NodeFacts, plan_attempt
+from elasticd.agent.awaits import health_failed, monitor, retry_later, started
 from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
 from elasticd.agent.early import Formation
-from elasticd.agent.edits import charge_now
 from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
 from elasticd.agent.handover import (
@@ -58,7 +58,6 @@ from elasticd.errors import (
     InvalidTransition,
     RendezvousClosed,
     RendezvousError,
-    SpawnStage,
     StoreError,
     StoreUnavailable,
     WorkerSpawnError,
@@ -67,12 +66,12 @@ from elasticd.eventkinds import EventKind
 from elasticd.goodput import End, NodeGoodput
 from elasticd.keys import group_key
 from elasticd.models import GroupView, Job, JobSpec
-from elasticd.rendezvous import Change, RoundInfo
+from elasticd.rendezvous import RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.supervise.adopt import end_handed
 from elasticd.supervise.process import GroupResult
-from elasticd.tasks import TaskSet, race
+from elasticd.tasks import TaskSet
 
 __all__ = ["AgentContext", "ConsoleSink", "JobAgent", "JobUpdater", "decode_group"]
 
@@ -92,7 +91,8 @@ class JobAgent:
         self._handover = handover
         #: Taking up a handed-over attempt: ``/readyz`` is not ready until it is done.
         self.adopting = handover is not None
-        #: Parked in :meth:`_monitor` with the workers running: a re-exec may hand it over.
+        #: Parked in :func:`~elasticd.agent.awaits.monitor` with the workers running: a re-exec
+        #: may hand it over.
         self._monitoring = False
         self.spec: JobSpec = job.spec
         self.ctx = ctx
@@ -262,9 +262,12 @@ class JobAgent:
 
     async def _round_once(self) -> None:
         """One round: health checks, the rendezvous, then the round's events until it ends."""
-        now = self.ctx.clock.monotonic()
+        ctx = self.ctx
+        now = ctx.clock.monotonic()
         if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
-            if not await self._health_checks():
+            failed = await health_failed(self._health, self._identity, ctx.update_job, self.job_id)
+            if failed is not None:
+                await self._on(failed)
                 return
             # Passed: not run again (nor evented) while rounds fail on a lost store,
             # until workers start or the result is stale.
@@ -293,7 +296,7 @@ class JobAgent:
             if event is None and self._machine.phase is m.Phase.RUNNING:
                 self._monitoring = True
                 try:
-                    event = await self._monitor(round_)
+                    event = await monitor(self._group, self._progress, self._watch, round_.round)
                 finally:
                     self._monitoring = False
             if event is None:
@@ -377,7 +380,11 @@ class JobAgent:
                 pass  # the machine keeps it: the next round's start reads it
             case m.StartWorkers():
                 assert round_ is not None
-                self._next = await self._start(round_)
+                self._next = await started(
+                    lambda: self._launch(round_, self._restart_count, early=False),
+                    self.ctx.node,
+                    self.ctx.clock,
+                )
             case m.Running(early=early):
                 assert round_ is not None
                 await self._running(round_, early=early)
@@ -408,7 +415,9 @@ class JobAgent:
                 await self._job.fail(kind, reason, source=source, error=error, attempt=seq)
             case m.RetryStart():
                 assert round_ is not None
-                self._next = await self._retry_later(round_, effect)
+                self._next = await retry_later(
+                    self._emit, self.ctx.node, self._watch, round_.round, effect, self.spawn_seq
+                )
             case m.GiveBackJob(waited=waited, error=error, cause=cause):
                 # The job service declines the job here a while; run() leaves the round.
                 self.gave_back = True
@@ -448,82 +457,6 @@ class JobAgent:
         except WorkerSpawnError as exc:  # its token file: the node's trouble
             message = f"the job cannot run on {self.ctx.node}: {exc}"
             await self._on(m.UserRefused(side_of(exc), message, str(exc), cause_of(exc)))
-
-    async def _health_checks(self) -> bool:
-        """Run the health checks before a (re)start; True: healthy, go on.
-
-        A failure spends one restart at once (HealthFailed): a single-node job
-        then tries again (or fails once the budget is spent); in a multi-node
-        job this node leaves the rendezvous so that a spare or the others carry on.
-        """
-        root = await self._health.prerun(self._identity)
-        if root is None:
-            return True
-        job = await self.ctx.update_job(self.job_id, mutate=charge_now(root))
-        await self._on(m.HealthFailed(job_ended=job.state.is_terminal))
-        return False
-
-    async def _start(self, round_: RoundInfo) -> m.Event:
-        """Start the round's workers: WorkersStarted, or StartFailed (whose side it is)."""
-        try:
-            try:
-                await self._launch(round_, self._restart_count, early=False)
-            except OSError as exc:  # the daemon's own work
-                raise WorkerSpawnError(
-                    f"the daemon could not prepare the start: {exc}", stage=SpawnStage.DAEMON
-                ) from exc
-        except WorkerSpawnError as exc:
-            return m.StartFailed(
-                side_of(exc),
-                f"workers could not be started on {self.ctx.node}: {exc}",
-                error=str(exc),
-                cause=cause_of(exc),
-                at=self.ctx.clock.monotonic(),
-            )
-        return m.WorkersStarted()
-
-    async def _retry_later(self, round_: RoundInfo, retry: m.RetryStart) -> m.Event:
-        """Say a start is retried, then wait, but not past the round: the job may end,
-        or the others re-form. RetryDue, or the change."""
-        self._emit(
-            EventKind.WORKERS_SPAWN_RETRY,
-            f"{self.ctx.node} could not start the workers of attempt {self.spawn_seq} "
-            f"({retry.cause}: {retry.error}); this is the node's trouble, not the job's: "
-            f"trying again in {retry.delay:.2f} s (try {retry.tries}, no restart spent)",
-            attempt=self.spawn_seq,
-            cause=retry.cause,
-            count=retry.tries,
-        )
-        which, change = await race(asyncio.sleep(retry.delay), self._watch.change(round_.round))
-        if which == 1:
-            assert isinstance(change, Change)
-            return m.RoundChanged(change)
-        return m.RetryDue()
-
-    async def _monitor(self, round_: RoundInfo) -> m.Event:
-        """The attempt's result, a hang, or the rendezvous change that interrupts it."""
-        # In order of precedence when several are ready at once: the group's own
-        # result, then a hang, then a rendezvous change.
-        contenders = [self._outcome()]
-        if self._progress.watches_hangs:
-            contenders.append(self._hang())
-        contenders.append(self._round_changed(round_.round))
-        contenders.append(self._watch_progress())  # never returns: steps and checkpoints
-        _, event = await race(*contenders)
-        return event
-
-    async def _watch_progress(self) -> m.Event:
-        await self._progress.watch()
-        raise AssertionError("the progress watch never returns")  # pragma: no cover
-
-    async def _hang(self) -> m.Event:
-        return m.HangSeen(await self._progress.hang())
-
-    async def _round_changed(self, my_round: int) -> m.Event:
-        return m.RoundChanged(await self._watch.change(my_round))
-
-    async def _outcome(self) -> m.Event:
-        return m.WorkersEnded(await self._group.outcome())
 
     # workers
 
@@ -620,14 +553,7 @@ class JobAgent:
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
         self._job_progress = job.progress
-        pending = job.pending_failure
-        return m.FailureRecorded(
-            job_ended=job.state.is_terminal,
-            restart_count=job.restart_count,
-            max_restarts=job.max_restarts,
-            recorded_here=pending is not None and pending.round == round_.round,
-            solo=self.ctx.rendezvous.solo_round(round_),
-        )
+        return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))
 
     async def _finish_closed(self) -> None:
         """The rendezvous is closed: the job ended (cancelled, failed or succeeded elsewhere)."""

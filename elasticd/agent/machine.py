@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 from elasticd.agent.nodefail import GiveBack, RetrySettings, Side, decide_retry
 from elasticd.agent.progress import Hang
 from elasticd.eventkinds import EventKind
-from elasticd.models import EventSource
+from elasticd.models import EventSource, Job
 from elasticd.rendezvous import Change, RoundInfo
 from elasticd.states import WorkerState
 from elasticd.supervise.process import GroupResult
@@ -209,6 +209,13 @@ class FailureRecorded:
     """The job's pending failure is the one of the round that just failed."""
     solo: RoundInfo | None
     """The next round, when no other node can join (known here); None otherwise."""
+
+    @classmethod
+    def of(cls, job: Job, failed_round: int, solo: RoundInfo | None) -> FailureRecorded:
+        """The event, from the job document the failure of ``failed_round`` was written to."""
+        pending = job.pending_failure
+        here = pending is not None and pending.round == failed_round
+        return cls(job.state.is_terminal, job.restart_count, job.max_restarts, here, solo)
 
 
 @dataclass(frozen=True)

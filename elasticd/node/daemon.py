@@ -842,7 +842,9 @@ class Daemon(ReexecMixin):
             # now, a health check still running): killed if nobody reads its end, reaped.
             kill, reap = manifest.inherited_to_end()
             if reap:
-                self._background.spawn(end_inherited(kill, reap), name="reap-inherited")
+                self._background.spawn(
+                    end_inherited(kill, reap, manifest.children), name="reap-inherited"
+                )
 
     async def _retain(self) -> None:
         """Delete finished jobs once they are older than ``job_retention``, forever."""

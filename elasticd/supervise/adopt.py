@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticd.supervise.sweep import process_start_time
+from elasticd.supervise.sweep import process_start_time, start_time_of
 
 __all__ = [
     "AdoptedProcess",
@@ -273,10 +273,13 @@ class AdoptedProcess:
     only its own pid, never ``-1``.
     """
 
-    def __init__(self, pid: int, returncode: int | None = None) -> None:
+    def __init__(self, pid: int, returncode: int | None = None, *, worker: bool = True) -> None:
+        """``worker``: a handed-over worker, which no one else may reap or kill (the
+        containment's strays and the zombie sweep leave it); False: an inherited child
+        that is only reaped here, and stays a stray of its job for the containment."""
         self.pid = pid
         self.returncode = returncode
-        if returncode is None:
+        if returncode is None and worker:
             _adopted.add(pid)
 
     async def wait(self) -> int:
@@ -353,17 +356,24 @@ def inherited_to_end(
     return kill, reap
 
 
-async def end_inherited(kill: Collection[int], reap: Collection[int]) -> None:
-    """SIGKILL each of ``kill`` (its process group when it leads one), then reap each of
-    ``reap`` as it exits, on the loop (pidfd). Only this process's children: a pid is not
-    reused until its parent reaps it, so it names the same process throughout."""
+async def end_inherited(
+    kill: Collection[int], reap: Collection[int], started: Mapping[int, int | None]
+) -> None:
+    """SIGKILL each of ``kill`` (its process group when it leads one) while it is still
+    the process of its start time in ``started``, then reap each of ``reap`` as it exits,
+    on the loop (pidfd). Only this process's children; the subreaper's zombie sweep may
+    reap one first (its pid may then be reused): hence the start-time check before the
+    kill, and the wait never signals. They stay strays of their job (not "adopted"):
+    an attempt's containment still kills the ones its job left."""
     for pid in kill:
+        if started.get(pid) is None or start_time_of(pid) != started[pid]:
+            continue  # gone, or no longer the process the old image started
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
             else:
                 os.kill(pid, signal.SIGKILL)
-    await asyncio.gather(*(AdoptedProcess(pid).wait() for pid in reap))
+    await asyncio.gather(*(AdoptedProcess(pid, worker=False).wait() for pid in reap))
 
 
 def _settle(future: asyncio.Future[None]) -> None:

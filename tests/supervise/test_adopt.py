@@ -23,7 +23,7 @@ from elasticd.supervise.adopt import (
     inherited_to_end,
     unreported_exit,
 )
-from elasticd.supervise.sweep import process_start_time
+from elasticd.supervise.sweep import process_start_time, start_time_of
 
 
 class Child:
@@ -187,15 +187,29 @@ async def test_end_inherited_kills_what_it_must_and_reaps_every_one() -> None:
     killed = child("import time; time.sleep(60)")
     ends = child("import time; time.sleep(0.2)")
     worker = child("import time; time.sleep(60)")
+    # A pid to kill whose start time is not the one the old image recorded: by then
+    # another process (a reused pid): never signalled.
+    other = child("import time; time.sleep(60)")
+    started = {p.pid: start_time_of(p.pid) for p in (killed, ends)}
+    started[other.pid] = (start_time_of(other.pid) or 0) + 1
     try:
         async with asyncio.timeout(30):
-            await end_inherited({killed.pid}, {killed.pid, ends.pid})
+            ending = asyncio.ensure_future(
+                end_inherited({killed.pid, other.pid}, {killed.pid, ends.pid}, started)
+            )
+            await asyncio.sleep(0)
+            # Reaped here, but still strays of their job: the containment's "known" (the
+            # daemon's own children, whom it never kills) does not list them.
+            assert not {killed.pid, ends.pid} & adopted_children()
+            await ending
         for reaped in (killed, ends):
             with pytest.raises(ChildProcessError):
                 os.waitpid(reaped.pid, os.WNOHANG)  # noqa: ASYNC222 - reaped already
         assert _state(worker.pid) not in (None, "Z")
+        assert _state(other.pid) not in (None, "Z")
     finally:
         worker.kill()
+        other.kill()
 
 
 @pytest.mark.parametrize(

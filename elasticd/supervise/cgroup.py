@@ -112,6 +112,7 @@ __all__ = [
     "AttemptContainment",
     "AttemptName",
     "Containment",
+    "STANDBY_MARKER",
     "Leftover",
     "attempt_name",
     "cgroup2_mount",
@@ -129,6 +130,9 @@ ContainmentChoice = Literal["auto", "cgroup", "subreaper"]
 #: How long a killed cgroup may take to empty before it is given up (left for the sweep).
 EMPTY_TIMEOUT = 10.0
 
+#: The environment variable that names one standby's processes (its value, a random token,
+#: is the standby's own; the program it becomes does not see it in ``os.environ``).
+STANDBY_MARKER = "ELASTICD_STANDBY"
 PR_SET_CHILD_SUBREAPER = 36
 
 #: How many more times (20 ms apart) the subreaper looks at an adopted process whose
@@ -414,10 +418,14 @@ class AttemptContainment:
         job_id: str,
         attempt_tag: str | None,
         known: Callable[[], Collection[int]] = frozenset,
+        marker: str | None = None,
     ) -> None:
+        """``marker``: a standby's (:data:`STANDBY_MARKER`): under the subreaper its strays
+        are only the processes whose environment carries it."""
         self.cgroup = cgroup
         self.job_id = job_id
         self.attempt_tag = attempt_tag
+        self.marker = marker
         self._known = known
         self.procs_fd: int | None = None
         if cgroup is not None:
@@ -495,6 +503,8 @@ class AttemptContainment:
                 tag = env.get("ELASTICD_ATTEMPT")
                 if self.attempt_tag is not None and tag not in (None, self.attempt_tag):
                     continue
+                if self.marker is not None and env.get(STANDBY_MARKER) != self.marker:
+                    continue  # a standby's release: not the running attempt's strays
                 members[pid] = _pgrp(pid)
             if time.monotonic() >= deadline:
                 break
@@ -591,13 +601,15 @@ class Containment:
         return base
 
     def open_attempt(
-        self, job_id: str, attempt: int | None, attempt_tag: str | None
+        self, job_id: str, attempt: int | None, attempt_tag: str | None, marker: str | None = None
     ) -> AttemptContainment:
-        """A fresh cgroup for one attempt (or the subreaper's bookkeeping)."""
+        """A fresh cgroup for one attempt (or the subreaper's bookkeeping); ``marker``: a
+        standby's (:class:`AttemptContainment`)."""
         if self.base is None:
             return AttemptContainment(
-                cgroup=None, job_id=job_id, attempt_tag=attempt_tag, known=self._known
-            )
+                cgroup=None, job_id=job_id, attempt_tag=attempt_tag, known=self._known,
+                marker=marker,
+            )  # fmt: skip
         path = self.base / attempt_name(job_id, attempt, secrets.token_hex(4))
         try:
             path.mkdir(mode=0o755)
@@ -613,8 +625,9 @@ class Containment:
         path.chmod(0o755)  # not the daemon's umask of 077: the job may read its limits
         try:
             return AttemptContainment(
-                cgroup=Cgroup(path), job_id=job_id, attempt_tag=attempt_tag, known=self._known
-            )
+                cgroup=Cgroup(path), job_id=job_id, attempt_tag=attempt_tag, known=self._known,
+                marker=marker,
+            )  # fmt: skip
         except BaseException:
             Cgroup(path).remove()
             raise

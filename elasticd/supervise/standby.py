@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import signal
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -58,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.security import Identity
+from elasticd.supervise.cgroup import STANDBY_MARKER
 from elasticd.supervise.env import ROUND_VARIABLES
 from elasticd.supervise.records import WorkerRecord
 from elasticd.supervise.spawn import SpawnPolicy, process_env, start_process
@@ -354,16 +356,22 @@ class StandbyPool:
             return  # the start says why, as a cold start's reason
         self.filled = True
         containment = None
+        # Names what this standby starts before its hand-off (it leaves the program's
+        # os.environ there: ``given`` holds it): under the subreaper, the strays its
+        # release may kill are these, never the running attempt's.
+        marker = secrets.token_hex(8)
         if self.policy.containment is not None:
             # One cgroup per standby: at the hand-off all of it goes into the attempt's.
             try:
-                containment = self.policy.containment.open_attempt(self.job_id, None, None)
+                containment = self.policy.containment.open_attempt(
+                    self.job_id, None, None, marker=marker
+                )
             except OSError as exc:  # the worker starts cold ("no standby for it")
                 log.warning("job %s: no cgroup for a standby: %s", self.job_id, exc)
                 return
         spec = json.dumps({"modules": self.modules, "kind": program.kind, "target": program.target})
         argv = [program.interpreter, *program.options, "-c", self._bootstrap, spec]
-        env = standby_env(launch.env)
+        env = {**standby_env(launch.env), STANDBY_MARKER: marker}
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -276,3 +277,47 @@ async def test_a_standby_lost_as_it_gets_ready_starts_the_worker_cold(tmp_path: 
         os.kill(standby.pid, signal.SIGKILL)
         await standby.process.wait()  # reaped here: the pool no longer knows it
         await pool.aclose()
+
+
+STANDBY_RELEASE = """
+import asyncio, ctypes, os, subprocess, sys, time
+from elasticd.supervise.cgroup import STANDBY_MARKER, AttemptContainment
+from elasticd.supervise.sweep import own_children, start_time_of
+
+async def main():
+    assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # a subreaper, as the daemon
+    base = {"ELASTICD_JOB_ID": "j1", "PATH": "/bin:/usr/bin"}
+    # The running attempt's orphan, and one a standby's imports left (both re-parented here).
+    for env in ({**base, "ELASTICD_ATTEMPT": "a3"}, {**base, STANDBY_MARKER: "m1"}):
+        subprocess.run(["/bin/sh", "-c", "sleep 1000 >/dev/null 2>&1 &"], env=env, check=True)
+    deadline = time.monotonic() + 10
+    while len(own_children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    def env_of(pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    found = {pid: env_of(pid) for pid in own_children()}
+    attempt = next(p for p, e in found.items() if b"ELASTICD_ATTEMPT=a3" in e)
+    standby = next(p for p, e in found.items() if b"=m1" in e)
+    release = AttemptContainment(cgroup=None, job_id="j1", attempt_tag=None, marker="m1")
+    killed = await release.stop(())
+    print(sorted(killed) == [standby], start_time_of(attempt) is not None, flush=True)
+    os.kill(attempt, 9)
+    os.waitpid(attempt, 0)
+
+asyncio.run(main())
+"""
+
+
+def test_a_standbys_release_kills_its_own_strays_not_the_running_attempts(tmp_path) -> None:
+    """Under the subreaper, a standby that dies (or is replaced) takes with it what its
+    imports left (marked with its token), never an orphan of the attempt that runs."""
+    out = subprocess.run(
+        [sys.executable, "-c", STANDBY_RELEASE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

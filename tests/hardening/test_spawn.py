@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
@@ -289,3 +290,28 @@ async def test_a_log_file_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
     with pytest.raises(WorkerSpawnError, match="cannot set up the logs"):
         await WorkerGroupProcesses.start([launch])
     assert target.read_text() == "keep me\n"
+
+
+@AS_ROOT
+@pytest.mark.parametrize("stage", ["perl", "python"])
+async def test_a_user_switch_that_fails_is_a_start_error_on_each_stage(
+    tmp_path: Path, stage: str
+) -> None:
+    """A group the kernel refuses (gid 2^32 - 1): the start raises, as the stage's failure,
+    on the Perl and the Python stage alike; nothing of the job runs."""
+    from elasticd.errors import SpawnStage
+    from elasticd.security import Identity
+    from elasticd.supervise.spawn import SpawnPolicy, start_process
+
+    bad = Identity("nobody", 65534, 65534, "/nonexistent", (65534, 4294967295))
+    marker = tmp_path / "ran"
+    with pytest.raises(WorkerSpawnError) as caught:
+        async with asyncio.timeout(30):
+            await start_process(
+                ["/bin/touch", str(marker)],
+                {"PATH": "/bin:/usr/bin"},
+                identity=bad,
+                policy=SpawnPolicy(stage=stage == "perl"),
+            )
+    assert caught.value.stage is SpawnStage.STAGE, caught.value
+    assert not marker.exists()

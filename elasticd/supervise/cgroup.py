@@ -130,6 +130,8 @@ ContainmentChoice = Literal["auto", "cgroup", "subreaper"]
 #: How long a killed cgroup may take to empty before it is given up (left for the sweep).
 EMPTY_TIMEOUT = 10.0
 
+#: Seconds a move of a whole cgroup (a standby's, at its hand-off) may hold the event loop.
+MOVE_BUDGET = 0.1
 #: The environment variable that names one standby's processes (its value, a random token,
 #: is the standby's own; the program it becomes does not see it in ``os.environ``).
 STANDBY_MARKER = "ELASTICD_STANDBY"
@@ -344,13 +346,20 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 _write(self.path / "cgroup.freeze", "0")
 
-    def move_all(self, target_procs: int, rounds: int = 100) -> bool:
+    def move_all(self, target_procs: int, budget: float | None = None) -> bool:
         """Move every member into the cgroup whose ``cgroup.procs`` is open as ``target_procs``.
 
-        A member forking meanwhile may leave its child behind: read again until none is
-        left (False if ``rounds`` did not suffice).
+        The cgroup is frozen first, so its members stop forking (each thaws as it lands in
+        the unfrozen target); a fork already under way may still leave a child behind:
+        read again until none is left. Synchronous, on the caller's thread (the event
+        loop's), so bounded by ``budget`` seconds (:data:`MOVE_BUDGET`): False past it, and
+        what is left is the caller's to kill (a member that forks without end cannot hold
+        the daemon).
         """
-        for _ in range(rounds):
+        with contextlib.suppress(OSError):  # no freezer (an old kernel): the rounds alone
+            (self.path / "cgroup.freeze").write_text("1")
+        deadline = time.monotonic() + (MOVE_BUDGET if budget is None else budget)
+        while True:
             pids = self.pids()
             if not pids:
                 return True
@@ -359,7 +368,8 @@ class Cgroup:
                     os.write(target_procs, str(pid).encode())
                 except ProcessLookupError:
                     pass  # gone meanwhile (a zombie is no member: reaped or not, it is out)
-        return not self.pids()
+            if time.monotonic() >= deadline:
+                return not self.pids()
 
     def remove(self) -> bool:
         """rmdir; False if it still has members (left for the next sweep)."""

@@ -188,6 +188,11 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
         assert standby.stopped and standby.procs_fd is None
         assert not standby.cgroup.path.exists()
         assert {proc.pid, *helpers} <= set(attempt.cgroup.pids())
+        # Frozen for the move, thawed where they land: the helper forks on in its new cgroup.
+        seen = set(attempt.cgroup.pids())
+        async with asyncio.timeout(10):
+            while set(attempt.cgroup.pids()) <= seen:
+                await asyncio.sleep(0.01)
         await attempt.stop([proc.pid])
         assert await asyncio.wait_for(proc.wait(), 10) == -9
         assert not attempt.cgroup.path.exists()

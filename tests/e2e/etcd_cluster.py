@@ -66,8 +66,14 @@ class EtcdCluster:
 
     def __init__(self, root: Path, size: int = 3) -> None:
         self.binary = etcd_binary()
+        self._root, self._size = root, size
+        self._members(0)
+
+    def _members(self, generation: int) -> None:
+        """Fresh members: ports, data dirs, the cluster's token (``generation`` names them)."""
+        root = self._root / f"g{generation}" if generation else self._root
         root.mkdir(parents=True, exist_ok=True)
-        self.members = [EtcdMember(f"m{i}", root) for i in range(size)]
+        self.members = [EtcdMember(f"m{i}", root) for i in range(self._size)]
         self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         self._token = f"elasticd-test-{uuid.uuid4().hex}"
 
@@ -152,8 +158,18 @@ class EtcdCluster:
             m.kill()
 
     def __enter__(self) -> EtcdCluster:
-        self.start()
-        return self
+        # A free port is only free when it is picked: another process (a test beside this
+        # one) may bind it before etcd does. Then start afresh on other ports, twice at most.
+        for generation in range(3):
+            try:
+                self.start()
+                return self
+            except AssertionError as exc:
+                self.kill_all()
+                if "address already in use" not in str(exc) or generation == 2:
+                    raise
+                self._members(generation + 1)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def __exit__(self, *exc: object) -> None:
         self.kill_all()

@@ -90,8 +90,8 @@ async def get_job(job_id: str, request: Request) -> Job:
 async def cancel_job(job_id: str, body: Empty, request: Request) -> Job:
     """Stop the job's workers and end it as CANCELLED. The body is ``{}``."""
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.CANCEL)
-    return await jobs.cancel(job_id)
+    seen = await jobs.authorized(job_id, principal_of(request), Action.CANCEL)
+    return await jobs.cancel(job_id, seen)
 
 
 @router.delete(
@@ -103,8 +103,8 @@ async def cancel_job(job_id: str, body: Empty, request: Request) -> Job:
 async def delete_job(job_id: str, request: Request) -> Response:
     """Forget a finished job (its record, events and groups; log files stay on disk)."""
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.DELETE)
-    await jobs.delete(job_id)
+    seen = await jobs.authorized(job_id, principal_of(request), Action.DELETE)
+    await jobs.delete(job_id, seen)
     return Response(status_code=204)
 
 

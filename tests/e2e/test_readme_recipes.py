@@ -57,9 +57,11 @@ def localized(script: str, folder: Path, ports: list[int]) -> str:
     fixed port or /tmp path fails here, so the test cannot silently use the real ones.
     """
     script = script.replace("707$i", "${PORTS[$i]}")
-    for i, port in enumerate(ports):
-        script = script.replace(f"707{i}", str(port))
-    assert "707" not in script, script
+    spelled = re.compile(rf"707([0-{len(ports) - 1}])")
+    # Judged before the ports go in, and in one pass: a free port may itself contain
+    # "707" (50707) or another spelling (17071).
+    assert "707" not in spelled.sub("", script), script
+    script = spelled.sub(lambda m: str(ports[int(m.group(1))]), script)
     script = script.replace("/tmp/", f"{folder}/")
     return f"set -euo pipefail\nPORTS=({' '.join(map(str, ports))})\n{script}"
 
@@ -76,6 +78,14 @@ def test_localized_rewrites_only_the_ports_and_paths(script, expected):
     """The rewrite maps 707i to the i-th port and /tmp/ to the test's folder, under set -euo."""
     assert localized(script, Path("/F"), [2000, 2001, 2002]) == (
         f"set -euo pipefail\nPORTS=(2000 2001 2002)\n{expected}"
+    )
+
+
+def test_free_ports_that_contain_707_are_not_taken_for_readme_ports():
+    """Ports like 50707 or 17071 (CI drew them) go in as they are, and only once."""
+    script = "curl 127.0.0.1:7070/a 127.0.0.1:7071/b 127.0.0.1:7072/c"
+    assert localized(script, Path("/F"), [50707, 17071, 7072]).endswith(
+        "curl 127.0.0.1:50707/a 127.0.0.1:17071/b 127.0.0.1:7072/c"
     )
 
 

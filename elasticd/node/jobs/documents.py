@@ -82,6 +82,34 @@ def redacted(job: Job) -> Job:
     return job.model_copy(update={"spec": spec, "error": None})
 
 
+def already_ended(job: Job) -> str:
+    """Why an action on an ended job is a conflict (409)."""
+    return f"job {job.id!r} already ended as {job.state.value}; nothing to cancel"
+
+
+def same_job(seen: Job | None, job: Job) -> None:
+    """Raise ``JobConflict`` when ``job`` is not the job its caller was authorized for
+    (``seen``): the id was deleted and taken again in between."""
+    if seen is not None and incarnation(job) != incarnation(seen):
+        raise JobConflict(f"job {job.id!r} was replaced by a new job of that id; try again")
+
+
+def cancelled(seen: Job | None = None) -> JobMutation:
+    """The cancel's edit, decided on the version of the document it is written over.
+
+    A job that ended meanwhile (its workers failed, a peer cancelled it) is a
+    conflict, never an illegal transition; so is a job that replaced ``seen``.
+    """
+
+    def edit(job: Job) -> JobEdit:
+        same_job(seen, job)
+        if job.state.is_terminal:
+            raise JobConflict(already_ended(job))
+        return {"state": JobState.CANCELLED, "reason": "cancelled by user"}
+
+    return edit
+
+
 def incarnation(job: Job) -> str:
     """Which job of its id ``job`` is: its log folders on each node say so (:mod:`elasticd.logs`).
 

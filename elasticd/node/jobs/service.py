@@ -72,10 +72,13 @@ from elasticd.node.events import EventLog
 from elasticd.node.jobs.documents import (
     JobDocuments,
     JobsSide,
+    already_ended,
+    cancelled,
     facts_of,
     owner_of,
     parse_job,
     redacted,
+    same_job,
 )
 from elasticd.node.jobs.queries import JobQueries
 from elasticd.node.jobs.reconcile import Reconciler, Slots
@@ -335,21 +338,27 @@ class JobService:
             return job
         return redacted(job)
 
-    async def cancel(self, job_id: str) -> Job:
+    async def cancel(self, job_id: str, seen: Job | None = None) -> Job:
+        """End the job as CANCELLED and stop its workers on every node.
+
+        ``seen``: the job its caller was authorized for; a job submitted again
+        under its id since then is not cancelled (409).
+        """
         job = await self.get(job_id)
+        same_job(seen, job)
         if job.launcher != Launcher.ELASTICD:
             raise JobConflict(
                 f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "
                 f"{job.launcher} processes"
             )
         if job.state.is_terminal:
-            raise JobConflict(
-                f"job {job_id!r} already ended as {job.state.value}; nothing to cancel"
-            )
+            raise JobConflict(already_ended(job))
         self.events.emit(
             job_id, "daemon", EventKind.JOB_CANCEL_REQUESTED, f"cancel requested on {self.node}"
         )
-        job = await self.update_job(job_id, state=JobState.CANCELLED, reason="cancelled by user")
+        # Decided on the document the compare-and-set writes over: the job may have ended
+        # since the read above (its workers failed, a peer cancelled it), and that is a 409.
+        job = await self.update_job(job_id, mutate=cancelled(seen))
         # Closing the rendezvous tells every node's agent to stop its workers.
         await self._close_rendezvous(job_id)
         return job
@@ -383,22 +392,28 @@ class JobService:
                     self.events.forget(job_id)
         return deleted
 
-    async def delete(self, job_id: str) -> None:
+    async def delete(self, job_id: str, seen: Job | None = None) -> None:
         """Forget a finished job: its document, events, groups and rendezvous keys.
 
         Worker log files stay on disk (they are the user's data). A job that
         has not ended cannot be deleted: cancel it first; a torchrun-launched
-        run with no live torchrun left may be deleted in any state.
+        run with no live torchrun left may be deleted in any state. ``seen``: as
+        for :meth:`cancel`.
         """
-        job = await self.get(job_id)
+        # One read: the version deleted is the one judged (a job deleted and submitted
+        # again under its id between two reads must not be deleted unjudged).
+        entry = await self.store.get(job_key(job_id))
+        if entry is None:
+            raise JobNotFound(f"no job with id {job_id!r}")
+        job = parse_job(job_id, entry.value)
+        same_job(seen, job)
         torch_run = job.launcher != Launcher.ELASTICD
         abandoned = torch_run and not await self.documents.live_members(job_id)
         if not job.state.is_terminal and not abandoned:
             # A torchrun run whose torchruns are all gone (stopped by a signal, torch's
             # launcher skips its shutdown then) keeps its last state for ever: it may go.
             raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
-        entry = await self.store.get(job_key(job_id))
-        if entry is None or not await self.store.delete(job_key(job_id), entry.version):
+        if not await self.store.delete(job_key(job_id), entry.version):
             raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
         for prefix in keys_of_job(job_id):
             for item in (await self.store.list(prefix)).entries:

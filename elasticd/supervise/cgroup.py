@@ -114,6 +114,7 @@ __all__ = [
     "Containment",
     "STANDBY_MARKER",
     "Leftover",
+    "Move",
     "attempt_name",
     "cgroup2_mount",
     "leftovers",
@@ -346,30 +347,52 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 _write(self.path / "cgroup.freeze", "0")
 
-    def move_all(self, target_procs: int, budget: float | None = None) -> bool:
-        """Move every member into the cgroup whose ``cgroup.procs`` is open as ``target_procs``.
+    def move_all(self, target: Cgroup, target_procs: int, budget: float | None = None) -> Move:
+        """Move every member into ``target``, whose ``cgroup.procs`` is open as ``target_procs``.
 
-        The cgroup is frozen first, so its members stop forking (each thaws as it lands in
-        the unfrozen target); a fork already under way may still leave a child behind:
-        read again until none is left. Synchronous, on the caller's thread (the event
-        loop's), so bounded by ``budget`` seconds (:data:`MOVE_BUDGET`): False past it, and
-        what is left is the caller's to kill (a member that forks without end cannot hold
-        the daemon).
+        All or nothing. This cgroup is frozen first, so its members stop forking, and
+        ``target`` too for the move's length, so that a member stays frozen where it lands
+        (the kernel thaws a task moved into an unfrozen cgroup) until the whole move is
+        done. A fork already under way may still leave a child behind: read again until
+        none is left. Synchronous, on the caller's thread (the event loop's), so bounded
+        by ``budget`` seconds (:data:`MOVE_BUDGET`), looked at before every single move
+        (one move takes up to a millisecond: a round of a hundred members would overrun
+        it). Past it, what was moved is SIGKILLed where it landed (still frozen, it
+        started nothing there) and :attr:`Move.done` is False: what is left here is the
+        caller's to kill (:meth:`stop`). So a member that forks without end, or a standby
+        with too many processes, cannot hold the daemon, nor leave anything in ``target``.
+
+        Without a freezer (an old kernel, or one that will not hold them) the rounds alone
+        race the forks; a member moved then may fork in ``target`` before the give-up
+        kills it, and such a child is ``target``'s until its own stop.
         """
         with contextlib.suppress(OSError):  # no freezer (an old kernel): the rounds alone
-            (self.path / "cgroup.freeze").write_text("1")
-        deadline = time.monotonic() + (MOVE_BUDGET if budget is None else budget)
-        while True:
-            pids = self.pids()
-            if not pids:
-                return True
-            for pid in pids:
-                try:
-                    os.write(target_procs, str(pid).encode())
-                except ProcessLookupError:
-                    pass  # gone meanwhile (a zombie is no member: reaped or not, it is out)
-            if time.monotonic() >= deadline:
-                return not self.pids()
+            _write(self.path / "cgroup.freeze", "1")
+        held = False
+        with contextlib.suppress(OSError):
+            _write(target.path / "cgroup.freeze", "1")
+            held = True
+        start = time.monotonic()
+        deadline = start + (MOVE_BUDGET if budget is None else budget)
+        moved: list[int] = []
+        try:
+            while pids := self.pids():
+                for pid in pids:
+                    if time.monotonic() >= deadline:
+                        for landed in moved:  # all or nothing: what landed goes
+                            with contextlib.suppress(ProcessLookupError):
+                                os.kill(landed, signal.SIGKILL)
+                        return Move(False, len(moved), len(self.pids()), time.monotonic() - start)
+                    try:
+                        os.write(target_procs, str(pid).encode())
+                    except ProcessLookupError:
+                        continue  # gone meanwhile (a zombie is no member: it is out)
+                    moved.append(pid)
+            return Move(True, len(moved), 0, time.monotonic() - start)
+        finally:
+            if held:
+                with contextlib.suppress(OSError):
+                    _write(target.path / "cgroup.freeze", "0")
 
     def remove(self) -> bool:
         """rmdir; False if it still has members (left for the next sweep)."""
@@ -405,6 +428,17 @@ def _write(path: Path, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
+
+
+@dataclass(frozen=True)
+class Move:
+    """What :meth:`Cgroup.move_all` did: ``done`` (every member moved) or given up at the
+    budget (``moved`` killed where they landed, ``left`` still in the source)."""
+
+    done: bool
+    moved: int
+    left: int
+    seconds: float
 
 
 # -- the daemon's containment -----------------------------------------------------
@@ -475,9 +509,16 @@ class AttemptContainment:
         """
         if self.stopped:
             return
-        if self.cgroup is not None and to.procs_fd is not None:
-            if not self.cgroup.move_all(to.procs_fd):  # then stop() kills what is left
-                raise OSError(f"{self.cgroup.path}: members still arriving after the move")
+        if self.cgroup is not None and to.cgroup is not None:
+            if to.procs_fd is None:  # stopped meanwhile: its folder may be gone already
+                raise OSError(f"the attempt's cgroup {to.cgroup.path.name} was closed")
+            move = self.cgroup.move_all(to.cgroup, to.procs_fd)
+            if not move.done:  # then stop() kills what is left here
+                raise OSError(
+                    f"its processes did not all move into the attempt's cgroup within "
+                    f"{MOVE_BUDGET:g} s ({move.moved} moved and killed there, "
+                    f"{move.left} still arriving in its own)"
+                )
             self.cgroup.remove()
         self.stopped = True
         if self.procs_fd is not None:

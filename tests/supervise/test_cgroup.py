@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import pytest
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.supervise.cgroup import (
+    MOVE_BUDGET,
+    PR_SET_CHILD_SUBREAPER,
     AttemptName,
     Cgroup,
     Containment,
@@ -26,6 +34,7 @@ from elasticd.supervise.cgroup import (
     zombies_to_reap,
 )
 from elasticd.supervise.spawn import SpawnPolicy, find_perl, live_children, start_process
+from elasticd.supervise.sweep import own_children
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -201,6 +210,177 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
         await attempt.stop(())
         await asyncio.wait_for(proc.wait(), 10)
         containment.close()
+
+
+#: A forker that never stops arriving: a subreaper (it reaps what its chains leave) running
+#: CHAINS chains, each a perl process that forks its successor and exits at once, so a new
+#: pid is born every few microseconds and a move pid by pid keeps finding some left behind.
+#: Bounded by a stop file, a minute, and the pids.max of _pids_bound.
+FORKER = r"""
+import ctypes, os, sys, time
+pids_procs, stop, perl, chains = sys.argv[1:5]
+if pids_procs:
+    with open(pids_procs, "w") as f:
+        f.write("0")
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+chain = ("my $end = time + 60; while (-e $ARGV[0] && time < $end) "
+         "{ my $p = fork; exit 0 if $p; select(undef, undef, undef, 0.01) unless defined $p }")
+started = 0
+while True:
+    if started < int(chains):
+        try:
+            os.posix_spawn(perl, [perl, "-e", chain, stop], os.environ)
+            started += 1
+        except BlockingIOError:  # pids.max, until the zombies below are reaped
+            pass
+    try:
+        os.waitpid(-1, os.WNOHANG if started < int(chains) else 0)
+    except ChildProcessError:
+        break
+"""
+CHAINS = 16
+#: What a move may take past its budget: the one write under way when the budget ran out
+#: (a write to cgroup.procs may wait for the forks under way and an RCU grace period:
+#: seen up to 0.47 s on a loaded 2-core machine), the kills of what it moved, two reads.
+MOVE_MARGIN = 0.6
+
+
+def _v1_pids_mount() -> Path | None:
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        tail = right.split()
+        if len(tail) >= 3 and tail[0] == "cgroup" and "pids" in tail[2].split(","):
+            return Path(left.split()[4])
+    return None
+
+
+@contextlib.contextmanager
+def _pids_bound(limit: int, base: Path, *cgroups: Cgroup) -> Iterator[Path | None]:
+    """A pids.max over everything a forker starts, or a skip: each cgroup's own (v2, the
+    pids controller enabled in ``base``), and on a hybrid host (v2's controllers bound to
+    v1) a cgroup of v1's pids hierarchy that the forker joins (its ``cgroup.procs``
+    yielded); emptied (bounded) and removed at the end."""
+    with contextlib.suppress(OSError):
+        (base / "cgroup.subtree_control").write_text("+pids")
+    bounded = all((c.path / "pids.max").exists() for c in cgroups)
+    for cgroup in cgroups if bounded else ():
+        (cgroup.path / "pids.max").write_text(str(limit))
+    mount = _v1_pids_mount()
+    if mount is None:
+        if not bounded:
+            pytest.skip("no pids controller to bound the forker with")
+        yield None
+        return
+    v1 = mount / f"elasticd-test.{secrets.token_hex(4)}"
+    v1.mkdir()
+    try:
+        (v1 / "pids.max").write_text(str(limit))
+        yield v1 / "cgroup.procs"
+    finally:
+        deadline = time.monotonic() + 20
+        while True:  # busy while a process of the forker is left (a zombie not yet reaped)
+            try:
+                v1.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def _reaping(known: Callable[[], Collection[int]]) -> Iterator[None]:
+    """The test as a child subreaper: a forker's orphans, killed with the subreaper that
+    reaped them, come to it (not to a pid 1 that may not reap) and are reaped at the end."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        deadline = time.monotonic() + 20
+        while (orphans := own_children() - set(known())) and time.monotonic() < deadline:
+            for pid in orphans:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.01)
+
+
+def _thaw_until(stop: threading.Event, *cgroups: Cgroup) -> None:
+    """What a kernel without a freezer looks like: every freeze undone at once."""
+    while not stop.is_set():
+        for cgroup in cgroups:
+            with contextlib.suppress(OSError):
+                (cgroup.path / "cgroup.freeze").write_text("0")
+
+
+@NEEDS_CGROUPS
+async def test_a_move_that_members_outrun_gives_up_within_its_budget(tmp_path: Path) -> None:
+    """No freezer that holds, members that fork without end: the move returns within
+    MOVE_BUDGET (plus a margin), says not done while members still arrive, and the
+    standby's stop then kills and removes all that is left."""
+    perl = find_perl()
+    if perl is None:
+        pytest.skip("no perl for the forking chains")
+    containment = Containment.setup("cgroup", node="unit-budget", state_dir=tmp_path)
+    assert containment.base is not None
+    standby = containment.open_attempt("b", None, None)
+    attempt = containment.open_attempt("b", 1, None)
+    assert standby.cgroup is not None and attempt.cgroup is not None
+    run = tmp_path / "run"
+    run.touch()
+    thawing, stop_thawing = None, threading.Event()
+    proc: asyncio.subprocess.Process | None = None
+    known = lambda: () if proc is None else (proc.pid,)  # noqa: E731 - asyncio reaps it
+    bound = _pids_bound(512, containment.base, standby.cgroup, attempt.cgroup)
+    with bound as pids_procs, _reaping(known):  # reaped first, then the bound emptied
+        try:
+            proc = await start_process(
+                [sys.executable, "-I", "-c", FORKER, str(pids_procs or ""), str(run), perl,
+                 str(CHAINS)],
+                dict(os.environ), identity=None, cgroup_procs=standby.procs_fd,
+            )  # fmt: skip
+            async with asyncio.timeout(20):  # every chain started
+                while len(standby.cgroup.pids()) <= CHAINS:
+                    await asyncio.sleep(0.01)
+            thawing = threading.Thread(
+                target=_thaw_until, args=(stop_thawing, standby.cgroup, attempt.cgroup)
+            )
+            thawing.start()
+            # The move may still win a round (a loaded machine keeps the chains off the
+            # CPU): then all of them are in the other cgroup, and the next move goes back.
+            source, target, took = standby, attempt, []
+            async with asyncio.timeout(60):
+                while True:
+                    assert source.cgroup is not None and target.cgroup is not None
+                    assert target.procs_fd is not None
+                    start = time.monotonic()
+                    move = source.cgroup.move_all(target.cgroup, target.procs_fd)
+                    took.append(time.monotonic() - start)
+                    assert took[-1] < MOVE_BUDGET + MOVE_MARGIN, took
+                    if not move.done:
+                        break
+                    assert not source.cgroup.pids()
+                    source, target = target, source
+                    await asyncio.sleep(0.05)
+            stop_thawing.set()
+            thawing.join()
+            assert source.cgroup is not None
+            await source.stop(())  # the standby's stop: what is left goes, and its folder
+            assert not source.cgroup.path.exists()
+            await target.stop(())  # what the moved ones forked before the give-up killed them
+            assert await asyncio.wait_for(proc.wait(), 10) == -9
+        finally:
+            stop_thawing.set()
+            if thawing is not None:
+                thawing.join()
+            run.unlink(missing_ok=True)
+            await standby.stop(())
+            await attempt.stop(())
+            if proc is not None:
+                await asyncio.wait_for(proc.wait(), 10)
+            containment.close()
+    assert not standby.cgroup.path.exists() and not attempt.cgroup.path.exists()
 
 
 @NEEDS_CGROUPS

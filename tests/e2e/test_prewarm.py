@@ -21,9 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.supervise.cgroup import cgroup2_mount, own_cgroup
+from elasticd.supervise.spawn import find_perl
 from tests.conftest import events_of, wait_job
 from tests.e2e.cluster import LocalCluster
 from tests.hardening.support import eventually, pid_alive, serve
+from tests.supervise.forker import FORKER, v1_pids_cgroup
 
 pytestmark = [
     pytest.mark.slow,
@@ -468,3 +471,139 @@ async def test_a_node_that_joins_late_starts_cold_and_says_so(tmp_path: Path) ->
     assert by_node["n0"]["pids"] == [standby]
     assert by_node["n1"]["kind"] == "worker.cold_start"
     assert "joined the job late" in by_node["n1"]["message"]
+
+
+#: A prewarm module whose standby forks without end (tests/supervise/forker.py's FORKER, 24
+#: chains, in a session of its own) until $OUT/run is gone; bounded by the
+#: v1 pids cgroup $PIDS_PROCS names.
+FORKING = r"""
+import os, subprocess, sys
+subprocess.Popen(
+    [sys.executable, "-I", "-c", open(os.environ["FORKER"]).read(), os.environ["PIDS_PROCS"],
+     os.environ["OUT"] + "/run", os.environ["PERL"], "24"],
+    start_new_session=True,
+)
+"""
+
+#: Attempt n waits for $OUT/go<n> and fails, or for $OUT/done and succeeds.
+UNTIL_DONE = r"""
+import os, sys, time
+out, n = os.environ["OUT"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+while not os.path.exists(f"{out}/go{n}") and not os.path.exists(f"{out}/done"):
+    time.sleep(0.02)
+sys.exit(0 if os.path.exists(f"{out}/done") else 3)
+"""
+
+#: Restarts a hand-off may win before the test gives up on seeing one refused.
+TRIES = 12
+
+
+#: What a kernel without a freezer looks like, for every cgroup below $2 (the daemon's
+#: subtree), while $1 exists: a shell of its own, so that no lock of the test's slows it.
+THAW = 'while [ -e "$1" ]; do for f in "$2"/*/cgroup.freeze; do echo 0 > "$f"; done; done'
+
+
+def _members(procs: Path) -> list[str]:
+    return procs.read_text().split()
+
+
+def _cgroup_of(pid: int) -> Path:
+    """The cgroup v2 folder ``pid`` is in."""
+    mount = cgroup2_mount(Path("/proc/self/mountinfo").read_text())
+    own = own_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+    assert mount is not None and own is not None
+    return Path(mount) / own.lstrip("/")
+
+
+async def _how_restarted(c: httpx.AsyncClient, job_id: str, attempt: int) -> dict[str, Any]:
+    """The ``worker.cold_start`` or ``workers.warm_start`` event of ``attempt``."""
+    deadline = time.monotonic() + 120
+    while True:
+        for e in await events_of(c, job_id):
+            kinds = ("worker.cold_start", "workers.warm_start")
+            if e["kind"] in kinds and e.get("attempt") == attempt:
+                return e
+        assert time.monotonic() < deadline, f"attempt {attempt} did not start"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_hand_off_that_cannot_move_its_standby_starts_the_rank_cold(
+    tmp_path: Path,
+) -> None:
+    """A standby that forks without end, on a kernel whose freezer does not hold it (the
+    test undoes every freeze of the daemon's cgroups): the hand-off gives up at the move's
+    budget, the rank starts cold and says why, the job succeeds, ``/healthz`` answers all
+    along, and no process of the standby is left. The move may still win (a loaded machine
+    keeps the chains off the CPU): then the warm worker fails too, TRIES times at most.
+    (With a freezer that holds, no forking outruns the move: this is what an old kernel,
+    or one whose freezer is off, does.)"""
+    perl = find_perl()
+    if perl is None:
+        pytest.skip("no perl for the forking chains")
+    out, probe = prepare(tmp_path, UNTIL_DONE)
+    modules = tmp_path / "mods"
+    modules.mkdir()
+    (modules / "mb_forking.py").write_text(FORKING)
+    forker = tmp_path / "forker.py"
+    forker.write_text(FORKER)
+    (out / "run").touch()
+    latencies: list[float] = []
+    thawing: asyncio.subprocess.Process | None = None
+    refused: dict[str, Any] | None = None
+    with v1_pids_cgroup(1024) as pids_procs:
+        if pids_procs is None:
+            pytest.skip("no v1 pids cgroup to bound the forker with")
+        try:
+            async with served(tmp_path, seconds=300) as c:
+                env = {"OUT": str(out), "PYTHONPATH": str(modules), "PERL": perl,
+                       "FORKER": str(forker), "PIDS_PROCS": str(pids_procs)}  # fmt: skip
+                body = submit_body(
+                    "forks", out, entrypoint=sys.executable, args=[str(probe)],
+                    nproc_per_node=1, prewarm=["mb_forking"], env=env, max_restarts=TRIES,
+                )  # fmt: skip
+                assert (await c.post("/jobs", json=body)).status_code == 201
+                pid = (await ready_standbys(c, "forks", 1, timeout=120))[0]
+                thawing = await asyncio.create_subprocess_exec(  # above the chains' CPU share
+                    "nice", "-n", "-10", "/bin/sh", "-c", THAW, "sh", str(out / "run"),
+                    str(_cgroup_of(pid).parent), stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+
+                async def healthz() -> None:
+                    while True:
+                        started = time.monotonic()
+                        assert (await c.get("/healthz")).status_code == 200
+                        latencies.append(time.monotonic() - started)
+                        await asyncio.sleep(0.01)
+
+                poll = asyncio.get_running_loop().create_task(healthz())
+                try:
+                    for attempt in range(TRIES):
+                        if attempt:
+                            await ready_standbys(c, "forks", 1, timeout=120)
+                        (out / f"go{attempt}").touch()
+                        event = await _how_restarted(c, "forks", attempt + 1)
+                        if event["kind"] == "worker.cold_start":
+                            refused = event
+                            break
+                    thawing.kill()  # it takes a core: not longer than needed
+                    await asyncio.wait_for(thawing.wait(), 10)
+                    (out / "done").touch()
+                    job = await wait_job(c, "forks")
+                finally:
+                    poll.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await poll
+                assert job["state"] == "SUCCEEDED", job
+                # Before the stop file goes (the chains would end by themselves): every
+                # process the standbys started was killed (the refused one's, those moved
+                # into an attempt, the last standby's at the job's end).
+                await eventually(lambda: not _members(pids_procs), 30, "no process left")
+        finally:
+            (out / "run").unlink(missing_ok=True)  # the thawing shell ends
+            if thawing is not None:
+                await asyncio.wait_for(thawing.wait(), 10)
+    assert refused is not None, f"{TRIES} hand-offs moved their standby in time"
+    assert "did not all move into the attempt's cgroup within 0.1 s" in refused["message"]
+    # Generous: a thawing shell at nice -10 and 24 forking chains share two cores with the
+    # daemon here (a move itself holds its loop MOVE_BUDGET plus one write).
+    assert latencies and max(latencies) < 5.0, latencies

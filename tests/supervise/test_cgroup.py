@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import ctypes
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from elasticd.supervise.cgroup import (
 )
 from elasticd.supervise.spawn import SpawnPolicy, find_perl, live_children, start_process
 from elasticd.supervise.sweep import own_children
+from tests.supervise.forker import FORKER, v1_pids_cgroup
 
 HYBRID = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -212,32 +212,6 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
         containment.close()
 
 
-#: A forker that never stops arriving: a subreaper (it reaps what its chains leave) running
-#: CHAINS chains, each a perl process that forks its successor and exits at once, so a new
-#: pid is born every few microseconds and a move pid by pid keeps finding some left behind.
-#: Bounded by a stop file, a minute, and the pids.max of _pids_bound.
-FORKER = r"""
-import ctypes, os, sys, time
-pids_procs, stop, perl, chains = sys.argv[1:5]
-if pids_procs:
-    with open(pids_procs, "w") as f:
-        f.write("0")
-ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-chain = ("my $end = time + 60; while (-e $ARGV[0] && time < $end) "
-         "{ my $p = fork; exit 0 if $p; select(undef, undef, undef, 0.01) unless defined $p }")
-started = 0
-while True:
-    if started < int(chains):
-        try:
-            os.posix_spawn(perl, [perl, "-e", chain, stop], os.environ)
-            started += 1
-        except BlockingIOError:  # pids.max, until the zombies below are reaped
-            pass
-    try:
-        os.waitpid(-1, os.WNOHANG if started < int(chains) else 0)
-    except ChildProcessError:
-        break
-"""
 CHAINS = 16
 #: What a move may take past its budget: the one write under way when the budget ran out
 #: (a write to cgroup.procs may wait for the forks under way and an RCU grace period:
@@ -245,47 +219,20 @@ CHAINS = 16
 MOVE_MARGIN = 0.6
 
 
-def _v1_pids_mount() -> Path | None:
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        left, _, right = line.partition(" - ")
-        tail = right.split()
-        if len(tail) >= 3 and tail[0] == "cgroup" and "pids" in tail[2].split(","):
-            return Path(left.split()[4])
-    return None
-
-
 @contextlib.contextmanager
 def _pids_bound(limit: int, base: Path, *cgroups: Cgroup) -> Iterator[Path | None]:
     """A pids.max over everything a forker starts, or a skip: each cgroup's own (v2, the
     pids controller enabled in ``base``), and on a hybrid host (v2's controllers bound to
-    v1) a cgroup of v1's pids hierarchy that the forker joins (its ``cgroup.procs``
-    yielded); emptied (bounded) and removed at the end."""
+    v1) a cgroup of v1's pids hierarchy that the forker joins (its ``cgroup.procs``)."""
     with contextlib.suppress(OSError):
         (base / "cgroup.subtree_control").write_text("+pids")
     bounded = all((c.path / "pids.max").exists() for c in cgroups)
     for cgroup in cgroups if bounded else ():
         (cgroup.path / "pids.max").write_text(str(limit))
-    mount = _v1_pids_mount()
-    if mount is None:
-        if not bounded:
+    with v1_pids_cgroup(limit) as procs:
+        if procs is None and not bounded:
             pytest.skip("no pids controller to bound the forker with")
-        yield None
-        return
-    v1 = mount / f"elasticd-test.{secrets.token_hex(4)}"
-    v1.mkdir()
-    try:
-        (v1 / "pids.max").write_text(str(limit))
-        yield v1 / "cgroup.procs"
-    finally:
-        deadline = time.monotonic() + 20
-        while True:  # busy while a process of the forker is left (a zombie not yet reaped)
-            try:
-                v1.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        yield procs
 
 
 @contextlib.contextmanager

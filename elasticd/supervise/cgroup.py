@@ -355,12 +355,14 @@ class Cgroup:
         (the kernel thaws a task moved into an unfrozen cgroup) until the whole move is
         done. A fork already under way may still leave a child behind: read again until
         none is left. Synchronous, on the caller's thread (the event loop's), so bounded
-        by ``budget`` seconds (:data:`MOVE_BUDGET`), looked at before every single move
-        (one move takes up to a millisecond: a round of a hundred members would overrun
-        it). Past it, what was moved is SIGKILLed where it landed (still frozen, it
-        started nothing there) and :attr:`Move.done` is False: what is left here is the
-        caller's to kill (:meth:`stop`). So a member that forks without end, or a standby
-        with too many processes, cannot hold the daemon, nor leave anything in ``target``.
+        by ``budget`` seconds (:data:`MOVE_BUDGET`), looked at before every single move:
+        a round of many members would overrun it, and one move may itself wait for the
+        forks under way and an RCU grace period (from a few microseconds to, on a loaded
+        machine, a few hundred milliseconds). Past it, what was moved is SIGKILLed where
+        it landed (still frozen, it started nothing there) and :attr:`Move.done` is False
+        (a refused write raises, after the same kills): what is left here is the caller's
+        to kill (:meth:`stop`). So a member that forks without end, or a standby with too
+        many processes, cannot hold the daemon, nor leave anything in ``target``.
 
         Without a freezer (an old kernel, or one that will not hold them) the rounds alone
         race the forks; a member moved then may fork in ``target`` before the give-up
@@ -375,21 +377,24 @@ class Cgroup:
         start = time.monotonic()
         deadline = start + (MOVE_BUDGET if budget is None else budget)
         moved: list[int] = []
+        done = False
         try:
             while pids := self.pids():
                 for pid in pids:
                     if time.monotonic() >= deadline:
-                        for landed in moved:  # all or nothing: what landed goes
-                            with contextlib.suppress(ProcessLookupError):
-                                os.kill(landed, signal.SIGKILL)
                         return Move(False, len(moved), len(self.pids()), time.monotonic() - start)
                     try:
                         os.write(target_procs, str(pid).encode())
                     except ProcessLookupError:
                         continue  # gone meanwhile (a zombie is no member: it is out)
                     moved.append(pid)
+            done = True
             return Move(True, len(moved), 0, time.monotonic() - start)
         finally:
+            if not done:  # all or nothing (the budget, or a write refused): what landed goes
+                for pid in moved:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             if held:
                 with contextlib.suppress(OSError):
                     _write(target.path / "cgroup.freeze", "0")

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from elasticd.errors import WorkerSpawnError
 from elasticd.supervise.cgroup import (
     MOVE_BUDGET,
     PR_SET_CHILD_SUBREAPER,
+    AttemptContainment,
     AttemptName,
     Cgroup,
     Containment,
@@ -197,6 +198,7 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
         assert standby.stopped and standby.procs_fd is None
         assert not standby.cgroup.path.exists()
         assert {proc.pid, *helpers} <= set(attempt.cgroup.pids())
+        assert (attempt.cgroup.path / "cgroup.freeze").read_text().strip() == "0"
         # Frozen for the move, thawed where they land: the helper forks on in its new cgroup.
         seen = set(attempt.cgroup.pids())
         async with asyncio.timeout(10):
@@ -261,39 +263,62 @@ def _thaw_until(stop: threading.Event, *cgroups: Cgroup) -> None:
                 (cgroup.path / "cgroup.freeze").write_text("0")
 
 
+Forked = tuple[AttemptContainment, AttemptContainment, asyncio.subprocess.Process]
+
+
+@contextlib.asynccontextmanager
+async def _forker_in_a_standby(
+    tmp_path: Path, chains: int, sleepers: int = 0
+) -> AsyncIterator[Forked]:
+    """A standby's cgroup and an attempt's, and FORKER running in the standby's with
+    ``chains`` chains and ``sleepers`` sleepers (all started), under a pids.max. At the end
+    both are stopped, the forker reaped, and neither folder is left."""
+    perl = find_perl()
+    if perl is None:
+        pytest.skip("no perl for the forker")
+    containment = Containment.setup("cgroup", node="unit-forker", state_dir=tmp_path)
+    assert containment.base is not None
+    standby = containment.open_attempt("f", None, None)
+    attempt = containment.open_attempt("f", 1, None)
+    assert standby.cgroup is not None and attempt.cgroup is not None
+    run = tmp_path / "run"
+    run.touch()
+    proc: asyncio.subprocess.Process | None = None
+    known = lambda: () if proc is None else (proc.pid,)  # noqa: E731 - asyncio reaps it
+    bound = _pids_bound(1024, containment.base, standby.cgroup, attempt.cgroup)
+    with bound as pids_procs, _reaping(known):  # reaped first, then the bound emptied
+        try:
+            proc = await start_process(
+                [sys.executable, "-I", "-c", FORKER, str(pids_procs or ""), str(run), perl,
+                 str(chains), str(sleepers)],
+                dict(os.environ), identity=None, cgroup_procs=standby.procs_fd,
+            )  # fmt: skip
+            async with asyncio.timeout(30):  # every chain and sleeper started
+                while len(standby.cgroup.pids()) <= chains + sleepers:
+                    await asyncio.sleep(0.01)
+            yield standby, attempt, proc
+        finally:
+            run.unlink(missing_ok=True)
+            await standby.stop(())
+            await attempt.stop(())
+            if proc is not None:
+                await asyncio.wait_for(proc.wait(), 10)
+            containment.close()
+    assert not standby.cgroup.path.exists() and not attempt.cgroup.path.exists()
+
+
 @NEEDS_CGROUPS
 async def test_a_move_that_members_outrun_gives_up_within_its_budget(tmp_path: Path) -> None:
     """No freezer that holds, members that fork without end: the move returns within
     MOVE_BUDGET (plus a margin), says not done while members still arrive, and the
     standby's stop then kills and removes all that is left."""
-    perl = find_perl()
-    if perl is None:
-        pytest.skip("no perl for the forking chains")
-    containment = Containment.setup("cgroup", node="unit-budget", state_dir=tmp_path)
-    assert containment.base is not None
-    standby = containment.open_attempt("b", None, None)
-    attempt = containment.open_attempt("b", 1, None)
-    assert standby.cgroup is not None and attempt.cgroup is not None
-    run = tmp_path / "run"
-    run.touch()
-    thawing, stop_thawing = None, threading.Event()
-    proc: asyncio.subprocess.Process | None = None
-    known = lambda: () if proc is None else (proc.pid,)  # noqa: E731 - asyncio reaps it
-    bound = _pids_bound(512, containment.base, standby.cgroup, attempt.cgroup)
-    with bound as pids_procs, _reaping(known):  # reaped first, then the bound emptied
+    async with _forker_in_a_standby(tmp_path, CHAINS) as (standby, attempt, proc):
+        stop_thawing = threading.Event()
+        thawing = threading.Thread(
+            target=_thaw_until, args=(stop_thawing, standby.cgroup, attempt.cgroup)
+        )
+        thawing.start()
         try:
-            proc = await start_process(
-                [sys.executable, "-I", "-c", FORKER, str(pids_procs or ""), str(run), perl,
-                 str(CHAINS)],
-                dict(os.environ), identity=None, cgroup_procs=standby.procs_fd,
-            )  # fmt: skip
-            async with asyncio.timeout(20):  # every chain started
-                while len(standby.cgroup.pids()) <= CHAINS:
-                    await asyncio.sleep(0.01)
-            thawing = threading.Thread(
-                target=_thaw_until, args=(stop_thawing, standby.cgroup, attempt.cgroup)
-            )
-            thawing.start()
             # The move may still win a round (a loaded machine keeps the chains off the
             # CPU): then all of them are in the other cgroup, and the next move goes back.
             source, target, took = standby, attempt, []
@@ -310,24 +335,35 @@ async def test_a_move_that_members_outrun_gives_up_within_its_budget(tmp_path: P
                     assert not source.cgroup.pids()
                     source, target = target, source
                     await asyncio.sleep(0.05)
-            stop_thawing.set()
-            thawing.join()
-            assert source.cgroup is not None
-            await source.stop(())  # the standby's stop: what is left goes, and its folder
-            assert not source.cgroup.path.exists()
-            await target.stop(())  # what the moved ones forked before the give-up killed them
-            assert await asyncio.wait_for(proc.wait(), 10) == -9
         finally:
             stop_thawing.set()
-            if thawing is not None:
-                thawing.join()
-            run.unlink(missing_ok=True)
-            await standby.stop(())
-            await attempt.stop(())
-            if proc is not None:
-                await asyncio.wait_for(proc.wait(), 10)
-            containment.close()
-    assert not standby.cgroup.path.exists() and not attempt.cgroup.path.exists()
+            thawing.join()
+        assert source.cgroup is not None
+        await source.stop(())  # the standby's stop: what is left goes, and its folder
+        assert not source.cgroup.path.exists()
+        await target.stop(())  # what the moved ones forked before the give-up killed them
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+
+
+@NEEDS_CGROUPS
+async def test_a_move_given_up_leaves_nothing_in_the_target(tmp_path: Path) -> None:
+    """With a freezer that holds, more members than a (tight) budget can move: the move
+    gives up, kills what it moved (frozen where it landed: it started nothing there), so the
+    target is left as it was (empty, thawed); the standby's stop kills the rest."""
+    async with _forker_in_a_standby(tmp_path, 0, 500) as (standby, attempt, proc):
+        assert standby.cgroup is not None and attempt.cgroup is not None
+        assert attempt.procs_fd is not None
+        members = set(standby.cgroup.pids())
+        move = standby.cgroup.move_all(attempt.cgroup, attempt.procs_fd, budget=0.005)
+        assert not move.done and move.moved > 0 and move.left > 0, move
+        async with asyncio.timeout(10):  # SIGKILLed: gone from the target
+            while attempt.cgroup.pids():
+                await asyncio.sleep(0.01)
+        assert (attempt.cgroup.path / "cgroup.freeze").read_text().strip() == "0"
+        assert set(standby.cgroup.pids()) <= members
+        await standby.stop(())
+        assert not standby.cgroup.path.exists()
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
 
 
 @NEEDS_CGROUPS

@@ -492,9 +492,7 @@ class WorkerGroupProcesses:
             group.pids[worker.local_rank] = worker.pid
             group.started_at[worker.local_rank] = worker.started_at
             group._recorded.append((worker.pid, worker.start_time))
-            w.watch = asyncio.get_running_loop().create_task(
-                group._watch(w), name=f"elasticd-worker-{worker.local_rank}-exit"
-            )
+            group._arm_watch(w)
         group._phase = _Phase.RUNNING
         return group
 
@@ -606,9 +604,7 @@ class WorkerGroupProcesses:
         self.pids[rank] = process.pid
         self.started_at[rank] = self._clock.time()
         self._record(launch, process.pid)
-        worker.watch = asyncio.get_running_loop().create_task(
-            self._watch(worker), name=f"elasticd-worker-{rank}-exit"
-        )
+        self._arm_watch(worker)
         log.info("local rank %d started: pid %d, %s", rank, process.pid, argv[0])
 
     async def _open_pipe(
@@ -687,6 +683,18 @@ class WorkerGroupProcesses:
 
     # Watching.
 
+    def _arm_watch(self, worker: _Worker) -> None:
+        """Watch ``worker`` for its exit; again when its watch ended without one.
+
+        A watch ends early only when it is cancelled, which only a loop tearing down does
+        (``asyncio.run`` ending with tasks left, the test runner's clean-up): the stop that
+        follows still has to see each exit, or it would wait for ever.
+        """
+        if worker.exit is None and (worker.watch is None or worker.watch.done()):
+            worker.watch = asyncio.get_running_loop().create_task(
+                self._watch(worker), name=f"elasticd-worker-{worker.launch.local_rank}-exit"
+            )
+
     async def _watch(self, worker: _Worker) -> None:
         # The process holds no pipe of ours, so this returns when its exit is reaped
         # (asyncio's child watcher), not when its output closes.
@@ -760,9 +768,13 @@ class WorkerGroupProcesses:
             if worker.exit is None:
                 # Also by pid, in case the worker moved itself out of its group.
                 _kill_pid(worker, signal.SIGKILL)
+        for worker in workers:
+            self._arm_watch(worker)
         while not await _all_done([w.exited.wait for w in workers], _KILL_WARN_INTERVAL):
             alive = [w.launch.local_rank for w in workers if w.exit is None]
             log.warning("local ranks %s still there after SIGKILL; waiting", alive)
+            for worker in workers:
+                self._arm_watch(worker)
         if self._containment is not None:
             # Everything else the attempt created: the processes that left the groups.
             try:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
+
+from elasticd.supervise.process import GroupResult
 
 from .support import Workers, eventually, pid_alive
 
@@ -109,6 +113,38 @@ async def test_stop_runs_to_the_end_when_its_caller_is_cancelled(workers: Worker
         assert group.closed
         assert group.snapshot().exits[0].signal == signal.SIGKILL
         assert not pid_alive(pid)
+
+
+def test_a_loop_torn_down_under_a_running_group_still_ends_it(tmp_path: Path) -> None:
+    """``asyncio.run`` ending with tasks left (the daemon's main coroutine died, a test
+    runner's clean-up) cancels them all at once: the group's exit watches together with the
+    task that owns the group. The owner's stop still sees the exit and returns, and the
+    loop closes: before, the stop waited for ever for an exit nobody watched."""
+    workers = Workers(tmp_path)
+    stopped: list[GroupResult] = []
+    pids: list[int] = []
+
+    async def main() -> None:
+        group = await workers.start(workers.launch(0, HANDLES_TERM))
+        await workers.output.line_starting(0, b"ready")
+        pids.append(group.pids[0])
+
+        async def owner() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                stopped.append(await group.stop(10.0))
+
+        asyncio.get_running_loop().create_task(owner())
+        await asyncio.sleep(0)  # the owner waits; main returns, leaving it and the watches
+
+    runner = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "the loop's teardown waited for ever on the group's stop"
+    assert pids and not pid_alive(pids[0])
+    [result] = stopped
+    assert (result.exits[0].exit_code, result.exits[0].stopped) == (17, True)
 
 
 async def test_stop_is_idempotent_and_ends_a_concurrent_wait(workers: Workers) -> None:

@@ -89,6 +89,8 @@ class Served:
     log: Path
     token: str | None
     args: list[str] = field(default_factory=list)
+    environ: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
 
     @property
     def url(self) -> str:
@@ -122,6 +124,20 @@ class Served:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start the daemon again after it died, as systemd would: the same command line,
+        environment and folder (so the same port, state folder and token)."""
+        assert self.proc.poll() is not None, "the daemon still runs"
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.args,
+                env=self.environ,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -191,7 +207,7 @@ def serve(
             preexec_fn=None if nofile is None else _limit_nofile(nofile),
             cwd=cwd,
         )
-    return Served(proc, port, state_dir, log, token, args)
+    return Served(proc, port, state_dir, log, token, args, environ, cwd)
 
 
 def _limit_nofile(limits: tuple[int, int]) -> Callable[[], None]:
@@ -223,6 +239,29 @@ import os, sys, time
 print("ready", os.getpid(), flush=True)
 time.sleep(600)
 """
+
+
+def job_ranks(job_id: str, port: int) -> dict[int, list[int]]:
+    """The live processes of ``job_id`` run by the daemon on ``port``, by global rank.
+
+    Found in ``/proc`` by the environment every worker gets (``ELASTICD_JOB_ID``,
+    ``RANK``, and ``ELASTICD_URL``, whose port tells this test's daemon from any other;
+    children inherit it), so a process that outlived its daemon counts too.
+    """
+    job = f"ELASTICD_JOB_ID={job_id}".encode()
+    ranks: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        found = dict(v.split(b"=", 1) for v in environ if b"=" in v)
+        ours = job in environ and found.get(b"ELASTICD_URL", b"").endswith(f":{port}".encode())
+        if ours and b"RANK" in found and pid_alive(int(entry.name)):
+            ranks.setdefault(int(found[b"RANK"]), []).append(int(entry.name))
+    return ranks
 
 
 def cgroup_home() -> Path | None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -241,6 +241,24 @@ time.sleep(600)
 """
 
 
+def processes(what: str) -> Iterator[tuple[int, list[bytes]]]:
+    """Each live process's pid and its ``/proc/<pid>/<what>`` (``cmdline``, ``environ``),
+    split at its NULs; a process that cannot be read (gone, another user's) is left out."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / what).read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if pid_alive(int(entry.name)):
+                yield int(entry.name), fields
+
+
+def running_program(path: str) -> list[int]:
+    """The live processes whose command line names ``path`` (a test's own script)."""
+    return [pid for pid, argv in processes("cmdline") if path.encode() in argv]
+
+
 def job_ranks(job_id: str, port: int) -> dict[int, list[int]]:
     """The live processes of ``job_id`` run by the daemon on ``port``, by global rank.
 
@@ -248,19 +266,12 @@ def job_ranks(job_id: str, port: int) -> dict[int, list[int]]:
     ``RANK``, and ``ELASTICD_URL``, whose port tells this test's daemon from any other;
     children inherit it), so a process that outlived its daemon counts too.
     """
-    job = f"ELASTICD_JOB_ID={job_id}".encode()
+    job, url = f"ELASTICD_JOB_ID={job_id}".encode(), f":{port}".encode()
     ranks: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
+    for pid, environ in processes("environ"):
         found = dict(v.split(b"=", 1) for v in environ if b"=" in v)
-        ours = job in environ and found.get(b"ELASTICD_URL", b"").endswith(f":{port}".encode())
-        if ours and b"RANK" in found and pid_alive(int(entry.name)):
-            ranks.setdefault(int(found[b"RANK"]), []).append(int(entry.name))
+        if job in environ and found.get(b"ELASTICD_URL", b"").endswith(url) and b"RANK" in found:
+            ranks.setdefault(int(found[b"RANK"]), []).append(pid)
     return ranks
 
 

@@ -26,6 +26,7 @@ from tests.hardening.support import (
     job_ranks,
     pid_alive,
     proc_state,
+    running_program,
     script,
     serve,
 )
@@ -643,17 +644,6 @@ async def waiting_to_reexec(daemon: Served, c: httpx.AsyncClient) -> None:
     daemon.proc.send_signal(signal.SIGHUP)
     await new_image(daemon, c, before, re_executing=True)
     assert (await health(c))["started_at"] == before["started_at"], "no wait: nothing held"
-
-
-def running_program(path: str) -> list[int]:
-    """The live processes whose command line names ``path`` (a test's own script)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if path.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
-                    found.append(int(entry.name))
-    return [pid for pid in found if pid_alive(pid)]
 
 
 async def once_each(port: int, job_id: str, ranks: int, pids: list[int]) -> None:

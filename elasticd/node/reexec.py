@@ -475,6 +475,7 @@ class ReexecMixin:
             self._reexecing = False
             log.info("re-exec abandoned: the daemon is asked to stop")
             return
+        await self._record_failures(unready)
         await self._renew_lease()
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
@@ -533,6 +534,14 @@ class ReexecMixin:
                 ", ".join(f"{job} ({why})" for job, why in unready.items()),
             )
         return unready
+
+    async def _record_failures(self, unready: Mapping[str, str]) -> None:
+        """Jobs not ready past the wait resume as new attempts in the next image; a failure
+        their agent saw and has not recorded yet (it still stops the survivors) is recorded
+        now, so that it is charged there and not lost. Bounded as a lease renewal is."""
+        with contextlib.suppress(StoreError, TimeoutError):
+            async with asyncio.timeout(self.config.lease_ttl / 3):
+                await self.jobs.record_failures(unready)
 
     def _refuse_reexec(self, reason: str) -> None:
         log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)

@@ -810,3 +810,52 @@ async def test_a_crash_of_the_held_job_while_the_reexec_waits_is_charged_once(
         assert exits_of(said) == [(first, 1, None), (second, 3, None)], said
         job = (await c.get("/jobs/held")).json()
         assert (job["state"], job["restart_count"]) == ("RUNNING", 2), job
+
+
+#: Local rank 1 exits with code 3 once ``argv[1]`` exists (once: it leaves ``argv[2]``); rank 0
+#: ignores SIGTERM, so stopping the group after the crash takes the whole grace.
+CRASH_WITH_A_STUBBORN_PEER = """
+import os, signal, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+armed, crashed = Path(sys.argv[1]), Path(sys.argv[2])
+if os.environ["LOCAL_RANK"] == "0":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    ping()
+    if os.environ["LOCAL_RANK"] == "1" and armed.exists() and not crashed.exists():
+        crashed.write_text(str(os.getpid()))
+        sys.exit(3)
+    time.sleep(0.02)
+"""
+
+
+async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    """A rank exits 3 while the re-exec waits; its peer ignores SIGTERM, so the group's stop
+    takes the whole grace (15 s), past HANDOVER_WAIT: the daemon re-executes with the job
+    half-way through its recovery (not handed over). The crash was reported once; it must
+    not be lost across the exec either: once the job runs again, one restart is charged."""
+    go, armed, crashed = tmp_path / "go", tmp_path / "armed", tmp_path / "crashed-runs"
+    worker = script(tmp_path, "stubborn.py", CRASH_WITH_A_STUBBORN_PEER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
+        await submit(
+            c, "runs", worker, str(armed), str(crashed), nproc_per_node=2, termination_grace=15
+        )
+        old = await healthy_pids(c, "runs", 2)
+        await crashed_and_held(tmp_path, c, "held", go)
+        before = await health(c)
+        await waiting_to_reexec(daemon, c)
+        armed.touch()
+        await kind_seen(c, "runs", "worker.exited", 30)
+        await new_image(daemon, c, before)
+        go.touch()
+        pids = await healthy_pids(c, "runs", 2, timeout=60)
+        assert not set(pids) & set(old)
+        await once_each(daemon.port, "runs", 2, pids)
+        said = await events(c, "runs")
+        assert exits_of(said)[0] == (int(crashed.read_text()), 3, None), said
+        assert [e[1] for e in exits_of(said)].count(3) == 1, said
+        job = (await c.get("/jobs/runs")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), (job, said)

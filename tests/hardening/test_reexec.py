@@ -700,16 +700,19 @@ async def test_a_kill_9_while_the_reexec_waits_resumes_each_job_once(tmp_path: P
             assert "job.readopted" not in [e["kind"] for e in said]
 
 
-#: A worker whose local rank ``argv[3]`` exits with code 3 once ``argv[1]`` exists (once: it
-#: leaves ``argv[2]``); every other rank, and that one restarted, counts.
+#: Local rank 1 exits with code 3 once ``argv[1]`` exists (once: it leaves its pid in
+#: ``argv[2]``); rank 0, and rank 1 restarted, count. ``argv[3]`` "stubborn": rank 0 ignores
+#: SIGTERM (stopping the group after the crash takes the whole grace).
 CRASHES_ONCE = """
-import os, sys, time
+import os, signal, sys, time
 from pathlib import Path
 from elasticd.worker import ping
-armed, crashed, rank = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+armed, crashed, stubborn = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "stubborn"
+if stubborn and os.environ["LOCAL_RANK"] == "0":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 while True:
     ping()
-    if os.environ["LOCAL_RANK"] == rank and armed.exists() and not crashed.exists():
+    if os.environ["LOCAL_RANK"] == "1" and armed.exists() and not crashed.exists():
         crashed.write_text(str(os.getpid()))
         sys.exit(3)
     time.sleep(0.02)
@@ -756,32 +759,42 @@ async def carried_over_once(c: httpx.AsyncClient, job_id: str) -> list[dict[str,
     return said
 
 
+async def crash_while_waiting(
+    tmp_path: Path, daemon: Served, c: httpx.AsyncClient, peer: str, **spec: Any
+) -> tuple[list[int], dict[str, Any], int]:
+    """Submit "runs" (2 ranks of CRASHES_ONCE, its rank 0 ``peer``) and "held" (held
+    mid-restart), SIGHUP, and once the daemon waits for "held" have local rank 1 of "runs"
+    exit 3 (seen). Returns the pids "runs" had, ``/healthz`` before, and the pid that exited."""
+    armed, crashed = tmp_path / "armed", tmp_path / "crashed-runs"
+    worker = script(tmp_path, "crashes_once.py", CRASHES_ONCE)
+    await submit(c, "runs", worker, str(armed), str(crashed), peer, nproc_per_node=2, **spec)
+    old = await healthy_pids(c, "runs", 2)
+    await crashed_and_held(tmp_path, c, "held", tmp_path / "go")
+    before = await health(c)
+    await waiting_to_reexec(daemon, c)
+    armed.touch()
+    await kind_seen(c, "runs", "worker.exited", 30)
+    return old, before, int(crashed.read_text())
+
+
 async def test_a_crash_of_another_job_while_the_reexec_waits_is_charged_once(
     tmp_path: Path,
 ) -> None:
     """While the re-exec waits for a held job, a rank of another (running, ready) job exits
     with code 3: the crash is reported once, with its code, the group restarts once (one
     restart charged), and both jobs are carried across the re-exec; no rank runs twice."""
-    go, armed, crashed = tmp_path / "go", tmp_path / "armed", tmp_path / "crashed-runs"
-    worker = script(tmp_path, "crashes_once.py", CRASHES_ONCE)
     async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
-        await submit(c, "runs", worker, str(armed), str(crashed), "1", nproc_per_node=2)
-        old = await healthy_pids(c, "runs", 2)
-        await crashed_and_held(tmp_path, c, "held", go)
-        before = await health(c)
-        await waiting_to_reexec(daemon, c)
-        armed.touch()
-        await kind_seen(c, "runs", "worker.exited", 30)
+        old, before, crashed = await crash_while_waiting(tmp_path, daemon, c, "obliging")
         restarted = await healthy_pids(c, "runs", 2, timeout=30)
         assert not set(restarted) & set(old)
-        go.touch()  # the held job's restart goes on: the re-exec has all it waits for
+        (tmp_path / "go").touch()  # the held job's restart goes on: all the re-exec waits for
         await new_image(daemon, c, before)
         pids = await healthy_pids(c, "runs", 2, timeout=60)
         await once_each(daemon.port, "runs", 2, pids)
         said = await carried_over_once(c, "runs")
-        (peer,) = set(old) - {int(crashed.read_text())}
+        (peer,) = set(old) - {crashed}
         # The crash once, with its code; its peer stopped by the agent (SIGTERM), once.
-        assert exits_of(said) == [(int(crashed.read_text()), 3, None), (peer, None, 15)], said
+        assert exits_of(said) == [(crashed, 3, None), (peer, None, 15)], said
         job = (await c.get("/jobs/runs")).json()
         assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job
         await carried_over_once(c, "held")
@@ -812,24 +825,6 @@ async def test_a_crash_of_the_held_job_while_the_reexec_waits_is_charged_once(
         assert (job["state"], job["restart_count"]) == ("RUNNING", 2), job
 
 
-#: Local rank 1 exits with code 3 once ``argv[1]`` exists (once: it leaves ``argv[2]``); rank 0
-#: ignores SIGTERM, so stopping the group after the crash takes the whole grace.
-CRASH_WITH_A_STUBBORN_PEER = """
-import os, signal, sys, time
-from pathlib import Path
-from elasticd.worker import ping
-armed, crashed = Path(sys.argv[1]), Path(sys.argv[2])
-if os.environ["LOCAL_RANK"] == "0":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-while True:
-    ping()
-    if os.environ["LOCAL_RANK"] == "1" and armed.exists() and not crashed.exists():
-        crashed.write_text(str(os.getpid()))
-        sys.exit(3)
-    time.sleep(0.02)
-"""
-
-
 async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_once(
     tmp_path: Path,
 ) -> None:
@@ -837,25 +832,17 @@ async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_onc
     takes the whole grace (15 s), past HANDOVER_WAIT: the daemon re-executes with the job
     half-way through its recovery (not handed over). The crash was reported once; it must
     not be lost across the exec either: once the job runs again, one restart is charged."""
-    go, armed, crashed = tmp_path / "go", tmp_path / "armed", tmp_path / "crashed-runs"
-    worker = script(tmp_path, "stubborn.py", CRASH_WITH_A_STUBBORN_PEER)
     async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
-        await submit(
-            c, "runs", worker, str(armed), str(crashed), nproc_per_node=2, termination_grace=15
+        old, before, crashed = await crash_while_waiting(
+            tmp_path, daemon, c, "stubborn", termination_grace=15
         )
-        old = await healthy_pids(c, "runs", 2)
-        await crashed_and_held(tmp_path, c, "held", go)
-        before = await health(c)
-        await waiting_to_reexec(daemon, c)
-        armed.touch()
-        await kind_seen(c, "runs", "worker.exited", 30)
         await new_image(daemon, c, before)
-        go.touch()
+        (tmp_path / "go").touch()
         pids = await healthy_pids(c, "runs", 2, timeout=60)
         assert not set(pids) & set(old)
         await once_each(daemon.port, "runs", 2, pids)
         said = await events(c, "runs")
-        assert exits_of(said)[0] == (int(crashed.read_text()), 3, None), said
+        assert exits_of(said)[0] == (crashed, 3, None), said
         assert [e[1] for e in exits_of(said)].count(3) == 1, said
         job = (await c.get("/jobs/runs")).json()
         assert (job["state"], job["restart_count"]) == ("RUNNING", 1), (job, said)

@@ -141,7 +141,7 @@ async def readiness(c: httpx.AsyncClient) -> str | None:
 
 @pytest.mark.parametrize(
     ("lease_ttl", "lapses"),
-    [(5.0, "before the exec"), (HANDOVER_WAIT * 2.4, "after the exec")],
+    [(5.0, "before the exec"), (HANDOVER_WAIT * 3, "after the exec")],
     ids=["lapses-before-the-exec", "lapses-after-the-exec"],
 )
 async def test_a_kill_9_of_the_store_host_while_a_node_waits_to_reexec(

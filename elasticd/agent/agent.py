@@ -118,6 +118,8 @@ class JobAgent:
         )
         #: The event an effect produced (the round's next), for the runner to step on.
         self._next: m.Event | None = None
+        #: The effects of the current transition not done yet (the one under way first).
+        self._queued: list[m.Effect] = []
         #: The round, and its facts: when it formed (wall time), its restart count, and
         #: when its workers were started early (None: after it formed).
         self._round: RoundInfo | None = None
@@ -257,8 +259,10 @@ class JobAgent:
     async def _on(self, event: m.Event) -> None:
         """One transition: :func:`~elasticd.agent.machine.step` decides, the effects run."""
         self._machine, effects = m.step(self._machine, event, self.ctx.clock.time())
-        for effect in effects:
-            await self._do(effect)
+        self._queued = list(effects)
+        while self._queued:
+            await self._do(self._queued[0])
+            self._queued.pop(0)
 
     async def _round_once(self) -> None:
         """One round: health checks, the rendezvous, then the round's events until it ends."""
@@ -316,6 +320,16 @@ class JobAgent:
             has_round=self._round is not None,
             has_workers=group.attempt is not None and group.processes is not None,
         )
+
+    async def record_failure_now(self) -> None:
+        """Record in the job the failure this agent saw and has not recorded yet (its
+        ``RecordFailure`` still queued behind the survivors' stop, which may take the whole
+        grace). For the re-exec, which cuts the agent off past its wait: so the failure is
+        charged in the next image (at its next round) and not lost. The job's edit keeps one
+        failure per round, so the runner's own record of it, if it comes, changes nothing."""
+        queued = [e for e in self._queued if isinstance(e, m.RecordFailure)]
+        if queued and self._round is not None and self._group.attempt is not None:
+            await self._record_failure(self._round, queued[0].cause, queued[0].at)
 
     def hand_over(self, slots: list[int]) -> AgentHandover | None:
         """The running attempt for the daemon's next program image, or None when the agent

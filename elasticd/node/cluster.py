@@ -179,6 +179,15 @@ class Cluster:
             await self.store.put(self.key, self.record.model_dump_json().encode(), lease=lease)
             log.info("node %s kept its lease %x through the re-exec", self.record.name, lease)
 
+    async def renew(self) -> None:
+        """One renewal of the node's lease now, if it has one (the re-exec's, right before
+        the exec: the next image gets a whole TTL from :attr:`renewed_at`)."""
+        if self._lease is None:
+            return
+        sent = self._clock.monotonic()
+        await self.store.keep_alive(self._lease)
+        self.renewed_at = max(sent, self.renewed_at or sent)
+
     async def publish(self, **changes: object) -> None:
         """Update this node's record (e.g. free slots)."""
         self.record = self.record.model_copy(update=changes)

@@ -529,7 +529,7 @@ class Daemon(ReexecMixin):
                 if job_id in kept:  # its workers read the token before the re-exec
                     self.authenticator.jobs.restore(job_id, digest)
         stack.push_async_callback(self._background.aclose)
-        if not await self._wait_for_store():
+        if not await self._wait_for_store_fenced(self._wait_for_store):
             return  # asked to stop before the store ever answered: serve() shuts down
         if manifest is not None and manifest.lease is not None and not self.config.store_only:
             # Before its TTL runs out: the node's keys, presence and leadership stay.

@@ -34,13 +34,25 @@ it. In order:
    is signalled.
 
 The new image (:func:`take_manifest` at start-up) keeps the listening
-sockets, takes up the node's lease and the job tokens, leaves the handed
+sockets, waits for the store if it does not answer (``/healthz`` answers
+meanwhile), takes up the node's lease and the job tokens, leaves the handed
 workers out of the orphan sweep, and re-adopts each job whose workers pass
 :func:`~elasticd.supervise.adopt.check_worker` (``job.readopted``; ``/readyz``
 is not ready until every handed job is taken up). A job that was not handed
 over, or whose workers fail the check, has them killed by the orphan sweep
 and resumes as a new attempt with no restart charged (``job.resumed`` says
 why), as after a crash.
+
+The store may be away at the exec (its host died while this node waited to
+re-execute). The handed workers then run unwatched until the new image takes
+them up, which needs the store; they must not outlive the node's lease,
+since the other nodes count the node as gone once it may have lapsed (and
+re-form without it). So the manifest carries when the last renewal that got
+through was sent (:attr:`Manifest.renewed_at`, on ``CLOCK_MONOTONIC``, which
+the exec keeps); if the store still has not answered when the lease may lapse
+(:func:`fence_at`), the new image fences: it ends the handed workers (as the
+agents would have: ``agent.fenced``) and their jobs resume as new attempts,
+uncharged, once the store is back (:meth:`ReexecMixin._wait_for_store_fenced`).
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -62,6 +74,7 @@ import uvicorn
 
 from elasticd import __version__
 from elasticd.agent.handover import AgentHandover
+from elasticd.clock import Clock
 from elasticd.config import Config
 from elasticd.errors import StoreError, WorkerSpawnError
 from elasticd.eventkinds import EventKind
@@ -91,6 +104,7 @@ __all__ = [
     "PREFLIGHT_TIMEOUT",
     "Manifest",
     "exec_self",
+    "fence_at",
     "preflight",
     "take_manifest",
 ]
@@ -124,6 +138,9 @@ class Manifest:
     tcp_fd: int | None = None
     unix_fd: int | None = None
     lease: int | None = None
+    #: When the last renewal of ``lease`` that got through was sent (``CLOCK_MONOTONIC``,
+    #: which the exec keeps): the lease lives at least ``lease_ttl`` from then.
+    renewed_at: float | None = None
     agents: list[AgentHandover] = field(default_factory=list)
     #: Jobs this node ran that were not handed over, and why (they resume as new attempts).
     not_handed: dict[str, str] = field(default_factory=dict)
@@ -146,6 +163,7 @@ class Manifest:
                 "tcp_fd": self.tcp_fd,
                 "unix_fd": self.unix_fd,
                 "lease": self.lease,
+                "renewed_at": self.renewed_at,
                 "agents": [a.to_json() for a in self.agents],
                 "not_handed": self.not_handed,
                 "job_tokens": self.job_tokens,
@@ -163,6 +181,7 @@ class Manifest:
             tcp_fd=_int_or_none(doc.get("tcp_fd")),
             unix_fd=_int_or_none(doc.get("unix_fd")),
             lease=_int_or_none(doc.get("lease")),
+            renewed_at=None if doc.get("renewed_at") is None else float(doc["renewed_at"]),
             agents=[AgentHandover.from_json(a) for a in doc.get("agents", [])],
             not_handed={str(k): str(v) for k, v in doc.get("not_handed", {}).items()},
             job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
@@ -199,6 +218,24 @@ class Manifest:
             self.refused[agent.job_id] = reason
             close_fds(agent.fds)
         self.agents = kept
+
+    async def fence(self, reason: str) -> None:
+        """End every handed worker (nobody takes them up: see :func:`fence_at`); their jobs go
+        to :attr:`refused` with ``reason`` (they resume as new attempts)."""
+        fenced, self.agents = self.agents, []
+        for agent in fenced:
+            self.refused[agent.job_id] = reason
+        await end_handed([w for a in fenced for w in a.workers])
+        for worker in (w for a in fenced for w in a.workers):
+            self.children.pop(worker.pid, None)  # reaped: not the sweep's any more
+
+
+def fence_at(renewed_at: float | None, lease_ttl: float, now: float) -> float:
+    """The monotonic time from which the node's lease may have lapsed, its last renewal that
+    got through sent at ``renewed_at``: handed workers must not run past it unwatched, the
+    other nodes count the node as gone from then. None: an image that did not say (before
+    ``renewed_at`` was handed over), which renewed right before its exec: ``now`` + the TTL."""
+    return (now if renewed_at is None else renewed_at) + lease_ttl
 
 
 def _int_or_none(value: object) -> int | None:
@@ -329,6 +366,7 @@ class ReexecMixin:
     image, what it says and the deadline of the adoptions."""
 
     config: Config
+    clock: Clock
     pid: int
     events: EventLog
     jobs: JobService
@@ -344,6 +382,7 @@ class ReexecMixin:
     _server: uvicorn.Server | None
     _server_task: asyncio.Task[None] | None
     _listeners: list[socket.socket]
+    _handover: Manifest | None
 
     def _reexec_possible(self) -> bool:
         raise NotImplementedError
@@ -382,6 +421,35 @@ class ReexecMixin:
             )
             await end_handed(handover.workers)
 
+    async def _wait_for_store_fenced(self, wait: Callable[[], Awaitable[bool]]) -> bool:
+        """The new image's wait for the store (``wait``: until it answers; False if a stop
+        came first), during which the handed workers run unwatched: if it still waits when
+        the node's lease may lapse (:func:`fence_at`), they are ended first (fenced)."""
+        manifest = self._handover
+        if manifest is None or not manifest.agents or self.config.store_url is None:
+            return await wait()  # none handed, or the store is this daemon's: no lease lapses
+        now = self.clock.monotonic()
+        lapse = fence_at(manifest.renewed_at, self.config.lease_ttl, now)
+        try:
+            async with asyncio.timeout(lapse - now) as bound:
+                return await wait()
+        except TimeoutError:
+            if not bound.expired():
+                raise
+        jobs = ", ".join(a.job_id for a in manifest.agents)
+        log.warning(
+            "the store did not answer for the lease TTL (%.0f s) across the re-exec: "
+            "ending the handed workers of %s (fenced; they resume as new attempts)",
+            self.config.lease_ttl,
+            jobs,
+        )
+        await manifest.fence(
+            f"the store was out of reach for the lease TTL ({self.config.lease_ttl:.0f} s) "
+            "across the re-exec: its workers were stopped (fenced), the other nodes count "
+            "this one as gone"
+        )
+        return await wait()
+
     async def reexec(self) -> None:
         """Re-execute the installed program in place (see :mod:`elasticd.node.reexec`).
 
@@ -407,6 +475,7 @@ class ReexecMixin:
             self._reexecing = False
             log.info("re-exec abandoned: the daemon is asked to stop")
             return
+        await self._record_failures(unready)
         await self._renew_lease()
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
@@ -431,6 +500,7 @@ class ReexecMixin:
             tcp_fd=listeners[0] if listeners else None,
             unix_fd=listeners[1] if len(listeners) > 1 else None,
             lease=None if self.config.store_only else self.cluster.lease_id,
+            renewed_at=None if self.config.store_only else self.cluster.renewed_at,
             agents=handed,
             not_handed=not_handed,
             job_tokens=self.authenticator.jobs.digests(),
@@ -465,6 +535,14 @@ class ReexecMixin:
             )
         return unready
 
+    async def _record_failures(self, unready: Mapping[str, str]) -> None:
+        """Jobs not ready past the wait resume as new attempts in the next image; a failure
+        their agent saw and has not recorded yet (it still stops the survivors) is recorded
+        now, so that it is charged there and not lost. Bounded as a lease renewal is."""
+        with contextlib.suppress(StoreError, TimeoutError):
+            async with asyncio.timeout(self.config.lease_ttl / 3):
+                await self.jobs.record_failures(unready)
+
     def _refuse_reexec(self, reason: str) -> None:
         log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
         for job_id in list(self.jobs.supervisor.agents):
@@ -478,12 +556,11 @@ class ReexecMixin:
 
     async def _renew_lease(self) -> None:
         """A renewal right before the exec: the new image has a whole TTL to take it up."""
-        lease = None if self.config.store_only else self.cluster.lease_id
-        if lease is None:
+        if self.config.store_only:
             return
         with contextlib.suppress(StoreError, TimeoutError):
             async with asyncio.timeout(self.config.lease_ttl / 3):
-                await self.store.keep_alive(lease)
+                await self.cluster.renew()
 
     async def _drain_http(self) -> list[int]:
         """Stop taking connections but keep listening: inheritable copies of the listening

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -89,6 +89,8 @@ class Served:
     log: Path
     token: str | None
     args: list[str] = field(default_factory=list)
+    environ: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
 
     @property
     def url(self) -> str:
@@ -122,6 +124,20 @@ class Served:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start the daemon again after it died, as systemd would: the same command line,
+        environment and folder (so the same port, state folder and token)."""
+        assert self.proc.poll() is not None, "the daemon still runs"
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                self.args,
+                env=self.environ,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -191,7 +207,7 @@ def serve(
             preexec_fn=None if nofile is None else _limit_nofile(nofile),
             cwd=cwd,
         )
-    return Served(proc, port, state_dir, log, token, args)
+    return Served(proc, port, state_dir, log, token, args, environ, cwd)
 
 
 def _limit_nofile(limits: tuple[int, int]) -> Callable[[], None]:
@@ -223,6 +239,40 @@ import os, sys, time
 print("ready", os.getpid(), flush=True)
 time.sleep(600)
 """
+
+
+def processes(what: str) -> Iterator[tuple[int, list[bytes]]]:
+    """Each live process's pid and its ``/proc/<pid>/<what>`` (``cmdline``, ``environ``),
+    split at its NULs; a process that cannot be read (gone, another user's) is left out."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / what).read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if pid_alive(int(entry.name)):
+                yield int(entry.name), fields
+
+
+def running_program(path: str) -> list[int]:
+    """The live processes whose command line names ``path`` (a test's own script)."""
+    return [pid for pid, argv in processes("cmdline") if path.encode() in argv]
+
+
+def job_ranks(job_id: str, port: int) -> dict[int, list[int]]:
+    """The live processes of ``job_id`` run by the daemon on ``port``, by global rank.
+
+    Found in ``/proc`` by the environment every worker gets (``ELASTICD_JOB_ID``,
+    ``RANK``, and ``ELASTICD_URL``, whose port tells this test's daemon from any other;
+    children inherit it), so a process that outlived its daemon counts too.
+    """
+    job, url = f"ELASTICD_JOB_ID={job_id}".encode(), f":{port}".encode()
+    ranks: dict[int, list[int]] = {}
+    for pid, environ in processes("environ"):
+        found = dict(v.split(b"=", 1) for v in environ if b"=" in v)
+        if job in environ and found.get(b"ELASTICD_URL", b"").endswith(url) and b"RANK" in found:
+            ranks.setdefault(int(found[b"RANK"]), []).append(pid)
+    return ranks
 
 
 def cgroup_home() -> Path | None:

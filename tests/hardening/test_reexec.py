@@ -23,8 +23,10 @@ from tests.hardening.support import (
     cgroup_home,
     eventually,
     healthy_pids,
+    job_ranks,
     pid_alive,
     proc_state,
+    running_program,
     script,
     serve,
 )
@@ -535,10 +537,13 @@ checked.touch()
 """
 
 
-async def crashed_and_held(tmp_path: Path, c: httpx.AsyncClient, job_id: str, go: Path) -> None:
+async def crashed_and_held(
+    tmp_path: Path, c: httpx.AsyncClient, job_id: str, go: Path, program: str = LATE_PINGER
+) -> None:
     """Submit a job whose worker fails once and whose restart is held in its health check
-    until ``go`` exists; return once the failure is seen."""
-    worker = script(tmp_path, "late.py", LATE_PINGER)
+    until ``go`` exists; return once the failure is seen. ``program`` (the worker, given
+    ``crashed go``) fails the first time it runs and waits for ``go`` the next."""
+    worker = script(tmp_path, "late.py", program)
     check = [PY, script(tmp_path, "gate.py", GATE), str(tmp_path / "checked"), str(go)]
     crashed = str(tmp_path / "crashed")
     await submit(c, job_id, worker, crashed, str(go), max_restarts=3, health_check=check)
@@ -626,3 +631,218 @@ async def test_a_stop_asked_for_while_the_reexec_waits_wins(tmp_path: Path) -> N
         await eventually(lambda: daemon.proc.poll() is not None, 60, "the daemon stopped")
         assert daemon.proc.returncode == 0, daemon.output()[-3000:]
         assert "re-exec abandoned" in daemon.output()
+
+
+# Faults while the re-exec waits for a held job (HANDOVER_WAIT): the daemon has said it
+# re-executes (``/readyz``: "re-executing") and has not exec'd yet.
+
+
+async def waiting_to_reexec(daemon: Served, c: httpx.AsyncClient) -> None:
+    """SIGHUP, then return once the daemon says it re-executes and is still the old image
+    (it waits for a held job)."""
+    before = await health(c)
+    daemon.proc.send_signal(signal.SIGHUP)
+    await new_image(daemon, c, before, re_executing=True)
+    assert (await health(c))["started_at"] == before["started_at"], "no wait: nothing held"
+
+
+async def once_each(port: int, job_id: str, ranks: int, pids: list[int]) -> None:
+    """Each of the job's ranks runs in exactly one process, and those are ``pids``."""
+    await eventually(
+        lambda: (
+            sorted(p for found in job_ranks(job_id, port).values() for p in found) == sorted(pids)
+        ),
+        10,
+        f"no process of {job_id} but its {pids}",
+    )
+    found = job_ranks(job_id, port)
+    assert sorted(found) == list(range(ranks)), found
+    assert all(len(each) == 1 for each in found.values()), found
+
+
+async def test_a_kill_9_while_the_reexec_waits_resumes_each_job_once(tmp_path: Path) -> None:
+    """kill -9 of the daemon while its re-exec waits for a held job, then a restart as systemd
+    does it (same command line and state folder): every worker died with the daemon (none is
+    left to run beside its restart); both jobs resume as new attempts, uncharged, and never
+    FAILED; each rank then runs in exactly one process."""
+    go = tmp_path / "go"
+    worker = script(tmp_path, "counter.py", COUNTER)
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
+        await submit(c, "runs", worker, nproc_per_node=2)
+        old = await healthy_pids(c, "runs", 2)
+        await crashed_and_held(tmp_path, c, "held", go)
+        await waiting_to_reexec(daemon, c)
+        daemon.kill9()
+        await eventually(
+            lambda: not job_ranks("runs", daemon.port) and not job_ranks("held", daemon.port),
+            10,
+            "every worker dead with its daemon",
+        )
+        gate = str(tmp_path / "gate.py")
+        await eventually(lambda: not running_program(gate), 10, "the held health check dead")
+        go.touch()  # the held job's health check passes from now on
+        daemon.restart()
+        await daemon.wait_ready(60)
+        new = await healthy_pids(c, "runs", 2, timeout=60)
+        held = await healthy_pids(c, "held", 1, timeout=60)
+        assert not set(new) & set(old)
+        await once_each(daemon.port, "runs", 2, new)
+        await once_each(daemon.port, "held", 1, held)
+        for job_id, charged in (("runs", 0), ("held", 1)):
+            job = (await c.get(f"/jobs/{job_id}")).json()
+            assert (job["state"], job["restart_count"]) == ("RUNNING", charged), job
+            said = await events(c, job_id)
+            states = [e["state"] for e in said if e["kind"] == "job.state"]
+            assert "FAILED" not in states, said
+            resumed = [e for e in said if e["kind"] == "job.resumed"]
+            assert len(resumed) == 1, said
+            assert "crashed or was killed" in resumed[0]["message"], resumed
+            assert "job.readopted" not in [e["kind"] for e in said]
+
+
+#: Local rank 1 exits with code 3 once ``argv[1]`` exists (once: it leaves its pid in
+#: ``argv[2]``); rank 0, and rank 1 restarted, count. ``argv[3]`` "stubborn": rank 0 ignores
+#: SIGTERM (stopping the group after the crash takes the whole grace).
+CRASHES_ONCE = """
+import os, signal, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+armed, crashed, stubborn = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "stubborn"
+if stubborn and os.environ["LOCAL_RANK"] == "0":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    ping()
+    if os.environ["LOCAL_RANK"] == "1" and armed.exists() and not crashed.exists():
+        crashed.write_text(str(os.getpid()))
+        sys.exit(3)
+    time.sleep(0.02)
+"""
+
+#: Fails (code 1) the first time; restarted, waits for ``argv[2]`` and fails once more
+#: (code 3), then pings: two crashes of one job, the second while its restart is watched.
+CRASHES_TWICE = """
+import os, sys, time
+from pathlib import Path
+from elasticd.worker import ping
+crashed, go = Path(sys.argv[1]), Path(sys.argv[2])
+again = crashed.with_name("crashed-again")
+if not crashed.exists():
+    crashed.write_text(str(os.getpid()))
+    sys.exit(1)
+while not go.exists():
+    time.sleep(0.02)
+if not again.exists():
+    again.write_text(str(os.getpid()))
+    sys.exit(3)
+while True:
+    ping()
+    time.sleep(0.05)
+"""
+
+
+def exits_of(said: list[dict[str, Any]]) -> list[tuple[int, int | None, int | None]]:
+    """(pid, exit code, signal) of each ``worker.exited`` event, in order."""
+    return [(e["pid"], e["exit_code"], e["signal"]) for e in said if e["kind"] == "worker.exited"]
+
+
+async def carried_over_once(c: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    """The job's events, once the re-exec carried its workers over (or, past the wait,
+    resumed it as a new attempt, as its ``daemon.reexec`` says), once; never FAILED."""
+    said = await events(c, job_id)
+    seen = [e["kind"] for e in said]
+    (reexec,) = [e for e in said if e["kind"] == "daemon.reexec"]
+    # Handed over, unless the wait ran out first (a loaded machine): then resumed, and said.
+    carried = "not carried over" not in reexec["message"]
+    assert seen.count("job.readopted" if carried else "job.resumed") == 1, said
+    assert seen.count("job.resumed" if carried else "job.readopted") == 0, said
+    assert "FAILED" not in [e["state"] for e in said if e["kind"] == "job.state"], said
+    return said
+
+
+async def crash_while_waiting(
+    tmp_path: Path, daemon: Served, c: httpx.AsyncClient, peer: str, **spec: Any
+) -> tuple[list[int], dict[str, Any], int]:
+    """Submit "runs" (2 ranks of CRASHES_ONCE, its rank 0 ``peer``) and "held" (held
+    mid-restart), SIGHUP, and once the daemon waits for "held" have local rank 1 of "runs"
+    exit 3 (seen). Returns the pids "runs" had, ``/healthz`` before, and the pid that exited."""
+    armed, crashed = tmp_path / "armed", tmp_path / "crashed-runs"
+    worker = script(tmp_path, "crashes_once.py", CRASHES_ONCE)
+    await submit(c, "runs", worker, str(armed), str(crashed), peer, nproc_per_node=2, **spec)
+    old = await healthy_pids(c, "runs", 2)
+    await crashed_and_held(tmp_path, c, "held", tmp_path / "go")
+    before = await health(c)
+    await waiting_to_reexec(daemon, c)
+    armed.touch()
+    await kind_seen(c, "runs", "worker.exited", 30)
+    return old, before, int(crashed.read_text())
+
+
+async def test_a_crash_of_another_job_while_the_reexec_waits_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    """While the re-exec waits for a held job, a rank of another (running, ready) job exits
+    with code 3: the crash is reported once, with its code, the group restarts once (one
+    restart charged), and both jobs are carried across the re-exec; no rank runs twice."""
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
+        old, before, crashed = await crash_while_waiting(tmp_path, daemon, c, "obliging")
+        restarted = await healthy_pids(c, "runs", 2, timeout=30)
+        assert not set(restarted) & set(old)
+        (tmp_path / "go").touch()  # the held job's restart goes on: all the re-exec waits for
+        await new_image(daemon, c, before)
+        pids = await healthy_pids(c, "runs", 2, timeout=60)
+        await once_each(daemon.port, "runs", 2, pids)
+        said = await carried_over_once(c, "runs")
+        (peer,) = set(old) - {crashed}
+        # The crash once, with its code; its peer stopped by the agent (SIGTERM), once.
+        assert exits_of(said) == [(crashed, 3, None), (peer, None, 15)], said
+        job = (await c.get("/jobs/runs")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job
+        await carried_over_once(c, "held")
+        job = (await c.get("/jobs/held")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job
+
+
+async def test_a_crash_of_the_held_job_while_the_reexec_waits_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    """The job the re-exec waits for fails again once its held restart goes on (code 3, while
+    the daemon still waits): both crashes are reported once each, with their codes, two
+    restarts are charged, and the job is carried across the re-exec with one process."""
+    go = tmp_path / "go"
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
+        await crashed_and_held(tmp_path, c, "held", go, CRASHES_TWICE)
+        before = await health(c)
+        await waiting_to_reexec(daemon, c)
+        go.touch()
+        await new_image(daemon, c, before)
+        (pid,) = await healthy_pids(c, "held", 1, timeout=60)
+        await once_each(daemon.port, "held", 1, [pid])
+        said = await carried_over_once(c, "held")
+        first = int((tmp_path / "crashed").read_text())
+        second = int((tmp_path / "crashed-again").read_text())
+        assert exits_of(said) == [(first, 1, None), (second, 3, None)], said
+        job = (await c.get("/jobs/held")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 2), job
+
+
+async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    """A rank exits 3 while the re-exec waits; its peer ignores SIGTERM, so the group's stop
+    takes the whole grace (15 s), past HANDOVER_WAIT: the daemon re-executes with the job
+    half-way through its recovery (not handed over). The crash was reported once; it must
+    not be lost across the exec either: once the job runs again, one restart is charged."""
+    async with running(tmp_path, env={"PYTHONPATH": str(ROOT)}, timeout=120) as (daemon, c):
+        old, before, crashed = await crash_while_waiting(
+            tmp_path, daemon, c, "stubborn", termination_grace=15
+        )
+        await new_image(daemon, c, before)
+        (tmp_path / "go").touch()
+        pids = await healthy_pids(c, "runs", 2, timeout=60)
+        assert not set(pids) & set(old)
+        await once_each(daemon.port, "runs", 2, pids)
+        said = await events(c, "runs")
+        assert exits_of(said)[0] == (crashed, 3, None), said
+        assert [e[1] for e in exits_of(said)].count(3) == 1, said
+        job = (await c.get("/jobs/runs")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), (job, said)

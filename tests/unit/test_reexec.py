@@ -12,7 +12,7 @@ import pytest
 
 from elasticd.agent.handover import AgentHandover
 from elasticd.agent.recovery import FirstProgress
-from elasticd.node.reexec import ENV_FD, Manifest, take_manifest
+from elasticd.node.reexec import ENV_FD, Manifest, fence_at, take_manifest
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
 from elasticd.rendezvous.ranks import NodeSlot
@@ -55,6 +55,7 @@ def test_the_manifest_reads_back_the_same() -> None:
         tcp_fd=5,
         unix_fd=6,
         lease=0xABC,
+        renewed_at=12345.25,
         agents=[a_handover(), a_handover(seat, FirstProgress(4, 1700000001.25))],
         not_handed={"j2": "restarting"},
         job_tokens={"j1": "digest"},
@@ -71,6 +72,29 @@ def test_a_handover_without_a_recovery_reads_back_with_none() -> None:
     doc = a_handover(recovery=FirstProgress(4, 2.0)).to_json()
     del doc["recovery"]
     assert AgentHandover.from_json(doc).recovery is None
+
+
+@pytest.mark.parametrize(
+    ("renewed_at", "now", "fence"),
+    [
+        (100.0, 101.0, 103.0),  # a TTL from the last renewal that got through
+        (100.0, 110.0, 103.0),  # already past: at once
+        (None, 110.0, 113.0),  # an image that did not say renewed right before its exec
+    ],
+)
+def test_handed_workers_are_fenced_when_the_lease_may_lapse(
+    renewed_at: float | None, now: float, fence: float
+) -> None:
+    """The new image ends the handed workers, the store still away, once the node's lease
+    (TTL 3 s here) may have lapsed: counted from the last renewal the old image got through."""
+    assert fence_at(renewed_at, 3.0, now) == fence
+
+
+def test_a_manifest_without_renewed_at_reads_back_with_none() -> None:
+    """A manifest from an image that did not hand ``renewed_at`` over still reads."""
+    doc = json.loads(Manifest(old_version="0.0.9", lease=7).encode())
+    del doc["renewed_at"]
+    assert Manifest.decode(json.dumps(doc).encode()).renewed_at is None
 
 
 def test_a_manifest_of_another_format_is_refused() -> None:

@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from typing_extensions import Unpack
@@ -208,6 +208,10 @@ class JobService:
     def not_ready(self) -> dict[str, str]:
         """The jobs whose agent cannot hand its attempt over now, and why (re-exec)."""
         return self.supervisor.not_ready()
+
+    async def record_failures(self, job_ids: Iterable[str]) -> None:
+        """Failures seen and not recorded yet by the agents of ``job_ids`` (re-exec)."""
+        await self.supervisor.record_failures(job_ids)
 
     def hand_over(self) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every running attempt for the daemon's next program image (re-exec)."""

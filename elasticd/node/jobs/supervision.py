@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +130,12 @@ class AgentSupervisor:
         """The jobs whose agent cannot hand its attempt over now, and why (re-exec)."""
         why = {job_id: not_ready(agent.handover_facts()) for job_id, agent in self.agents.items()}
         return {job_id: reason for job_id, reason in why.items() if reason is not None}
+
+    async def record_failures(self, job_ids: Iterable[str]) -> None:
+        """The agents of ``job_ids`` record the failures they saw and have not recorded yet
+        (re-exec, past its wait: those jobs are not handed over)."""
+        agents = [self.agents[job_id] for job_id in job_ids if job_id in self.agents]
+        await asyncio.gather(*(agent.record_failure_now() for agent in agents))
 
     def hand_over(self, slots: dict[str, list[int]]) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every agent's running attempt for the daemon's next program image (re-exec), and

@@ -55,7 +55,7 @@ from elasticd.errors import (
 )
 from elasticd.eventkinds import EventKind
 from elasticd.identity import ADMIN, Action, Deny, JobFacts, JobTokens, Principal, authorize
-from elasticd.keys import job_key, keys_of_job, refusal_key
+from elasticd.keys import job_key, refusal_key
 from elasticd.logs import LogLayout
 from elasticd.models import (
     Job,
@@ -359,8 +359,12 @@ class JobService:
         # Decided on the document the compare-and-set writes over: the job may have ended
         # since the read above (its workers failed, a peer cancelled it), and that is a 409.
         job = await self.update_job(job_id, mutate=cancelled(seen))
-        # Closing the rendezvous tells every node's agent to stop its workers.
-        await self._close_rendezvous(job_id)
+        # Closing the rendezvous tells every node's agent to stop its workers. The job as
+        # written, not read again: a delete may land now that it is CANCELLED, and the
+        # cancel stands (200, not 404); the close may then have written the rendezvous of
+        # a deleted job again, which the next job of the id must not find closed.
+        await self._close_rendezvous(job)
+        await self.documents.sweep_unless_there(job)
         return job
 
     async def expire(self, retention: float) -> list[str]:
@@ -415,13 +419,13 @@ class JobService:
             raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
         if not await self.store.delete(job_key(job_id), entry.version):
             raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
-        for prefix in keys_of_job(job_id):
-            for item in (await self.store.list(prefix)).entries:
-                await self.store.delete(item.key)
+        # Its keys go after its document, and only keys older than the id's document of
+        # now: a job submitted again under the id meanwhile keeps its own.
+        await self.documents.sweep(job_id)
         self.reconciler.forget(job_id)
 
-    async def _close_rendezvous(self, job_id: str) -> None:
-        rdzv = self.supervisor.rendezvous(await self.get(job_id))
+    async def _close_rendezvous(self, job: Job) -> None:
+        rdzv = self.supervisor.rendezvous(job)
         with contextlib.suppress(StoreError):
             await rdzv.close()
 

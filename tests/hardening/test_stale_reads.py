@@ -1,0 +1,132 @@
+"""Decided on one read, acted on another: real daemons raced by real callers over HTTP.
+
+Each test races two callers on one job (a cancel and a delete, a delete and a
+resubmission of the same id) and checks that every answer says what was done, and
+that nothing is done to a job nobody asked about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from elasticd.keys import goodput_prefix, keys_of_job, worker_prefix
+from elasticd.store.base import MAX_BATCH_KEYS
+from tests.hardening.support import Served, serve
+
+pytestmark = [pytest.mark.slow]
+
+#: A job no single node can hold: it stays PENDING, with no agent, until cancelled.
+WAITS = {"entrypoint": "/bin/true", "min_nodes": 2}
+#: A job this node runs at once, to its end.
+RUNS = {"entrypoint": "/bin/true"}
+#: Keys a deleted job leaves: enough that deleting them takes a while.
+OLD_KEYS = 3000
+
+
+@pytest.fixture
+async def daemon(tmp_path: Path) -> AsyncIterator[Served]:
+    served = serve(tmp_path)
+    try:
+        await served.wait_ready(60)
+        yield served
+    finally:
+        served.stop()
+    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
+
+
+async def _keys_of(c: httpx.AsyncClient, job_id: str) -> list[str]:
+    """Every key of the job's in the store (its document aside), read through ``/store``."""
+    keys = []
+    for prefix in keys_of_job(job_id):
+        answer = await c.get("/store/list", params={"prefix": prefix})
+        assert answer.status_code == 200, answer.text
+        keys += [entry["key"] for entry in answer.json()["entries"]]
+    return keys
+
+
+async def _ended(c: httpx.AsyncClient, job_id: str, deadline: float) -> dict[str, Any]:
+    """The job once it is terminal (long-polls its events in between)."""
+    while True:
+        job: dict[str, Any] = (await c.get(f"/jobs/{job_id}")).json()
+        if job["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            return job
+        assert time.monotonic() < deadline, job
+        await c.get(f"/jobs/{job_id}/events", params={"wait": 1, "after": 0})
+
+
+async def _delete_when_ended(c: httpx.AsyncClient, job_id: str, deadline: float) -> int:
+    """DELETE the job again and again until it goes (204) or is gone (404)."""
+    while True:
+        answer = await c.delete(f"/jobs/{job_id}")
+        if answer.status_code in (204, 404):
+            return answer.status_code
+        assert answer.status_code == 409, answer.text
+        assert time.monotonic() < deadline, f"{job_id} was never deleted: {answer.text}"
+
+
+@pytest.mark.timeout(240)
+async def test_a_cancel_racing_a_delete_answers_what_it_did(daemon: Served) -> None:
+    """A delete spun from the moment a cancel is sent lands between the cancel's write and
+    its answer: the cancel still answers 200 CANCELLED (its write stands), never a 404
+    for a job it cancelled; and its close of the rendezvous leaves no key of the deleted
+    job behind (a job submitted again under the id would find its rendezvous closed)."""
+    async with daemon.client() as c:
+        answers = []
+        for i in range(60):
+            job_id = f"race-{i}"
+            assert (await c.post("/jobs", json={"id": job_id, **WAITS})).status_code == 201
+            deadline = time.monotonic() + 60
+            cancel, deleted = await asyncio.gather(
+                c.post(f"/jobs/{job_id}/cancel", json={}), _delete_when_ended(c, job_id, deadline)
+            )
+            answers.append((job_id, cancel.status_code, cancel.text, deleted))
+        # The id is free again: a job submitted under it runs (its rendezvous is its own).
+        assert (await c.post("/jobs", json={"id": "race-0", **RUNS})).status_code == 201
+        assert (await _ended(c, "race-0", time.monotonic() + 90))["state"] == "SUCCEEDED"
+        left = {job_id: await _keys_of(c, job_id) for job_id, *_ in answers[1:]}
+        assert not any(left.values()), {k: v for k, v in left.items() if v}
+        wrong = [a for a in answers if a[1] != 200]
+        assert not wrong, f"{len(wrong)} of {len(answers)} cancels: {wrong[:3]}"
+        for job_id, _, text, deleted in answers:
+            assert deleted == 204, (job_id, deleted)
+            assert '"state":"CANCELLED"' in text.replace(" ", ""), text
+
+
+@pytest.mark.timeout(240)
+async def test_a_delete_racing_a_resubmission_of_its_id_leaves_the_new_jobs_keys(
+    daemon: Served,
+) -> None:
+    """A job is deleted while a caller submits a new job under its id the moment the old
+    document is gone, and a worker of the new job writes its key: the delete sweeps every
+    key of the old job (thousands, so the sweep takes a while) and none of the new job's."""
+    async with daemon.client() as c:
+        assert (await c.post("/jobs", json={"id": "again", **RUNS})).status_code == 201
+        assert (await _ended(c, "again", time.monotonic() + 90))["state"] == "SUCCEEDED"
+        old = [f"{goodput_prefix('again')}old-{i:05d}" for i in range(OLD_KEYS)]
+        for start in range(0, OLD_KEYS, MAX_BATCH_KEYS):
+            items = [{"key": k, "value": ""} for k in old[start : start + MAX_BATCH_KEYS]]
+            assert (await c.post("/store/batch", json={"items": items})).status_code == 200
+        marker = f"{worker_prefix('again')}new-worker"
+
+        async def resubmit() -> None:
+            deadline = time.monotonic() + 60
+            while (await c.get("/jobs/again")).status_code != 404:
+                assert time.monotonic() < deadline, "the old job was never deleted"
+            assert (await c.post("/jobs", json={"id": "again", **WAITS})).status_code == 201
+            answer = await c.put("/store/kv", json={"key": marker, "value": "bmV3"})
+            assert answer.status_code == 200, answer.text
+
+        deleted, _ = await asyncio.gather(c.delete("/jobs/again"), resubmit())
+        assert deleted.status_code == 204, deleted.text
+        left = await _keys_of(c, "again")
+        assert marker in left, "the old job's delete deleted a key of the new job"
+        assert not set(old) & set(left), "the old job's keys were not all deleted"
+        job = (await c.get("/jobs/again")).json()
+        assert (job["state"], job["spec"]["min_nodes"]) == ("PENDING", 2), job

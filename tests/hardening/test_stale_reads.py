@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.identity import hash_token, new_token
 from elasticd.keys import goodput_prefix, keys_of_job, worker_prefix
 from elasticd.store.base import MAX_BATCH_KEYS
 from tests.hardening.support import Served, serve
@@ -28,6 +29,8 @@ WAITS = {"entrypoint": "/bin/true", "min_nodes": 2}
 RUNS = {"entrypoint": "/bin/true"}
 #: Keys a deleted job leaves: enough that deleting them takes a while.
 OLD_KEYS = 3000
+#: Races run by the long-poll test.
+TRIALS = 10
 
 
 @pytest.fixture
@@ -130,3 +133,45 @@ async def test_a_delete_racing_a_resubmission_of_its_id_leaves_the_new_jobs_keys
         assert not set(old) & set(left), "the old job's keys were not all deleted"
         job = (await c.get("/jobs/again")).json()
         assert (job["state"], job["spec"]["min_nodes"]) == ("PENDING", 2), job
+
+
+@pytest.mark.timeout(240)
+async def test_a_long_poll_never_answers_with_a_new_owners_job_of_the_id(tmp_path: Path) -> None:
+    """Alice long-polls the events of her ended job; meanwhile the admin deletes it and
+    submits a job of their own under its id (its arguments are secret to others). Alice
+    is answered her own job's events or told it is gone (404, 409, or 403 once the id is
+    the admin's), never the admin's job's events."""
+    token = new_token()
+    identities = tmp_path / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "alice"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
+    )
+    served = serve(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
+    try:
+        await served.wait_ready(60)
+        async with (
+            served.client() as admin,
+            served.client(headers={"Authorization": f"Bearer {token}"}) as alice,
+        ):
+            answers = []
+            for i in range(TRIALS):
+                job_id = f"leak-{i}"
+                assert (await alice.post("/jobs", json={"id": job_id, **WAITS})).status_code == 201
+                assert (await alice.post(f"/jobs/{job_id}/cancel", json={})).status_code == 200
+                last = (await alice.get(f"/jobs/{job_id}/events")).json()[-1]["seq"]
+                poll = asyncio.ensure_future(
+                    alice.get(f"/jobs/{job_id}/events", params={"after": last, "wait": 30})
+                )
+                for _ in range(3):  # the daemon reads alice's request before these
+                    assert (await admin.get("/healthz")).status_code == 200
+                assert (await admin.delete(f"/jobs/{job_id}")).status_code == 204
+                secret = {"id": job_id, **WAITS, "args": [f"s3cret-{i}"]}
+                assert (await admin.post("/jobs", json=secret)).status_code == 201
+                answers.append(await poll)
+            leaks = [a.text for a in answers if "s3cret" in a.text]
+            assert not leaks, f"{len(leaks)} of {TRIALS} long-polls: {leaks[:2]}"
+            for answer in answers:
+                assert answer.status_code in (403, 404, 409), answer.text
+    finally:
+        served.stop()
+    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]

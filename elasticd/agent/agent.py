@@ -407,7 +407,7 @@ class JobAgent:
                 await self._job.succeeded(round_)
             case m.CloseRendezvous(quiet=quiet):
                 with contextlib.suppress(*((ElasticdError,) if quiet else ())):
-                    await self.ctx.rendezvous.close()
+                    await self._job.close_rendezvous()
             case m.FinishClosed():
                 await self._finish_closed()
             case m.FailJob(kind=kind, reason=reason, source=source, error=error):

@@ -175,3 +175,27 @@ async def test_a_long_poll_never_answers_with_a_new_owners_job_of_the_id(tmp_pat
     finally:
         served.stop()
     assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
+
+
+@pytest.mark.timeout(240)
+async def test_a_job_deleted_the_moment_it_ends_leaves_nothing_for_the_next_job_of_its_id(
+    daemon: Served,
+) -> None:
+    """Each job is deleted as soon as it has SUCCEEDED, while its agent is still closing its
+    rendezvous: once every agent has ended (all slots free again), no key of any of them
+    is left, and a job submitted again under one of their ids runs (the closed rendezvous
+    of the deleted one would hold it PENDING for ever)."""
+    async with daemon.client() as c:
+        ids = [f"end-{i}" for i in range(8)]
+        for job_id in ids:
+            spec = {"id": job_id, **RUNS, "nproc_per_node": 2}
+            assert (await c.post("/jobs", json=spec)).status_code == 201
+            assert await _delete_when_ended(c, job_id, time.monotonic() + 60) == 204
+        deadline = time.monotonic() + 60
+        while (node := (await c.get("/nodes")).json()[0])["free_slots"] != node["slots"]:
+            assert time.monotonic() < deadline, f"agents still hold slots: {node}"
+            await asyncio.sleep(0.05)
+        left = {job_id: await _keys_of(c, job_id) for job_id in ids}
+        assert not any(left.values()), {k: v for k, v in left.items() if v}
+        assert (await c.post("/jobs", json={"id": ids[-1], **RUNS})).status_code == 201
+        assert (await _ended(c, ids[-1], time.monotonic() + 90))["state"] == "SUCCEEDED"

@@ -17,12 +17,13 @@ from typing import Any
 
 from typing_extensions import Unpack
 
+from elasticd.agent.jobdoc import sweep_leftovers
 from elasticd.clock import Clock
 from elasticd.config import Config
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
 from elasticd.eventkinds import EventKind
 from elasticd.identity import ADMIN, JobFacts, Principal, PrincipalKind
-from elasticd.keys import job_key, keys_of_job
+from elasticd.keys import job_key
 from elasticd.logs import LogLayout
 from elasticd.models import Job, JobEdit, JobMutation, JobOwner
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
@@ -153,23 +154,8 @@ class JobDocuments:
         return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
 
     async def sweep(self, job_id: str) -> int:
-        """Delete the keys that earlier jobs of this id left; how many went.
-
-        Those are the keys under the id's prefixes (:func:`~elasticd.keys.keys_of_job`)
-        created before its current document, every one when there is none. The
-        listings are read before the document, so a job submitted under the id
-        meanwhile has a newer document than any key of its own that they hold: its
-        keys are never touched. Each key goes by compare-and-set on its listed
-        version (one written again since is someone's now). Safe to run at any time.
-        """
-        listings = [await self.store.list(prefix) for prefix in keys_of_job(job_id)]
-        current = await self.store.get(job_key(job_id))
-        swept = 0
-        for listing in listings:
-            for entry in listing.entries:
-                if current is None or entry.created < current.created:
-                    swept += await self.store.delete(entry.key, entry.version)
-        return swept
+        """What earlier jobs of this id left (:func:`~elasticd.agent.jobdoc.sweep_leftovers`)."""
+        return await sweep_leftovers(self.store, job_id)
 
     async def sweep_unless_there(self, job: Job) -> None:
         """:meth:`sweep` once ``job`` is gone, or replaced by a newer job of its id: keys

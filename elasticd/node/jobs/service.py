@@ -380,7 +380,9 @@ class JobService:
         deleted = []
         for job_id in expired(finished, seen.ends, self.clock.monotonic(), retention):
             try:
-                await self.delete(job_id)
+                # Only the job whose end was counted: this node's copy may lag the store,
+                # where the id may name a new job by now (its retention is its own).
+                await self.delete(job_id, seen.known[job_id])
             except (JobNotFound, JobConflict):
                 continue
             deleted.append(job_id)

@@ -15,6 +15,7 @@ from api.schemas import Empty, Event, Goodput, Job, JobList, JobSpec, Problem, W
 from elasticd.errors import LogNotFound
 from elasticd.identity import Action
 from elasticd.models import NODE_NAME_PATTERN
+from elasticd.node.jobs import incarnation_tag
 from elasticd.states import JobState
 
 router = APIRouter(tags=["jobs"])
@@ -35,6 +36,8 @@ READ_BY_ID: dict[int | str, dict[str, Any]] = {
         **_problem,
     },
 }
+#: The header naming the job a forwarded request is about (``x_elasticd_job`` of the logs).
+JOB_HEADER = "x-elasticd-job"
 #: Headers of a long-lived response: no caching, no proxy buffering (nginx).
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -180,7 +183,7 @@ async def get_events(
 @router.get(
     "/jobs/{job_id}/logs",
     response_class=PlainTextResponse,
-    responses={**NOT_FOUND, **TOO_MANY_STREAMS, 200: {"content": {"text/plain": {}}}},
+    responses={**READ_BY_ID, **TOO_MANY_STREAMS, 200: {"content": {"text/plain": {}}}},
 )
 async def get_logs(
     job_id: str,
@@ -204,19 +207,30 @@ async def get_logs(
             "go on to each new attempt after a `==> attempt N <==` line"
         ),
     ] = False,
+    x_elasticd_job: Annotated[
+        str | None,
+        Header(
+            max_length=64,
+            description="Set by a daemon that forwards the request: the job it authorized "
+            "its caller for; another job of the id (deleted and taken again since) is a 409",
+        ),
+    ] = None,
 ) -> Response:
     """One worker's log text (the last 8 MiB at most), or followed live.
 
     With ``node`` naming another daemon, the request is proxied to it.
     """
     jobs = jobs_of(request)
-    job = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    job = await jobs.authorized(
+        job_id, principal_of(request), Action.READ_DETAIL, tag=x_elasticd_job
+    )
     if node is not None and node != jobs.node:
         return await proxy.forward(
             request,
             await jobs.node_url(node),
             token=daemon_of(request).cluster_token,
             drop=("node",),
+            add={JOB_HEADER: incarnation_tag(job)},
         )
     if follow:
         if local_rank >= job.spec.nproc_per_node:

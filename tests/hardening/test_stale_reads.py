@@ -18,7 +18,10 @@ import pytest
 
 from elasticd.identity import hash_token, new_token
 from elasticd.keys import goodput_prefix, keys_of_job, worker_prefix
+from elasticd.models import Job
+from elasticd.node.jobs import incarnation_tag
 from elasticd.store.base import MAX_BATCH_KEYS
+from tests.e2e.cluster import LocalCluster
 from tests.hardening.support import Served, serve
 
 pytestmark = [pytest.mark.slow]
@@ -199,3 +202,34 @@ async def test_a_job_deleted_the_moment_it_ends_leaves_nothing_for_the_next_job_
         assert not any(left.values()), {k: v for k, v in left.items() if v}
         assert (await c.post("/jobs", json={"id": ids[-1], **RUNS})).status_code == 201
         assert (await _ended(c, ids[-1], time.monotonic() + 90))["state"] == "SUCCEEDED"
+
+
+@pytest.mark.timeout(240)
+async def test_a_forwarded_log_read_answers_only_about_the_job_authorized(tmp_path: Path) -> None:
+    """A log read on n0 for n1's log is forwarded to n1 naming the job n0 authorized; when
+    it reaches n1 after the job was deleted and its id taken by a new job, n1 answers 409,
+    never the new job's log (the forward carries the cluster's credential, for which n1
+    would otherwise serve any job)."""
+    both = {"min_nodes": 2, "entrypoint": "/bin/echo"}
+    with LocalCluster(tmp_path) as cluster:
+        await cluster.start_all("n0", "n1")
+        async with cluster.client("n0") as n0, cluster.client("n1") as n1:
+            spec = {"id": "told", **both, "args": ["the old job"]}
+            assert (await n0.post("/jobs", json=spec)).status_code == 201
+            old = await _ended(n0, "told", time.monotonic() + 90)
+            assert old["state"] == "SUCCEEDED", old
+            proxied = await n0.get("/jobs/told/logs", params={"node": "n1"})
+            assert (proxied.status_code, proxied.text) == (200, "the old job\n")
+            # What n0 sends n1 for this job, sent once the id names a new job on n1.
+            tag = {"x-elasticd-job": incarnation_tag(Job.model_validate(old))}
+            assert (await n1.get("/jobs/told/logs", headers=tag)).status_code == 200
+            assert (await n0.delete("/jobs/told")).status_code == 204
+            spec = {"id": "told", **both, "args": ["the new job"]}
+            assert (await n0.post("/jobs", json=spec)).status_code == 201
+            new = await _ended(n0, "told", time.monotonic() + 90)
+            assert new["state"] == "SUCCEEDED", new
+            late = await n1.get("/jobs/told/logs", headers=tag)
+            assert late.status_code == 409, late.text
+            assert "replaced by a new job" in late.json()["detail"]
+            proxied = await n0.get("/jobs/told/logs", params={"node": "n1"})
+            assert (proxied.status_code, proxied.text) == (200, "the new job\n")

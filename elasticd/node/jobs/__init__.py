@@ -11,6 +11,7 @@ recovery). Each part is handed what it needs; none imports the facade.
 from elasticd.node.jobs.documents import (
     facts_of,
     incarnation,
+    incarnation_tag,
     owner_of,
     parse_job,
     redacted,
@@ -25,6 +26,7 @@ __all__ = [
     "JobService",
     "facts_of",
     "incarnation",
+    "incarnation_tag",
     "owner_of",
     "parse_job",
     "redacted",

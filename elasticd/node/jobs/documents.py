@@ -11,6 +11,7 @@ store by hand never names a folder outside the log root.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -88,10 +89,13 @@ def already_ended(job: Job) -> str:
     return f"job {job.id!r} already ended as {job.state.value}; nothing to cancel"
 
 
-def same_job(seen: Job | None, job: Job) -> None:
+def same_job(seen: Job | None, job: Job, *, tag: str | None = None) -> None:
     """Raise ``JobConflict`` when ``job`` is not the job its caller was authorized for
-    (``seen``): the id was deleted and taken again in between."""
-    if seen is not None and incarnation(job) != incarnation(seen):
+    (``seen``, or the job ``tag`` names: :func:`incarnation_tag`): the id was deleted
+    and taken again in between."""
+    if (seen is not None and incarnation(job) != incarnation(seen)) or (
+        tag is not None and incarnation_tag(job) != tag
+    ):
         raise JobConflict(f"job {job.id!r} was replaced by a new job of that id; try again")
 
 
@@ -118,6 +122,12 @@ def incarnation(job: Job) -> str:
     """
     owner = job.owner or JobOwner(name=ADMIN.name)
     return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
+
+
+def incarnation_tag(job: Job) -> str:
+    """A short, header-safe name of :func:`incarnation`: what a daemon that forwards a
+    request about ``job`` tells the other daemon, which then answers about no other job."""
+    return hashlib.sha256(incarnation(job).encode()).hexdigest()[:32]
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:

@@ -121,6 +121,13 @@ class Reconciler:
         for gone in self.known.keys() - known.keys():
             # Deleted (by a user, or by retention) on some daemon: drop our records too.
             self.forget(gone)
+        for job_id, before in self.known.items():
+            now = known.get(job_id)
+            if now is not None and incarnation(now) != incarnation(before):
+                # Deleted and its id taken again between two looks: what this node kept of
+                # the old job is not the new one's (declined here, its agent's crashes).
+                self.done_here.discard(job_id)
+                self.supervisor.forget(job_id)
         self.known = known
         self._see_ends(first)
         self.reconcile()

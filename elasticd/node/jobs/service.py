@@ -324,9 +324,17 @@ class JobService:
         )
         return job, True
 
-    async def authorized(self, job_id: str, principal: Principal, action: Action) -> Job:
-        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not."""
+    async def authorized(
+        self, job_id: str, principal: Principal, action: Action, *, tag: str | None = None
+    ) -> Job:
+        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not.
+
+        ``tag``: the job a forwarding daemon authorized its caller for
+        (:func:`~elasticd.node.jobs.documents.incarnation_tag`); another job of the id
+        is a ``JobConflict`` (409), never answered about.
+        """
         job = await self.get(job_id)
+        same_job(None, job, tag=tag)
         decision = authorize(principal, action, facts_of(job))
         if isinstance(decision, Deny):
             raise JobForbidden(decision.reason)

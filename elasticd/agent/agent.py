@@ -226,6 +226,8 @@ class JobAgent:
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
         await self._departure.leave()
+        with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
+            await self._job.sweep_if_gone()
 
     async def abandon(self) -> None:
         """Stop the workers this agent still has and leave the rendezvous (its task died).

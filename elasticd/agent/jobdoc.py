@@ -65,11 +65,15 @@ class JobRecord:
         return Job.model_validate_json(entry.value)
 
     async def close_rendezvous(self) -> None:
-        """Close the rendezvous for every node (the job ended). A delete may land between
-        the job's end and this close (the end is all it waits for); the close then wrote
-        the rendezvous of a deleted job again, and the next job of its id would find it
-        closed and never run: what the deleted job left is swept."""
+        """Close the rendezvous for every node (the job ended), then :meth:`sweep_if_gone`:
+        a delete may land between the job's end and this close (the end is all it waits
+        for), and the next job of its id would find the rendezvous closed and never run."""
         await self.rendezvous.close()
+        await self.sweep_if_gone()
+
+    async def sweep_if_gone(self) -> None:
+        """The job was deleted while this agent still wrote its keys (the close, its
+        goodbye to the rendezvous): sweep what the deleted job left."""
         if await self.store.get(job_key(self.job_id)) is None:
             await sweep_leftovers(self.store, self.job_id)
 

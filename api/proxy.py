@@ -10,7 +10,7 @@ the status, the body and the headers in :data:`RELAYED` come back.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 
 import httpx
 from fastapi import Request
@@ -26,9 +26,15 @@ RELAYED = ("content-type", "cache-control", "x-accel-buffering")
 
 
 async def forward(
-    request: Request, base_url: str, *, token: str | None, drop: Iterable[str] = ()
+    request: Request,
+    base_url: str,
+    *,
+    token: str | None,
+    drop: Iterable[str] = (),
+    add: Mapping[str, str] | None = None,
 ) -> StreamingResponse:
-    """Send ``request`` (same method, path, query less ``drop``) to ``base_url`` with ``token``."""
+    """Send ``request`` (same method, path, query less ``drop``) to ``base_url`` with ``token``
+    and the headers ``add``."""
     dropped = set(drop)
     params = httpx.QueryParams(
         [(k, v) for k, v in request.query_params.multi_items() if k not in dropped]
@@ -37,6 +43,7 @@ async def forward(
     for name in ("accept", "last-event-id"):
         if name in request.headers:
             headers[name] = request.headers[name]
+    headers.update(add or {})
     if token is not None:
         headers["authorization"] = f"Bearer {token}"
     client = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(10.0, read=None))

@@ -31,11 +31,11 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from elasticd.errors import JobNotFound, StoreError, TooManyStreams
+from elasticd.errors import JobConflict, JobNotFound, StoreError, TooManyStreams
 from elasticd.eventkinds import EventKind
 from elasticd.models import Event, Job
 from elasticd.node import logfollow
-from elasticd.node.jobs import incarnation
+from elasticd.node.jobs import incarnation, same_job
 from elasticd.states import JobState
 from elasticd.tasks import cancel_and_wait, race
 
@@ -146,17 +146,22 @@ async def _final_event_seen(daemon: Daemon, job_id: str, state: str) -> bool:
 
 
 async def event_stream(
-    daemon: Daemon, job_id: str, after: int, heartbeat: float = HEARTBEAT_S
+    daemon: Daemon, seen: Job, after: int, heartbeat: float = HEARTBEAT_S
 ) -> AsyncIterator[str]:
-    """The job's events after ``after`` as SSE, until the job is terminal."""
+    """The job's events after ``after`` as SSE, until the job is terminal.
+
+    ``seen``: the job its reader was authorized for. The stream ends, unfinished, when
+    the job is deleted meanwhile; it never goes on with a new job that took its id.
+    """
     jobs = daemon.jobs
+    job_id = seen.id
     loop = asyncio.get_running_loop()
     final_seen = False
     give_up_at: float | None = None
     yield f"retry: {RETRY_MS}\n\n"
     while True:
         try:
-            events = await jobs.list_events(job_id, after, 1000)
+            events = await jobs.list_events(job_id, after, 1000, seen)
             if events:
                 after = events[-1].seq
                 final_seen = final_seen or any(
@@ -165,7 +170,8 @@ async def event_stream(
                 yield "".join(sse_message(e) for e in events)
                 continue
             job = await jobs.get(job_id)
-        except JobNotFound:
+            same_job(seen, job)
+        except (JobNotFound, JobConflict):  # deleted, maybe with its id taken again
             return
         except StoreError:  # the cluster store is away for a moment: say so, try again
             yield ": store unavailable, retrying\n\n"
@@ -190,7 +196,8 @@ async def event_stream(
         if not daemon.closing_streams.is_set():
             timeout = heartbeat if give_up_at is None else max(0.0, give_up_at - loop.time())
             got = await _wait_or_close(
-                jobs.follow_events(job_id, after, min(heartbeat, timeout)), daemon.closing_streams
+                jobs.follow_events(job_id, after, min(heartbeat, timeout), seen),
+                daemon.closing_streams,
             )
         if got is None:  # the daemon is stopping: deliver what its stop recorded, then end
             with contextlib.suppress(StoreError, TimeoutError):

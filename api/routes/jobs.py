@@ -15,6 +15,7 @@ from api.schemas import Empty, Event, Goodput, Job, JobList, JobSpec, Problem, W
 from elasticd.errors import LogNotFound
 from elasticd.identity import Action
 from elasticd.models import NODE_NAME_PATTERN
+from elasticd.node.jobs import incarnation_tag
 from elasticd.states import JobState
 
 router = APIRouter(tags=["jobs"])
@@ -26,6 +27,17 @@ TOO_MANY_STREAMS: dict[int | str, dict[str, Any]] = {
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"description": "No job with that id", **_problem}
 }
+#: A read of a job by its id: the job may be deleted, and its id taken by a new job, while
+#: the read runs; what the new job holds is never answered to the old one's reader.
+READ_BY_ID: dict[int | str, dict[str, Any]] = {
+    **NOT_FOUND,
+    409: {
+        "description": "The job was deleted and a new job took its id while it was read",
+        **_problem,
+    },
+}
+#: The header naming the job a forwarded request is about (``x_elasticd_job`` of the logs).
+JOB_HEADER = "x-elasticd-job"
 #: Headers of a long-lived response: no caching, no proxy buffering (nginx).
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -108,28 +120,28 @@ async def delete_job(job_id: str, request: Request) -> Response:
     return Response(status_code=204)
 
 
-@router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=NOT_FOUND)
+@router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=READ_BY_ID)
 async def get_workers(job_id: str, request: Request) -> WorkersView:
     """The worker groups of every node in the job's current round, and their workers."""
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
-    return await jobs.workers(job_id)
+    seen = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    return await jobs.workers(job_id, seen)
 
 
-@router.get("/jobs/{job_id}/goodput", response_model=Goodput, responses=NOT_FOUND)
+@router.get("/jobs/{job_id}/goodput", response_model=Goodput, responses=READ_BY_ID)
 async def get_goodput(job_id: str, request: Request) -> Goodput:
     """Where the job's wall time went: productive time, badput by kind, steps and
     checkpoints, failures (docs/goodput.md)."""
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
-    return await jobs.goodput(job_id)
+    seen = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    return await jobs.goodput(job_id, seen)
 
 
 @router.get(
     "/jobs/{job_id}/events",
     response_model=list[Event],
     responses={
-        **NOT_FOUND,
+        **READ_BY_ID,
         **TOO_MANY_STREAMS,
         200: {
             "description": "The events (JSON), or with `Accept: text/event-stream` a live "
@@ -153,26 +165,25 @@ async def get_events(
 ) -> list[Event] | StreamingResponse:
     """The job's events in order; as Server-Sent Events with ``Accept: text/event-stream``."""
     jobs = jobs_of(request)
-    await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    seen = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
     if "text/event-stream" in request.headers.get("accept", ""):
-        await jobs.get(job_id)  # 404 before the stream starts
         start = streams.resume_point(after, last_event_id)
         return StreamingResponse(
             streams_of(request).guard(
-                streams.event_stream(daemon_of(request), job_id, start, streams.HEARTBEAT_S)
+                streams.event_stream(daemon_of(request), seen, start, streams.HEARTBEAT_S)
             ),
             media_type="text/event-stream",
             headers=STREAM_HEADERS,
         )
     if wait > 0:
-        return await jobs.follow_events(job_id, after, wait)
-    return await jobs.list_events(job_id, after, limit)
+        return await jobs.follow_events(job_id, after, wait, seen)
+    return await jobs.list_events(job_id, after, limit, seen)
 
 
 @router.get(
     "/jobs/{job_id}/logs",
     response_class=PlainTextResponse,
-    responses={**NOT_FOUND, **TOO_MANY_STREAMS, 200: {"content": {"text/plain": {}}}},
+    responses={**READ_BY_ID, **TOO_MANY_STREAMS, 200: {"content": {"text/plain": {}}}},
 )
 async def get_logs(
     job_id: str,
@@ -196,19 +207,30 @@ async def get_logs(
             "go on to each new attempt after a `==> attempt N <==` line"
         ),
     ] = False,
+    x_elasticd_job: Annotated[
+        str | None,
+        Header(
+            max_length=64,
+            description="Set by a daemon that forwards the request: the job it authorized "
+            "its caller for; another job of the id (deleted and taken again since) is a 409",
+        ),
+    ] = None,
 ) -> Response:
     """One worker's log text (the last 8 MiB at most), or followed live.
 
     With ``node`` naming another daemon, the request is proxied to it.
     """
     jobs = jobs_of(request)
-    job = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
+    job = await jobs.authorized(
+        job_id, principal_of(request), Action.READ_DETAIL, tag=x_elasticd_job
+    )
     if node is not None and node != jobs.node:
         return await proxy.forward(
             request,
             await jobs.node_url(node),
             token=daemon_of(request).cluster_token,
             drop=("node",),
+            add={JOB_HEADER: incarnation_tag(job)},
         )
     if follow:
         if local_rank >= job.spec.nproc_per_node:

@@ -228,6 +228,8 @@ class JobAgent:
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
         await self._departure.leave()
+        with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
+            await self._job.sweep_if_gone()
 
     async def abandon(self) -> None:
         """Stop the workers this agent still has and leave the rendezvous (its task died).
@@ -421,7 +423,7 @@ class JobAgent:
                 await self._job.succeeded(round_)
             case m.CloseRendezvous(quiet=quiet):
                 with contextlib.suppress(*((ElasticdError,) if quiet else ())):
-                    await self.ctx.rendezvous.close()
+                    await self._job.close_rendezvous()
             case m.FinishClosed():
                 await self._finish_closed()
             case m.FailJob(kind=kind, reason=reason, source=source, error=error):

@@ -18,13 +18,33 @@ from elasticd.agent.context import Emit, JobUpdater
 from elasticd.agent.edits import record_failure, settle_failure
 from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind
-from elasticd.keys import job_key
+from elasticd.keys import job_key, keys_of_job
 from elasticd.models import EventSource, Job, JobEdit, RootCause
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState
 from elasticd.store import Store
 
-__all__ = ["JobRecord", "states_on_close"]
+__all__ = ["JobRecord", "states_on_close", "sweep_leftovers"]
+
+
+async def sweep_leftovers(store: Store, job_id: str) -> int:
+    """Delete the keys that earlier jobs of this id left; how many went.
+
+    Those are the keys under the id's prefixes (:func:`~elasticd.keys.keys_of_job`)
+    created before its current document, every one when there is none. The listings
+    are read before the document, so a job submitted under the id meanwhile has a
+    newer document than any key of its own that they hold: its keys are never
+    touched. Each key goes by compare-and-set on its listed version (one written
+    again since is someone's now). Safe to run at any time.
+    """
+    listings = [await store.list(prefix) for prefix in keys_of_job(job_id)]
+    current = await store.get(job_key(job_id))
+    swept = 0
+    for listing in listings:
+        for entry in listing.entries:
+            if current is None or entry.created < current.created:
+                swept += await store.delete(entry.key, entry.version)
+    return swept
 
 
 @dataclass(frozen=True)
@@ -43,6 +63,19 @@ class JobRecord:
         if entry is None:
             raise ElasticdError(f"job {self.job_id} vanished from the store")
         return Job.model_validate_json(entry.value)
+
+    async def close_rendezvous(self) -> None:
+        """Close the rendezvous for every node (the job ended), then :meth:`sweep_if_gone`:
+        a delete may land between the job's end and this close (the end is all it waits
+        for), and the next job of its id would find the rendezvous closed and never run."""
+        await self.rendezvous.close()
+        await self.sweep_if_gone()
+
+    async def sweep_if_gone(self) -> None:
+        """The job was deleted while this agent still wrote its keys (the close, its
+        goodbye to the rendezvous): sweep what the deleted job left."""
+        if await self.store.get(job_key(self.job_id)) is None:
+            await sweep_leftovers(self.store, self.job_id)
 
     async def settle(self, round_: RoundInfo) -> Job:
         """A round formed: charge the last round's failure once (or free it: a node lost)."""
@@ -83,7 +116,7 @@ class JobRecord:
             else:
                 root = RootCause(message=error, node=self.node, attempt=attempt)
                 await self.update_job(self.job_id, state=JobState.FAILED, reason=reason, error=root)
-        await self.rendezvous.close()
+        await self.close_rendezvous()
 
     async def note(self, reason: str) -> None:
         """The reason of a job that waits (PENDING or RESTARTING): why (a node gave it back)."""
@@ -142,7 +175,7 @@ class JobRecord:
 
         with contextlib.suppress(InvalidTransition):
             await self.update_job(self.job_id, mutate=edit)
-        await self.rendezvous.close()
+        await self.close_rendezvous()
 
 
 def states_on_close(job: JobState, group: WorkerState) -> tuple[WorkerState, ...]:

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from api.app import create_app
+from elasticd.node.retention import EndSeen
 from tests.conftest import PY, events_of, make_daemon, script, wait_group, wait_job
 from tests.e2e.fault_support import report
 
@@ -355,6 +356,44 @@ async def test_finished_jobs_are_deleted_after_the_retention_and_running_ones_ke
             assert not [t for t in asyncio.all_tasks() if t.get_name() == "job-retention"]
         finally:
             await kept.shutdown()
+
+
+async def test_retention_deletes_only_the_job_whose_end_it_counted(tmp_path):
+    """Retention decides on this node's copy of the jobs, which lags the store: a job whose
+    end it counted past retention, deleted and its id taken by a job that just ended, is
+    not deleted again (the new job keeps its retention); an up-to-date copy deletes it."""
+    daemon = make_daemon(tmp_path, job_retention=0)  # no retention loop: expire runs here
+    async with asyncio.timeout(60):
+        await daemon.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(daemon))
+            headers = {"Authorization": f"Bearer {daemon.token}"}
+            async with httpx.AsyncClient(
+                transport=transport, headers=headers, base_url="http://localhost"
+            ) as client:
+                spec = {"id": "kept", "entrypoint": "/bin/true", "min_nodes": 2}
+                assert (await client.post("/jobs", json=spec)).status_code == 201
+                old = (await client.post("/jobs/kept/cancel", json={})).json()
+                reconciler = daemon.jobs.reconciler
+                while "kept" not in reconciler.ends:  # this node saw the end
+                    await asyncio.sleep(0.01)
+                stale = dict(reconciler.known)
+                assert (await client.delete("/jobs/kept")).status_code == 204
+                assert (await client.post("/jobs", json=spec)).status_code == 201
+                new = (await client.post("/jobs/kept/cancel", json={})).json()
+                assert new["created_at"] != old["created_at"]
+                # The copy as it was before the delete, its end seen long ago.
+                reconciler.known = stale
+                end = reconciler.ends["kept"]
+                reconciler.ends["kept"] = EndSeen(old["finished_at"], end.boot_id, -1e9)
+                assert await daemon.jobs.expire(1.0) == []
+                assert (await client.get("/jobs/kept")).json()["created_at"] == new["created_at"]
+                # Once the copy has the new job and its end is past retention, it goes.
+                reconciler.known = {j.id: j for j in await daemon.jobs.documents.all()}
+                reconciler.ends["kept"] = EndSeen(new["finished_at"], end.boot_id, -1e9)
+                assert await daemon.jobs.expire(1.0) == ["kept"]
+        finally:
+            await daemon.shutdown()
 
 
 async def test_a_join_that_times_out_fails_the_job_with_the_reason(client, daemon):

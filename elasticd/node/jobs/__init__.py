@@ -8,7 +8,15 @@ store, changed by compare-and-set), ``queries`` (what the routes read),
 recovery). Each part is handed what it needs; none imports the facade.
 """
 
-from elasticd.node.jobs.documents import facts_of, incarnation, owner_of, parse_job, redacted
+from elasticd.node.jobs.documents import (
+    facts_of,
+    incarnation,
+    incarnation_tag,
+    owner_of,
+    parse_job,
+    redacted,
+    same_job,
+)
 from elasticd.node.jobs.service import JobService
 from elasticd.node.jobs.supervision import AGENT_CRASH_WINDOW, MAX_AGENT_CRASHES
 
@@ -18,7 +26,9 @@ __all__ = [
     "JobService",
     "facts_of",
     "incarnation",
+    "incarnation_tag",
     "owner_of",
     "parse_job",
     "redacted",
+    "same_job",
 ]

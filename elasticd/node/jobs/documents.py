@@ -11,12 +11,14 @@ store by hand never names a folder outside the log root.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from typing_extensions import Unpack
 
+from elasticd.agent.jobdoc import sweep_leftovers
 from elasticd.clock import Clock
 from elasticd.config import Config
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
@@ -87,10 +89,13 @@ def already_ended(job: Job) -> str:
     return f"job {job.id!r} already ended as {job.state.value}; nothing to cancel"
 
 
-def same_job(seen: Job | None, job: Job) -> None:
+def same_job(seen: Job | None, job: Job, *, tag: str | None = None) -> None:
     """Raise ``JobConflict`` when ``job`` is not the job its caller was authorized for
-    (``seen``): the id was deleted and taken again in between."""
-    if seen is not None and incarnation(job) != incarnation(seen):
+    (``seen``, or the job ``tag`` names: :func:`incarnation_tag`): the id was deleted
+    and taken again in between."""
+    if (seen is not None and incarnation(job) != incarnation(seen)) or (
+        tag is not None and incarnation_tag(job) != tag
+    ):
         raise JobConflict(f"job {job.id!r} was replaced by a new job of that id; try again")
 
 
@@ -117,6 +122,12 @@ def incarnation(job: Job) -> str:
     """
     owner = job.owner or JobOwner(name=ADMIN.name)
     return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
+
+
+def incarnation_tag(job: Job) -> str:
+    """A short, header-safe name of :func:`incarnation`: what a daemon that forwards a
+    request about ``job`` tells the other daemon, which then answers about no other job."""
+    return hashlib.sha256(incarnation(job).encode()).hexdigest()[:32]
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
@@ -151,6 +162,21 @@ class JobDocuments:
 
     async def all(self) -> list[Job]:
         return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
+
+    async def sweep(self, job_id: str) -> int:
+        """What earlier jobs of this id left (:func:`~elasticd.agent.jobdoc.sweep_leftovers`)."""
+        return await sweep_leftovers(self.store, job_id)
+
+    async def sweep_unless_there(self, job: Job) -> None:
+        """:meth:`sweep` once ``job`` is gone, or replaced by a newer job of its id: keys
+        of it written after its deletion (a cancel's close of its rendezvous) must not
+        be found by the next job of that id."""
+        entry = await self.store.get(job_key(job.id))
+        if entry is not None:
+            there, _ = check_job_document(job_key(job.id), entry.value)
+            if there is not None and incarnation(there) == incarnation(job):
+                return
+        await self.sweep(job.id)
 
     async def live_members(self, job_id: str) -> set[str]:
         """Nodes whose presence key in the job's rendezvous is alive."""

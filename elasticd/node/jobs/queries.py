@@ -26,7 +26,7 @@ from elasticd.keys import goodput_prefix, group_prefix, job_key
 from elasticd.logs import stream_file
 from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
 from elasticd.node.cluster import valid_node_url
-from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job
+from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job, same_job
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -54,6 +54,20 @@ class JobQueries:
     async def get(self, job_id: str) -> Job:
         return self._as_served(await self.side.documents.read(job_id))
 
+    async def _of(self, job_id: str, seen: Job | None) -> Job:
+        """The job, when it is ``seen`` (the job its caller was authorized for): not a job
+        submitted under its id since (``JobConflict``)."""
+        job = await self.get(job_id)
+        same_job(seen, job)
+        return job
+
+    async def _still(self, seen: Job | None) -> None:
+        """After reading a job's keys by its id: the job is still ``seen``, so nothing read
+        belongs to a job submitted under its id meanwhile (whose keys all come after its
+        document). Another owner's job is never shown to ``seen``'s reader."""
+        if seen is not None:
+            same_job(seen, await self.side.documents.read(seen.id))
+
     def _as_served(self, job: Job) -> Job:
         """The job with its place in the fleet's plan (queue entry, nodes) filled in."""
         plan = self._plan()
@@ -80,8 +94,9 @@ class JobQueries:
         next_offset = offset + len(page) if offset + len(page) < len(jobs) else None
         return JobList(jobs=page, total=len(jobs), next_offset=next_offset)
 
-    async def workers(self, job_id: str) -> WorkersView:
-        job = await self.get(job_id)
+    async def workers(self, job_id: str, seen: Job | None = None) -> WorkersView:
+        """The job's worker groups; ``seen``: the job its caller was authorized for."""
+        job = await self._of(job_id, seen)
         listing = await self.side.store.list(group_prefix(job_id))
         groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
         agent = self._agents.get(job_id)
@@ -91,6 +106,7 @@ class JobQueries:
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
         current = [g for g in groups if g.round == job.round] or groups
         current = [await self._as_seen(g) for g in current]
+        await self._still(seen)
         return WorkersView(
             job_id=job.id,
             state=job.state,
@@ -120,10 +136,11 @@ class JobQueries:
         ]
         return group.model_copy(update={"state": WorkerState.UNKNOWN, "workers": workers})
 
-    async def goodput(self, job_id: str) -> Goodput:
+    async def goodput(self, job_id: str, seen: Job | None = None) -> Goodput:
         """Where the job's time went, as of now: every node's record joined, this
-        node's read fresh from the heartbeats (``elasticd.goodput``)."""
-        job = await self.get(job_id)
+        node's read fresh from the heartbeats (``elasticd.goodput``). ``seen``: as for
+        :meth:`workers`."""
+        job = await self._of(job_id, seen)
         now = self.side.clock.time()
         listing = await self.side.store.list(goodput_prefix(job_id))
         records = {}
@@ -137,6 +154,7 @@ class JobQueries:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput
         events = await self.side.events.cluster_events_of(job_id, FACT_KINDS)
+        await self._still(seen)
         attempts = merge_nodes(records.values())
         return account(job_id, job_facts(job, events), attempts, now)
 
@@ -152,13 +170,24 @@ class JobQueries:
         """The jobs this node has an agent for."""
         return list(self._agents)
 
-    async def list_events(self, job_id: str, after: int, limit: int) -> list[Event]:
-        await self.get(job_id)
-        return (await self.side.events.cluster_events(job_id, after))[:limit]
+    async def list_events(
+        self, job_id: str, after: int, limit: int, seen: Job | None = None
+    ) -> list[Event]:
+        """The job's events after ``after``; ``seen``: as for :meth:`workers`."""
+        await self._of(job_id, seen)
+        events = (await self.side.events.cluster_events(job_id, after))[:limit]
+        await self._still(seen)
+        return events
 
-    async def follow_events(self, job_id: str, after: int, timeout: float) -> list[Event]:
-        await self.get(job_id)
-        return await self.side.events.follow_cluster(job_id, after, timeout)
+    async def follow_events(
+        self, job_id: str, after: int, timeout: float, seen: Job | None = None
+    ) -> list[Event]:
+        """The job's events after ``after``, waiting up to ``timeout`` for one; ``seen``: as
+        for :meth:`workers` (a long-poll may outlast the job, and a new job of its id)."""
+        await self._of(job_id, seen)
+        events = await self.side.events.follow_cluster(job_id, after, timeout)
+        await self._still(seen)
+        return events
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Wait until the job is terminal (for ``elasticd run`` and tests)."""

@@ -22,7 +22,7 @@ from elasticd.agent.handover import AgentHandover
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
 from elasticd.models import Job, JobEdit, Launcher
 from elasticd.node.db import Database
-from elasticd.node.jobs.documents import JobsSide
+from elasticd.node.jobs.documents import JobsSide, incarnation
 from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
 from elasticd.node.retention import EndSeen, seen_end
 from elasticd.sched.plan import FleetPlan
@@ -121,6 +121,13 @@ class Reconciler:
         for gone in self.known.keys() - known.keys():
             # Deleted (by a user, or by retention) on some daemon: drop our records too.
             self.forget(gone)
+        for job_id, before in self.known.items():
+            now = known.get(job_id)
+            if now is not None and incarnation(now) != incarnation(before):
+                # Deleted and its id taken again between two looks: what this node kept of
+                # the old job is not the new one's (declined here, its agent's crashes).
+                self.done_here.discard(job_id)
+                self.supervisor.forget(job_id)
         self.known = known
         self._see_ends(first)
         self.reconcile()
@@ -236,7 +243,7 @@ class Reconciler:
         if job_id in self.unplaced:
             self.unplaced.discard(job_id)
             self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")
-        elif not ended.cancelled:
+        elif not ended.cancelled and self._still_known(ended):
             self.done_here.add(job_id)  # declined (published with the slots) if active
             if ended.gave_back:
                 # The node's own trouble (elasticd.agent.nodefail): declined for a
@@ -248,6 +255,13 @@ class Reconciler:
         self.slots.give_back(self.slots.release(job_id))
         self.publish_slots()
         self.reconcile()
+
+    def _still_known(self, ended: AgentEnded) -> bool:
+        """The job the agent ran is still in the store as this node last saw it: a job
+        deleted meanwhile (forgotten already) or replaced by a new job of its id is not
+        declined here for the dead one's sake (the new one would never run here)."""
+        job = self.known.get(ended.job_id)
+        return job is not None and ended.ran in (None, incarnation(job))
 
     async def _after_crash(self, ended: AgentEnded, slots: list[int]) -> None:
         """The dead agent's workers are stopped and its death recorded; then its slots free."""

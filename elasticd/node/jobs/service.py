@@ -55,7 +55,7 @@ from elasticd.errors import (
 )
 from elasticd.eventkinds import EventKind
 from elasticd.identity import ADMIN, Action, Deny, JobFacts, JobTokens, Principal, authorize
-from elasticd.keys import job_key, keys_of_job, refusal_key
+from elasticd.keys import job_key, refusal_key
 from elasticd.logs import LogLayout
 from elasticd.models import (
     Job,
@@ -328,9 +328,17 @@ class JobService:
         )
         return job, True
 
-    async def authorized(self, job_id: str, principal: Principal, action: Action) -> Job:
-        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not."""
+    async def authorized(
+        self, job_id: str, principal: Principal, action: Action, *, tag: str | None = None
+    ) -> Job:
+        """The job, when ``principal`` may do ``action`` to it; ``JobForbidden`` (403) if not.
+
+        ``tag``: the job a forwarding daemon authorized its caller for
+        (:func:`~elasticd.node.jobs.documents.incarnation_tag`); another job of the id
+        is a ``JobConflict`` (409), never answered about.
+        """
         job = await self.get(job_id)
+        same_job(None, job, tag=tag)
         decision = authorize(principal, action, facts_of(job))
         if isinstance(decision, Deny):
             raise JobForbidden(decision.reason)
@@ -363,8 +371,12 @@ class JobService:
         # Decided on the document the compare-and-set writes over: the job may have ended
         # since the read above (its workers failed, a peer cancelled it), and that is a 409.
         job = await self.update_job(job_id, mutate=cancelled(seen))
-        # Closing the rendezvous tells every node's agent to stop its workers.
-        await self._close_rendezvous(job_id)
+        # Closing the rendezvous tells every node's agent to stop its workers. The job as
+        # written, not read again: a delete may land now that it is CANCELLED, and the
+        # cancel stands (200, not 404); the close may then have written the rendezvous of
+        # a deleted job again, which the next job of the id must not find closed.
+        await self._close_rendezvous(job)
+        await self.documents.sweep_unless_there(job)
         return job
 
     async def expire(self, retention: float) -> list[str]:
@@ -380,7 +392,9 @@ class JobService:
         deleted = []
         for job_id in expired(finished, seen.ends, self.clock.monotonic(), retention):
             try:
-                await self.delete(job_id)
+                # Only the job whose end was counted: this node's copy may lag the store,
+                # where the id may name a new job by now (its retention is its own).
+                await self.delete(job_id, seen.known[job_id])
             except (JobNotFound, JobConflict):
                 continue
             deleted.append(job_id)
@@ -419,13 +433,13 @@ class JobService:
             raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
         if not await self.store.delete(job_key(job_id), entry.version):
             raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
-        for prefix in keys_of_job(job_id):
-            for item in (await self.store.list(prefix)).entries:
-                await self.store.delete(item.key)
+        # Its keys go after its document, and only keys older than the id's document of
+        # now: a job submitted again under the id meanwhile keeps its own.
+        await self.documents.sweep(job_id)
         self.reconciler.forget(job_id)
 
-    async def _close_rendezvous(self, job_id: str) -> None:
-        rdzv = self.supervisor.rendezvous(await self.get(job_id))
+    async def _close_rendezvous(self, job: Job) -> None:
+        rdzv = self.supervisor.rendezvous(job)
         with contextlib.suppress(StoreError):
             await rdzv.close()
 

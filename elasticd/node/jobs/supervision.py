@@ -82,6 +82,9 @@ class AgentEnded:
     agent: JobAgent | None
     cancelled: bool
     crash: BaseException | None
+    #: Which job of its id the agent ran (:func:`incarnation`): the id may have been
+    #: deleted, and taken by a new job, while it ran.
+    ran: str | None = None
 
     @property
     def gave_back(self) -> bool:
@@ -123,6 +126,7 @@ class AgentSupervisor:
         self.token_dir: Path | None = None
         self.agents: dict[str, JobAgent] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._ran: dict[str, str] = {}  # the incarnation each agent runs (AgentEnded.ran)
         #: How often each job's agent died of an internal error in this daemon's life.
         self._crashes: dict[str, list[float]] = {}  # job -> when its agents died
 
@@ -323,6 +327,7 @@ class AgentSupervisor:
         if handover is None:
             agent.spawn_seq = self.side.logs.last_attempt(job.id)
         self.agents[job.id] = agent
+        self._ran[job.id] = incarnation(job)
         task = asyncio.create_task(agent.run(), name=f"agent-{job.id}")
         self.tasks[job.id] = task
         task.add_done_callback(self._done(job.id))
@@ -397,7 +402,8 @@ class AgentSupervisor:
                     crash,
                     exc_info=crash,
                 )
-            self._ended(AgentEnded(job_id, agent, task.cancelled(), crash))
+            ran = self._ran.pop(job_id, None)
+            self._ended(AgentEnded(job_id, agent, task.cancelled(), crash, ran))
 
         return done
 

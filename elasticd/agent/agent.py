@@ -26,7 +26,7 @@ import dataclasses
 import logging
 
 from elasticd.agent import machine as m
-from elasticd.agent.attempt import AttemptPlan, NodeFacts, plan_attempt
+from elasticd.agent.attempt import AttemptPlan, plan_attempt
 from elasticd.agent.awaits import health_failed, monitor, retry_later, started
 from elasticd.agent.context import AgentContext, ConsoleSink, Emit, JobUpdater
 from elasticd.agent.early import Formation
@@ -38,6 +38,7 @@ from elasticd.agent.handover import (
     Readoption,
     not_ready,
     started_from,
+    unrecorded,
 )
 from elasticd.agent.hooks import (
     Attempt,
@@ -324,14 +325,10 @@ class JobAgent:
         )
 
     async def record_failure_now(self) -> None:
-        """Record in the job the failure this agent saw and has not recorded yet (its
-        ``RecordFailure`` still queued behind the survivors' stop, which may take the whole
-        grace). For the re-exec, which cuts the agent off past its wait: so the failure is
-        charged in the next image (at its next round) and not lost. The job's edit keeps one
-        failure per round, so the runner's own record of it, if it comes, changes nothing."""
-        queued = [e for e in self._queued if isinstance(e, m.RecordFailure)]
-        if queued and self._round is not None and self._group.attempt is not None:
-            await self._record_failure(self._round, queued[0].cause, queued[0].at)
+        """For the re-exec past its wait: record the failure still queued (:func:`unrecorded`)."""
+        failure = unrecorded(self._queued)
+        if failure is not None and self._round is not None and self._group.attempt is not None:
+            await self._record_failure(self._round, failure.cause, failure.at)
 
     def hand_over(self, slots: list[int]) -> AgentHandover | None:
         """The running attempt for the daemon's next program image, or None when the agent
@@ -495,24 +492,12 @@ class JobAgent:
             round_,
             restart_count=restart_count,
             spawn_seq=self.spawn_seq,
-            node=self._facts(),
+            node=self.ctx.facts(self._token_file, self._owner_user),
             state=self.state,
             now=self.ctx.clock.time(),
             progress=self._job_progress,
         )
         return plan, Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
-
-    def _facts(self) -> NodeFacts:
-        ctx = self.ctx
-        return NodeFacts(
-            node=ctx.node,
-            logs=ctx.logs,
-            base_env=ctx.job_env_base,
-            daemon_url=ctx.daemon_url,
-            token_file=self._token_file,
-            cuda_visible_devices=ctx.cuda_visible_devices,
-            owner_user=self._owner_user,
-        )
 
     async def _running(self, round_: RoundInfo, *, early: bool) -> None:
         """The attempt's workers run as the round's: HEALTHY, ``workers.started``, the job

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from typing_extensions import Unpack
 
+from elasticd.agent.attempt import NodeFacts
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.agent.ports import EventSink, HealthChecks, LogGrown
 from elasticd.clock import SYSTEM_CLOCK, Clock
@@ -88,6 +89,18 @@ class AgentContext:
     @property
     def job_env_base(self) -> Mapping[str, str]:
         return self.base_env if self.job_base_env is None else self.job_base_env
+
+    def facts(self, token_file: str | None, owner_user: str | None) -> NodeFacts:
+        """What an attempt's plan needs of this node, with the job's token and user."""
+        return NodeFacts(
+            node=self.node,
+            logs=self.logs,
+            base_env=self.job_env_base,
+            daemon_url=self.daemon_url,
+            token_file=token_file,
+            cuda_visible_devices=self.cuda_visible_devices,
+            owner_user=owner_user,
+        )
 
 
 @dataclass(frozen=True)

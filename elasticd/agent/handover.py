@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from elasticd.agent.machine import Phase
+from elasticd.agent.machine import Effect, Phase, RecordFailure
 from elasticd.agent.recovery import FirstProgress
 from elasticd.eventkinds import EventKind
 from elasticd.rendezvous import RoundInfo
@@ -53,6 +54,7 @@ __all__ = [
     "round_from_json",
     "round_to_json",
     "started_from",
+    "unrecorded",
 ]
 
 
@@ -155,6 +157,17 @@ def not_ready(facts: HandoverFacts) -> str | None:
     if not facts.monitoring:
         return "it was handling an event of its workers"
     return None
+
+
+def unrecorded(queued: Sequence[Effect]) -> RecordFailure | None:
+    """The failure an agent saw and has not recorded in the job yet (pure).
+
+    Its ``RecordFailure`` waits behind the survivors' stop, which may take the whole grace;
+    the re-exec, which cuts the agent off past its wait, records it first, so the next image
+    charges it. The job's edit keeps one failure per round: the runner's own record of it,
+    if it comes, changes nothing.
+    """
+    return next((effect for effect in queued if isinstance(effect, RecordFailure)), None)
 
 
 def started_from(progress: JobProgress, round_: int) -> int | None:

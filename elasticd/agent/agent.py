@@ -136,7 +136,15 @@ class JobAgent:
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self.view)
         emit = self._emit = Emit(ctx.events, job.id)
         node = ctx.node
-        self._job = JobRecord(job.id, node, ctx.store, ctx.update_job, ctx.rendezvous, emit)
+        self._job = JobRecord(
+            job.id,
+            node,
+            ctx.store,
+            ctx.update_job,
+            ctx.rendezvous,
+            emit,
+            (job.submitted_to, job.created_at),
+        )
         self._watch = RoundWatch(
             node, job.id, ctx.store, ctx.rendezvous, ctx.clock, emit, ctx.events, self._job,
             ctx.fence_after, ctx.lease_lapsed,
@@ -203,10 +211,12 @@ class JobAgent:
     async def run(self) -> None:
         """The agent's whole life; returns when the job is over for this node."""
         self._publisher.start(f"publish-{self.job_id}")
+        cancelled = False
         try:
             await self._goodput.start()
             await self._run()
         except asyncio.CancelledError:
+            cancelled = True
             # The daemon is stopping, or the fleet's plan took this node from the job.
             stopped = self.ctx.clock.time()
             await self._on(m.Cancelled(leave_first=self.leave_first))
@@ -228,6 +238,9 @@ class JobAgent:
             await asyncio.gather(self._publisher.flush(), self._goodput.close())
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
+            if cancelled:  # no leave below (the Cancelled transition left): swept now
+                with contextlib.suppress(ElasticdError):
+                    await self._job.sweep_if_gone()
         await self._departure.leave()
         with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
             await self._job.sweep_if_gone()

@@ -18,7 +18,7 @@ from elasticd.agent.context import Emit, JobUpdater
 from elasticd.agent.edits import record_failure, settle_failure
 from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind
-from elasticd.keys import job_key, keys_of_job
+from elasticd.keys import goodput_key, group_key, job_key, keys_of_job
 from elasticd.models import EventSource, Job, JobEdit, RootCause
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState
@@ -57,6 +57,8 @@ class JobRecord:
     update_job: JobUpdater
     rendezvous: Rendezvous
     emit: Emit
+    #: Which job of its id this is (its submission: node and time); None: not checked.
+    submitted: tuple[str | None, float] | None = None
 
     async def read(self) -> Job:
         entry = await self.store.get(job_key(self.job_id))
@@ -73,9 +75,16 @@ class JobRecord:
 
     async def sweep_if_gone(self) -> None:
         """The job was deleted while this agent still wrote its keys (the close, its
-        goodbye to the rendezvous): sweep what the deleted job left."""
-        if await self.store.get(job_key(self.job_id)) is None:
+        goodbye to the rendezvous, its group's and goodput's last records): sweep what
+        the deleted job left. When a new job took its id meanwhile, this node's records
+        of the old one (written after the new document, so no sweep of leftovers takes
+        them) go: the new job's agent here starts only once this one has ended."""
+        entry = await self.store.get(job_key(self.job_id))
+        if entry is None:
             await sweep_leftovers(self.store, self.job_id)
+        elif self.submitted is not None and _submitted(entry.value) != self.submitted:
+            for key in (group_key(self.job_id, self.node), goodput_key(self.job_id, self.node)):
+                await self.store.delete(key)
 
     async def settle(self, round_: RoundInfo) -> Job:
         """A round formed: charge the last round's failure once (or free it: a node lost)."""
@@ -176,6 +185,15 @@ class JobRecord:
         with contextlib.suppress(InvalidTransition):
             await self.update_job(self.job_id, mutate=edit)
         await self.close_rendezvous()
+
+
+def _submitted(raw: bytes) -> tuple[str | None, float] | None:
+    """Which job of its id a stored document is (:attr:`JobRecord.submitted`)."""
+    try:
+        job = Job.model_validate_json(raw)
+    except ValueError:  # a refused document is no job's: not this agent's either
+        return None
+    return job.submitted_to, job.created_at
 
 
 def states_on_close(job: JobState, group: WorkerState) -> tuple[WorkerState, ...]:

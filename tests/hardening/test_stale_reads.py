@@ -8,6 +8,7 @@ that nothing is done to a job nobody asked about.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -233,3 +234,72 @@ async def test_a_forwarded_log_read_answers_only_about_the_job_authorized(tmp_pa
             assert "replaced by a new job" in late.json()["detail"]
             proxied = await n0.get("/jobs/told/logs", params={"node": "n1"})
             assert (proxied.status_code, proxied.text) == (200, "the new job\n")
+
+
+#: Ignores SIGTERM and says so: its group's stop takes the whole grace.
+STUBBORN = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('stubborn', flush=True)\n"
+    "while True:\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+@pytest.mark.timeout(240)
+async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
+    tmp_path: Path,
+) -> None:
+    """The admin cancels their job, whose worker ignores SIGTERM (its agent stops it for
+    the whole grace), deletes it, and alice submits a job under its id: alice's reads of
+    her job's workers and goodput show nothing of the admin's job, whose agent still
+    stops its workers on this node (its pids, its log folder, its attempt)."""
+    token = new_token()
+    identities = tmp_path / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "alice"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
+    )
+    served = serve(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
+    try:
+        await served.wait_ready(60)
+        async with (
+            served.client() as admin,
+            served.client(headers={"Authorization": f"Bearer {token}"}) as alice,
+        ):
+            spec = {
+                "id": "shared",
+                "entrypoint": sys.executable,
+                "args": ["-c", STUBBORN],
+                "termination_grace": 8,
+            }
+            assert (await admin.post("/jobs", json=spec)).status_code == 201
+            deadline = time.monotonic() + 60
+            while True:
+                view = (await admin.get("/jobs/shared/workers")).json()
+                pids = [w.get("pid") for g in view["groups"] for w in g["workers"]]
+                if view["state"] == "RUNNING" and any(pids):
+                    break
+                assert time.monotonic() < deadline, view
+                await asyncio.sleep(0.1)
+            old = view["groups"][0]
+            assert (await admin.post("/jobs/shared/cancel", json={})).status_code == 200
+            assert (await admin.delete("/jobs/shared")).status_code == 204
+            assert (await alice.post("/jobs", json={"id": "shared", **WAITS})).status_code == 201
+            workers = await alice.get("/jobs/shared/workers")
+            goodput = await alice.get("/jobs/shared/goodput")
+            assert workers.status_code == 200, workers.text
+            assert workers.json()["groups"] == [], (old, workers.json())
+            assert goodput.status_code == 200, goodput.text
+            assert goodput.json()["attempts"] == 0, goodput.json()
+            # Once the old agent has ended, still nothing of it (its last publications).
+            deadline = time.monotonic() + 60
+            while (node := (await admin.get("/nodes")).json()[0])["free_slots"] != node["slots"]:
+                assert time.monotonic() < deadline, f"the old agent still holds slots: {node}"
+                await asyncio.sleep(0.1)
+            workers = await alice.get("/jobs/shared/workers")
+            assert workers.json()["groups"] == [], (old, workers.json())
+            goodput = await alice.get("/jobs/shared/goodput")
+            assert goodput.json()["attempts"] == 0, goodput.json()
+    finally:
+        served.stop()
+    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]

@@ -45,11 +45,14 @@ class JobQueries:
         *,
         plan: Callable[[], FleetPlan | None],
         agents: Mapping[str, JobAgent],
+        agent_of: Callable[[Job], JobAgent | None],
     ) -> None:
-        """``plan``: the fleet's plan as last seen; ``agents``: the ones running here."""
+        """``plan``: the fleet's plan as last seen; ``agents``: the ones running here;
+        ``agent_of``: the one running a job (not another job of its id)."""
         self.side = side
         self._plan = plan
         self._agents = agents
+        self._agent_of = agent_of
 
     async def get(self, job_id: str) -> Job:
         return self._as_served(await self.side.documents.read(job_id))
@@ -99,7 +102,7 @@ class JobQueries:
         job = await self._of(job_id, seen)
         listing = await self.side.store.list(group_prefix(job_id))
         groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
-        agent = self._agents.get(job_id)
+        agent = self._agent_of(job)
         if agent is not None:
             agent.refresh_progress()
         if agent is not None and agent.view is not None:  # our own group: freshest copy
@@ -149,7 +152,7 @@ class JobQueries:
             record = parse_record(entry.value, node)
             if record is not None:
                 records[node] = record
-        agent = self._agents.get(job_id)
+        agent = self._agent_of(job)
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput

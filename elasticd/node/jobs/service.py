@@ -145,6 +145,7 @@ class JobService:
             side,
             plan=lambda: self.reconciler.plan,
             agents=self.supervisor.agents,
+            agent_of=self.supervisor.agent_of,
         )
         self.reconciler = Reconciler(
             side,

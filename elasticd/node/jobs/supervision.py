@@ -141,6 +141,14 @@ class AgentSupervisor:
         agents = [self.agents[job_id] for job_id in job_ids if job_id in self.agents]
         await asyncio.gather(*(agent.record_failure_now() for agent in agents))
 
+    def agent_of(self, job: Job) -> JobAgent | None:
+        """This node's agent of ``job``; None when the agent here runs another job of its id
+        (deleted, its id taken again, while that agent still stops its workers)."""
+        agent = self.agents.get(job.id)
+        if agent is None or self._ran.get(job.id) != incarnation(job):
+            return None
+        return agent
+
     def hand_over(self, slots: dict[str, list[int]]) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every agent's running attempt for the daemon's next program image (re-exec), and
         the jobs that cannot be handed over, with why; no await: right before the exec."""

@@ -238,9 +238,10 @@ class JobAgent:
             await asyncio.gather(self._publisher.flush(), self._goodput.close())
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
-            if cancelled:  # no leave below (the Cancelled transition left): swept now
-                with contextlib.suppress(ElasticdError):
-                    await self._job.sweep_if_gone()
+            if cancelled and self.leave_first:  # the plan dropped it (a delete): no leave
+                with contextlib.suppress(ElasticdError, TimeoutError):  # below, swept now
+                    async with asyncio.timeout(LEAVING_TIMEOUT):
+                        await self._job.sweep_if_gone()
         await self._departure.leave()
         with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
             await self._job.sweep_if_gone()

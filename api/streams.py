@@ -200,9 +200,10 @@ async def event_stream(
                 daemon.closing_streams,
             )
         if got is None:  # the daemon is stopping: deliver what its stop recorded, then end
-            with contextlib.suppress(StoreError, TimeoutError):
+            # Still only the job its reader was authorized for (deleted meanwhile: nothing).
+            with contextlib.suppress(StoreError, TimeoutError, JobNotFound, JobConflict):
                 async with asyncio.timeout(ERROR_PAUSE_S):
-                    events = await jobs.list_events(job_id, after, 10_000)
+                    events = await jobs.list_events(job_id, after, 10_000, seen)
                     if events:
                         yield "".join(sse_message(e) for e in events)
             return

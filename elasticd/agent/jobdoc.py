@@ -85,6 +85,7 @@ class JobRecord:
         elif self.submitted is not None and _submitted(entry.value) != self.submitted:
             for key in (group_key(self.job_id, self.node), goodput_key(self.job_id, self.node)):
                 await self.store.delete(key)
+            await sweep_leftovers(self.store, self.job_id)  # what it changed as the delete swept
 
     async def settle(self, round_: RoundInfo) -> Job:
         """A round formed: charge the last round's failure once (or free it: a node lost)."""

@@ -134,7 +134,9 @@ class JobAgent:
         self._background = TaskSet(f"agent {job.id}")
         self._departure = Departure(job.id, ctx.rendezvous, self._background)
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self.view)
-        emit = self._emit = Emit(ctx.events, job.id)
+        #: The job was deleted under it (:meth:`AgentSupervisor.orphan`): it says nothing more.
+        self.orphaned = False
+        emit = self._emit = Emit(ctx.events, job.id, lambda: not self.orphaned)
         node = ctx.node
         self._job = JobRecord(
             job.id,

@@ -109,8 +109,12 @@ class Emit:
 
     events: EventSink
     job_id: str
+    #: False once the job is deleted: what its agent still says (stopping its workers) is
+    #: dropped, never filed under a new job of the id (another owner's, maybe).
+    live: Callable[[], bool] | None = None
 
     def __call__(
         self, kind: EventKind, message: str, source: EventSource = "agent", **fields: Any
     ) -> None:
-        self.events.emit(self.job_id, source, kind, message, **fields)
+        if self.live is None or self.live():
+            self.events.emit(self.job_id, source, kind, message, **fields)

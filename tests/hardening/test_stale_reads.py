@@ -253,7 +253,8 @@ async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
     """The admin cancels their job, whose worker ignores SIGTERM (its agent stops it for
     the whole grace), deletes it, and alice submits a job under its id: alice's reads of
     her job's workers and goodput show nothing of the admin's job, whose agent still
-    stops its workers on this node (its pids, its log folder, its attempt)."""
+    stops its workers on this node (its pids, its log folder, its attempt), nor any event
+    of it (its worker's exit, its group's stop)."""
     token = new_token()
     identities = tmp_path / "identities.toml"
     identities.write_text(
@@ -300,6 +301,9 @@ async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
             assert workers.json()["groups"] == [], (old, workers.json())
             goodput = await alice.get("/jobs/shared/goodput")
             assert goodput.json()["attempts"] == 0, goodput.json()
+            events = (await alice.get("/jobs/shared/events")).json()
+            theirs = [(e["kind"], e["message"]) for e in events]
+            assert {kind for kind, _ in theirs} <= {"job.submitted", "job.unschedulable"}, theirs
     finally:
         served.stop()
     assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]

@@ -351,8 +351,11 @@ class AgentSupervisor:
             task.cancel()  # stops the workers with their grace and leaves the rendezvous
 
     def forget(self, job_id: str) -> None:
-        """The job is gone from the store: its agents' deaths no longer count."""
+        """The job is gone from the store: its agents' deaths no longer count, and its agent
+        here (still stopping its workers) files no more events under its id."""
         self._crashes.pop(job_id, None)
+        if (agent := self.agents.get(job_id)) is not None:
+            agent.orphaned = True
 
     def _job_token(self, job_id: str, identity: Identity | None) -> str | None:
         """Make the job's token on this node, in a file only its user reads; the path.

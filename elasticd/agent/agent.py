@@ -134,19 +134,13 @@ class JobAgent:
         self._background = TaskSet(f"agent {job.id}")
         self._departure = Departure(job.id, ctx.rendezvous, self._background)
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self.view)
-        #: The job was deleted under it (:meth:`AgentSupervisor.orphan`): it says nothing more.
-        self.orphaned = False
+        self.orphaned = False  #: its job deleted under it (AgentSupervisor.forget): mute
         emit = self._emit = Emit(ctx.events, job.id, lambda: not self.orphaned)
         node = ctx.node
         self._job = JobRecord(
-            job.id,
-            node,
-            ctx.store,
-            ctx.update_job,
-            ctx.rendezvous,
-            emit,
+            job.id, node, ctx.store, ctx.update_job, ctx.rendezvous, emit,
             (job.submitted_to, job.created_at),
-        )
+        )  # fmt: skip
         self._watch = RoundWatch(
             node, job.id, ctx.store, ctx.rendezvous, ctx.clock, emit, ctx.events, self._job,
             ctx.fence_after, ctx.lease_lapsed,
@@ -241,9 +235,8 @@ class JobAgent:
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
             if cancelled and self.leave_first:  # the plan dropped it (a delete): no leave
-                with contextlib.suppress(ElasticdError, TimeoutError):  # below, swept now
-                    async with asyncio.timeout(LEAVING_TIMEOUT):
-                        await self._job.sweep_if_gone()
+                with contextlib.suppress(ElasticdError, TimeoutError):  # below; swept now
+                    await asyncio.wait_for(self._job.sweep_if_gone(), LEAVING_TIMEOUT)
         await self._departure.leave()
         with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
             await self._job.sweep_if_gone()

@@ -236,12 +236,13 @@ async def test_a_forwarded_log_read_answers_only_about_the_job_authorized(tmp_pa
             assert (proxied.status_code, proxied.text) == (200, "the new job\n")
 
 
-#: Ignores SIGTERM and says so: its group's stop takes the whole grace.
+#: Checkpoints on SIGTERM (step 99) and runs on: its group's stop takes the whole grace.
 STUBBORN = (
-    "import signal, sys, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "print('stubborn', flush=True)\n"
+    "import signal, time\n"
+    "from elasticd.worker import checkpointed, ping\n"
+    "signal.signal(signal.SIGTERM, lambda *_: checkpointed(99, '/srv/admin/ckpt-99'))\n"
     "while True:\n"
+    "    ping()\n"
     "    time.sleep(0.05)\n"
 )
 
@@ -254,7 +255,9 @@ async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
     the whole grace), deletes it, and alice submits a job under its id: alice's reads of
     her job's workers and goodput show nothing of the admin's job, whose agent still
     stops its workers on this node (its pids, its log folder, its attempt), nor any event
-    of it (its worker's exit, its group's stop)."""
+    of it (its worker's exit, its group's stop); nor does her job's document get the old
+    job's progress (the checkpoint its worker reported as it was stopped: her job would
+    resume from the admin's checkpoint)."""
     token = new_token()
     identities = tmp_path / "identities.toml"
     identities.write_text(
@@ -301,6 +304,9 @@ async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
             assert workers.json()["groups"] == [], (old, workers.json())
             goodput = await alice.get("/jobs/shared/goodput")
             assert goodput.json()["attempts"] == 0, goodput.json()
+            progress = (await alice.get("/jobs/shared")).json()["progress"]
+            assert progress["checkpoint_step"] is None, progress
+            assert progress["attempt"] is None, progress
             events = (await alice.get("/jobs/shared/events")).json()
             theirs = [(e["kind"], e["message"]) for e in events]
             assert {kind for kind, _ in theirs} <= {"job.submitted", "job.unschedulable"}, theirs

@@ -25,7 +25,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing_extensions import Unpack
+
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
+from elasticd.agent.context import JobUpdater
 from elasticd.agent.handover import AgentHandover, not_ready
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.errors import (
@@ -39,7 +42,7 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
 from elasticd.keys import group_key
-from elasticd.models import Job, Launcher
+from elasticd.models import Job, JobEdit, JobMutation, Launcher
 from elasticd.node.health import NodeHealthChecks
 from elasticd.node.jobs.documents import JobsSide, incarnation
 from elasticd.node.logfollow import LogGrowth
@@ -266,6 +269,25 @@ class AgentSupervisor:
         except (StoreError, InvalidTransition, JobNotFound) as exc:
             log.warning("job %s: could not record the daemon stop: %s", job_id, exc)
 
+    def _updates_of(self, job: Job) -> JobUpdater:
+        """The agent's writes of its job's document, to that job only: a new job of its id
+        (the old one deleted while its agent still stops its workers) is, to that agent,
+        its job gone (``JobNotFound``), never given the old job's state or progress."""
+        mine = incarnation(job)
+        update = self.side.documents.update
+
+        async def of_mine(
+            job_id: str, *, mutate: JobMutation | None = None, **changes: Unpack[JobEdit]
+        ) -> Job:
+            def edit(current: Job) -> JobEdit:
+                if incarnation(current) != mine:  # decided on the version written over
+                    raise JobNotFound(f"job {job_id!r} was deleted; a new job has its id")
+                return mutate(current) if mutate is not None else {}
+
+            return await update(job_id, mutate=edit, **changes)
+
+        return of_mine
+
     def rendezvous(self, job: Job) -> StoreRendezvous:
         spec = job.spec
         assert spec.max_nodes is not None
@@ -300,7 +322,7 @@ class AgentSupervisor:
             logs=self.side.logs,
             store=self.side.store,
             events=self.side.events,
-            update_job=self.side.documents.update,
+            update_job=self._updates_of(job),
             rendezvous=self.rendezvous(job),
             base_env=self._base_env,
             job_base_env=self._job_base_env,

@@ -137,10 +137,7 @@ class JobAgent:
         self.orphaned = False  #: its job deleted under it (AgentSupervisor.forget): mute
         emit = self._emit = Emit(ctx.events, job.id, lambda: not self.orphaned)
         node = ctx.node
-        self._job = JobRecord(
-            job.id, node, ctx.store, ctx.update_job, ctx.rendezvous, emit,
-            (job.submitted_to, job.created_at),
-        )  # fmt: skip
+        self._job = JobRecord.of(job, ctx, emit)
         self._watch = RoundWatch(
             node, job.id, ctx.store, ctx.rendezvous, ctx.clock, emit, ctx.events, self._job,
             ctx.fence_after, ctx.lease_lapsed,
@@ -235,11 +232,9 @@ class JobAgent:
             # A process of the job still alive keeps its uid taken (read from /proc).
             self.ctx.policy.release_job(self.job_id)
             if cancelled and self.leave_first:  # the plan dropped it (a delete): no leave
-                with contextlib.suppress(ElasticdError, TimeoutError):  # below; swept now
-                    await asyncio.wait_for(self._job.sweep_if_gone(), LEAVING_TIMEOUT)
+                await self._job.sweep_quietly(LEAVING_TIMEOUT)  # below; swept now
         await self._departure.leave()
-        with contextlib.suppress(ElasticdError):  # its last writes, after a delete: swept
-            await self._job.sweep_if_gone()
+        await self._job.sweep_quietly()  # its last writes, after a delete: swept
 
     async def abandon(self) -> None:
         """Stop the workers this agent still has and leave the rendezvous (its task died).

@@ -11,10 +11,11 @@ Which side of the boundary: the daemon; it reads and writes the job's document.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 
-from elasticd.agent.context import Emit, JobUpdater
+from elasticd.agent.context import AgentContext, Emit, JobUpdater
 from elasticd.agent.edits import record_failure, settle_failure
 from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind
@@ -60,6 +61,12 @@ class JobRecord:
     #: Which job of its id this is (its submission: node and time); None: not checked.
     submitted: tuple[str | None, float] | None = None
 
+    @classmethod
+    def of(cls, job: Job, ctx: AgentContext, emit: Emit) -> JobRecord:
+        """``job``'s record for its agent on ``ctx``'s node, checked to be that job."""
+        submitted = (job.submitted_to, job.created_at)
+        return cls(job.id, ctx.node, ctx.store, ctx.update_job, ctx.rendezvous, emit, submitted)
+
     async def read(self) -> Job:
         entry = await self.store.get(job_key(self.job_id))
         if entry is None:
@@ -86,6 +93,12 @@ class JobRecord:
             for key in (group_key(self.job_id, self.node), goodput_key(self.job_id, self.node)):
                 await self.store.delete(key)
             await sweep_leftovers(self.store, self.job_id)  # what it changed as the delete swept
+
+    async def sweep_quietly(self, bound: float | None = None) -> None:
+        """:meth:`sweep_if_gone` at the agent's end, within ``bound`` seconds: a store that
+        fails or stalls then costs the sweep, never the agent's end."""
+        with contextlib.suppress(ElasticdError, TimeoutError):
+            await asyncio.wait_for(self.sweep_if_gone(), bound)
 
     async def settle(self, round_: RoundInfo) -> Job:
         """A round formed: charge the last round's failure once (or free it: a node lost)."""

@@ -8,6 +8,7 @@ that nothing is done to a job nobody asked about.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -43,6 +44,30 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Served]:
     try:
         await served.wait_ready(60)
         yield served
+    finally:
+        served.stop()
+    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
+
+
+@contextlib.asynccontextmanager
+async def admin_and_alice(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """A daemon with an identity "alice" (who may run jobs as nobody): clients of its admin
+    and of alice. At the end the daemon stops, and it must have logged no ASGI exception."""
+    token = new_token()
+    identities = tmp_path / "identities.toml"
+    identities.write_text(
+        f'[[identity]]\nname = "alice"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
+    )
+    served = serve(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
+    try:
+        await served.wait_ready(60)
+        async with (
+            served.client() as admin,
+            served.client(headers={"Authorization": f"Bearer {token}"}) as alice,
+        ):
+            yield admin, alice
     finally:
         served.stop()
     assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
@@ -145,40 +170,26 @@ async def test_a_long_poll_never_answers_with_a_new_owners_job_of_the_id(tmp_pat
     submits a job of their own under its id (its arguments are secret to others). Alice
     is answered her own job's events or told it is gone (404, 409, or 403 once the id is
     the admin's), never the admin's job's events."""
-    token = new_token()
-    identities = tmp_path / "identities.toml"
-    identities.write_text(
-        f'[[identity]]\nname = "alice"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
-    )
-    served = serve(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
-    try:
-        await served.wait_ready(60)
-        async with (
-            served.client() as admin,
-            served.client(headers={"Authorization": f"Bearer {token}"}) as alice,
-        ):
-            answers = []
-            for i in range(TRIALS):
-                job_id = f"leak-{i}"
-                assert (await alice.post("/jobs", json={"id": job_id, **WAITS})).status_code == 201
-                assert (await alice.post(f"/jobs/{job_id}/cancel", json={})).status_code == 200
-                last = (await alice.get(f"/jobs/{job_id}/events")).json()[-1]["seq"]
-                poll = asyncio.ensure_future(
-                    alice.get(f"/jobs/{job_id}/events", params={"after": last, "wait": 30})
-                )
-                for _ in range(3):  # the daemon reads alice's request before these
-                    assert (await admin.get("/healthz")).status_code == 200
-                assert (await admin.delete(f"/jobs/{job_id}")).status_code == 204
-                secret = {"id": job_id, **WAITS, "args": [f"s3cret-{i}"]}
-                assert (await admin.post("/jobs", json=secret)).status_code == 201
-                answers.append(await poll)
-            leaks = [a.text for a in answers if "s3cret" in a.text]
-            assert not leaks, f"{len(leaks)} of {TRIALS} long-polls: {leaks[:2]}"
-            for answer in answers:
-                assert answer.status_code in (403, 404, 409), answer.text
-    finally:
-        served.stop()
-    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
+    async with admin_and_alice(tmp_path) as (admin, alice):
+        answers = []
+        for i in range(TRIALS):
+            job_id = f"leak-{i}"
+            assert (await alice.post("/jobs", json={"id": job_id, **WAITS})).status_code == 201
+            assert (await alice.post(f"/jobs/{job_id}/cancel", json={})).status_code == 200
+            last = (await alice.get(f"/jobs/{job_id}/events")).json()[-1]["seq"]
+            poll = asyncio.ensure_future(
+                alice.get(f"/jobs/{job_id}/events", params={"after": last, "wait": 30})
+            )
+            for _ in range(3):  # the daemon reads alice's request before these
+                assert (await admin.get("/healthz")).status_code == 200
+            assert (await admin.delete(f"/jobs/{job_id}")).status_code == 204
+            secret = {"id": job_id, **WAITS, "args": [f"s3cret-{i}"]}
+            assert (await admin.post("/jobs", json=secret)).status_code == 201
+            answers.append(await poll)
+        leaks = [a.text for a in answers if "s3cret" in a.text]
+        assert not leaks, f"{len(leaks)} of {TRIALS} long-polls: {leaks[:2]}"
+        for answer in answers:
+            assert answer.status_code in (403, 404, 409), answer.text
 
 
 @pytest.mark.timeout(240)
@@ -258,58 +269,44 @@ async def test_a_new_jobs_workers_and_goodput_never_show_the_old_jobs_agent(
     of it (its worker's exit, its group's stop); nor does her job's document get the old
     job's progress (the checkpoint its worker reported as it was stopped: her job would
     resume from the admin's checkpoint)."""
-    token = new_token()
-    identities = tmp_path / "identities.toml"
-    identities.write_text(
-        f'[[identity]]\nname = "alice"\ntoken_sha256 = "{hash_token(token)}"\nusers = ["nobody"]\n'
-    )
-    served = serve(tmp_path, env={"ELASTICD_IDENTITIES_FILE": str(identities)})
-    try:
-        await served.wait_ready(60)
-        async with (
-            served.client() as admin,
-            served.client(headers={"Authorization": f"Bearer {token}"}) as alice,
-        ):
-            spec = {
-                "id": "shared",
-                "entrypoint": sys.executable,
-                "args": ["-c", STUBBORN],
-                "termination_grace": 8,
-            }
-            assert (await admin.post("/jobs", json=spec)).status_code == 201
-            deadline = time.monotonic() + 60
-            while True:
-                view = (await admin.get("/jobs/shared/workers")).json()
-                pids = [w.get("pid") for g in view["groups"] for w in g["workers"]]
-                if view["state"] == "RUNNING" and any(pids):
-                    break
-                assert time.monotonic() < deadline, view
-                await asyncio.sleep(0.1)
-            old = view["groups"][0]
-            assert (await admin.post("/jobs/shared/cancel", json={})).status_code == 200
-            assert (await admin.delete("/jobs/shared")).status_code == 204
-            assert (await alice.post("/jobs", json={"id": "shared", **WAITS})).status_code == 201
-            workers = await alice.get("/jobs/shared/workers")
-            goodput = await alice.get("/jobs/shared/goodput")
-            assert workers.status_code == 200, workers.text
-            assert workers.json()["groups"] == [], (old, workers.json())
-            assert goodput.status_code == 200, goodput.text
-            assert goodput.json()["attempts"] == 0, goodput.json()
-            # Once the old agent has ended, still nothing of it (its last publications).
-            deadline = time.monotonic() + 60
-            while (node := (await admin.get("/nodes")).json()[0])["free_slots"] != node["slots"]:
-                assert time.monotonic() < deadline, f"the old agent still holds slots: {node}"
-                await asyncio.sleep(0.1)
-            workers = await alice.get("/jobs/shared/workers")
-            assert workers.json()["groups"] == [], (old, workers.json())
-            goodput = await alice.get("/jobs/shared/goodput")
-            assert goodput.json()["attempts"] == 0, goodput.json()
-            progress = (await alice.get("/jobs/shared")).json()["progress"]
-            assert progress["checkpoint_step"] is None, progress
-            assert progress["attempt"] is None, progress
-            events = (await alice.get("/jobs/shared/events")).json()
-            theirs = [(e["kind"], e["message"]) for e in events]
-            assert {kind for kind, _ in theirs} <= {"job.submitted", "job.unschedulable"}, theirs
-    finally:
-        served.stop()
-    assert "Exception in ASGI application" not in served.output(), served.output()[-5000:]
+    async with admin_and_alice(tmp_path) as (admin, alice):
+        spec = {
+            "id": "shared",
+            "entrypoint": sys.executable,
+            "args": ["-c", STUBBORN],
+            "termination_grace": 8,
+        }
+        assert (await admin.post("/jobs", json=spec)).status_code == 201
+        deadline = time.monotonic() + 60
+        while True:
+            view = (await admin.get("/jobs/shared/workers")).json()
+            pids = [w.get("pid") for g in view["groups"] for w in g["workers"]]
+            if view["state"] == "RUNNING" and any(pids):
+                break
+            assert time.monotonic() < deadline, view
+            await asyncio.sleep(0.1)
+        old = view["groups"][0]
+        assert (await admin.post("/jobs/shared/cancel", json={})).status_code == 200
+        assert (await admin.delete("/jobs/shared")).status_code == 204
+        assert (await alice.post("/jobs", json={"id": "shared", **WAITS})).status_code == 201
+        workers = await alice.get("/jobs/shared/workers")
+        goodput = await alice.get("/jobs/shared/goodput")
+        assert workers.status_code == 200, workers.text
+        assert workers.json()["groups"] == [], (old, workers.json())
+        assert goodput.status_code == 200, goodput.text
+        assert goodput.json()["attempts"] == 0, goodput.json()
+        # Once the old agent has ended, still nothing of it (its last publications).
+        deadline = time.monotonic() + 60
+        while (node := (await admin.get("/nodes")).json()[0])["free_slots"] != node["slots"]:
+            assert time.monotonic() < deadline, f"the old agent still holds slots: {node}"
+            await asyncio.sleep(0.1)
+        workers = await alice.get("/jobs/shared/workers")
+        assert workers.json()["groups"] == [], (old, workers.json())
+        goodput = await alice.get("/jobs/shared/goodput")
+        assert goodput.json()["attempts"] == 0, goodput.json()
+        progress = (await alice.get("/jobs/shared")).json()["progress"]
+        assert progress["checkpoint_step"] is None, progress
+        assert progress["attempt"] is None, progress
+        events = (await alice.get("/jobs/shared/events")).json()
+        theirs = [(e["kind"], e["message"]) for e in events]
+        assert {kind for kind, _ in theirs} <= {"job.submitted", "job.unschedulable"}, theirs

@@ -101,6 +101,12 @@ class SocketTracker:
         with self._lock:
             self._exact = {fd: ino for fd, ino in after.items() if before.get(fd) != ino}
 
+    def widen(self) -> None:
+        """From now on until the next iteration, every socket opened since it began is
+        the group's (an abort that shut down the exact set did not wake the rank)."""
+        with self._lock:
+            self._exact = None
+
     def snapshot(self) -> dict[int, str]:
         return _socket_inodes()
 

@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from elasticd.inprocess.coordination import Coordinator
 from elasticd.inprocess.progress import Progress
@@ -54,6 +55,13 @@ class IterationView:
     active_world: frozenset[int]
 
 
+class Interrupt(Protocol):
+    """Abort the rank's distributed work and unwind its function (``CallWrapper.interrupt``);
+    ``again``: even if that iteration was interrupted already (the soft timeout's escalation)."""
+
+    def __call__(self, reason: str, iteration: int, *, again: bool = False) -> None: ...
+
+
 class Monitor(threading.Thread):
     """See the module docstring."""
 
@@ -62,7 +70,7 @@ class Monitor(threading.Thread):
         coordinator: Coordinator,
         progress: Progress,
         view: Callable[[], IterationView],
-        interrupt: Callable[[str, int], None],
+        interrupt: Interrupt,
         *,
         soft_timeout: float,
         hard_timeout: float,
@@ -154,7 +162,8 @@ class Monitor(threading.Thread):
         try:
             self.coordinator.record_interrupted(view.iteration, "soft_timeout", message)
         finally:
-            self.interrupt(f"soft timeout: {message}", view.iteration)
+            # Again if a fault interrupted it already: that interruption did not take.
+            self.interrupt(f"soft timeout: {message}", view.iteration, again=True)
 
     def _hard_timeout(self, silent: float) -> None:
         message = f"no progress for {silent:.1f} s (hard_timeout {self.hard_timeout:g} s)"

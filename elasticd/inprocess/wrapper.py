@@ -421,12 +421,16 @@ class CallWrapper:
         state = self._state
         return IterationView(self._running, state.iteration, frozenset(state.active_world))
 
-    def interrupt(self, reason: str, iteration: int | None = None) -> None:
+    def interrupt(self, reason: str, iteration: int | None = None, *, again: bool = False) -> None:
         """From the monitor thread: abort the group, unwind the function (RankShouldRestart).
 
         ``iteration`` is the one the monitor judged: nothing happens if that
         iteration is over or not running (a fault seen just before an
-        iteration starts is caught by :meth:`_enter` itself).
+        iteration starts is caught by :meth:`_enter` itself). An iteration is
+        interrupted once, unless ``again``: the soft timeout's escalation, when
+        an earlier interruption did not unwind the function (its exception
+        swallowed, or the rank still blocked after the abort): the abort runs
+        again, on every socket the iteration opened, and so does the raise.
         """
         deadline = self.wrapper.timeouts.hard - self.wrapper.timeouts.soft
         if not self._lock.acquire(timeout=max(deadline, 0.1)):
@@ -438,8 +442,10 @@ class CallWrapper:
             current = self._state.iteration
             if iteration is not None and iteration != current:
                 return  # about an iteration that is over
-            if not self._running or self._interrupted:
+            if not self._running or (self._interrupted and not again):
                 return
+            if self._interrupted:
+                tracker.widen()  # the group's own sockets did not do it: every new one
             self._interrupted = True
             log.warning(
                 "elasticd.inprocess: rank %d: interrupting iteration %d: %s",

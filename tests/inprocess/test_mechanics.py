@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 WORKER = """
     import os, sys, time
-    from elasticd.inprocess import CallWrapper, MaxActiveWorldSize, Wrapper
+    from elasticd.inprocess import CallWrapper, MaxActiveWorldSize, RankShouldRestart, Wrapper
 
     fault = os.environ.get("FAULT", "none")
     calls = int(os.environ.get("CALLS", "1"))
@@ -50,12 +50,21 @@ WORKER = """
         if call.iteration == 0 and me == fault_rank:
             time.sleep(0.2)
             print(f"fault t={time.time()}", flush=True)
-            if fault in ("raise", "unhealthy", "atomic", "always"):
+            if fault in ("raise", "unhealthy", "atomic", "always", "swallow"):
                 raise ValueError(f"rank {me} fails")
             if fault == "hang":
                 time.sleep(10_000)  # stuck in a C call: no bytecode, no progress
             if fault == "exit":
                 os._exit(3)
+        if call.iteration == 0 and fault == "swallow" and me == 0:
+            try:  # as a library with a bare except would: the interruption is lost
+                while True:
+                    call.ping()
+                    time.sleep(0.02)
+            except RankShouldRestart:
+                print(f"swallowed t={time.time()}", flush=True)
+            while True:  # runs on, with no progress
+                time.sleep(0.05)
         if fault == "always" and me == fault_rank:
             raise ValueError(f"rank {me} fails every time")
         if call.iteration == 0 and fault == "atomic" and me == 0:
@@ -151,6 +160,24 @@ async def test_a_hung_rank_gets_the_soft_then_the_hard_timeout(
     assert soft and hard and soft[0] < hard[0], group.dump()
     assert [e["world"] for e in group.ranks[0].fields("enter")] == ["2", "1"]
     assert group.ranks[0].lines("result") == [f"result 1 pid={group.ranks[0].proc.pid}"]
+
+
+async def test_an_interruption_that_did_not_take_is_made_again_at_the_soft_timeout(
+    url: str, group_factory: list[RankGroup]
+) -> None:
+    """Rank 1 raises; rank 0's function swallows the interruption and runs on without
+    progress. Its soft timeout interrupts it again (before, a no-op: the iteration counted
+    as interrupted already, and the hard timeout killed the rank): both ranks restart in
+    their processes and finish with the whole world."""
+    group = await run_group(group_factory, url, 2, FAULT="swallow", SOFT="1", HARD="4")
+    async with asyncio.timeout(40):
+        codes = await group.wait()
+    assert codes == [0, 0], group.dump()
+    assert group.ranks[0].lines("swallowed"), group.dump()
+    assert any("soft timeout" in line for line in group.ranks[0].err), group.dump()
+    for rank in group.ranks:
+        assert [e["world"] for e in rank.fields("enter")] == ["2", "2"], group.dump()
+        assert rank.lines("result") == [f"result 1 pid={rank.proc.pid}"]
 
 
 async def test_a_failed_health_check_takes_the_rank_out(

@@ -58,11 +58,10 @@ class JobQueries:
         return self._as_served(await self.side.documents.read(job_id))
 
     async def _of(self, job_id: str, seen: Job | None) -> Job:
-        """The job, when it is ``seen`` (the job its caller was authorized for): not a job
-        submitted under its id since (``JobConflict``)."""
-        job = await self.get(job_id)
-        same_job(seen, job)
-        return job
+        """The job to answer about: ``seen``, the job its caller was authorized for (read by
+        that check, in this request: not read again; :meth:`_still` checks it after the
+        read), or the stored one."""
+        return seen if seen is not None else await self.get(job_id)
 
     async def _still(self, seen: Job | None) -> None:
         """After reading a job's keys by its id: the job is still ``seen``, so nothing read

@@ -357,8 +357,7 @@ class JobService:
         ``seen``: the job its caller was authorized for; a job submitted again
         under its id since then is not cancelled (409).
         """
-        job = await self.get(job_id)
-        same_job(seen, job)
+        job = seen if seen is not None else await self.get(job_id)  # seen: read just now
         if job.launcher != Launcher.ELASTICD:
             raise JobConflict(
                 f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "

@@ -230,6 +230,15 @@ class Config(BaseModel):
         "without one); subreaper: the daemon becomes a child subreaper (partial: an event says "
         "so); auto: cgroup where one can be made, else subreaper.",
     )
+    prewarm_move_budget: float = Field(
+        default=0.1,
+        ge=0,
+        le=5,
+        description="Seconds a prewarm hand-off may spend moving a standby's cgroup (it and what "
+        "its imports started) into the attempt's, holding the daemon's event loop: past them the "
+        "move is undone and the rank starts cold (a worker.cold_start event says why). 0 starts "
+        "every contained rank cold.",
+    )
     on_corrupt_database: Literal["refuse", "set_aside"] = Field(
         default="refuse",
         description="What the daemon does when its own database (<state_dir>/elasticd.sqlite3: "
@@ -401,6 +410,7 @@ _ENV_FIELDS = {
     "NODE_FAILURE_GRACE": "node_failure_grace",
     "MAX_CONNECTIONS": "max_connections",
     "CONTAINMENT": "containment",
+    "PREWARM_MOVE_BUDGET": "prewarm_move_budget",
     "ON_CORRUPT_DATABASE": "on_corrupt_database",
     "EVENT_RETENTION_FIRST": "event_retention_first",
     "EVENT_RETENTION_LAST": "event_retention_last",

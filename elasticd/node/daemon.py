@@ -774,6 +774,7 @@ class Daemon(ReexecMixin):
                 node=self.config.node_name,
                 state_dir=self.config.state_dir,
                 known=lambda: live_children() | adopted_children(),
+                move_budget=self.config.prewarm_move_budget,
             )
         except OSError as exc:
             raise ConfigError(

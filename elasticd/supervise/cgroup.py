@@ -131,7 +131,8 @@ ContainmentChoice = Literal["auto", "cgroup", "subreaper"]
 #: How long a killed cgroup may take to empty before it is given up (left for the sweep).
 EMPTY_TIMEOUT = 10.0
 
-#: Seconds a move of a whole cgroup (a standby's, at its hand-off) may hold the event loop.
+#: Seconds a move of a whole cgroup (a standby's, at its hand-off) may hold the event loop
+#: (the default of the ``prewarm_move_budget`` setting).
 MOVE_BUDGET = 0.1
 #: The environment variable that names one standby's processes (its value, a random token,
 #: is the standby's own; the program it becomes does not see it in ``os.environ``).
@@ -468,10 +469,13 @@ class AttemptContainment:
         attempt_tag: str | None,
         known: Callable[[], Collection[int]] = frozenset,
         marker: str | None = None,
+        move_budget: float = MOVE_BUDGET,
     ) -> None:
         """``marker``: a standby's (:data:`STANDBY_MARKER`): under the subreaper its strays
-        are only the processes whose environment carries it."""
+        are only the processes whose environment carries it. ``move_budget``: what
+        :meth:`hand_over` may spend (:meth:`Cgroup.move_all`)."""
         self.cgroup = cgroup
+        self.move_budget = move_budget
         self.job_id = job_id
         self.attempt_tag = attempt_tag
         self.marker = marker
@@ -517,11 +521,11 @@ class AttemptContainment:
         if self.cgroup is not None and to.cgroup is not None:
             if to.procs_fd is None:  # stopped meanwhile: its folder may be gone already
                 raise OSError(f"the attempt's cgroup {to.cgroup.path.name} was closed")
-            move = self.cgroup.move_all(to.cgroup, to.procs_fd)
+            move = self.cgroup.move_all(to.cgroup, to.procs_fd, self.move_budget)
             if not move.done:  # then stop() kills what is left here
                 raise OSError(
                     f"its processes did not all move into the attempt's cgroup within "
-                    f"{MOVE_BUDGET:g} s ({move.moved} moved and killed there, "
+                    f"{self.move_budget:g} s ({move.moved} moved and killed there, "
                     f"{move.left} still arriving in its own)"
                 )
             self.cgroup.remove()
@@ -592,11 +596,13 @@ class Containment:
         base: Path | None = None,
         reason: str = "",
         known: Callable[[], Collection[int]] = frozenset,
+        move_budget: float = MOVE_BUDGET,
     ) -> None:
         self.mode = mode
         self.base = base
         self.reason = reason
         self._known = known
+        self.move_budget = move_budget
 
     @property
     def partial(self) -> bool:
@@ -611,16 +617,18 @@ class Containment:
         state_dir: Path,
         known: Callable[[], Collection[int]] = frozenset,
         proc: Path = Path("/proc/self"),
+        move_budget: float = MOVE_BUDGET,
     ) -> Containment:
         """Make the daemon's subtree (``cgroup``) or become a subreaper (``subreaper``).
 
         ``auto`` tries cgroups and falls back; a forced ``cgroup`` that cannot
-        be had raises ``OSError`` (the daemon refuses to start).
+        be had raises ``OSError`` (the daemon refuses to start). ``move_budget``: each
+        attempt's (:class:`AttemptContainment`).
         """
         if choice != "subreaper":
             try:
                 base = cls._make_subtree(node, state_dir, proc)
-                return cls("cgroup", base=base, known=known)
+                return cls("cgroup", base=base, known=known, move_budget=move_budget)
             except OSError as exc:
                 if choice == "cgroup":
                     raise
@@ -628,7 +636,7 @@ class Containment:
         else:
             reason = "containment = subreaper in the daemon's configuration"
         _become_subreaper()
-        return cls("subreaper", reason=reason, known=known)
+        return cls("subreaper", reason=reason, known=known, move_budget=move_budget)
 
     @staticmethod
     def _make_subtree(node: str, state_dir: Path, proc: Path) -> Path:
@@ -682,7 +690,7 @@ class Containment:
         try:
             return AttemptContainment(
                 cgroup=Cgroup(path), job_id=job_id, attempt_tag=attempt_tag, known=self._known,
-                marker=marker,
+                marker=marker, move_budget=self.move_budget,
             )  # fmt: skip
         except BaseException:
             Cgroup(path).remove()

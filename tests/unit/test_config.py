@@ -85,3 +85,14 @@ def test_each_step_of_the_wind_down_gets_what_is_left_of_shutdown_timeout(
     from elasticd.node.daemon import step_bound
 
     assert step_bound(left, degraded=degraded) == bound
+
+
+def test_the_prewarm_move_budget_is_read_and_bounded():
+    """ELASTICD_PREWARM_MOVE_BUDGET reaches the setting (0: every contained rank cold); a
+    negative one, or one that would hold the event loop for long, is refused by name."""
+    assert load_config({}, environ={}).prewarm_move_budget == 0.1
+    env = {"ELASTICD_PREWARM_MOVE_BUDGET": "0"}
+    assert load_config({}, environ=env).prewarm_move_budget == 0
+    for bad in ("-1", "60"):
+        with pytest.raises(ConfigError, match="prewarm_move_budget"):
+            load_config({}, environ={"ELASTICD_PREWARM_MOVE_BUDGET": bad})

@@ -202,31 +202,18 @@ class Reconciler:
             self.supervisor.start(job, cuda, handover)
             self.publish_slots()
 
-    async def _after_unplaced(self, job_id: str) -> None:
-        """A job the plan no longer places anywhere goes back to PENDING (queued), uncharged."""
+    async def _after_unplaced(self, ended: AgentEnded) -> None:
+        """A job the plan no longer places anywhere goes back to PENDING (queued), uncharged:
+        decided inside the write, on the plan as it is then (:func:`back_to_queue`)."""
         plan = self.plan
-        if plan is None or plan.nodes_of(job_id):
+        if plan is None or plan.nodes_of(ended.job_id):
             return  # still placed elsewhere (shrunk) or here again: nothing to record
-        entry = plan.entry(job_id)
-        reason = f"waiting in the queue: {entry.message}" if entry else "waiting in the queue"
-
-        def back_to_queue(job: Job) -> JobEdit:
-            # Its workers were stopped for another job: a failure they met on the way out
-            # (a peer already stopped) is never charged; not even one recorded later.
-            edit: JobEdit = {
-                "pending_failure": None,
-                "charged_round": max(job.charged_round, job.round),
-            }
-            if job.state in (JobState.RUNNING, JobState.RESTARTING):
-                edit |= {"state": JobState.PENDING, "reason": reason}
-            return edit
-
         try:
-            job = await self.side.documents.read(job_id)
-            if not job.state.is_terminal:
-                await self.side.documents.update(job_id, mutate=back_to_queue)
+            await self.side.documents.update(
+                ended.job_id, mutate=lambda job: back_to_queue(job, self.plan, ended.ran)
+            )
         except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
-            log.warning("job %s: could not record its return to the queue: %s", job_id, exc)
+            log.warning("job %s: could not record its return to the queue: %s", ended.job_id, exc)
 
     def agent_ended(self, ended: AgentEnded) -> None:
         """An agent of this node ended: what its slots and its job do next."""
@@ -242,7 +229,7 @@ class Reconciler:
         self._background.spawn(self._retain_logs([job_id]), name=f"log-retention-{job_id}")
         if job_id in self.unplaced:
             self.unplaced.discard(job_id)
-            self._background.spawn(self._after_unplaced(job_id), name=f"unplaced-{job_id}")
+            self._background.spawn(self._after_unplaced(ended), name=f"unplaced-{job_id}")
         elif not ended.cancelled and self._still_known(ended):
             self.done_here.add(job_id)  # declined (published with the slots) if active
             if ended.gave_back:
@@ -305,3 +292,25 @@ class Reconciler:
                 self.side.cluster.publish(free_slots=len(self.slots.free), declined=declined),
                 name="publish-slots",
             )
+
+
+def back_to_queue(job: Job, plan: FleetPlan | None, ran: str | None) -> JobEdit:
+    """The edit that puts ``job``, whose agent here stopped when the plan took its
+    placement away, back in the queue: PENDING with the queue's reason, and nothing its
+    workers met on the way out (a peer already stopped) charged, not even later.
+
+    Decided on the document it is written over, with the plan as it is at that moment:
+    no edit when the plan places the job again by then (it may be RUNNING elsewhere, in a
+    round its own failures are charged for), when the job ended, or when it is another
+    job of its id than the agent ran (``ran``: :func:`incarnation`; None: unknown).
+    """
+    if plan is None or plan.nodes_of(job.id) or job.state.is_terminal:
+        return {}
+    if ran is not None and incarnation(job) != ran:
+        return {}
+    entry = plan.entry(job.id)
+    reason = f"waiting in the queue: {entry.message}" if entry else "waiting in the queue"
+    edit: JobEdit = {"pending_failure": None, "charged_round": max(job.charged_round, job.round)}
+    if job.state in (JobState.RUNNING, JobState.RESTARTING):
+        edit |= {"state": JobState.PENDING, "reason": reason}
+    return edit

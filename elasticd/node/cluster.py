@@ -124,6 +124,10 @@ class Cluster:
         #: the lease lives at least ``lease_ttl`` from then, and may end right after.
         self.renewed_at: float | None = None
         self._lease_lock = asyncio.Lock()
+        #: One :meth:`publish` writes at a time, and writes the record as it is then.
+        self._publish_lock = asyncio.Lock()
+        #: The record the last write that got through put in the store.
+        self._published: NodeRecord | None = None
         #: The keep-alive and the job watch: started by start, ended by stop.
         self._tasks = TaskSet("cluster")
         self._stopping = False
@@ -189,11 +193,22 @@ class Cluster:
         self.renewed_at = max(sent, self.renewed_at or sent)
 
     async def publish(self, **changes: object) -> None:
-        """Update this node's record (e.g. free slots)."""
+        """Update this node's record (e.g. free slots) here, then in the store.
+
+        Callers run concurrently (each change of the slots spawns one), and two puts in
+        flight over an HTTP store may land in either order: the writes are one at a time,
+        each of the record as it is when it is sent, so the last to land is the newest.
+        A write that finds the newest record already written is skipped.
+        """
         self.record = self.record.model_copy(update=changes)
-        lease = await self.lease()
-        with contextlib.suppress(StoreError):
-            await self.store.put(self.key, self.record.model_dump_json().encode(), lease=lease)
+        async with self._publish_lock:
+            record = self.record
+            if record is self._published:
+                return
+            lease = await self.lease()
+            with contextlib.suppress(StoreError):
+                await self.store.put(self.key, record.model_dump_json().encode(), lease=lease)
+                self._published = record
 
     async def nodes(self) -> list[NodeRecord]:
         listing = await self.store.list(NODE_PREFIX)

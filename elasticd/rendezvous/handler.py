@@ -95,6 +95,7 @@ from elasticd.rendezvous.protocol import (
     decide_close,
     decide_exit,
     decide_join,
+    decide_reopen,
     holder_follows,
     look,
     needs_placing,
@@ -132,6 +133,8 @@ ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
 #: below this watch the membership while workers run (and start the next round
 #: on a loss or an arrival); the others watch the small head key only.
 SENTINELS = 3
+#: Closures made in error (the job still runs) one node's rendezvous undoes at most.
+MAX_REOPENS = 3
 
 
 class _Step(Enum):
@@ -172,8 +175,14 @@ class StoreRendezvous:
         absorber_from: int = ABSORBER_FROM,
         seats_from: int = ABSORBER_FROM,
         absorber_overdue: float = ABSORBER_HOLD,
+        still_active: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
+        """``still_active()``: whether the job this rendezvous is for still runs (its
+        document, that job's and not another of its id, has not ended); given, a closure
+        found while it does is taken for one made in error and undone (:meth:`_reopened`)."""
         self._store = store
+        self._still_active = still_active
+        self._reopens = 0
         self._job = job_id
         self._prefix = membership_prefix(job_id)  # the state and the presence keys
         self._state_key = state_key(job_id)
@@ -817,6 +826,39 @@ class StoreRendezvous:
         )
 
     async def next_round(self, *, port: int | None = None) -> RoundInfo:
+        """Join the next round (:class:`~elasticd.rendezvous.interface.Rendezvous`); a
+        closure made in error is undone and the join made again (:meth:`_reopened`)."""
+        while True:
+            try:
+                return await self._next_round(port)
+            except RendezvousClosed:
+                if not await self._reopened():
+                    raise
+
+    async def _reopened(self) -> bool:
+        """Open the rendezvous again if it was closed while its job still runs.
+
+        Whoever closes a rendezvous writes its job's end first (the agents, a cancel), so
+        a closed rendezvous of a job still active was closed by something else: the late
+        close of an agent of a deleted job of the id, on any node, whose new job the id
+        now names. Undone, the new job's nodes form a new round (uncharged) instead of
+        each ending its agent, which would leave the job active with nothing running it.
+        At most :data:`MAX_REOPENS` times per node's agent (a writer of the store who
+        closes it over and over gets the job stopped, not a loop).
+        """
+        if self._still_active is None or self._reopens >= MAX_REOPENS:
+            return False
+        if not await self._still_active():
+            return False
+        self._reopens += 1
+        log.warning("%s: the rendezvous of %s was closed while it runs: opening it again",
+                    self._me, self._job)  # fmt: skip
+        await self._apply(decide_reopen)
+        if self._large:  # the head as written now, not the closed one last seen
+            await self._read_signals()
+        return True
+
+    async def _next_round(self, port: int | None) -> RoundInfo:
         me, settings = self._me, self._settings
         info = NodeInfo(
             addr=self._master_addr or self._addr,
@@ -852,8 +894,17 @@ class StoreRendezvous:
         """Read the membership once, then follow the watch's events (see :meth:`_next_view`).
 
         In a large job only the sentinels (group ranks below ``SENTINELS``) do;
-        the others watch the head, which the next round's opener writes.
+        the others watch the head, which the next round's opener writes. A closure made
+        in error (:meth:`_reopened`) is undone, and is a new round.
         """
+        change = await self._wait_for_change(my_round, on_contact)
+        if change is Change.CLOSED and await self._reopened():
+            return Change.NEW_ROUND
+        return change
+
+    async def _wait_for_change(
+        self, my_round: int, on_contact: Callable[[], None] | None
+    ) -> Change:
         if self._large and self._seat is not None and self._seat.group_rank >= SENTINELS:
             return await self._follow_head(my_round, on_contact)
         state, version, present, revision = await self.snapshot()

@@ -586,6 +586,15 @@ def decide_close(state: State) -> Action:
     return Action(Kind.WRITE, replace(state, closed=True), why="closing the rendezvous")
 
 
+def decide_reopen(state: State) -> Action:
+    """A rendezvous closed in error (its job still runs: see
+    :meth:`~elasticd.rendezvous.handler.StoreRendezvous.next_round`) opens again as the
+    next round, empty: every node joins it as after any change of the round."""
+    if not state.closed:
+        return Action(Kind.FINISH)
+    return Action(Kind.WRITE, State(round=state.round + 1), why="opening the rendezvous again")
+
+
 class Change(Enum):
     """Why a running node must re-rendezvous (``None`` from :func:`watch_reason`: it need not)."""
 

@@ -12,6 +12,7 @@ import pytest
 
 from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, Settings, StoreRendezvous
+from elasticd.rendezvous.handler import MAX_REOPENS
 from elasticd.rendezvous.layout import absorber_key, membership_prefix
 from elasticd.testing import MemoryStore
 
@@ -25,9 +26,15 @@ def _seats_from(request, monkeypatch):
 
 
 async def node(
-    store: MemoryStore, name: str, settings: Settings, ttl: float = 30.0, absorber_from: int = 1
+    store: MemoryStore,
+    name: str,
+    settings: Settings,
+    ttl: float = 30.0,
+    absorber_from: int = 1,
+    still_active=None,
 ):
-    """One simulated node (by default with the absorber role on at every job size)."""
+    """One simulated node (by default with the absorber role on at every job size);
+    ``still_active``: whether its job still runs (StoreRendezvous)."""
     lease = await store.grant(ttl)
 
     async def current_lease() -> int:
@@ -45,6 +52,7 @@ async def node(
         absorber_from=absorber_from,
         seats_from=SEATS_FROM,
         absorber_overdue=0.5,  # large jobs give a late hold ABSORBER_HOLD more; tests less
+        still_active=still_active,
     )
     return rdzv, lease
 
@@ -104,6 +112,75 @@ async def test_closed_rendezvous_refuses_the_next_round():
         r = await a.next_round()
         await a.close()
         assert await a.wait_for_change(r.round) is Change.CLOSED
+        with pytest.raises(RendezvousClosed):
+            await a.next_round()
+
+
+async def test_a_closure_while_the_job_still_runs_is_undone_as_a_new_round():
+    """Closed by another job of the id (an old agent's late close) while this job runs: the
+    running nodes see a new round, not the end, and form it; a joining node joins it."""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=2)
+    asked: list[str] = []
+
+    async def still_active() -> bool:
+        asked.append("asked")
+        return True
+
+    (a, _) = await node(store, "a", s, still_active=still_active)
+    (b, _) = await node(store, "b", s, still_active=still_active)
+    (old, _) = await node(store, "old", s)  # the deleted job's agent: no such check
+    async with asyncio.timeout(10):
+        first = await asyncio.gather(a.next_round(), b.next_round())
+        watching = asyncio.create_task(a.wait_for_change(first[0].round))
+        await asyncio.sleep(0)
+        await old.close()
+        assert await watching is Change.NEW_ROUND
+        again = await asyncio.gather(a.next_round(), b.next_round())
+    assert again[0].round == again[1].round > first[0].round
+    assert {again[0].group_rank, again[1].group_rank} == {0, 1}
+    assert asked
+    async with asyncio.timeout(10):  # closed before a join: the join opens it again
+        await old.close()
+        rejoined = await asyncio.gather(a.next_round(), b.next_round())
+    assert rejoined[0].round == rejoined[1].round > again[0].round
+
+
+@pytest.mark.parametrize("active", [False, None], ids=["the job ended", "no check"])
+async def test_a_closure_of_an_ended_job_stands(active):
+    """The job ended (its end is written before the close), or no check is given (a
+    torchrun launcher's rendezvous): CLOSED, and the next round refused."""
+
+    async def still_active() -> bool:
+        return False
+
+    store = MemoryStore()
+    s = Settings(min_nodes=1, max_nodes=1)
+    (a, _) = await node(store, "a", s, still_active=None if active is None else still_active)
+    async with asyncio.timeout(10):
+        r = await a.next_round()
+        await a.close()
+        assert await a.wait_for_change(r.round) is Change.CLOSED
+        with pytest.raises(RendezvousClosed):
+            await a.next_round()
+
+
+async def test_closures_made_over_and_over_are_undone_a_bounded_number_of_times():
+    """A writer of the store who closes the rendezvous again and again gets the job's agent
+    here stopped (CLOSED, as any closure), not a loop of re-formations."""
+
+    async def still_active() -> bool:
+        return True
+
+    store = MemoryStore()
+    s = Settings(min_nodes=1, max_nodes=1)
+    (a, _) = await node(store, "a", s, still_active=still_active)
+    (closer, _) = await node(store, "closer", s)
+    async with asyncio.timeout(10):
+        for _ in range(MAX_REOPENS):
+            await closer.close()
+            await a.next_round()
+        await closer.close()
         with pytest.raises(RendezvousClosed):
             await a.next_round()
 

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from elasticd.agent.handover import AgentHandover, not_ready
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.errors import (
     InvalidTransition,
+    JobConflict,
     JobNotFound,
     SpawnStage,
     StoreError,
@@ -41,10 +42,10 @@ from elasticd.errors import (
 )
 from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
-from elasticd.keys import group_key
+from elasticd.keys import group_key, job_key
 from elasticd.models import Job, JobEdit, JobMutation, Launcher
 from elasticd.node.health import NodeHealthChecks
-from elasticd.node.jobs.documents import JobsSide, incarnation
+from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job
 from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.security import Identity
@@ -308,7 +309,24 @@ class AgentSupervisor:
             master_addr=spec.master_addr,
             master_port=spec.master_port,
             clock=self.side.clock,
+            still_active=self._still_active(job),
         )
+
+    def _still_active(self, job: Job) -> Callable[[], Awaitable[bool]]:
+        """Whether ``job`` (that job, not another of its id) has not ended, read now."""
+        store, mine = self.side.store, incarnation(job)
+
+        async def still_active() -> bool:
+            entry = await store.get(job_key(job.id))
+            if entry is None:
+                return False
+            try:
+                current = parse_job(job.id, entry.value)
+            except JobConflict:  # a document nobody can read: nothing to run
+                return False
+            return incarnation(current) == mine and not current.state.is_terminal
+
+        return still_active
 
     def start(
         self, job: Job, cuda_visible_devices: str | None, handover: AgentHandover | None = None

@@ -169,8 +169,11 @@ def _leads(pid: int) -> bool:
 async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: Path) -> None:
     """A standby's cgroup with it and a child in a session of its own, forking on: every
     member moves into the attempt's cgroup, the standby's folder goes, and the attempt's
-    stop then kills them all."""
-    containment = Containment.setup("cgroup", node="unit-handover", state_dir=tmp_path)
+    stop then kills them all. (The budget is the maximum: what the move may take is the
+    tests below; one write may wait a few hundred ms on a loaded machine.)"""
+    containment = Containment.setup(
+        "cgroup", node="unit-handover", state_dir=tmp_path, move_budget=5.0
+    )
     standby = containment.open_attempt("h", None, None)
     attempt = containment.open_attempt("h", 1, None)
     assert standby.procs_fd is not None and standby.cgroup is not None

@@ -348,7 +348,13 @@ class Cgroup:
             with contextlib.suppress(OSError):
                 _write(self.path / "cgroup.freeze", "0")
 
-    def move_all(self, target: Cgroup, target_procs: int, budget: float | None = None) -> Move:
+    def move_all(
+        self,
+        target: Cgroup,
+        target_procs: int,
+        budget: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Move:
         """Move every member into ``target``, whose ``cgroup.procs`` is open as ``target_procs``.
 
         All or nothing. This cgroup is frozen first, so its members stop forking, and
@@ -375,22 +381,22 @@ class Cgroup:
         with contextlib.suppress(OSError):
             _write(target.path / "cgroup.freeze", "1")
             held = True
-        start = time.monotonic()
+        start = clock()
         deadline = start + (MOVE_BUDGET if budget is None else budget)
         moved: list[int] = []
         done = False
         try:
             while pids := self.pids():
                 for pid in pids:
-                    if time.monotonic() >= deadline:
-                        return Move(False, len(moved), len(self.pids()), time.monotonic() - start)
+                    if clock() >= deadline:
+                        return Move(False, len(moved), len(self.pids()), clock() - start)
                     try:
                         os.write(target_procs, str(pid).encode())
                     except ProcessLookupError:
                         continue  # gone meanwhile (a zombie is no member: it is out)
                     moved.append(pid)
             done = True
-            return Move(True, len(moved), 0, time.monotonic() - start)
+            return Move(True, len(moved), 0, clock() - start)
         finally:
             if not done:  # all or nothing (the budget, or a write refused): what landed goes
                 for pid in moved:

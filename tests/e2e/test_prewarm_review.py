@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,15 @@ def _job_files(tmp_path: Path, worker: str, helper: str | None) -> tuple[Path, P
 
 def _helpers(out: Path) -> list[int]:
     return [int(p.read_text()) for p in out.glob("helper.*")]
+
+
+def _recorded(state_dir: Path, pids: Collection[int]) -> bool:
+    """Whether the daemon's database names each of ``pids`` for the next daemon's sweep."""
+    db = sqlite3.connect(f"file:{state_dir / 'elasticd.sqlite3'}?mode=ro", uri=True)
+    try:
+        return set(pids) <= {pid for (pid,) in db.execute("SELECT pid FROM workers")}
+    finally:
+        db.close()
 
 
 @pytest.mark.parametrize("how", ["kill9", "stop"])
@@ -112,7 +123,11 @@ async def test_a_standbys_helper_is_swept_by_the_next_daemon_after_a_kill9(
             standbys = await ready_standbys(c, "g", 2)
             helpers = _helpers(out)
             assert len(helpers) == 2
-            await asyncio.sleep(0.5)  # the records reach the database (a backlog)
+            # The fault's precondition, not a wait that hopes: the standbys are in the
+            # database the next daemon sweeps from (written at their start, or queued).
+            await eventually(
+                lambda: _recorded(daemon.state_dir, standbys.values()), 20, "their records"
+            )
             daemon.kill9()
             await eventually(
                 lambda: not any(pid_alive(p) for p in standbys.values()), 20, "standbys"

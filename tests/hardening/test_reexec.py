@@ -149,10 +149,12 @@ async def test_workers_keep_their_pids_through_one_and_five_reexecs(tmp_path: Pa
             reasons |= await reexec(daemon, c)
             assert await healthy_pids(c, "up", 2) == pids, n
             assert all(pid_alive(p) for p in pids)
-        # Not ready while it re-executes and re-adopts (seen at least once in six).
-        assert any(r.startswith(("re-executing", "re-adopting", "starting")) for r in reasons), (
-            reasons
-        )
+        # Whatever /readyz said meanwhile is the re-exec's own (not ready while it re-executes
+        # and re-adopts). Whether a poll lands in those windows at all is the machine's to
+        # decide (a fast one may re-exec between two polls): none seen in six passes too;
+        # the tests that hold the re-exec (waiting_to_reexec) see "re-executing" every time.
+        own = ("re-executing", "re-adopting", "starting")
+        assert all(r.startswith(own) for r in reasons), reasons
         job = (await c.get("/jobs/up")).json()
         assert job["state"] == "RUNNING"
         assert job["restart_count"] == 0

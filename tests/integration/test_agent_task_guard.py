@@ -23,8 +23,13 @@ from tests.conftest import PY, events_of, script, wait_job
 
 pytestmark = pytest.mark.timeout(90)
 
-#: Exits 0 after a moment, so a first attempt is still running when its agent dies.
-SHORT = "import time\ntime.sleep(0.5)\n"
+#: The first round's worker runs until it is stopped (a minute at most), so it is still
+#: running when its agent dies, however fast or slow the machine; a later one exits 0.
+FIRST_RUNS_ON = """
+import os, time
+if os.environ["ELASTICD_ATTEMPT"].startswith("0."):  # <round>.<restart count>
+    time.sleep(60)
+"""
 
 
 def break_agents(monkeypatch: pytest.MonkeyPatch, times: int) -> None:
@@ -55,7 +60,7 @@ async def test_a_dead_agent_is_noticed_and_the_job_resumes_without_spending_its_
 ) -> None:
     """One agent death: its worker stopped, agent.crashed, a new attempt that succeeds."""
     break_agents(monkeypatch, 1)
-    worker = script(tmp_path, "short.py", SHORT)
+    worker = script(tmp_path, "first_runs_on.py", FIRST_RUNS_ON)
     r = await client.post("/jobs", json={"id": "once", "entrypoint": PY, "args": [worker]})
     assert r.status_code == 201
     job = await wait_job(client, "once", timeout=60)

@@ -209,18 +209,25 @@ def torchrun(
     )
 
 
+#: Rank 1 of the first round crashes; rank 0 of that round runs until its agent stops it for
+#: the new round (a minute at most): however long the crash takes to reach the other agent,
+#: the survivor is still there to be restarted. Every later round's workers exit 0.
 WORKER = """
 import json, os, sys, time
 env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")}
 with open(sys.argv[1], "a") as f:
     f.write(json.dumps(env) + "\\n")
+with open(sys.argv[1]) as f:
+    first_round = json.loads(f.readline())["MASTER_PORT"] == env["MASTER_PORT"]
 crash = sys.argv[2]
 if env["RANK"] == "1" and not os.path.exists(crash):
     open(crash, "w").close()
     time.sleep(0.5)
     sys.exit(3)
-time.sleep(1.5)
+end = time.monotonic() + (60 if first_round else 1.5)
+while time.monotonic() < end:
+    time.sleep(0.05)
 """
 
 

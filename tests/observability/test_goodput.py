@@ -37,7 +37,10 @@ STEP_S = 0.05
 
 # Attempt 1 runs steps 1..55, checkpointing every 20, and crashes after step 55;
 # attempt 2 resumes from its own last checkpoint (40) and runs to 100, checkpointing
-# every 20. Each step's wall time goes to notes.jsonl: the ground truth.
+# every 20. Each step's wall time goes to notes.jsonl: the ground truth. Where the test
+# made a file "hold", the first attempt stays at step HOLD_AT (pinging) until it is
+# stopped (two minutes at most): a test that stops it there cannot be outrun by its end.
+HOLD_AT = 35
 WORKER = """
     import json, os, sys, time
     from pathlib import Path
@@ -48,11 +51,16 @@ WORKER = """
     ckpt = here / "ckpt"
     start = int(ckpt.read_text()) if ckpt.exists() else 0
     crash_at = None if (here / "crashed").exists() else 55
+    hold_at = {hold_at} if start == 0 and (here / "hold").exists() else None
     for step in range(start + 1, 101):
         time.sleep({step_s})
         ping(step=step)
         notes.write(json.dumps({{"step": step, "t": time.time(), "start": start}}) + "\\n")
         notes.flush()
+        held_until = time.monotonic() + 120
+        while step == hold_at and time.monotonic() < held_until:
+            time.sleep({step_s})
+            ping(step=step)
         if step % 20 == 0:
             ckpt.write_text(str(step))
             checkpointed(step)
@@ -92,7 +100,7 @@ async def test_goodput_matches_the_workers_ground_truth(tmp_path: Path) -> None:
     checkpoint 100, and productive + badput = wall."""
     work = tmp_path / "work"
     work.mkdir()
-    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S, hold_at=HOLD_AT))
     daemon = serve(tmp_path)
     try:
         await daemon.wait_ready()
@@ -234,15 +242,16 @@ async def test_goodput_survives_a_daemon_restart(tmp_path: Path) -> None:
     from the store, the time it was down is badput (other), and the job's steps are whole."""
     work = tmp_path / "work"
     work.mkdir()
-    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S, hold_at=HOLD_AT))
     (work / "crashed").write_text("")  # no crash in this one
+    (work / "hold").write_text("")  # the first attempt waits for the stop at HOLD_AT
     daemon = serve(tmp_path)
     try:
         await daemon.wait_ready()
         async with daemon.client() as c:
             spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
             job_id = (await c.post("/jobs", json=spec)).json()["id"]
-            await reached_step(work, 30)
+            await reached_step(work, HOLD_AT)
         daemon.stop()  # the job waits, RESTARTING, for this node to come back
         daemon = serve(tmp_path, state_dir=daemon.state_dir, port=daemon.port)
         await daemon.wait_ready()
@@ -280,14 +289,15 @@ async def test_a_preemption_is_its_own_badput(tmp_path: Path) -> None:
     `preempted`, the steps past its checkpoint are lost work, and no failure is counted."""
     work = tmp_path / "work"
     work.mkdir()
-    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S))
+    worker = script(tmp_path, "worker.py", WORKER.format(step_s=STEP_S, hold_at=HOLD_AT))
     (work / "crashed").write_text("")  # no crash in this one
+    (work / "hold").write_text("")  # the first attempt waits for the preemption at HOLD_AT
     with LocalCluster(tmp_path, slots=1) as cluster:
         await cluster.start_all("n0")
         async with cluster.client("n0") as c:
             low = {"id": "low", "entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
             assert (await c.post("/jobs", json=low)).status_code == 201
-            await reached_step(work, 30)
+            await reached_step(work, HOLD_AT)
             high = {"entrypoint": PY, "args": ["-c", "import time; time.sleep(1)"], "priority": 5}
             await succeeded(c, high)
             async with asyncio.timeout(120):
@@ -301,6 +311,7 @@ async def test_a_preemption_is_its_own_badput(tmp_path: Path) -> None:
         first.append(n)
     reached = max(n["step"] for n in first if "step" in n)
     saved = max((n["checkpoint"] for n in first if "checkpoint" in n), default=0)
+    assert (reached, saved) == (HOLD_AT, 20)
     assert g["attempts"] == 2
     assert g["steps"] == {
         "max_step": 100,

@@ -119,7 +119,10 @@ async def test_open_streams_do_not_hold_up_shutdown(tmp_path):
                     seen = ""
                     while "workers.started" not in seen:
                         seen += await anext(ev_iter)
-                    assert await anext(lg_iter) == "up\n"
+                    logged = ""  # as many chunks as the follow takes to read the line
+                    while "\n" not in logged:
+                        logged += await anext(lg_iter)
+                    assert logged == "up\n"
                     started = time.monotonic()
                     d.request_stop()
                     await serving
@@ -135,9 +138,10 @@ async def test_open_streams_do_not_hold_up_shutdown(tmp_path):
 
 
 async def test_streams_end_when_the_daemon_closes_them(tmp_path):
-    """A stream of a job that stays active (run elsewhere) still ends when the daemon stops."""
-    d = live_daemon(tmp_path, labels="zone=a")
-    async with asyncio.timeout(30):
+    """A stream of a job that stays active (run elsewhere) still ends when the daemon stops,
+    well before uvicorn's graceful wait would have (a minute here, as above)."""
+    d = live_daemon(tmp_path, labels="zone=a", shutdown_timeout=60)
+    async with asyncio.timeout(60):
         await d.start()
         serving = asyncio.create_task(d.serve())
         async with httpx.AsyncClient(base_url=url_of(d), headers=auth(d), timeout=30) as c:
@@ -147,13 +151,15 @@ async def test_streams_end_when_the_daemon_closes_them(tmp_path):
             )
             async with c.stream("GET", f"/jobs/{job_id}/events", headers=SSE) as ev:
                 it = ev.aiter_text()
-                assert "job.submitted" in await anext(it) + await anext(it)
+                seen = ""  # however many chunks the stream's start and first event take
+                while "job.submitted" not in seen:
+                    seen += await anext(it)
                 started = time.monotonic()
                 d.request_stop()
                 await serving
                 elapsed = time.monotonic() - started
                 assert [t async for t in it] == []
-    assert elapsed < 2.5, elapsed
+    assert elapsed < 20, elapsed
 
 
 @pytest.mark.parametrize("header", ["12x", ""])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import subprocess
@@ -168,8 +169,11 @@ def _leads(pid: int) -> bool:
 async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: Path) -> None:
     """A standby's cgroup with it and a child in a session of its own, forking on: every
     member moves into the attempt's cgroup, the standby's folder goes, and the attempt's
-    stop then kills them all."""
-    containment = Containment.setup("cgroup", node="unit-handover", state_dir=tmp_path)
+    stop then kills them all. (The budget is the maximum: what the move may take is the
+    tests below; one write may wait a few hundred ms on a loaded machine.)"""
+    containment = Containment.setup(
+        "cgroup", node="unit-handover", state_dir=tmp_path, move_budget=5.0
+    )
     standby = containment.open_attempt("h", None, None)
     attempt = containment.open_attempt("h", 1, None)
     assert standby.procs_fd is not None and standby.cgroup is not None
@@ -215,6 +219,10 @@ async def test_a_hand_over_moves_every_member_and_removes_the_folder(tmp_path: P
 
 
 CHAINS = 16
+#: Sleepers beside the chains where a test needs members that stay where they are.
+SLEEPERS = 8
+#: How long the real-clock test gives the chains to outrun a move (one try takes ~0.15 s).
+ROUNDS_FOR = 10.0
 #: What a move may take past its budget: the one write under way when the budget ran out
 #: (a write to cgroup.procs may wait for the forks under way and an RCU grace period:
 #: seen up to 0.47 s on a loaded 2-core machine), the kills of what it moved, two reads.
@@ -263,6 +271,19 @@ def _thaw_until(stop: threading.Event, *cgroups: Cgroup) -> None:
                 (cgroup.path / "cgroup.freeze").write_text("0")
 
 
+@contextlib.contextmanager
+def _thawed(*cgroups: Cgroup | None) -> Iterator[None]:
+    """:func:`_thaw_until` on a thread of its own for the block."""
+    stop = threading.Event()
+    thawing = threading.Thread(target=_thaw_until, args=(stop, *filter(None, cgroups)))
+    thawing.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thawing.join()
+
+
 Forked = tuple[AttemptContainment, AttemptContainment, asyncio.subprocess.Process]
 
 
@@ -307,37 +328,42 @@ async def _forker_in_a_standby(
     assert not standby.cgroup.path.exists() and not attempt.cgroup.path.exists()
 
 
+def _budget_out_after(writes: int) -> Callable[[], float]:
+    """A clock for ``move_all`` with a budget of 1 s: its start and the looks before its
+    first ``writes`` writes read 0, every later look 10. The budget runs out after exactly
+    that many writes, however fast the machine moves them."""
+    looks = itertools.count()
+    return lambda: 0.0 if next(looks) <= writes else 10.0
+
+
 @NEEDS_CGROUPS
 async def test_a_move_that_members_outrun_gives_up_within_its_budget(tmp_path: Path) -> None:
-    """No freezer that holds, members that fork without end: the move returns within
-    MOVE_BUDGET (plus a margin), says not done while members still arrive, and the
-    standby's stop then kills and removes all that is left."""
+    """No freezer that holds, members that fork without end, the real clock: each move
+    returns within MOVE_BUDGET plus a margin, and one given up says not done while members
+    still arrive; the stops kill and remove all that is left. Whether the forks outrun a
+    move is the machine's to decide (a loaded one keeps the chains off the CPU, a fast one
+    may move every chain at once): a move that wins is timed too, and the next goes back,
+    for ROUNDS_FOR at most; if every move won, the test still passes. The give-up itself
+    is shown whatever the machine by the next test, on a scripted clock."""
+    gave_up = False
     async with _forker_in_a_standby(tmp_path, CHAINS) as (standby, attempt, proc):
-        stop_thawing = threading.Event()
-        thawing = threading.Thread(
-            target=_thaw_until, args=(stop_thawing, standby.cgroup, attempt.cgroup)
-        )
-        thawing.start()
-        try:
-            # The move may still win a round (a loaded machine keeps the chains off the
-            # CPU): then all of them are in the other cgroup, and the next move goes back.
+        with _thawed(standby.cgroup, attempt.cgroup):
             source, target, took = standby, attempt, []
-            async with asyncio.timeout(60):
-                while True:
-                    assert source.cgroup is not None and target.cgroup is not None
-                    assert target.procs_fd is not None
-                    start = time.monotonic()
-                    move = source.cgroup.move_all(target.cgroup, target.procs_fd)
-                    took.append(time.monotonic() - start)
-                    assert took[-1] < MOVE_BUDGET + MOVE_MARGIN, took
-                    if not move.done:
-                        break
+            rounds_end = time.monotonic() + ROUNDS_FOR
+            while not gave_up and time.monotonic() < rounds_end:
+                assert source.cgroup is not None and target.cgroup is not None
+                assert target.procs_fd is not None
+                start = time.monotonic()
+                move = source.cgroup.move_all(target.cgroup, target.procs_fd)
+                took.append(time.monotonic() - start)
+                assert took[-1] < MOVE_BUDGET + MOVE_MARGIN, took
+                gave_up = not move.done
+                if gave_up:
+                    assert move.left > 0, move
+                else:
                     assert not source.cgroup.pids()
                     source, target = target, source
                     await asyncio.sleep(0.05)
-        finally:
-            stop_thawing.set()
-            thawing.join()
         assert source.cgroup is not None
         await source.stop(())  # the standby's stop: what is left goes, and its folder
         assert not source.cgroup.path.exists()
@@ -346,21 +372,50 @@ async def test_a_move_that_members_outrun_gives_up_within_its_budget(tmp_path: P
 
 
 @NEEDS_CGROUPS
+async def test_a_move_given_up_among_forking_members_leaves_them_to_the_stops(
+    tmp_path: Path,
+) -> None:
+    """No freezer that holds, members that fork without end, and a budget that runs out
+    after 4 writes (a scripted clock): the move says not done, with the members it did not
+    reach still in the standby's cgroup; the standby's stop kills and removes them, the
+    attempt's what the moved ones forked there before the give-up killed them."""
+    async with _forker_in_a_standby(tmp_path, CHAINS, SLEEPERS) as (standby, attempt, proc):
+        assert standby.cgroup is not None and attempt.cgroup is not None
+        assert attempt.procs_fd is not None
+        with _thawed(standby.cgroup, attempt.cgroup):
+            move = standby.cgroup.move_all(
+                attempt.cgroup, attempt.procs_fd, budget=1.0, clock=_budget_out_after(4)
+            )
+        # At most 4 of the forker and its sleepers moved: the others cannot have left.
+        assert not move.done and move.moved <= 4 and move.left >= SLEEPERS + 1 - 4, move
+        await standby.stop(())
+        assert not standby.cgroup.path.exists()
+        await attempt.stop(())
+        assert not attempt.cgroup.path.exists()
+        assert await asyncio.wait_for(proc.wait(), 10) == -9
+
+
+@NEEDS_CGROUPS
 async def test_a_move_given_up_leaves_nothing_in_the_target(tmp_path: Path) -> None:
-    """With a freezer that holds, more members than a (tight) budget can move: the move
-    gives up, kills what it moved (frozen where it landed: it started nothing there), so the
-    target is left as it was (empty, thawed); the standby's stop kills the rest."""
-    async with _forker_in_a_standby(tmp_path, 0, 500) as (standby, attempt, proc):
+    """With a freezer that holds, a budget that runs out after 20 of 51 members (a scripted
+    clock): the move gives up, kills the 20 it moved (frozen where they landed: they started
+    nothing there), so the target is left as it was (empty, thawed), the other 31 are still
+    in the source, and the standby's stop kills them."""
+    async with _forker_in_a_standby(tmp_path, 0, 50) as (standby, attempt, proc):
         assert standby.cgroup is not None and attempt.cgroup is not None
         assert attempt.procs_fd is not None
         members = set(standby.cgroup.pids())
-        move = standby.cgroup.move_all(attempt.cgroup, attempt.procs_fd, budget=0.005)
-        assert not move.done and move.moved > 0 and move.left > 0, move
+        assert len(members) == 51  # the forker and its sleepers, none of which forks
+        move = standby.cgroup.move_all(
+            attempt.cgroup, attempt.procs_fd, budget=1.0, clock=_budget_out_after(20)
+        )
+        assert (move.done, move.moved, move.left) == (False, 20, 31), move
         async with asyncio.timeout(10):  # SIGKILLed: gone from the target
             while attempt.cgroup.pids():
                 await asyncio.sleep(0.01)
         assert (attempt.cgroup.path / "cgroup.freeze").read_text().strip() == "0"
-        assert set(standby.cgroup.pids()) <= members
+        left = set(standby.cgroup.pids())
+        assert len(left) == 31 and left <= members
         await standby.stop(())
         assert not standby.cgroup.path.exists()
         assert await asyncio.wait_for(proc.wait(), 10) == -9

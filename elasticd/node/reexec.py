@@ -545,13 +545,14 @@ class ReexecMixin:
 
     def _refuse_reexec(self, reason: str) -> None:
         log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
-        for job_id in list(self.jobs.supervisor.agents):
+        for job_id, agent in list(self.jobs.supervisor.agents.items()):
             self.events.emit(
                 job_id,
                 "daemon",
                 EventKind.DAEMON_REEXEC_REFUSED,
                 f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
                 f"it runs on as elasticd {__version__}",
+                job_tag=agent.job_tag,
             )
 
     async def _renew_lease(self) -> None:

@@ -407,7 +407,9 @@ class ReexecMixin:
         for job_id in dict.fromkeys([*(a.job_id for a in manifest.agents), *fallback]):
             why = fallback.get(job_id)
             said = message if why is None else f"{message}; the job was not carried over ({why})"
-            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said)
+            agent = self.jobs.supervisor.agents.get(job_id)  # the one that took it up
+            tag = agent.job_tag if agent is not None else None
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said, job_tag=tag)
 
     async def _adoption_deadline(self) -> None:
         """Handed-over attempts that no agent took up in time: their workers end."""

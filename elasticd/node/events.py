@@ -63,9 +63,9 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
 
@@ -287,6 +287,15 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
 
 #: Store keys of trimmed events deleted together (one commit of the embedded store).
 UNPUBLISH_CHUNK = 64
+
+
+class _Merged(NamedTuple):
+    """A merged read: the events shown, the store's revision it read at, and whether
+    events of another job of the id were left out."""
+
+    events: list[Event]
+    revision: int
+    others: bool
 
 
 class EventLog:
@@ -692,7 +701,7 @@ class EventLog:
     ) -> list[Event]:
         """Every node's events of the job after ``after``, merged; ``tag``: only the job it
         names (:func:`of_job`: a job of the id deleted since has none of its events shown)."""
-        return (await self._cluster_events(job_id, after, tag))[0]
+        return (await self._cluster_events(job_id, after, tag)).events
 
     async def cluster_events_of(
         self, job_id: str, kinds: Collection[EventKind], tag: str | None = None
@@ -719,11 +728,9 @@ class EventLog:
                     found.append(event)
         return found
 
-    async def _cluster_events(
-        self, job_id: str, after: int, tag: str | None
-    ) -> tuple[list[Event], int]:
+    async def _cluster_events(self, job_id: str, after: int, tag: str | None) -> _Merged:
         if self._store is None:
-            return self.read(job_id, after, tag=tag), 0
+            return _Merged(self.read(job_id, after, tag=tag), 0, False)
         listing = await self._store.list(event_prefix(job_id))
         found: list[tuple[int, Event]] = []
         for entry in listing.entries:
@@ -737,26 +744,38 @@ class EventLog:
         # Numbered before another job's events are left out: every reader of the id
         # numbers each event alike, whichever job of it they read.
         seqs = merged_seqs([created for created, _ in found])
-        events = [
-            event.model_copy(update={"seq": seq})
-            for seq, (_, event) in zip(seqs, found, strict=True)
-            if seq > after and of_job(event, tag)
-        ]
-        return events, listing.revision
+        events, others = [], False
+        for seq, (_, event) in zip(seqs, found, strict=True):
+            if seq <= after:
+                continue
+            if of_job(event, tag):
+                events.append(event.model_copy(update={"seq": seq}))
+            else:
+                others = True
+        return _Merged(events, listing.revision, others)
 
     async def follow_cluster(
-        self, job_id: str, after: int, timeout: float, tag: str | None = None
+        self,
+        job_id: str,
+        after: int,
+        timeout: float,
+        tag: str | None = None,
+        still: Callable[[], Awaitable[None]] | None = None,
     ) -> list[Event]:
         """Merged events after ``after``, waiting up to ``timeout`` for the first one;
-        ``tag``: as for :meth:`cluster_events` (another job's events wake it, and it
-        waits on)."""
+        ``tag``: as for :meth:`cluster_events`. Another job's events do not end the wait:
+        ``still()`` is called then, and raises to end it when the id no longer names
+        the job followed (the new job's events: the reader's job is gone); it returns
+        when they are a late earlier job's, and the wait goes on."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            events, revision = await self._cluster_events(job_id, after, tag)
+            events, revision, others = await self._cluster_events(job_id, after, tag)
             remaining = deadline - loop.time()
             if events or remaining <= 0 or self._store is None:
                 return events
+            if others and still is not None:
+                await still()
             # Watch from what was just read: a re-published event (same key, same
             # created revision) must not wake this loop over and over.
             with contextlib.suppress(StoreCompacted):

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
+from elasticd.errors import JobConflict
 from elasticd.models import Event
 from elasticd.node.events import (
     PUBLISH_BATCH_BYTES,
@@ -139,7 +140,8 @@ def test_an_event_tag_is_a_tag() -> None:
 async def test_merged_reads_leave_out_another_job_of_the_id(tmp_path) -> None:
     """Events of two jobs of one id (and an untagged one) in the store: a read for one job
     gets its own and the untagged, numbered as a read of every event numbers them; the
-    kinds' read and the long-poll alike. Another job's event does not end a long-poll."""
+    kinds' read and the long-poll alike. Another job's event ends a long-poll only when
+    the id no longer names the job followed."""
     from elasticd.eventkinds import EventKind
     from elasticd.goodput import FACT_KINDS
     from elasticd.node.db import Database
@@ -158,10 +160,21 @@ async def test_merged_reads_leave_out_another_job_of_the_id(tmp_path) -> None:
         of_a = await log.cluster_events("j", tag=A)
         placed_b = await log.cluster_events_of("j", FACT_KINDS, tag=B)
         last = every[-1].seq
-        follow = asyncio.ensure_future(log.follow_cluster("j", last, 1.0, tag=A))
+        asked: list[str] = []
+
+        async def still() -> None:  # the id still names job a: b's event is a late one
+            asked.append("a")
+
+        follow = asyncio.ensure_future(log.follow_cluster("j", last, 1.0, tag=A, still=still))
         log.emit("j", "daemon", EventKind.JOB_PREEMPTED, "b preempted", job_tag=B)
         await log.flush()
         followed = await follow
+
+        async def replaced() -> None:  # the id names job b now: job a's follower is done
+            raise JobConflict("replaced")
+
+        with pytest.raises(JobConflict):
+            await log.follow_cluster("j", last, 5.0, tag=A, still=replaced)
         await log.stop()
     assert [e.message for e in of_a] == ["a placed", "untagged", "a exited"]
     assert [(e.seq, e.message) for e in of_a] == [
@@ -169,6 +182,7 @@ async def test_merged_reads_leave_out_another_job_of_the_id(tmp_path) -> None:
     ]
     assert [e.message for e in placed_b] == ["b placed"]
     assert followed == []
+    assert asked == ["a"]
 
 
 @pytest.mark.timeout(10)

@@ -200,9 +200,12 @@ class JobQueries:
     ) -> list[Event]:
         """The job's events after ``after``, waiting up to ``timeout`` for one; ``seen``: as
         for :meth:`workers` (a long-poll may outlast the job, and a new job of its id), and
-        only this job's, as for :meth:`list_events`."""
+        only this job's, as for :meth:`list_events`. Events of another job of the id end
+        the wait with a 409 when they are a new job's (one read of the document then)."""
         job = await self._of(job_id, seen)
-        events = await self.side.events.follow_cluster(job_id, after, timeout, incarnation_tag(job))
+        events = await self.side.events.follow_cluster(
+            job_id, after, timeout, incarnation_tag(job), functools.partial(self._still, job)
+        )
         await self._still(seen)
         return events
 

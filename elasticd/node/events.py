@@ -35,6 +35,14 @@ it when it lands.
 Followers wait on the store's watch (cluster view) or on a local
 notification (``elasticd run``), never on a timer.
 
+**Which job of its id.** An id can be deleted and taken again while events of
+the old job are still on their way to the store (queued on a node cut off from
+it), and they land under the id after the new job's document, where no sweep
+takes them. So each event carries its job's ``incarnation_tag``
+(:attr:`~elasticd.models.Event.job_tag`, stamped by its emitter), and every
+read by id is given the tag of the job it reads and leaves out another job's
+(:func:`of_job`); an event with no tag (an older daemon's) is kept.
+
 **Retention** (issue 23: a crash-looping job wrote 16 events per restart,
 forever). Per job, each node keeps the first ``first`` and the last ``last``
 of its own events, and every failure (:func:`is_failure`: a worker that

@@ -7,6 +7,8 @@ is served. Everything is parsed from JSON into these; nothing is unpickled.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable
 from enum import StrEnum
@@ -21,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from elasticd.identity import ADMIN
 from elasticd.sched.plan import (
     MAX_SELECTOR_ITEMS,
     MAX_SELECTOR_KEY,
@@ -599,6 +602,22 @@ class Job(BaseModel):
         return self
 
 
+def incarnation(job: Job) -> str:
+    """Which job of its id ``job`` is: its log folders on each node say so (:mod:`elasticd.logs`).
+
+    A deleted job's id may be taken again, by another owner; its files stay on disk.
+    """
+    owner = job.owner or JobOwner(name=ADMIN.name)
+    return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
+
+
+def incarnation_tag(job: Job) -> str:
+    """A short, header-safe name of :func:`incarnation`: what a daemon that forwards a
+    request about ``job`` tells the other daemon, which then answers about no other job;
+    and what each of the job's events carries (:attr:`Event.job_tag`)."""
+    return hashlib.sha256(incarnation(job).encode()).hexdigest()[:32]
+
+
 class QueueView(BaseModel):
     """``GET /queue``: the jobs that wait, in the order they will be placed, and the placements."""
 
@@ -677,6 +696,11 @@ class Event(BaseModel):
     cause: str | None = Field(default=None, max_length=64)
     """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
     starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
+    job_tag: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    """Which job of its id the event is about (:func:`incarnation_tag` of its document):
+    a job id can be deleted and taken again, maybe by another owner, while an event of
+    the old job is still on its way to the store. Reads by id show only the events of
+    the job asked about, and the ones with no tag (written by an older daemon)."""
 
     def record(self) -> str:
         """The stored and published form (the node's database, the store's ``ev/`` copy):

@@ -66,7 +66,7 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.goodput import End, NodeGoodput
 from elasticd.keys import group_key
-from elasticd.models import GroupView, Job, JobSpec
+from elasticd.models import GroupView, Job, JobSpec, incarnation_tag
 from elasticd.rendezvous import RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
@@ -135,7 +135,9 @@ class JobAgent:
         self._departure = Departure(job.id, ctx.rendezvous, self._background)
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self.view)
         self.orphaned = False  #: its job deleted under it (AgentSupervisor.forget): mute
-        emit = self._emit = Emit(ctx.events, job.id, lambda: not self.orphaned)
+        emit = self._emit = Emit(
+            ctx.events, job.id, lambda: not self.orphaned, incarnation_tag(job)
+        )
         node = ctx.node
         self._job = JobRecord.of(job, ctx, emit)
         self._watch = RoundWatch(
@@ -176,6 +178,11 @@ class JobAgent:
     def view(self) -> GroupView | None:
         attempt = self._group.attempt
         return attempt.view if attempt is not None else None
+
+    @property
+    def job_tag(self) -> str | None:
+        """Which job of its id this agent runs (:attr:`~elasticd.models.Event.job_tag`)."""
+        return self._emit.tag
 
     @property
     def prewarm(self) -> bool:

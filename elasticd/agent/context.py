@@ -112,9 +112,18 @@ class Emit:
     #: False once the job is deleted: what its agent still says (stopping its workers) is
     #: dropped, never filed under a new job of the id (another owner's, maybe).
     live: Callable[[], bool] | None = None
+    #: Which job of the id (:func:`~elasticd.models.incarnation_tag`): every event says so,
+    #: so one that reaches the store after the id was taken again (this node was cut off
+    #: from the store, or another node's agent) is never read as the new job's.
+    tag: str | None = None
 
     def __call__(
         self, kind: EventKind, message: str, source: EventSource = "agent", **fields: Any
     ) -> None:
         if self.live is None or self.live():
-            self.events.emit(self.job_id, source, kind, message, **fields)
+            self.events.emit(self.job_id, source, kind, message, job_tag=self.tag, **fields)
+
+    def store_lost(self, message: str) -> bool:
+        """Say ``store.lost`` for the job, once per outage (its ``store.back`` says the
+        same job); True when it was said now."""
+        return self.events.store_lost(self.job_id, "agent", message, tag=self.tag)

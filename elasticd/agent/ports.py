@@ -34,8 +34,10 @@ class EventSink(Protocol):
     ) -> object:
         """Record one event of ``job_id`` now; never raises for a disk fault."""
 
-    def store_lost(self, job_id: str, source: EventSource, message: str) -> bool:
-        """Say ``store.lost`` for ``job_id``, once per outage."""
+    def store_lost(
+        self, job_id: str, source: EventSource, message: str, tag: str | None = None
+    ) -> bool:
+        """Say ``store.lost`` for ``job_id`` (``tag``: which job of the id), once per outage."""
 
     def store_back(self, job_id: str | None = None) -> list[str]:
         """The store answers again: ``store.back`` for ``job_id`` if it was told it was lost."""

@@ -174,9 +174,7 @@ class RoundWatch:
         """``store.lost`` (once for the whole outage; the node says ``store.back`` for it,
         also when this agent is gone by then), then probe the store (a read of ``key``)
         with backoff (0.1 s to 2 s) until it answers."""
-        self.events.store_lost(
-            self.job_id,
-            "agent",
+        self.emit.store_lost(
             f"{self.node} cannot reach the store ({message}); "
             "its workers are stopped until the store is back",
         )

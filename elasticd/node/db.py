@@ -297,6 +297,7 @@ class Database:
                 "json_extract(doc, '$.state'), json_extract(doc, '$.error') IS NOT NULL, "
                 "published, "
                 "json_extract(doc, '$.count'), json_extract(doc, '$.duration_s'), "
+                "json_extract(doc, '$.job_tag'), "
                 "json_extract(doc, '$.rank'), json_extract(doc, '$.exit_code'), "
                 "json_extract(doc, '$.signal'), json_extract(doc, '$.error.rank'), "
                 "json_extract(doc, '$.error.exit_code'), json_extract(doc, '$.error.signal'), "
@@ -305,19 +306,19 @@ class Database:
                 (job_id,),
             ).fetchall()
 
-    def open_store_outages(self) -> dict[str, tuple[float, str]]:
+    def open_store_outages(self) -> dict[str, tuple[float, str, str | None]]:
         """Jobs whose last ``store.lost`` of this node has no ``store.back`` after it:
-        job -> (wall time and source of the ``store.lost``). What a daemon that stopped
-        during an outage still owes its jobs (:meth:`EventLog.store_back`)."""
+        job -> (wall time, source and job tag of the ``store.lost``). What a daemon that
+        stopped during an outage still owes its jobs (:meth:`EventLog.store_back`)."""
         rows = self.conn.execute(
             "SELECT job_id, json_extract(doc, '$.kind'), json_extract(doc, '$.time'), "
-            "json_extract(doc, '$.source') FROM events "
+            "json_extract(doc, '$.source'), json_extract(doc, '$.job_tag') FROM events "
             "WHERE json_extract(doc, '$.kind') IN ('store.lost', 'store.back') ORDER BY seq"
         ).fetchall()
-        open_: dict[str, tuple[float, str]] = {}
-        for job_id, kind, when, source in rows:
+        open_: dict[str, tuple[float, str, str | None]] = {}
+        for job_id, kind, when, source, tag in rows:
             if kind == "store.lost":
-                open_[job_id] = (float(when), str(source))
+                open_[job_id] = (float(when), str(source), None if tag is None else str(tag))
             else:
                 open_.pop(job_id, None)
         return open_

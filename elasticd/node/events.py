@@ -35,6 +35,14 @@ it when it lands.
 Followers wait on the store's watch (cluster view) or on a local
 notification (``elasticd run``), never on a timer.
 
+**Which job of its id.** An id can be deleted and taken again while events of
+the old job are still on their way to the store (queued on a node cut off from
+it), and they land under the id after the new job's document, where no sweep
+takes them. So each event carries its job's ``incarnation_tag``
+(:attr:`~elasticd.models.Event.job_tag`, stamped by its emitter), and every
+read by id is given the tag of the job it reads and leaves out another job's
+(:func:`of_job`); an event with no tag (an older daemon's) is kept.
+
 **Retention** (issue 23: a crash-looping job wrote 16 events per restart,
 forever). Per job, each node keeps the first ``first`` and the last ``last``
 of its own events, and every failure (:func:`is_failure`: a worker that
@@ -63,9 +71,9 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
 
@@ -99,6 +107,19 @@ def _parsed(entry: Entry) -> Event | None:
     except ValidationError:
         log.warning("ignoring malformed event %s", entry.key)
         return None
+
+
+def of_job(event: Event, tag: str | None) -> bool:
+    """Whether ``event`` is about the job ``tag`` names (:attr:`Event.job_tag`; pure).
+
+    A job id can be deleted and taken again (by another owner, maybe) while an
+    event of the old job is still on its way to the store (queued on a node whose
+    publisher is behind, or cut off from the store for a moment); that event is
+    another job's and is never shown under the new one. An event with no tag (an
+    older daemon's, in a mixed-version cluster, or a database from before tags) is
+    kept: nothing says whose it is. ``tag`` None: every event of the id.
+    """
+    return tag is None or event.job_tag is None or event.job_tag == tag
 
 
 def published_key(event: Event) -> str:
@@ -276,6 +297,15 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
 UNPUBLISH_CHUNK = 64
 
 
+class _Merged(NamedTuple):
+    """A merged read: the events shown, the store's revision it read at, and whether
+    events of another job of the id were left out."""
+
+    events: list[Event]
+    revision: int
+    others: bool
+
+
 class EventLog:
     """Append-only, per-job ordered events with wake-ups for followers."""
 
@@ -299,9 +329,10 @@ class EventLog:
         self._publishing = False
         self._listeners: list[Any] = []
         #: Jobs told ``store.lost`` and not yet ``store.back``: job -> (monotonic time
-        #: lost, the source that said it). Kept by the node, not the agent: an agent
-        #: torn down during the outage (the plan dropped this node) cannot say it is back.
-        self._store_lost: dict[str, tuple[float, EventSource]] = {}
+        #: lost, the source that said it, which job of the id). Kept by the node, not the
+        #: agent: an agent torn down during the outage (the plan dropped this node) cannot
+        #: say it is back.
+        self._store_lost: dict[str, tuple[float, EventSource, str | None]] = {}
         self._reopen_store_outages()
         self.retention = retention or EventRetention()
         self._since_trim: dict[str, int] = {}  # new events per job since its last trim
@@ -401,7 +432,9 @@ class EventLog:
         if self._forgets != forgets:
             return Trim()  # a job was forgotten while its events were read: decide again later
         view = []
-        for seq, time, kind, state, has_error, published, count, span, *failed in rows:
+        tags = {}
+        for seq, time, kind, state, has_error, published, count, span, tag, *failed in rows:
+            tags[seq] = tag
             failure = kind != EventKind.EVENTS_TRIMMED and is_failure(kind, state, bool(has_error))
             view.append(
                 Retained(
@@ -427,6 +460,9 @@ class EventLog:
             kind=EventKind.EVENTS_TRIMMED.value,
             count=m.dropped,
             duration_s=max(0.0, m.until - m.time),
+            # The job of the first event it stands for (one job's, unless the id was taken
+            # again meanwhile, which the node forgets its events for).
+            job_tag=tags.get(m.seq),
             message=(
                 f"{m.dropped} events of this job on {self._node} were dropped by the event "
                 f"retention policy, over {max(0.0, m.until - m.time):.1f} s from here: routine "
@@ -561,12 +597,15 @@ class EventLog:
 
     # store outages: every store.lost of a job is followed by its store.back
 
-    def store_lost(self, job_id: str, source: EventSource, message: str) -> bool:
-        """Say ``store.lost`` for ``job_id``, once per outage; True when it was said now."""
+    def store_lost(
+        self, job_id: str, source: EventSource, message: str, tag: str | None = None
+    ) -> bool:
+        """Say ``store.lost`` for ``job_id``, once per outage; True when it was said now.
+        ``tag``: which job of the id (:attr:`Event.job_tag`); its ``store.back`` says it too."""
         if job_id in self._store_lost:
             return False
-        self._store_lost[job_id] = (self._clock.monotonic(), source)
-        self.emit(job_id, source, EventKind.STORE_LOST, message)
+        self._store_lost[job_id] = (self._clock.monotonic(), source, tag)
+        self.emit(job_id, source, EventKind.STORE_LOST, message, job_tag=tag)
         return True
 
     def _reopen_store_outages(self) -> None:
@@ -582,9 +621,9 @@ class EventLog:
             log.warning("cannot read the store outages of a previous run: %s", exc)
             return
         now_wall, now = self._clock.time(), self._clock.monotonic()
-        for job_id, (lost_wall, source) in outages.items():
+        for job_id, (lost_wall, source, tag) in outages.items():
             lost_at = now - max(0.0, now_wall - lost_wall)
-            self._store_lost[job_id] = (lost_at, cast(EventSource, source))
+            self._store_lost[job_id] = (lost_at, cast(EventSource, source), tag)
         if outages:
             log.info("store outages still open from a previous run: %s", ", ".join(outages))
 
@@ -603,13 +642,14 @@ class EventLog:
             lost = self._store_lost.pop(job, None)
             if lost is None:
                 continue
-            lost_at, source = lost
+            lost_at, source, tag = lost
             self.emit(
                 job,
                 source,
                 EventKind.STORE_BACK,
                 f"{self._node} reaches the store again after {now - lost_at:.1f} s",
                 duration_s=now - lost_at,
+                job_tag=tag,
             )
             told.append(job)
         return told
@@ -632,18 +672,27 @@ class EventLog:
 
     # reading: this node's own events
 
-    def read(self, job_id: str, after: int = 0, limit: int = 1000) -> list[Event]:
-        return self._db.list_events(job_id, after, limit)
+    def read(
+        self, job_id: str, after: int = 0, limit: int = 1000, tag: str | None = None
+    ) -> list[Event]:
+        """This node's events of the job after ``after``; ``tag``: only the job it names
+        (:func:`of_job`)."""
+        return [e for e in self._db.list_events(job_id, after, limit) if of_job(e, tag)]
 
     async def follow(
-        self, job_id: str, after: int, timeout: float, limit: int = 1000
+        self, job_id: str, after: int, timeout: float, limit: int = 1000, tag: str | None = None
     ) -> list[Event]:
-        """This node's events after ``after``; waits up to ``timeout`` for the first one."""
+        """This node's events after ``after``; waits up to ``timeout`` for the first one.
+        ``tag``: as for :meth:`read`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             changed = self._changed
-            events = self.read(job_id, after, limit)
+            batch = self._db.list_events(job_id, after, limit)
+            events = [e for e in batch if of_job(e, tag)]
+            if batch and not events:  # only another job's: read on past them
+                after = batch[-1].seq
+                continue
             remaining = deadline - loop.time()
             if events or remaining <= 0:
                 return events
@@ -655,12 +704,19 @@ class EventLog:
 
     # reading: every node's events, merged through the store
 
-    async def cluster_events(self, job_id: str, after: int = 0) -> list[Event]:
-        return (await self._cluster_events(job_id, after))[0]
+    async def cluster_events(
+        self, job_id: str, after: int = 0, tag: str | None = None
+    ) -> list[Event]:
+        """Every node's events of the job after ``after``, merged; ``tag``: only the job it
+        names (:func:`of_job`: a job of the id deleted since has none of its events shown)."""
+        return (await self._cluster_events(job_id, after, tag)).events
 
-    async def cluster_events_of(self, job_id: str, kinds: Collection[EventKind]) -> list[Event]:
+    async def cluster_events_of(
+        self, job_id: str, kinds: Collection[EventKind], tag: str | None = None
+    ) -> list[Event]:
         """Every node's events of the job of these ``kinds``, in no set order and without
         their merged ``seq`` (for figures that need only kinds and times: the goodput).
+        ``tag``: as for :meth:`cluster_events`.
 
         Only the entries whose stored JSON holds a kind's value (``"job.placed"``,
         quoted) are parsed; the parse then checks the kind. That is sound because a
@@ -670,19 +726,19 @@ class EventLog:
         scrape reads the goodput of each job running here (3 ms and more a scrape).
         """
         if self._store is None:
-            return [e for e in self.read(job_id) if e.kind in kinds]
+            return [e for e in self.read(job_id, tag=tag) if e.kind in kinds]
         needles = [f'"{kind.value}"'.encode() for kind in kinds]
         found: list[Event] = []
         for entry in (await self._store.list(event_prefix(job_id))).entries:
             if any(needle in entry.value for needle in needles):
                 event = _parsed(entry)
-                if event is not None and event.kind in kinds:
+                if event is not None and event.kind in kinds and of_job(event, tag):
                     found.append(event)
         return found
 
-    async def _cluster_events(self, job_id: str, after: int) -> tuple[list[Event], int]:
+    async def _cluster_events(self, job_id: str, after: int, tag: str | None) -> _Merged:
         if self._store is None:
-            return self.read(job_id, after), 0
+            return _Merged(self.read(job_id, after, tag=tag), 0, False)
         listing = await self._store.list(event_prefix(job_id))
         found: list[tuple[int, Event]] = []
         for entry in listing.entries:
@@ -693,23 +749,41 @@ class EventLog:
             if event is not None:
                 found.append((entry.created, event))
         found.sort(key=lambda pair: merge_key(*pair))
+        # Numbered before another job's events are left out: every reader of the id
+        # numbers each event alike, whichever job of it they read.
         seqs = merged_seqs([created for created, _ in found])
-        events = [
-            event.model_copy(update={"seq": seq})
-            for seq, (_, event) in zip(seqs, found, strict=True)
-            if seq > after
-        ]
-        return events, listing.revision
+        events, others = [], False
+        for seq, (_, event) in zip(seqs, found, strict=True):
+            if seq <= after:
+                continue
+            if of_job(event, tag):
+                events.append(event.model_copy(update={"seq": seq}))
+            else:
+                others = True
+        return _Merged(events, listing.revision, others)
 
-    async def follow_cluster(self, job_id: str, after: int, timeout: float) -> list[Event]:
-        """Merged events after ``after``, waiting up to ``timeout`` for the first one."""
+    async def follow_cluster(
+        self,
+        job_id: str,
+        after: int,
+        timeout: float,
+        tag: str | None = None,
+        still: Callable[[], Awaitable[None]] | None = None,
+    ) -> list[Event]:
+        """Merged events after ``after``, waiting up to ``timeout`` for the first one;
+        ``tag``: as for :meth:`cluster_events`. Another job's events do not end the wait:
+        ``still()`` is called then, and raises to end it when the id no longer names
+        the job followed (the new job's events: the reader's job is gone); it returns
+        when they are a late earlier job's, and the wait goes on."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            events, revision = await self._cluster_events(job_id, after)
+            events, revision, others = await self._cluster_events(job_id, after, tag)
             remaining = deadline - loop.time()
             if events or remaining <= 0 or self._store is None:
                 return events
+            if others and still is not None:
+                await still()
             # Watch from what was just read: a re-published event (same key, same
             # created revision) must not wake this loop over and over.
             with contextlib.suppress(StoreCompacted):

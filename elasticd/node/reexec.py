@@ -407,7 +407,9 @@ class ReexecMixin:
         for job_id in dict.fromkeys([*(a.job_id for a in manifest.agents), *fallback]):
             why = fallback.get(job_id)
             said = message if why is None else f"{message}; the job was not carried over ({why})"
-            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said)
+            agent = self.jobs.supervisor.agents.get(job_id)  # the one that took it up
+            tag = agent.job_tag if agent is not None else None
+            self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said, job_tag=tag)
 
     async def _adoption_deadline(self) -> None:
         """Handed-over attempts that no agent took up in time: their workers end."""
@@ -545,13 +547,14 @@ class ReexecMixin:
 
     def _refuse_reexec(self, reason: str) -> None:
         log.error("re-exec refused: %s; running on as elasticd %s", reason, __version__)
-        for job_id in list(self.jobs.supervisor.agents):
+        for job_id, agent in list(self.jobs.supervisor.agents.items()):
             self.events.emit(
                 job_id,
                 "daemon",
                 EventKind.DAEMON_REEXEC_REFUSED,
                 f"the daemon on {self.config.node_name} did not re-execute itself: {reason}; "
                 f"it runs on as elasticd {__version__}",
+                job_tag=agent.job_tag,
             )
 
     async def _renew_lease(self) -> None:

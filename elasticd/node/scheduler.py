@@ -44,7 +44,7 @@ from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
-from elasticd.models import NODE_NAME_PATTERN, Launcher
+from elasticd.models import NODE_NAME_PATTERN, Launcher, incarnation_tag
 from elasticd.node.cluster import NodeRecord, parse_jobs
 from elasticd.node.events import EventLog
 from elasticd.sched.plan import Demand, FleetPlan, NodeCapacity, Notice, clip, schedule
@@ -185,6 +185,8 @@ class FleetScheduler:
         self._holdoff_until = 0.0
         #: Jobs that waited for a placement in the last pass (told if a pass crashes).
         self._waiting: list[str] = []
+        #: Which job of its id each job of the last pass is (its events say so).
+        self._tags: dict[str, str] = {}
         #: Ignored node records already logged: key -> the version logged.
         self._refused_nodes: dict[str, int] = {}
 
@@ -306,7 +308,9 @@ class FleetScheduler:
             1000,
         )
         for job_id in self._waiting[:CRASH_EVENTS]:
-            self.events.emit(job_id, "daemon", EventKind.SCHED_CRASHED, message)
+            self.events.emit(
+                job_id, "daemon", EventKind.SCHED_CRASHED, message, job_tag=self._tags.get(job_id)
+            )
         self._holdoff_until = self.clock.monotonic() + RESIGN_SECONDS
         if self._lease is None:
             return  # no leadership to give up: the loop backs off and tries again
@@ -350,6 +354,7 @@ class FleetScheduler:
                 if j.state in JOB_ACTIVE
                 and j.launcher == Launcher.ELASTICD  # torchrun runs its own
             ]
+            self._tags = {j.id: incarnation_tag(j) for j in jobs}
             placed = (stored or self.plan).placements
             self._waiting = [d.id for d in demands if d.id not in placed]
             # A plan that does not parse (written by hand, or by a hostile store writer) is
@@ -385,6 +390,9 @@ class FleetScheduler:
             "daemon",
             _NOTICE_KINDS[notice.kind],
             notice.message,
+            # The job the pass decided on: a placement decided before its id was taken
+            # again is never the new job's.
+            job_tag=self._tags.get(notice.job),
             **({"by": notice.by} if notice.by else {}),
         )
 

@@ -23,7 +23,7 @@ from elasticd.errors import (
 )
 from elasticd.eventkinds import EventKind
 from elasticd.keys import event_key, group_key, job_key
-from elasticd.models import Event, EventSource, GroupView, Job, JobSpec
+from elasticd.models import Event, EventSource, GroupView, Job, JobSpec, incarnation_tag
 from elasticd.rendezvous import Change, RoundInfo, StoreRendezvous
 from elasticd.states import JobState, WorkerState
 from elasticd.store import Store
@@ -79,6 +79,8 @@ class TorchrunRendezvous:
         self._round: RoundInfo | None = None
         self._registered = False
         self._seq = 0  # this node's events, in its order (as a daemon's local seq)
+        #: Which job of the run's id its events are about (the document last read or written).
+        self._tag: str | None = None
         self._watch: concurrent.futures.Future[None] | None = None
         self._stopped = False
         self._thread = LoopThread(f"elasticd-rdzv-{config.run_id}")
@@ -184,6 +186,8 @@ class TorchrunRendezvous:
         for _ in range(_CAS_ATTEMPTS):
             entry = await self._store.get(key)
             current = None if entry is None else Job.model_validate_json(entry.value)
+            if current is not None:
+                self._tag = incarnation_tag(current)
             new = run_edit(
                 current,
                 step,
@@ -198,6 +202,7 @@ class TorchrunRendezvous:
             result = await self._store.compare_and_set(key, new.model_dump_json().encode(), version)
             if not result.ok:
                 continue  # another torchrun wrote it meanwhile: decide again on theirs
+            self._tag = incarnation_tag(new)
             if current is None:
                 await self._emit(
                     "agent",
@@ -229,6 +234,7 @@ class TorchrunRendezvous:
             source=source,
             kind=kind.value,
             message=message,
+            job_tag=self._tag,
             **fields,
         )
         await self._store.put(

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from api.app import create_app
+from elasticd.models import Job, incarnation_tag
 from elasticd.node.retention import EndSeen
 from tests.conftest import PY, events_of, make_daemon, script, wait_group, wait_job
 from tests.e2e.fault_support import report
@@ -284,6 +285,21 @@ async def test_events_after_filters(client):
     assert seqs == sorted(seqs) and len(seqs) >= 4
     later = (await client.get(f"/jobs/{job['id']}/events", params={"after": seqs[1]})).json()
     assert [e["seq"] for e in later] == seqs[2:]
+
+
+async def test_every_event_of_a_job_says_which_job_of_its_id_it_is(client, tmp_path):
+    """Each event a job gets (submission, placement, its agent's, the cancel, its states)
+    carries the job's ``incarnation_tag``: a read by id leaves out another job's."""
+    path = script(tmp_path, "sleep.py", "import time; time.sleep(600)\n")
+    r = await client.post("/jobs", json={"entrypoint": PY, "args": [path], "termination_grace": 2})
+    tag = incarnation_tag(Job.model_validate(r.json()))
+    await wait_job(client, r.json()["id"], {"RUNNING"})
+    assert (await client.post(f"/jobs/{r.json()['id']}/cancel", json={})).status_code == 200
+    await wait_job(client, r.json()["id"])
+    events = await events_of(client, r.json()["id"])
+    kinds = {e["kind"] for e in events}
+    assert {"job.submitted", "job.placed", "workers.started", "job.cancel_requested"} <= kinds
+    assert [e for e in events if e["job_tag"] != tag] == []
 
 
 async def test_delete_forgets_a_finished_job_and_refuses_a_running_one(client, daemon, tmp_path):

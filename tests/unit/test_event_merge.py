@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from pydantic import ValidationError
+
+from elasticd.errors import JobConflict
 from elasticd.models import Event
 from elasticd.node.events import (
     PUBLISH_BATCH_BYTES,
@@ -11,6 +15,7 @@ from elasticd.node.events import (
     SEQ_STRIDE,
     merge_key,
     merged_seqs,
+    of_job,
     publication_batches,
     published_key,
 )
@@ -102,3 +107,117 @@ async def test_events_of_some_kinds_are_those_of_the_full_merge(tmp_path) -> Non
     want = sorted(e.message for e in merged if e.kind in FACT_KINDS)
     assert len(want) == 21
     assert sorted(e.message for e in some) == want
+
+
+A, B = "a" * 32, "b" * 32
+
+
+@pytest.mark.parametrize(
+    ("event_tag", "reader_tag", "shown"),
+    [
+        (A, A, True),  # the job asked about
+        (B, A, False),  # another job of the id (deleted, the id taken again)
+        (None, A, True),  # an older daemon's event: nothing says whose, kept
+        (B, None, True),  # a reader of every job of the id
+        (None, None, True),
+    ],
+)
+def test_a_read_by_id_shows_the_events_of_its_job_and_the_untagged(
+    event_tag: str | None, reader_tag: str | None, shown: bool
+) -> None:
+    """``of_job``: an event tagged with another job of the id is left out; no tag is kept."""
+    event = ev("n", 1).model_copy(update={"job_tag": event_tag})
+    assert of_job(event, reader_tag) is shown
+
+
+def test_an_event_tag_is_a_tag() -> None:
+    """``job_tag`` is what ``incarnation_tag`` writes (32 hex digits), nothing else."""
+    with pytest.raises(ValidationError):
+        Event.model_validate({**ev("n", 1).model_dump(), "job_tag": "../x"})
+
+
+@pytest.mark.timeout(20)
+async def test_merged_reads_leave_out_another_job_of_the_id(tmp_path) -> None:
+    """Events of two jobs of one id (and an untagged one) in the store: a read for one job
+    gets its own and the untagged, numbered as a read of every event numbers them; the
+    kinds' read and the long-poll alike. Another job's event ends a long-poll only when
+    the id no longer names the job followed."""
+    from elasticd.eventkinds import EventKind
+    from elasticd.goodput import FACT_KINDS
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
+    from elasticd.store.memory import MemoryStore
+
+    async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:
+        log = EventLog(db, "n0", store=store)
+        await log.start()
+        log.emit("j", "daemon", EventKind.JOB_PLACED, "a placed", job_tag=A)
+        log.emit("j", "daemon", EventKind.JOB_PLACED, "b placed", job_tag=B)
+        log.emit("j", "daemon", EventKind.JOB_STATE, "untagged")
+        log.emit("j", "agent", EventKind.WORKER_EXITED, "a exited", job_tag=A)
+        await log.flush()
+        every = await log.cluster_events("j")
+        of_a = await log.cluster_events("j", tag=A)
+        placed_b = await log.cluster_events_of("j", FACT_KINDS, tag=B)
+        last = every[-1].seq
+        asked: list[str] = []
+
+        async def still() -> None:  # the id still names job a: b's event is a late one
+            asked.append("a")
+
+        follow = asyncio.ensure_future(log.follow_cluster("j", last, 1.0, tag=A, still=still))
+        log.emit("j", "daemon", EventKind.JOB_PREEMPTED, "b preempted", job_tag=B)
+        await log.flush()
+        followed = await follow
+
+        async def replaced() -> None:  # the id names job b now: job a's follower is done
+            raise JobConflict("replaced")
+
+        with pytest.raises(JobConflict):
+            await log.follow_cluster("j", last, 5.0, tag=A, still=replaced)
+        await log.stop()
+    assert [e.message for e in of_a] == ["a placed", "untagged", "a exited"]
+    assert [(e.seq, e.message) for e in of_a] == [
+        (e.seq, e.message) for e in every if e.message != "b placed"
+    ]
+    assert [e.message for e in placed_b] == ["b placed"]
+    assert followed == []
+    assert asked == ["a"]
+
+
+@pytest.mark.timeout(10)
+async def test_the_local_read_leaves_out_another_job_of_the_id(tmp_path) -> None:
+    """With no store (``elasticd run``): the read and the follow by tag, a follow reading on
+    past a whole batch of another job's events to its own."""
+    from elasticd.eventkinds import EventKind
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
+
+    async with Database(tmp_path / "elasticd.sqlite3") as db:
+        log = EventLog(db, "n0")
+        for i in range(5):
+            log.emit("j", "daemon", EventKind.JOB_STATE, f"b {i}", job_tag=B)
+        log.emit("j", "daemon", EventKind.JOB_STATE, "a", job_tag=A)
+        await db.backlog.wait_empty()
+        assert [e.message for e in log.read("j", tag=A)] == ["a"]
+        assert len(log.read("j")) == 6
+        followed = await log.follow("j", 0, 1.0, limit=2, tag=A)
+        await log.stop()
+    assert [e.message for e in followed] == ["a"]
+
+
+@pytest.mark.timeout(10)
+async def test_a_store_outage_is_said_of_the_job_that_lost_the_store(tmp_path) -> None:
+    """``store.lost`` and its ``store.back`` carry the tag the loser gave."""
+    from elasticd.eventkinds import EventKind
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog
+
+    async with Database(tmp_path / "elasticd.sqlite3") as db:
+        log = EventLog(db, "n0")
+        assert log.store_lost("j", "agent", "lost", tag=A)
+        assert log.store_back("j") == ["j"]
+        await db.backlog.wait_empty()
+        said = [(e.kind, e.job_tag) for e in log.read("j")]
+        await log.stop()
+    assert said == [(EventKind.STORE_LOST, A), (EventKind.STORE_BACK, A)]

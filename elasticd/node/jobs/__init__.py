@@ -8,10 +8,9 @@ store, changed by compare-and-set), ``queries`` (what the routes read),
 recovery). Each part is handed what it needs; none imports the facade.
 """
 
+from elasticd.models import incarnation, incarnation_tag
 from elasticd.node.jobs.documents import (
     facts_of,
-    incarnation,
-    incarnation_tag,
     owner_of,
     parse_job,
     redacted,

@@ -11,8 +11,6 @@ store by hand never names a folder outside the log root.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +24,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.identity import ADMIN, JobFacts, Principal, PrincipalKind
 from elasticd.keys import job_key
 from elasticd.logs import LogLayout
-from elasticd.models import Job, JobEdit, JobMutation, JobOwner
+from elasticd.models import Job, JobEdit, JobMutation, JobOwner, incarnation, incarnation_tag
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
 from elasticd.node.events import EventLog
 from elasticd.rendezvous import presence_prefix
@@ -113,21 +111,6 @@ def cancelled(seen: Job | None = None) -> JobMutation:
         return {"state": JobState.CANCELLED, "reason": "cancelled by user"}
 
     return edit
-
-
-def incarnation(job: Job) -> str:
-    """Which job of its id ``job`` is: its log folders on each node say so (:mod:`elasticd.logs`).
-
-    A deleted job's id may be taken again, by another owner; its files stay on disk.
-    """
-    owner = job.owner or JobOwner(name=ADMIN.name)
-    return json.dumps([job.id, job.submitted_to, job.created_at, owner.name, owner.local])
-
-
-def incarnation_tag(job: Job) -> str:
-    """A short, header-safe name of :func:`incarnation`: what a daemon that forwards a
-    request about ``job`` tells the other daemon, which then answers about no other job."""
-    return hashlib.sha256(incarnation(job).encode()).hexdigest()[:32]
 
 
 def parse_job(job_id: str, raw: bytes) -> Job:
@@ -218,6 +201,7 @@ class JobDocuments:
                         + (f": {new.reason}" if new.reason else ""),
                         state=new.state.value,
                         error=new.error if new.state is JobState.FAILED else None,
+                        job_tag=incarnation_tag(new),
                     )
                     if new.state.is_terminal:
                         # A finished job's last word is in the store before anyone acts on

@@ -24,9 +24,19 @@ from elasticd.errors import JobNotFound, LogNotFound, StoreError
 from elasticd.goodput import FACT_KINDS, Goodput, account, job_facts, merge_nodes
 from elasticd.keys import goodput_prefix, group_prefix, job_key
 from elasticd.logs import stream_file
-from elasticd.models import Event, GroupView, Job, JobList, QueueView, WorkersView, valid_job_id
+from elasticd.models import (
+    Event,
+    GroupView,
+    Job,
+    JobList,
+    QueueView,
+    WorkersView,
+    incarnation,
+    incarnation_tag,
+    valid_job_id,
+)
 from elasticd.node.cluster import valid_node_url
-from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job, same_job
+from elasticd.node.jobs.documents import JobsSide, parse_job, same_job
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -155,7 +165,7 @@ class JobQueries:
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput
-        events = await self.side.events.cluster_events_of(job_id, FACT_KINDS)
+        events = await self.side.events.cluster_events_of(job_id, FACT_KINDS, incarnation_tag(job))
         await self._still(seen)
         attempts = merge_nodes(records.values())
         return account(job_id, job_facts(job, events), attempts, now)
@@ -175,9 +185,13 @@ class JobQueries:
     async def list_events(
         self, job_id: str, after: int, limit: int, seen: Job | None = None
     ) -> list[Event]:
-        """The job's events after ``after``; ``seen``: as for :meth:`workers`."""
-        await self._of(job_id, seen)
-        events = (await self.side.events.cluster_events(job_id, after))[:limit]
+        """The job's events after ``after``; ``seen``: as for :meth:`workers`. Only this
+        job's: an event of an earlier job of the id that reached the store late is left
+        out (:func:`~elasticd.node.events.of_job`)."""
+        job = await self._of(job_id, seen)
+        events = (await self.side.events.cluster_events(job_id, after, incarnation_tag(job)))[
+            :limit
+        ]
         await self._still(seen)
         return events
 
@@ -185,9 +199,13 @@ class JobQueries:
         self, job_id: str, after: int, timeout: float, seen: Job | None = None
     ) -> list[Event]:
         """The job's events after ``after``, waiting up to ``timeout`` for one; ``seen``: as
-        for :meth:`workers` (a long-poll may outlast the job, and a new job of its id)."""
-        await self._of(job_id, seen)
-        events = await self.side.events.follow_cluster(job_id, after, timeout)
+        for :meth:`workers` (a long-poll may outlast the job, and a new job of its id), and
+        only this job's, as for :meth:`list_events`. Events of another job of the id end
+        the wait with a 409 when they are a new job's (one read of the document then)."""
+        job = await self._of(job_id, seen)
+        events = await self.side.events.follow_cluster(
+            job_id, after, timeout, incarnation_tag(job), functools.partial(self._still, job)
+        )
         await self._still(seen)
         return events
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from elasticd.agent.handover import AgentHandover
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
-from elasticd.models import Job, JobEdit, Launcher
+from elasticd.models import Job, JobEdit, Launcher, incarnation
 from elasticd.node.db import Database
-from elasticd.node.jobs.documents import JobsSide, incarnation
+from elasticd.node.jobs.documents import JobsSide
 from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
 from elasticd.node.retention import EndSeen, seen_end
 from elasticd.sched.plan import FleetPlan

@@ -64,6 +64,7 @@ from elasticd.models import (
     JobOwner,
     JobSpec,
     Launcher,
+    incarnation_tag,
     valid_job_id,
 )
 from elasticd.node.cluster import JOB_PREFIX, Cluster
@@ -326,6 +327,7 @@ class JobService:
             f"job accepted by {self.node}: {spec.nproc_per_node} x {spec.entrypoint} "
             f"{' '.join(spec.args)}".rstrip(),
             state=JobState.PENDING.value,
+            job_tag=incarnation_tag(job),
         )
         return job, True
 
@@ -365,8 +367,14 @@ class JobService:
             )
         if job.state.is_terminal:
             raise JobConflict(already_ended(job))
+        # Said of the job read: if a delete and a new job of the id win the compare-and-set
+        # below, this event is the old job's and the new job's readers never see it.
         self.events.emit(
-            job_id, "daemon", EventKind.JOB_CANCEL_REQUESTED, f"cancel requested on {self.node}"
+            job_id,
+            "daemon",
+            EventKind.JOB_CANCEL_REQUESTED,
+            f"cancel requested on {self.node}",
+            job_tag=incarnation_tag(job),
         )
         # Decided on the document the compare-and-set writes over: the job may have ended
         # since the read above (its workers failed, a peer cancelled it), and that is a 409.

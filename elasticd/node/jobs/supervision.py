@@ -43,9 +43,10 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
 from elasticd.keys import group_key, job_key
-from elasticd.models import Job, JobEdit, JobMutation, Launcher
+from elasticd.models import Job, JobEdit, JobMutation, Launcher, incarnation, incarnation_tag
+from elasticd.node.events import of_job
 from elasticd.node.health import NodeHealthChecks
-from elasticd.node.jobs.documents import JobsSide, incarnation, parse_job
+from elasticd.node.jobs.documents import JobsSide, parse_job
 from elasticd.node.logfollow import LogGrowth
 from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.security import Identity
@@ -193,11 +194,13 @@ class AgentSupervisor:
             members = await self.side.documents.live_members(job.id)
             if members - {self.side.node}:
                 continue
-            if ours is None and self.side.node not in members and not self._started_here(job.id):
+            if ours is None and self.side.node not in members and not self._started_here(job):
                 continue
             reason = (why or {}).get(job.id)
             message = DAEMON_CRASHED if reason is None else READOPT_FAILED.format(reason=reason)
-            self.side.events.emit(job.id, "daemon", EventKind.JOB_RESUMED, message)
+            self.side.events.emit(
+                job.id, "daemon", EventKind.JOB_RESUMED, message, job_tag=incarnation_tag(job)
+            )
             if job.state is JobState.RUNNING:
                 with contextlib.suppress(InvalidTransition):
                     await self.side.documents.update(
@@ -218,13 +221,16 @@ class AgentSupervisor:
             entry.key, view.model_dump_json().encode(), entry.version
         )  # a lost race means a newer view was written: fine
 
-    def _started_here(self, job_id: str) -> bool:
-        """Whether this node's own event log says it started workers of the job."""
+    def _started_here(self, job: Job) -> bool:
+        """Whether this node's own event log says it started workers of the job (this job
+        of its id, not an earlier one)."""
         after = 0
-        while batch := self.side.events.read(job_id, after=after, limit=1000):
+        tag = incarnation_tag(job)
+        while batch := self.side.events.read(job.id, after=after, limit=1000):
+            after = batch[-1].seq
+            batch = [e for e in batch if of_job(e, tag)]
             if any(e.kind == EventKind.WORKERS_STARTED for e in batch):
                 return True
-            after = batch[-1].seq
         return False
 
     async def stop_all(self) -> float:
@@ -262,7 +268,13 @@ class AgentSupervisor:
             }:
                 return
             # Not the job's failure: it resumes when this daemon (or another node) is back.
-            self.side.events.emit(job_id, "daemon", EventKind.DAEMON_STOPPED, DAEMON_STOPPED)
+            self.side.events.emit(
+                job_id,
+                "daemon",
+                EventKind.DAEMON_STOPPED,
+                DAEMON_STOPPED,
+                job_tag=incarnation_tag(job),
+            )
             if job.state is JobState.RUNNING:
                 await self.side.documents.update(
                     job_id, state=JobState.RESTARTING, reason="the daemon stopped"
@@ -463,7 +475,7 @@ class AgentSupervisor:
 
         Emitted after everything the backlog held (it lands in order behind it).
         """
-        for job_id in list(self.agents):
+        for job_id, agent in list(self.agents.items()):
             self.side.events.emit(
                 job_id,
                 "daemon",
@@ -472,6 +484,7 @@ class AgentSupervisor:
                 f"{first.reason}); what happened meanwhile was kept in memory and is now "
                 "recorded, in order",
                 duration_s=seconds,
+                job_tag=agent.job_tag,
             )
 
     async def after_crash(self, job_id: str, agent: JobAgent, crash: BaseException) -> bool:
@@ -505,6 +518,7 @@ class AgentSupervisor:
                     "in "
                     f"{AGENT_CRASH_WINDOW:.0f} s (last: {error}); this node gives the job up "
                     "until the daemon restarts: report it as a bug of elasticd",
+                    job_tag=agent.job_tag,
                 )
             else:
                 self.side.events.emit(
@@ -513,6 +527,7 @@ class AgentSupervisor:
                     EventKind.AGENT_CRASHED,
                     f"the agent on {self.side.node} died of an internal error ({error}); the job "
                     "resumes as a new attempt, no restart charged",
+                    job_tag=agent.job_tag,
                 )
             with contextlib.suppress(InvalidTransition, JobNotFound):
                 job = await self.side.documents.read(job_id)

@@ -31,7 +31,7 @@ from elasticd.identity import hash_token, new_token
 from tests.conftest import PY, script
 from tests.hardening.support import Served, serve
 from tests.observability.support import CRASH_ONCE, live_daemon, url_of
-from tests.observability.test_goodput import JOB_ENV, STEP_S
+from tests.observability.test_goodput import HOLD_AT, JOB_ENV, STEP_S
 from tests.observability.test_goodput import WORKER as GOODPUT_WORKER
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -370,7 +370,7 @@ async def test_the_goodput_panel_shows_where_the_time_went(tmp_path):
     (the API's seconds), the step chart one line per attempt, its checkpoints and the failure."""
     work = tmp_path / "work"
     work.mkdir()
-    worker = script(tmp_path, "steps.py", GOODPUT_WORKER.format(step_s=STEP_S))
+    worker = script(tmp_path, "steps.py", GOODPUT_WORKER.format(step_s=STEP_S, hold_at=HOLD_AT))
     artifacts = Path(os.environ.get("ELASTICD_ARTIFACTS") or tmp_path)
     async with session(tmp_path) as s:
         spec = {"id": "steps", "entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}

@@ -135,9 +135,8 @@ class JobAgent:
         self._departure = Departure(job.id, ctx.rendezvous, self._background)
         self._publisher = GroupPublisher(ctx.store, group_key(job.id, ctx.node), lambda: self.view)
         self.orphaned = False  #: its job deleted under it (AgentSupervisor.forget): mute
-        emit = self._emit = Emit(
-            ctx.events, job.id, lambda: not self.orphaned, incarnation_tag(job)
-        )
+        self.job_tag = incarnation_tag(job)  #: which job of its id it runs (Event.job_tag)
+        emit = self._emit = Emit(ctx.events, job.id, lambda: not self.orphaned, self.job_tag)
         node = ctx.node
         self._job = JobRecord.of(job, ctx, emit)
         self._watch = RoundWatch(
@@ -178,11 +177,6 @@ class JobAgent:
     def view(self) -> GroupView | None:
         attempt = self._group.attempt
         return attempt.view if attempt is not None else None
-
-    @property
-    def job_tag(self) -> str | None:
-        """Which job of its id this agent runs (:attr:`~elasticd.models.Event.job_tag`)."""
-        return self._emit.tag
 
     @property
     def prewarm(self) -> bool:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, Field
 
 from elasticd.eventkinds import EventKind
-from elasticd.models import Event, Job
+from elasticd.models import JOB_TAG_PATTERN, Event, Job
 
 __all__ = [
     "BADPUT_KINDS",
@@ -132,6 +132,10 @@ class NodeGoodput(BaseModel):
 
     node: str
     attempts: list[AttemptFacts] = Field(default_factory=list, max_length=MAX_ATTEMPTS)
+    job_tag: str | None = Field(default=None, pattern=JOB_TAG_PATTERN)
+    """Which job of its id the record is about (``models.incarnation_tag``): a deleted
+    job's agent may still publish it after the id was taken again (None: an older
+    daemon's)."""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ MAX_ARGS = 4096
 MAX_ENV = 1024
 MAX_STRING = 65536
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: An :func:`incarnation_tag`: which job of its id a record is about.
+JOB_TAG_PATTERN = r"^[0-9a-f]{32}$"
 #: Node names: a host name's characters; they name store keys and are shown in paths.
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 #: Most restarts a job may ask for: a crash-looping job restarts at most this often.
@@ -618,6 +620,15 @@ def incarnation_tag(job: Job) -> str:
     return hashlib.sha256(incarnation(job).encode()).hexdigest()[:32]
 
 
+def tagged_for(recorded: str | None, tag: str | None) -> bool:
+    """Whether a record (an event, a group view, a goodput record) tagged ``recorded`` is
+    about the job ``tag`` names (pure). A job id can be deleted and taken again while a
+    record of the old job is still on its way to the store; such a record is another
+    job's. An untagged record (an older daemon's, in a mixed-version cluster) is kept:
+    nothing says whose it is; ``tag`` None asks for every record of the id."""
+    return tag is None or recorded is None or recorded == tag
+
+
 class QueueView(BaseModel):
     """``GET /queue``: the jobs that wait, in the order they will be placed, and the placements."""
 
@@ -696,7 +707,7 @@ class Event(BaseModel):
     cause: str | None = Field(default=None, max_length=64)
     """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
     starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
-    job_tag: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
+    job_tag: str | None = Field(default=None, pattern=JOB_TAG_PATTERN)
     """Which job of its id the event is about (:func:`incarnation_tag` of its document):
     a job id can be deleted and taken again, maybe by another owner, while an event of
     the old job is still on its way to the store. Reads by id show only the events of
@@ -761,6 +772,10 @@ class GroupView(BaseModel):
     workers: list[WorkerView] = Field(default_factory=list)
     standbys: list[StandbyView] = Field(default_factory=list)
     """The node's standby interpreters for the next attempt (a ``prewarm`` job)."""
+    job_tag: str | None = Field(default=None, pattern=JOB_TAG_PATTERN)
+    """Which job of its id the group ran (:func:`incarnation_tag`): the agent of a deleted
+    job may still publish its group after the id was taken again; a read by id shows only
+    the groups of the job it reads (None: an older daemon's, shown)."""
 
 
 class WorkersView(BaseModel):

@@ -157,7 +157,8 @@ class JobAgent:
             emit, node, job.id, self.spec, ctx.health, ctx.clock, ctx.cuda_visible_devices
         )
         self._hangs = HangHook(emit, node)
-        self._goodput = GoodputHook(ctx.store, job.id, node, ctx.clock, self._progress.observations)
+        observed = self._progress.observations
+        self._goodput = GoodputHook(ctx.store, job.id, node, ctx.clock, observed, self.job_tag)
         #: When the last attempt's workers were spawned (wall time), for its start-up.
         self._spawned_at = 0.0
         #: The attempt's workers (their processes, ranks, view and exits).
@@ -501,6 +502,7 @@ class JobAgent:
             state=self.state,
             now=self.ctx.clock.time(),
             progress=self._job_progress,
+            job_tag=self.job_tag,
         )
         return plan, Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
 

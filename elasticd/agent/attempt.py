@@ -69,6 +69,7 @@ def plan_attempt(
     state: WorkerState,
     now: float,
     progress: JobProgress | None = None,
+    job_tag: str | None = None,
 ) -> AttemptPlan:
     """The plan of this node's ``spawn_seq``-th start of the job, in ``round_`` (see the module)."""
     seat = round_.seat
@@ -148,6 +149,7 @@ def plan_attempt(
         master_port=round_.master_port,
         log_dir=str(logs.attempt_dir(job_id, spawn_seq)),
         updated_at=now,
+        job_tag=job_tag,
         workers=[
             WorkerView(
                 local_rank=r.local_rank,

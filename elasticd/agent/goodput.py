@@ -43,6 +43,7 @@ from elasticd.goodput import (
     observe,
 )
 from elasticd.keys import goodput_key
+from elasticd.models import tagged_for
 from elasticd.store import Store
 from elasticd.tasks import cancel_and_wait
 
@@ -71,13 +72,16 @@ def end_of(cause: str) -> End:
     return _ENDS.get(cause, End.STOPPED)
 
 
-def parse_record(raw: bytes, node: str) -> NodeGoodput | None:
-    """A stored record (untrusted: anyone with the cluster token writes the store)."""
+def parse_record(raw: bytes, node: str, tag: str | None = None) -> NodeGoodput | None:
+    """A stored record (untrusted: anyone with the cluster token writes the store) of
+    ``node``, about the job ``tag`` names (an untagged one, an older daemon's, counts)."""
     try:
         record = NodeGoodput.model_validate_json(raw)
     except ValidationError:
         return None
-    return record if record.node == node else None
+    if record.node != node or not tagged_for(record.job_tag, tag):
+        return None
+    return record
 
 
 class GoodputHook:
@@ -90,11 +94,13 @@ class GoodputHook:
         node: str,
         clock: Clock,
         read: Callable[[], Sequence[Observation]],
+        tag: str | None = None,
     ) -> None:
-        """``read``: the attempt's heartbeats now (``ProgressHook.observations``)."""
+        """``read``: the attempt's heartbeats now (``ProgressHook.observations``); ``tag``:
+        which job of its id (:attr:`NodeGoodput.job_tag`)."""
         self._store, self._clock, self._read = store, clock, read
         self._key = goodput_key(job_id, node)
-        self.record = NodeGoodput(node=node)
+        self.record = NodeGoodput(node=node, job_tag=tag)
         self._publisher = GroupPublisher(store, self._key, lambda: self.record)
         self._sampler: asyncio.Task[None] | None = None
         self._written_at = float("-inf")
@@ -105,10 +111,10 @@ class GoodputHook:
         with contextlib.suppress(ElasticdError):
             entry = await self._store.get(self._key)
             if entry is not None and not self.record.attempts:
-                earlier = parse_record(entry.value, self.record.node)
-                if earlier is not None:
+                earlier = parse_record(entry.value, self.record.node, self.record.job_tag)
+                if earlier is not None:  # this job's, not a deleted one's of the id
                     closed = [close_open(a) for a in earlier.attempts]
-                    self.record = earlier.model_copy(update={"attempts": closed})
+                    self.record = self.record.model_copy(update={"attempts": closed})
 
     @property
     def current(self) -> AttemptFacts | None:

@@ -81,7 +81,7 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
 from elasticd.keys import event_key, event_prefix
-from elasticd.models import Event, EventSource
+from elasticd.models import Event, EventSource, tagged_for
 from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
 from elasticd.store import Store
@@ -119,7 +119,7 @@ def of_job(event: Event, tag: str | None) -> bool:
     older daemon's, in a mixed-version cluster, or a database from before tags) is
     kept: nothing says whose it is. ``tag`` None: every event of the id.
     """
-    return tag is None or event.job_tag is None or event.job_tag == tag
+    return tagged_for(event.job_tag, tag)
 
 
 def published_key(event: Event) -> str:

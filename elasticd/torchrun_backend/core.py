@@ -255,6 +255,7 @@ class TorchrunRendezvous:
             master_addr=None if info is None else info.master_addr,
             master_port=None if info is None else info.master_port,
             updated_at=time.time(),
+            job_tag=self._tag,
         )
         key = group_key(self.config.run_id, self.node)
         await self._store.put(key, view.model_dump_json().encode())

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from elasticd.identity import hash_token, new_token
-from elasticd.keys import event_prefix
+from elasticd.keys import event_prefix, goodput_key, goodput_prefix, group_key, group_prefix
 from elasticd.models import Job
 from elasticd.node.jobs import incarnation_tag
 from tests.e2e.cluster import LocalCluster
@@ -126,6 +126,19 @@ async def _race(admin: httpx.AsyncClient, alice: httpx.AsyncClient, proxy: Cutta
     ]
     assert placed, "the admin's job has no job.placed event"
 
+    async def n1_records() -> list[tuple[str, bytes]]:
+        keys = {group_key(JOB, "n1"), goodput_key(JOB, "n1")}
+        found = [
+            (key, value)
+            for prefix in (group_prefix(JOB), goodput_prefix(JOB))
+            for key, value in await _stored(admin, prefix)
+            if key in keys and b'"attempts":[]' not in value
+        ]
+        return found if len(found) == 2 else []
+
+    # n1's group view and goodput record of the admin's job, as its agent publishes them.
+    n1_old = await _until("n1 published its group and goodput", time.monotonic() + 60, n1_records)
+
     # n1 loses the store: it fences, stops its worker, and queues its events of the job.
     proxy.cut = True
     proxy.sever()
@@ -161,6 +174,17 @@ async def _race(admin: httpx.AsyncClient, alice: httpx.AsyncClient, proxy: Cutta
         assert answer.status_code == 200, answer.text
     # Read while n1 is still cut off: its goodput record of the old job cannot come back.
     goodput = (await alice.get(f"/jobs/{JOB}/goodput")).json()
+    # n1's old agent publishing its group view and goodput record of the admin's job again
+    # (it does, once the link is back, until it sees the delete): same keys and bytes.
+    for key, value in n1_old:
+        answer = await admin.put(
+            "/store/kv", json={"key": key, "value": base64.b64encode(value).decode()}
+        )
+        assert answer.status_code == 200, answer.text
+    groups = (await alice.get(f"/jobs/{JOB}/workers")).json()["groups"]
+    assert groups == [], f"alice was shown the admin's job's groups: {groups}"
+    goodput_late = (await alice.get(f"/jobs/{JOB}/goodput")).json()
+    assert goodput_late["attempts"] == 0, goodput_late
 
     # The link is back: n1 publishes its events of the admin's job, under the id.
     proxy.cut = False

@@ -33,6 +33,7 @@ from elasticd.models import (
     WorkersView,
     incarnation,
     incarnation_tag,
+    tagged_for,
     valid_job_id,
 )
 from elasticd.node.cluster import valid_node_url
@@ -109,8 +110,11 @@ class JobQueries:
     async def workers(self, job_id: str, seen: Job | None = None) -> WorkersView:
         """The job's worker groups; ``seen``: the job its caller was authorized for."""
         job = await self._of(job_id, seen)
+        tag = incarnation_tag(job)
         listing = await self.side.store.list(group_prefix(job_id))
-        groups = [g for g in (decode_group(e.value) for e in listing.entries) if g]
+        decoded = (decode_group(e.value) for e in listing.entries)
+        # A group of a deleted job of the id (its agent elsewhere still publishing): not shown.
+        groups = [g for g in decoded if g is not None and tagged_for(g.job_tag, tag)]
         agent = self._agent_of(job)
         if agent is not None:
             agent.refresh_progress()
@@ -153,19 +157,20 @@ class JobQueries:
         node's read fresh from the heartbeats (``elasticd.goodput``). ``seen``: as for
         :meth:`workers`."""
         job = await self._of(job_id, seen)
+        tag = incarnation_tag(job)
         now = self.side.clock.time()
         listing = await self.side.store.list(goodput_prefix(job_id))
         records = {}
         for entry in listing.entries:
             node = entry.key.removeprefix(goodput_prefix(job_id))
-            record = parse_record(entry.value, node)
+            record = parse_record(entry.value, node, tag)
             if record is not None:
                 records[node] = record
         agent = self._agent_of(job)
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput
-        events = await self.side.events.cluster_events_of(job_id, FACT_KINDS, incarnation_tag(job))
+        events = await self.side.events.cluster_events_of(job_id, FACT_KINDS, tag)
         await self._still(seen)
         attempts = merge_nodes(records.values())
         return account(job_id, job_facts(job, events), attempts, now)

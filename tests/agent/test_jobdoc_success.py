@@ -20,22 +20,11 @@ from elasticd.models import Job, JobSpec
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
 from elasticd.node.jobs.documents import JobDocuments
-from elasticd.rendezvous import RoundInfo, Settings, StoreRendezvous
+from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.rendezvous.layout import decode_state, state_key
 from elasticd.states import JobState
 from elasticd.store.memory import MemoryStore
-
-
-def _round(number: int) -> RoundInfo:
-    return RoundInfo(
-        round=number,
-        group_rank=0,
-        group_world_size=1,
-        nodes=[],
-        master_addr="127.0.0.1",
-        master_port=1,
-        participants={"n0": 0},
-    )
+from tests.agent.test_checkpoints import _round
 
 
 async def _closed(store: MemoryStore) -> bool:

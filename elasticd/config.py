@@ -31,7 +31,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from elasticd.errors import ConfigError
 from elasticd.models import NODE_NAME_PATTERN
@@ -237,7 +244,8 @@ class Config(BaseModel):
         description="Seconds a prewarm hand-off may spend moving a standby's cgroup (it and what "
         "its imports started) into the attempt's, holding the daemon's event loop: past them the "
         "move is undone and the rank starts cold (a worker.cold_start event says why). 0 starts "
-        "every contained rank cold.",
+        "every contained rank cold. Below a third of lease_ttl (the keep-alive's interval): "
+        "the loop held longer could let the node's lease lapse.",
     )
     on_corrupt_database: Literal["refuse", "set_aside"] = Field(
         default="refuse",
@@ -332,6 +340,19 @@ class Config(BaseModel):
     def _absolute(cls, value: str | None) -> str | None:
         if value is not None and not os.path.isabs(value):
             raise ValueError("must be an absolute path (unset: looked up on the daemon's PATH)")
+        return value
+
+    @field_validator("prewarm_move_budget")
+    @classmethod
+    def _within_the_lease(cls, value: float, info: ValidationInfo) -> float:
+        # Checked only where it is set: the default was a constant, whatever the TTL.
+        ttl = info.data.get("lease_ttl")
+        if ttl is not None and value > 0 and value >= ttl / 3:
+            raise ValueError(
+                f"{value:g} s holds the event loop, the lease's keep-alive with it, for a "
+                f"third of lease_ttl ({ttl:g} s) or more: the node's lease could lapse on "
+                f"one hand-off; set it below {ttl / 3:g} s (or lease_ttl above {value * 3:g} s)"
+            )
         return value
 
     @field_validator("dynamic_uids")

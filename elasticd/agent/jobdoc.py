@@ -189,16 +189,26 @@ class JobRecord:
             await self.update_job(self.job_id, mutate=edit)
 
     async def succeeded(self, round_: RoundInfo) -> None:
-        """Every worker of the round exited 0: the job SUCCEEDED (for its round), closed."""
+        """Every worker of the round exited 0: the job SUCCEEDED (for its round), closed.
+
+        Closed only if the job has ended: one that went on meanwhile (a later round runs
+        it elsewhere, or the plan put it back in the queue: PENDING, which cannot succeed)
+        keeps its rendezvous, since whoever closes one writes the job's end first (a
+        closure found while the job runs is undone as a new round, restarting the
+        workers of the round that runs it).
+        """
 
         def edit(job: Job) -> JobEdit:
             if job.round == round_.round and not job.state.is_terminal:
                 return {"state": JobState.SUCCEEDED, "reason": "every worker exited 0"}
             return {}
 
-        with contextlib.suppress(InvalidTransition):
-            await self.update_job(self.job_id, mutate=edit)
-        await self.close_rendezvous()
+        try:
+            job = await self.update_job(self.job_id, mutate=edit)
+        except InvalidTransition:
+            return  # PENDING: back in the queue, not ended
+        if job.state.is_terminal:
+            await self.close_rendezvous()
 
 
 def _submitted(raw: bytes) -> tuple[str | None, float] | None:

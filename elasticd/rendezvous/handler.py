@@ -845,6 +845,10 @@ class StoreRendezvous:
         each ending its agent, which would leave the job active with nothing running it.
         At most :data:`MAX_REOPENS` times per node's agent (a writer of the store who
         closes it over and over gets the job stopped, not a loop).
+
+        The job is read again after the reopen's write: one that ended between the first
+        read and the write (a cancel: its end, then its close, a no-op on the closed
+        state, landed there) is closed again, and its end stands.
         """
         if self._still_active is None or self._reopens >= MAX_REOPENS:
             return False
@@ -854,6 +858,9 @@ class StoreRendezvous:
         log.warning("%s: the rendezvous of %s was closed while it runs: opening it again",
                     self._me, self._job)  # fmt: skip
         await self._apply(decide_reopen)
+        if not await self._still_active():  # it ended meanwhile: its closure stands
+            await self._apply(decide_close)
+            return False
         if self._large:  # the head as written now, not the closed one last seen
             await self._read_signals()
         return True

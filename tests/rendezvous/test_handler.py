@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 
 from elasticd.errors import RendezvousClosed
-from elasticd.rendezvous import Change, Settings, StoreRendezvous
+from elasticd.rendezvous import Change, RoundInfo, Settings, StoreRendezvous
 from elasticd.rendezvous.handler import MAX_REOPENS
-from elasticd.rendezvous.layout import absorber_key, membership_prefix
+from elasticd.rendezvous.layout import absorber_key, decode_state, membership_prefix, state_key
 from elasticd.testing import MemoryStore
 
 SEATS_FROM = 16
@@ -116,6 +116,22 @@ async def test_closed_rendezvous_refuses_the_next_round():
             await a.next_round()
 
 
+async def _closed_while_running(
+    store: MemoryStore, s: Settings, a_active, b_active
+) -> tuple[StoreRendezvous, StoreRendezvous, RoundInfo, Change]:
+    """Nodes ``a`` and ``b`` (their ``still_active``) form a round, then the agent of a
+    deleted job of the id (no such check) closes it while ``a`` watches: ``a``, ``b``, the
+    round and what ``a``'s watch says."""
+    (a, _) = await node(store, "a", s, still_active=a_active)
+    (b, _) = await node(store, "b", s, still_active=b_active)
+    (old, _) = await node(store, "old", s)
+    first = await asyncio.gather(a.next_round(), b.next_round())
+    watching = asyncio.create_task(a.wait_for_change(first[0].round))
+    await asyncio.sleep(0)
+    await old.close()
+    return a, b, first[0], await watching
+
+
 async def test_a_closure_while_the_job_still_runs_is_undone_as_a_new_round():
     """Closed by another job of the id (an old agent's late close) while this job runs: the
     running nodes see a new round, not the end, and form it; a joining node joins it."""
@@ -127,23 +143,50 @@ async def test_a_closure_while_the_job_still_runs_is_undone_as_a_new_round():
         asked.append("asked")
         return True
 
-    (a, _) = await node(store, "a", s, still_active=still_active)
-    (b, _) = await node(store, "b", s, still_active=still_active)
-    (old, _) = await node(store, "old", s)  # the deleted job's agent: no such check
     async with asyncio.timeout(10):
-        first = await asyncio.gather(a.next_round(), b.next_round())
-        watching = asyncio.create_task(a.wait_for_change(first[0].round))
-        await asyncio.sleep(0)
-        await old.close()
-        assert await watching is Change.NEW_ROUND
+        a, b, first, change = await _closed_while_running(store, s, still_active, still_active)
+        assert change is Change.NEW_ROUND
         again = await asyncio.gather(a.next_round(), b.next_round())
-    assert again[0].round == again[1].round > first[0].round
+    assert again[0].round == again[1].round > first.round
     assert {again[0].group_rank, again[1].group_rank} == {0, 1}
     assert asked
     async with asyncio.timeout(10):  # closed before a join: the join opens it again
-        await old.close()
+        await (await node(store, "old", s))[0].close()
         rejoined = await asyncio.gather(a.next_round(), b.next_round())
     assert rejoined[0].round == rejoined[1].round > again[0].round
+
+
+async def test_a_job_that_ends_while_its_closure_is_undone_stays_closed():
+    """A cancel racing the reopen: the job is read still running, then it ends (its end
+    written, then its close: a no-op on the rendezvous already closed by the late closer)
+    before the reopen's write lands. The end stands: the rendezvous is closed again, the
+    watch says CLOSED and the next join is refused, instead of the nodes of a cancelled
+    job re-forming (and waiting out join_timeout for the peers that saw the end)."""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=2)
+    ended = False
+    (canceller, _) = await node(store, "canceller", s)  # the cancel route's rendezvous
+
+    async def job_still_runs() -> bool:
+        return not ended
+
+    async def read_then_cancelled() -> bool:
+        nonlocal ended
+        active = not ended  # read: still RUNNING
+        if active:  # the cancel lands right after the read: CANCELLED written, then closed
+            ended = True
+            await canceller.close()
+        return active
+
+    async with asyncio.timeout(10):
+        a, b, _, change = await _closed_while_running(store, s, read_then_cancelled, job_still_runs)
+        assert change is Change.CLOSED
+        entry = await store.get(state_key("job"))
+        assert entry is not None
+        assert decode_state(entry.value, entry.version).closed
+        for rdzv in (a, b):
+            with pytest.raises(RendezvousClosed):
+                await rdzv.next_round()
 
 
 @pytest.mark.parametrize("active", [False, None], ids=["the job ended", "no check"])

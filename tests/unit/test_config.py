@@ -96,3 +96,20 @@ def test_the_prewarm_move_budget_is_read_and_bounded():
     for bad in ("-1", "60"):
         with pytest.raises(ConfigError, match="prewarm_move_budget"):
             load_config({}, environ={"ELASTICD_PREWARM_MOVE_BUDGET": bad})
+
+
+def test_a_prewarm_move_budget_that_could_outlast_the_lease_is_refused():
+    """The move holds the daemon's event loop, the lease's keep-alive (every third of
+    lease_ttl) with it: a budget of a third of the TTL or more could let the node's lease
+    lapse on one slow hand-off (its jobs fenced, its peers re-forming without it). The
+    default TTL (3 s) took any budget up to 5 s before; the refusal names both settings."""
+    for budget, ttl in (("1", "3"), ("4", "3"), ("0.5", "1")):
+        env = {"ELASTICD_PREWARM_MOVE_BUDGET": budget, "ELASTICD_LEASE_TTL": ttl}
+        with pytest.raises(ConfigError, match="prewarm_move_budget.*lease_ttl"):
+            load_config({}, environ=env)
+    env = {"ELASTICD_PREWARM_MOVE_BUDGET": "0.9", "ELASTICD_LEASE_TTL": "3"}
+    assert load_config({}, environ=env).prewarm_move_budget == 0.9
+    env = {"ELASTICD_PREWARM_MOVE_BUDGET": "5", "ELASTICD_LEASE_TTL": "30"}
+    assert load_config({}, environ=env).prewarm_move_budget == 5
+    # The default budget is not held against a small TTL somebody set (it was a constant).
+    assert load_config({}, environ={"ELASTICD_LEASE_TTL": "0.2"}).prewarm_move_budget == 0.1

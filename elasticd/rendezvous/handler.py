@@ -841,8 +841,9 @@ class StoreRendezvous:
         Whoever closes a rendezvous writes its job's end first (the agents, a cancel), so
         a closed rendezvous of a job still active was closed by something else: the late
         close of an agent of a deleted job of the id, on any node, whose new job the id
-        now names. Undone, the new job's nodes form a new round (uncharged) instead of
-        each ending its agent, which would leave the job active with nothing running it.
+        now names. Undone (the same round, as it was), the new job's nodes go on as if
+        nothing happened, instead of each ending its agent, which would leave the job
+        active with nothing running it.
         At most :data:`MAX_REOPENS` times per node's agent (a writer of the store who
         closes it over and over gets the job stopped, not a loop).
 
@@ -902,12 +903,12 @@ class StoreRendezvous:
 
         In a large job only the sentinels (group ranks below ``SENTINELS``) do;
         the others watch the head, which the next round's opener writes. A closure made
-        in error (:meth:`_reopened`) is undone, and is a new round.
+        in error (:meth:`_reopened`) is undone, and the watch goes on.
         """
-        change = await self._wait_for_change(my_round, on_contact)
-        if change is Change.CLOSED and await self._reopened():
-            return Change.NEW_ROUND
-        return change
+        while True:
+            change = await self._wait_for_change(my_round, on_contact)
+            if change is not Change.CLOSED or not await self._reopened():
+                return change
 
     async def _wait_for_change(
         self, my_round: int, on_contact: Callable[[], None] | None

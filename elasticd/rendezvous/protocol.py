@@ -588,11 +588,12 @@ def decide_close(state: State) -> Action:
 
 def decide_reopen(state: State) -> Action:
     """A rendezvous closed in error (its job still runs: see
-    :meth:`~elasticd.rendezvous.handler.StoreRendezvous.next_round`) opens again as the
-    next round, empty: every node joins it as after any change of the round."""
+    :meth:`~elasticd.rendezvous.handler.StoreRendezvous.next_round`) opens again as it
+    was: the same round, its participants, its workers; nothing of the job restarts (a
+    node at the exit barrier, its workers done, does not run them again)."""
     if not state.closed:
         return Action(Kind.FINISH)
-    return Action(Kind.WRITE, State(round=state.round + 1), why="opening the rendezvous again")
+    return Action(Kind.WRITE, replace(state, closed=False), why="opening the rendezvous again")
 
 
 class Change(Enum):

@@ -1,4 +1,4 @@
-"""A rendezvous closed while its job still runs: the job re-forms, it does not hang.
+"""A rendezvous closed while its job still runs: it is opened again, the job runs on.
 
 Whoever ends a job writes its end before closing its rendezvous, so a closed rendezvous of
 a job still active was closed by something else: the late close of an agent of a deleted
@@ -57,8 +57,8 @@ async def test_a_running_jobs_rendezvous_closed_by_another_is_opened_again(
     tmp_path: Path,
 ) -> None:
     """A running job's rendezvous is closed behind its back (as an old agent's late close
-    writes it): its workers are re-formed in a new round, the job is not charged a
-    restart, and it then succeeds; the daemon logs why."""
+    writes it): its agent opens it again as it was, its workers run on (the same pids,
+    one attempt), and the job then succeeds, charged nothing; the daemon logs why."""
     out = tmp_path / "out"
     out.mkdir()
     probe = tmp_path / "probe.py"
@@ -88,7 +88,17 @@ async def test_a_running_jobs_rendezvous_closed_by_another_is_opened_again(
             closed = {"key": key, "value": encode_value(json.dumps(doc).encode())}
             assert (await c.put("/store/kv", json=closed)).status_code == 200
 
-            await _until_healthy(c, "reopened", set(first))  # re-formed, not ended
+            deadline = time.monotonic() + 60
+            while True:  # the agent saw the closure, and opened it again as it was
+                answer = await c.get("/store/kv", params={"key": key})
+                again = json.loads(decode_entry(answer.json()["entry"]).value)
+                if not again["closed"]:
+                    break
+                assert time.monotonic() < deadline, "the rendezvous stayed closed"
+                await asyncio.sleep(0.05)
+            assert again["round"] == doc["round"], again
+            assert await _healthy_pids(c, "reopened") == first  # nothing restarted
+            assert len(list(out.glob("pid.*"))) == 1
             job = (await c.get("/jobs/reopened")).json()
             assert job["state"] == "RUNNING", job
             (out / "done").touch()

@@ -14,6 +14,7 @@ from elasticd.errors import RendezvousClosed
 from elasticd.rendezvous import Change, RoundInfo, Settings, StoreRendezvous
 from elasticd.rendezvous.handler import MAX_REOPENS
 from elasticd.rendezvous.layout import absorber_key, decode_state, membership_prefix, state_key
+from elasticd.rendezvous.protocol import State
 from elasticd.testing import MemoryStore
 
 SEATS_FROM = 16
@@ -118,10 +119,10 @@ async def test_closed_rendezvous_refuses_the_next_round():
 
 async def _closed_while_running(
     store: MemoryStore, s: Settings, a_active, b_active
-) -> tuple[StoreRendezvous, StoreRendezvous, RoundInfo, Change]:
+) -> tuple[StoreRendezvous, StoreRendezvous, RoundInfo, asyncio.Task[Change]]:
     """Nodes ``a`` and ``b`` (their ``still_active``) form a round, then the agent of a
     deleted job of the id (no such check) closes it while ``a`` watches: ``a``, ``b``, the
-    round and what ``a``'s watch says."""
+    round and ``a``'s watch."""
     (a, _) = await node(store, "a", s, still_active=a_active)
     (b, _) = await node(store, "b", s, still_active=b_active)
     (old, _) = await node(store, "old", s)
@@ -129,12 +130,21 @@ async def _closed_while_running(
     watching = asyncio.create_task(a.wait_for_change(first[0].round))
     await asyncio.sleep(0)
     await old.close()
-    return a, b, first[0], await watching
+    return a, b, first[0], watching
 
 
-async def test_a_closure_while_the_job_still_runs_is_undone_as_a_new_round():
+async def _state(store: MemoryStore) -> State:
+    entry = await store.get(state_key("job"))
+    assert entry is not None
+    return decode_state(entry.value, entry.version)
+
+
+async def test_a_closure_while_the_job_still_runs_is_undone_in_place():
     """Closed by another job of the id (an old agent's late close) while this job runs: the
-    running nodes see a new round, not the end, and form it; a joining node joins it."""
+    running node opens it again as it was (the same round, its participants) and keeps
+    watching, so nothing restarts (a node at the exit barrier does not run its finished
+    workers again); a later change ends the watch as always, and a node that finds it
+    closed when it joins opens it and joins."""
     store = MemoryStore()
     s = Settings(min_nodes=2, max_nodes=2)
     asked: list[str] = []
@@ -144,11 +154,21 @@ async def test_a_closure_while_the_job_still_runs_is_undone_as_a_new_round():
         return True
 
     async with asyncio.timeout(10):
-        a, b, first, change = await _closed_while_running(store, s, still_active, still_active)
-        assert change is Change.NEW_ROUND
-        again = await asyncio.gather(a.next_round(), b.next_round())
-    assert again[0].round == again[1].round > first.round
-    assert {again[0].group_rank, again[1].group_rank} == {0, 1}
+        a, b, first, watching = await _closed_while_running(store, s, still_active, still_active)
+        while (await _state(store)).closed:  # a's watch saw it and opens it again
+            await asyncio.sleep(0.01)
+        state = await _state(store)
+        assert (state.round, state.complete, sorted(state.participants)) == (
+            first.round,
+            True,
+            ["a", "b"],
+        )
+        await asyncio.sleep(0.1)
+        assert not watching.done()  # a's workers run on
+        rejoin = asyncio.create_task(b.next_round())  # a real change: b's worker failed
+        assert await watching is Change.NEW_ROUND
+        again = await asyncio.gather(a.next_round(), rejoin)
+    assert again[0].round == again[1].round == first.round + 1
     assert asked
     async with asyncio.timeout(10):  # closed before a join: the join opens it again
         await (await node(store, "old", s))[0].close()
@@ -179,11 +199,11 @@ async def test_a_job_that_ends_while_its_closure_is_undone_stays_closed():
         return active
 
     async with asyncio.timeout(10):
-        a, b, _, change = await _closed_while_running(store, s, read_then_cancelled, job_still_runs)
-        assert change is Change.CLOSED
-        entry = await store.get(state_key("job"))
-        assert entry is not None
-        assert decode_state(entry.value, entry.version).closed
+        a, b, _, watching = await _closed_while_running(
+            store, s, read_then_cancelled, job_still_runs
+        )
+        assert await watching is Change.CLOSED
+        assert (await _state(store)).closed
         for rdzv in (a, b):
             with pytest.raises(RendezvousClosed):
                 await rdzv.next_round()

@@ -63,6 +63,9 @@ into the same marker (its ``count`` grows, its span ``duration_s`` too). A
 reader sees the failures in order, the marker where the gap starts, never a
 silent hole; a follower that read past the gap keeps what it read. Only
 published events are trimmed, so a deleted key is never published again.
+"Per job" is per job of the id (:func:`trim_jobs`): a node may hold a deleted
+job's events beside the new job's of its id, and each keeps its own first,
+last and failures, under a marker tagged for it.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -293,6 +296,22 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
     return Trim(delete=tuple(e.seq for e in gone[1:]), marker=marker)
 
 
+def trim_jobs(
+    views: Mapping[str | None, Sequence[Retained]], policy: EventRetention
+) -> dict[str | None, Trim]:
+    """:func:`trim_events` for each job of an id (pure): ``views`` holds a node's events
+    of the id by :attr:`~elasticd.models.Event.job_tag`, each in seq order.
+
+    A node may hold a deleted job's events beside those of the new job of its id (it saw
+    the id taken again between two looks at the store, or the old job's ``store.back``
+    came later). Each job keeps its own first and last, and its first failure of each
+    kind: counted together, the new job's first events went as the old job's middle,
+    its first failure as a repeat of the old job's, under the old job's marker, which
+    the new job's reader never sees. Untagged events (from before tags) are one more job.
+    """
+    return {tag: trim_events(view, policy) for tag, view in views.items()}
+
+
 #: Store keys of trimmed events deleted together (one commit of the embedded store).
 UNPUBLISH_CHUNK = 64
 
@@ -419,24 +438,23 @@ class EventLog:
 
     # retention (see the module docstring)
 
-    async def trim(self, job_id: str) -> Trim:
+    async def trim(self, job_id: str) -> dict[str | None, Trim]:
         """Apply the retention policy to this node's events of ``job_id`` now (locally).
 
-        Returns what was decided; the store keys of the deleted events are
-        deleted by the trimming task (:meth:`_unpublish_trimmed`), the marker
-        is published like any event. The events are read off the event loop
-        (:meth:`Database.retention_view`); a job forgotten meanwhile is left alone.
+        Returns what was decided, for each job of the id (:attr:`Event.job_tag`); the
+        store keys of the deleted events are deleted by the trimming task
+        (:meth:`_unpublish_trimmed`), each marker is published like any event. The
+        events are read off the event loop (:meth:`Database.retention_view`); a job
+        forgotten meanwhile is left alone.
         """
         forgets = self._forgets
         rows = await self._db.retention_view(job_id)
         if self._forgets != forgets:
-            return Trim()  # a job was forgotten while its events were read: decide again later
-        view = []
-        tags = {}
+            return {}  # a job was forgotten while its events were read: decide again later
+        views: dict[str | None, list[Retained]] = {}
         for seq, time, kind, state, has_error, published, count, span, tag, *failed in rows:
-            tags[seq] = tag
             failure = kind != EventKind.EVENTS_TRIMMED and is_failure(kind, state, bool(has_error))
-            view.append(
+            views.setdefault(tag, []).append(
                 Retained(
                     seq=seq,
                     time=time,
@@ -447,10 +465,17 @@ class EventLog:
                     until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,
                 )
             )
-        decision = trim_events(view, self.retention)
-        if decision.marker is None:
-            return decision
-        m = decision.marker
+        decisions = trim_jobs(views, self.retention)
+        for tag, decision in decisions.items():
+            if decision.marker is not None:
+                self._apply_trim(job_id, tag, decision.delete, decision.marker)
+        return decisions
+
+    def _apply_trim(
+        self, job_id: str, tag: str | None, delete: tuple[int, ...], m: Retained
+    ) -> None:
+        """Write the marker ``m`` of the job ``tag`` names in place of the events it stands
+        for (deleted here, and from the store by the trimming task)."""
         marker = Event(
             seq=m.seq,
             time=m.time,
@@ -460,9 +485,7 @@ class EventLog:
             kind=EventKind.EVENTS_TRIMMED.value,
             count=m.dropped,
             duration_s=max(0.0, m.until - m.time),
-            # The job of the first event it stands for (one job's, unless the id was taken
-            # again meanwhile, which the node forgets its events for).
-            job_tag=tags.get(m.seq),
+            job_tag=tag,  # said to that job's readers, of its own events only
             message=(
                 f"{m.dropped} events of this job on {self._node} were dropped by the event "
                 f"retention policy, over {max(0.0, m.until - m.time):.1f} s from here: routine "
@@ -471,13 +494,12 @@ class EventLog:
                 "failure)"
             ),
         )
-        self._db.apply_trim(job_id, decision.delete, marker)
+        self._db.apply_trim(job_id, delete, marker)
         if self._store is not None:
             self._queue.put_nowait(marker)  # same key as the event it replaces
             self._unpublish.setdefault(job_id, []).extend(
-                event_key(job_id, self._node, seq) for seq in decision.delete
+                event_key(job_id, self._node, seq) for seq in delete
             )
-        return decision
 
     async def _trim_loop(self) -> None:
         """Trim the jobs that got ``every`` new events, then delete their store keys."""

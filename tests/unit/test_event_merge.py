@@ -221,3 +221,55 @@ async def test_a_store_outage_is_said_of_the_job_that_lost_the_store(tmp_path) -
         said = [(e.kind, e.job_tag) for e in log.read("j")]
         await log.stop()
     assert said == [(EventKind.STORE_LOST, A), (EventKind.STORE_BACK, A)]
+
+
+@pytest.mark.timeout(10)
+async def test_retention_trims_each_job_of_the_id_on_its_own(tmp_path) -> None:
+    """A node that still holds a deleted job's events when its id is taken again (seen
+    between two looks: ``Reconciler.on_jobs`` forgets its agent, not its events; or the
+    old job's ``store.back`` landing later) trims each job's events by that job's own
+    first and last, and its own failures: the new job's first failure is never counted
+    as a repeat of the old job's, and what it lost is said by a marker its reader sees."""
+    from elasticd.eventkinds import EventKind
+    from elasticd.node.db import Database
+    from elasticd.node.events import EventLog, EventRetention
+    from elasticd.store.memory import MemoryStore
+
+    def routine(log: EventLog, tag: str, name: str) -> None:
+        log.emit("j", "agent", EventKind.WORKERS_STARTED, name, job_tag=tag)
+
+    def exit_1(log: EventLog, tag: str) -> None:
+        log.emit(
+            "j", "agent", EventKind.WORKER_EXITED, "rank 0 exited 1", job_tag=tag,
+            state="FAILED", rank=0, exit_code=1,
+        )  # fmt: skip
+
+    async with MemoryStore() as store, Database(tmp_path / "elasticd.sqlite3") as db:
+        retention = EventRetention(first=2, last=2, every=1000)
+        log = EventLog(db, "n0", store=store, retention=retention)
+        await log.start()
+        for i in range(2):
+            routine(log, A, f"a{i}")
+        exit_1(log, A)
+        for i in range(2, 5):
+            routine(log, A, f"a{i}")
+        for i in range(2):
+            routine(log, B, f"b{i}")
+        exit_1(log, B)
+        for i in range(2, 6):
+            routine(log, B, f"b{i}")
+        await log.flush()  # published: only published events are trimmed
+        await log.trim("j")
+        await db.backlog.wait_empty()
+        of_b = [(e.kind, e.message, e.count) for e in log.read("j", tag=B)]
+        of_a = [(e.kind, e.count) for e in log.read("j", tag=A)]
+        await log.stop()
+    started, trimmed = EventKind.WORKERS_STARTED, EventKind.EVENTS_TRIMMED
+    assert [kind for kind, _, _ in of_b] == [
+        started, started, EventKind.WORKER_EXITED, trimmed, started, started
+    ]  # fmt: skip
+    assert of_b[3][2] == 2  # b2 and b3, said to b's reader
+    assert of_a == [
+        (started, None), (started, None), (EventKind.WORKER_EXITED, None), (trimmed, 1),
+        (started, None), (started, None),
+    ]  # fmt: skip

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.node.events import EventRetention, Retained, Trim, is_failure, trim_events
+from elasticd.node.events import (
+    EventRetention,
+    Retained,
+    Trim,
+    is_failure,
+    trim_events,
+    trim_jobs,
+)
 
 P = EventRetention(first=2, last=2)
 
@@ -90,6 +97,42 @@ def marker(seq: int, count: int, until: float) -> Retained:
 def test_trim_events(events: list[Retained], expected: Trim) -> None:
     """What a trim deletes and where its marker goes."""
     assert trim_events(events, P) == expected
+
+
+A, B = "a" * 32, "b" * 32
+
+
+@pytest.mark.parametrize(
+    ("views", "expected"),
+    [
+        # each job of the id by its own bounds: a's 4 are within them, b's middle goes
+        (
+            {A: [ev(1), ev(2), ev(3), ev(4)], B: [ev(5), ev(6), ev(7), ev(8), ev(9)]},
+            {A: Trim(), B: Trim(delete=(), marker=marker(7, 1, 7.0))},
+        ),
+        # b's first crash is not a repeat of a's: kept; a's middle under a's own marker
+        (
+            {
+                A: [ev(1), ev(2), crash(3), ev(4), ev(5), ev(6)],
+                B: [ev(7), ev(8), crash(9), ev(10), ev(11), ev(12)],
+            },
+            {
+                A: Trim(delete=(), marker=marker(4, 1, 4.0)),
+                B: Trim(delete=(), marker=marker(10, 1, 10.0)),
+            },
+        ),
+        # untagged events (from before tags) are one more job
+        (
+            {None: [ev(1), ev(2), ev(3)], B: [ev(4), ev(5), ev(6), ev(7), ev(8)]},
+            {None: Trim(), B: Trim(delete=(), marker=marker(6, 1, 6.0))},
+        ),
+    ],
+)
+def test_trim_jobs(
+    views: dict[str | None, list[Retained]], expected: dict[str | None, Trim]
+) -> None:
+    """Each job of an id is trimmed on its own: its own first, last and failures."""
+    assert trim_jobs(views, P) == expected
 
 
 @pytest.mark.parametrize(

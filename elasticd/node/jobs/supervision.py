@@ -43,7 +43,15 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.identity import JobTokens
 from elasticd.keys import group_key, job_key
-from elasticd.models import Job, JobEdit, JobMutation, Launcher, incarnation, incarnation_tag
+from elasticd.models import (
+    Job,
+    JobEdit,
+    JobMutation,
+    Launcher,
+    incarnation,
+    incarnation_tag,
+    tagged_for,
+)
 from elasticd.node.events import of_job
 from elasticd.node.health import NodeHealthChecks
 from elasticd.node.jobs.documents import JobsSide, parse_job
@@ -188,7 +196,7 @@ class AgentSupervisor:
         for job in jobs:
             if job.state not in JOB_ACTIVE or job.launcher != Launcher.ELASTICD or job.id in skip:
                 continue
-            ours = await self.side.store.get(group_key(job.id, self.side.node))
+            ours = self._group_of(job, await self.side.store.get(group_key(job.id, self.side.node)))
             if ours is not None:
                 await self._mark_stopped(ours)
             members = await self.side.documents.live_members(job.id)
@@ -206,6 +214,16 @@ class AgentSupervisor:
                     await self.side.documents.update(
                         job.id, state=JobState.RESTARTING, reason="the daemon was restarted"
                     )
+
+    @staticmethod
+    def _group_of(job: Job, entry: Entry | None) -> Entry | None:
+        """This node's group view ``entry`` if it is ``job``'s: not a deleted job's of the
+        id, published late by its agent (cut off from the store when the id was taken
+        again), which says nothing of whether this node ran ``job``."""
+        view = None if entry is None else decode_group(entry.value)
+        if view is not None and not tagged_for(view.job_tag, incarnation_tag(job)):
+            return None
+        return entry
 
     async def _mark_stopped(self, entry: Entry) -> None:
         """Our group view from before the restart: its workers died with the daemon."""

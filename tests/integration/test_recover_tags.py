@@ -11,7 +11,7 @@ from api.app import create_app
 from elasticd.keys import group_key
 from elasticd.models import GroupView
 from elasticd.states import WorkerState
-from tests.conftest import PY, make_daemon
+from tests.conftest import PY, make_daemon, script, wait_job
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,3 +70,69 @@ async def test_a_deleted_jobs_group_view_does_not_resume_the_new_job_of_its_id(t
     assert job["state"] == "PENDING"
     assert "job.submitted" in kinds
     assert "job.resumed" not in kinds
+
+
+async def test_a_daemon_stop_is_not_said_of_the_new_job_of_a_deleted_jobs_id(tmp_path):
+    """The daemon stops while the agent of a deleted job still stops its workers, and the
+    id names a new job, waiting to be placed, that never ran here: the stop is not the new
+    job's. Before, ``stop_all`` read the id's document and evented ``daemon.stopped`` with
+    the new job's tag (a RUNNING one would have been made RESTARTING)."""
+    release = tmp_path / "release"
+    ready = tmp_path / "ready"
+    worker = script(
+        tmp_path,
+        "stubborn.py",
+        f"""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stops only when released
+        open({str(ready)!r}, "w").close()
+        while not os.path.exists({str(release)!r}):
+            time.sleep(0.05)
+        """,
+    )
+    d = make_daemon(tmp_path, persistent=True)
+    async with asyncio.timeout(100):
+        await d.start()
+        stopping: asyncio.Task[object] | None = None
+        try:
+            transport = httpx.ASGITransport(app=create_app(d))
+            async with httpx.AsyncClient(
+                transport=transport,
+                headers={"Authorization": f"Bearer {d.token}"},
+                base_url="http://localhost",
+            ) as c:
+                old = {"id": "j", "entrypoint": PY, "args": [worker], "termination_grace": 60}
+                assert (await c.post("/jobs", json=old)).status_code == 201
+                while not ready.exists():
+                    await asyncio.sleep(0.05)
+                assert (await c.post("/jobs/j/cancel", json={})).status_code in (200, 202)
+                await wait_job(c, "j", {"CANCELLED"})
+                assert (await c.delete("/jobs/j")).status_code in (200, 204)
+                new = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
+                assert (await c.post("/jobs", json=new)).status_code == 201
+            supervisor = d.jobs.supervisor
+            while not supervisor.agents["j"].orphaned:  # this node saw the delete
+                await asyncio.sleep(0.05)
+            assert "j" in supervisor.tasks  # the precondition: its workers still stop
+            stopping = asyncio.create_task(d.shutdown())
+            await asyncio.sleep(0)
+        finally:
+            release.touch()
+            await (stopping or asyncio.create_task(d.shutdown()))
+
+        d2 = make_daemon(tmp_path, persistent=True)
+        await d2.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(d2))
+            async with httpx.AsyncClient(
+                transport=transport,
+                headers={"Authorization": f"Bearer {d2.token}"},
+                base_url="http://localhost",
+            ) as c:
+                kinds = [e["kind"] for e in (await c.get("/jobs/j/events")).json()]
+                job = (await c.get("/jobs/j")).json()
+        finally:
+            await d2.shutdown()
+    assert job["state"] == "PENDING"
+    assert "job.submitted" in kinds
+    assert "daemon.stopped" not in kinds

@@ -259,6 +259,7 @@ class AgentSupervisor:
         loop time by which what is left of the stop should be done.
         """
         tasks = list(self.tasks.items())
+        ran = {job_id: agent.job_tag for job_id, agent in self.agents.items()}
         for _, task in tasks:
             task.cancel()
         if tasks:
@@ -272,18 +273,22 @@ class AgentSupervisor:
         for job_id, _ in tasks:
             try:
                 async with asyncio.timeout_at(deadline):
-                    await self._record_stop(job_id)
+                    await self._record_stop(job_id, ran.get(job_id))
             except TimeoutError:
                 log.warning("job %s: could not record the daemon stop in time", job_id)
         return deadline
 
-    async def _record_stop(self, job_id: str) -> None:
-        """After this daemon stopped its agent: the job resumes later, and says why."""
+    async def _record_stop(self, job_id: str, ran: str | None) -> None:
+        """After this daemon stopped its agent (of the job tagged ``ran``): the job resumes
+        later, and says why. Not a new job of the id (the agent's was deleted while it
+        stopped its workers): that job did not run here."""
         try:
             job = await self.side.documents.read(job_id)
-            if job.state.is_terminal or await self.side.documents.live_members(job_id) - {
-                self.side.node
-            }:
+            if (
+                job.state.is_terminal
+                or not tagged_for(ran, incarnation_tag(job))
+                or await self.side.documents.live_members(job_id) - {self.side.node}
+            ):
                 return
             # Not the job's failure: it resumes when this daemon (or another node) is back.
             self.side.events.emit(

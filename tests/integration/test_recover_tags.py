@@ -1,21 +1,33 @@
-"""A restarted daemon's recovery reads its own group view by which job of the id it was."""
+"""A daemon restarted or stopped says nothing of a new job of a deleted job's id that it never ran."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 
-from api.app import create_app
 from elasticd.keys import group_key
 from elasticd.models import GroupView
 from elasticd.states import WorkerState
-from tests.conftest import PY, make_daemon, script, wait_job
+from tests.conftest import PY, asgi_client, make_daemon, script, wait_job
 
 pytestmark = pytest.mark.timeout(120)
 
 OLD = "0" * 32  # the tag of a deleted job of the id
+
+
+async def _after_restart(tmp_path: Path) -> tuple[dict[str, Any], list[str]]:
+    """Job ``j`` and its events' kinds, as the daemon of ``tmp_path`` started again serves them."""
+    d = make_daemon(tmp_path, persistent=True)
+    await d.start()
+    try:
+        async with asgi_client(d) as c:
+            kinds = [e["kind"] for e in (await c.get("/jobs/j/events")).json()]
+            return (await c.get("/jobs/j")).json(), kinds
+    finally:
+        await d.shutdown()
 
 
 async def test_a_deleted_jobs_group_view_does_not_resume_the_new_job_of_its_id(tmp_path):
@@ -28,12 +40,7 @@ async def test_a_deleted_jobs_group_view_does_not_resume_the_new_job_of_its_id(t
     async with asyncio.timeout(90):
         await d.start()
         try:
-            transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(
-                transport=transport,
-                headers={"Authorization": f"Bearer {d.token}"},
-                base_url="http://localhost",
-            ) as c:
+            async with asgi_client(d) as c:
                 spec = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
                 assert (await c.post("/jobs", json=spec)).status_code == 201
                 job = (await c.get("/jobs/j")).json()
@@ -54,19 +61,7 @@ async def test_a_deleted_jobs_group_view_does_not_resume_the_new_job_of_its_id(t
         finally:
             await d.shutdown()
 
-        d2 = make_daemon(tmp_path, persistent=True)
-        await d2.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(d2))
-            async with httpx.AsyncClient(
-                transport=transport,
-                headers={"Authorization": f"Bearer {d2.token}"},
-                base_url="http://localhost",
-            ) as c:
-                kinds = [e["kind"] for e in (await c.get("/jobs/j/events")).json()]
-                job = (await c.get("/jobs/j")).json()
-        finally:
-            await d2.shutdown()
+        job, kinds = await _after_restart(tmp_path)
     assert job["state"] == "PENDING"
     assert "job.submitted" in kinds
     assert "job.resumed" not in kinds
@@ -95,12 +90,7 @@ async def test_a_daemon_stop_is_not_said_of_the_new_job_of_a_deleted_jobs_id(tmp
         await d.start()
         stopping: asyncio.Task[object] | None = None
         try:
-            transport = httpx.ASGITransport(app=create_app(d))
-            async with httpx.AsyncClient(
-                transport=transport,
-                headers={"Authorization": f"Bearer {d.token}"},
-                base_url="http://localhost",
-            ) as c:
+            async with asgi_client(d) as c:
                 old = {"id": "j", "entrypoint": PY, "args": [worker], "termination_grace": 60}
                 assert (await c.post("/jobs", json=old)).status_code == 201
                 while not ready.exists():
@@ -120,19 +110,7 @@ async def test_a_daemon_stop_is_not_said_of_the_new_job_of_a_deleted_jobs_id(tmp
             release.touch()
             await (stopping or asyncio.create_task(d.shutdown()))
 
-        d2 = make_daemon(tmp_path, persistent=True)
-        await d2.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(d2))
-            async with httpx.AsyncClient(
-                transport=transport,
-                headers={"Authorization": f"Bearer {d2.token}"},
-                base_url="http://localhost",
-            ) as c:
-                kinds = [e["kind"] for e in (await c.get("/jobs/j/events")).json()]
-                job = (await c.get("/jobs/j")).json()
-        finally:
-            await d2.shutdown()
+        job, kinds = await _after_restart(tmp_path)
     assert job["state"] == "PENDING"
     assert "job.submitted" in kinds
     assert "daemon.stopped" not in kinds

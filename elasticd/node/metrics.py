@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.goodput import Goodput
-from elasticd.models import Event, Job
+from elasticd.models import Event, Job, incarnation
 from elasticd.node.looplag import LAG_BUCKETS, LoopLag
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
@@ -331,6 +331,19 @@ def _standby_series(m: Metrics) -> Iterator[Metric]:
     yield from (count, memory)
 
 
+def replaced(before: Mapping[str, Job], now: Mapping[str, Job], ran: Iterable[str]) -> list[str]:
+    """The ids of ``ran`` whose job of ``before`` is gone from ``now``, or whose id names
+    another job there (:func:`~elasticd.models.incarnation`; pure)."""
+    out = []
+    for job_id in ran:
+        old, new = before.get(job_id), now.get(job_id)
+        if old is None:
+            continue  # not seen yet (events come before the first look): still the one
+        if new is None or incarnation(new) != incarnation(old):
+            out.append(job_id)
+    return out
+
+
 class Metrics:
     """One daemon's metrics: feed it with :meth:`on_event` and :meth:`on_jobs`, scrape
     :meth:`render`."""
@@ -443,8 +456,12 @@ class Metrics:
         self.plan = plan
 
     def on_jobs(self, jobs: Iterable[Job]) -> None:
-        """Take the cluster's current job documents (all of them)."""
-        self.jobs = {job.id: job for job in jobs}
+        """Take the cluster's current job documents (all of them). What is kept of a job
+        this node ran is dropped when its id is gone or names another job (deleted, and
+        maybe taken again between two looks): the new job's run is its own."""
+        before, self.jobs = self.jobs, {job.id: job for job in jobs}
+        for job_id in replaced(before, self.jobs, self._ran_here):
+            self._forget(job_id)
         for job in self.jobs.values():
             if job.id in self._ran_here and job.id not in self._recorded:
                 if job.state in (JobState.SUCCEEDED, JobState.FAILED):
@@ -507,13 +524,18 @@ class Metrics:
             return
         keep = {job.id for job in self.shown_jobs()}
         for job_id in list(self._ran_here):
-            if job_id in keep:
-                continue
-            self._ran_here.discard(job_id)
-            self._recorded.discard(job_id)
-            self.flakiness.pop(job_id, None)
-            self.goodput.pop(job_id, None)
-            self._failure_at.pop(job_id, None)
-            self._recovering.discard(job_id)
+            if job_id not in keep:
+                self._forget(job_id)
         for key in [k for k in self.group_states if k[0] not in keep]:
+            del self.group_states[key]
+
+    def _forget(self, job_id: str) -> None:
+        """Drop what is kept about the job of ``job_id`` this node ran."""
+        self._ran_here.discard(job_id)
+        self._recorded.discard(job_id)
+        self.flakiness.pop(job_id, None)
+        self.goodput.pop(job_id, None)
+        self._failure_at.pop(job_id, None)
+        self._recovering.discard(job_id)
+        for key in [k for k in self.group_states if k[0] == job_id]:
             del self.group_states[key]

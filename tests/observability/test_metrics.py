@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
-from elasticd.models import Event, Job, JobSpec
+from elasticd.models import Event, Job, JobSpec, incarnation_tag
 from elasticd.node import metrics as m
 from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase, run_outcome
 from elasticd.states import JobState
@@ -124,6 +124,61 @@ def test_sink_counts_a_restart_and_records_the_run_once():
     assert value(scrape, "elasticd_job_remaining_restarts", job_id="j") == 2
     assert value(scrape, "elasticd_worker_group_state", job_id="j", node="n1", state="SUCCEEDED")
     assert not value(scrape, "elasticd_worker_group_state", job_id="j", node="n1", state="HEALTHY")
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "expected"),
+    [
+        ({"j": 1.0}, {"j": 1.0}, []),  # the same job
+        ({"j": 1.0}, {"j": 6.0}, ["j"]),  # taken again between two looks
+        ({"j": 1.0}, {}, ["j"]),  # deleted
+        ({}, {"j": 1.0}, []),  # not seen before: its events came first
+    ],
+)
+def test_replaced_ids_are_those_gone_or_taken_again(before, now, expected):
+    """Which ids this node ran no longer name the job it ran (pure)."""
+
+    def docs(created: dict[str, float]) -> dict[str, Job]:
+        return {i: job(i, JobState.RUNNING, created_at=at) for i, at in created.items()}
+
+    assert m.replaced(docs(before), docs(now), ["j"]) == expected
+
+
+def test_a_new_job_of_a_deleted_jobs_id_is_a_run_of_its_own():
+    """The id of a job that ran here is deleted and taken again (seen between two looks):
+    the new job's run is recorded too, and its group's state is its own. Before, what the
+    node kept by id (the run recorded, the group state) was the old job's: the new job's
+    failed run was never counted, its flakiness was the old job's."""
+    sink = Metrics()
+    old = job("j", JobState.RUNNING, created_at=1.0)
+    sink.on_jobs([old])
+    sink.on_event(event("group.state", state="HEALTHY", job_tag=incarnation_tag(old)))
+    sink.on_event(event("group.state", state="SUCCEEDED", job_tag=incarnation_tag(old)))
+    sink.on_jobs([job("j", JobState.SUCCEEDED, created_at=1.0, finished_at=5.0)])
+    new = job("j", JobState.RUNNING, created_at=6.0)
+    sink.on_jobs([new])
+    sink.on_event(event("group.state", state="HEALTHY", job_tag=incarnation_tag(new)))
+    sink.on_event(event("group.state", state="FAILED", job_tag=incarnation_tag(new)))
+    sink.on_jobs([job("j", JobState.FAILED, created_at=6.0, finished_at=9.0)])
+    scrape = samples(sink.render().decode())
+    run = {"role": "default"}
+    assert value(scrape, "elasticd_run_total", **run, outcome="success_no_retries") == 1
+    assert value(scrape, "elasticd_run_total", **run, outcome="failed_no_retries") == 1
+    assert value(scrape, "elasticd_flakiness_ratio", job_id="j", role="default") == 1.0
+
+
+def test_a_new_job_of_a_deleted_jobs_id_that_never_ran_here_is_no_run_here():
+    """The old job ran here, the new one of its id elsewhere: its end is no run of this node."""
+    sink = Metrics()
+    old = job("j", JobState.RUNNING, created_at=1.0)
+    sink.on_jobs([old])
+    sink.on_event(event("group.state", state="HEALTHY", job_tag=incarnation_tag(old)))
+    sink.on_jobs([])  # deleted (it was cancelled: no run)
+    sink.on_jobs([job("j", JobState.FAILED, created_at=6.0, finished_at=9.0)])
+    scrape = samples(sink.render().decode())
+    assert not any(name == "elasticd_run_total" for name, _ in scrape)
+    group = "elasticd_worker_group_state"
+    assert not [labels for name, labels in scrape if name == group and ("job_id", "j") in labels]
 
 
 def test_first_rendezvous_is_not_a_recovery_and_cancel_is_not_a_run():

@@ -269,6 +269,17 @@ class Database:
             lambda: self.conn.execute("DELETE FROM events WHERE job_id = ?", (job_id,)), _ignore
         )
 
+    def delete_events_of_others(self, job_id: str, tag: str) -> None:
+        """Drop the events of ``job_id`` tagged for another job of the id than ``tag`` (a
+        deleted one); untagged ones stay. Queued as :meth:`delete_events` is."""
+        self.backlog.submit(
+            lambda: self.conn.execute(
+                "DELETE FROM events WHERE job_id = ? AND json_extract(doc, '$.job_tag') != ?",
+                (job_id, tag),
+            ),
+            _ignore,
+        )
+
     async def retention_view(self, job_id: str) -> list[tuple[Any, ...]]:
         """What the retention decision needs of a job's events, in seq order: seq, time,
         kind, state, has a root cause, published, count, duration_s, then what tells one

@@ -302,12 +302,14 @@ def trim_jobs(
     """:func:`trim_events` for each job of an id (pure): ``views`` holds a node's events
     of the id by :attr:`~elasticd.models.Event.job_tag`, each in seq order.
 
-    A node may hold a deleted job's events beside those of the new job of its id (it saw
-    the id taken again between two looks at the store, or the old job's ``store.back``
-    came later). Each job keeps its own first and last, and its first failure of each
-    kind: counted together, the new job's first events went as the old job's middle,
-    its first failure as a repeat of the old job's, under the old job's marker, which
-    the new job's reader never sees. Untagged events (from before tags) are one more job.
+    A node may hold a deleted job's events beside those of the new job of its id: what
+    its agent or the node said of it after the node saw the id taken again (a
+    ``store.back``, a stop), or all of them while a trim read them as the id was seen
+    taken (:meth:`EventLog.forget_others`). Each job keeps its own first and last, and
+    its first failure of each kind: counted together, the new job's first events went
+    as the old job's middle, its first failure as a repeat of the old job's, under the
+    old job's marker, which the new job's reader never sees. Untagged events (from
+    before tags) are one more job.
     """
     return {tag: trim_events(view, policy) for tag, view in views.items()}
 
@@ -683,6 +685,13 @@ class EventLog:
     def quiet_since(self, before: float) -> list[str]:
         """Jobs this node holds events of, the newest older than ``before``."""
         return self._db.jobs_quiet_since(before)
+
+    def forget_others(self, job_id: str, tag: str) -> None:
+        """The id names the job ``tag`` names now: drop this node's events of the jobs of
+        the id before it (deleted; this node saw the id taken again between two looks,
+        and no deletion in between to :meth:`forget` them for)."""
+        self._forgets += 1
+        self._db.delete_events_of_others(job_id, tag)
 
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""

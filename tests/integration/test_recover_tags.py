@@ -8,14 +8,23 @@ from typing import Any
 
 import pytest
 
-from elasticd.keys import group_key
-from elasticd.models import GroupView
+from elasticd.keys import group_key, job_key
+from elasticd.models import GroupView, Job, incarnation, incarnation_tag
+from elasticd.node.daemon import Daemon
 from elasticd.states import WorkerState
 from tests.conftest import PY, asgi_client, make_daemon, script, wait_job
 
 pytestmark = pytest.mark.timeout(120)
 
 OLD = "0" * 32  # the tag of a deleted job of the id
+
+
+async def _seen(d: Daemon, job: Job) -> None:
+    """Until the daemon's look at the store shows ``job`` under its id."""
+    while (known := d.jobs.reconciler.known.get(job.id)) is None or incarnation(
+        known
+    ) != incarnation(job):
+        await asyncio.sleep(0.02)
 
 
 async def _after_restart(tmp_path: Path) -> tuple[dict[str, Any], list[str]]:
@@ -114,3 +123,34 @@ async def test_a_daemon_stop_is_not_said_of_the_new_job_of_a_deleted_jobs_id(tmp
     assert job["state"] == "PENDING"
     assert "job.submitted" in kinds
     assert "daemon.stopped" not in kinds
+
+
+async def test_a_job_seen_replaced_between_two_looks_leaves_no_events_of_the_old_one_here(
+    tmp_path,
+):
+    """A node that sees the id name another job without seeing the delete in between (one
+    look at the store shows the old document, the next the new one) drops its events of
+    the old job, as a delete it saw would have: before, they stayed in its database for
+    as long as the new job was kept, and counted in its retention."""
+    d = make_daemon(tmp_path)
+    async with asyncio.timeout(60):
+        await d.start()
+        try:
+            async with asgi_client(d) as c:
+                spec = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
+                assert (await c.post("/jobs", json=spec)).status_code == 201
+            old = await d.jobs.documents.read("j")
+            await _seen(d, old)  # one look shows the old job
+            # and the scheduler has said its word on it (no pass of it lands later)
+            while "job.unschedulable" not in [e.kind for e in d.events.read("j")]:
+                await asyncio.sleep(0.02)
+            assert {e.job_tag for e in d.events.read("j")} == {incarnation_tag(old)}
+            # Deleted and submitted again, as one change: the same key, a new job.
+            new = old.model_copy(update={"created_at": old.created_at + 1.0})
+            await d.store.put(job_key("j"), new.model_dump_json().encode())
+            await _seen(d, new)  # the next the new one
+            await d.db.backlog.wait_empty()
+            left = [e.job_tag for e in d.events.read("j")]
+        finally:
+            await d.shutdown()
+    assert incarnation_tag(old) not in left

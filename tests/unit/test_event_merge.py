@@ -225,9 +225,9 @@ async def test_a_store_outage_is_said_of_the_job_that_lost_the_store(tmp_path) -
 
 @pytest.mark.timeout(10)
 async def test_retention_trims_each_job_of_the_id_on_its_own(tmp_path) -> None:
-    """A node that still holds a deleted job's events when its id is taken again (seen
-    between two looks: ``Reconciler.on_jobs`` forgets its agent, not its events; or the
-    old job's ``store.back`` landing later) trims each job's events by that job's own
+    """A node that still holds a deleted job's events when its id is taken again (the old
+    job's ``store.back`` or stop said after the node saw the id taken; before
+    ``forget_others``, every event of it) trims each job's events by that job's own
     first and last, and its own failures: the new job's first failure is never counted
     as a repeat of the old job's, and what it lost is said by a marker its reader sees."""
     from elasticd.eventkinds import EventKind

@@ -20,7 +20,7 @@ from typing import Any
 
 from elasticd.agent.handover import AgentHandover
 from elasticd.errors import InvalidTransition, JobConflict, JobNotFound, StoreError
-from elasticd.models import Job, JobEdit, Launcher, incarnation
+from elasticd.models import Job, JobEdit, Launcher, incarnation, incarnation_tag
 from elasticd.node.db import Database
 from elasticd.node.jobs.documents import JobsSide
 from elasticd.node.jobs.supervision import AgentEnded, AgentSupervisor
@@ -125,9 +125,10 @@ class Reconciler:
             now = known.get(job_id)
             if now is not None and incarnation(now) != incarnation(before):
                 # Deleted and its id taken again between two looks: what this node kept of
-                # the old job is not the new one's (declined here, its agent's crashes).
+                # the old job is not the new one's (declined here, its agent's crashes, its events).
                 self.done_here.discard(job_id)
                 self.supervisor.forget(job_id)
+                self.side.events.forget_others(job_id, incarnation_tag(now))
         self.known = known
         self._see_ends(first)
         self.reconcile()

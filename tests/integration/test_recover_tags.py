@@ -11,12 +11,22 @@ import pytest
 from elasticd.keys import group_key, job_key
 from elasticd.models import GroupView, Job, incarnation, incarnation_tag
 from elasticd.node.daemon import Daemon
-from elasticd.states import WorkerState
+from elasticd.states import JobState, WorkerState
 from tests.conftest import PY, asgi_client, make_daemon, script, wait_job
 
 pytestmark = pytest.mark.timeout(120)
 
 OLD = "0" * 32  # the tag of a deleted job of the id
+
+
+#: A job no node can run (no node has the label): it waits to be placed.
+WAITING = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
+
+
+async def _submit_waiting(d: Daemon) -> Job:
+    async with asgi_client(d) as c:
+        assert (await c.post("/jobs", json=WAITING)).status_code == 201
+    return await d.jobs.documents.read("j")
 
 
 async def _seen(d: Daemon, job: Job) -> None:
@@ -49,11 +59,7 @@ async def test_a_deleted_jobs_group_view_does_not_resume_the_new_job_of_its_id(t
     async with asyncio.timeout(90):
         await d.start()
         try:
-            async with asgi_client(d) as c:
-                spec = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
-                assert (await c.post("/jobs", json=spec)).status_code == 201
-                job = (await c.get("/jobs/j")).json()
-                assert job["state"] == "PENDING"  # no node has the label: it waits
+            assert (await _submit_waiting(d)).state is JobState.PENDING
             old = GroupView(
                 node=d.config.node_name,
                 state=WorkerState.HEALTHY,
@@ -107,8 +113,7 @@ async def test_a_daemon_stop_is_not_said_of_the_new_job_of_a_deleted_jobs_id(tmp
                 assert (await c.post("/jobs/j/cancel", json={})).status_code in (200, 202)
                 await wait_job(c, "j", {"CANCELLED"})
                 assert (await c.delete("/jobs/j")).status_code in (200, 204)
-                new = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
-                assert (await c.post("/jobs", json=new)).status_code == 201
+                assert (await c.post("/jobs", json=WAITING)).status_code == 201
             supervisor = d.jobs.supervisor
             while not supervisor.agents["j"].orphaned:  # this node saw the delete
                 await asyncio.sleep(0.05)
@@ -136,10 +141,7 @@ async def test_a_job_seen_replaced_between_two_looks_leaves_no_events_of_the_old
     async with asyncio.timeout(60):
         await d.start()
         try:
-            async with asgi_client(d) as c:
-                spec = {"id": "j", "entrypoint": PY, "node_selector": {"gpu": "none-here"}}
-                assert (await c.post("/jobs", json=spec)).status_code == 201
-            old = await d.jobs.documents.read("j")
+            old = await _submit_waiting(d)
             await _seen(d, old)  # one look shows the old job
             # and the scheduler has said its word on it (no pass of it lands later)
             while "job.unschedulable" not in [e.kind for e in d.events.read("j")]:

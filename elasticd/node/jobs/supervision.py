@@ -552,12 +552,17 @@ class AgentSupervisor:
                     "resumes as a new attempt, no restart charged",
                     job_tag=agent.job_tag,
                 )
+            ran = agent.job_tag
+
+            def restarting(job: Job) -> JobEdit:
+                # Decided on the version written over: the job the agent ran, still RUNNING
+                # (not a new job of its id, taken while the dead agent's workers stopped).
+                if job.state is JobState.RUNNING and tagged_for(ran, incarnation_tag(job)):
+                    return {"state": JobState.RESTARTING, "reason": "the agent crashed"}
+                return {}
+
             with contextlib.suppress(InvalidTransition, JobNotFound):
-                job = await self.side.documents.read(job_id)
-                if job.state is JobState.RUNNING:
-                    await self.side.documents.update(
-                        job_id, state=JobState.RESTARTING, reason="the agent crashed"
-                    )
+                await self.side.documents.update(job_id, mutate=restarting)
         except Exception as exc:
             log.error("job %s: could not record the agent's death: %s", job_id, exc)
         return give_up

@@ -104,19 +104,6 @@ async def test_lease_expiry_is_seen_as_loss_at_once():
     assert again.group_world_size == 1
 
 
-async def test_closed_rendezvous_refuses_the_next_round():
-    """After close, wait_for_change says CLOSED and next_round raises RendezvousClosed."""
-    store = MemoryStore()
-    s = Settings(min_nodes=1, max_nodes=1)
-    (a, _) = await node(store, "a", s)
-    async with asyncio.timeout(10):
-        r = await a.next_round()
-        await a.close()
-        assert await a.wait_for_change(r.round) is Change.CLOSED
-        with pytest.raises(RendezvousClosed):
-            await a.next_round()
-
-
 async def _closed_while_running(
     store: MemoryStore, s: Settings, a_active, b_active
 ) -> tuple[StoreRendezvous, StoreRendezvous, RoundInfo, asyncio.Task[Change]]:
@@ -211,8 +198,9 @@ async def test_a_job_that_ends_while_its_closure_is_undone_stays_closed():
 
 @pytest.mark.parametrize("active", [False, None], ids=["the job ended", "no check"])
 async def test_a_closure_of_an_ended_job_stands(active):
-    """The job ended (its end is written before the close), or no check is given (a
-    torchrun launcher's rendezvous): CLOSED, and the next round refused."""
+    """After a close, with the job ended (its end is written before the close) or no
+    check given (a torchrun launcher's rendezvous): wait_for_change says CLOSED, and
+    next_round raises RendezvousClosed."""
 
     async def still_active() -> bool:
         return False

@@ -15,7 +15,14 @@ import pytest
 from elasticd.supervise.standby import FIRST_FILL_AFTER_S
 from elasticd.supervise.sweep import process_start_time
 from tests.e2e.test_prewarm import ready_standbys, submit_body
-from tests.hardening.support import cgroup_home, daemon_subtree, eventually, pid_alive, serve
+from tests.hardening.support import (
+    cgroup_home,
+    daemon_subtree,
+    eventually,
+    pid_alive,
+    running_program,
+    serve,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,7 +98,8 @@ async def test_the_daemons_end_leaves_no_standby(tmp_path: Path, how: str) -> No
                 await eventually(lambda: not any(pid_alive(p) for p in helpers), 20, "helpers")
     finally:
         daemon.kill9()
-        for pid in [*helpers, *standbys.values()]:
+        # After a kill -9 the job's worker outlives its daemon (no next daemon here).
+        for pid in [*helpers, *standbys.values(), *running_program(str(code / "w.py"))]:
             if pid_alive(pid):
                 os.kill(pid, 9)
 
@@ -140,7 +148,8 @@ async def test_a_standbys_helper_is_swept_by_the_next_daemon_after_a_kill9(
         daemon.kill9()
         if again is not None:
             again.kill9()
-        for pid in helpers:
+        # The next daemon resumed the job: its worker outlives that daemon's kill -9 too.
+        for pid in [*helpers, *running_program(str(code / "w.py"))]:
             if pid_alive(pid):
                 os.kill(pid, 9)
 

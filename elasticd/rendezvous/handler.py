@@ -54,8 +54,9 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
+from typing import TypeVar
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
@@ -135,6 +136,33 @@ ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
 SENTINELS = 3
 #: Closures made in error (the job still runs) one node's rendezvous undoes at most.
 MAX_REOPENS = 3
+#: Seconds between two looks of a waiting node at its lease (a local read, no request).
+LEASE_CHECK = 1.0
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A join's deadline, kept on the monotonic clock.
+
+    The protocol compares deadlines with wall time (the last call's deadline is
+    shared in the document, as torch's is), but a join's own timeout is this
+    node's business: a step of its wall clock (NTP, an operator) must neither
+    time the join out at once nor stretch it. So the deadline is fixed on the
+    monotonic clock and handed to each decision as the wall time it falls at
+    now (:meth:`wall`).
+    """
+
+    monotonic: float
+
+    @staticmethod
+    def after(clock: Clock, seconds: float) -> Deadline:
+        return Deadline(clock.monotonic() + seconds)
+
+    def wall(self, clock: Clock) -> float:
+        """The wall time, by ``clock`` as it reads now, at which the deadline falls."""
+        return clock.time() + (self.monotonic - clock.monotonic())
 
 
 class _Step(Enum):
@@ -197,6 +225,7 @@ class StoreRendezvous:
         self._absorber_key = absorber_key(job_id)
         self._absorber_version = 0
         self._announced: NodeInfo | None = None  # this node's presence key as last written
+        self._announced_lease: int | None = None  # and the lease it is bound to
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
         self._absorber_until = 0.0
         # Large jobs: a task renews the hold while the role is held, whatever the
@@ -260,9 +289,38 @@ class StoreRendezvous:
         if timeout <= 0:
             return
         try:
-            await self._store.watch(key, revision, timeout, prefix=prefix)
+            await self._unless_relet(self._store.watch(key, revision, timeout, prefix=prefix))
         except StoreCompacted:
             return  # re-read from now
+
+    async def _relet(self) -> bool:
+        """Was this node's announcement made under a lease that is gone? (Its presence key
+        went with it: nobody can place the node until it announces again.)"""
+        return self._announced is not None and await self._lease() != self._announced_lease
+
+    async def _unless_relet(self, watch: Awaitable[T]) -> T | None:
+        """Await ``watch``, or None once this node's lease was granted anew meanwhile.
+
+        A joining node waits on keys others write (the head, the absorber role, the
+        document); the expiry of its own lease deletes its presence key, which it does not
+        watch. So every :data:`LEASE_CHECK` seconds it asks its lease (no request: the
+        node's lease is kept by the daemon) and, when it changed, stops waiting to
+        announce again. Without this a node whose lease lapsed while it waited was
+        never placed: the others waited for it until the join timed out.
+        """
+        task = asyncio.ensure_future(watch)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=LEASE_CHECK)
+                if done:
+                    return task.result()
+                if await self._relet():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _apply(self, decide: Callable[[State], Action]) -> State:
         """Leave or close: read the state key, decide, write once (again after a lost race)."""
@@ -278,7 +336,7 @@ class StoreRendezvous:
             )
             if result.ok:
                 log.debug("%s: %s", self._me, action.why)
-                await self._notify(state, action.state)
+                await self._notify(state, action.state, result)
                 return action.state
             if result.entry is None:  # the document was deleted meanwhile
                 state, version = State(), None
@@ -286,12 +344,22 @@ class StoreRendezvous:
                 state = decode_state(result.entry.value, result.entry.version)
                 version = result.entry.version
 
-    async def _notify(self, before: State, after: State) -> None:
+    async def _notify(self, before: State, after: State, written: CasResult) -> None:
+        """After a won write of the document: the seats of a round it completed, then the
+        head, unless a head of a newer version of the document is there already."""
         if not notice_worthy(before, after):
             return
         if self._large and after.complete and not after.closed:
             await self._write_seats(after)
-        await self._store.put(self._done_key, Head.of(after).encode())
+        head = Head.of(after, written.entry.version if written.entry is not None else 0)
+        entry = await self._store.get(self._done_key)
+        while head.supersedes(None if entry is None else Head.decode(entry.value)):
+            result = await self._store.compare_and_set(
+                self._done_key, head.encode(), None if entry is None else entry.version
+            )
+            if result.ok:
+                return
+            entry = result.entry
 
     async def _write_seats(self, state: State) -> None:
         """Every participant's seat and the round's roster, before the head says it is complete."""
@@ -306,7 +374,9 @@ class StoreRendezvous:
             with contextlib.suppress(StoreError):
                 await self._store.delete(roster_key(self._job, state.round - 2))
 
-    async def _join(self, info: NodeInfo, join_deadline: float, *, holding: bool = False) -> State:
+    async def _join(
+        self, info: NodeInfo, join_deadline: Deadline, *, holding: bool = False
+    ) -> State:
         """Apply join decisions until this node is a participant of a complete round.
 
         CLOSED and TIMEOUT raise. The node reads the state key alone first
@@ -345,7 +415,7 @@ class StoreRendezvous:
                     settings,
                     self._clock.time(),
                     present,
-                    join_deadline,
+                    join_deadline.wall(self._clock),
                     self._seen_open(state),
                 )
                 if action.kind is Kind.WRITE:
@@ -355,7 +425,7 @@ class StoreRendezvous:
                     )
                     if result.ok:
                         log.debug("%s: %s", me, action.why)
-                        await self._notify(state, action.state)
+                        await self._notify(state, action.state, result)
                         if holding and self._large and result.entry is not None:
                             # Decide again on what we wrote, with the presence we hold: the
                             # next watch (from the view's revision) brings whatever changed
@@ -409,7 +479,7 @@ class StoreRendezvous:
                 await self._release_absorber()
 
     async def _check_in(
-        self, info: NodeInfo, holding: bool, join_deadline: float
+        self, info: NodeInfo, holding: bool, join_deadline: Deadline
     ) -> tuple[_Step, State, NodeInfo, bool]:
         """The join's cheap step: the state key alone, and a wait while placed.
 
@@ -426,6 +496,8 @@ class StoreRendezvous:
         if info.round < state.round:
             info = replace(info, round=state.round)  # a new round opened meanwhile
             await self._announce(info)
+        elif await self._relet():
+            await self._announce(info)  # its presence key went with its old lease
         if not holding and needs_placing(state, self._me):
             if self._settings.max_nodes < self._absorber_from:
                 return _Step.DECIDE, state, info, holding  # a few nodes: each places itself
@@ -433,7 +505,8 @@ class StoreRendezvous:
             return (_Step.DECIDE if holding else _Step.AGAIN), state, info, holding
         if not state.complete and self._me in state.participants:
             look = next_look(state, self._settings, self._clock.time(), self._seen_open(state))
-            until = min(look if look is not None else join_deadline, join_deadline)
+            by = join_deadline.wall(self._clock)
+            until = min(look if look is not None else by, by)
             mine = self._my_deadline(state, until)
             if mine is None or self._clock.time() < mine:
                 await self._wait_open_round(state, revision, until)
@@ -461,7 +534,7 @@ class StoreRendezvous:
             until += STRAGGLER_GRACE
         return until
 
-    async def _take_absorber(self, join_deadline: float | None) -> bool:
+    async def _take_absorber(self, join_deadline: Deadline | None) -> bool:
         """Try to become the node that places announced nodes; False after waiting for it.
 
         The role is advisory: it only keeps a thousand arriving nodes from each
@@ -488,7 +561,7 @@ class StoreRendezvous:
             await self._store.delete(self._absorber_key, held.version)
             return False
         if join_deadline is not None:
-            until = min(until, join_deadline)
+            until = min(until, join_deadline.wall(self._clock))
         await self._wait(self._absorber_key, False, held.version, until)
         return False
 
@@ -610,7 +683,7 @@ class StoreRendezvous:
         entry = await self._store.put(
             self._node_prefix + self._me, json.dumps(info.to_json()).encode(), lease=lease
         )
-        self._announced = info
+        self._announced, self._announced_lease = info, lease
         return entry
 
     async def leaving(self, my_round: int) -> None:
@@ -641,12 +714,14 @@ class StoreRendezvous:
         if timeout <= 0:
             return False
         try:
-            events = await self._store.watch(
-                self._signal_prefix, self._signals_rev, timeout, prefix=True
+            events = await self._unless_relet(
+                self._store.watch(self._signal_prefix, self._signals_rev, timeout, prefix=True)
             )
         except StoreCompacted:
             await self._read_signals()
             return True
+        if events is None:
+            return False  # this node's lease is new: it announces again
         for event in events:
             self._signals_rev = max(self._signals_rev, event.revision)
             if event.value is None:
@@ -691,10 +766,22 @@ class StoreRendezvous:
         if self._signals_rev is None or self._head() is None:
             await self._read_signals()  # a read shared with the other agents of this process
         head = self._head()
-        if self._seat is None and not self._seat_read and head is not None and head.complete:
-            self._seat = await self._read_seat()  # an earlier incarnation of this node may sit
+        earlier = False  # an earlier incarnation of this node may be placed
+        if self._seat is None and not self._seat_read:
+            # This agent's first join. An earlier incarnation of this node (a daemon
+            # killed and started again within its lease) may still be announced, and
+            # placed in a round that is open, or complete, or completing while the head
+            # lags: then it leaves through the document, as a participant would, and is
+            # placed anew on its own announcement. Without an announcement of its own
+            # (a fresh start of a large job: no document read) nothing placed it.
+            earlier = await self._store.get(self._node_prefix + me) is not None
+            if not earlier and head is not None and head.complete:
+                self._seat = await self._read_seat()
+            self._seat_read = True
         looked_at = self._signals_rev or 0
         announce = skip_exit(head, self._seat.round if self._seat is not None else None)
+        if earlier:
+            announce = None
         opened = holding = False
         if announce is None:
             # Likely to open the next round for all: take the absorber role first, so
@@ -722,7 +809,7 @@ class StoreRendezvous:
         # waits for the role to be taken (effort only: it takes it after that).
         first = opened or written.version <= looked_at + CANDIDATES
         patience = None if first else self._clock.time() + ABSORBER_PATIENCE
-        join_deadline = self._clock.time() + settings.join_timeout
+        join_deadline = Deadline.after(self._clock, settings.join_timeout)
         if holding:
             seat = await self._decided(info, join_deadline, holding=True)
         else:
@@ -731,7 +818,7 @@ class StoreRendezvous:
         return seat
 
     async def _gather(
-        self, info: NodeInfo, join_deadline: float, patient_until: float | None = None
+        self, info: NodeInfo, join_deadline: Deadline, patient_until: float | None = None
     ) -> Seat:
         """Wait for this node's seat, from the head and the absorber role (:func:`~.protocol.look`).
 
@@ -742,6 +829,8 @@ class StoreRendezvous:
         """
         tried = False
         while True:
+            if await self._relet():
+                await self._announce(info)  # its presence key went with its old lease
             head = self._head() or Head()
             step, until = look(
                 head,
@@ -749,7 +838,7 @@ class StoreRendezvous:
                 self._me,
                 info.round,
                 self._clock.time(),
-                join_deadline,
+                join_deadline.wall(self._clock),
                 STRAGGLER_GRACE,
                 tried,
                 patient_until,
@@ -780,7 +869,7 @@ class StoreRendezvous:
             if self._signals.get(self._absorber_key) != before:
                 tried = False  # the role changed hands: free again, perhaps
 
-    async def _decided(self, info: NodeInfo, join_deadline: float, *, holding: bool) -> Seat:
+    async def _decided(self, info: NodeInfo, join_deadline: Deadline, *, holding: bool) -> Seat:
         """The document's way (:meth:`_join`), for the few nodes that write or a deadline."""
         state = await self._join(info, join_deadline, holding=holding)
         return seats(state)[self._me]
@@ -882,7 +971,7 @@ class StoreRendezvous:
         # or next, with this round's fresh port.
         info = replace(info, round=left.round + (1 if left.complete else 0))
         await self._announce(info)
-        state = await self._join(info, self._clock.time() + settings.join_timeout)
+        state = await self._join(info, Deadline.after(self._clock, settings.join_timeout))
         master = state.master()
         if master is None:  # pragma: no cover - FINISH implies a complete round
             raise RendezvousError("the completed round has no rank 0")
@@ -938,7 +1027,9 @@ class StoreRendezvous:
             head = self._head()
             if head is not None and head.closed:
                 return Change.CLOSED
-            if head is not None and head.round != my_round:
+            # The head may lag the document, never lead it: one older than this node's
+            # round (read before the round completed) says nothing of a change.
+            if head is not None and head.round > my_round:
                 return Change.NEW_ROUND
             await self._watch_signals(self._clock.time() + MAX_WATCH)
 

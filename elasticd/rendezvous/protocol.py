@@ -262,8 +262,17 @@ class Action:
 # state edits (pure: each returns a new State)
 
 
-def _without(state: State, node: str) -> State:
-    """Remove ``node`` from every list, with torch's epilogue for participants."""
+def _without(state: State, node: str, now: float | None = None) -> State:
+    """Remove ``node`` from every list.
+
+    A complete round that loses a participant is never rewritten in place: its
+    ranks and world size are what its workers run with, so a round shrunk in
+    place would hand the next node to finish it a world below ``min_nodes``,
+    a gap in the ranks, or no rank 0. It re-forms instead, as :func:`dissolve`
+    opens the next round: the participants left wait for it, and each is
+    placed once it announces for it (its workers of this round stopped).
+    ``now`` is the new round's :attr:`State.opened_at` (None: not known).
+    """
     participants = dict(state.participants)
     was_participant = participants.pop(node, None) is not None
     nodes = {k: v for k, v in state.nodes.items() if k != node}
@@ -274,17 +283,18 @@ def _without(state: State, node: str) -> State:
         redundancy_list=state.redundancy_list - {node},
         nodes=nodes,
     )
-    if not was_participant:
-        return new
-    if new.complete and not new.participants:  # the last one out opens the next round
-        new = replace(new, complete=False, round=new.round + 1, deadline=None, opened_at=None)
+    if was_participant and new.complete:
+        return dissolve(new, now)
     return new
 
 
-def sanitize(state: State, alive: frozenset[str], settings: Settings) -> State:
-    """Drop every member whose keep-alive lease is gone."""
+def sanitize(
+    state: State, alive: frozenset[str], settings: Settings, now: float | None = None
+) -> State:
+    """Drop every member whose keep-alive lease is gone (a complete round that loses a
+    participant re-forms: :func:`_without`)."""
     for node in sorted(state.members() - alive):
-        state = _without(state, node)
+        state = _without(state, node, now)
     if not state.complete and len(state.participants) < settings.min_nodes:
         state = replace(state, deadline=None)
     return state
@@ -482,7 +492,7 @@ def decide_join(
     the current round open, by its own clock (see :func:`_presume_at`).
     """
     alive = frozenset(present)
-    clean = sanitize(state, alive | {me}, settings)
+    clean = sanitize(state, alive | {me}, settings, now)
     if clean != state:
         return Action(Kind.WRITE, absorb(clean, present, settings, now), why="removed dead nodes")
     if state.closed:
@@ -574,7 +584,7 @@ def decide_exit(
             return Action(Kind.WRITE, dissolve(state, now), why="opening the next round")
         if not state.complete and me in state.wait_list:
             return Action(Kind.FINISH)
-    new = _without(state, me)
+    new = _without(state, me, now)
     if not new.complete and len(new.participants) < settings.min_nodes:
         new = replace(new, deadline=None)
     return Action(Kind.WRITE, new, why="leaving the rendezvous")
@@ -594,6 +604,12 @@ def decide_reopen(state: State) -> Action:
     if not state.closed:
         return Action(Kind.FINISH)
     return Action(Kind.WRITE, replace(state, closed=False), why="opening the rendezvous again")
+
+
+def _at_least(value: int | None, floor: int) -> bool:
+    """``value`` is known and at least ``floor`` (0 is a round like any other: never
+    ``(value or -1) >= floor``, which reads an announcement for round 0 as none)."""
+    return value is not None and value >= floor
 
 
 class Change(Enum):
@@ -630,7 +646,7 @@ def watch_reason(
     if me not in state.participants or me not in alive:
         return Change.FENCED
     if len(state.participants) < settings.max_nodes and any(
-        announced is None or (announced(node) or -1) >= state.round
+        announced is None or _at_least(announced(node), state.round)
         for node in state.wait_list
         if node in alive
     ):
@@ -772,7 +788,12 @@ class Head:
 
     Written (``signal/done``) after the document's compare-and-set that made
     the change, and after the seats of a completed round: a node that reads a
-    complete head finds its seat written. It may lag the document, never lead it.
+    complete head finds its seat written. It may lag the document, never lead it,
+    and it never goes back: heads are written by compare-and-set, each only over
+    a head of an older version of the document (:meth:`supersedes`). Written with
+    a plain put, two writers' heads could land out of order, and a head showing
+    a complete round could hide the closure written just before it from every
+    node that follows the head alone, for ever.
     """
 
     round: int = 0
@@ -781,16 +802,23 @@ class Head:
     deadline: float | None = None
     #: The participant (by name) who completes an open round at its deadline.
     first: str | None = None
+    #: The version of the document this head shows (0: not known, from an older daemon).
+    version: int = 0
 
     @staticmethod
-    def of(state: State) -> Head:
+    def of(state: State, version: int = 0) -> Head:
         return Head(
             round=state.round,
             complete=state.complete,
             closed=state.closed,
             deadline=state.deadline,
             first=min(state.participants) if state.participants else None,
+            version=version,
         )
+
+    def supersedes(self, stored: Head | None) -> bool:
+        """May this head be written over ``stored`` (None: absent or malformed)?"""
+        return stored is None or self.version > stored.version
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -800,6 +828,7 @@ class Head:
                 "closed": self.closed,
                 "deadline": self.deadline,
                 "first": self.first,
+                "version": self.version,
             },
             sort_keys=True,
         ).encode()
@@ -817,6 +846,7 @@ class Head:
                 closed=bool(doc["closed"]),
                 deadline=None if doc.get("deadline") is None else float(doc["deadline"]),
                 first=None if doc.get("first") is None else str(doc["first"]),
+                version=int(doc.get("version", 0)),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -840,8 +870,11 @@ def skip_exit(head: Head | None, seat_round: int | None) -> int | None:
     """
     if head is None or head.closed:
         return None if seat_round is not None else 0
-    if head.complete and seat_round is not None and seat_round >= head.round:
-        return None  # a participant of the complete round: dissolve it
+    if seat_round is not None and seat_round >= head.round:
+        # A participant of the complete round: dissolve it. A head that names the seat's
+        # round as still open, or an older round, was read before that round completed
+        # (it lags the document): it cannot say that a newer round is open.
+        return None
     return head.round + (1 if head.complete else 0)
 
 

@@ -274,9 +274,12 @@ class MemoryStore(Store):
         self._recent = RecentRevisions(history_keep)
         self._leases: dict[int, _Lease] = {}
         # A parked watch's future resolves with the revision of the change that woke it.
-        self._key_waiters: dict[str, set[asyncio.Future[int]]] = {}
+        # Waiters are kept in insertion-ordered dicts (used as sets), so a change wakes them
+        # in the order they parked: the same calls always resume in the same order (the
+        # seeded simulation under tests/sim replays a schedule exactly).
+        self._key_waiters: dict[str, dict[asyncio.Future[int], None]] = {}
         self._prefix_waiters: dict[asyncio.Future[int], str] = {}
-        self._waiters_by_prefix: dict[str, set[asyncio.Future[int]]] = {}
+        self._waiters_by_prefix: dict[str, dict[asyncio.Future[int], None]] = {}
         self._closed = False
 
     # -- public API --------------------------------------------------------
@@ -442,9 +445,9 @@ class MemoryStore(Store):
                     waiter: asyncio.Future[int] = loop.create_future()
                     if prefix:
                         self._prefix_waiters[waiter] = key
-                        self._waiters_by_prefix.setdefault(key, set()).add(waiter)
+                        self._waiters_by_prefix.setdefault(key, {})[waiter] = None
                     else:
-                        self._key_waiters.setdefault(key, set()).add(waiter)
+                        self._key_waiters.setdefault(key, {})[waiter] = None
                     try:
                         woken = await waiter
                     finally:
@@ -683,12 +686,12 @@ class MemoryStore(Store):
             self._prefix_waiters.pop(waiter, None)
             same = self._waiters_by_prefix.get(key)
             if same is not None:
-                same.discard(waiter)
+                same.pop(waiter, None)
                 if not same:
                     del self._waiters_by_prefix[key]
             return
         waiters = self._key_waiters.get(key)
         if waiters is not None:
-            waiters.discard(waiter)
+            waiters.pop(waiter, None)
             if not waiters:
                 del self._key_waiters[key]

@@ -97,6 +97,7 @@ from elasticd.rendezvous.protocol import (
     decide_exit,
     decide_join,
     decide_reopen,
+    head_lags,
     holder_follows,
     look,
     needs_placing,
@@ -346,20 +347,28 @@ class StoreRendezvous:
 
     async def _notify(self, before: State, after: State, written: CasResult) -> None:
         """After a won write of the document: the seats of a round it completed, then the
-        head, unless a head of a newer version of the document is there already."""
-        if not notice_worthy(before, after):
+        head, unless a head of a newer version of the document is there already.
+
+        A write that changes nothing nodes wait for still brings a head that lags it
+        up to date (:func:`~.protocol.head_lags`): the writer of the last change may
+        have died, or lost the store, between its document and its head, and the nodes
+        that follow the head alone would wait for ever for a round they are in.
+        """
+        entry = await self._store.get(self._done_key)
+        stored = None if entry is None else Head.decode(entry.value)
+        if not notice_worthy(before, after) and not head_lags(stored, after):
             return
         if self._large and after.complete and not after.closed:
             await self._write_seats(after)
         head = Head.of(after, written.entry.version if written.entry is not None else 0)
-        entry = await self._store.get(self._done_key)
-        while head.supersedes(None if entry is None else Head.decode(entry.value)):
+        while head.supersedes(stored):
             result = await self._store.compare_and_set(
                 self._done_key, head.encode(), None if entry is None else entry.version
             )
             if result.ok:
                 return
             entry = result.entry
+            stored = None if entry is None else Head.decode(entry.value)
 
     async def _write_seats(self, state: State) -> None:
         """Every participant's seat and the round's roster, before the head says it is complete."""

@@ -852,6 +852,15 @@ class Head:
             return None
 
 
+def head_lags(head: Head | None, state: State) -> bool:
+    """Does the stored head (None: absent or malformed) show less than ``state`` does?"""
+    return head is None or (head.round, head.complete, head.closed) != (
+        state.round,
+        state.complete,
+        state.closed,
+    )
+
+
 def skip_exit(head: Head | None, seat_round: int | None) -> int | None:
     """May a node leave its round without reading the document? The round to announce for.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -460,3 +461,130 @@ def test_a_round_of_ten_thousand_nodes_needs_no_renewal_of_the_hold():
 
     assert handler.ABSORBER_HOLD - handler.ABSORBER_RENEW >= 10.0
     assert handler.ABSORBER_RENEW + handler.ABSORBER_HOLD >= 20.0
+
+
+class _Gated:
+    """A node's store whose chosen calls wait until the test lets them through."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self.hold_puts = asyncio.Event()
+        self.hold_puts.set()
+        self.put_waiting = asyncio.Event()
+        self.slow_after_complete = False
+        self.hold_next_list = False
+        self.list_waiting = asyncio.Event()
+        self.release_list = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    async def put(self, key, value, *, lease=None):
+        if "/m/node/" in key and not self.hold_puts.is_set():
+            self.put_waiting.set()
+            await self.hold_puts.wait()
+        return await self._store.put(key, value, lease=lease)
+
+    async def compare_and_set(self, key, value, expected_version, *, lease=None):
+        result = await self._store.compare_and_set(key, value, expected_version, lease=lease)
+        if self.slow_after_complete and result.ok and key == state_key("job"):
+            if json.loads(value)["complete"]:
+                self.slow_after_complete = False
+                self.hold_next_list = True  # the writer's next read is slow
+        return result
+
+    async def list(self, prefix):
+        if self.hold_next_list and prefix.endswith("/m/"):
+            self.hold_next_list = False
+            self.list_waiting.set()
+            await self.release_list.wait()
+        return await self._store.list(prefix)
+
+
+async def _gated_node(store: MemoryStore, name: str, settings: Settings, ttl: float = 30.0):
+    gated = _Gated(store)
+    lease = await store.grant(ttl)
+
+    async def current_lease() -> int:
+        return lease
+
+    rdzv = StoreRendezvous(
+        gated,  # type: ignore[arg-type]
+        "job",
+        node=name,
+        role="default",
+        local_world_size=1,
+        advertise_addr="127.0.0.1",
+        settings=settings,
+        lease=current_lease,
+        absorber_from=100,
+        seats_from=100,
+    )
+    return rdzv, gated, lease
+
+
+async def test_a_complete_round_that_loses_a_participant_re_forms_and_never_shrinks():
+    """Issue 33's D1 on the real handler: n1 completes round 0 as {n1, n2} and its next read
+    is slow; n2 was killed -9 and its lease expires meanwhile. n1 must not run round 0 with
+    world size 1 (below min_nodes) or any rank missing: the round re-forms, and n1 runs
+    round 1 with the next node to come, with ranks 0..1. (Before the fix, n1's next
+    decision wrote the complete round {n1: 0} in place and n1 ran it alone.)"""
+    store = MemoryStore()
+    s = Settings(min_nodes=2, max_nodes=3, last_call_timeout=0.2)
+    n1, gate1, _ = await _gated_node(store, "n1", s)
+    n2, _, lease2 = await _gated_node(store, "n2", s)
+    gate1.slow_after_complete = True
+    async with asyncio.timeout(20):
+        first = asyncio.create_task(n1.next_round())
+        killed = asyncio.create_task(n2.next_round())
+        await gate1.list_waiting.wait()  # n1 wrote round 0 complete; its next read waits
+        state = await _state(store)
+        assert state.complete and sorted(state.participants) == ["n1", "n2"]
+        killed.cancel()  # n2 is killed -9: its agent is gone, its lease lives on
+        with contextlib.suppress(asyncio.CancelledError):
+            await killed
+        await store.expire(lease2)  # ... until it expires
+        gate1.release_list.set()
+        # n1 must not finish round 0 alone; it waits for a second node to re-form with.
+        await asyncio.wait({first}, timeout=1.0)
+        if first.done():
+            alone = first.result()
+            assert alone.group_world_size >= s.min_nodes, f"n1 ran {alone} alone"
+        n3, _, _ = await _gated_node(store, "n3", s)
+        third = asyncio.create_task(n3.next_round())
+        r1, r3 = await asyncio.gather(first, third)
+    assert r1.round == r3.round == 1
+    assert r1.group_world_size == r3.group_world_size == 2
+    assert r1.participants == {"n1": 0, "n3": 1}
+
+
+async def test_an_arrival_announced_for_round_0_is_seen_by_the_running_nodes():
+    """Issue 33's D2 on the real handler: b reads the document while round 0 is open and
+    announces just after a completes it. a, running round 0, must see the arrival, and
+    both form round 1. (Before the fix an announcement for round 0 read as none: a ran on
+    alone, and b waited until its join timed out, failing the job.)"""
+    store = MemoryStore()
+    s = Settings(min_nodes=1, max_nodes=2, join_timeout=5.0, last_call_timeout=0.5)
+    a, _, _ = await _gated_node(store, "a", s)
+    b, gate_b, _ = await _gated_node(store, "b", s)
+    async with asyncio.timeout(20):
+        first = asyncio.create_task(a.next_round())
+        while "a" not in (await _state_or_none(store)).participants:
+            await asyncio.sleep(0.01)
+        gate_b.hold_puts.clear()
+        arrival = asyncio.create_task(b.next_round())
+        await gate_b.put_waiting.wait()  # b read round 0 open; its announcement waits
+        ra = await first
+        assert ra.round == 0
+        gate_b.hold_puts.set()  # ... and lands once round 0 is complete
+        watch = asyncio.create_task(a.wait_for_change(ra.round))
+        change = await asyncio.wait_for(asyncio.shield(watch), 3.0)
+        assert change is Change.ARRIVAL
+        again = await asyncio.gather(a.next_round(), arrival)
+    assert again[0].round == again[1].round == 1
+    assert again[0].participants == {"a": 0, "b": 1}
+
+
+async def _state_or_none(store: MemoryStore) -> State:
+    entry = await store.get(state_key("job"))
+    return State() if entry is None else decode_state(entry.value, entry.version)

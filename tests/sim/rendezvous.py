@@ -46,7 +46,7 @@ from elasticd.rendezvous.interface import RoundInfo
 from elasticd.rendezvous.layout import state_key
 from elasticd.rendezvous.protocol import Change, Settings, State
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent
-from elasticd.store.memory import MemoryStore
+from elasticd.store.memory import MemoryStore, _Lease
 from tests.sim.vloop import run_virtual
 
 JOB = "job"
@@ -141,11 +141,22 @@ class CheckedStore(MemoryStore):
     def __init__(self, world: World) -> None:
         super().__init__(clock=lambda: asyncio.get_running_loop().time())
         self._world = world
+        self._lease_ids = 0
 
     def _changed(self, event: WatchEvent, entry: Entry | None) -> None:
         super()._changed(event, entry)
         if event.key == self._world.state_key and event.value is not None:
             self._world.check_state(State.decode(event.value), event.revision)
+
+    async def grant(self, ttl: float) -> int:
+        """A lease as the real store grants it, with an id drawn from a counter, not from
+        ``secrets``: a replay's trace names the same leases."""
+        self._check_open()
+        self._lease_ids += 1
+        lease = _Lease(id=self._lease_ids, ttl=float(ttl))
+        self._leases[lease.id] = lease
+        self._arm(lease)
+        return lease.id
 
     async def grant_one(self) -> int:
         """A lease of the nodes' TTL (for a client that acts outside any node)."""

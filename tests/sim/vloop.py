@@ -7,8 +7,8 @@ same callbacks in the same order.
 
 The loop is asyncio's own selector loop with one change: its selector never
 blocks. When asyncio would wait ``timeout`` seconds for the next timer, the
-selector moves the clock by ``timeout`` instead. Real file descriptors (the
-loop's self-pipe) are still polled, without waiting.
+selector moves the clock by ``timeout`` instead. No descriptor is polled: the
+simulated code does no IO (no threads, no signals reach this loop).
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ class _VirtualSelector(selectors.DefaultSelector):
         self.now = 0.0
 
     def select(self, timeout: float | None = None) -> list[Any]:
-        events = super().select(0)
-        if not events:
-            if timeout is None:
-                raise Deadlock("no task is ready and no timer is set")
-            self.now += max(timeout, 0.0)
-        return events
+        # Nothing simulated waits on a descriptor (the loop's self-pipe serves only
+        # threads and signals), so no poll is made: time simply moves to the next timer.
+        if timeout is None:
+            raise Deadlock("no task is ready and no timer is set")
+        self.now += max(timeout, 0.0)
+        return []
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):

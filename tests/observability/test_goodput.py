@@ -431,7 +431,7 @@ async def test_a_step_of_the_daemons_wall_clock_bends_no_figure(tmp_path: Path) 
     assert job["state"] == "SUCCEEDED"
     assert job["finished_at"] - job["created_at"] < 0  # the fault was really there
     assert 0 < g["wall_s"] <= took + 0.5, (g["wall_s"], took)
-    assert g["wall_s"] >= took - 5.0, (g["wall_s"], took)
+    assert g["wall_s"] >= took - 1.0, (g["wall_s"], took)
     assert all(v >= 0 for v in g["badput_s"].values()), g["badput_s"]
     assert 0 < g["productive_s"] <= g["wall_s"]
     assert 0.2 < g["goodput"] <= 1.0

@@ -507,7 +507,12 @@ def goodput_text(g: Goodput) -> str:
     rows = [["productive", f"{g.productive_s:.1f}", share(g.productive_s)]]
     rows += [[kind, f"{g.badput_s[kind]:.1f}", share(g.badput_s[kind])] for kind in BADPUT_KINDS]
     st = g.steps
-    if not g.steps_reported:
+    if not g.progress_reported:
+        steps = (
+            "the job reports no progress (elasticd.worker.ping()): no time is counted as "
+            "productive, lost work unknown"
+        )
+    elif not g.steps_reported:
         steps = "the job reports no steps (elasticd.worker.ping(step=N)): lost work unknown"
     else:
         lost = "unknown" if st.lost_steps is None else str(st.lost_steps)

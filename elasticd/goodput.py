@@ -19,7 +19,9 @@ right, and every second of it is charged to exactly one kind, so
   attempt's spawn → its first progress when no failure preceded it
   (a preemption or a daemon stop);
 * ``productive``: first progress → the attempt's end (its failure's
-  detection, its last progress before a hang, its stop, the job's end);
+  detection, its last progress before a hang, its stop, the job's end); an
+  attempt that showed no progress has none: its time stays in the kind
+  before it (start-up, recovery), which lasts until a first progress;
 * ``hang``: a hung attempt's last progress → the hang's detection;
 * ``recovery``: a failure's (or hang's) detection → the next attempt's
   first progress;
@@ -33,8 +35,20 @@ right, and every second of it is charged to exactly one kind, so
 
 An attempt that never reported a step has no step rate: the lost work of its
 failure is unknown (``lost_work_known`` false, ``lost_steps`` None), and its
-time stays productive. An attempt that never reported progress at all (the
-job does not use :mod:`elasticd.worker`) is productive from its spawn.
+time after its first progress stays productive. A job that never reported
+progress at all (it does not use :mod:`elasticd.worker`) has no productive
+time, and says so (``progress_reported`` false): nothing is evidence that
+its workers did useful work (issue 33).
+
+Wall-clock steps (issue 33): each node's facts are stamped on a steady clock
+(:class:`elasticd.clock.SteadyWallClock`, see :mod:`elasticd.agent.goodput`),
+but the job's own stamps (submission, end, events) come from wall clocks.
+So nothing here depends on times being in order: attempts are ordered by
+their round, checkpoints by their attempt (then as read), and the walk only
+moves forward (a stamp behind it charges nothing; the end is never before
+the last fact nor the submission). A finished job's end is its last
+attempt's end as that attempt's node saw it (on the facts' clock) when that
+attempt is the one that finished it.
 
 Which side of the boundary: shared (pure; the daemon and the CLI).
 """
@@ -72,6 +86,7 @@ __all__ = [
     "job_facts",
     "merge_nodes",
     "observe",
+    "walk_end",
 ]
 
 #: The badput kinds, in the order they are shown.
@@ -201,6 +216,12 @@ class Goodput(BaseModel):
     goodput: float = Field(ge=0, le=1, description="productive_s / wall_s (0 when wall_s is 0).")
     badput_s: dict[str, float] = Field(description=f"Seconds per kind: {', '.join(BADPUT_KINDS)}.")
     steps: GoodputSteps
+    progress_reported: bool = Field(
+        default=True,
+        description="Some attempt reported progress (a ping, with or without a step); "
+        "false: no time is counted as productive (nothing shows that the job progressed). "
+        "An older daemon's answer lacks it: true.",
+    )
     steps_reported: bool = Field(description="Some attempt reported a step.")
     lost_work_known: bool = Field(
         description="Every failure's attempt reported steps, so lost_work is measured."
@@ -332,6 +353,8 @@ def _merge_two(a: AttemptFacts, b: AttemptFacts) -> AttemptFacts:
         pick = low if end in (End.FAILED, End.HUNG) else high
         ended_at = pick(ended_at, b.ended_at)
     checkpoints = {(c.step, c.t): c for c in [*a.checkpoints, *b.checkpoints]}
+    # In step order: within one attempt a later checkpoint is a higher step, whatever the
+    # (two nodes', possibly stepped) clocks say.
     samples = sorted([*a.samples, *b.samples], key=lambda p: p.t)
     return AttemptFacts(
         round=a.round,
@@ -342,7 +365,7 @@ def _merge_two(a: AttemptFacts, b: AttemptFacts) -> AttemptFacts:
         max_step=top.max_step,
         max_step_at=top.max_step_at,
         last_progress_at=high(a.last_progress_at, b.last_progress_at),
-        checkpoints=sorted(checkpoints.values(), key=lambda c: c.t)[-MAX_CHECKPOINTS:],
+        checkpoints=sorted(checkpoints.values(), key=lambda c: (c.step, c.t))[-MAX_CHECKPOINTS:],
         samples=samples[-MAX_SAMPLES:] if len(samples) > MAX_SAMPLES else samples,
         end=end,
         ended_at=ended_at,
@@ -350,13 +373,14 @@ def _merge_two(a: AttemptFacts, b: AttemptFacts) -> AttemptFacts:
 
 
 def merge_nodes(records: Iterable[NodeGoodput]) -> list[AttemptFacts]:
-    """One attempt per rendezvous round, joined over the nodes that ran it, by spawn time."""
+    """One attempt per rendezvous round, joined over the nodes that ran it, in round order
+    (rounds only go up; spawn times are wall stamps that a clock's step can reorder)."""
     by_round: dict[int, AttemptFacts] = {}
     for record in records:
         for attempt in record.attempts:
             seen = by_round.get(attempt.round)
             by_round[attempt.round] = attempt if seen is None else _merge_two(seen, attempt)
-    return sorted(by_round.values(), key=lambda a: (a.spawned_at, a.round))
+    return sorted(by_round.values(), key=lambda a: a.round)
 
 
 class _Ledger:
@@ -381,9 +405,33 @@ class _Ledger:
         return seconds
 
 
-def _last_checkpoint(points: Sequence[StepPoint], before: float) -> StepPoint | None:
-    done = [p for p in points if p.t <= before]
-    return max(done, key=lambda p: (p.t, p.step)) if done else None
+def _times(a: AttemptFacts) -> list[float]:
+    """Every time the attempt's facts hold."""
+    times = [a.spawned_at, *(c.t for c in a.checkpoints)]
+    for t in (a.first_progress_at, a.first_step_at, a.max_step_at, a.last_progress_at):
+        if t is not None:
+            times.append(t)
+    if a.ended_at is not None:
+        times.append(a.ended_at)
+    return times
+
+
+def walk_end(job: JobFacts, attempts: Sequence[AttemptFacts], now: float) -> float:
+    """Where the walk ends: the job's end (a finished job) or ``now``; never before its
+    submission nor its last fact (a stamp of a wall clock that stepped back since).
+
+    A job that finished with its last attempt ends where that attempt's node saw the end,
+    on the clock of the facts (steady), not at ``finished_at`` (a wall stamp taken a
+    moment later, perhaps after a step of that clock)."""
+    last = attempts[-1] if attempts else None
+    if job.finished_at is None:
+        end = now
+    elif last is not None and last.end is End.FINISHED and last.ended_at is not None:
+        end = last.ended_at
+    else:
+        end = job.finished_at
+    latest = max((t for a in attempts for t in _times(a)), default=end)
+    return max(end, latest, job.submitted_at)
 
 
 def _progress_end(a: AttemptFacts, end: float) -> float:
@@ -391,6 +439,11 @@ def _progress_end(a: AttemptFacts, end: float) -> float:
     if a.end is End.HUNG:
         last = a.last_progress_at if a.last_progress_at is not None else a.first_progress_at
         return last if last is not None else a.spawned_at
+    return _attempt_end(a, end)
+
+
+def _attempt_end(a: AttemptFacts, end: float) -> float:
+    """Where the attempt stops: its end (detected or happened), or the walk's."""
     if a.end is not None and a.ended_at is not None:
         return a.ended_at
     return end
@@ -398,11 +451,12 @@ def _progress_end(a: AttemptFacts, end: float) -> float:
 
 def account(job_id: str, job: JobFacts, attempts: Sequence[AttemptFacts], now: float) -> Goodput:
     """Fold the facts into where the time went, as of ``now`` (see the module docstring)."""
-    end = job.finished_at if job.finished_at is not None else max(now, job.submitted_at)
+    attempts = sorted(attempts, key=lambda a: a.round)
+    end = walk_end(job, attempts, now)
     ledger = _Ledger(job.submitted_at, end)
     if job.placed_at is not None:
         ledger.spend("queue", job.placed_at)
-    all_checkpoints = sorted((c for a in attempts for c in a.checkpoints), key=lambda c: c.t)
+    checkpoints: list[StepPoint] = []  # the attempts' so far, in their order
     gap = "startup"  # what the time until the next attempt's first progress is
     failures: list[FailureMark] = []
     lost_steps, lost_known, steps_reported = 0, True, False
@@ -411,17 +465,23 @@ def account(job_id: str, job: JobFacts, attempts: Sequence[AttemptFacts], now: f
             ledger.spend(gap, attempt.spawned_at)
             gap = "startup"
         first = attempt.first_progress_at
-        ledger.spend(gap, first if first is not None else attempt.spawned_at)
-        productive = ledger.spend("productive", _progress_end(attempt, end))
+        if first is None:
+            # No sign of progress: start-up (or the recovery) goes on until its end.
+            ledger.spend(gap, _attempt_end(attempt, end))
+            productive = 0.0
+        else:
+            ledger.spend(gap, first)
+            productive = ledger.spend("productive", _progress_end(attempt, end))
+        checkpoints.extend(attempt.checkpoints)
         steps_reported = steps_reported or attempt.max_step is not None
         ended = attempt.end
         if ended in (End.FAILED, End.HUNG, End.PREEMPTED):
-            stopped_at = ledger.cursor
             if attempt.max_step is None:
                 lost_known = False
             else:
-                checkpoint = _last_checkpoint(all_checkpoints, stopped_at)
-                base = checkpoint.step if checkpoint is not None else 0
+                # The last checkpoint so far: this attempt's last, or an earlier one's
+                # (never chosen by a time: the clocks of two attempts may disagree).
+                base = checkpoints[-1].step if checkpoints else 0
                 lost = max(0, attempt.max_step - base)
                 lost_steps += lost
                 ledger.productive -= (moved := _lost_seconds(attempt, lost, productive))
@@ -452,7 +512,7 @@ def account(job_id: str, job: JobFacts, attempts: Sequence[AttemptFacts], now: f
         ledger,
         end,
         failures,
-        all_checkpoints,
+        checkpoints,
         lost_steps if lost_known else None,
         lost_known,
         steps_reported,
@@ -479,8 +539,10 @@ def _lost_seconds(attempt: AttemptFacts, lost: int, productive: float) -> float:
         return 0.0
     made = (attempt.max_step or 0) - (attempt.first_step or 0)
     span = (attempt.max_step_at or 0.0) - (attempt.first_step_at or 0.0)
-    if made <= 0 or span <= 0:
+    if made <= 0:
         return productive  # one step seen: everything since it is past the checkpoint
+    if span <= 0:  # two nodes' clocks disagree: the productive time is the span
+        span = productive
     return min(productive, lost * span / made)
 
 
@@ -496,7 +558,7 @@ def _result(
     lost_known: bool,
     steps_reported: bool,
 ) -> Goodput:
-    wall = end - job.submitted_at
+    wall = end - job.submitted_at  # >= 0: walk_end
     steps = [a.max_step for a in attempts if a.max_step is not None]
     series = sorted((p for a in attempts for p in a.samples), key=lambda p: p.t)
     return Goodput(
@@ -513,6 +575,7 @@ def _result(
             lost_steps=lost_steps,
             failures=len(failures),
         ),
+        progress_reported=any(a.first_progress_at is not None for a in attempts),
         steps_reported=steps_reported,
         lost_work_known=lost_known,
         attempts=len(attempts),

@@ -201,6 +201,10 @@ class JobAgent:
         """This node's goodput record of the job, as of the last read of the heartbeats."""
         return self._goodput.record
 
+    def goodput_time(self) -> float:
+        """Now, on the clock of that record (steady: a step of the wall clock moves nothing)."""
+        return self._goodput.time()
+
     # the loop
 
     async def run(self) -> None:

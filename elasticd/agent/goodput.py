@@ -9,6 +9,13 @@ records into the job's accounting (:mod:`elasticd.goodput`), so it survives
 rank 0 moving to another node, and a daemon that restarts reads its record
 back before it adds to it.
 
+Its times are on a :class:`~elasticd.clock.SteadyWallClock` made with the hook
+(issue 33): wall time as the clock read then, carried on by the monotonic
+clock, so a step of the daemon's wall clock while the job runs (NTP
+correcting it by an hour) moves no fact against another, and no interval
+between them goes negative or jumps. The agent's wall stamps (a spawn, a
+failure's detection) are placed on it by their age.
+
 Volume is bounded: no write per step. While an attempt runs, the hook reads
 the heartbeat files (the daemon's own descriptors, one ``pread`` each) every
 :data:`FAST_SAMPLE_S` until the first progress, then every :data:`SAMPLE_S`;
@@ -30,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pydantic import ValidationError
 
 from elasticd.agent.publish import GroupPublisher
-from elasticd.clock import Clock
+from elasticd.clock import Clock, SteadyWallClock
 from elasticd.errors import ElasticdError
 from elasticd.goodput import (
     AttemptFacts,
@@ -93,17 +100,19 @@ class GoodputHook:
         job_id: str,
         node: str,
         clock: Clock,
-        read: Callable[[], Sequence[Observation]],
+        read: Callable[[Clock], Sequence[Observation]],
         tag: str | None = None,
     ) -> None:
-        """``read``: the attempt's heartbeats now (``ProgressHook.observations``); ``tag``:
-        which job of its id (:attr:`NodeGoodput.job_tag`)."""
-        self._store, self._clock, self._read = store, clock, read
+        """``read``: the attempt's heartbeats now, in the given clock's wall time
+        (``ProgressHook.observations``); ``tag``: which job of its id
+        (:attr:`NodeGoodput.job_tag`)."""
+        self._store, self._read = store, read
+        self._clock = SteadyWallClock(clock)
         self._key = goodput_key(job_id, node)
         self.record = NodeGoodput(node=node, job_tag=tag)
         self._publisher = GroupPublisher(store, self._key, lambda: self.record)
         self._sampler: asyncio.Task[None] | None = None
-        self._written_at = float("-inf")
+        self._written_at = float("-inf")  # monotonic
 
     async def start(self) -> None:
         """Read back what this node recorded before (a daemon restart), then publish."""
@@ -116,15 +125,20 @@ class GoodputHook:
                     closed = [close_open(a) for a in earlier.attempts]
                     self.record = self.record.model_copy(update={"attempts": closed})
 
+    def time(self) -> float:
+        """Now, on the clock of this node's facts (an account of them is taken as of it)."""
+        return self._clock.time()
+
     @property
     def current(self) -> AttemptFacts | None:
         attempts = self.record.attempts
         return attempts[-1] if attempts and attempts[-1].end is None else None
 
     async def began(self, round_: int, spawned_at: float) -> None:
-        """An attempt's workers run: record it and sample its heartbeats until it ends."""
+        """An attempt's workers run: record it and sample its heartbeats until it ends.
+        ``spawned_at``: the daemon's wall clock, a moment ago."""
         await self._stop_sampler()
-        self.record = begin_attempt(self.record, round_, spawned_at)
+        self.record = begin_attempt(self.record, round_, self._clock.of_wall(spawned_at))
         self._publish()
         self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
 
@@ -138,7 +152,7 @@ class GoodputHook:
         if last is not None and last.round == round_ and last.end is End.STOPPED:
             self._replace(last.model_copy(update={"end": None, "ended_at": None}))
         else:
-            self.record = begin_attempt(self.record, round_, spawned_at)
+            self.record = begin_attempt(self.record, round_, self._clock.of_wall(spawned_at))
         self._publish()
         self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
 
@@ -147,14 +161,16 @@ class GoodputHook:
         self._observe(force=False)
 
     async def ended(self, end: End, at: float) -> None:
-        """The attempt ended: a last read of its heartbeats (the exited ones' too), then the end."""
+        """The attempt ended: a last read of its heartbeats (the exited ones' too), then the end.
+        ``at``: the daemon's wall clock, a moment ago (never before the attempt's spawn)."""
         if self.current is None:
             return
         await self._stop_sampler()
         self._observe(force=False)
         current = self.current
         if current is not None:
-            self._replace(end_attempt(current, end, at))
+            ended_at = self._clock.of_wall(at, not_before=current.spawned_at)
+            self._replace(end_attempt(current, end, ended_at))
             self._publish()
 
     async def close(self) -> None:
@@ -172,12 +188,11 @@ class GoodputHook:
         current = self.current
         if current is None:
             return
-        now = self._clock.time()
-        updated, urgent = observe(current, self._read(), now)
+        updated, urgent = observe(current, self._read(self._clock), self._clock.time())
         if updated is current:
             return
         self._replace(updated)
-        if urgent or force or now - self._written_at >= WRITE_EVERY_S:
+        if urgent or force or self._clock.monotonic() - self._written_at >= WRITE_EVERY_S:
             self._publish()
 
     def _replace(self, attempt: AttemptFacts) -> None:
@@ -185,7 +200,7 @@ class GoodputHook:
         self.record = self.record.model_copy(update={"attempts": attempts})
 
     def _publish(self) -> None:
-        self._written_at = self._clock.time()
+        self._written_at = self._clock.monotonic()
         self._publisher.request()
 
     async def _stop_sampler(self) -> None:

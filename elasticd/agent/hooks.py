@@ -407,12 +407,13 @@ class ProgressHook:
             return
         self.reported = mine
 
-    def observations(self) -> list[Observation]:
-        """Every worker's heartbeat as read now (also those that exited), for goodput."""
+    def observations(self, clock: Clock) -> list[Observation]:
+        """Every worker's heartbeat as read now (also those that exited), for goodput, in
+        ``clock``'s wall time."""
         monitor = self.monitor
         if monitor is None:
             return []
-        return [monitor.observation(rank) for rank in sorted(monitor.files)]
+        return [monitor.observation(rank, clock) for rank in sorted(monitor.files)]
 
     def _checked(self, beats: list[Beat]) -> None:
         if self.attempt is None or self.monitor is None:

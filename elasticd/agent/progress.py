@@ -442,14 +442,16 @@ class ProgressMonitor:
         """The automatic progress timeout now (None unless the settings ask for one)."""
         return auto_timeout(self.samples) if self.settings.auto else None
 
-    def observation(self, local_rank: int) -> Observation:
-        """The worker's progress as read now, in wall time, for goodput (also once it exited)."""
+    def observation(self, local_rank: int, clock: Clock | None = None) -> Observation:
+        """The worker's progress as read now, in ``clock``'s wall time (its monotonic clock
+        is this one's; default: this one), for goodput (also once it exited)."""
+        clock = clock if clock is not None else self._clock
         handle = self._handles.get(local_rank)
         value = handle.read() if handle is not None else None
         if value is None or value.last is None:
             return Observation(None)
-        last = min(value.last, self._clock.monotonic())
-        at = self._clock.time() - (self._clock.monotonic() - last)
+        now = clock.monotonic()
+        at = clock.time() - (now - min(value.last, now))
         return Observation(at, value.step, value.checkpoint_step)
 
     def _check_replaced(self, local_rank: int, handle: HeartbeatFile) -> None:

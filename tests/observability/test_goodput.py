@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,11 @@ import httpx
 import pytest
 
 import elasticd
-from tests.conftest import PY
+from tests.conftest import PY, asgi_client
 from tests.e2e.cluster import LocalCluster
 from tests.hardening.support import script, serve
+from tests.hardening.test_clock_skew import HOUR, SharedStore, SkewedClock
+from tests.hardening.test_clock_skew import daemon as clock_daemon
 from tests.observability.test_metrics import samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -321,3 +324,117 @@ async def test_a_preemption_is_its_own_badput(tmp_path: Path) -> None:
     }
     assert g["badput_s"]["preempted"] >= 1.0  # at least the other job's second
     assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.05)
+
+
+async def test_a_job_that_reports_no_progress_is_never_called_productive(tmp_path: Path) -> None:
+    """A worker that never pings crashes once and restarts: while the restarted attempt runs
+    (no progress, ever) its time is recovery, not productive; nothing is productive, and the
+    API and the CLI say plainly that the job reports no progress."""
+    marker, go = tmp_path / "crashed", tmp_path / "go"
+    worker = script(
+        tmp_path,
+        "silent.py",
+        f"""
+        import os, sys, time
+        if not os.path.exists({str(marker)!r}):
+            time.sleep(0.3)
+            open({str(marker)!r}, "w").close()
+            sys.exit(3)
+        deadline = time.monotonic() + 120
+        while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        """,
+    )
+    daemon = serve(tmp_path)
+    try:
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            spec = {"entrypoint": PY, "args": [worker], "env": JOB_ENV}
+            job_id = (await c.post("/jobs", json=spec)).json()["id"]
+            # The restarted attempt runs, silent, for a second past the failure's detection.
+            async with asyncio.timeout(60):
+                while True:
+                    g = (await c.get(f"/jobs/{job_id}/goodput")).json()
+                    if g["attempts"] == 2 and g["as_of"] - g["failures"][0]["t"] >= 1.0:
+                        break
+                    await asyncio.sleep(0.1)
+            since_failure = g["as_of"] - g["failures"][0]["t"]
+            go.write_text("")
+            async with asyncio.timeout(60):
+                while (await c.get(f"/jobs/{job_id}")).json()["state"] not in TERMINAL:
+                    await asyncio.sleep(0.1)
+            done = (await c.get(f"/jobs/{job_id}/goodput")).json()
+        cli = [PY, "-m", "elasticd", "goodput", job_id, "--url", daemon.url]
+        table = await run(*cli, "--token-file", str(tmp_path / f"auto-token-{daemon.port}"))
+    finally:
+        daemon.stop()
+    for figures in (g, done):
+        assert figures["productive_s"] == 0, figures
+        assert figures["goodput"] == 0
+        assert figures["progress_reported"] is False
+        assert figures["steps_reported"] is False
+        assert figures["steps"]["failures"] == 1
+        total = figures["productive_s"] + sum(figures["badput_s"].values())
+        assert total == pytest.approx(figures["wall_s"], rel=0.05)
+    # The doc: recovery lasts from the detection until the next attempt's first progress.
+    assert g["badput_s"]["recovery"] == pytest.approx(since_failure, abs=0.05)
+    assert done["badput_s"]["recovery"] >= since_failure
+    assert "the job reports no progress" in table
+    assert "productive  0.0" in table
+
+
+async def test_a_step_of_the_daemons_wall_clock_bends_no_figure(tmp_path: Path) -> None:
+    """The daemon's wall clock runs an hour ahead, then is stepped back mid-attempt (after
+    checkpoint 20): wall time and every kind stay non-negative and add up to the time the
+    job really took, the last checkpoint is 100 and the crash at step 55 lost its 15 steps
+    past checkpoint 40."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hold").write_text("")  # the first attempt waits at HOLD_AT for "released"
+    worker = script(
+        tmp_path,
+        "worker.py",
+        WORKER.format(step_s=STEP_S, hold_at=HOLD_AT).replace(
+            "time.monotonic() < held_until",
+            "time.monotonic() < held_until and not (here / 'released').exists()",
+        ),
+    )
+    clock = SkewedClock(offset=HOUR)
+    store = SharedStore()
+    node = clock_daemon(tmp_path, "node", store, clock)
+    try:
+        async with asyncio.timeout(120):
+            await node.start()
+            async with asgi_client(node) as c:
+                began = time.monotonic()
+                spec = {"entrypoint": PY, "args": [worker, str(work)], "env": JOB_ENV}
+                r = await c.post("/jobs", json=spec)
+                assert r.status_code == 201, r.text
+                job_id = r.json()["id"]
+                while True:  # checkpoint 20 recorded, the attempt holding at step HOLD_AT
+                    g = (await c.get(f"/jobs/{job_id}/goodput")).json()
+                    if [p["step"] for p in g["checkpoints"]] == [20]:
+                        break
+                    await asyncio.sleep(0.05)
+                await reached_step(work, HOLD_AT)
+                clock.offset -= HOUR  # the clock corrected: one step back
+                (work / "released").write_text("")
+                while (await c.get(f"/jobs/{job_id}")).json()["state"] not in TERMINAL:
+                    await asyncio.sleep(0.1)
+                took = time.monotonic() - began
+                job = (await c.get(f"/jobs/{job_id}")).json()
+                g = (await c.get(f"/jobs/{job_id}/goodput")).json()
+    finally:
+        async with asyncio.timeout(60):
+            await node.shutdown()
+            await store.really_close()
+    assert job["state"] == "SUCCEEDED"
+    assert job["finished_at"] - job["created_at"] < 0  # the fault was really there
+    assert 0 < g["wall_s"] <= took + 0.5, (g["wall_s"], took)
+    assert g["wall_s"] >= took - 1.0, (g["wall_s"], took)
+    assert all(v >= 0 for v in g["badput_s"].values()), g["badput_s"]
+    assert 0 < g["productive_s"] <= g["wall_s"]
+    assert 0.2 < g["goodput"] <= 1.0
+    assert g["productive_s"] + sum(g["badput_s"].values()) == pytest.approx(g["wall_s"], rel=0.01)
+    assert g["steps"] == {"max_step": 100, "checkpoint_step": 100, "lost_steps": 15, "failures": 1}
+    assert g["badput_s"]["lost_work"] < 5.0  # 15 steps, not an hour

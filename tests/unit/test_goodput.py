@@ -23,6 +23,7 @@ from elasticd.goodput import (
     job_facts,
     merge_nodes,
     observe,
+    walk_end,
 )
 from elasticd.models import Event, Job, JobSpec
 from elasticd.states import JobState
@@ -217,13 +218,112 @@ CASES = [
         bad={"other": 20, "startup": 1},
     ),
     Case(
-        # A worker that never pings: productive from its spawn.
+        # A worker that never pings: nothing shows progress, start-up lasts to its end.
         "no progress reported at all",
         JobFacts(submitted_at=0, placed_at=1, finished_at=10),
         [attempt(0, 2, end=End.FINISHED, ended_at=10)],
         now=10,
+        productive=0,
+        bad={"queue": 1, "startup": 9},
+        extra={"progress_reported": False},
+    ),
+    Case(
+        # startup [0,10) recovery [10,30): the restart never showed progress (issue 33:
+        # it was productive from its spawn at 12).
+        "a restart of a job that never pings, still running",
+        JobFacts(submitted_at=0),
+        [attempt(0, 0, end=End.FAILED, ended_at=10), attempt(1, 12)],
+        now=30,
+        productive=0,
+        bad={"startup": 10, "recovery": 20},
+        lost_steps=None,
+        failures=1,
+        extra={"progress_reported": False},
+    ),
+    Case(
+        # startup [0,2) productive [2,10) recovery [10,25): the restarted attempt (spawned
+        # at 12) has shown no progress yet, and it ended so (stopped at 25): other [25,30).
+        "a restart that shows no progress before it stops",
+        JobFacts(submitted_at=0),
+        [
+            attempt(0, 0, first=2, end=End.FAILED, ended_at=10),
+            attempt(1, 12, end=End.STOPPED, ended_at=25),
+        ],
+        now=30,
         productive=8,
-        bad={"queue": 1, "startup": 1},
+        bad={"startup": 2, "recovery": 15, "other": 5},
+        lost_steps=None,
+        failures=1,
+    ),
+    Case(
+        # The daemon's wall clock stepped back an hour after the submission (3600): the
+        # facts are steady (on the clock of before the step), the job's end is not (20
+        # after the step is 3620 - 3600). The end is the finishing attempt's: startup
+        # [3600,3602) productive [3602,3610) recovery [3610,3612) productive [3612,3630);
+        # attempt 0 lost 10 steps past checkpoint 40 (at 1 step/s) to lost_work.
+        "a backward step of the wall clock before the job's end",
+        JobFacts(submitted_at=3600, finished_at=20),
+        [
+            attempt(
+                0,
+                3601,
+                first=3602,
+                steps=((1, 3602), (50, 3610)),
+                checkpoints=((20, 3605), (40, 3608)),
+                end=End.FAILED,
+                ended_at=3610,
+            ),
+            attempt(
+                1,
+                3611,
+                first=3612,
+                steps=((41, 3612), (100, 3629)),
+                checkpoints=((60, 3615), (100, 3629)),
+                end=End.FINISHED,
+                ended_at=3630,
+            ),
+        ],  # fmt: skip
+        now=25,
+        productive=8 - 8 * 10 / 49 + 18,
+        bad={"startup": 2, "recovery": 2, "lost_work": 8 * 10 / 49},
+        lost_steps=10,
+        failures=1,
+        max_step=100,
+        checkpoint_step=100,
+    ),
+    Case(
+        # Stamps out of order (a stepped clock, two nodes' clocks): attempt 1's checkpoint
+        # is timed before attempt 0's, yet it is the later one; attempt 0's failure lost
+        # its steps past its own checkpoint 30, not past 80.
+        "checkpoints ordered by their attempts, not their times",
+        JobFacts(submitted_at=0, finished_at=40),
+        [
+            attempt(
+                0,
+                0,
+                first=0,
+                steps=((0, 0), (40, 10)),
+                checkpoints=((30, 9),),
+                end=End.FAILED,
+                ended_at=10,
+            ),
+            attempt(
+                1,
+                10,
+                first=10,
+                steps=((30, 10), (90, 40)),
+                checkpoints=((80, 5),),
+                end=End.FINISHED,
+                ended_at=40,
+            ),
+        ],  # fmt: skip
+        now=40,
+        productive=10 - 10 * 10 / 40 + 30,
+        bad={"lost_work": 10 * 10 / 40},
+        lost_steps=10,
+        failures=1,
+        max_step=90,
+        checkpoint_step=80,
     ),
 ]
 
@@ -241,6 +341,9 @@ def test_account_matches_the_hand_computed_figures(case: Case) -> None:
     assert g.steps.failures == case.failures
     assert g.steps.max_step == case.max_step
     assert g.steps.checkpoint_step == case.checkpoint_step
+    assert g.wall_s >= 0
+    for name, value in case.extra.items():
+        assert getattr(g, name) == value, name
 
 
 def test_overlapping_facts_still_add_up() -> None:
@@ -250,8 +353,49 @@ def test_overlapping_facts_still_add_up() -> None:
         attempt(1, 5, first=3, end=End.FINISHED, ended_at=8),
     ]
     g = account("j", JobFacts(submitted_at=0, finished_at=12), attempts, 12)
-    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(12)
+    # The job ends with its finishing attempt (at 8), but never before its last fact (10).
+    assert g.wall_s == pytest.approx(10)
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(10)
     assert all(v >= 0 for v in g.badput_s.values())
+
+
+WALL_CLOCK_STEPS = [
+    # (why, submitted, finished_at, last attempt's end and when, now, the walk's end)
+    ("running: now", 0.0, None, None, None, 50.0, 50.0),
+    ("finished: its end", 0.0, 40.0, End.FAILED, 30.0, 99.0, 40.0),
+    ("finished with its attempt: the attempt's end", 0.0, 41.0, End.FINISHED, 40.0, 99.0, 40.0),
+    ("a step back before the end: not before the last fact", 0.0, 5.0, End.FAILED, 30.0, 0, 30.0),
+    ("a step back before now: not before the last fact", 0.0, None, End.FAILED, 30.0, 3.0, 30.0),
+    ("a step forward before the end: the finishing attempt's", 0.0, 3640.0, End.FINISHED, 40.0,
+     3650.0, 40.0),
+    ("a step back before anything: not before the submission", 100.0, 50.0, None, None, 50.0,
+     100.0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("why", "submitted", "finished", "end", "ended_at", "now", "walk"),
+    WALL_CLOCK_STEPS,
+    ids=[row[0] for row in WALL_CLOCK_STEPS],
+)
+def test_the_walk_ends_at_the_job_end_never_before_its_facts(
+    why: str,
+    submitted: float,
+    finished: float | None,
+    end: End | None,
+    ended_at: float | None,
+    now: float,
+    walk: float,
+) -> None:
+    """The end of the walk, from wall stamps a clock's step may have put anywhere: never
+    before the submission or the last fact, so no interval is negative (issue 33)."""
+    attempts = [] if end is None else [attempt(0, 1, first=2, end=end, ended_at=ended_at)]
+    job = JobFacts(submitted_at=submitted, finished_at=finished)
+    assert walk_end(job, attempts, now) == walk, why
+    g = account("j", job, attempts, now)
+    assert g.wall_s == pytest.approx(walk - submitted)
+    assert min([g.productive_s, *g.badput_s.values()]) >= 0
+    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(g.wall_s)
 
 
 def test_merge_joins_one_round_over_nodes() -> None:

@@ -158,7 +158,10 @@ class JobQueries:
         :meth:`workers`."""
         job = await self._of(job_id, seen)
         tag = incarnation_tag(job)
-        now = self.side.clock.time()
+        agent = self._agent_of(job)
+        # As of now on this node's record's own clock, when it runs the job (steady: a step
+        # of the wall clock since the job began here moves no figure); else the wall clock.
+        now = agent.goodput_time() if agent is not None else self.side.clock.time()
         listing = await self.side.store.list(goodput_prefix(job_id))
         records = {}
         for entry in listing.entries:
@@ -166,7 +169,6 @@ class JobQueries:
             record = parse_record(entry.value, node, tag)
             if record is not None:
                 records[node] = record
-        agent = self._agent_of(job)
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo check lint types test test-fast openapi bench bench-quick gpu-check clean
+.PHONY: venv demo check lint types test test-fast openapi bench bench-quick gpu-check sim clean
 
 DEMO_STAMP := $(VENV)/.installed-runtime
 
@@ -44,6 +44,17 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow"
+
+## sim: a long sweep of the seeded simulation (tests/sim): SEEDS schedules of each part from
+## seed FROM, STEPS fault steps each, JOBS processes; a violation prints its seed and trace, and
+## `python -m tests.sim --part P --seed N` replays it (CI runs a bounded sweep in `make test`)
+SEEDS ?= 10000
+FROM  ?= 0
+STEPS ?= 300
+JOBS  ?= 2
+sim: $(STAMP)
+	PYTHONPATH=. $(BIN)/python -m tests.sim --part rendezvous --seeds $(SEEDS) --from $(FROM) --steps $(STEPS) --jobs $(JOBS)
+	PYTHONPATH=. $(BIN)/python -m tests.sim --part fleet --seeds $(SEEDS) --from $(FROM) --steps $(STEPS) --jobs $(JOBS)
 
 ## openapi: regenerate openapi.json from the app
 openapi: $(STAMP)

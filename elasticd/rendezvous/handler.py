@@ -322,6 +322,8 @@ class StoreRendezvous:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            elif not task.cancelled():
+                task.exception()  # seen: a watch that failed as this wait gave up on it
 
     async def _apply(self, decide: Callable[[State], Action]) -> State:
         """Leave or close: read the state key, decide, write once (again after a lost race)."""

@@ -487,10 +487,10 @@ class _Gated:
 
     async def compare_and_set(self, key, value, expected_version, *, lease=None):
         result = await self._store.compare_and_set(key, value, expected_version, lease=lease)
-        if self.slow_after_complete and result.ok and key == state_key("job"):
-            if json.loads(value)["complete"]:
-                self.slow_after_complete = False
-                self.hold_next_list = True  # the writer's next read is slow
+        written = result.ok and key == state_key("job")
+        if self.slow_after_complete and written and json.loads(value)["complete"]:
+            self.slow_after_complete = False
+            self.hold_next_list = True  # the writer's next read is slow
         return result
 
     async def list(self, prefix):

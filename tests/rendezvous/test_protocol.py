@@ -24,6 +24,7 @@ from elasticd.rendezvous.protocol import (
     decide_exit,
     decide_join,
     holder_follows,
+    sanitize,
     watch_reason,
 )
 
@@ -140,12 +141,57 @@ def test_a_node_leaving_to_restart_opens_the_next_round_for_all_in_one_write():
     assert act.kind is Kind.FINISH and st_.round == 1 and st_.participants == {"a": 0, "b": 1}
 
 
-def test_leaving_for_good_removes_only_that_node():
+def test_leaving_a_complete_round_for_good_re_forms_it_with_the_others():
+    """The round's ranks are what its workers run with: it is never shrunk in place (the
+    one left would run rank 1 of a world of 1); the next round opens, the others wait."""
     s = Settings(min_nodes=1, max_nodes=2)
     st_, _ = join(State(), "a", s, 0, "ab")
     st_, _ = join(st_, "a", s, 2, "ab")
     gone = leave(st_, "a", s, for_good=True)
-    assert gone.round == 0 and gone.complete and gone.participants == {"b": 1}
+    assert (gone.round, gone.complete, gone.participants) == (1, False, {})
+    assert gone.wait_list == {"b"} and "a" not in gone.nodes
+
+
+@pytest.mark.parametrize(
+    ("members", "dead", "round_", "complete", "participants", "waiting"),
+    [
+        # A complete round that loses a participant re-forms: the others wait for round 1.
+        ({"a": 0, "b": 1, "c": 2}, {"b"}, 1, False, {}, {"a", "c"}),
+        # ... also when it loses rank 0, or all but one.
+        ({"a": 0, "b": 1}, {"a"}, 1, False, {}, {"b"}),
+        # ... and when it loses them all (the last one out opens the next round).
+        ({"a": 0}, {"a"}, 1, False, {}, set()),
+        # A dead waiting node leaves the complete round as it is.
+        ({"a": 0, "b": 1}, {"w"}, 0, True, {"a": 0, "b": 1}, set()),
+    ],
+)
+def test_sanitize_never_rewrites_a_complete_round_in_place(
+    members, dead, round_, complete, participants, waiting
+):
+    """Issue 33's D1 as a table: sanitize's result for a complete round of ``members`` (and
+    a waiting ``w``) when ``dead`` lose their leases."""
+    nodes = {n: info(n) for n in [*members, "w"]}
+    state = State(round=0, complete=True, participants=members, wait_list=frozenset({"w"}),
+                  nodes=nodes)  # fmt: skip
+    alive = frozenset(nodes) - dead
+    out = sanitize(state, alive, Settings(min_nodes=1, max_nodes=3), now=5.0)
+    assert (out.round, out.complete, out.participants) == (round_, complete, participants)
+    assert out.wait_list == (waiting | ({"w"} if "w" in alive else set()))
+
+
+@pytest.mark.parametrize(
+    ("announced", "want"),
+    [(0, Change.ARRIVAL), (1, Change.ARRIVAL), (None, None)],
+    ids=["for round 0", "for round 1", "none"],
+)
+def test_an_arrival_announced_for_round_0_is_an_arrival(announced, want):
+    """Issue 33's D2 as a table: a waiting node announced for the running round 0 (or
+    later) is an arrival; one with no live announcement is not."""
+    state = State(round=0, complete=True, participants={"a": 0}, wait_list=frozenset({"b"}),
+                  nodes={"a": info("a"), "b": info("b")})  # fmt: skip
+    s = Settings(min_nodes=1, max_nodes=2)
+    alive = frozenset({"a", "b"})
+    assert watch_reason(state, "a", 0, alive, s, lambda node: announced) is want
 
 
 def test_spares_stay_spares_when_a_round_is_opened_for_all():
@@ -162,9 +208,10 @@ def test_spares_stay_spares_when_a_round_is_opened_for_all():
     st_, act = join(st_, "b", s, 2, "abs")
     assert act.kind is Kind.FINISH and st_.participants == {"a": 0, "b": 1}
     assert st_.redundancy_list == {"s"}  # completed without waiting for the spare
-    # b is lost in round 1: the spare takes its place.
+    # b is lost in round 1: the round re-forms, and the spare takes b's place in round 2.
     st_, _ = join(st_, "s", s, 3, "as")
-    assert st_.wait_list == {"s"} and "b" not in st_.members()
+    assert st_.round == 2 and "b" not in st_.members()
+    assert st_.complete and st_.participants == {"a": 0, "s": 1}
 
 
 def test_lost_node_is_removed_and_survivors_complete_without_last_call():
@@ -174,12 +221,8 @@ def test_lost_node_is_removed_and_survivors_complete_without_last_call():
     assert st_.complete
     survivors = frozenset("ab")
     assert watch_reason(st_, "a", 0, survivors, s) is Change.LOSS
-    st_, _ = join(st_, "a", s, 1, "ab")  # sanitizes c away
-    assert "c" not in st_.members()
-    for node in "ab":
-        st_ = leave(st_, node, s)  # a opens round 1; b is already in its wait list
-    assert st_.round == 1
-    st_, act = join(st_, "a", s, 2, "ab")
+    st_, act = join(st_, "a", s, 1, "ab")  # sanitizes c away: round 0 re-forms as round 1
+    assert "c" not in st_.members() and st_.round == 1
     assert act.kind is Kind.FINISH and st_.participants == {"a": 0, "b": 1}
 
 
@@ -191,15 +234,16 @@ def test_spare_replaces_lost_participant():
     assert st_.redundancy_list == {"s"}
     live = frozenset("as")
     st_, act = join(st_, "s", s, 1, live)
-    assert st_.wait_list == {"s"} and "b" not in st_.members()
-    assert watch_reason(st_, "a", 0, live, s) is Change.ARRIVAL
+    assert st_.round == 1 and "b" not in st_.members()  # the round re-formed
+    assert st_.participants == {"a": 0, "s": 1} and not st_.redundancy_list
+    assert watch_reason(st_, "a", 0, live, s) is Change.NEW_ROUND
 
 
 def test_fenced_node_and_closed_rendezvous():
     """A node removed from the round is fenced; a closed rendezvous refuses joins forever."""
     s = Settings(min_nodes=1, max_nodes=2)
     st_, _ = join(State(), "a", s, 0, "ab")
-    gone = leave(st_, "a", s, for_good=True)
+    gone = replace(st_, participants={"b": st_.participants["b"]})
     assert watch_reason(gone, "a", 0, frozenset("ab"), s) is Change.FENCED
     assert watch_reason(st_, "a", 0, frozenset("b"), s) is Change.FENCED  # own lease lost
     closed = decide_close(st_).state

@@ -461,9 +461,7 @@ class World:
     async def _active(self) -> bool:
         return self.still_active()
 
-    async def _run_round(
-        self, node: Node, rdzv: StoreRendezvous, info: RoundInfo
-    ) -> Change | None:
+    async def _run_round(self, node: Node, rdzv: StoreRendezvous, info: RoundInfo) -> Change | None:
         """The workers run until they crash or the watch names a change (None: a crash,
         or the store lost)."""
         crash = asyncio.create_task(node.crash.wait())
@@ -543,7 +541,9 @@ class World:
                 node = rng.choice(running)
                 node.stop_delay = rng.choice([0.0, 0.0, rng.uniform(0.0, 3.0)])
                 node.crash.set()
-                self.log(f"{node.name}: a worker crashes (its stop will take {node.stop_delay:.2f} s)")
+                self.log(
+                    f"{node.name}: a worker crashes (its stop will take {node.stop_delay:.2f} s)"
+                )
         elif kind == "slow_stop" and alive:
             node = rng.choice(alive)
             node.stop_delay = rng.uniform(0.5, 3.0)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from tests.sim.fleet import simulate_fleet
 from tests.sim.rendezvous import Outcome, simulate
 
 
@@ -42,8 +43,19 @@ def _rendezvous(seed: int, steps: int, large: bool | None) -> Verdict:
     )
 
 
+def _fleet(seed: int, steps: int, large: bool | None) -> Verdict:
+    outcome = simulate_fleet(seed, steps)
+    ok = outcome.violation is None
+    return Verdict(
+        seed, ok, outcome.violation or "", outcome.passes, 0.0, "" if ok else outcome.tail()
+    )
+
+
 #: Each part of the control plane the simulation drives, by name.
-PARTS: Mapping[str, Callable[[int, int, bool | None], Verdict]] = {"rendezvous": _rendezvous}
+PARTS: Mapping[str, Callable[[int, int, bool | None], Verdict]] = {
+    "rendezvous": _rendezvous,
+    "fleet": _fleet,
+}
 
 
 def _one(args: tuple[str, int, int, bool | None]) -> Verdict:

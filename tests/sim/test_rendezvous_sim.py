@@ -33,7 +33,9 @@ FOUND = [
 
 
 @pytest.mark.parametrize(("seed", "large"), FOUND)
-def test_a_seed_that_found_a_defect_now_keeps_every_invariant(seed: int, large: bool | None) -> None:
+def test_a_seed_that_found_a_defect_now_keeps_every_invariant(
+    seed: int, large: bool | None
+) -> None:
     """The schedule replays from its seed and every invariant holds to the end."""
     outcome = simulate(seed, 300, large)
     assert outcome.violation is None, f"{outcome.violation}\n{outcome.tail()}"

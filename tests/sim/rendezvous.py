@@ -465,9 +465,21 @@ class World:
         """The workers run until they crash or the watch names a change (None: a crash,
         or the store lost)."""
         crash = asyncio.create_task(node.crash.wait())
+        try:
+            return await self._watch_round(node, rdzv, info, crash)
+        finally:
+            crash.cancel()
+
+    async def _watch_round(
+        self, node: Node, rdzv: StoreRendezvous, info: RoundInfo, crash: asyncio.Task[bool]
+    ) -> Change | None:
         while True:
             watch = asyncio.create_task(rdzv.wait_for_change(info.round))
-            done, _ = await asyncio.wait({crash, watch}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait({crash, watch}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the node is killed
+                watch.cancel()
+                raise
             if crash in done:
                 watch.cancel()
                 with contextlib.suppress(BaseException):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from tests.sim.agent import simulate_agent
 from tests.sim.fleet import simulate_fleet
 from tests.sim.rendezvous import Outcome, simulate
 
@@ -51,11 +52,24 @@ def _fleet(seed: int, steps: int, large: bool | None) -> Verdict:
     )
 
 
+def _agent(seed: int, steps: int, large: bool | None) -> Verdict:
+    outcome = simulate_agent(seed, steps)
+    ok = outcome.violation is None
+    return Verdict(
+        seed, ok, outcome.violation or "", outcome.steps, 0.0, "" if ok else outcome.tail()
+    )
+
+
 #: Each part of the control plane the simulation drives, by name.
 PARTS: Mapping[str, Callable[[int, int, bool | None], Verdict]] = {
     "rendezvous": _rendezvous,
     "fleet": _fleet,
+    "agent": _agent,
 }
+
+
+#: What a part counts in a schedule (its ``Verdict.rounds``).
+UNITS = {"rendezvous": "rounds joined", "fleet": "plan passes", "agent": "machine steps"}
 
 
 def _one(args: tuple[str, int, int, bool | None]) -> Verdict:
@@ -99,7 +113,7 @@ def main(parser: argparse.ArgumentParser, parts: Mapping[str, object]) -> int:
     virtual = sum(v.virtual_s for v in verdicts)
     print(
         f"{ns.part}: {len(verdicts)} schedules (seeds {ns.first}..{ns.first + ns.seeds - 1}, "
-        f"{ns.steps} steps, {ns.size}), {len(bad)} violations; {rounds} rounds joined, "
+        f"{ns.steps} steps, {ns.size}), {len(bad)} violations; {rounds} {UNITS[ns.part]}, "
         f"{virtual:.0f} virtual s, {time.monotonic() - started:.0f} s"
     )
     if bad:

@@ -101,7 +101,7 @@ from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
-from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket
+from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -381,7 +381,7 @@ class Daemon(ReexecMixin):
         #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
         self.storage = StorageHealth(clock)
         self.db = Database(
-            config.state_dir / "elasticd.sqlite3",
+            config.state_dir / DATABASE_FILE,
             self.storage,
             on_corrupt=config.on_corrupt_database,
             now=clock.time,

@@ -76,7 +76,7 @@ import uvicorn
 from elasticd import __version__
 from elasticd.agent.handover import AgentHandover
 from elasticd.clock import Clock
-from elasticd.config import Config
+from elasticd.config import Config, read_cluster_token, read_store_password, read_token
 from elasticd.errors import StoreError, WorkerSpawnError
 from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator
@@ -132,6 +132,8 @@ ADOPT_DEADLINE = 30.0
 #: Seconds a stop asked for as the new image starts waits, at most, for it to take its handed
 #: jobs up (then stopped as any job: SIGTERM, the grace, ``daemon.stopped``).
 STOP_ADOPT_WAIT = 10.0
+#: The daemon's own database in its state folder (events, the spawn registry).
+DATABASE_FILE = "elasticd.sqlite3"
 #: The manifest's format; a new image that does not know it starts afresh (jobs resume).
 FORMAT = 1
 
@@ -310,11 +312,67 @@ def check_install(config: Config) -> int:
             for module in pkgutil.walk_packages(package.__path__, f"{name}."):
                 importlib.import_module(module.name)
         resolve_job_users(config)
+        # The secrets the daemon reads at its start: there, readable, private.
+        read_token(config)
+        read_cluster_token(config)
+        read_store_password(config)
+        unfit = check_state(config)
     except Exception as exc:
         print(f"elasticd: the check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    if unfit is not None:
+        print(f"elasticd: the check failed: {unfit}", file=sys.stderr)
+        return 2
     print(f"elasticd {__version__}", flush=True)
     return 0
+
+
+#: Bytes the pre-flight writes (then removes) in the state folder: room for the new image's
+#: first writes (its databases' journals and the events of the hand-over), proved, not guessed.
+FIRST_WRITES = 1 << 20
+
+
+def check_state(config: Config) -> str | None:
+    """Whether a new image can start on ``config``'s state folder (``--check``): each of its
+    databases that exists opens read-write and takes a write lock; the folder's disk takes
+    :data:`FIRST_WRITES` bytes. None, or why not (issue 34: a new image that met a full disk
+    at its start exited 2, and every worker died with it)."""
+    import sqlite3
+
+    from elasticd.store import STORE_FILE
+
+    state = config.state_dir
+    names = [DATABASE_FILE] if config.store_url is not None else [DATABASE_FILE, STORE_FILE]
+    for path in (state / name for name in names):
+        if not path.exists():
+            continue  # made by the start, as on a first start
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=5)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ROLLBACK")
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            return f"{path} does not open read-write: {exc}"
+    probe = state / f".reexec-check.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            chunk, left = b"\0" * 65536, FIRST_WRITES
+            while left > 0:
+                left -= os.write(fd, chunk[:left])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+    except OSError as exc:
+        return (
+            f"the state folder {state} has no room for the new image's first writes "
+            f"({FIRST_WRITES >> 10} KiB): {exc.strerror or exc}"
+        )
+    return None
 
 
 async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]:

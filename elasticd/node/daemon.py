@@ -614,19 +614,6 @@ class Daemon(ReexecMixin):
             self.config.state_dir,
         )
 
-    def _lock_state_dir(self) -> StateLock:
-        """The state folder's lock: the one the previous image handed over (re-exec: it was
-        never free), else taken now (a second daemon is refused: ``ConfigError``)."""
-        manifest = self._handover
-        if manifest is not None and manifest.lock_fd is not None:
-            try:
-                return StateLock.adopt(self.config.state_dir, manifest.lock_fd)
-            except ConfigError as exc:
-                log.warning("%s; locking the folder afresh", exc)
-            finally:
-                manifest.lock_fd = None
-        return StateLock(self.config.state_dir).acquire()
-
     def _open_store(self) -> Store:
         """The configured store; an embedded one that cannot open its journal (a damaged or
         unreadable ``store.sqlite3``) is a refusal to start (exit 2, one line), not a crash:

@@ -77,7 +77,7 @@ from elasticd import __version__
 from elasticd.agent.handover import AgentHandover
 from elasticd.clock import Clock
 from elasticd.config import Config, read_cluster_token, read_store_password, read_token
-from elasticd.errors import StoreError, WorkerSpawnError
+from elasticd.errors import ConfigError, StoreError, WorkerSpawnError
 from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator
 from elasticd.node.cluster import Cluster
@@ -492,6 +492,19 @@ class ReexecMixin:
             agent = self.jobs.supervisor.agents.get(job_id)  # the one that took it up
             tag = agent.job_tag if agent is not None else None
             self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said, job_tag=tag)
+
+    def _lock_state_dir(self) -> StateLock:
+        """The state folder's lock: the one the previous image handed over (re-exec: it was
+        never free), else taken now (a second daemon is refused: ``ConfigError``)."""
+        manifest = self._handover
+        if manifest is not None and manifest.lock_fd is not None:
+            try:
+                return StateLock.adopt(self.config.state_dir, manifest.lock_fd)
+            except ConfigError as exc:
+                log.warning("%s; locking the folder afresh", exc)
+            finally:
+                manifest.lock_fd = None
+        return StateLock(self.config.state_dir).acquire()
 
     def _log_window(self, manifest: Manifest) -> None:
         """The window this re-exec left (all of it ``CLOCK_MONOTONIC``, which the exec keeps):

@@ -119,18 +119,23 @@ class EarlySignals:
 
     def __init__(self) -> None:
         self.noted: list[signal.Signals] = []
+        self._handed = False
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         for sig in HELD_SIGNALS:
-            loop.add_signal_handler(sig, self.noted.append, sig)
+            loop.add_signal_handler(sig, self._note, sig)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+
+    def _note(self, sig: signal.Signals) -> None:
+        if not self._handed:  # past it, one the daemon has no handler for is ignored
+            self.noted.append(sig)
 
     def hand_to(
         self, stop: Callable[[signal.Signals], None], reload: Callable[[], None] | None
     ) -> None:
         """The daemon's handlers are installed (they replaced these): what was noted is
         given to them, in order (a reload without ``reload``: ignored, as it is then)."""
-        noted, self.noted = self.noted, []
+        noted, self.noted, self._handed = self.noted, [], True
         for sig in noted:
             if sig is signal.SIGHUP:
                 if reload is not None:

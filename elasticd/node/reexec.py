@@ -6,9 +6,11 @@ it. In order:
 
 1. **Pre-flight** (:func:`preflight`): the installed program is run with the
    daemon's own command line and ``--check``: it imports everything the
-   daemon would and validates the configuration, then prints its version.
-   If that fails the daemon stays as it is, and says why in the log and in a
-   ``daemon.reexec_refused`` event on each job it runs.
+   daemon would, validates the configuration, reads its secrets, and proves it
+   can start where it will run (:func:`check_state`: each database opens
+   read-write, the state disk takes :data:`FIRST_WRITES`), then prints its
+   version. If that fails the daemon stays as it is, and says why in the log
+   and in a ``daemon.reexec_refused`` event on each job it runs.
 2. **Quiesce** (:meth:`Daemon.reexec <elasticd.node.daemon.Daemon.reexec>`):
    ``/readyz`` says "re-executing" and no new job is taken; every agent
    half-way through a start or a restart gets up to :data:`HANDOVER_WAIT`
@@ -32,6 +34,16 @@ it. In order:
 4. **exec** of the same interpreter with the same command line: same pid,
    so the workers stay its children; no parent-death signal fires; nothing
    is signalled.
+
+Nothing is left unguarded from the point of no return (after the quiesce) until
+the new image has taken everything back (:mod:`elasticd.node.execwindow`, issue
+34): SIGHUP, SIGTERM and SIGINT are held (blocked across the exec, delivered to
+the new image's handlers: a reload coalesces, a stop is the normal stop once the
+handed jobs are taken up); the state-folder lock's descriptor is handed over
+(``Manifest.lock_fd``) and adopted; the lease is renewed as the last await before
+the exec and then by the new image from before its heavy imports. A new image that
+cannot start exits 1 (systemd restarts it), never 2. Each new image logs the window
+it saw (``re-exec window: ...``).
 
 The new image (:func:`take_manifest` at start-up) keeps the listening
 sockets, waits for the store if it does not answer (``/healthz`` answers

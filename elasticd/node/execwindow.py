@@ -63,6 +63,9 @@ log = logging.getLogger("elasticd.node.execwindow")
 HELD_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 #: The hand-over's descriptor (:data:`elasticd.node.reexec.ENV_FD`; repeated: stdlib only).
 _ENV_FD = "ELASTICD_REEXEC_FD"
+#: The descriptor of the signals that reached the old image in its last moments (see
+#: :meth:`HeldSignals.carry`): a pipe's read end, one byte per signal number.
+ENV_SIGNALS_FD = "ELASTICD_REEXEC_SIGNALS_FD"
 #: A test hook: seconds a re-executed image waits before its heavy imports (a slow image).
 TEST_DELAY_ENV = "ELASTICD_TEST_REEXEC_DELAY"
 #: Bytes of the hand-over read at the early start (it is a few KiB; the rest is for later).
@@ -82,6 +85,7 @@ class HeldSignals:
         self.caught: list[int] = []
         self._previous: dict[int, object] = {}
         self._held = False
+        self._carry: tuple[int, int, int] | None = None  # (read end, write end, old wakeup fd)
 
     def hold(self) -> None:
         """Block them here (the main thread) and note any that reaches the process."""
@@ -99,9 +103,27 @@ class HeldSignals:
         for sig in dict.fromkeys([*self.caught, *extra]):
             signal.pthread_kill(threading.get_ident(), sig)
 
+    def carry(self) -> int:
+        """Right before the exec: from now on each signal another thread takes writes its
+        number into a pipe whose read end (returned) crosses the exec, for the new image
+        (:class:`EarlySignals` reads it): one taken as the exec starts is not lost with the
+        Python handler that would have noted it."""
+        read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        os.set_inheritable(read, True)
+        self._carry = (read, write, old)
+        return read
+
     def release(self) -> None:
         """The exec failed: the handlers as they were, unblocked (what is pending is
         delivered to them now; what was noted, again)."""
+        if self._carry is not None:
+            read, write, old = self._carry
+            self._carry = None
+            signal.set_wakeup_fd(old)
+            self.caught += [b for b in _drain(read) if b in HELD_SIGNALS]
+            os.close(read)
+            os.close(write)
         if not self._held:
             return
         self._held = False
@@ -124,6 +146,12 @@ class EarlySignals:
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         for sig in HELD_SIGNALS:
             loop.add_signal_handler(sig, self._note, sig)
+        carried = os.environ.pop(ENV_SIGNALS_FD, None)
+        if carried is not None:  # what reached the old image as it exec'd
+            with contextlib.suppress(OSError, ValueError):
+                fd = int(carried)
+                self.noted += [signal.Signals(b) for b in _drain(fd) if b in HELD_SIGNALS]
+                os.close(fd)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
     def _note(self, sig: signal.Signals) -> None:
@@ -142,6 +170,15 @@ class EarlySignals:
                     reload()
             else:
                 stop(sig)
+
+
+def _drain(fd: int) -> bytes:
+    """What a non-blocking pipe holds now."""
+    got = b""
+    with contextlib.suppress(BlockingIOError, OSError):
+        while chunk := os.read(fd, 4096):
+            got += chunk
+    return got
 
 
 @dataclass(frozen=True)

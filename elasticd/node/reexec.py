@@ -94,7 +94,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator
 from elasticd.node.cluster import Cluster
 from elasticd.node.events import EventLog
-from elasticd.node.execwindow import HeldSignals, LeaseKeeper
+from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper
 from elasticd.node.jobs import JobService
 from elasticd.node.statelock import StateLock
 from elasticd.security import resolve_job_users
@@ -436,6 +436,7 @@ def exec_self(manifest: Manifest, held: HeldSignals, asked: Iterable[int] = ()) 
             os.set_inheritable(handed, True)
         sys.stdout.flush()
         sys.stderr.flush()
+        env[ENV_SIGNALS_FD] = str(held.carry())
         held.pend(asked)
         os.execve(sys.executable, sys.orig_argv, env)
     finally:

@@ -352,11 +352,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse requires a command
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    from elasticd.node.daemon import Daemon
-    from elasticd.node.reexec import check_install, take_manifest
-    from elasticd.supervise.adopt import use_loop_child_watcher
+#: ``elasticd serve``'s exit when a re-executed image cannot start: one systemd restarts (2, a
+#: configuration error, is the unit's RestartPreventExitStatus).
+REEXEC_START_FAILED = 1
 
+
+async def _serve(args: argparse.Namespace) -> int:
+    from elasticd.node import execwindow
+
+    # First thing (a re-executed image comes here with SIGHUP, SIGTERM and SIGINT blocked
+    # since before its exec): handlers, then unblocked, so what was held is delivered.
+    early = execwindow.EarlySignals()
+    early.install(asyncio.get_running_loop())
+    handlers_at = time.monotonic()
     set_private_umask()  # before anything is created: every file of the daemon is born private
     flags = {
         k: getattr(args, k)
@@ -386,16 +394,49 @@ async def _serve(args: argparse.Namespace) -> int:
     if config.allow_root is None:
         config.allow_root = False  # the service never runs jobs as root unless told to
     if args.check:
+        from elasticd.node.reexec import check_install
+
         return check_install(config)
-    manifest = take_manifest()
-    daemon = Daemon(config, handover=manifest)
+    # A re-executed image renews the node's lease before its heavy imports (issue 34).
+    peek = execwindow.peek_handover()
+    keeper = execwindow.early_lease_keeper(config, peek)
+    try:
+        if peek is not None and (delay := execwindow.slow_image_delay()):
+            # A test's slow new image: blocking, as the imports it stands for are.
+            time.sleep(delay)  # noqa: ASYNC251
+        from elasticd.node.daemon import Daemon
+        from elasticd.node.reexec import take_manifest
+        from elasticd.supervise.adopt import use_loop_child_watcher
+
+        manifest = take_manifest()
+        daemon = Daemon(config, handover=manifest, lease_keeper=keeper)
+    except BaseException as exc:
+        if keeper is not None:
+            keeper.stop()
+        if peek is not None and isinstance(exc, (ConfigError, StoreAuthError)):
+            return _reexec_failed(exc)
+        raise
+    daemon.handlers_at = handlers_at
     # Children reaped on the loop's thread only: nothing may reap one across a re-exec.
     daemon.can_reexec = use_loop_child_watcher()
     daemon.install_signal_handlers()
-    await daemon.start()
+    early.hand_to(daemon.request_stop, daemon.request_reload if daemon.can_reexec else None)
+    try:
+        await daemon.start()
+    except (ConfigError, StoreAuthError) as exc:
+        if manifest is None:
+            raise
+        return _reexec_failed(exc)
     print(f"elasticd listening on http://{config.host}:{config.port}", flush=True)
     await daemon.serve()
     return 0
+
+
+def _reexec_failed(exc: Exception) -> int:
+    """A re-exec never ends in an exit systemd will not restart: the workers die with this
+    image (their parent-death signal), and a restart resumes their jobs."""
+    print(f"elasticd: the re-executed daemon cannot start: {exc}", file=sys.stderr)
+    return REEXEC_START_FAILED
 
 
 #: `elasticd run` options that torchrun also reads from ``PET_<NAME>`` (its env defaults).

@@ -110,8 +110,10 @@ MEANING: dict[EventKind, str] = {
         "carried over, why (it resumes as a new attempt)."
     ),
     EventKind.DAEMON_REEXEC_REFUSED: (
-        "A re-exec was asked for but the new program failed its pre-flight check: the "
-        "daemon runs on unchanged, the reason in the message."
+        "A re-exec was asked for but the new program failed its pre-flight check "
+        "(`elasticd serve --check`: its imports, the configuration and its secrets, each "
+        "database opened read-write, room on the state disk for the new image's first "
+        "writes): the daemon runs on unchanged, the reason in the message."
     ),
     EventKind.JOB_READOPTED: (
         "After a re-exec the daemon took up the job's running workers again (same pids, "

@@ -97,10 +97,11 @@ from elasticd.node import systemd
 from elasticd.node.cluster import MAX_NODE_SLOTS, Cluster, NodeRecord
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog, EventRetention
+from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
-from elasticd.node.reexec import Manifest, ReexecMixin, inherited_socket
+from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
@@ -113,9 +114,7 @@ from elasticd.security import (
 )
 from elasticd.storage import StorageHealth
 from elasticd.store import (
-    EtcdOptions,
     Store,
-    open_store,
     redact_url,
     store_endpoints,
 )
@@ -292,6 +291,7 @@ class Daemon(ReexecMixin):
         pass_environment: bool = False,
         state_lock: StateLock | None = None,
         handover: Manifest | None = None,
+        lease_keeper: LeaseKeeper | None = None,
     ) -> None:
         """``pass_environment``: the jobs get this process's whole environment, as torchrun's
         workers get the caller's; only an embedded daemon (``elasticd run``,
@@ -304,9 +304,14 @@ class Daemon(ReexecMixin):
         first and releases it last.
 
         ``handover``: what the daemon's previous program image handed over (it
-        re-executed itself: :mod:`elasticd.node.reexec`)."""
+        re-executed itself: :mod:`elasticd.node.reexec`); ``lease_keeper``: what renews
+        the node's lease meanwhile (:mod:`elasticd.node.execwindow`), stopped once the
+        node's own keep-alive runs."""
         self.config = config
         self._handover = handover
+        self._lease_keeper = lease_keeper
+        #: When this image's signal handlers were in (``CLOCK_MONOTONIC``; set by the CLI).
+        self.handlers_at: float | None = None
         #: Set by ``elasticd serve``: this daemon may re-execute itself (SIGHUP, /reload).
         self.can_reexec = False
         self._reload = asyncio.Event()
@@ -376,7 +381,7 @@ class Daemon(ReexecMixin):
         #: "Storage degraded since T, reason" facts (a full disk): /readyz reports them.
         self.storage = StorageHealth(clock)
         self.db = Database(
-            config.state_dir / "elasticd.sqlite3",
+            config.state_dir / DATABASE_FILE,
             self.storage,
             on_corrupt=config.on_corrupt_database,
             now=clock.time,
@@ -444,8 +449,11 @@ class Daemon(ReexecMixin):
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
         # One daemon per state folder, locked before anything touches it (the database,
         # the store, the sweep, the cgroup subtree): a second one exits 2 naming this pid.
+        if self._lease_keeper is not None:
+            stack.push_async_callback(asyncio.to_thread, self._lease_keeper.stop)
         if self._state_lock is None or not self._state_lock.held:
-            lock = StateLock(self.config.state_dir).acquire()
+            lock = self._lock_state_dir()
+            self._state_lock = lock
             stack.callback(lock.release)
         # Born private whatever the umask (secure_state_dir opens them up as far as needed).
         make_private_dir(self.config.state_dir)
@@ -567,6 +575,8 @@ class Daemon(ReexecMixin):
         if not self.config.store_only:
             stack.push_async_callback(self._leave_cluster)
             await self.cluster.start()
+            if self._lease_keeper is not None:  # the node's keep-alive runs: it renews now
+                await asyncio.to_thread(self._lease_keeper.stop)
             self.scheduler = FleetScheduler(
                 self.store,
                 self.events,
@@ -593,6 +603,8 @@ class Daemon(ReexecMixin):
                 systemd.watchdog(interval, self._environ), name="systemd-watchdog"
             )
             stack.push_async_callback(cancel_and_wait, watchdog)
+        if manifest is not None:
+            self._log_window(manifest)
         log.info(
             "elasticd %s ready on %s:%s (%d slots, state in %s)",
             self.config.node_name,
@@ -607,22 +619,8 @@ class Daemon(ReexecMixin):
         unreadable ``store.sqlite3``) is a refusal to start (exit 2, one line), not a crash:
         a restart cannot mend it."""
         try:
-            return open_store(
-                self.config.store_url,
-                token=self.cluster_token,
-                state_dir=self.config.state_dir,
-                max_value_bytes=self.config.store_max_value_bytes,
-                max_list_bytes=self.config.store_max_list_bytes,
-                etcd=EtcdOptions(
-                    username=self.config.store_username,
-                    password=self._store_password,
-                    ca_file=self.config.store_ca_file,
-                    cert_file=self.config.store_cert_file,
-                    key_file=self.config.store_key_file,
-                    prefix=self.config.store_prefix,
-                ),
-                lease_ttl=self.config.lease_ttl,
-                history_keep=self.config.store_history_seconds,
+            return configured_store(
+                self.config, token=self.cluster_token, password=self._store_password
             )
         except StoreUnavailable as exc:
             if self.config.store_url is not None:
@@ -916,6 +914,7 @@ class Daemon(ReexecMixin):
             if self._reload.is_set() and not self._stop.is_set():
                 self._reload.clear()
                 await self.reexec()
+        await self._take_up_before_the_stop()
         await self.shutdown()
 
     async def shutdown(self) -> None:

@@ -6,9 +6,11 @@ it. In order:
 
 1. **Pre-flight** (:func:`preflight`): the installed program is run with the
    daemon's own command line and ``--check``: it imports everything the
-   daemon would and validates the configuration, then prints its version.
-   If that fails the daemon stays as it is, and says why in the log and in a
-   ``daemon.reexec_refused`` event on each job it runs.
+   daemon would, validates the configuration, reads its secrets, and proves it
+   can start where it will run (:func:`check_state`: each database opens
+   read-write, the state disk takes :data:`FIRST_WRITES`), then prints its
+   version. If that fails the daemon stays as it is, and says why in the log
+   and in a ``daemon.reexec_refused`` event on each job it runs.
 2. **Quiesce** (:meth:`Daemon.reexec <elasticd.node.daemon.Daemon.reexec>`):
    ``/readyz`` says "re-executing" and no new job is taken; every agent
    half-way through a start or a restart gets up to :data:`HANDOVER_WAIT`
@@ -32,6 +34,16 @@ it. In order:
 4. **exec** of the same interpreter with the same command line: same pid,
    so the workers stay its children; no parent-death signal fires; nothing
    is signalled.
+
+Nothing is left unguarded from the point of no return (after the quiesce) until
+the new image has taken everything back (:mod:`elasticd.node.execwindow`, issue
+34): SIGHUP, SIGTERM and SIGINT are held (blocked across the exec, delivered to
+the new image's handlers: a reload coalesces, a stop is the normal stop once the
+handed jobs are taken up); the state-folder lock's descriptor is handed over
+(``Manifest.lock_fd``) and adopted; the lease is renewed as the last await before
+the exec and then by the new image from before its heavy imports. A new image that
+cannot start exits 1 (systemd restarts it), never 2. Each new image logs the window
+it saw (``re-exec window: ...``).
 
 The new image (:func:`take_manifest` at start-up) keeps the listening
 sockets, waits for the store if it does not answer (``/healthz`` answers
@@ -65,7 +77,8 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -75,13 +88,15 @@ import uvicorn
 from elasticd import __version__
 from elasticd.agent.handover import AgentHandover
 from elasticd.clock import Clock
-from elasticd.config import Config
-from elasticd.errors import StoreError, WorkerSpawnError
+from elasticd.config import Config, read_cluster_token, read_store_password, read_token
+from elasticd.errors import ConfigError, StoreError, WorkerSpawnError
 from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator
 from elasticd.node.cluster import Cluster
 from elasticd.node.events import EventLog
+from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper
 from elasticd.node.jobs import JobService
+from elasticd.node.statelock import StateLock
 from elasticd.security import resolve_job_users
 from elasticd.store import Store
 from elasticd.supervise.adopt import (
@@ -126,6 +141,11 @@ HANDOVER_POLL = 0.05
 #: Seconds a handed-over job waits to be taken up (the plan places it here) before its
 #: workers are ended (it ended meanwhile, or the fleet moved it).
 ADOPT_DEADLINE = 30.0
+#: Seconds a stop asked for as the new image starts waits, at most, for it to take its handed
+#: jobs up (then stopped as any job: SIGTERM, the grace, ``daemon.stopped``).
+STOP_ADOPT_WAIT = 10.0
+#: The daemon's own database in its state folder (events, the spawn registry).
+DATABASE_FILE = "elasticd.sqlite3"
 #: The manifest's format; a new image that does not know it starts afresh (jobs resume).
 FORMAT = 1
 
@@ -137,10 +157,14 @@ class Manifest:
     old_version: str
     tcp_fd: int | None = None
     unix_fd: int | None = None
+    #: The state folder's locked descriptor (the new image adopts it: the folder is never free).
+    lock_fd: int | None = None
     lease: int | None = None
     #: When the last renewal of ``lease`` that got through was sent (``CLOCK_MONOTONIC``,
     #: which the exec keeps): the lease lives at least ``lease_ttl`` from then.
     renewed_at: float | None = None
+    #: When the old image exec'd (``CLOCK_MONOTONIC``): the start of the window it measures.
+    exec_at: float | None = None
     agents: list[AgentHandover] = field(default_factory=list)
     #: Jobs this node ran that were not handed over, and why (they resume as new attempts).
     not_handed: dict[str, str] = field(default_factory=dict)
@@ -162,8 +186,10 @@ class Manifest:
                 "old_version": self.old_version,
                 "tcp_fd": self.tcp_fd,
                 "unix_fd": self.unix_fd,
+                "lock_fd": self.lock_fd,
                 "lease": self.lease,
                 "renewed_at": self.renewed_at,
+                "exec_at": self.exec_at,
                 "agents": [a.to_json() for a in self.agents],
                 "not_handed": self.not_handed,
                 "job_tokens": self.job_tokens,
@@ -180,8 +206,10 @@ class Manifest:
             old_version=str(doc["old_version"]),
             tcp_fd=_int_or_none(doc.get("tcp_fd")),
             unix_fd=_int_or_none(doc.get("unix_fd")),
+            lock_fd=_int_or_none(doc.get("lock_fd")),
             lease=_int_or_none(doc.get("lease")),
             renewed_at=None if doc.get("renewed_at") is None else float(doc["renewed_at"]),
+            exec_at=None if doc.get("exec_at") is None else float(doc["exec_at"]),
             agents=[AgentHandover.from_json(a) for a in doc.get("agents", [])],
             not_handed={str(k): str(v) for k, v in doc.get("not_handed", {}).items()},
             job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
@@ -191,7 +219,8 @@ class Manifest:
     @property
     def fds(self) -> list[int]:
         listeners = [fd for fd in (self.tcp_fd, self.unix_fd) if fd is not None]
-        return listeners + [fd for a in self.agents for fd in a.fds]
+        lock = [] if self.lock_fd is None else [self.lock_fd]
+        return listeners + lock + [fd for a in self.agents for fd in a.fds]
 
     def adopted_pids(self) -> set[tuple[int, int]]:
         """(pid, start time) of every worker handed over and found fit (the sweep spares them)."""
@@ -295,11 +324,67 @@ def check_install(config: Config) -> int:
             for module in pkgutil.walk_packages(package.__path__, f"{name}."):
                 importlib.import_module(module.name)
         resolve_job_users(config)
+        # The secrets the daemon reads at its start: there, readable, private.
+        read_token(config)
+        read_cluster_token(config)
+        read_store_password(config)
+        unfit = check_state(config)
     except Exception as exc:
         print(f"elasticd: the check failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    if unfit is not None:
+        print(f"elasticd: the check failed: {unfit}", file=sys.stderr)
+        return 2
     print(f"elasticd {__version__}", flush=True)
     return 0
+
+
+#: Bytes the pre-flight writes (then removes) in the state folder: room for the new image's
+#: first writes (its databases' journals and the events of the hand-over), proved, not guessed.
+FIRST_WRITES = 1 << 20
+
+
+def check_state(config: Config) -> str | None:
+    """Whether a new image can start on ``config``'s state folder (``--check``): each of its
+    databases that exists opens read-write and takes a write lock; the folder's disk takes
+    :data:`FIRST_WRITES` bytes. None, or why not (issue 34: a new image that met a full disk
+    at its start exited 2, and every worker died with it)."""
+    import sqlite3
+
+    from elasticd.store import STORE_FILE
+
+    state = config.state_dir
+    names = [DATABASE_FILE] if config.store_url is not None else [DATABASE_FILE, STORE_FILE]
+    for path in (state / name for name in names):
+        if not path.exists():
+            continue  # made by the start, as on a first start
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=5)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ROLLBACK")
+            finally:
+                db.close()
+        except sqlite3.Error as exc:
+            return f"{path} does not open read-write: {exc}"
+    probe = state / f".reexec-check.{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            chunk, left = b"\0" * 65536, FIRST_WRITES
+            while left > 0:
+                left -= os.write(fd, chunk[:left])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+    except OSError as exc:
+        return (
+            f"the state folder {state} has no room for the new image's first writes "
+            f"({FIRST_WRITES >> 10} KiB): {exc.strerror or exc}"
+        )
+    return None
 
 
 async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
@@ -333,13 +418,17 @@ async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]
     return (lines[-1].split(" ", 1)[1].strip() if lines else "unknown"), None
 
 
-def exec_self(manifest: Manifest) -> NoReturn:
+def exec_self(manifest: Manifest, held: HeldSignals, asked: Iterable[int] = ()) -> NoReturn:
     """Replace this program image with the installed one, same pid, handing ``manifest`` over.
 
-    Raises ``OSError`` when the exec itself fails (this image then runs on).
+    ``held``: the signals held since the point of no return; each one noted, and ``asked``
+    (what the daemon was asked meanwhile: a stop, a reload), is pending at the exec, for
+    the new image. Raises ``OSError`` when the exec itself fails (this image then runs on;
+    the caller releases ``held``).
     """
     fd = os.memfd_create("elasticd-handover", 0)  # inheritable: the new image reads it
     try:
+        manifest.exec_at = time.monotonic()
         os.write(fd, manifest.encode())
         env = dict(os.environ)
         env[ENV_FD] = str(fd)
@@ -347,6 +436,8 @@ def exec_self(manifest: Manifest) -> NoReturn:
             os.set_inheritable(handed, True)
         sys.stdout.flush()
         sys.stderr.flush()
+        env[ENV_SIGNALS_FD] = str(held.carry())
+        held.pend(asked)
         os.execve(sys.executable, sys.orig_argv, env)
     finally:
         os.close(fd)
@@ -383,6 +474,10 @@ class ReexecMixin:
     _server_task: asyncio.Task[None] | None
     _listeners: list[socket.socket]
     _handover: Manifest | None
+    _state_lock: StateLock | None
+    _lease_keeper: LeaseKeeper | None
+    handlers_at: float | None
+    stop_signal: signal.Signals | None
 
     def _reexec_possible(self) -> bool:
         raise NotImplementedError
@@ -411,6 +506,62 @@ class ReexecMixin:
             tag = agent.job_tag if agent is not None else None
             self.events.emit(job_id, "daemon", EventKind.DAEMON_REEXEC, said, job_tag=tag)
 
+    def _lock_state_dir(self) -> StateLock:
+        """The state folder's lock: the one the previous image handed over (re-exec: it was
+        never free), else taken now (a second daemon is refused: ``ConfigError``)."""
+        manifest = self._handover
+        if manifest is not None and manifest.lock_fd is not None:
+            try:
+                return StateLock.adopt(self.config.state_dir, manifest.lock_fd)
+            except ConfigError as exc:
+                log.warning("%s; locking the folder afresh", exc)
+            finally:
+                manifest.lock_fd = None
+        return StateLock(self.config.state_dir).acquire()
+
+    def _log_window(self, manifest: Manifest) -> None:
+        """The window this re-exec left (all of it ``CLOCK_MONOTONIC``, which the exec keeps):
+        from the exec to this image's signal handlers, to its first renewal of the lease, and
+        until it has taken everything back (ready)."""
+        if manifest.exec_at is None:
+            return
+        keeper = self._lease_keeper
+
+        def since(at: float | None) -> str:
+            exec_at = manifest.exec_at
+            return "-" if at is None or exec_at is None else f"{at - exec_at:.2f} s"
+
+        log.info(
+            "re-exec window: signals handled after %s, the lease renewed after %s (%d "
+            "renewals before the node's keep-alive), everything taken back after %s "
+            "(lease TTL %.1f s)",
+            since(self.handlers_at),
+            since(keeper.first_renewal if keeper is not None else None),
+            keeper.renewals if keeper is not None else 0,
+            since(time.monotonic()),
+            self.config.lease_ttl,
+        )
+
+    async def _take_up_before_the_stop(self) -> None:
+        """A stop asked for while this image takes its handed jobs up (a SIGTERM held across
+        the exec): each is taken up first (up to :data:`STOP_ADOPT_WAIT`), so that the stop
+        is the normal one for it too (SIGTERM to its workers, the grace, ``daemon.stopped``);
+        what is still not taken up then is ended (SIGKILL)."""
+        if self._handover is None or not self._reexec_possible():
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_ADOPT_WAIT
+        while self.jobs.adopting and loop.time() < deadline:
+            await asyncio.sleep(HANDOVER_POLL)
+        for handover in self.jobs.abandon_adoptions():
+            log.warning(
+                "job %s: its handed-over workers were not taken up in %.0f s before the stop; "
+                "ending them",
+                handover.job_id,
+                STOP_ADOPT_WAIT,
+            )
+            await end_handed(handover.workers)
+
     async def _adoption_deadline(self) -> None:
         """Handed-over attempts that no agent took up in time: their workers end."""
         await asyncio.sleep(ADOPT_DEADLINE)
@@ -431,7 +582,11 @@ class ReexecMixin:
         if manifest is None or not manifest.agents or self.config.store_url is None:
             return await wait()  # none handed, or the store is this daemon's: no lease lapses
         now = self.clock.monotonic()
-        lapse = fence_at(manifest.renewed_at, self.config.lease_ttl, now)
+        renewed = manifest.renewed_at
+        keeper = self._lease_keeper
+        if keeper is not None and keeper.renewed_at is not None:  # renewed since the exec
+            renewed = max(renewed or keeper.renewed_at, keeper.renewed_at)
+        lapse = fence_at(renewed, self.config.lease_ttl, now)
         try:
             async with asyncio.timeout(lapse - now) as bound:
                 return await wait()
@@ -477,8 +632,28 @@ class ReexecMixin:
             self._reexecing = False
             log.info("re-exec abandoned: the daemon is asked to stop")
             return
+        # The point of no return: from here until the new image has its handlers, SIGHUP,
+        # SIGTERM and SIGINT wait (a stop asked for now is the new image's to carry out).
+        held = HeldSignals()
+        held.hold()
+        try:
+            await self._exec(unready, accepting, held)
+        finally:
+            held.release()  # reached only where the exec did not happen
+
+    def _asked_meanwhile(self) -> list[int]:
+        """What a signal asked of this image since the point of no return (its loop took
+        it): the new image is asked again (a reload coalesces into one more)."""
+        asked: list[int] = []
+        if self._stop.is_set():
+            asked.append(self.stop_signal or signal.SIGTERM)
+        if self._reload.is_set():
+            asked.append(signal.SIGHUP)
+        return asked
+
+    async def _exec(self, unready: dict[str, str], accepting: bool, held: HeldSignals) -> None:
+        """The re-exec past the point of no return; returns only where the exec failed."""
         await self._record_failures(unready)
-        await self._renew_lease()
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
         await self.jobs.close_standbys()
@@ -487,6 +662,8 @@ class ReexecMixin:
             if not self.jobs.pending_exit():
                 break
             await asyncio.sleep(0)
+        # The last await: the new image has a whole TTL from here to renew the lease.
+        await self._renew_lease()
         # From here to the exec nothing awaits: the hand-over is what the exec carries.
         handed, not_handed = self.jobs.hand_over()
         workers = {w.pid for a in handed for w in a.workers}
@@ -501,6 +678,11 @@ class ReexecMixin:
             old_version=__version__,
             tcp_fd=listeners[0] if listeners else None,
             unix_fd=listeners[1] if len(listeners) > 1 else None,
+            lock_fd=(
+                inheritable_dup(self._state_lock.fileno())
+                if self._state_lock is not None and self._state_lock.held
+                else None
+            ),
             lease=None if self.config.store_only else self.cluster.lease_id,
             renewed_at=None if self.config.store_only else self.cluster.renewed_at,
             agents=handed,
@@ -508,8 +690,13 @@ class ReexecMixin:
             job_tokens=self.authenticator.jobs.digests(),
             unhanded=unhanded,
         )
+        log.info(
+            "re-exec: handing over %d job(s), exec'ing now (signals held until the new image "
+            "has its handlers)",
+            len(handed),
+        )
         try:
-            exec_self(manifest)
+            exec_self(manifest, held, self._asked_meanwhile())
         except OSError as exc:
             for fd in manifest.fds[len(listeners) :]:
                 with contextlib.suppress(OSError):

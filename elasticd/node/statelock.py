@@ -17,6 +17,13 @@ close-on-exec: no worker, health check or helper the daemon starts inherits
 the lock (a worker that outlived its daemon must not keep its successor out).
 The file is never removed: unlinking a lock file lets a third process lock a
 new file of the same name while the second still holds the old one.
+
+Across the daemon's re-exec (issue 34) the lock is never free: its descriptor is
+the one handed over (made inheritable for the exec only), and the new image adopts
+it (:meth:`StateLock.adopt`: checked to be a locked descriptor of that folder's lock
+file) instead of locking again. Were it closed at the exec, a second daemon started
+meanwhile would take the folder, kill the live workers as orphans and keep the new
+image out.
 """
 
 from __future__ import annotations
@@ -83,6 +90,33 @@ class StateLock:
             pass  # a full disk: the lock holds all the same, only the pid is not named
         self._fd = fd
         return self
+
+    @classmethod
+    def adopt(cls, state_dir: Path, fd: int) -> StateLock:
+        """The lock of ``state_dir`` held through ``fd`` (handed over by the previous
+        program image of this process): checked to be that folder's lock file, still
+        locked by it; made close-on-exec again. ``ConfigError`` (the descriptor closed)
+        where it is not."""
+        lock = cls(state_dir)
+        try:
+            st, here = os.fstat(fd), os.lstat(lock.path)
+            if (st.st_dev, st.st_ino) != (here.st_dev, here.st_ino):
+                raise ConfigError(
+                    f"the descriptor {fd} handed over is not the lock file {lock.path}"
+                )
+            # Ours already (the same open file): taking it again is a no-op that must work.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.set_inheritable(fd, False)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise ConfigError(f"cannot adopt the state folder's lock {lock.path}: {exc}") from None
+        except ConfigError:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        lock._fd = fd
+        return lock
 
     def fileno(self) -> int:
         """The locked descriptor (a child given a copy holds the lock too, until it exits)."""

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,7 +30,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.hardening.support import PY, Served, pid_alive, script, serve
+from tests.hardening.support import PY, Served, healthy_pids, pid_alive, script, serve
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.slow,
@@ -291,3 +294,56 @@ async def test_sigterm_while_the_disk_is_full_exits_and_the_job_resumes_after(
 async def healthy(c: httpx.AsyncClient, job_id: str) -> bool:
     view = (await c.get(f"/jobs/{job_id}/workers")).json()
     return any(g["state"] == "HEALTHY" for g in view.get("groups", []))
+
+
+#: Pings its heartbeat and counts, quietly (the disk stays full while it runs).
+QUIET_COUNTER = """
+import time
+from elasticd.worker import ping
+while True:
+    ping()
+    time.sleep(0.05)
+"""
+
+
+async def test_a_reload_on_a_full_disk_is_refused_and_the_daemon_stays(tmp_path: Path) -> None:
+    """The state disk is full when SIGHUP asks for a reload: the pre-flight finds no room for
+    the new image's first writes, so the daemon stays as it is (same image, same workers)
+    and says why in ``daemon.reexec_refused``; it never exits (it used to exit 2, a status
+    systemd does not restart, with every worker dead)."""
+    worker = script(tmp_path, "quiet.py", QUIET_COUNTER)
+    with tmpfs(tmp_path / "disk") as disk:
+        served = serve(tmp_path, state_dir=disk / "state", env={"PYTHONPATH": str(ROOT)})
+        try:
+            async with asyncio.timeout(150), served.client() as c:
+                await served.wait_ready()
+                body = {
+                    "id": "full",
+                    "entrypoint": PY,
+                    "args": [worker],
+                    "env": {"PYTHONPATH": str(ROOT)},
+                }
+                assert (await c.post("/jobs", json=body)).status_code == 201
+                pids = await healthy_pids(c, "full", 1)
+                before = (await c.get("/healthz")).json()
+                filler = fill(disk)
+                served.proc.send_signal(signal.SIGHUP)
+                await poll(lambda: _said(served, "re-exec refused"), 90, "the refusal")
+                assert served.proc.poll() is None, served.output()[-3000:]
+                filler.unlink()
+                refused = await poll(lambda: _refusals(c, "full"), 60, "daemon.reexec_refused")
+                assert "no room for the new image's first writes" in refused[0]["message"], refused
+                assert (await c.get("/healthz")).json()["started_at"] == before["started_at"]
+                assert await healthy_pids(c, "full", 1) == pids
+                assert all(pid_alive(p) for p in pids)
+        finally:
+            served.stop()
+
+
+async def _said(served: Served, text: str) -> bool:
+    assert served.proc.poll() is None, served.output()[-3000:]
+    return text in served.output()
+
+
+async def _refusals(c: httpx.AsyncClient, job_id: str) -> list[dict[str, Any]]:
+    return [e for e in await events_of(c, job_id) if e["kind"] == "daemon.reexec_refused"]

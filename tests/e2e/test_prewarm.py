@@ -574,3 +574,28 @@ async def test_a_hand_off_that_cannot_move_its_standby_starts_the_rank_cold(
     assert refused["kind"] == "worker.cold_start", refused
     assert "did not all move into the attempt's cgroup within 0 s" in refused["message"], refused
     assert latencies and max(latencies) < 5.0, latencies
+
+
+async def test_a_stopped_standby_starts_the_restart_cold_and_names_why(tmp_path: Path) -> None:
+    """Both standbys stopped with SIGSTOP (a debugger, the job's own kill) when the restart
+    comes: each hand-off gives up after HANDOFF_TIMEOUT, the rank starts cold, and its
+    ``worker.cold_start`` event names the cause (it timed out), never an empty one."""
+    from elasticd.supervise.standby import HANDOFF_TIMEOUT
+
+    out, probe = prepare(tmp_path)
+    async with served(tmp_path) as c:
+        body = submit_body("stopped", out, entrypoint=sys.executable, args=[str(probe)])
+        assert (await c.post("/jobs", json=body)).status_code == 201
+        standbys = await ready_standbys(c, "stopped", 2)
+        for pid in standbys.values():
+            os.kill(pid, signal.SIGSTOP)
+        (out / "go").touch()
+        job = await wait_job(c, "stopped")
+        assert job["state"] == "SUCCEEDED", job
+        events = await events_of(c, "stopped")
+    cold = [e for e in events if e["kind"] == "worker.cold_start"]
+    assert sorted(e["local_rank"] for e in cold) == [0, 1], [e["kind"] for e in events]
+    for event in cold:
+        assert not event["message"].rstrip().endswith(":"), event
+        assert f"timed out after {HANDOFF_TIMEOUT:g} s" in event["message"], event
+    assert not any(pid_alive(pid) for pid in standbys.values())

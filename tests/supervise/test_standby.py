@@ -12,7 +12,13 @@ from elasticd.models import JobSpec
 from elasticd.security import Identity
 from elasticd.standby_main import environment
 from elasticd.supervise.process import WorkerLaunch
-from elasticd.supervise.standby import PythonProgram, mismatch, python_program, standby_env
+from elasticd.supervise.standby import (
+    PythonProgram,
+    handoff_failure,
+    mismatch,
+    python_program,
+    standby_env,
+)
 
 PY = "/opt/venv/bin/python3"
 
@@ -104,3 +110,22 @@ def test_prewarm_takes_dotted_module_names(name: str) -> None:
 def test_prewarm_refuses_anything_but_a_module_name(name: str) -> None:
     with pytest.raises(ValidationError, match="prewarm"):
         JobSpec(entrypoint="python", prewarm=[name])
+
+
+@pytest.mark.parametrize(
+    ("exc", "cause"),
+    [
+        (TimeoutError(), "timed out after 5 s (the standby does not answer: stopped or stuck)"),
+        (OSError("the standby ended before it took the worker's place"), "the standby ended"),
+        (BrokenPipeError(32, "Broken pipe"), "[Errno 32] Broken pipe"),
+        (ConnectionResetError(), "ConnectionResetError"),
+        (ValueError(" "), "ValueError"),
+    ],
+)
+def test_a_failed_hand_off_always_names_its_cause(exc: BaseException, cause: str) -> None:
+    """The reason a rank starts cold after a failed hand-off names the cause, also for an
+    exception whose text is empty (the bound's TimeoutError: issue 34, defect 6)."""
+    said = handoff_failure(41, exc, 5.0)
+    assert said.startswith("the hand-off to its standby (pid 41) failed: "), said
+    assert cause in said, said
+    assert not said.endswith(": "), said

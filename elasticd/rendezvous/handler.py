@@ -716,18 +716,20 @@ class StoreRendezvous:
         self._signals = {e.key: e.value for e in listing.entries}
         self._signals_rev = listing.revision
 
-    async def _watch_signals(self, until: float) -> bool:
-        """Wait until the head or the absorber changes (True) or ``until`` (False)."""
+    async def _watch_signals(self, until: float, *, relet: bool = True) -> bool:
+        """Wait until the head or the absorber changes (True) or ``until`` (False).
+
+        ``relet``: also False once this node's lease was granted anew (a joining node
+        then announces again); a running node, which announces nothing, waits on."""
         if self._signals_rev is None:
             await self._read_signals()
             return True
         timeout = max(0.0, min(MAX_WATCH, until - self._clock.time()))
         if timeout <= 0:
             return False
+        watch = self._store.watch(self._signal_prefix, self._signals_rev, timeout, prefix=True)
         try:
-            events = await self._unless_relet(
-                self._store.watch(self._signal_prefix, self._signals_rev, timeout, prefix=True)
-            )
+            events = await (self._unless_relet(watch) if relet else watch)
         except StoreCompacted:
             await self._read_signals()
             return True
@@ -1042,7 +1044,7 @@ class StoreRendezvous:
             # round (read before the round completed) says nothing of a change.
             if head is not None and head.round > my_round:
                 return Change.NEW_ROUND
-            await self._watch_signals(self._clock.time() + MAX_WATCH)
+            await self._watch_signals(self._clock.time() + MAX_WATCH, relet=False)
 
     async def roster(self, round_: RoundInfo) -> RoundInfo:
         """``round_`` with every participant named: from its roster key, else the document."""
@@ -1068,6 +1070,9 @@ class StoreRendezvous:
         if entry is not None:
             with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
                 self._announced = NodeInfo.from_json(json.loads(entry.value))
+                # The lease it is bound to, as announced: without it every wait of this
+                # node would take its lease for one granted anew (see _relet).
+                self._announced_lease = entry.lease
 
     async def close(self) -> None:
         await self._apply(decide_close)
@@ -1076,4 +1081,5 @@ class StoreRendezvous:
         """Withdraw the presence key first (so nobody re-places us), then leave every list."""
         me, settings = self._me, self._settings
         await self._store.delete(self._node_prefix + me)
-        await self._apply(lambda state: decide_exit(state, me, settings, for_good=True))
+        now = self._clock.time()  # the re-formed round's opened_at (see protocol.dissolve)
+        await self._apply(lambda state: decide_exit(state, me, settings, for_good=True, now=now))

@@ -338,7 +338,13 @@ def _merge_two(a: AttemptFacts, b: AttemptFacts) -> AttemptFacts:
     def high(x: float | None, y: float | None) -> float | None:
         return y if x is None else x if y is None else max(x, y)
 
-    top = a if (a.max_step or -1) >= (b.max_step or -1) else b
+    # A step of 0 is a step like any other: never ``(x.max_step or -1)``, which reads it as
+    # none (the merge then kept the other node's None, in one order of the two only).
+    top = (
+        a
+        if (-1 if a.max_step is None else a.max_step) >= (-1 if b.max_step is None else b.max_step)
+        else b
+    )
     first = (
         a
         if a.first_step_at is not None

@@ -485,3 +485,17 @@ def test_job_facts_come_from_the_document_and_the_events() -> None:
     )
     done = running.model_copy(update={"state": JobState.SUCCEEDED, "finished_at": 20.0})
     assert job_facts(done, []).finished_at == 20.0
+
+
+def test_two_nodes_facts_merge_to_step_0_in_either_order() -> None:
+    """A node that saw step 0 and one that saw no step merge to step 0, whichever comes
+    first (``(max_step or -1)`` read step 0 as none: the merge kept None in one order)."""
+    from elasticd.goodput import _merge_two
+
+    none = AttemptFacts(round=0, spawned_at=0.0)
+    zero = AttemptFacts(
+        round=0, spawned_at=0.0, first_step=0, first_step_at=1.0, max_step=0, max_step_at=1.0
+    )
+    for a, b in [(none, zero), (zero, none)]:
+        merged = _merge_two(a, b)
+        assert (merged.max_step, merged.max_step_at) == (0, 1.0)

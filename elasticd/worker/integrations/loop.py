@@ -5,7 +5,8 @@
     from elasticd.worker import ping
     from elasticd.worker.integrations.loop import checkpoint, resume_step
 
-    start = (resume_step() or -1) + 1          # the job's last checkpoint, after a restart
+    last = resume_step()                        # the job's last checkpoint, after a restart
+    start = 0 if last is None else last + 1     # never `(last or -1) + 1`: step 0 counts
     for step in range(start, total):
         train_one_step()
         ping(step=step)

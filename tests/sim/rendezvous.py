@@ -41,10 +41,11 @@ from elasticd.errors import (
     StoreError,
     StoreUnavailable,
 )
+from elasticd.keys import rendezvous_prefix
 from elasticd.rendezvous.handler import ABSORBER_FROM, StoreRendezvous
 from elasticd.rendezvous.interface import RoundInfo
 from elasticd.rendezvous.layout import state_key
-from elasticd.rendezvous.protocol import Change, Settings, State
+from elasticd.rendezvous.protocol import Change, Head, Settings, State
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent
 from elasticd.store.memory import MemoryStore, _Lease
 from tests.sim.vloop import run_virtual
@@ -117,6 +118,8 @@ class Node:
     lease_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     drop_renewals_until: float = 0.0
+    #: Its agent's rendezvous (for a leave for good, as the real agent's last step).
+    rdzv: StoreRendezvous | None = None
     #: Seconds the next stop of its workers takes.
     stop_delay: float = 0.0
     ended: str | None = None
@@ -147,6 +150,8 @@ class CheckedStore(MemoryStore):
         super()._changed(event, entry)
         if event.key == self._world.state_key and event.value is not None:
             self._world.check_state(State.decode(event.value), event.revision)
+        if event.key == self._world.done_key and event.value is not None:
+            self._world.check_head(Head.decode(event.value), event.revision)
 
     async def grant(self, ttl: float) -> int:
         """A lease as the real store grants it, with an id drawn from a counter, not from
@@ -254,6 +259,9 @@ class World:
         self.plan = plan
         self.rng = random.Random(plan.seed)
         self.state_key = state_key(JOB)
+        self.done_key = rendezvous_prefix(JOB) + "signal/done"
+        self.last_head: Head | None = None
+        self.last_state_version = 0
         self.settings = Settings(min_nodes=plan.min_nodes, max_nodes=plan.max_nodes)
         self.store = CheckedStore(self)
         self.nodes = [Node(f"n{i}", i) for i in range(plan.nodes)]
@@ -314,10 +322,28 @@ class World:
 
     # invariants
 
+    def check_head(self, head: Head | None, revision: int) -> None:
+        """At every write of the head: it never goes back, and never leads the document."""
+        before, self.last_head = self.last_head, head
+        where = f"the head (revision {revision})"
+        if head is None:
+            self.fail(f"{where} is malformed")
+            return
+        # By what it shows, whatever version it names (a head of an older daemon names none).
+        if before is not None and (
+            (head.round, head.complete) < (before.round, before.complete)
+            or (before.closed and not head.closed and self.job_ended)
+            or head.version < before.version
+        ):
+            self.fail(f"{where} went back: {before} -> {head}")
+        doc = self.last_state
+        if head.version > self.last_state_version or (doc is not None and head.round > doc.round):
+            self.fail(f"{where} leads the document (version {self.last_state_version}): {head}")
+
     def check_state(self, state: State, revision: int) -> None:
         """At every write of the document."""
         s, before = self.settings, self.last_state
-        self.last_state = state
+        self.last_state, self.last_state_version = state, revision
         p, w, r = frozenset(state.participants), state.wait_list, state.redundancy_list
         where = f"round {state.round} (revision {revision})"
         if p & w or p & r or w & r:
@@ -429,12 +455,14 @@ class World:
             clock=SimClock(node),
             still_active=self._active,
         )
+        node.rdzv = rdzv
         while True:
             try:
                 info = await rdzv.next_round()
             except RendezvousClosed:
                 node.ended = "closed"
                 self.log(f"{node.name}: the rendezvous is closed; its agent ends")
+                await self._leave(node, rdzv)
                 return
             except StoreError as exc:
                 self.log(f"{node.name}: the store failed its join ({exc}); it tries again")
@@ -451,12 +479,20 @@ class World:
                 node.running = None
                 node.ended = "closed"
                 self.log(f"{node.name}: the job ended; its agent ends")
+                await self._leave(node, rdzv)
                 return
             with contextlib.suppress(StoreError):
                 await rdzv.leaving(info.round)
             await asyncio.sleep(node.stop_delay)
             node.stop_delay = 0.0
             node.running = None
+
+    async def _leave(self, node: Node, rdzv: StoreRendezvous) -> None:
+        """The agent's last step, as the real agent's (Departure.leave): bounded, best effort."""
+        with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
+            async with asyncio.timeout(5.0):
+                await rdzv.leave()
+                self.log(f"{node.name} left the rendezvous for good")
 
     async def _active(self) -> bool:
         return self.still_active()
@@ -540,7 +576,7 @@ class World:
         kind = rng.choice(
             [
                 "kill", "restart", "crash", "crash", "crash", "renewals", "stall", "stall_all",
-                "cut", "compact", "clock", "slow_stop", "end",
+                "cut", "compact", "clock", "slow_stop", "end", "leave",
             ]
         )  # fmt: skip
         if kind == "kill" and alive:
@@ -588,6 +624,20 @@ class World:
             jump = rng.choice([-1.0, 1.0]) * rng.choice([0.2, 1.0, 5.0, 3600.0])
             node.offset += jump
             self.log(f"{node.name}: its wall clock steps {jump:+.1f} s")
+        elif kind == "leave" and alive and not self.job_ended:
+            # The plan takes the node from the job: its agent ends (workers stopped) and
+            # leaves for good; the daemon (and its lease) is then killed: it may come back.
+            node = rng.choice(alive)
+            rdzv = node.rdzv
+            agent = node.tasks[0]
+            agent.cancel()
+            with contextlib.suppress(BaseException):
+                await agent
+            node.running = None
+            self.log(f"{node.name}: the plan takes it from the job; it leaves for good")
+            if rdzv is not None:
+                await self._leave(node, rdzv)
+            await self.kill(node)
         elif kind == "end" and rng.random() < 0.1 and not self.job_ended:
             await self.end_job()
 

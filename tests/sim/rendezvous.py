@@ -76,9 +76,12 @@ class Plan:
     tick: float
     #: The chance that a step injects a fault at all.
     fault_rate: float
+    #: Agents leave for good (at the job's end, and when the plan takes a node). Off: the
+    #: schedules drawn before they did, which the found seeds replay exactly.
+    leaves: bool = True
 
     @staticmethod
-    def draw(seed: int, steps: int = 300, large: bool | None = None) -> Plan:
+    def draw(seed: int, steps: int = 300, large: bool | None = None, leaves: bool = True) -> Plan:
         rng = random.Random(f"plan-{seed}")
         if large is None:
             large = rng.random() < 0.1
@@ -98,6 +101,7 @@ class Plan:
             steps=steps,
             tick=rng.choice([0.1, 0.3, 0.6, 1.0]),
             fault_rate=rng.choice([0.05, 0.15, 0.3]),
+            leaves=leaves,
         )
 
 
@@ -489,6 +493,8 @@ class World:
 
     async def _leave(self, node: Node, rdzv: StoreRendezvous) -> None:
         """The agent's last step, as the real agent's (Departure.leave): bounded, best effort."""
+        if not self.plan.leaves:
+            return
         with contextlib.suppress(StoreError, RendezvousError, TimeoutError):
             async with asyncio.timeout(5.0):
                 await rdzv.leave()
@@ -576,7 +582,8 @@ class World:
         kind = rng.choice(
             [
                 "kill", "restart", "crash", "crash", "crash", "renewals", "stall", "stall_all",
-                "cut", "compact", "clock", "slow_stop", "end", "leave",
+                "cut", "compact", "clock", "slow_stop", "end",
+                *(["leave"] if plan.leaves else []),
             ]
         )  # fmt: skip
         if kind == "kill" and alive:
@@ -736,9 +743,11 @@ class Outcome:
         return "\n".join(self.trace[-lines:])
 
 
-def simulate(seed: int, steps: int = 300, large: bool | None = None) -> Outcome:
+def simulate(
+    seed: int, steps: int = 300, large: bool | None = None, leaves: bool = True
+) -> Outcome:
     """Run one schedule; the outcome holds the violation (None: every invariant held)."""
-    plan = Plan.draw(seed, steps, large)
+    plan = Plan.draw(seed, steps, large, leaves)
     box: dict[str, World] = {}
 
     async def main() -> float:

@@ -37,7 +37,7 @@ def test_a_seed_that_found_a_defect_now_keeps_every_invariant(
     seed: int, large: bool | None
 ) -> None:
     """The schedule replays from its seed and every invariant holds to the end."""
-    outcome = simulate(seed, 300, large)
+    outcome = simulate(seed, 300, large, leaves=False)  # the schedule that found it
     assert outcome.violation is None, f"{outcome.violation}\n{outcome.tail()}"
 
 

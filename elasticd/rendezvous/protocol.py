@@ -854,10 +854,11 @@ class Head:
 
 def head_lags(head: Head | None, state: State) -> bool:
     """Does the stored head (None: absent or malformed) show less than ``state`` does?"""
-    return head is None or (head.round, head.complete, head.closed) != (
+    return head is None or (head.round, head.complete, head.closed, head.deadline) != (
         state.round,
         state.complete,
         state.closed,
+        state.deadline,
     )
 
 

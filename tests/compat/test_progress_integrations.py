@@ -154,7 +154,8 @@ from elasticd.worker import ping
 from elasticd.worker.integrations.loop import checkpoint, resume_path, resume_step
 
 out = sys.argv[1]
-start = (resume_step() or -1) + 1
+last = resume_step()
+start = 0 if last is None else last + 1
 if start:
     with open(os.path.join(out, "resumed"), "w") as f:
         f.write(f"{start} {resume_path()}")

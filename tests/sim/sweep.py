@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tests.sim.agent import simulate_agent
 from tests.sim.fleet import simulate_fleet
+from tests.sim.goodput import simulate_goodput
 from tests.sim.rendezvous import Outcome, simulate
 
 
@@ -60,16 +61,30 @@ def _agent(seed: int, steps: int, large: bool | None) -> Verdict:
     )
 
 
+def _goodput(seed: int, steps: int, large: bool | None) -> Verdict:
+    outcome = simulate_goodput(seed, steps)
+    ok = outcome.violation is None
+    return Verdict(
+        seed, ok, outcome.violation or "", outcome.attempts, 0.0, "" if ok else outcome.tail()
+    )
+
+
 #: Each part of the control plane the simulation drives, by name.
 PARTS: Mapping[str, Callable[[int, int, bool | None], Verdict]] = {
     "rendezvous": _rendezvous,
     "fleet": _fleet,
     "agent": _agent,
+    "goodput": _goodput,
 }
 
 
 #: What a part counts in a schedule (its ``Verdict.rounds``).
-UNITS = {"rendezvous": "rounds joined", "fleet": "plan passes", "agent": "machine steps"}
+UNITS = {
+    "rendezvous": "rounds joined",
+    "fleet": "plan passes",
+    "agent": "machine steps",
+    "goodput": "attempts folded",
+}
 
 
 def _one(args: tuple[str, int, int, bool | None]) -> Verdict:

@@ -558,3 +558,64 @@ def test_a_rendezvous_document_cannot_ask_for_unbounded_workers(node: dict[str, 
     )
     with pytest.raises(RendezvousError, match="malformed"):
         State.decode(doc)
+
+
+def _valid(state: State, s: Settings) -> str | None:
+    p, w, r = set(state.participants), set(state.wait_list), set(state.redundancy_list)
+    if p & w or p & r or w & r:
+        return "the lists overlap"
+    if len(p) > s.max_nodes:
+        return "more participants than max_nodes"
+    if state.complete and sorted(state.participants.values()) != list(range(len(p))):
+        return "ranks not 0..n-1"
+    if state.complete and not s.min_nodes <= len(p) <= s.max_nodes:
+        return "a complete round outside min..max"
+    if not (p | w | r) <= set(state.nodes):
+        return "a member without join info"
+    return None
+
+
+def test_every_join_and_exit_decision_keeps_the_document_valid():
+    """20,000 seeded valid documents, live sets, announcements and clocks: every write
+    ``decide_join`` or ``decide_exit`` asks for is a valid document, never goes back a
+    round, and never rewrites a complete round in place (issue 33's D1 class)."""
+    import random
+
+    rng = random.Random(33)
+    for _ in range(20_000):
+        names = [f"n{i}" for i in range(rng.randint(1, 6))]
+        mx = rng.randint(1, len(names))
+        s = Settings(min_nodes=rng.randint(1, mx), max_nodes=mx, last_call_timeout=1.0)
+        rnd, complete = rng.randint(0, 3), rng.random() < 0.5
+        members = rng.sample(names, len(names))
+        k = rng.randint(s.min_nodes, mx) if complete else rng.randint(0, mx - 1)
+        parts, rest = members[:k], members[k:]
+        wait = [x for x in rest if rng.random() < 0.4]
+        spare = [x for x in rest if x not in wait and rng.random() < 0.3]
+        state = State(
+            round=rnd,
+            complete=complete,
+            participants={p: i for i, p in enumerate(sorted(parts))} if complete
+            else dict.fromkeys(parts, 0),
+            wait_list=frozenset(wait),
+            redundancy_list=frozenset(spare),
+            nodes={x: info(x, rnd) for x in parts + wait + spare},
+            deadline=100.0 if not complete and k >= s.min_nodes and rng.random() < 0.7 else None,
+            opened_at=rng.choice([None, 99.0]),
+        )  # fmt: skip
+        present = {x: info(x, max(0, rnd + rng.choice([0, 0, -1, 1]))) for x in names
+                   if rng.random() < 0.8}  # fmt: skip
+        me = rng.choice(names)
+        present.setdefault(me, info(me, rnd))
+        now = rng.choice([99.5, 100.5, 200.0])
+        actions = [decide_join(state, me, s, now, present, FAR, rng.choice([None, 99.0]))]
+        actions += [decide_exit(state, me, s, for_good=g, now=now) for g in (False, True)]
+        for action in actions:
+            if action.kind is not Kind.WRITE:
+                continue
+            new = action.state
+            assert new is not None
+            assert _valid(new, s) is None, (_valid(new, s), state, me, action)
+            assert new.round >= state.round
+            if state.complete and new.round == state.round and new.complete:
+                assert new.participants == state.participants, (state, action)

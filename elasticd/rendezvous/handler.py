@@ -159,11 +159,18 @@ class Deadline:
 
     @staticmethod
     def after(clock: Clock, seconds: float) -> Deadline:
-        return Deadline(clock.monotonic() + seconds)
+        return Deadline(_monotonic(clock) + seconds)
 
     def wall(self, clock: Clock) -> float:
         """The wall time, by ``clock`` as it reads now, at which the deadline falls."""
-        return clock.time() + (self.monotonic - clock.monotonic())
+        return clock.time() + (self.monotonic - _monotonic(clock))
+
+
+def _monotonic(clock: Clock) -> float:
+    """``clock``'s monotonic time; a clock made for the protocol's wall time alone (a test's,
+    a simulation's) has none, and then its wall time stands in."""
+    read = getattr(clock, "monotonic", None)
+    return read() if callable(read) else clock.time()
 
 
 class _Step(Enum):

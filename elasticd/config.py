@@ -327,6 +327,22 @@ class Config(BaseModel):
         "(at most 100,000 changes and 16 MiB); a watch from before gets StoreCompacted and "
         "re-reads.",
     )
+    owner_max_jobs: int = Field(
+        default=1000,
+        ge=1,
+        le=10_000_000,
+        description="Job documents one owner (a local user or token identity; not the admin) "
+        "may keep in the store, ended ones included until they are deleted or expire; 429 "
+        "naming this setting beyond. An identity's max_jobs overrides it.",
+    )
+    owner_max_job_bytes: int = Field(
+        default=16 << 20,
+        ge=64 * 1024,
+        le=1 << 40,
+        description="Bytes of job documents one owner may keep (413 beyond): below "
+        "store_max_list_bytes, so no one owner can fill a listing of job/. An identity's "
+        "max_job_bytes overrides it.",
+    )
     store_max_list_bytes: int = Field(
         default=64 << 20,
         ge=1 << 20,
@@ -453,6 +469,8 @@ _ENV_FIELDS = {
     "MAX_STREAMS": "max_streams",
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
     "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
+    "OWNER_MAX_JOBS": "owner_max_jobs",
+    "OWNER_MAX_JOB_BYTES": "owner_max_job_bytes",
     "STORE_HISTORY_SECONDS": "store_history_seconds",
 }
 

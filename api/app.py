@@ -34,6 +34,11 @@ from api.store_http import StoreHTTP
 from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES
+from elasticd.store.scoped import (
+    DEFAULT_JOB_STORE_MAX_BYTES,
+    DEFAULT_JOB_STORE_MAX_KEYS,
+    PrefixShare,
+)
 
 if TYPE_CHECKING:
     from elasticd.node.daemon import Daemon
@@ -71,7 +76,13 @@ def create_app(daemon: Daemon | None) -> FastAPI:
         store_limit = getattr(config, "store_max_value_bytes", None)
         app.add_middleware(
             StoreHTTP,
-            access=store_access(lambda: daemon.store),
+            access=store_access(
+                lambda: daemon.store,
+                PrefixShare(
+                    getattr(config, "job_store_max_keys", DEFAULT_JOB_STORE_MAX_KEYS),
+                    getattr(config, "job_store_max_bytes", DEFAULT_JOB_STORE_MAX_BYTES),
+                ),
+            ),
             body_limit=body_limit(store_limit or DEFAULT_MAX_VALUE_BYTES),
         )
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)

@@ -327,6 +327,20 @@ class Config(BaseModel):
         "(at most 100,000 changes and 16 MiB); a watch from before gets StoreCompacted and "
         "re-reads.",
     )
+    job_store_max_keys: int = Field(
+        default=100_000,
+        ge=16,
+        le=100_000_000,
+        description="Keys a job's token may keep under its store prefix (jobs/<id>/), "
+        "counted by each daemon its workers use; 429 naming this setting beyond.",
+    )
+    job_store_max_bytes: int = Field(
+        default=32 << 20,
+        ge=64 * 1024,
+        le=1 << 40,
+        description="Bytes of values a job's token may keep under its store prefix; 413 "
+        "beyond, so no job fills the store host's disk as root through its token.",
+    )
     owner_max_jobs: int = Field(
         default=1000,
         ge=1,
@@ -470,6 +484,8 @@ _ENV_FIELDS = {
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
     "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
     "OWNER_MAX_JOBS": "owner_max_jobs",
+    "JOB_STORE_MAX_KEYS": "job_store_max_keys",
+    "JOB_STORE_MAX_BYTES": "job_store_max_bytes",
     "OWNER_MAX_JOB_BYTES": "owner_max_job_bytes",
     "STORE_HISTORY_SECONDS": "store_history_seconds",
 }

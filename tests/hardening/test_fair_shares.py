@@ -108,3 +108,68 @@ async def test_job_documents_of_local_users_cannot_stop_placement_or_the_job_lis
             assert hers["status"] == 200 and hers["json"]["total"] == 9, hers["status"]
     finally:
         daemon.stop()
+
+
+#: A worker that PUTs ``count`` values of 700 KB under its own job's prefix with its token.
+FILL_STORE = r"""
+import base64, json, os, urllib.error, urllib.request
+token = open(os.environ["ELASTICD_TOKEN_FILE"]).read().strip()
+url, job = os.environ["ELASTICD_URL"], os.environ["ELASTICD_JOB_ID"]
+value = base64.b64encode(os.urandom(700_000)).decode()
+answers = []
+for i in range(8):
+    req = urllib.request.Request(url + "/store/kv", method="PUT",
+        data=json.dumps({"key": f"jobs/{job}/v{i}", "value": value}).encode(),
+        headers={"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as answer:
+            answers.append([answer.status, ""])
+    except urllib.error.HTTPError as exc:
+        answers.append([exc.code, json.loads(exc.read()).get("detail", "")])
+print(json.dumps(answers), flush=True)
+"""
+
+
+def _store_bytes(state: Path) -> int:
+    return sum(p.stat().st_size for p in state.glob("store.sqlite3*"))
+
+
+@AS_ROOT
+async def test_a_jobs_token_cannot_fill_the_store_hosts_disk(open_tmp: Path) -> None:
+    """A job running as nobody PUTs 700 KB values under jobs/<id>/ with its token: past its
+    2 MiB share (job_store_max_bytes) each write is 413 naming the setting; the store file
+    stays within the share, and the admin's next job is accepted and runs."""
+    (open_tmp / "fill.py").write_text(FILL_STORE)
+    daemon = serve(
+        open_tmp,
+        "--run-as",
+        "nobody",
+        env={"ELASTICD_ALLOW_ROOT": "false", "ELASTICD_JOB_STORE_MAX_BYTES": str(2 << 20)},
+    )
+    try:
+        async with asyncio.timeout(120), daemon.client() as admin:
+            await daemon.wait_ready()
+            before = _store_bytes(daemon.state_dir)
+            spec = {"entrypoint": SYSTEM_PY, "args": ["-I", str(open_tmp / "fill.py")], "cwd": "/"}
+            r = await admin.post("/jobs", json={"id": "filler", **spec})
+            assert r.status_code == 201, r.text
+
+            async def ended(job_id: str) -> dict[str, Any] | None:
+                job: dict[str, Any] = (await admin.get(f"/jobs/{job_id}")).json()
+                return job if job["state"] in ("SUCCEEDED", "FAILED") else None
+
+            job = await _until(lambda: ended("filler"), 60, "the filler to end")
+            assert job["state"] == "SUCCEEDED", job
+            out = (await admin.get("/jobs/filler/logs", params={"attempt": 0})).text
+            answers = json.loads(out.strip().splitlines()[-1])
+            assert [a[0] for a in answers] == [200] * 2 + [413] * 6, answers
+            assert "job_store_max_bytes" in answers[2][1], answers[2]
+            grown = _store_bytes(daemon.state_dir) - before
+            assert grown < 2 * (2 << 20), grown  # the share, and the journal's copy of it
+            r = await admin.post("/jobs", json={"id": "after", "entrypoint": "/bin/true"})
+            assert r.status_code == 201, r.text
+            assert (await _until(lambda: ended("after"), 60, "the next job"))["state"] == (
+                "SUCCEEDED"
+            )
+    finally:
+        daemon.stop()

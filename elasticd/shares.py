@@ -144,9 +144,10 @@ class ConnectionShares:
                     f"this caller already holds {self.long_polls} long-polls (watches, event "
                     "waits, streams), its share (principal_max_long_polls); close some first"
                 )
-            if self.busy >= max(1, self.total - self.reserved):
+            reserve = min(self.reserved, self.total // 2)  # a small cap keeps half for others
+            if self.busy >= self.total - reserve:
                 return (
-                    f"the daemon serves {self.busy} requests; the last {self.reserved} of its "
+                    f"the daemon serves {self.busy} requests; the last {reserve} of its "
                     f"{self.total} connections are kept for the admin and the cluster "
                     "(admin_reserved_connections): try again shortly"
                 )

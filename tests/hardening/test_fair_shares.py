@@ -173,3 +173,81 @@ async def test_a_jobs_token_cannot_fill_the_store_hosts_disk(open_tmp: Path) -> 
             )
     finally:
         daemon.stop()
+
+
+#: A local user opens ``count`` connections on the socket, each a 60 s wait for events of her
+#: own job past any it has; after a second, prints how many are held and what the rest got.
+HOLD = r"""
+import json, select, socket, sys, time
+target, job, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+held = []
+for _ in range(count):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(target)
+    s.sendall(f"GET /jobs/{job}/events?after=1000000&wait=60 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    held.append(s)
+time.sleep(1.0)
+ready, _, _ = select.select(held, [], [], 0)
+def first_line(s):
+    try:
+        return s.recv(200).split(b"\r\n", 1)[0].decode() or "closed"
+    except OSError as exc:
+        return type(exc).__name__
+answers = [first_line(s) for s in ready]
+print(json.dumps({"held": count - len(ready), "answers": sorted(set(answers))}), flush=True)
+time.sleep(120)
+"""
+
+
+@AS_ROOT
+async def test_one_local_user_s_long_polls_cannot_hold_every_connection(
+    open_tmp: Path, users: Users
+) -> None:
+    """alice opens 80 event waits of 60 s on a daemon with 64 connections: she holds at most
+    the share the admins' reserve leaves (the rest get 429 naming the setting), and the
+    admin's /healthz and /jobs answer over TCP and over the socket."""
+    alice = users.user()
+    sock = open_tmp / "run" / "elasticd.sock"
+    daemon = serve(open_tmp, "--unix-socket", str(sock), env={"ELASTICD_MAX_CONNECTIONS": "64"})
+    holder = None
+    try:
+        async with asyncio.timeout(120), daemon.client() as admin:
+            await daemon.wait_ready()
+            (made,) = await asyncio.to_thread(flood, alice, sock, "hers", 1, 0)
+            assert made["status"] == 201, made
+            holder = as_user(alice, SYSTEM_PY, "-I", "-c", HOLD, str(sock), "hers0", "80")
+            assert holder.stdout is not None
+            line = await asyncio.to_thread(holder.stdout.readline)
+            assert line.startswith(b"{"), line + holder.stdout.read(3000)
+            seen = json.loads(line)
+            assert 40 <= seen["held"] <= 48, seen  # she holds waits: the attack is real
+            assert any("429" in a for a in seen["answers"]), seen
+            for _ in range(3):
+                assert (await admin.get("/healthz")).status_code == 200
+                assert (await admin.get("/jobs")).status_code == 200
+            mine = await asyncio.to_thread(_root_on_socket, sock)
+            assert mine == [200, 200], mine
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.communicate()
+        daemon.stop()
+
+
+def _root_on_socket(sock: Path) -> list[int]:
+    """root's /healthz and /jobs over the socket (root is the node's admin there)."""
+    import http.client
+    import socket as socketlib
+
+    class Unix(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socketlib.socket(socketlib.AF_UNIX)
+            self.sock.connect(str(sock))
+
+    statuses = []
+    for path in ("/healthz", "/jobs"):
+        conn = Unix("localhost", timeout=10)
+        conn.request("GET", path)
+        statuses.append(conn.getresponse().status)
+        conn.close()
+    return statuses

@@ -30,10 +30,16 @@ from api.problems import PROBLEM_JSON, UNPARSEABLE_BODY, install_error_handlers
 from api.routes import health, jobs, nodes, ui
 from api.routes.metrics import metrics_router
 from api.routes.store import body_limit, store_router
+from api.shares import DEFAULT_LONG_POLLS, DEFAULT_PER_PRINCIPAL, DEFAULT_RESERVED, PrincipalShares
 from api.store_http import StoreHTTP
 from api.streams import DEFAULT_MAX_STREAMS, StreamLimit
 from elasticd import __version__
 from elasticd.store.base import DEFAULT_MAX_VALUE_BYTES
+from elasticd.store.scoped import (
+    DEFAULT_JOB_STORE_MAX_BYTES,
+    DEFAULT_JOB_STORE_MAX_KEYS,
+    PrefixShare,
+)
 
 if TYPE_CHECKING:
     from elasticd.node.daemon import Daemon
@@ -71,10 +77,24 @@ def create_app(daemon: Daemon | None) -> FastAPI:
         store_limit = getattr(config, "store_max_value_bytes", None)
         app.add_middleware(
             StoreHTTP,
-            access=store_access(lambda: daemon.store),
+            access=store_access(
+                lambda: daemon.store,
+                PrefixShare(
+                    getattr(config, "job_store_max_keys", DEFAULT_JOB_STORE_MAX_KEYS),
+                    getattr(config, "job_store_max_bytes", DEFAULT_JOB_STORE_MAX_BYTES),
+                ),
+            ),
             body_limit=body_limit(store_limit or DEFAULT_MAX_VALUE_BYTES),
         )
     app.add_middleware(BodySizeLimit, max_bytes=max_bytes)
+    if daemon is not None:  # each principal's share of requests, once it is known
+        app.add_middleware(
+            PrincipalShares,
+            total=lambda: getattr(daemon, "max_connections", None),
+            per_principal=getattr(config, "principal_max_connections", DEFAULT_PER_PRINCIPAL),
+            long_polls=getattr(config, "principal_max_long_polls", DEFAULT_LONG_POLLS),
+            reserved=getattr(config, "admin_reserved_connections", DEFAULT_RESERVED),
+        )
     if daemon is not None:  # who is asking: from the head alone, before any body is read
         app.add_middleware(
             Authenticate,

@@ -35,7 +35,7 @@ from api.protocol import PEER_KEY
 from elasticd.config import is_loopback
 from elasticd.identity import Action, Authenticator, Deny, Principal, authorize
 from elasticd.store.base import Store
-from elasticd.store.scoped import ScopedStore
+from elasticd.store.scoped import PrefixLedger, PrefixShare, ScopedStore
 
 #: Where :class:`Authenticate` puts the request's principal.
 PRINCIPAL_KEY = "elasticd.principal"
@@ -72,12 +72,16 @@ async def require_lister(request: Request) -> None:
         raise HTTPException(403, decision.reason)
 
 
-def store_access(store: Callable[[], Store]) -> Callable[[Scope], Store | Response]:
+def store_access(
+    store: Callable[[], Store], share: PrefixShare | None = None
+) -> Callable[[Scope], Store | Response]:
     """Who may use the daemon's ``/store`` (:class:`api.store_http.StoreHTTP`'s ``access``).
 
     The daemons and admins use the whole store; a job's token only its
-    job's keys (:class:`elasticd.store.scoped.ScopedStore`); anyone else gets 403.
+    job's keys (:class:`elasticd.store.scoped.ScopedStore`), within ``share``
+    (kept in one ledger for all of this daemon's requests); anyone else gets 403.
     """
+    ledger = PrefixLedger()
 
     def access(scope: Scope) -> Store | Response:
         principal = scope.get(PRINCIPAL_KEY)
@@ -89,7 +93,7 @@ def store_access(store: Callable[[], Store]) -> Callable[[Scope], Store | Respon
         if isinstance(decision, Deny):
             return problem(403, "Forbidden", decision.reason)
         if principal.store_prefix is not None:
-            return ScopedStore(store(), principal.store_prefix)
+            return ScopedStore(store(), principal.store_prefix, share=share, ledger=ledger)
         return store()
 
     return access

@@ -51,6 +51,8 @@ STATUS_BY_ERROR: list[tuple[type[errors.ElasticdError], int, str]] = [
     (errors.ShuttingDown, 503, "Daemon shutting down"),
     (errors.StorageFull, 507, "Insufficient storage"),
     (errors.TooManyStreams, 429, "Too many streams"),
+    (errors.OverShareBytes, 413, "Over its share"),
+    (errors.OverShare, 429, "Over its share"),
     (errors.ConfigError, 400, "Bad configuration"),
     (errors.ElasticdError, 500, "Internal error"),
 ]

@@ -199,7 +199,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    from elasticd.security import make_private_dir, make_state_private
+    from elasticd.security import make_private_dir, make_state_private, refuse_foreign_state
     from elasticd.store.embedded import EmbeddedStore
 
     token = read_token_file(args.token_file) if args.token_file else None
@@ -207,6 +207,7 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    refuse_foreign_state(args.state_dir)
     make_private_dir(args.state_dir)
     make_state_private(args.state_dir.resolve())
     store = EmbeddedStore(args.state_dir / "store.sqlite3", synchronous=args.synchronous)

@@ -61,7 +61,7 @@ from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
 from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, format_umask
-from elasticd.security import set_private_umask
+from elasticd.security import refuse_foreign_state, set_private_umask
 from elasticd.tasks import cancel_and_wait, race
 
 log = logging.getLogger("elasticd")
@@ -552,6 +552,8 @@ async def _run(args: argparse.Namespace) -> int:
         )
         # Locked before this run writes anything there (its token): a --state-dir that a
         # live daemon holds is refused, exit 2 naming its pid.
+        if args.state_dir:  # one of the caller's choosing: it must be the caller's own
+            refuse_foreign_state(Path(state_dir))
         state_lock = stack.enter_context(StateLock(Path(state_dir)))
         log_dir = args.log_dir or tempfile.mkdtemp(prefix="elasticd-logs-")
         config = load_config(

@@ -327,6 +327,58 @@ class Config(BaseModel):
         "(at most 100,000 changes and 16 MiB); a watch from before gets StoreCompacted and "
         "re-reads.",
     )
+    job_store_max_keys: int = Field(
+        default=100_000,
+        ge=16,
+        le=100_000_000,
+        description="Keys a job's token may keep under its store prefix (jobs/<id>/), "
+        "counted by each daemon its workers use; 429 naming this setting beyond.",
+    )
+    job_store_max_bytes: int = Field(
+        default=32 << 20,
+        ge=64 * 1024,
+        le=1 << 40,
+        description="Bytes of values a job's token may keep under its store prefix; 413 "
+        "beyond, so no job fills the store host's disk as root through its token.",
+    )
+    principal_max_connections: int = Field(
+        default=128,
+        ge=1,
+        le=100_000,
+        description="Requests one principal (a local user, an identity, a job's token; not "
+        "the admin or the cluster) may have in flight at once; 429 naming this setting beyond.",
+    )
+    principal_max_long_polls: int = Field(
+        default=64,
+        ge=1,
+        le=100_000,
+        description="Long-polls (store watches, event waits, SSE, log follows) one principal "
+        "may hold at once; 429 beyond.",
+    )
+    admin_reserved_connections: int = Field(
+        default=16,
+        ge=0,
+        le=100_000,
+        description="Of the daemon's connections (max_connections), how many only the admin "
+        "and the cluster identity may use: their /healthz, /jobs and keep-alives are served "
+        "whatever the others hold.",
+    )
+    owner_max_jobs: int = Field(
+        default=1000,
+        ge=1,
+        le=10_000_000,
+        description="Job documents one owner (a local user or token identity; not the admin) "
+        "may keep in the store, ended ones included until they are deleted or expire; 429 "
+        "naming this setting beyond. An identity's max_jobs overrides it.",
+    )
+    owner_max_job_bytes: int = Field(
+        default=16 << 20,
+        ge=64 * 1024,
+        le=1 << 40,
+        description="Bytes of job documents one owner may keep (413 beyond): below "
+        "store_max_list_bytes, so no one owner can fill a listing of job/. An identity's "
+        "max_job_bytes overrides it.",
+    )
     store_max_list_bytes: int = Field(
         default=64 << 20,
         ge=1 << 20,
@@ -453,6 +505,13 @@ _ENV_FIELDS = {
     "MAX_STREAMS": "max_streams",
     "STORE_MAX_VALUE_BYTES": "store_max_value_bytes",
     "STORE_MAX_LIST_BYTES": "store_max_list_bytes",
+    "OWNER_MAX_JOBS": "owner_max_jobs",
+    "PRINCIPAL_MAX_CONNECTIONS": "principal_max_connections",
+    "PRINCIPAL_MAX_LONG_POLLS": "principal_max_long_polls",
+    "ADMIN_RESERVED_CONNECTIONS": "admin_reserved_connections",
+    "JOB_STORE_MAX_KEYS": "job_store_max_keys",
+    "JOB_STORE_MAX_BYTES": "job_store_max_bytes",
+    "OWNER_MAX_JOB_BYTES": "owner_max_job_bytes",
     "STORE_HISTORY_SECONDS": "store_history_seconds",
 }
 

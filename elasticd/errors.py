@@ -10,6 +10,8 @@ above it handle a small, documented set::
     ├── ShuttingDown             the daemon no longer accepts work
     ├── StorageFull              the local disk refuses writes; no new job can be made durable
     ├── TooManyStreams           the daemon already serves its most live streams
+    ├── OverShare                a caller past its share of a shared resource (429)
+    │   └── OverShareBytes       ... past its share in bytes (413)
     ├── StoreError               anything the cluster store raises
     │   ├── StoreUnavailable     the store could not be reached (names the URL)
     │   │   └── StoreAuthError   the store refused this client's credentials or access
@@ -62,6 +64,15 @@ class StorageFull(ElasticdError):
 
 class TooManyStreams(ElasticdError):
     """The daemon already serves as many live streams (log follows, SSE) as it allows."""
+
+
+class OverShare(ElasticdError):
+    """A caller is past its share of something every caller needs (jobs, keys, requests):
+    the message names the limit and the setting that raises it (:mod:`elasticd.shares`)."""
+
+
+class OverShareBytes(OverShare):
+    """A caller's share in bytes (its job documents, its job's store prefix) is used up."""
 
 
 class StoreError(ElasticdError):

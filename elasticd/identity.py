@@ -96,6 +96,10 @@ class Principal:
     max_priority: int = 0
     may_preempt: bool = False
     slot_quota: int | None = None
+    max_jobs: int | None = None
+    """Its share of job documents (:mod:`elasticd.shares`); None: the node's ``owner_max_jobs``."""
+    max_job_bytes: int | None = None
+    """Its share of job-document bytes; None: the node's ``owner_max_job_bytes``."""
     admin: bool = False
     uid: int | None = None
     """For a local caller: its uid."""
@@ -261,6 +265,8 @@ class LocalPolicy:
     max_priority: int = 0
     may_preempt: bool = False
     slot_quota: int | None = None
+    max_jobs: int | None = None
+    max_job_bytes: int | None = None
     serves_others: bool | None = None
     """Whether other uids are served, each as itself. None: a root daemon does (``elasticd
     serve``); an embedded one (``elasticd run`` as root) and a user's own daemon do not."""
@@ -282,6 +288,8 @@ class LocalPolicy:
                 max_priority=overrides.max_priority,
                 may_preempt=overrides.may_preempt,
                 slot_quota=overrides.slot_quota,
+                max_jobs=overrides.max_jobs,
+                max_job_bytes=overrides.max_job_bytes,
                 admin=overrides.admin or admin,
                 uid=uid,
             )
@@ -294,6 +302,8 @@ class LocalPolicy:
             max_priority=MAX_PRIORITY if admin else self.max_priority,
             may_preempt=True if admin else self.may_preempt,
             slot_quota=None if admin else self.slot_quota,
+            max_jobs=self.max_jobs,
+            max_job_bytes=self.max_job_bytes,
             admin=admin,
             uid=uid,
             unix_named=True,
@@ -323,12 +333,18 @@ class IdentityTable:
         local_raw = data.get("local", {})
         if not isinstance(local_raw, Mapping):
             raise ValueError(f"{where}: [local] must be a table")
-        _only(local_raw, {"max_priority", "may_preempt", "slot_quota"}, f"{where} [local]")
+        _only(
+            local_raw,
+            {"max_priority", "may_preempt", "slot_quota", *SHARE_KEYS},
+            f"{where} [local]",
+        )
         local = LocalPolicy(
             daemon_uid=daemon_uid,
             max_priority=_priority(local_raw.get("max_priority", 0), f"{where} [local]"),
             may_preempt=_bool(local_raw.get("may_preempt", False), f"{where} [local]"),
             slot_quota=_quota(local_raw.get("slot_quota"), f"{where} [local]"),
+            max_jobs=_share(local_raw, "max_jobs", f"{where} [local]"),
+            max_job_bytes=_share(local_raw, "max_job_bytes", f"{where} [local]"),
         )
         table = cls(local=local)
         entries = data.get("identity", [])
@@ -349,6 +365,7 @@ class IdentityTable:
                     "max_priority",
                     "may_preempt",
                     "slot_quota",
+                    *SHARE_KEYS,
                     "admin",
                 },
                 at,
@@ -369,6 +386,8 @@ class IdentityTable:
                 max_priority=_priority(raw.get("max_priority", 0), at),
                 may_preempt=_bool(raw.get("may_preempt", False), at),
                 slot_quota=_quota(raw.get("slot_quota"), at),
+                max_jobs=_share(raw, "max_jobs", at),
+                max_job_bytes=_share(raw, "max_job_bytes", at),
                 admin=_bool(raw.get("admin", False), at),
             )
             digest = raw.get("token_sha256")
@@ -420,6 +439,19 @@ def _priority(value: Any, at: str) -> int:
 def _bool(value: Any, at: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{at}: expected true or false, got {value!r}")
+    return value
+
+
+#: The shares an identity (or ``[local]``) may set for itself (:mod:`elasticd.shares`).
+SHARE_KEYS = ("max_jobs", "max_job_bytes")
+
+
+def _share(raw: Mapping[str, Any], key: str, at: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 40:
+        raise ValueError(f"{at}: {key} must be a whole number (0..2**40)")
     return value
 
 

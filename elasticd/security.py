@@ -409,6 +409,121 @@ def secure_state_dir(state_dir: Path, logs: Path, users: JobUsers | None = None)
                 )
 
 
+def ownership_problem(
+    path: Path, st: os.stat_result | None, euid: int, *, what: str, owners: str = ""
+) -> str | None:
+    """Why the daemon must not use ``path`` (its ``lstat`` is ``st``), or None (pure).
+
+    A folder or file of the daemon's state must be the daemon's own and writable by
+    nobody else: one that another user made first (in a sticky ``/tmp``, say) can hold
+    a store with planted job documents, and its owner keeps the ``-wal`` and ``-shm``
+    files SQLite makes beside them. ``what`` names it (``state folder``); ``owners``
+    is the owner's name, for the message. A missing path (``st`` None) is fine: the
+    daemon makes it itself, private.
+    """
+    if st is None:
+        return None
+    who = f"uid {st.st_uid}" + (f" ({owners})" if owners else "")
+    if stat.S_ISLNK(st.st_mode):
+        return (
+            f"{what} {path} is a symbolic link (owned by {who}); the daemon's state is never "
+            f"reached through a link: point it at the real path, or remove the link"
+        )
+    if st.st_uid != euid:
+        return (
+            f"{what} {path} belongs to {who}, not to this daemon (uid {euid}): another user "
+            f"could have planted state there (a store with job documents that run as anyone). "
+            f"Use a folder of the daemon's own (e.g. under /var/lib), or, once you have checked "
+            f"its content: chown -R {euid} {path} && chmod -R go-w {path}"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        return (
+            f"{what} {path} is writable by its group or others (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}, owner {who}): anyone could plant or swap state "
+            f"there. Run: chmod go-w {path}"
+        )
+    return None
+
+
+def parent_problem(path: Path, st: os.stat_result, euid: int, *, what: str) -> str | None:
+    """Why the folder ``path`` above the daemon's state lets another user swap it (pure).
+
+    A parent that another user owns, or may write without the sticky bit, lets that
+    user rename the daemon's folder away and put her own in its place. A sticky
+    world-writable folder (``/tmp``) is fine for a folder the daemon made itself.
+    """
+    if st.st_uid not in (0, euid):
+        return (
+            f"{what}'s parent folder {path} belongs to uid {st.st_uid}: its owner could swap "
+            f"the daemon's state for her own. Use a folder under one of root's (e.g. /var/lib)"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"{what}'s parent folder {path} is writable by group or others without the sticky "
+            f"bit (mode {stat.S_IMODE(st.st_mode):04o}): anyone could swap the daemon's state "
+            f"for her own. Run: chmod go-w {path} (or chmod +t {path})"
+        )
+    return None
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return path.lstat()
+    except FileNotFoundError:
+        return None
+
+
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
+
+
+def refuse_foreign_state(state_dir: Path, folders: dict[str, Path] | None = None) -> None:
+    """Raise ``ConfigError`` unless the daemon's state is its own and nobody else may write it.
+
+    Checked at start, before anything is opened: the state folder, every file and
+    folder directly in it (the store, its ``-wal``/``-shm``, the event log, the lock,
+    the token), each folder of ``folders`` (``{"log_dir": path}``) and the parents of
+    them all. What is missing is fine (the daemon makes it, private).
+    """
+    euid = os.geteuid()
+    checks: list[tuple[str, Path]] = [("state folder (--state-dir)", Path(state_dir))]
+    checks += [(f"{name} folder", Path(p)) for name, p in (folders or {}).items()]
+    for what, path in checks:
+        path = Path(os.path.abspath(path))
+        for parent in path.parents:
+            pst = _lstat(parent)
+            if pst is None:
+                continue
+            if stat.S_ISLNK(pst.st_mode) and pst.st_uid in (0, euid):
+                pst = parent.stat()  # root's link above (/var/run -> /run): its target counts
+            problem = parent_problem(parent, pst, euid, what=what)
+            if problem:
+                raise ConfigError(problem)
+        st = _lstat(path)
+        if st is not None and stat.S_ISLNK(st.st_mode) and st.st_uid in (0, euid):
+            st = path.stat()  # the operator's own link: its target is what must be private
+        problem = ownership_problem(
+            path, st, euid, what=what, owners=_owner_name(st.st_uid) if st else ""
+        )
+        if problem:
+            raise ConfigError(problem)
+    state = Path(os.path.abspath(state_dir))
+    if not state.is_dir():
+        return
+    for entry in sorted(state.iterdir()):
+        st = _lstat(entry)
+        if st is not None and stat.S_ISSOCK(st.st_mode):
+            continue  # a socket left by a daemon killed before it removed it: replaced at bind
+        problem = ownership_problem(
+            entry, st, euid, what="state file", owners=_owner_name(st.st_uid) if st else ""
+        )
+        if problem:
+            raise ConfigError(problem)
+
+
 def make_state_private(state_dir: Path, mode: int = STATE_DIR_MODE) -> None:
     """Set the state folder to ``mode`` and its files to 0600 where this process owns them.
 

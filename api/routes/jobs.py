@@ -54,6 +54,12 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             **_problem,
         },
         422: {"description": "The spec is invalid; the detail names the field", **_problem},
+        429: {
+            "description": "The owner keeps its share of job documents (owner_max_jobs, or "
+            "its identity's max_jobs), ended ones included until deleted or expired (past "
+            "its share in bytes, owner_max_job_bytes, the answer is 413)",
+            **_problem,
+        },
         503: {"description": "The daemon is shutting down", **_problem},
         507: {
             "description": "This node's disk refuses writes (full): the job was not accepted",

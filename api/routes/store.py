@@ -50,7 +50,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.problems import LEASE_NOT_FOUND
+from api.problems import LEASE_NOT_FOUND, problem_response
 from api.schemas import Empty
 from api.store_watch import MAX_WATCH_SECONDS
 from elasticd.store.base import MAX_BATCH_KEYS
@@ -381,9 +381,22 @@ def store_router() -> APIRouter:
             response_model=route.response,
             status_code=route.status,
             response_class=JSONResponse if route.response is not None else Response,
-            responses=route.responses,
+            responses={
+                **(route.responses or {}),
+                **(OVER_SHARE if route.path in SHARED_WRITES and route.method != "DELETE" else {}),
+            },
         )
     return router
+
+
+#: The writes a job's token makes under its prefix, within its share (issue 35).
+SHARED_WRITES = frozenset({"/kv", "/batch", "/cas", "/add"})
+OVER_SHARE: dict[int | str, dict[str, Any]] = {
+    429: problem_response(
+        "A job's token past its prefix's share of keys (job_store_max_keys); past its share "
+        "of bytes (job_store_max_bytes) the answer is 413"
+    )
+}
 
 
 def _described(route: StoreRoute) -> Callable[..., Any]:

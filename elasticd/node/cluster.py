@@ -38,7 +38,9 @@ from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
 from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN, Job, valid_job_id
 from elasticd.sched.plan import MAX_SELECTOR_ITEMS, MAX_SELECTOR_KEY, MAX_SELECTOR_VALUE
+from elasticd.shares import Usage
 from elasticd.store import Entry, Store
+from elasticd.store.parts import list_in_parts
 from elasticd.tasks import TaskSet
 
 log = logging.getLogger("elasticd.node.cluster")
@@ -118,6 +120,8 @@ class Cluster:
         self._on_renewed = on_renewed
         #: Refused job documents already reported: key -> the revision reported.
         self._refused: dict[str, int] = {}
+        #: Each owned job document the watch holds: key -> ((owner, local), its bytes).
+        self._held: dict[str, tuple[tuple[str, bool], int]] = {}
         self._clock = clock
         self._lease: int | None = None
         #: Monotonic time at which the last grant or keep-alive that succeeded was sent:
@@ -290,12 +294,15 @@ class Cluster:
         backoff = 0.1
         while True:
             try:
-                listing = await self.store.list(JOB_PREFIX)
+                listing = await list_in_parts(self.store, JOB_PREFIX)
                 jobs = {
                     e.key: job
                     for e in listing.entries
                     if (job := self._parse(e.key, e.value, e.version)) is not None
                 }
+                self._held = {}
+                for e in listing.entries:
+                    self._count(e.key, jobs.get(e.key), len(e.value))
                 self._on_jobs(list(jobs.values()))
                 revision = listing.revision
                 backoff = 0.1
@@ -308,8 +315,10 @@ class Cluster:
                         if event.kind == "delete" or event.value is None:
                             jobs.pop(event.key, None)
                             self._refused.pop(event.key, None)
+                            self._held.pop(event.key, None)
                         elif job := self._parse(event.key, event.value, event.revision):
                             jobs[event.key] = job
+                            self._count(event.key, job, len(event.value))
                         # A refused overwrite keeps the last valid copy: forgetting the job
                         # would drop its events here.
                     self._on_jobs(list(jobs.values()))
@@ -321,6 +330,22 @@ class Cluster:
                 log.warning("job watch: %s (retrying in %.1fs)", exc, backoff)
                 await asyncio.sleep(backoff)  # back off while the store is unreachable
                 backoff = min(backoff * 2, 5.0)
+
+    def _count(self, key: str, job: Job | None, nbytes: int) -> None:
+        if job is not None and job.owner is not None and not job.owner.admin:
+            self._held[key] = ((job.owner.name, job.owner.local), nbytes)
+        else:
+            self._held.pop(key, None)
+
+    def holds(self, key: str) -> bool:
+        """Whether the job watch has seen the owned document at ``key``."""
+        return key in self._held
+
+    def owner_usage(self, owner: tuple[str, bool], *, besides: str | None = None) -> Usage:
+        """The job documents ``owner`` (name, local) keeps as this node's watch last saw
+        them, ended ones included, ``besides`` (a key) left out (issue 35)."""
+        held = [n for key, (who, n) in self._held.items() if who == owner and key != besides]
+        return Usage(len(held), sum(held))
 
     def _parse(self, key: str, value: bytes, revision: int) -> Job | None:
         """The job document at ``key``; a refused one is reported once per revision."""

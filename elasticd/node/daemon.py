@@ -109,6 +109,7 @@ from elasticd.security import (
     UNIX_PATH_MAX,
     bind_unix_socket,
     make_private_dir,
+    refuse_foreign_state,
     resolve_job_users,
     secure_state_dir,
 )
@@ -447,6 +448,9 @@ class Daemon(ReexecMixin):
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
+        # A state folder, log root or store file another user made or may write is refused
+        # before anything is opened there (it could hold a planted store: issue 35).
+        refuse_foreign_state(self.config.state_dir, {"log_dir": self.config.logs})
         # One daemon per state folder, locked before anything touches it (the database,
         # the store, the sweep, the cgroup subtree): a second one exits 2 naming this pid.
         if self._lease_keeper is not None:

@@ -50,6 +50,7 @@ from elasticd.node.events import EventLog
 from elasticd.sched.plan import Demand, FleetPlan, NodeCapacity, Notice, clip, schedule
 from elasticd.states import JOB_ACTIVE
 from elasticd.store import Entry, Store
+from elasticd.store.parts import list_in_parts
 from elasticd.tasks import TaskSet, cancel_and_wait
 
 log = logging.getLogger("elasticd.node.scheduler")
@@ -325,7 +326,9 @@ class FleetScheduler:
         for _ in range(CAS_ATTEMPTS):
             entry = await self.store.get(keys.SCHED_PLAN)
             stored = decode_plan(entry.value if entry is not None else None)
-            jobs = parse_jobs((await self.store.list(keys.JOBS)).entries)
+            # In parts where one listing would be over the bound: no owner's documents
+            # can fail the pass for everyone (issue 35).
+            jobs = parse_jobs((await list_in_parts(self.store, keys.JOBS)).entries)
             nodes = live_nodes(
                 list((await self.store.list(keys.NODES)).entries), self._node_refused
             )

@@ -126,7 +126,10 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
         returncode = shell.wait(timeout=120)
         text = log.read_text(errors="replace")
         assert returncode == 0, text
-        token = (tmp_path / "elasticd.token").read_text().strip()
+        # The recipe's own folder (mktemp, under the test's folder in place of /tmp).
+        (folder,) = tmp_path.glob("elasticd-demo.*")
+        assert folder.stat().st_mode & 0o777 == 0o711
+        token = (folder / "token").read_text().strip()
         deadline = time.monotonic() + 150
         while (job := get(f"{base[0]}/jobs/elastic-1", token))["state"] not in (
             "SUCCEEDED",
@@ -140,7 +143,7 @@ def test_the_three_node_recipe_runs_a_job_to_success(tmp_path):
         fleet = subprocess.run(
             ["bash", "-c", localized(recipe("### Sharing the fleet"), tmp_path, ports)],
             cwd=ROOT,
-            env=env,
+            env={**env, "ED": str(folder)},  # "the cluster above": the same shell's $ED
             capture_output=True,
             text=True,
             timeout=60,

@@ -469,5 +469,5 @@ def test_a_log_root_a_job_user_could_write_is_refused(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert f"log_dir {logs} must be a folder of the daemon's own user" in proc.stderr
+    assert f"log_dir folder {logs} belongs to uid 65534 (nobody)" in proc.stderr
     assert not any(logs.iterdir())

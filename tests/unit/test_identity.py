@@ -134,7 +134,7 @@ def test_the_identities_file_is_parsed_and_checked() -> None:
     digest = hash_token("s3cret")
     table = IdentityTable.parse(
         {
-            "local": {"max_priority": 1},
+            "local": {"max_priority": 1, "max_jobs": 7},
             "identity": [
                 {
                     "name": "bob",
@@ -142,6 +142,8 @@ def test_the_identities_file_is_parsed_and_checked() -> None:
                     "users": ["bob"],
                     "max_priority": 10,
                     "slot_quota": 4,
+                    "max_jobs": 5000,
+                    "max_job_bytes": 1 << 30,
                 },
                 {"name": "carol", "unix_user": "carol", "may_preempt": True},
             ],
@@ -151,6 +153,9 @@ def test_the_identities_file_is_parsed_and_checked() -> None:
     )
     bob = table.for_token("s3cret")
     assert bob is not None and bob.name == "bob" and bob.slot_quota == 4
+    assert (bob.max_jobs, bob.max_job_bytes) == (5000, 1 << 30)  # a share raised (issue 35)
+    dave = table.local.principal(1004, "dave", None)
+    assert dave is not None and (dave.max_jobs, dave.max_job_bytes) == (7, None)
     assert table.for_token("wrong") is None
     carol = table.local.principal(1003, "carol", table.by_unix_user["carol"])
     assert carol is not None and carol.may_preempt and carol.users[0] == "carol"
@@ -161,6 +166,8 @@ def test_the_identities_file_is_parsed_and_checked() -> None:
         {"identity": [{"name": "admin", "token_sha256": digest}]},
         {"identity": [{"name": "x", "token_sha256": digest, "max_priority": 5000}]},
         {"identity": [{"name": "x", "token_sha256": digest, "root": True}]},
+        {"identity": [{"name": "x", "token_sha256": digest, "max_jobs": -1}]},
+        {"local": {"max_job_bytes": "lots"}},
         {
             "identity": [
                 {"name": "a", "token_sha256": digest},

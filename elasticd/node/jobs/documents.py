@@ -30,6 +30,7 @@ from elasticd.node.events import EventLog
 from elasticd.rendezvous import presence_prefix
 from elasticd.states import JobState, job_transition
 from elasticd.store import Store
+from elasticd.store.parts import list_in_parts
 
 #: Compare-and-set tries before an update gives up (only under absurd contention).
 CAS_ATTEMPTS = 100
@@ -144,7 +145,7 @@ class JobDocuments:
         return parse_job(job_id, entry.value)
 
     async def all(self) -> list[Job]:
-        return parse_jobs((await self.store.list(JOB_PREFIX)).entries)
+        return parse_jobs((await list_in_parts(self.store, JOB_PREFIX)).entries)
 
     async def sweep(self, job_id: str) -> int:
         """What earlier jobs of this id left (:func:`~elasticd.agent.jobdoc.sweep_leftovers`)."""

@@ -48,6 +48,8 @@ from elasticd.errors import (
     JobConflict,
     JobForbidden,
     JobNotFound,
+    OverShare,
+    OverShareBytes,
     ShuttingDown,
     StorageFull,
     StoreError,
@@ -87,11 +89,16 @@ from elasticd.node.jobs.supervision import AgentSupervisor
 from elasticd.node.logfollow import LogGrowth
 from elasticd.node.retention import expired
 from elasticd.sched.plan import FleetPlan
+from elasticd.shares import JobShare, Usage, job_share_problem
 from elasticd.states import JobState
 from elasticd.storage import StorageHealth
 from elasticd.store import Store
 from elasticd.supervise.spawn import SpawnPolicy
 from elasticd.tasks import TaskSet
+
+#: Seconds a job document this node wrote counts toward its owner's share before the
+#: job watch must have shown it (it shows it within milliseconds while the store answers).
+RECENT_SECONDS = 30.0
 
 log = logging.getLogger("elasticd.node.jobs")
 
@@ -127,6 +134,10 @@ class JobService:
         self.store = store
         self.cluster = cluster
         self.clock = clock
+        #: Job documents this node wrote for a share-bound owner, until its watch shows
+        #: them: key -> ((owner, local), bytes, monotonic time written).
+        self._recent: dict[str, tuple[tuple[str, bool], int, float]] = {}
+        self._share_lock = asyncio.Lock()
         self.documents = JobDocuments(store, events, clock)
         side = JobsSide(config, self.documents, events, cluster, self.logs)
         #: Work nobody awaits where it starts (slot counts, refusals, a dead agent's
@@ -304,9 +315,20 @@ class JobService:
             submitted_to=self.node,
             owner=owner,
         )
-        result = await self.store.compare_and_set(
-            job_key(job_id), job.model_dump_json().encode(), None
-        )
+        document = job.model_dump_json().encode()
+        share = self._job_share(principal)
+        if share is None:
+            result = await self.store.compare_and_set(job_key(job_id), document, None)
+        else:
+            async with self._share_lock:  # one check-and-write of a share at a time here
+                self._check_share(owner, job_key(job_id), len(document), share)
+                result = await self.store.compare_and_set(job_key(job_id), document, None)
+                if result.ok:
+                    self._recent[job_key(job_id)] = (
+                        (owner.name, owner.local),
+                        len(document),
+                        self.clock.monotonic(),
+                    )
         if not result.ok:
             assert result.entry is not None
             existing = parse_job(job_id, result.entry.value)
@@ -330,6 +352,41 @@ class JobService:
             job_tag=incarnation_tag(job),
         )
         return job, True
+
+    def _job_share(self, principal: Principal) -> JobShare | None:
+        """``principal``'s share of job documents; None for the admin and the cluster."""
+        if principal.admin:
+            return None
+        jobs, nbytes = principal.max_jobs, principal.max_job_bytes
+        return JobShare(
+            max_jobs=self.config.owner_max_jobs if jobs is None else jobs,
+            max_bytes=self.config.owner_max_job_bytes if nbytes is None else nbytes,
+            jobs_setting="owner_max_jobs" if jobs is None else f"max_jobs of {principal.name}",
+            bytes_setting=(
+                "owner_max_job_bytes" if nbytes is None else f"max_job_bytes of {principal.name}"
+            ),
+        )
+
+    def _check_share(self, owner: JobOwner, key: str, nbytes: int, share: JobShare) -> None:
+        """Raise ``OverShare`` (429) or ``OverShareBytes`` (413) when a document of
+        ``nbytes`` at ``key`` would take ``owner`` past ``share``.
+
+        Counted from the documents this node's job watch holds, plus the ones it wrote
+        itself that the watch has not shown yet (kept for :data:`RECENT_SECONDS`).
+        """
+        who = (owner.name, owner.local)
+        now = self.clock.monotonic()
+        for done in [k for k, (_, _, at) in self._recent.items() if now - at > RECENT_SECONDS]:
+            del self._recent[done]
+        usage = self.cluster.owner_usage(who, besides=key)
+        seen = self.cluster.holds
+        for other, (whose, size, _) in self._recent.items():
+            if whose == who and other != key and not seen(other):
+                usage = Usage(usage.count + 1, usage.nbytes + size)
+        problem = job_share_problem(owner.name, usage, nbytes, share)
+        if problem is not None:
+            status, message = problem
+            raise (OverShareBytes if status == 413 else OverShare)(message)
 
     async def authorized(
         self, job_id: str, principal: Principal, action: Action, *, tag: str | None = None

@@ -49,14 +49,12 @@ closes a round, and by a node whose deadline is due.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import TypeVar
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import (
@@ -64,24 +62,17 @@ from elasticd.errors import (
     RendezvousError,
     RendezvousTimeout,
     StoreCompacted,
-    StoreError,
 )
-from elasticd.keys import rendezvous_prefix
 from elasticd.rendezvous.interface import RoundInfo, free_port
 from elasticd.rendezvous.layout import (
     Presence,
-    absorber_key,
     decode_state,
     membership_prefix,
     presence_prefix,
-    roster_bytes,
     roster_key,
-    seat_key,
-    signal_prefix,
     state_key,
 )
 from elasticd.rendezvous.protocol import (
-    Absorber,
     Action,
     Change,
     Head,
@@ -106,27 +97,24 @@ from elasticd.rendezvous.protocol import (
     skip_exit,
     watch_reason,
 )
+from elasticd.rendezvous.signals import (
+    ABSORBER_HOLD,
+    MAX_WATCH,
+    AbsorberRole,
+    Signals,
+    unless_relet,
+    write_seats,
+)
 from elasticd.store import Store
-from elasticd.store.base import MAX_BATCH_KEYS, CasResult, Entry
+from elasticd.store.base import CasResult, Entry
 
 log = logging.getLogger("elasticd.rendezvous")
 
-#: Longest single watch; a watch that times out just re-reads (no busy loop).
-MAX_WATCH = 30.0
 #: Seconds a participant other than the first gives the first to complete a round.
 STRAGGLER_GRACE = 1.0
 #: Jobs of at least this many nodes use the absorber role. Below, a node not yet
 #: placed lists the few presence keys itself: two requests fewer on the restart path.
 ABSORBER_FROM = 16
-#: Seconds one node may hold the absorber role before the others may take it over.
-ABSORBER_HOLD = 15.0
-#: A holder that keeps the role renews its hold this long before it runs out:
-#: ABSORBER_HOLD - ABSORBER_RENEW seconds after it took it, then every as many.
-#: Every renewal wakes every node waiting on the head (they watch the head and
-#: the role together), so it comes late enough that a round of 10,000 nodes
-#: (under 10 s) needs none; the hold is displaced only ABSORBER_HOLD after it
-#: ran out, so a renewal still has 20 s to land.
-ABSORBER_RENEW = 5.0
 #: In a large job, a node whose announcement was not among the first this many
 #: writes after it looked waits ABSORBER_PATIENCE for one of those to take the role.
 CANDIDATES = 4
@@ -137,10 +125,6 @@ ABSORBER_PATIENCE = ABSORBER_HOLD  # the take may queue behind the crowd
 SENTINELS = 3
 #: Closures made in error (the job still runs) one node's rendezvous undoes at most.
 MAX_REOPENS = 3
-#: Seconds between two looks of a waiting node at its lease (a local read, no request).
-LEASE_CHECK = 1.0
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -223,33 +207,18 @@ class StoreRendezvous:
         self._prefix = membership_prefix(job_id)  # the state and the presence keys
         self._state_key = state_key(job_id)
         self._node_prefix = presence_prefix(job_id)
-        signals = rendezvous_prefix(job_id) + "signal/"  # outside the membership prefix
-        # Written (with the round number) by whoever completes or closes a round or
-        # sets its deadline, so that nodes waiting inside an open round wake for
-        # what concerns them, not at every join.
-        self._done_key = signals + "done"
-        # Held (advisory) by the one node that lists the presence keys and places
-        # every announced node; see _take_absorber.
-        self._absorber_key = absorber_key(job_id)
-        self._absorber_version = 0
         self._announced: NodeInfo | None = None  # this node's presence key as last written
         self._announced_lease: int | None = None  # and the lease it is bound to
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
-        self._absorber_until = 0.0
-        # Large jobs: a task renews the hold while the role is held, whatever the
-        # holder is busy with (writing ten thousand seats, say): a hold that lapses
-        # under load would send every waiting node to displace it at once.
-        self._keeper: asyncio.Task[None] | None = None
         self._absorber_from = absorber_from
         # Jobs this large join from the head and their own seat (O(1) bytes each),
         # never the document, unless a deadline is due (see _gather).
         self._large = settings.max_nodes >= max(seats_from, absorber_from)
-        self._signal_prefix = signal_prefix(job_id)
-        # How long past its time a hold still counts in a large job (a renewal may
-        # queue behind the crowd's requests; a dead holder frees the role anyway).
-        self._overdue = absorber_overdue
-        self._signals: dict[str, bytes] = {}  # the head and the absorber as last seen
-        self._signals_rev: int | None = None
+        self._sig = Signals(store, job_id, node, clock, self._relet)  # signal/, as last seen
+        self._done_key = self._sig.done_key
+        self._absorber = AbsorberRole(
+            store, self._sig, node, clock, lease, keep=self._large, overdue=absorber_overdue
+        )
         self._seat: Seat | None = None  # this node's latest seat
         self._seat_read = False  # looked for a seat of an earlier incarnation
         self._me = node
@@ -297,7 +266,9 @@ class StoreRendezvous:
         if timeout <= 0:
             return
         try:
-            await self._unless_relet(self._store.watch(key, revision, timeout, prefix=prefix))
+            await unless_relet(
+                self._relet, self._store.watch(key, revision, timeout, prefix=prefix)
+            )
         except StoreCompacted:
             return  # re-read from now
 
@@ -305,32 +276,6 @@ class StoreRendezvous:
         """Was this node's announcement made under a lease that is gone? (Its presence key
         went with it: nobody can place the node until it announces again.)"""
         return self._announced is not None and await self._lease() != self._announced_lease
-
-    async def _unless_relet(self, watch: Awaitable[T]) -> T | None:
-        """Await ``watch``, or None once this node's lease was granted anew meanwhile.
-
-        A joining node waits on keys others write (the head, the absorber role, the
-        document); the expiry of its own lease deletes its presence key, which it does not
-        watch. So every :data:`LEASE_CHECK` seconds it asks its lease (no request: the
-        node's lease is kept by the daemon) and, when it changed, stops waiting to
-        announce again. Without this a node whose lease lapsed while it waited was
-        never placed: the others waited for it until the join timed out.
-        """
-        task = asyncio.ensure_future(watch)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=LEASE_CHECK)
-                if done:
-                    return task.result()
-                if await self._relet():
-                    return None
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            elif not task.cancelled():
-                task.exception()  # seen: a watch that failed as this wait gave up on it
 
     async def _apply(self, decide: Callable[[State], Action]) -> State:
         """Leave or close: read the state key, decide, write once (again after a lost race)."""
@@ -368,7 +313,7 @@ class StoreRendezvous:
         if not notice_worthy(before, after) and not head_lags(stored, after):
             return
         if self._large and after.complete and not after.closed:
-            await self._write_seats(after)
+            await write_seats(self._store, self._job, after)
         head = Head.of(after, written.entry.version if written.entry is not None else 0)
         while head.supersedes(stored):
             result = await self._store.compare_and_set(
@@ -378,19 +323,6 @@ class StoreRendezvous:
                 return
             entry = result.entry
             stored = None if entry is None else Head.decode(entry.value)
-
-    async def _write_seats(self, state: State) -> None:
-        """Every participant's seat and the round's roster, before the head says it is complete."""
-        batches: list[list[tuple[str, bytes]]] = [[]]
-        for node, seat in seats(state).items():
-            if len(batches[-1]) == MAX_BATCH_KEYS:
-                batches.append([])
-            batches[-1].append((seat_key(self._job, node), seat.encode()))
-        batches.append([(roster_key(self._job, state.round), roster_bytes(state))])
-        await asyncio.gather(*(self._store.put_batch(batch) for batch in batches))
-        if state.round >= 2:  # the agent reads a roster just after its round: keep two
-            with contextlib.suppress(StoreError):
-                await self._store.delete(roster_key(self._job, state.round - 2))
 
     async def _join(
         self, info: NodeInfo, join_deadline: Deadline, *, holding: bool = False
@@ -475,7 +407,7 @@ class StoreRendezvous:
                         continue
                 if holding:
                     holding = False
-                    await self._release_absorber()
+                    await self._absorber.release()
                 if action.kind is Kind.WAIT:
                     if action.presence:
                         await self._wait(self._prefix, True, revision, action.until)
@@ -494,7 +426,7 @@ class StoreRendezvous:
                 raise RendezvousTimeout(action.why)
         finally:
             if holding:
-                await self._release_absorber()
+                await self._absorber.release()
 
     async def _check_in(
         self, info: NodeInfo, holding: bool, join_deadline: Deadline
@@ -519,7 +451,7 @@ class StoreRendezvous:
         if not holding and needs_placing(state, self._me):
             if self._settings.max_nodes < self._absorber_from:
                 return _Step.DECIDE, state, info, holding  # a few nodes: each places itself
-            holding = await self._take_absorber(join_deadline)
+            holding = await self._absorber.take(join_deadline.wall(self._clock), self._wait)
             return (_Step.DECIDE if holding else _Step.AGAIN), state, info, holding
         if not state.complete and self._me in state.participants:
             look = next_look(state, self._settings, self._clock.time(), self._seen_open(state))
@@ -552,37 +484,6 @@ class StoreRendezvous:
             until += STRAGGLER_GRACE
         return until
 
-    async def _take_absorber(self, join_deadline: Deadline | None) -> bool:
-        """Try to become the node that places announced nodes; False after waiting for it.
-
-        The role is advisory: it only keeps a thousand arriving nodes from each
-        listing a thousand presence keys and racing to write the same placement.
-        Correctness never depends on it (every write is a compare-and-set).
-        It is bound to the holder's lease (a dead holder frees it when its
-        lease expires) and says until when it is held: a holder that has not
-        let go by then (its release was lost) is displaced, so a live but
-        stuck daemon cannot stall the rendezvous.
-        """
-        result = await self._hold_absorber(None)
-        if result.ok:
-            return True
-        held = result.entry
-        if held is None:
-            return False  # let go just now: read again and retry
-        try:
-            doc = json.loads(held.value)
-            holder, until = str(doc["node"]), float(doc["until"])
-        except (ValueError, KeyError, TypeError):
-            holder, until = "", 0.0  # malformed: treat as expired
-        if holder == self._me or self._clock.time() >= until:
-            # Ours from an interrupted attempt, or overdue: take it back from that version.
-            await self._store.delete(self._absorber_key, held.version)
-            return False
-        if join_deadline is not None:
-            until = min(until, join_deadline.wall(self._clock))
-        await self._wait(self._absorber_key, False, held.version, until)
-        return False
-
     async def _follow(
         self,
         state: State,
@@ -596,20 +497,9 @@ class StoreRendezvous:
         Returns the updated view (``None`` when the role was lost) and whether
         the role is still held. The hold is renewed while it lasts.
         """
-        if self._keeper is not None:
-            if self._keeper.done():
-                return None, False  # the keeper lost the role: taken over meanwhile
-        else:
-            due = self._clock.time() >= self._absorber_until - ABSORBER_RENEW
-            if due and not (await self._hold_absorber(self._absorber_version)).ok:
-                return None, False  # taken over meanwhile
-        if self._keeper is not None:
-            # The keeper renews the hold; waking for it here would spin (deciding on
-            # ten thousand nodes in a loop) until its renewal, queued behind the
-            # crowd's requests, lands.
-            wake = self._clock.time() + MAX_WATCH
-        else:
-            wake = self._absorber_until - ABSORBER_RENEW
+        if not await self._absorber.still_held():
+            return None, False  # taken over meanwhile
+        wake = self._absorber.wake_at()
         mine = self._my_deadline(state, until)
         if mine is not None:
             wake = min(wake, mine)
@@ -641,52 +531,6 @@ class StoreRendezvous:
                 present.apply(event.key[len(self._node_prefix) :], value)
         return state, version, present, revision
 
-    async def _hold_absorber(self, expected_version: int | None) -> CasResult:
-        """Take (``None``) or renew (our version) the absorber role for ABSORBER_HOLD seconds."""
-        until = self._clock.time() + ABSORBER_HOLD
-        hold = {"node": self._me, "until": until}
-        result = await self._store.compare_and_set(
-            self._absorber_key,
-            json.dumps(hold).encode(),
-            expected_version,
-            lease=await self._lease(),
-        )
-        if result.ok and result.entry is not None:
-            self._absorber_version, self._absorber_until = result.entry.version, until
-            if self._large and expected_version is None:
-                await self._stop_keeper()
-                self._keeper = asyncio.create_task(self._keep_absorber())
-        return result
-
-    async def _keep_absorber(self) -> None:
-        """Renew the hold ABSORBER_RENEW seconds before it runs out; return once it is lost."""
-        while True:
-            # A timer to a deadline, not a poll: nothing else says when a hold is due.
-            await asyncio.sleep(
-                max(0.0, self._absorber_until - ABSORBER_RENEW - self._clock.time())
-            )
-            try:
-                if not (await self._hold_absorber(self._absorber_version)).ok:
-                    return
-            except StoreError as exc:  # try again at the next turn; a lapsed hold is displaced
-                log.debug("%s: could not renew the absorber role: %s", self._me, exc)
-                return
-
-    async def _stop_keeper(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None and not keeper.done():
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
-
-    async def _release_absorber(self) -> None:
-        """Let go of the absorber role (best effort: an overdue hold is taken over anyway)."""
-        await self._stop_keeper()
-        try:
-            await self._store.delete(self._absorber_key, self._absorber_version)
-        except StoreError as exc:
-            log.debug("%s: could not let go of the absorber role: %s", self._me, exc)
-
     async def _wait_open_round(self, state: State, revision: int, until: float | None) -> None:
         """Inside an open round: wake when it is completed or closed, or at the deadline.
 
@@ -717,62 +561,9 @@ class StoreRendezvous:
 
     # large jobs: the head, the absorber role and this node's seat
 
-    async def _read_signals(self) -> None:
-        """The head and the absorber role, and the revision to watch them from (one read)."""
-        listing = await self._store.list(self._signal_prefix)
-        self._signals = {e.key: e.value for e in listing.entries}
-        self._signals_rev = listing.revision
-
-    async def _watch_signals(self, until: float, *, relet: bool = True) -> bool:
-        """Wait until the head or the absorber changes (True) or ``until`` (False).
-
-        ``relet``: also False once this node's lease was granted anew (a joining node
-        then announces again); a running node, which announces nothing, waits on."""
-        if self._signals_rev is None:
-            await self._read_signals()
-            return True
-        timeout = max(0.0, min(MAX_WATCH, until - self._clock.time()))
-        if timeout <= 0:
-            return False
-        watch = self._store.watch(self._signal_prefix, self._signals_rev, timeout, prefix=True)
-        try:
-            events = await (self._unless_relet(watch) if relet else watch)
-        except StoreCompacted:
-            await self._read_signals()
-            return True
-        if events is None:
-            return False  # this node's lease is new: it announces again
-        for event in events:
-            self._signals_rev = max(self._signals_rev, event.revision)
-            if event.value is None:
-                self._signals.pop(event.key, None)
-            else:
-                self._signals[event.key] = event.value
-        return bool(events)
-
-    def _head(self) -> Head | None:
-        return Head.decode(self._signals.get(self._done_key))
-
-    def _absorber_seen(self) -> Absorber:
-        raw = self._signals.get(self._absorber_key)
-        if raw is None:
-            return Absorber()
-        try:
-            doc = json.loads(raw)
-            return Absorber(holder=str(doc["node"]), until=float(doc["until"]))
-        except (ValueError, KeyError, TypeError):
-            return Absorber(holder="?", until=0.0)  # malformed: overdue, displaced on a take
-
     async def _read_seat(self) -> Seat | None:
-        entry = await self._store.get(seat_key(self._job, self._me))
         self._seat_read = True
-        if entry is None:
-            return None
-        try:
-            return Seat.decode(entry.value)
-        except RendezvousError as exc:
-            log.warning("%s: ignoring a malformed seat: %s", self._me, exc)
-            return None
+        return await self._sig.read_seat()
 
     async def _next_round_large(self, info: NodeInfo) -> Seat:
         """``next_round`` in a large job: O(1) reads but for the few nodes that write.
@@ -783,9 +574,9 @@ class StoreRendezvous:
         of this node's own seat.
         """
         me, settings = self._me, self._settings
-        if self._signals_rev is None or self._head() is None:
-            await self._read_signals()  # a read shared with the other agents of this process
-        head = self._head()
+        if self._sig.revision is None or self._sig.head() is None:
+            await self._sig.read()  # a read shared with the other agents of this process
+        head = self._sig.head()
         earlier = False  # an earlier incarnation of this node may be placed
         if self._seat is None and not self._seat_read:
             # This agent's first join. An earlier incarnation of this node (a daemon
@@ -798,7 +589,7 @@ class StoreRendezvous:
             if not earlier and head is not None and head.complete:
                 self._seat = await self._read_seat()
             self._seat_read = True
-        looked_at = self._signals_rev or 0
+        looked_at = self._sig.revision or 0
         announce = skip_exit(head, self._seat.round if self._seat is not None else None)
         if earlier:
             announce = None
@@ -807,13 +598,13 @@ class StoreRendezvous:
             # Likely to open the next round for all: take the absorber role first, so
             # that the crowd this wakes finds it taken (a take queued behind their
             # announcements would come after their patience).
-            holding = await self._try_absorber()
+            holding = await self._absorber.try_once()
             now = self._clock.time()
             try:
                 left = await self._apply(lambda state: decide_exit(state, me, settings, now=now))
             except BaseException:
                 if holding:
-                    await self._release_absorber()
+                    await self._absorber.release()
                 raise
             opened = left.round > (head.round if head is not None else 0)
             announce = left.round + (1 if left.complete else 0)
@@ -822,7 +613,7 @@ class StoreRendezvous:
             written = await self._announce(info)
         except BaseException:
             if holding:
-                await self._release_absorber()
+                await self._absorber.release()
             raise
         # Who asks for the absorber role at once: the node that opened this round,
         # or one of the first to announce since it looked. The crowd behind them
@@ -851,10 +642,10 @@ class StoreRendezvous:
         while True:
             if await self._relet():
                 await self._announce(info)  # its presence key went with its old lease
-            head = self._head() or Head()
+            head = self._sig.head() or Head()
             step, until = look(
                 head,
-                self._absorber_seen(),
+                self._sig.absorber(),
                 self._me,
                 info.round,
                 self._clock.time(),
@@ -862,7 +653,7 @@ class StoreRendezvous:
                 STRAGGLER_GRACE,
                 tried,
                 patient_until,
-                self._overdue,
+                self._absorber.overdue,
             )
             if step is Look.CLOSED:
                 raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
@@ -878,37 +669,21 @@ class StoreRendezvous:
                 await self._announce(info)
                 continue
             if step is Look.TAKE:
-                if await self._try_absorber():
+                if await self._absorber.try_once():
                     return await self._decided(info, join_deadline, holding=True)
                 # Lost to a holder: wait for it. Found a stale hold and deleted it: ask again.
-                tried = self._absorber_key in self._signals
+                tried = self._absorber.key in self._sig.seen
                 continue
             assert until is not None
-            before = self._signals.get(self._absorber_key)
-            await self._watch_signals(until)
-            if self._signals.get(self._absorber_key) != before:
+            before = self._sig.seen.get(self._absorber.key)
+            await self._sig.watch(until)
+            if self._sig.seen.get(self._absorber.key) != before:
                 tried = False  # the role changed hands: free again, perhaps
 
     async def _decided(self, info: NodeInfo, join_deadline: Deadline, *, holding: bool) -> Seat:
         """The document's way (:meth:`_join`), for the few nodes that write or a deadline."""
         state = await self._join(info, join_deadline, holding=holding)
         return seats(state)[self._me]
-
-    async def _try_absorber(self) -> bool:
-        """One attempt at the absorber role; a stale hold (ours, or overdue) is deleted."""
-        result = await self._hold_absorber(None)
-        if result.ok:
-            return True
-        held = result.entry
-        if held is None:
-            self._signals.pop(self._absorber_key, None)
-            return False
-        self._signals[self._absorber_key] = held.value
-        seen = self._absorber_seen()
-        if seen.holder == self._me or self._clock.time() >= seen.until + self._overdue:
-            await self._store.delete(self._absorber_key, held.version)
-            self._signals.pop(self._absorber_key, None)
-        return False
 
     # the agent's interface
 
@@ -972,7 +747,7 @@ class StoreRendezvous:
             await self._apply(decide_close)
             return False
         if self._large:  # the head as written now, not the closed one last seen
-            await self._read_signals()
+            await self._sig.read()
         return True
 
     async def _next_round(self, port: int | None) -> RoundInfo:
@@ -1039,19 +814,19 @@ class StoreRendezvous:
 
     async def _follow_head(self, my_round: int, on_contact: Callable[[], None] | None) -> Change:
         """A non-sentinel's watch: the round changes when the head names another (or closes)."""
-        if self._signals_rev is None:
-            await self._read_signals()
+        if self._sig.revision is None:
+            await self._sig.read()
         while True:
             if on_contact is not None:
                 on_contact()
-            head = self._head()
+            head = self._sig.head()
             if head is not None and head.closed:
                 return Change.CLOSED
             # The head may lag the document, never lead it: one older than this node's
             # round (read before the round completed) says nothing of a change.
             if head is not None and head.round > my_round:
                 return Change.NEW_ROUND
-            await self._watch_signals(self._clock.time() + MAX_WATCH, relet=False)
+            await self._sig.watch(self._clock.time() + MAX_WATCH, relet=False)
 
     async def roster(self, round_: RoundInfo) -> RoundInfo:
         """``round_`` with every participant named: from its roster key, else the document."""

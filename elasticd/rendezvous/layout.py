@@ -96,7 +96,7 @@ def state_key(job_id: str) -> str:
 
 
 def absorber_key(job_id: str) -> str:
-    """Held by the node placing announced nodes (see ``StoreRendezvous._take_absorber``)."""
+    """Held by the node placing announced nodes (see ``signals.AbsorberRole``)."""
     return rendezvous_prefix(job_id) + "signal/absorber"
 
 

@@ -431,15 +431,15 @@ async def test_the_absorber_renews_its_hold_only_when_it_is_due(monkeypatch):
     Every renewal wakes every node waiting on the head, so it must not come
     earlier than it has to.
     """
-    from elasticd.rendezvous import handler
+    from elasticd.rendezvous import signals
 
-    monkeypatch.setattr(handler, "ABSORBER_HOLD", 2.0)
-    monkeypatch.setattr(handler, "ABSORBER_RENEW", 0.5)  # due 1.5 s after the take
+    monkeypatch.setattr(signals, "ABSORBER_HOLD", 2.0)
+    monkeypatch.setattr(signals, "ABSORBER_RENEW", 0.5)  # due 1.5 s after the take
     store = MemoryStore()
     rdzv, _ = await node(store, "a", Settings(min_nodes=16, max_nodes=16))
     key = absorber_key("job")
     async with asyncio.timeout(10):
-        taken = await rdzv._hold_absorber(None)
+        taken = await rdzv._absorber.hold(None)
         assert taken.ok and taken.entry is not None
         await asyncio.sleep(1.0)
         assert (await store.get(key)).version == taken.entry.version  # not yet due
@@ -447,7 +447,7 @@ async def test_the_absorber_renews_its_hold_only_when_it_is_due(monkeypatch):
         renewed = await store.get(key)
         assert renewed is not None and renewed.version > taken.entry.version
         assert json.loads(renewed.value)["node"] == "a"
-        await rdzv._release_absorber()
+        await rdzv._absorber.release()
     assert await store.get(key) is None
 
 
@@ -457,10 +457,10 @@ def test_a_round_of_ten_thousand_nodes_needs_no_renewal_of_the_hold():
     And a renewal that queues behind the crowd's requests still has 20 s to
     land before a waiter may displace the hold (a whole hold past its end).
     """
-    from elasticd.rendezvous import handler
+    from elasticd.rendezvous import signals
 
-    assert handler.ABSORBER_HOLD - handler.ABSORBER_RENEW >= 10.0
-    assert handler.ABSORBER_RENEW + handler.ABSORBER_HOLD >= 20.0
+    assert signals.ABSORBER_HOLD - signals.ABSORBER_RENEW >= 10.0
+    assert signals.ABSORBER_RENEW + signals.ABSORBER_HOLD >= 20.0
 
 
 class _Gated:

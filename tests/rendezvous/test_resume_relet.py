@@ -9,6 +9,7 @@ import pytest
 
 from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.rendezvous import handler as handler_mod
+from elasticd.rendezvous import signals as signals_mod
 from elasticd.testing import MemoryStore
 
 
@@ -44,7 +45,7 @@ async def test_a_resumed_non_sentinel_watches_the_head_without_a_watch_per_lease
     """After resume() the node's announcement is bound to the lease it kept: its watch of
     the head is not cut every LEASE_CHECK (was: one watch request a second per node, for
     the whole round, after every re-exec)."""
-    monkeypatch.setattr(handler_mod, "LEASE_CHECK", 0.02)
+    monkeypatch.setattr(signals_mod, "LEASE_CHECK", 0.02)
     store = MemoryStore()
     n = 4  # group rank 3 is past the SENTINELS: it follows the head
     s = Settings(min_nodes=n, max_nodes=n)

@@ -447,6 +447,14 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
                 + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
+        for c in job.collateral:
+            lines.append(
+                (
+                    "collateral",
+                    f"rank {c.rank} (node {c.node}, local rank {c.local_rank}): {c.message} "
+                    "(after the root cause: a consequence)",
+                )
+            )
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key.ljust(width)}  {printable(value)}")

@@ -125,6 +125,7 @@ class JobAgent:
         #: when its workers were started early (None: after it formed).
         self._round: RoundInfo | None = None
         self._formed_at = 0.0
+        self._formed_seen: float | None = None  # monotonic; None: not seen by this image
         self._restart_count = 0
         self._early_spawned: float | None = None
         #: When the health checks last passed, until workers are started after them.
@@ -302,6 +303,7 @@ class JobAgent:
         round_, job = formed.round, formed.job
         self._round, self._restart_count = round_, job.restart_count
         self._formed_at, self._early_spawned = formed.formed_at, formed.spawned_at
+        self._formed_seen = ctx.clock.monotonic()  # what this node's failures count from
         self._job_progress = job.progress
         await self._on(m.RoundFormed(job.state.is_terminal, formed.started, formed.confirmed))
         await self._events(round_)
@@ -562,6 +564,12 @@ class JobAgent:
     ) -> m.Event:
         """Record the round's failure (charged when the next round forms): FailureRecorded."""
         root, what = self._group.root_cause(cause, round_.round, at)
+        if isinstance(cause, Hang):
+            seen: float | None = self.ctx.clock.monotonic()
+        else:
+            seen = cause.root_cause.seen_at if cause.root_cause is not None else None
+        if seen is not None and self._formed_seen is not None:
+            root = root.model_copy(update={"since_round_s": seen - self._formed_seen})
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
         self._job_progress = job.progress

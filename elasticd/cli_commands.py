@@ -86,6 +86,7 @@ CLIENT_COMMANDS = frozenset(
         "cancel",
         "delete",
         "nodes",
+        "node",
         "reload",
     }
 )
@@ -168,8 +169,14 @@ def add_client_commands(sub: Any) -> None:
         p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("job_id", help="the job's id")
     sub.add_parser(
-        "nodes", parents=[common], help="the cluster's live nodes: address, slots, labels"
+        "nodes",
+        parents=[common],
+        help="the cluster's live nodes: address, slots, labels, state (quarantined, drained)",
     )
+    node = sub.add_parser("node", parents=[common], help="drain or undrain a node (admins)")
+    node.add_argument("action", choices=["drain", "undrain"], help="take it out, or back in")
+    node.add_argument("name", help="the node's name")
+    node.add_argument("--reason", required=True, help="why (kept in its health record)")
     sub.add_parser(
         "reload",
         parents=[common],
@@ -447,6 +454,14 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
                 + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
+        for c in job.collateral:
+            lines.append(
+                (
+                    "collateral",
+                    f"rank {c.rank} (node {c.node}, local rank {c.local_rank}): {c.message} "
+                    "(after the root cause: a consequence)",
+                )
+            )
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key.ljust(width)}  {printable(value)}")
@@ -611,10 +626,22 @@ def _cmd_nodes(client: Client, args: argparse.Namespace) -> int:
             ",".join(f"{k}={v}" for k, v in sorted(n.get("labels", {}).items())) or "-",
             n["version"],
             _age(n["started_at"]),
+            n.get("state", "ready"),
+            printable(n.get("reason") or "-"),
         ]
         for n in sorted(nodes, key=lambda n: n["name"])
     ]
-    print(_table(rows, ["NAME", "ADDR", "FREE/SLOTS", "GPUS", "LABELS", "VERSION", "UP"]))
+    heads = ["NAME", "ADDR", "FREE/SLOTS", "GPUS", "LABELS", "VERSION", "UP", "STATE", "REASON"]
+    print(_table(rows, heads))
+    return 0
+
+
+def _cmd_node(client: Client, args: argparse.Namespace) -> int:
+    view = client.drain(args.name, args.reason, undrain=args.action == "undrain")
+    if args.json:
+        _print_json(view)
+    else:
+        print(f"node {view['name']}: {view['state']}" + (f" ({args.reason})"))
     return 0
 
 
@@ -651,5 +678,6 @@ _HANDLERS = {
     "cancel": _cmd_cancel,
     "delete": _cmd_delete,
     "nodes": _cmd_nodes,
+    "node": _cmd_node,
     "reload": _cmd_reload,
 }

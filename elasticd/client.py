@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -419,6 +420,11 @@ class _Api:
         return _Call("GET", "/nodes")
 
     @staticmethod
+    def drain(name: str, reason: str, *, undrain: bool = False) -> _Call:
+        verb = "undrain" if undrain else "drain"
+        return _Call("POST", f"/nodes/{quote(name, safe='')}/{verb}", json={"reason": reason})
+
+    @staticmethod
     def reload() -> _Call:
         return _Call("POST", "/reload", json={})
 
@@ -531,6 +537,11 @@ class Client:
         """The cluster's live nodes, as the API's JSON."""
         nodes: list[dict[str, Any]] = self._send(self._api.nodes()).json()
         return nodes
+
+    def drain(self, name: str, reason: str, *, undrain: bool = False) -> dict[str, Any]:
+        """Quarantine a node (an admin's), or release it with ``undrain``: its state."""
+        view: dict[str, Any] = self._send(self._api.drain(name, reason, undrain=undrain)).json()
+        return view
 
     def reload(self) -> dict[str, Any]:
         """Ask the daemon to re-execute itself in place (admins only); its health answer."""
@@ -694,6 +705,12 @@ class AsyncClient:
         """The cluster's live nodes, as the API's JSON."""
         nodes: list[dict[str, Any]] = (await self._send(self._api.nodes())).json()
         return nodes
+
+    async def drain(self, name: str, reason: str, *, undrain: bool = False) -> dict[str, Any]:
+        """Quarantine a node (an admin's), or release it with ``undrain``: its state."""
+        answer = await self._send(self._api.drain(name, reason, undrain=undrain))
+        view: dict[str, Any] = answer.json()
+        return view
 
     async def reload(self) -> dict[str, Any]:
         """Ask the daemon to re-execute itself in place (admins only); its health answer."""

@@ -162,6 +162,27 @@ class Config(BaseModel):
         description="nvidia-smi for GPU discovery and the GPU health check: an absolute path, "
         "or unset to look it up on the daemon's own PATH (never a job's).",
     )
+    auto_quarantine: bool = Field(
+        default=True,
+        description="Quarantine this node when the policy trips: its health check fails, or "
+        "quarantine_threshold failures attributed to it within quarantine_window (any jobs). "
+        "Off: the record still counts them; only an admin's drain takes the node out.",
+    )
+    quarantine_threshold: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="Failures attributed to this node (first failure of a round, or a hardware-"
+        "like signal such as SIGBUS) within quarantine_window that quarantine it.",
+    )
+    quarantine_window: float = Field(
+        default=3600.0, gt=0, description="Seconds over which attributed failures are counted."
+    )
+    quarantine_ttl: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds an automatic quarantine lasts (unset: until an admin undrains).",
+    )
     metrics_open_on_loopback: bool = Field(
         default=False, description="Serve /metrics without the token to loopback clients."
     )
@@ -478,6 +499,10 @@ _ENV_FIELDS = {
     "STORE_PREFIX": "store_prefix",
     "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
+    "AUTO_QUARANTINE": "auto_quarantine",
+    "QUARANTINE_THRESHOLD": "quarantine_threshold",
+    "QUARANTINE_WINDOW": "quarantine_window",
+    "QUARANTINE_TTL": "quarantine_ttl",
     "SHUTDOWN_TIMEOUT": "shutdown_timeout",
     "JOB_RETENTION": "job_retention",
     "NODE_FAILURE_GRACE": "node_failure_grace",

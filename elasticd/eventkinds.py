@@ -77,10 +77,21 @@ class EventKind(enum.StrEnum):
     RECOVERY_SPAWN = "recovery.spawn"
     RECOVERY_TOTAL = "recovery.total"
     RECOVERY_FIRST_PROGRESS = "recovery.first_progress"
+    NODE_QUARANTINED = "node.quarantined"
+    NODE_RELEASED = "node.released"
 
 
 #: What each kind means (``docs/events.md`` is made from it).
 MEANING: dict[EventKind, str] = {
+    EventKind.NODE_QUARANTINED: (
+        "A node the job runs on (or whose failure tripped the policy) was quarantined: its "
+        "health check failed, failures attributed to it reached the threshold, or an admin "
+        "drained it (the message names who and why); the fleet places nothing on it, the "
+        "job re-forms without it, uncharged."
+    ),
+    EventKind.NODE_RELEASED: (
+        "A node the job was placed on left quarantine: an admin undrained it, or its TTL ran out."
+    ),
     EventKind.JOB_SUBMITTED: "Accepted (POST /jobs) by this node, or a torchrun run registered.",
     EventKind.JOB_STATE: "The job document changed state.",
     EventKind.JOB_RESUMED: "A job left active by a daemon that stopped goes on as a new attempt.",

@@ -150,6 +150,9 @@ class Action(enum.Enum):
     STORE = "store"
     RELOAD = "reload"
     """Re-execute the daemon in place (``POST /reload``): admins only."""
+    DRAIN = "drain"
+    """Quarantine a node or release it (``POST /nodes/{name}/drain``, ``undrain``): admins
+    only; the daemon writes the node's health record on the admin's behalf."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,8 @@ def authorize(principal: Principal, action: Action, job: JobFacts | None = None)
         return Deny("the store is for the daemons and admins only")
     if action is Action.RELOAD:
         return Allow() if principal.admin else Deny("only an admin may reload the daemon")
+    if action is Action.DRAIN:
+        return Allow() if principal.admin else Deny("only an admin may drain or undrain a node")
     if action in (Action.LIST, Action.READ):
         return Allow()
     if action is Action.SUBMIT:

@@ -37,6 +37,7 @@ __all__ = [
     "GROUPS",
     "JOBS",
     "NODES",
+    "HEALTH",
     "PROBE",
     "REFUSED",
     "RENDEZVOUS",
@@ -53,6 +54,7 @@ __all__ = [
     "job_key",
     "keys_of_job",
     "node_key",
+    "health_key",
     "refusal_key",
     "rendezvous_prefix",
     "torchrun_store_prefix",
@@ -60,6 +62,8 @@ __all__ = [
 ]
 
 NODES = "nodes/"
+#: Each node's health record, across jobs: the failures attributed to it, its quarantine.
+HEALTH = "health/"
 JOBS = "job/"
 REFUSED = "refused/"
 EVENTS = "ev/"
@@ -77,6 +81,12 @@ SCHED_LEADER = "sched/leader"
 
 def node_key(node: str) -> str:
     return NODES + node
+
+
+def health_key(node: str) -> str:
+    """The node's health record (``elasticd.node.quarantine``): not bound to its lease, so
+    a quarantine outlives the daemon that was quarantined."""
+    return HEALTH + node
 
 
 def job_key(job_id: str) -> str:

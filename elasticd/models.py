@@ -43,6 +43,9 @@ JOB_TAG_PATTERN = r"^[0-9a-f]{32}$"
 NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
 #: Most restarts a job may ask for: a crash-looping job restarts at most this often.
 MAX_RESTARTS = 1000
+#: The most failures of one round a job document keeps (the earliest: the root cause and
+#: what it took down first).
+MAX_ROUND_FAILURES = 64
 #: Each worker's stdout.log and stderr.log take at most this per attempt unless the job says
 #: otherwise; the daemon writes them as root, so they need a ceiling of their own.
 DEFAULT_LOG_LIMIT_BYTES = 1 << 30
@@ -404,9 +407,20 @@ class RootCause(BaseModel):
     source: Literal["error_file", "log"] | None = None
     """Where ``message`` and ``traceback`` come from: the worker's error file (torch's
     ``@record``), the last traceback in its ``stderr.log``, or None (only the exit is known)."""
+    since_round_s: float | None = Field(
+        default=None,
+        description="Seconds from the node seeing its round form to its detecting this failure, "
+        "on that node's monotonic clock: comparable across nodes whatever their wall clocks say "
+        "(the order of a round's failures, not a time to show).",
+    )
+    collateral: bool = Field(
+        default=False,
+        description="A failure of the round after its root cause (`Job.error`): a survivor's "
+        "consequence, such as a peer's 'connection reset', not a cause.",
+    )
 
     def sort_key(self) -> tuple[float, float]:
-        """Earliest failure first: the error file's time, then the exit time."""
+        """Earliest failure first: the error file's time, then the exit time (one node's clock)."""
         return (self.timestamp or float("inf"), self.exited_at or float("inf"))
 
 
@@ -501,6 +515,11 @@ class PendingFailure(BaseModel):
     round: int
     participants: list[str]
     error: RootCause
+    failures: list[RootCause] = Field(
+        default_factory=list,
+        max_length=MAX_ROUND_FAILURES,
+        description="Each node's failure of the round, in the order the store recorded them.",
+    )
 
 
 class JobOwner(BaseModel):
@@ -563,6 +582,12 @@ class Job(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     error: RootCause | None = None
+    collateral: list[RootCause] = Field(
+        default_factory=list,
+        max_length=MAX_ROUND_FAILURES,
+        description="The other failures of `error`'s round, after it in time, each marked "
+        "`collateral`: what the root cause took down with it.",
+    )
     reason: str | None = Field(default=None, description="Why the job ended, in words.")
     submitted_to: str | None = Field(default=None, description="The node that took the POST.")
     owner: JobOwner | None = Field(
@@ -649,6 +674,7 @@ class JobEdit(TypedDict, total=False):
     state: JobState
     reason: str | None
     error: RootCause | None
+    collateral: list[RootCause]
     round: int
     restart_count: int
     pending_failure: PendingFailure | None

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 
 from elasticd.agent import machine as m
 from elasticd.agent.attempt import AttemptPlan, plan_attempt
@@ -66,7 +67,7 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.goodput import End, NodeGoodput
 from elasticd.keys import group_key
-from elasticd.models import GroupView, Job, JobSpec, incarnation_tag
+from elasticd.models import GroupView, Job, JobSpec, RootCause, incarnation_tag
 from elasticd.rendezvous import RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
@@ -75,6 +76,9 @@ from elasticd.supervise.process import GroupResult
 from elasticd.tasks import TaskSet
 
 __all__ = ["AgentContext", "ConsoleSink", "JobAgent", "JobUpdater", "decode_group"]
+
+#: Signals that say the machine failed, not the program (SIGBUS: a bad page or bus).
+HARDWARE_SIGNALS = frozenset({int(signal.SIGBUS)})
 
 log = logging.getLogger("elasticd.agent")
 
@@ -125,6 +129,7 @@ class JobAgent:
         #: when its workers were started early (None: after it formed).
         self._round: RoundInfo | None = None
         self._formed_at = 0.0
+        self._formed_seen: float | None = None  # monotonic; None: not seen by this image
         self._restart_count = 0
         self._early_spawned: float | None = None
         #: When the health checks last passed, until workers are started after them.
@@ -282,7 +287,9 @@ class JobAgent:
         ctx = self.ctx
         now = ctx.clock.monotonic()
         if self._checked_at is None or now - self._checked_at > HEALTH_FRESH_FOR:
-            failed = await health_failed(self._health, self._identity, ctx.update_job, self.job_id)
+            failed = await health_failed(
+                self._health, self._identity, ctx.update_job, self.job_id, ctx.attribute
+            )
             if failed is not None:
                 await self._on(failed)
                 return
@@ -302,6 +309,7 @@ class JobAgent:
         round_, job = formed.round, formed.job
         self._round, self._restart_count = round_, job.restart_count
         self._formed_at, self._early_spawned = formed.formed_at, formed.spawned_at
+        self._formed_seen = ctx.clock.monotonic()  # what this node's failures count from
         self._job_progress = job.progress
         await self._on(m.RoundFormed(job.state.is_terminal, formed.started, formed.confirmed))
         await self._events(round_)
@@ -562,10 +570,32 @@ class JobAgent:
     ) -> m.Event:
         """Record the round's failure (charged when the next round forms): FailureRecorded."""
         root, what = self._group.root_cause(cause, round_.round, at)
+        if isinstance(cause, Hang):
+            seen: float | None = self.ctx.clock.monotonic()
+        else:
+            seen = cause.root_cause.seen_at if cause.root_cause is not None else None
+        if seen is not None and self._formed_seen is not None:
+            root = root.model_copy(update={"since_round_s": seen - self._formed_seen})
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
         self._job_progress = job.progress
+        await self._attribute(root, job)
         return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))
+
+    async def _attribute(self, root: RootCause, job: Job) -> None:
+        """This node's share of the failure in its health record, across jobs: a worker
+        killed by a hardware-like signal, or the round's first failure in time."""
+        attribute = self.ctx.attribute
+        if attribute is None:
+            return
+        where = f"rank {root.rank} of {self.job_id}: {root.message}"
+        if root.signal in HARDWARE_SIGNALS:
+            await attribute("hardware", self.job_id, root.round, where)
+        elif job.error is not None and (job.error.node, job.error.round) == (
+            self.ctx.node,
+            root.round,
+        ):
+            await attribute("first_failure", self.job_id, root.round, where)
 
     async def _finish_closed(self) -> None:
         """The rendezvous is closed: the job ended (cancelled, failed or succeeded elsewhere)."""

@@ -21,6 +21,7 @@ from elasticd.agent.edits import charge_now
 from elasticd.agent.group import LocalGroup
 from elasticd.agent.hooks import HealthHook, ProgressHook
 from elasticd.agent.nodefail import cause_of, side_of
+from elasticd.agent.ports import Attribute
 from elasticd.agent.watch import RoundWatch
 from elasticd.clock import Clock
 from elasticd.errors import SpawnStage, WorkerSpawnError
@@ -33,17 +34,26 @@ __all__ = ["health_failed", "monitor", "retry_later", "started"]
 
 
 async def health_failed(
-    health: HealthHook, identity: Identity | None, update_job: JobUpdater, job_id: str
+    health: HealthHook,
+    identity: Identity | None,
+    update_job: JobUpdater,
+    job_id: str,
+    attribute: Attribute | None = None,
 ) -> m.Event | None:
     """Run the health checks before a (re)start: None when healthy, else HealthFailed.
 
-    A failure spends one restart at once: a single-node job then tries again (or
-    fails once the budget is spent); in a multi-node job this node leaves the
-    rendezvous so that a spare or the others carry on.
+    A failure goes into the node's health record (``attribute``), which quarantines
+    the node by the policy: then the job is not charged (the fleet moves it off this
+    node, a membership change). Otherwise it spends one restart at once: a
+    single-node job then tries again (or fails once the budget is spent); in a
+    multi-node job this node leaves the rendezvous so that a spare or the others
+    carry on.
     """
     root = await health.prerun(identity)
     if root is None:
         return None
+    if attribute is not None and await attribute("health_check", job_id, None, root.message):
+        return m.HealthFailed(job_ended=False)  # quarantined: this node leaves, uncharged
     job = await update_job(job_id, mutate=charge_now(root))
     return m.HealthFailed(job_ended=job.state.is_terminal)
 

@@ -18,7 +18,7 @@ from typing_extensions import Unpack
 
 from elasticd.agent.attempt import NodeFacts
 from elasticd.agent.nodefail import RetrySettings
-from elasticd.agent.ports import EventSink, HealthChecks, LogGrown
+from elasticd.agent.ports import Attribute, EventSink, HealthChecks, LogGrown
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.console import ConsoleLine
 from elasticd.eventkinds import EventKind
@@ -85,6 +85,8 @@ class AgentContext:
     job_base_env: Mapping[str, str] | None = None
     #: How a start the node cannot make is retried before the job is given back.
     node_failure: RetrySettings = field(default_factory=RetrySettings)
+    #: Notes a failure attributed to this node (its health record); None: not counted.
+    attribute: Attribute | None = None
 
     @property
     def job_env_base(self) -> Mapping[str, str]:

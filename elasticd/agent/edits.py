@@ -5,8 +5,9 @@ Each returns a :data:`~elasticd.models.JobMutation` that
 run more than once, on whatever document won the race, and must decide from
 that document alone):
 
-* :func:`record_failure`: remember the round's earliest failure (the job goes
-  RESTARTING) until the next round forms;
+* :func:`record_failure`: remember the round's failures, the earliest in time
+  the root cause and the others collateral (:func:`in_time_order`), until the
+  next round forms (the job goes RESTARTING);
 * :func:`settle_failure`: when a round forms, charge the previous round's
   failure once, or free it when a participant did not come back (a node loss);
   a charged failure also closes the attempt's progress and may fail the job
@@ -25,6 +26,7 @@ from pathlib import Path
 from elasticd.agent.checkpoints import close_attempt
 from elasticd.agent.progress import Hang
 from elasticd.models import (
+    MAX_ROUND_FAILURES,
     Job,
     JobEdit,
     JobMutation,
@@ -40,6 +42,7 @@ from elasticd.supervise.process import WorkerExit
 
 __all__ = [
     "charge_now",
+    "in_time_order",
     "merge_recovery",
     "record_failure",
     "root_cause_of",
@@ -99,30 +102,63 @@ def root_cause_of_hang(
     )
 
 
+def in_time_order(failures: list[RootCause]) -> list[RootCause]:
+    """A round's failures, one per node, as listed in the order the store recorded them,
+    put in the order they happened: the first is the root cause.
+
+    Wall clocks are not compared across nodes (a node whose clock is behind would
+    always look first): each failure carries ``since_round_s``, the time from its
+    node seeing the round form to its detecting the failure on that node's
+    monotonic clock, and the round forms for every node at once (one store
+    write, seen through each node's watch). Failures without it (a daemon that
+    re-executed lost its reference) keep their place in the store's order, which
+    is the order the nodes noticed and wrote them; so do exact ties.
+    """
+    order = sorted(
+        range(len(failures)),
+        key=lambda i: (
+            failures[i].since_round_s is None,
+            failures[i].since_round_s if failures[i].since_round_s is not None else 0.0,
+            i,
+        ),
+    )
+    return [failures[i] for i in order]
+
+
 def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
-    """Job-document edit: remember the round's earliest failure until the next round forms."""
+    """Job-document edit: add this node's failure to the round's; the first in time is the
+    job's ``error``, the rest its ``collateral``, until the next round forms."""
 
     def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
             return {}
         pending = job.pending_failure
-        if (
-            pending is not None
-            and pending.round == round_.round
-            and root.sort_key() >= pending.error.sort_key()
-        ):
-            return {}  # an earlier failure of this round is already recorded
+        recorded: list[RootCause] = []
+        if pending is not None and pending.round == round_.round:
+            recorded = list(pending.failures) or [pending.error]
+            if any(f.node == root.node for f in recorded):
+                return {}  # this node's failure of the round is in already (an edit run twice)
+        failures = [*recorded, root]
+        ordered = in_time_order(failures)
+        kept = ordered[:MAX_ROUND_FAILURES]
+        failures = [f for f in failures if any(f is k for k in kept)]
+        first = kept[0]
         changes: JobEdit = {
             "pending_failure": PendingFailure(
-                round=round_.round, participants=sorted(round_.participants), error=root
+                round=round_.round,
+                participants=sorted(round_.participants),
+                error=first,
+                failures=failures,
             ),
-            "error": root,
+            "error": first,
+            "collateral": [f.model_copy(update={"collateral": True}) for f in kept[1:]],
         }
+        reason = f"rank {first.rank} on {first.node} failed: {first.message}; restarting the group"
         if job.state is JobState.RUNNING:
-            changes["state"] = JobState.RESTARTING
-            changes["reason"] = (
-                f"rank {root.rank} on {root.node} failed: {root.message}; restarting the group"
-            )
+            changes["state"] = JobState.RESTARTING  # RUNNING -> RESTARTING
+            changes["reason"] = reason
+        elif job.state is JobState.RESTARTING and first != job.error:
+            changes["reason"] = reason  # an earlier failure came in: it is the cause
         return changes
 
     return edit
@@ -138,9 +174,10 @@ def charge_now(root: RootCause) -> JobMutation:
             return {
                 "state": JobState.FAILED,
                 "error": root,
+                "collateral": [],
                 "reason": f"restart budget spent ({job.max_restarts} restarts); {root.message}",
             }
-        return {"restart_count": job.restart_count + 1, "error": root}
+        return {"restart_count": job.restart_count + 1, "error": root, "collateral": []}
 
     return edit
 

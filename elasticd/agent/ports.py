@@ -12,9 +12,9 @@ Which side of the boundary: the daemon; declarations only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from elasticd.eventkinds import EventKind
 from elasticd.models import EventSource, JobSpec
@@ -60,6 +60,13 @@ class CheckResult(Protocol):
 
     @property
     def duration_s(self) -> float: ...
+
+
+#: Notes a failure attributed to this node in its health record, across jobs: ``(kind, job,
+#: round, message)`` with kind ``first_failure``, ``hardware`` or ``health_check``; returns
+#: whether the node is quarantined now (:mod:`elasticd.node.quarantine`).
+Attribute = Callable[[Literal["first_failure", "hardware", "health_check"], str, int | None, str],
+                     Awaitable[bool]]  # fmt: skip
 
 
 class HealthChecks(Protocol):

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -82,6 +82,20 @@ class NodeRecord(BaseModel):
         max_length=10_000,
         description="Active jobs this node gave up (it left them for good): the fleet "
         "scheduler places them elsewhere.",
+    )
+    state: Literal["ready", "quarantined", "drained"] = Field(
+        default="ready",
+        description="In the fleet, or out of it: quarantined by its policy, or drained by an "
+        "admin (from its health record, filled in when served, never stored).",
+    )
+    reason: str | None = Field(default=None, max_length=1024, description="Why it is out.")
+    since: float | None = Field(default=None, description="When it went out (wall time).")
+    until: float | None = Field(default=None, description="When its quarantine ends (a TTL).")
+    by: str | None = Field(
+        default=None, max_length=128, description="`policy`, or the admin who drained it."
+    )
+    attributed_failures: int = Field(
+        default=0, ge=0, description="Failures attributed to it within the policy's window."
     )
 
 

@@ -101,6 +101,7 @@ from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import Metrics
+from elasticd.node.quarantine import node_health
 from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
 from elasticd.node.statelock import StateLock
@@ -528,6 +529,9 @@ class Daemon(ReexecMixin):
             storage=self.storage,
             db=self.db,
         )
+        plan = lambda: self.scheduler.plan if self.scheduler is not None else None  # noqa: E731
+        self.health = node_health(self.config, self.store, self.clock, self.events, plan)
+        self.jobs.supervisor.attribute = self.health.attribute
         agents = self.jobs.supervisor.agents
         self.metrics.standbys = lambda: {
             job_id: agent.standby_memory() for job_id, agent in agents.items() if agent.prewarm

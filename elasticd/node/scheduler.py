@@ -47,6 +47,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.models import NODE_NAME_PATTERN, Launcher, incarnation_tag
 from elasticd.node.cluster import NodeRecord, parse_jobs
 from elasticd.node.events import EventLog
+from elasticd.node.quarantine import decode_health, in_force
 from elasticd.sched.plan import Demand, FleetPlan, NodeCapacity, Notice, clip, schedule
 from elasticd.states import JOB_ACTIVE
 from elasticd.store import Entry, Store
@@ -102,6 +103,16 @@ def check_node_entry(entry: Entry) -> tuple[NodeCapacity | None, str | None]:
         return None, f"it names node {record.name!r}, not its key"
     caps = NodeCapacity(record.name, record.slots, dict(record.labels), frozenset(record.declined))
     return caps, None
+
+
+def quarantined(entries: list[Entry], now: float) -> set[str]:
+    """The nodes whose health record (``health/<node>``) holds a quarantine at ``now``."""
+    out = set()
+    for entry in entries:
+        name = entry.key[len(keys.HEALTH) :]
+        if in_force(decode_health(name, entry.value).quarantine, now):
+            out.add(name)
+    return out
 
 
 def live_nodes(
@@ -332,6 +343,8 @@ class FleetScheduler:
             nodes = live_nodes(
                 list((await self.store.list(keys.NODES)).entries), self._node_refused
             )
+            out = quarantined(list((await self.store.list(keys.HEALTH)).entries), self.clock.time())
+            nodes = [n for n in nodes if n.name not in out]  # never placed while quarantined
             demands = [
                 Demand(
                     id=j.id,
@@ -410,10 +423,12 @@ class FleetScheduler:
             await self._leads.wait()
             self._fleet = None  # a new leader decides from a fresh look
             watch = asyncio.create_task(self._watch(keys.NODES, self._nodes_seen))
+            health = asyncio.create_task(self._watch(keys.HEALTH, lambda _: self.wake()))
             try:
                 await self._follows.wait()
             finally:
                 await cancel_and_wait(watch)
+                await cancel_and_wait(health)
 
     def _plan_seen(self, entries: list[Entry]) -> None:
         plan = decode_plan(next((e.value for e in entries if e.key == keys.SCHED_PLAN), None))

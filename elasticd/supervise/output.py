@@ -45,6 +45,7 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -57,6 +58,10 @@ from elasticd.supervise.outputlimits import Limit, SpaceGuard, admit
 __all__ = ["MAX_LINE_BYTES", "PIPE_BUFFER_BYTES", "OutputPipe", "OutputSink", "Stream"]
 
 log = logging.getLogger(__name__)
+
+#: What starts an error report on stderr (:attr:`OutputPipe.error_at`); the whole report is
+#: read from the log at the exit (:mod:`elasticd.supervise.tracebacks`).
+ERROR_MARKERS = (b"Traceback (most recent call last):", b"terminate called after throwing")
 
 Stream = Literal["stdout", "stderr"]
 
@@ -118,6 +123,12 @@ class OutputPipe:
         self.limit_bytes = limit_bytes
         self._guard = guard
         self._offered = 0  # bytes handed to the file (written or refused by the disk)
+        #: The wall clock :attr:`error_at` is read from (the group's clock, set by its owner).
+        self.clock: Callable[[], float] = time.time
+        #: When the stream last carried the start of an error report (a Python traceback, a
+        #: C++ abort): when a failed worker said what it died of, which may be well before
+        #: its exit (torch's teardown), and before its peers died of losing it.
+        self.error_at: float | None = None
 
     @classmethod
     async def open(
@@ -257,6 +268,8 @@ class OutputPipe:
     # Called by the protocol, on the event loop.
 
     def _on_data(self, data: bytes) -> None:
+        if self.stream == "stderr" and any(marker in data for marker in ERROR_MARKERS):
+            self.error_at = self.clock()
         if self._file is not None:
             self._append(self._file, data)
         if self._sink is not None:

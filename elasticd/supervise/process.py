@@ -135,6 +135,10 @@ class WorkerExit:
     reported: bool = False
     """The daemon's previous program image reported this exit already (re-exec): told
     again only so that the group counts it, never to be reported twice."""
+    seen_at: float | None = None
+    """When the daemon reaped the exit, on its monotonic clock (None: the previous image
+    saw it, or an adopted worker's), moved back to when it wrote its error: what orders
+    failures across nodes (:func:`elasticd.agent.edits.in_time_order`)."""
 
     @property
     def failed(self) -> bool:
@@ -159,6 +163,16 @@ class WorkerExit:
         if len(message) > _DESCRIBE_MESSAGE_CHARS:
             message = message[:_DESCRIBE_MESSAGE_CHARS] + "..."
         return f"{who} {how}: {message}"
+
+
+def _seen_at(worker: _Worker, error: WorkerError | None) -> float | None:
+    """When the worker failed on the monotonic clock: its reaping, moved back to when its
+    error was written (error file or stderr) as this node's wall clock measured the gap."""
+    if worker.reaped_at is None or worker.reaped_wall is None:
+        return None
+    if error is None:
+        return worker.reaped_at
+    return worker.reaped_at - min(max(0.0, worker.reaped_wall - error.timestamp), 3600.0)
 
 
 class GroupHooks(TypedDict):
@@ -237,6 +251,9 @@ class _Worker:
         self.exit: WorkerExit | None = None
         self.exited = asyncio.Event()
         self.signalled = False
+        #: When its exit was reaped, on the monotonic clock (before the wait for its log).
+        self.reaped_at: float | None = None
+        self.reaped_wall: float | None = None
         self.watch: asyncio.Task[None] | None = None
         #: When the previous program image reported its exit (re-exec; None: it did not).
         self.reported_at: float | None = None
@@ -613,7 +630,7 @@ class WorkerGroupProcesses:
         sink = self._on_output if console else None
         owner = (identity.uid, identity.gid) if identity is not None else None
         guard = self._guard(os.stat(launch.log_dir).st_dev, owner)
-        return await OutputPipe.open(
+        pipe = await OutputPipe.open(
             launch.local_rank,
             stream,
             launch.log_dir / stream_file(stream),
@@ -624,6 +641,8 @@ class WorkerGroupProcesses:
             limit_bytes=launch.log_limit_bytes,
             guard=guard,
         )
+        pipe.clock = self._clock.time
+        return pipe
 
     def _guard(self, device: int, owner: tuple[int, int] | None) -> SpaceGuard:
         """One per (filesystem, job user): the room that user has there."""
@@ -699,6 +718,8 @@ class WorkerGroupProcesses:
         # The process holds no pipe of ours, so this returns when its exit is reaped
         # (asyncio's child watcher), not when its output closes.
         returncode = await worker.process.wait()
+        worker.reaped_at = self._clock.monotonic()
+        worker.reaped_wall = self._clock.time()
         if returncode != 0 and not worker.signalled and worker.reported_at is None:
             # Its traceback may still be in the stderr pipe: let it reach stderr.log
             # (at once, unless a child of the worker still holds the pipe).
@@ -717,7 +738,9 @@ class WorkerGroupProcesses:
             else None
         )
         if error is None and failed and not worker.signalled:
-            error = traceback_from_log(worker.launch.log_dir, timestamp=exited_at)
+            # The time it said so on stderr, when it did: its exit may come much later.
+            said = worker.pipes[1].error_at
+            error = traceback_from_log(worker.launch.log_dir, timestamp=said or exited_at)
         exit_ = WorkerExit(
             local_rank=worker.launch.local_rank,
             pid=worker.pid,
@@ -727,6 +750,7 @@ class WorkerGroupProcesses:
             error=error,
             stopped=worker.signalled,
             reported=reported,
+            seen_at=None if reported else _seen_at(worker, error),
         )
         worker.exit = exit_
         worker.exited.set()

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.supervise.tracebacks import TAIL_BYTES, last_traceback, traceback_from_log
+from elasticd.supervise.tracebacks import (
+    TAIL_BYTES,
+    LogCause,
+    last_cause,
+    last_traceback,
+    traceback_from_log,
+)
 
 SIMPLE = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    boom()\nValueError: boom'
 CHAINED = (
@@ -58,6 +64,98 @@ SECOND = SIMPLE.replace("ValueError: boom", "OSError: disk")
 def test_last_traceback(text: str, expected: str | None) -> None:
     """The last complete traceback, with its chain, ends at its exception line."""
     assert last_traceback(text) == expected
+
+
+def _ranked(text: str, rank: int = 1) -> str:
+    """`text` as torch's excepthook prints it after init_process_group (blank lines bare)."""
+    return "\n".join(f"[rank{rank}]: {line}" if line else "" for line in text.split("\n"))
+
+
+GLOO_ABORT = (
+    "terminate called after throwing an instance of 'gloo::IoException'\n"
+    "  what():  [../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read error "
+    "[127.0.0.1]:41231: Connection reset by peer\n"
+)
+NCCL_ABORT = (
+    "[rank0]:[E1201 10:00:00.123456 77 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught "
+    "collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE) ran for 600000 ms\n"
+    "[rank0]:[E1201 10:00:00.200000 77 ProcessGroupNCCL.cpp:1537] [PG 0 Rank 0] Process group "
+    "watchdog thread terminated with exception: timeout\n"
+    "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+    "  what():  [PG 0 Rank 0] Process group watchdog thread terminated with exception: timeout\n"
+    "Exception raised from checkTimeout at ProcessGroupNCCL.cpp:616 (most recent call first):\n"
+    "frame #0: c10::Error::Error() + 0x9a (0x7f in libc10.so)\n"
+    "\n"
+    "later output\n"
+)
+RANK_CRASH = (
+    'Traceback (most recent call last):\n  File "ddp.py", line 20, in <module>\n    main()\n'
+    '  File "ddp.py", line 15, in main\n    raise RuntimeError("rank 1 crashes at step 2")\n'
+    "RuntimeError: rank 1 crashes at step 2"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("", None),
+        ("loss 0.3\n", None),
+        # torch's rank prefix on every line: the exception line as Python wrote it.
+        (
+            "[rank1]:[W1201 gloo.cpp:1] warn\n" + _ranked(RANK_CRASH) + "\n",
+            LogCause("RuntimeError: rank 1 crashes at step 2", RANK_CRASH),
+        ),
+        # A chained exception, prefixed: the last exception is the error, the chain kept.
+        (_ranked(CHAINED) + "\n", LogCause("RuntimeError: x", CHAINED)),
+        (_ranked(CAUSED), LogCause("RuntimeError: x", CAUSED)),
+        # gloo's C++ abort: the thrown type and the first line of what().
+        (
+            "step 1\n" + GLOO_ABORT,
+            LogCause(
+                "gloo::IoException: [../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read "
+                "error [127.0.0.1]:41231: Connection reset by peer",
+                GLOO_ABORT.rstrip("\n"),
+            ),
+        ),
+        # NCCL's watchdog abort: the what() line, not the log lines before it.
+        (
+            NCCL_ABORT,
+            LogCause(
+                "c10::DistBackendError: [PG 0 Rank 0] Process group watchdog thread terminated "
+                "with exception: timeout",
+                "\n".join(NCCL_ABORT.split("\n")[2:6]),
+            ),
+        ),
+        # A traceback after an abort line is the later cause, and an abort after one too.
+        (GLOO_ABORT + SIMPLE, LogCause("ValueError: boom", SIMPLE)),
+        (SIMPLE + "\n" + GLOO_ABORT, last_cause(GLOO_ABORT)),
+        # Neither: the last error line of torch's C++ log.
+        (
+            NCCL_ABORT.split("terminate called")[0],
+            LogCause(
+                "[PG 0 Rank 0] Process group watchdog thread terminated with exception: timeout",
+                NCCL_ABORT.split("\n")[1].removeprefix("[rank0]:"),
+            ),
+        ),
+        # A terminate line without what(): not an abort.
+        ("terminate called after throwing an instance of 'x'\n", None),
+    ],
+)
+def test_last_cause(text: str, expected: LogCause | None) -> None:
+    """A rank's last traceback (rank prefix off, last of a chain), abort or C++ error line."""
+    assert last_cause(text) == expected
+
+
+def test_a_prefixed_log_gives_the_exception_line(tmp_path: Path) -> None:
+    """A DDP rank's stderr.log, prefixed by torch's excepthook, names the exception."""
+    rank = _rank_dir(tmp_path)
+    (rank / "stderr.log").write_text("loss 0.1\n" + _ranked(RANK_CRASH) + "\n")
+    error = traceback_from_log(rank, timestamp=1.0)
+    assert error is not None
+    assert (error.message, error.traceback) == (
+        "RuntimeError: rank 1 crashes at step 2",
+        RANK_CRASH,
+    )
 
 
 def _rank_dir(tmp_path: Path) -> Path:

@@ -72,7 +72,8 @@ HIDDEN = "<hidden>"
 
 
 def redacted(job: Job) -> Job:
-    """The job without what is its owner's alone: env values, arguments, health check."""
+    """The job without what is its owner's alone: env values, arguments, health check, and
+    what its workers said (the root cause, the collateral failures)."""
     spec = job.spec.model_copy(
         update={
             "env": dict.fromkeys(job.spec.env, HIDDEN),
@@ -80,7 +81,9 @@ def redacted(job: Job) -> Job:
             "health_check": [HIDDEN] if job.spec.health_check else None,
         }
     )
-    return job.model_copy(update={"spec": spec, "error": None})
+    hidden: dict[str, object] = {"spec": spec, "error": None, "collateral": []}
+    hidden["pending_failure"] = None
+    return job.model_copy(update=hidden)
 
 
 def already_ended(job: Job) -> str:

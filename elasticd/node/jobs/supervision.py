@@ -31,6 +31,7 @@ from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_gro
 from elasticd.agent.context import JobUpdater
 from elasticd.agent.handover import AgentHandover, not_ready
 from elasticd.agent.nodefail import RetrySettings
+from elasticd.agent.ports import Attribute
 from elasticd.errors import (
     InvalidTransition,
     JobConflict,
@@ -133,6 +134,9 @@ class AgentSupervisor:
         self._job_base_env = job_base_env
         #: How workers are spawned (users, registry, containment): the daemon sets it.
         self.spawn_policy = DEFAULT_POLICY
+        #: Notes a failure attributed to this node in its health record (the daemon's
+        #: :class:`~elasticd.node.quarantine.NodeHealthService`; None: not counted).
+        self.attribute: Attribute | None = None
         #: The tokens of this node's jobs' workers, and the folder of their files (the
         #: daemon's own, 0711): each job's file belongs to its user, 0400.
         self.job_tokens: JobTokens | None = None
@@ -397,6 +401,7 @@ class AgentSupervisor:
             job_token=self._job_token if self.job_tokens is not None else None,
             log_growth=self.log_growth.grew,
             node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
+            attribute=self.attribute,
         )
         agent = JobAgent(job, ctx, handover)
         try:

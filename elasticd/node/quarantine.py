@@ -1,0 +1,402 @@
+"""A node's health across jobs, and its quarantine (issue 37).
+
+Each node has one health record in the store, ``health/<node>``
+(:class:`NodeHealth`): the failures attributed to it, whichever job they
+happened in, and its quarantine, with why, since when, by whom and until
+when. Three kinds of entry are attributed to a node
+(:class:`HealthEntry`): the first failure in time of a job's round when it
+happened on this node (``first_failure``: the root cause, not collateral), a
+worker of this node killed by a hardware-like signal (``hardware``: SIGBUS,
+whatever the round), and a failed health check (``health_check``).
+
+The policy is pure (:func:`note`, :func:`released`): a failed health check
+quarantines at once; ``quarantine_threshold`` attributed failures within
+``quarantine_window`` do too; either only with ``auto_quarantine`` on. An
+automatic quarantine lasts ``quarantine_ttl`` (unset: until an admin
+undrains); an admin's drain lasts until an undrain. A quarantined node is not
+placed by the fleet scheduler (:mod:`elasticd.node.scheduler` reads these
+records): the plan takes its jobs away, each re-forms without it (onto a
+spare where there is one), uncharged, since a participant that does not come
+back is a membership change (:func:`elasticd.agent.edits.settle_failure`).
+
+Who writes a record (the privilege boundary): the daemon, never the job's
+side. Workers' tokens reach only their job's ``jobs/<id>/`` keys, so no
+worker can write ``health/``. A daemon's code writes only its *own*
+record from what it saw of its own workers (:meth:`HealthBook.note`), and
+another node's only to carry out an admin's ``POST /nodes/{name}/drain`` or
+``undrain`` (:meth:`HealthBook.drain`, authorized by
+:data:`elasticd.identity.Action.DRAIN` before it is called): one node never
+quarantines another. (The daemons share the store's credential, so the store
+itself cannot tell them apart; this is the daemons' rule, as for every other
+key.) Read back, a record is bounded and validated; a record that names
+another node than its key, or does not validate, counts as no quarantine.
+
+Which side of the boundary: the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elasticd import keys
+from elasticd.clock import Clock
+from elasticd.config import Config
+from elasticd.errors import StoreError
+from elasticd.eventkinds import EventKind
+from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN
+from elasticd.node.events import EventLog
+from elasticd.sched.plan import FleetPlan
+from elasticd.store import Store
+
+__all__ = [
+    "HARDWARE_SIGNALS",
+    "HealthBook",
+    "HealthEntry",
+    "NodeHealthService",
+    "NodeView",
+    "NodeHealth",
+    "Policy",
+    "Quarantine",
+    "attributed",
+    "decode_health",
+    "drained",
+    "in_force",
+    "node_health",
+    "note",
+    "released",
+    "undrained",
+    "view_of",
+]
+
+log = logging.getLogger("elasticd.node.quarantine")
+
+#: Signals that say the machine, not the program, failed (a bad page, a dying bus).
+HARDWARE_SIGNALS = frozenset({7})  # SIGBUS
+#: The most entries a record keeps (the newest).
+MAX_ENTRIES = 64
+_Text = Annotated[str, Field(max_length=1024)]
+
+EntryKind = Literal["first_failure", "hardware", "health_check"]
+
+
+class HealthEntry(BaseModel):
+    """One failure attributed to the node."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    kind: EntryKind
+    at: float = Field(description="Wall-clock time on the node, which alone writes these.")
+    job: Annotated[str, Field(pattern=JOB_ID_PATTERN)] | None = None
+    round: int | None = None
+    message: _Text = ""
+
+
+class Quarantine(BaseModel):
+    """Why the node is out of the fleet, since when, by whom, until when."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    reason: _Text
+    since: float
+    by: Annotated[str, Field(max_length=128)] = Field(
+        description="`policy` (the node's own, automatic) or the admin who drained it."
+    )
+    until: float | None = Field(default=None, description="Its end (a TTL); None: an undrain.")
+
+
+class NodeHealth(BaseModel):
+    """``health/<node>``: a node's record across jobs."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    node: Annotated[str, Field(pattern=NODE_NAME_PATTERN)]
+    entries: list[HealthEntry] = Field(default_factory=list, max_length=MAX_ENTRIES)
+    quarantine: Quarantine | None = None
+    released: Quarantine | None = Field(
+        default=None, description="The last quarantine ended, with the undrain's reason."
+    )
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings of automatic quarantine (``auto_quarantine`` and the rest)."""
+
+    auto: bool = True
+    threshold: int = 3
+    window: float = 3600.0
+    ttl: float | None = None
+
+
+def in_force(quarantine: Quarantine | None, now: float) -> bool:
+    """Whether ``quarantine`` holds at ``now`` (wall time: its TTL's end passed or not)."""
+    return quarantine is not None and (quarantine.until is None or now < quarantine.until)
+
+
+def attributed(health: NodeHealth, window: float, now: float) -> list[HealthEntry]:
+    """The entries that count now: inside the window, one per (job, round)."""
+    seen: set[tuple[str | None, int | None, str]] = set()
+    out = []
+    for e in health.entries:
+        if now - e.at > window:
+            continue
+        key = (e.job, e.round, "hc" if e.kind == "health_check" else "f")
+        if e.job is not None and key in seen:
+            continue
+        seen.add(key)
+        out.append(e)
+    return out
+
+
+def note(health: NodeHealth, entry: HealthEntry, policy: Policy, now: float) -> NodeHealth:
+    """The record with ``entry`` added; quarantined when the policy trips (pure)."""
+    entries = [*health.entries, entry][-MAX_ENTRIES:]
+    health = health.model_copy(update={"entries": entries})
+    if in_force(health.quarantine, now) or not policy.auto:
+        return health
+    until = now + policy.ttl if policy.ttl is not None else None
+    if entry.kind == "health_check":
+        reason = f"health check failed: {entry.message}"
+    else:
+        counted = [e for e in attributed(health, policy.window, now) if e.kind != "health_check"]
+        if len(counted) < policy.threshold:
+            return health
+        reason = (
+            f"{len(counted)} failures attributed to it within {policy.window:g} s "
+            f"(threshold {policy.threshold}); the last: {entry.message}"
+        )
+    quarantine = Quarantine(reason=reason[:1024], since=now, by="policy", until=until)
+    return health.model_copy(update={"quarantine": quarantine})
+
+
+def drained(health: NodeHealth, reason: str, by: str, now: float) -> NodeHealth:
+    """An admin's drain: quarantined until undrained (pure)."""
+    return health.model_copy(
+        update={"quarantine": Quarantine(reason=reason[:1024], since=now, by=by[:128])}
+    )
+
+
+def undrained(health: NodeHealth, reason: str, by: str, now: float) -> NodeHealth:
+    """An admin's undrain: the quarantine ends, the counted failures are forgiven (pure)."""
+    ended = Quarantine(reason=reason[:1024], since=now, by=by[:128])
+    return health.model_copy(update={"quarantine": None, "released": ended, "entries": []})
+
+
+def released(health: NodeHealth, now: float) -> bool:
+    """Whether a quarantine is recorded whose TTL has run out (pure)."""
+    return health.quarantine is not None and not in_force(health.quarantine, now)
+
+
+def decode_health(name: str, raw: bytes | None) -> NodeHealth:
+    """The record read from the store; a missing, invalid or misnamed one is a clean one."""
+    if raw is not None:
+        try:
+            health = NodeHealth.model_validate_json(raw)
+        except ValidationError:
+            log.warning("ignoring malformed health record of %s", name)
+        else:
+            if health.node == name:
+                return health
+    return NodeHealth(node=name)
+
+
+class HealthBook:
+    """The store side: read a record, change it by compare-and-set."""
+
+    def __init__(self, store: Store, node: str) -> None:
+        self.store = store
+        self.node = node
+
+    async def read(self, name: str) -> NodeHealth:
+        entry = await self.store.get(keys.health_key(name))
+        return decode_health(name, entry.value if entry is not None else None)
+
+    async def all(self) -> dict[str, NodeHealth]:
+        listing = await self.store.list(keys.HEALTH)
+        out = {}
+        for e in listing.entries:
+            name = e.key[len(keys.HEALTH) :]
+            out[name] = decode_health(name, e.value)
+        return out
+
+    async def note(self, entry: HealthEntry, policy: Policy, now: float) -> tuple[bool, NodeHealth]:
+        """Add an entry to *this node's own* record: (newly quarantined, the record)."""
+        before: list[NodeHealth] = []
+
+        def edit(health: NodeHealth) -> NodeHealth:
+            before[:] = [health]
+            return note(health, entry, policy, now)
+
+        after = await self._update(self.node, edit)
+        newly = after.quarantine is not None and (
+            not before or not in_force(before[0].quarantine, now)
+        )
+        return newly and in_force(after.quarantine, now), after
+
+    async def drain(self, name: str, reason: str, by: str, now: float) -> NodeHealth:
+        """An admin's drain of ``name`` (any node): authorized by the caller."""
+        return await self._update(name, lambda h: drained(h, reason, by, now))
+
+    async def undrain(self, name: str, reason: str, by: str, now: float) -> NodeHealth:
+        """An admin's undrain of ``name``, or this node's own end of an expired quarantine."""
+        return await self._update(name, lambda h: undrained(h, reason, by, now))
+
+    async def _update(self, name: str, edit: Callable[[NodeHealth], NodeHealth]) -> NodeHealth:
+        key = keys.health_key(name)
+        entry = await self.store.get(key)
+        for _ in range(32):
+            current = decode_health(name, entry.value if entry is not None else None)
+            new = edit(current)
+            expected = entry.version if entry is not None else None
+            result = await self.store.compare_and_set(key, new.model_dump_json().encode(), expected)
+            if result.ok:
+                return new
+            entry = result.entry  # lost the race: decide again on the winner's record
+        raise StoreError(f"health record of {name}: too many concurrent writes")
+
+
+class NodeView(BaseModel):
+    """``GET /nodes``: a node's record, its state in the fleet, and why."""
+
+    name: str
+    state: Literal["ready", "quarantined", "drained"] = "ready"
+    reason: str | None = None
+    since: float | None = None
+    until: float | None = None
+    by: str | None = None
+    attributed_failures: int = Field(default=0, description="Entries counted in the window.")
+    live: bool = Field(default=True, description="Its daemon holds a lease (it is up).")
+
+
+def view_of(name: str, health: NodeHealth, policy: Policy, now: float, live: bool) -> NodeView:
+    """How ``GET /nodes`` and ``elasticd nodes`` show a node (pure)."""
+    q = health.quarantine if in_force(health.quarantine, now) else None
+    counted = len(attributed(health, policy.window, now))
+    if q is None:
+        return NodeView(name=name, attributed_failures=counted, live=live)
+    state: Literal["quarantined", "drained"] = "quarantined" if q.by == "policy" else "drained"
+    return NodeView(
+        name=name, state=state, reason=q.reason, since=q.since, until=q.until, by=q.by,
+        attributed_failures=counted, live=live,
+    )  # fmt: skip
+
+
+Emit = Callable[[str, EventKind, str], None]
+
+
+class NodeHealthService:
+    """The daemon's side: attribute this node's own failures, carry out an admin's drain.
+
+    ``jobs_on(node)`` names the jobs the plan places on a node (their events say it was
+    quarantined or released); ``emit(job, kind, message)`` records one.
+    """
+
+    def __init__(
+        self,
+        book: HealthBook,
+        policy: Policy,
+        clock: Clock,
+        emit: Emit,
+        jobs_on: Callable[[str], list[str]],
+    ) -> None:
+        self.book = book
+        self.policy = policy
+        self.clock = clock
+        self._emit = emit
+        self._jobs_on = jobs_on
+        #: Counted by kind, for the metrics (this node's own entries).
+        self.attributed: dict[str, int] = {}
+        self.quarantines = 0
+
+    @property
+    def node(self) -> str:
+        return self.book.node
+
+    async def attribute(self, kind: EntryKind, job: str, round_: int | None, message: str) -> bool:
+        """Add one failure to this node's own record; True when the node is quarantined now
+        (newly or already). Never raises for the store: a lost note is a lost count."""
+        now = self.clock.time()
+        entry = HealthEntry(kind=kind, at=now, job=job, round=round_, message=message[:1024])
+        try:
+            newly, health = await self.book.note(entry, self.policy, now)
+        except StoreError as exc:
+            log.warning("could not note a %s failure of this node: %s", kind, exc)
+            return False
+        self.attributed[kind] = self.attributed.get(kind, 0) + 1
+        if newly and health.quarantine is not None:
+            self.quarantines += 1
+            self._tell(
+                {job, *self._jobs_on(self.node)},
+                EventKind.NODE_QUARANTINED,
+                f"node {self.node} quarantined by its policy: {health.quarantine.reason}",
+            )
+        return in_force(health.quarantine, now)
+
+    async def drain(self, name: str, reason: str, by: str) -> NodeView:
+        """An admin's drain of ``name`` (authorized by the route's caller)."""
+        now = self.clock.time()
+        health = await self.book.drain(name, reason, by, now)
+        self._tell(
+            set(self._jobs_on(name)),
+            EventKind.NODE_QUARANTINED,
+            f"node {name} drained by {by}: {reason}",
+        )
+        return view_of(name, health, self.policy, now, live=True)
+
+    async def undrain(self, name: str, reason: str, by: str) -> NodeView:
+        """An admin's undrain of ``name``: out of quarantine, its counted failures forgiven."""
+        now = self.clock.time()
+        health = await self.book.undrain(name, reason, by, now)
+        self._tell(
+            set(self._jobs_on(name)),
+            EventKind.NODE_RELEASED,
+            f"node {name} undrained by {by}: {reason}",
+        )
+        return view_of(name, health, self.policy, now, live=True)
+
+    async def views(self, live: list[str]) -> list[NodeView]:
+        """Every node with a record or a lease, as ``GET /nodes`` shows them."""
+        now = self.clock.time()
+        records = await self.book.all()
+        names = sorted(set(live) | set(records))
+        return [
+            view_of(n, records.get(n) or NodeHealth(node=n), self.policy, now, n in live)
+            for n in names
+        ]
+
+    def _tell(self, jobs: set[str], kind: EventKind, message: str) -> None:
+        for job in sorted(jobs):
+            self._emit(job, kind, message)
+
+
+def node_health(
+    config: Config,
+    store: Store,
+    clock: Clock,
+    events: EventLog,
+    plan: Callable[[], FleetPlan | None],
+) -> NodeHealthService:
+    """The daemon's service, from its settings; ``plan()`` is the latest fleet plan."""
+
+    def jobs_on(node: str) -> list[str]:
+        current = plan()
+        if current is None:
+            return []
+        placed = current.placements.items()
+        return [j for j, p in placed if node in p.nodes or node in p.spares]
+
+    policy = Policy(
+        auto=config.auto_quarantine,
+        threshold=config.quarantine_threshold,
+        window=config.quarantine_window,
+        ttl=config.quarantine_ttl,
+    )
+
+    def emit(job: str, kind: EventKind, message: str) -> None:
+        events.emit(job, "daemon", kind, message)
+
+    return NodeHealthService(HealthBook(store, config.node_name), policy, clock, emit, jobs_on)

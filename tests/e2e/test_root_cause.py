@@ -1,0 +1,144 @@
+"""The root cause a job reports is what its first failing rank died of (issue 37).
+
+A plain DDP script, no ``@record``: after ``init_process_group`` torch prints
+every traceback line with a ``[rankN]: `` prefix, and the job's error is still
+the exception line of the failing rank's ``stderr.log`` (the last exception of
+a chain), not "worker exited with code 1". Across nodes, the first failure in
+time is the root cause and the survivors' ("connection reset by peer") are
+labelled collateral.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import PY, ROOT, script, wait_job
+from tests.e2e.cluster import LocalCluster, follow_until, job_ended
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch]
+pytest.importorskip("torch")
+
+DDP = """
+import os
+import sys
+import time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def train():
+    for step in range(5):
+        opt.zero_grad()
+        model(torch.ones(8, 4)).sum().backward()
+        opt.step()
+        if rank == 1 and step == 2:
+            CRASH
+
+
+try:
+    train()
+except Exception:
+    if not os.environ.get("EXIT_AT_ONCE"):
+        raise
+    sys.excepthook(*sys.exc_info())  # torch's: the lines rank-prefixed
+    sys.stderr.flush()
+    if rank == 1:
+        time.sleep(1.0)  # a slow teardown: the culprit exits well after its error
+    os._exit(1)  # the survivors die at once of losing it
+print("done", flush=True)
+"""
+
+PLAIN = 'raise RuntimeError("rank 1 crashes at step 2")'
+CHAINED = """try:
+                {}["batch"]
+            except KeyError as exc:
+                raise RuntimeError("rank 1 crashes at step 2") from exc"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("crash", [PLAIN, CHAINED], ids=["plain", "chained"])
+async def test_a_ddp_rank_that_raises_is_the_root_cause_without_record(client, tmp_path, crash):
+    """The job's error is rank 1's exception line from its rank-prefixed stderr.log."""
+    path = script(tmp_path, "ddp.py", DDP.replace("CRASH", crash))
+    r = await client.post(
+        "/jobs",
+        json={"entrypoint": PY, "args": [path], "nproc_per_node": 2, "max_restarts": 0},
+    )
+    job = await wait_job(client, r.json()["id"], timeout=150)
+    assert job["state"] == "FAILED", job
+    error = job["error"]
+    assert error["message"] == "RuntimeError: rank 1 crashes at step 2", error
+    assert (error["rank"], error["source"]) == (1, "log")
+    assert error["traceback"].startswith("Traceback (most recent call last):")
+    assert "[rank1]" not in error["traceback"]
+    if crash is CHAINED:
+        assert "KeyError: 'batch'" in error["traceback"]
+    log = await client.get(f"/jobs/{job['id']}/logs", params={"local_rank": 1, "stream": "stderr"})
+    assert "[rank1]: RuntimeError: rank 1 crashes at step 2" in log.text
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path, slots=1)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+@pytest.mark.timeout(240)
+async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collateral(
+    cluster, tmp_path
+):
+    """3 nodes, rank 1 raises: it is `error`; the survivors' gloo errors are `collateral`.
+
+    The culprit prints its traceback and exits a second later (a slow teardown); the
+    survivors die at once of losing it, before their agents see the round change, so all
+    three exits are reaped together and the survivors' are recorded first: the culprit's
+    error, a second earlier, still comes first."""
+    await cluster.start_all("n0", "n1", "n2")
+    path = script(tmp_path, "ddp.py", DDP.replace("CRASH", PLAIN))
+    async with cluster.client("n0") as c:
+        r = await c.post(
+            "/jobs",
+            json={
+                "id": "ddp3",
+                "entrypoint": PY,
+                "args": [path],
+                "nproc_per_node": 1,
+                "min_nodes": 3,
+                "max_nodes": 3,
+                "max_restarts": 0,
+                "termination_grace": 3,
+                "env": {"EXIT_AT_ONCE": "1"},
+            },
+        )
+        assert r.status_code == 201, r.text
+        await follow_until(c, "ddp3", job_ended, 200)
+        job = (await c.get("/jobs/ddp3")).json()
+    assert job["state"] == "FAILED", cluster.logs()
+    error = job["error"]
+    assert (error["rank"], error["message"]) == (1, "RuntimeError: rank 1 crashes at step 2")
+    assert error["collateral"] is False
+    collateral = job["collateral"]
+    assert collateral, job  # the survivors' "connection closed" failures
+    assert all(c["collateral"] and c["node"] != error["node"] for c in collateral)
+    assert all(c["since_round_s"] >= error["since_round_s"] for c in collateral)
+    proc = await asyncio.create_subprocess_exec(
+        PY, "-m", "elasticd", "status", "ddp3", "--url", cluster.nodes["n2"].url,
+        "--token-file", str(cluster.token_file),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    text = out.decode()
+    assert proc.returncode == 0, err.decode()
+    assert "root cause  rank 1" in text and "rank 1 crashes at step 2" in text
+    assert text.count("collateral") == len(collateral), text

@@ -1,0 +1,74 @@
+"""The quarantine policy as tables: what trips it, what a TTL and an undrain do (issue 37)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elasticd.node.quarantine import (
+    HealthEntry,
+    NodeHealth,
+    Policy,
+    decode_health,
+    drained,
+    in_force,
+    note,
+    undrained,
+)
+
+T = 1_700_000_000.0
+
+
+def _entry(kind: str = "first_failure", at: float = T, job: str = "j", round_: int = 0):
+    return HealthEntry(kind=kind, at=at, job=job, round=round_, message="m")  # type: ignore[arg-type]
+
+
+def _noted(entries: list[HealthEntry], policy: Policy, now: float = T) -> NodeHealth:
+    health = NodeHealth(node="n1")
+    for e in entries:
+        health = note(health, e, policy, now)
+    return health
+
+
+@pytest.mark.parametrize(
+    ("entries", "policy", "quarantined"),
+    [
+        ([_entry(round_=r) for r in range(2)], Policy(), False),  # under the threshold
+        ([_entry(round_=r) for r in range(3)], Policy(), True),  # three rounds, one job
+        ([_entry(job=f"j{r}") for r in range(3)], Policy(), True),  # across jobs
+        ([_entry("hardware", round_=r) for r in range(3)], Policy(), True),
+        ([_entry(round_=0), _entry("hardware", round_=0), _entry(round_=1)], Policy(), False),
+        ([_entry(at=T - 4000), _entry(round_=1), _entry(round_=2)], Policy(), False),  # window
+        ([_entry("health_check", round_=None)], Policy(), True),  # at once
+        ([_entry("health_check", round_=None)], Policy(auto=False), False),
+        ([_entry(round_=r) for r in range(3)], Policy(auto=False), False),
+        ([_entry(round_=r) for r in range(5)], Policy(threshold=5), True),
+    ],
+)
+def test_the_policy_trips_on_a_health_check_or_n_failures_in_the_window(
+    entries: list[HealthEntry], policy: Policy, quarantined: bool
+) -> None:
+    """A failed health check at once; N attributed failures (one per job round) in the window."""
+    health = _noted(entries, policy)
+    assert in_force(health.quarantine, T) is quarantined
+    if quarantined:
+        assert health.quarantine is not None and health.quarantine.by == "policy"
+
+
+def test_a_ttl_ends_a_quarantine_and_an_undrain_forgives() -> None:
+    """An automatic quarantine ends at its TTL; an admin's drain holds until undrained."""
+    health = _noted([_entry("health_check")], Policy(ttl=60.0))
+    assert in_force(health.quarantine, T + 59) and not in_force(health.quarantine, T + 60)
+    drain = drained(NodeHealth(node="n1"), "bad DIMM", "alice", T)
+    assert in_force(drain.quarantine, T + 10**6)
+    released = undrained(drain, "replaced", "alice", T + 5)
+    assert released.quarantine is None and released.entries == []
+    assert released.released is not None and released.released.reason == "replaced"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, b"not json", b'{"node": "n2", "quarantine": {"reason": "x", "since": 1, "by": "a"}}'],
+)
+def test_a_missing_malformed_or_misnamed_record_is_a_clean_one(raw: bytes | None) -> None:
+    """What a store writer put under another node's key counts as no quarantine."""
+    assert decode_health("n1", raw) == NodeHealth(node="n1")

@@ -451,11 +451,12 @@ class Daemon(ReexecMixin):
         """The start-up steps; each pushes onto ``stack`` the undo of what it acquired."""
         # A state folder, log root or store file another user made or may write is refused
         # before anything is opened there (it could hold a planted store: issue 35).
+        # The re-exec's lease keeper stops whatever refuses this start (the first check too).
+        if self._lease_keeper is not None:
+            stack.push_async_callback(asyncio.to_thread, self._lease_keeper.stop)
         refuse_foreign_state(self.config.state_dir, {"log_dir": self.config.logs})
         # One daemon per state folder, locked before anything touches it (the database,
         # the store, the sweep, the cgroup subtree): a second one exits 2 naming this pid.
-        if self._lease_keeper is not None:
-            stack.push_async_callback(asyncio.to_thread, self._lease_keeper.stop)
         if self._state_lock is None or not self._state_lock.held:
             lock = self._lock_state_dir()
             self._state_lock = lock

@@ -97,7 +97,7 @@ from elasticd.node.events import EventLog
 from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper
 from elasticd.node.jobs import JobService
 from elasticd.node.statelock import StateLock
-from elasticd.security import resolve_job_users
+from elasticd.security import refuse_foreign_state, resolve_job_users
 from elasticd.store import Store
 from elasticd.supervise.adopt import (
     check_worker,
@@ -328,6 +328,8 @@ def check_install(config: Config) -> int:
         read_token(config)
         read_cluster_token(config)
         read_store_password(config)
+        # What the start refuses first (issue 35): the new image must not meet it after the exec.
+        refuse_foreign_state(config.state_dir, {"log_dir": config.logs})
         unfit = check_state(config)
     except Exception as exc:
         print(f"elasticd: the check failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -79,7 +80,10 @@ class StateLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             holder = _read(fd)
+            mine = _handed_to_me(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
             os.close(fd)
+            if mine is not None:  # this process's previous image held it: never free, ours
+                return self._adopted(mine)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise ConfigError(busy_message(self.state_dir, holder)) from None
             raise ConfigError(f"cannot lock the state folder {self.path}: {exc}") from None
@@ -89,6 +93,14 @@ class StateLock:
         except OSError:
             pass  # a full disk: the lock holds all the same, only the pid is not named
         self._fd = fd
+        return self
+
+    def _adopted(self, fd: int) -> Self:
+        lock = type(self).adopt(self.state_dir, fd)
+        self._fd, lock._fd = lock._fd, None
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)  # type: ignore[arg-type]
+            os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # type: ignore[arg-type]
         return self
 
     @classmethod
@@ -147,3 +159,24 @@ def _read(fd: int) -> str:
     with contextlib.suppress(OSError):
         return os.pread(fd, 64, 0).decode(errors="replace")
     return ""
+
+
+def _handed_to_me(opened: int) -> int | None:
+    """Another descriptor of this process on the lock file ``opened`` is (one the previous
+    program image handed over in a hand-over this image could not read): None if none."""
+    here = os.fstat(opened)
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in names:
+        fd = int(name)
+        if fd == opened:
+            continue
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino) and stat.S_ISREG(st.st_mode):
+            return fd
+    return None

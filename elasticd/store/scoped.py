@@ -21,6 +21,7 @@ before the write is sent so that concurrent writes cannot all pass one check.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,7 @@ class PrefixLedger:
         self._now = now
         self._sizes: dict[str, tuple[float, dict[str, int]]] = {}
         self._used: dict[str, float] = {}
+        self._reading: dict[str, asyncio.Future[bool]] = {}
 
     async def sizes(self, store: Store, prefix: str) -> dict[str, int] | None:
         """Each key's value size under ``prefix`` (None: more than one listing may hold)."""
@@ -75,15 +77,27 @@ class PrefixLedger:
         self._used[prefix] = now
         read = self._sizes.get(prefix)
         if read is None or now - read[0] > self.refresh:
-            try:
-                listing = await store.list(prefix)
-            except ListingTooLarge:
+            # One listing per prefix at a time: each may be store_max_list_bytes, and a
+            # token's burst of writes (its connection share) must not read it once each.
+            reading = self._reading.get(prefix)
+            if reading is None:
+                reading = asyncio.ensure_future(self._read(store, prefix, now))
+                self._reading[prefix] = reading
+                reading.add_done_callback(lambda _: self._reading.pop(prefix, None))
+            if not await asyncio.shield(reading):
                 return None
-            read = self._sizes.get(prefix)
-            if read is None or now - read[0] > self.refresh:  # else a concurrent read won:
-                # its dict may already hold reservations, which a fresh one would lose
-                self._sizes[prefix] = (now, {e.key: len(e.value) for e in listing.entries})
         return self._sizes[prefix][1]
+
+    async def _read(self, store: Store, prefix: str, now: float) -> bool:
+        try:
+            listing = await store.list(prefix)
+        except ListingTooLarge:
+            return False
+        read = self._sizes.get(prefix)
+        if read is None or now - read[0] > self.refresh:  # else a concurrent read won:
+            # its dict may already hold reservations, which a fresh one would lose
+            self._sizes[prefix] = (now, {e.key: len(e.value) for e in listing.entries})
+        return True
 
 
 class ScopedStore(Store):

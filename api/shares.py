@@ -16,6 +16,7 @@ cluster identity are counted but never refused; requests without a principal
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,13 +35,15 @@ DEFAULT_RESERVED = 16
 def is_long_poll(scope: Scope) -> bool:
     """Whether the request may be held open for long: a watch, an event wait, a stream."""
     path: str = scope.get("path", "")
-    query = scope.get("query_string", b"")
+    # Parsed as the route parses it (``w%61it=60`` is ``wait``; ``follow=1`` follows): any
+    # ``wait`` or ``follow`` asked for counts, whatever its value.
+    asked = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
     if path == "/store/watch":
         return True
     if path.endswith("/events"):
         accept = dict(scope.get("headers", [])).get(b"accept", b"")
-        return b"wait=" in query or b"text/event-stream" in accept
-    return path.endswith("/logs") and b"follow=true" in query.lower()
+        return "wait" in asked or b"text/event-stream" in accept
+    return path.endswith("/logs") and "follow" in asked
 
 
 class PrincipalShares:

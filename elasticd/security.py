@@ -445,25 +445,47 @@ def ownership_problem(
     return None
 
 
-def parent_problem(path: Path, st: os.stat_result, euid: int, *, what: str) -> str | None:
+def parent_problem(
+    path: Path, st: os.stat_result, euid: int, *, what: str, group_trusted: bool = False
+) -> str | None:
     """Why the folder ``path`` above the daemon's state lets another user swap it (pure).
 
     A parent that another user owns, or may write without the sticky bit, lets that
     user rename the daemon's folder away and put her own in its place. A sticky
     world-writable folder (``/tmp``) is fine for a folder the daemon made itself.
+    ``group_trusted``: the parent's group is one no other user belongs to in a way
+    that matters (:func:`trusted_group`): its write bit is then no way in (Ubuntu's
+    ``/var/log``, ``0775 root:syslog``; a home under a private group and umask 002).
     """
     if st.st_uid not in (0, euid):
         return (
             f"{what}'s parent folder {path} belongs to uid {st.st_uid}: its owner could swap "
             f"the daemon's state for her own. Use a folder under one of root's (e.g. /var/lib)"
         )
-    if stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX:
+    writable = stat.S_IMODE(st.st_mode) & (0o002 if group_trusted else 0o022)
+    if writable and not st.st_mode & stat.S_ISVTX:
         return (
             f"{what}'s parent folder {path} is writable by group or others without the sticky "
             f"bit (mode {stat.S_IMODE(st.st_mode):04o}): anyone could swap the daemon's state "
             f"for her own. Run: chmod go-w {path} (or chmod +t {path})"
         )
     return None
+
+
+def trusted_group(st: os.stat_result) -> bool:
+    """Is a root- or daemon-owned folder's group one whose write bit lets no user swap it?
+
+    A system group (gid below 1000, as ``syslog`` on Ubuntu's ``/var/log``) of a
+    root-owned folder: its members are system daemons, not users. Or the owner's own
+    private group (named as its owner) with no other member (umask 002 on Fedora)."""
+    if st.st_uid == 0 and st.st_gid < 1000:
+        return True
+    try:
+        group = grp.getgrgid(st.st_gid)
+    except KeyError:
+        return False
+    owner = _owner_name(st.st_uid)
+    return bool(owner) and group.gr_name == owner and set(group.gr_mem) <= {owner}
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -499,7 +521,7 @@ def refuse_foreign_state(state_dir: Path, folders: dict[str, Path] | None = None
                 continue
             if stat.S_ISLNK(pst.st_mode) and pst.st_uid in (0, euid):
                 pst = parent.stat()  # root's link above (/var/run -> /run): its target counts
-            problem = parent_problem(parent, pst, euid, what=what)
+            problem = parent_problem(parent, pst, euid, what=what, group_trusted=trusted_group(pst))
             if problem:
                 raise ConfigError(problem)
         st = _lstat(path)

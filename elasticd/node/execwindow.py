@@ -243,9 +243,7 @@ class LeaseKeeper:
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         # A daemon thread: it never keeps a failed image's process alive (renewing its lease).
-        self._thread = threading.Thread(
-            target=self._run, name="elasticd-lease-keeper", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="elasticd-lease-keeper", daemon=True)
 
     def start(self) -> None:
         self._thread.start()

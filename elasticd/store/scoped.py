@@ -96,7 +96,7 @@ class PrefixLedger:
         read = self._sizes.get(prefix)
         if read is None or now - read[0] > self.refresh:  # else a concurrent read won:
             # its dict may already hold reservations, which a fresh one would lose
-            self._sizes[prefix] = (now, {e.key: len(e.value) for e in listing.entries})
+            self._sizes[prefix] = (now, {e.key: len(e.key) + len(e.value) for e in listing.entries})
         return True
 
 
@@ -176,7 +176,7 @@ class ScopedStore(Store):
         self, key: str, value: bytes, expected_version: int | None, *, lease: int | None = None
     ) -> CasResult:
         self._no_lease(lease)
-        before = await self._reserve([(self._check(key), len(value))])
+        before = await self._reserve([(self._check(key), len(key) + len(value))])
         try:
             result = await self._store.compare_and_set(key, value, expected_version)
         except BaseException:
@@ -188,7 +188,7 @@ class ScopedStore(Store):
 
     async def put(self, key: str, value: bytes, *, lease: int | None = None) -> Entry:
         self._no_lease(lease)
-        before = await self._reserve([(self._check(key), len(value))])
+        before = await self._reserve([(self._check(key), len(key) + len(value))])
         try:
             return await self._store.put(key, value)
         except BaseException:
@@ -196,7 +196,9 @@ class ScopedStore(Store):
             raise
 
     async def put_batch(self, items: Sequence[tuple[str, bytes]]) -> builtins.list[Entry]:
-        before = await self._reserve([(self._check(key), len(value)) for key, value in items])
+        before = await self._reserve(
+            [(self._check(key), len(key) + len(value)) for key, value in items]
+        )
         try:
             return await self._store.put_batch(items)
         except BaseException:

@@ -47,21 +47,34 @@ def test_a_state_path_must_be_the_daemons_own_and_private(
 
 
 @pytest.mark.parametrize(
-    ("found", "refused"),
+    ("found", "refused", "trusted"),
     [
-        (st(0, DIR | 0o755), None),
-        (st(0, DIR | 0o1777), None),  # /tmp: nobody may rename what root made there
-        (st(1001, DIR | 0o755), "belongs to uid 1001"),
-        (st(1001, DIR | 0o1777), "belongs to uid 1001"),
-        (st(0, DIR | 0o777), "without the sticky bit"),
-        (st(0, DIR | 0o775), "without the sticky bit"),
+        (st(0, DIR | 0o755), None, False),
+        (st(0, DIR | 0o1777), None, False),  # /tmp: nobody may rename what root made there
+        (st(1001, DIR | 0o755), "belongs to uid 1001", False),
+        (st(1001, DIR | 0o1777), "belongs to uid 1001", False),
+        (st(0, DIR | 0o777), "without the sticky bit", False),
+        (st(0, DIR | 0o775), "without the sticky bit", False),
+        # A trusted group's write bit (Ubuntu's /var/log, 0775 root:syslog) is no way in;
+        # the world's still is.
+        (st(0, DIR | 0o775), None, True),
+        (st(0, DIR | 0o777), "without the sticky bit", True),
     ],
 )
 def test_a_parent_of_the_state_must_not_let_others_swap_it(
-    found: os.stat_result, refused: str | None
+    found: os.stat_result, refused: str | None, trusted: bool
 ) -> None:
-    problem = parent_problem(Path("/p"), found, ME, what="state folder")
+    problem = parent_problem(Path("/p"), found, ME, what="state folder", group_trusted=trusted)
     if refused is None:
         assert problem is None
     else:
         assert problem is not None and refused in problem
+
+
+def test_a_root_folder_of_a_system_group_is_trusted_and_a_users_group_is_not() -> None:
+    """Ubuntu's /var/log (root, group syslog) is trusted; a root folder whose group holds
+    ordinary users (gid 1000 and up, not the owner's private group) is not."""
+    from elasticd.security import trusted_group
+
+    assert trusted_group(os.stat_result((DIR | 0o775, 0, 0, 1, 0, 4, 0, 0, 0, 0)))
+    assert not trusted_group(os.stat_result((DIR | 0o775, 0, 0, 1, 0, 54321, 0, 0, 0, 0)))

@@ -87,3 +87,25 @@ def test_requests_and_long_polls_per_principal_keep_the_admins_reserve() -> None
         shares.release("admin", long_poll=True)
     assert shares.admit("a", privileged=False, long_poll=True) is None
     assert shares.in_flight["a"] == 3 and shares.polling["a"] == 2 and "admin" not in shares.polling
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "accept", "long"),
+    [
+        ("/store/watch", b"", b"", True),
+        ("/jobs/j/events", b"wait=60", b"", True),
+        ("/jobs/j/events", b"w%61it=60", b"", True),  # decoded as the route decodes it
+        ("/jobs/j/events", b"", b"text/event-stream", True),
+        ("/jobs/j/events", b"after=3", b"", False),
+        ("/jobs/j/logs", b"follow=true", b"", True),
+        ("/jobs/j/logs", b"follow=1", b"", True),
+        ("/jobs/j/logs", b"rank=0", b"", False),
+        ("/jobs", b"wait=60", b"", False),
+    ],
+)
+def test_what_counts_as_a_long_poll(path: str, query: bytes, accept: bytes, long: bool) -> None:
+    """Every spelling the routes accept counts (was: ``w%61it`` and ``follow=1`` did not)."""
+    from api.shares import is_long_poll
+
+    scope = {"path": path, "query_string": query, "headers": [(b"accept", accept)]}
+    assert is_long_poll(scope) is long  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""A re-executed image whose start is refused stops its lease keeper (review of issue 34)."""
+"""A re-executed image whose start is refused stops its lease keeper (issue 34)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefix ledger's listing (review of issue 35)."""
+"""The prefix ledger's listing (issue 35)."""
 
 from __future__ import annotations
 

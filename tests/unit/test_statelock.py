@@ -1,4 +1,4 @@
-"""A lock handed over in a hand-over the new image cannot read (review of issue 34)."""
+"""A lock handed over in a hand-over the new image cannot read (issue 34)."""
 
 from __future__ import annotations
 

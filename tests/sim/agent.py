@@ -60,7 +60,7 @@ def _solo(round_: int) -> RoundInfo:
 def simulate_agent(seed: int, steps: int = 300) -> AgentOutcome:
     rng = random.Random(f"agent-{seed}")
     state = m.AgentState(multi_node=rng.random() < 0.5, inprocess_restart=rng.random() < 0.2)
-    max_restarts, restarts, round_ = rng.randint(0, 4), 0, 0
+    max_restarts, restarts, round_ = rng.randint(0, 40), 0, 0
     trace: list[str] = []
     now, taken = 1_000.0, 0
     for i in range(steps):
@@ -68,52 +68,54 @@ def simulate_agent(seed: int, steps: int = 300) -> AgentOutcome:
         phase = state.phase
         roll = rng.random()
         event: m.Event
+        # Weighted so that a walk lives long (the job's end is rare, as in a real job).
         if roll < 0.03:
             event = m.StoreLost(unavailable=rng.random() < 0.7, message="cut")
-        elif roll < 0.04:
+        elif roll < 0.033:
             event = m.Cancelled(leave_first=rng.random() < 0.5)
-        elif roll < 0.045:
+        elif roll < 0.035:
             event = m.Crashed("a bug")
         elif phase is m.Phase.FORMING:
-            event = rng.choice(
+            formed = m.RoundFormed(
+                job_ended=rng.random() < 0.005,
+                early_running=state.early is not None,
+                early_confirmed=rng.random() < 0.7,
+            )
+            event = rng.choices(
                 [
-                    m.RoundFormed(job_ended=False),
-                    m.RoundFormed(job_ended=False),
-                    m.RoundFormed(
-                        job_ended=rng.random() < 0.1,
-                        early_running=state.early is not None,
-                        early_confirmed=rng.random() < 0.7,
-                    ),  # fmt: skip
+                    formed,
                     m.JoinEnded(closed=rng.random() < 0.5, message="timed out"),
                     m.HealthFailed(job_ended=restarts >= max_restarts),
-                ]
-            )
+                ],
+                weights=[20, 0.1, 0.3],
+            )[0]
             if isinstance(event, m.RoundFormed):
                 round_ += 1
         elif phase is m.Phase.STARTING:
-            event = rng.choice(
+            event = rng.choices(
                 [
-                    m.WorkersStarted(),
                     m.WorkersStarted(),
                     m.StartFailed(Side.NODE, "EMFILE", "too many files", "EMFILE", at=now),
                     m.StartFailed(Side.JOB, "no such program", "ENOENT"),
                     m.RetryDue(),
                     m.RoundChanged(rng.choice(list(Change))),
-                ]
-            )
+                ],
+                weights=[12, 3, 0.05, 2, 2],
+            )[0]
         elif phase is m.Phase.RUNNING:
             failed = GroupResult(False, {0: _exit(0, 3, now)}, [_exit(0, 3, now)])
             ok = GroupResult(True, {0: _exit(0, 0, now)}, [])
-            event = rng.choice(
+            event = rng.choices(
                 [
                     m.WorkersEnded(failed),
                     m.WorkersEnded(ok),
                     m.HangSeen(Hang(0, 30.0, False, now)),
                     m.RoundChanged(rng.choice(list(Change))),
-                ]
-            )
+                ],
+                weights=[6, 0.2, 2, 4],
+            )[0]
         elif phase is m.Phase.BARRIER:
-            event = m.BarrierDone(rng.choice([None, None, *Change]))
+            event = m.BarrierDone(rng.choice([None, *Change, *Change]))
         elif phase is m.Phase.RESTARTING:
             restarts_after = restarts + 1  # the job document charges the failure
             ended = restarts_after > max_restarts

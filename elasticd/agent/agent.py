@@ -579,21 +579,29 @@ class JobAgent:
         named = await self._watch.named(round_)  # the failure names the round's participants
         job = await self._job.record_failure(named, root, what, self.spawn_seq)
         self._job_progress = job.progress
-        await self._attribute(root, job)
+        await self._attribute(root, job, round_.group_world_size)
         return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))
 
-    async def _attribute(self, root: RootCause, job: Job) -> None:
+    async def _attribute(self, root: RootCause, job: Job, nodes: int) -> None:
         """This node's share of the failure in its health record, across jobs: a worker
-        killed by a hardware-like signal, or the round's first failure in time."""
+        killed by a hardware-like signal, or the first failure in time of a round of
+        ``nodes`` > 1 (in a round of one node the first failure is there by necessity:
+        no evidence against the node, and a job crash-looping on its own bug would
+        quarantine it for everyone)."""
         attribute = self.ctx.attribute
         if attribute is None:
             return
         where = f"rank {root.rank} of {self.job_id}: {root.message}"
         if root.signal in HARDWARE_SIGNALS:
             await attribute("hardware", self.job_id, root.round, where)
-        elif job.error is not None and (job.error.node, job.error.round) == (
-            self.ctx.node,
-            root.round,
+        elif (
+            nodes > 1
+            and job.error is not None
+            and (job.error.node, job.error.round)
+            == (
+                self.ctx.node,
+                root.round,
+            )
         ):
             await attribute("first_failure", self.job_id, root.round, where)
 

@@ -20,6 +20,10 @@ the daemon's:
   (``ev/``), each read from its SQLite file through a read-only connection;
 * log folders and bytes under the daemon's log root.
 
+``--concurrent N`` runs N such jobs at once (issue 34: 3), each replaced by a
+new one as it fails, so N jobs crash-loop at every moment and the finished
+ones pile up behind them.
+
 It prints one markdown table of the samples and one of the per-restart
 slopes over the second half of the run (the growth that is left once the
 retention policies have reached their bounds), and an extrapolation of each
@@ -31,7 +35,7 @@ The daemon runs with its defaults unless ``--config`` names a TOML file
 Usage::
 
     .venv/bin/python bench/bench_soak.py [--quick] [--restarts 8000]
-        [--sample-every 100] [--config elasticd.toml] [--json out.json] [--keep]
+        [--concurrent 3] [--sample-every 100] [--config elasticd.toml] [--json out.json] [--keep]
 
 Exits 0 when the RSS stayed at or under ``--rss-goal`` MiB (80) at every
 sample, 1 otherwise, 2 when the measurement itself failed.
@@ -72,13 +76,16 @@ JOB_BUDGET = 1000
 class SoakServer(ElasticdServer):
     """:class:`ElasticdServer` with an optional ``--config`` file."""
 
-    def __init__(self, root: Path, config: Path | None) -> None:
+    def __init__(self, root: Path, config: Path | None, slots: int) -> None:
         super().__init__(root, "soak")
         self.config = config
+        self.slots = slots
 
     def command(self) -> list[str]:
+        # Slots for every concurrent job: by default a node has one a CPU, and on a
+        # 2-core machine the third job would wait in the queue.
         extra = ["--config", str(self.config)] if self.config else []
-        return [*super().command(), *extra]
+        return [*super().command(), "--slots", str(self.slots), *extra]
 
 
 def crash_spec(job_id: str, seconds: float, budget: int) -> dict[str, Any]:
@@ -178,33 +185,48 @@ def sample(server: SoakServer, restarts: int, t0: float) -> Sample:
     )
 
 
+def job_budget(restarts: int, assigned: int, budget: int) -> int:
+    """The budget of the next job: ``budget``, or what is left of ``restarts``."""
+    return min(budget, restarts - assigned)
+
+
 def soak(args: argparse.Namespace, root: Path) -> list[Sample]:
+    """``args.concurrent`` crash-looping jobs at once, each replaced by a new one (a new
+    id) when it ends, until the jobs' budgets add up to ``args.restarts``."""
     samples: list[Sample] = []
-    with SoakServer(root, args.config) as server:
+    with SoakServer(root, args.config, max(1, args.concurrent)) as server:
         t0 = time.monotonic()
         samples.append(sample(server, 0, t0))
         done = 0  # restarts of the finished jobs
+        assigned = 0  # restarts the submitted jobs may make (their budgets)
+        running: dict[str, int] = {}  # job id -> its restarts so far
         next_sample = args.sample_every
         index = 0
         deadline = Deadline(args.timeout)
-        while done < args.restarts:
-            budget = min(JOB_BUDGET, args.restarts - done)
-            job_id = f"soak-{index}"
-            server.submit(crash_spec(job_id, args.worker_seconds, budget))
-            while True:
+        while True:
+            while len(running) < args.concurrent and assigned < args.restarts:
+                budget = job_budget(args.restarts, assigned, args.budget)
+                job_id = f"soak-{index}"
+                server.submit(crash_spec(job_id, args.worker_seconds, budget))
+                running[job_id] = 0
+                assigned += budget
+                index += 1
+            if not running:
+                break
+            for job_id in list(running):
                 job = server.job(job_id)
-                count = int(job.get("restart_count", 0))
-                while done + count >= next_sample and next_sample < args.restarts:
-                    samples.append(sample(server, done + count, t0))
-                    print(_row(samples[-1]), file=sys.stderr, flush=True)
-                    next_sample += args.sample_every
+                running[job_id] = int(job.get("restart_count", 0))
                 if job["state"] in TERMINAL:
-                    break
-                if deadline.expired():
-                    raise TimeoutError(f"{job_id} still {job['state']} after {args.timeout} s")
-                time.sleep(0.5)
-            done += count
-            index += 1
+                    done += running.pop(job_id)
+            total = done + sum(running.values())
+            while total >= next_sample and next_sample < args.restarts:
+                samples.append(sample(server, total, t0))
+                print(_row(samples[-1]), file=sys.stderr, flush=True)
+                next_sample += args.sample_every
+            if deadline.expired():
+                raise TimeoutError(f"{sorted(running)} still running after {args.timeout} s")
+            if len(running) == args.concurrent or assigned >= args.restarts:
+                time.sleep(0.5)  # else a finished job is replaced at once
         samples.append(sample(server, done, t0))
     return samples
 
@@ -316,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="60 restarts, a sample every 20")
     parser.add_argument("--sample-every", type=int, default=0, help="default: restarts / 20")
     parser.add_argument("--worker-seconds", type=float, default=0.2)
+    parser.add_argument(
+        "--budget", type=int, default=JOB_BUDGET, help="max_restarts of each job (1,000)"
+    )
+    parser.add_argument(
+        "--concurrent", type=int, default=1, help="crash-looping jobs at once (each replaced)"
+    )
     parser.add_argument("--config", type=Path, default=None, help="TOML file for the daemon")
     parser.add_argument("--rss-goal", type=float, default=80.0)
     parser.add_argument("--extrapolate", type=int, default=8000)

@@ -230,6 +230,28 @@ class Config(BaseModel):
         "failures the same as the one of their kind before them, are dropped, an "
         "events.trimmed marker in their place.",
     )
+    event_retention_finished_first: int = Field(
+        default=20,
+        ge=0,
+        le=1_000_000,
+        description="Per finished job and node, the first events kept once the job ended "
+        "(besides every failure but a crash loop's repeats).",
+    )
+    event_retention_finished_last: int = Field(
+        default=50,
+        ge=1,
+        le=1_000_000,
+        description="Per finished job and node, the last events kept once the job ended "
+        "(besides every failure but a crash loop's repeats).",
+    )
+    event_retention_finished_total: int = Field(
+        default=2000,
+        ge=0,
+        le=10_000_000,
+        description="The events of finished jobs this node keeps in all (its database and "
+        "the store's copy); past it, the jobs that ended first keep only their last event "
+        "and an events.trimmed marker.",
+    )
     log_retention_attempts: int = Field(
         default=20,
         ge=1,
@@ -512,6 +534,9 @@ _ENV_FIELDS = {
     "ON_CORRUPT_DATABASE": "on_corrupt_database",
     "EVENT_RETENTION_FIRST": "event_retention_first",
     "EVENT_RETENTION_LAST": "event_retention_last",
+    "EVENT_RETENTION_FINISHED_FIRST": "event_retention_finished_first",
+    "EVENT_RETENTION_FINISHED_LAST": "event_retention_finished_last",
+    "EVENT_RETENTION_FINISHED_TOTAL": "event_retention_finished_total",
     "LOG_RETENTION_ATTEMPTS": "log_retention_attempts",
     "LOG_RETENTION_BYTES": "log_retention_bytes",
     "LOG_RETENTION_INTERVAL": "log_retention_interval",

@@ -148,7 +148,9 @@ class JobAgent:
             node, job.id, ctx.store, ctx.rendezvous, ctx.clock, emit, ctx.events, self._job,
             ctx.fence_after, ctx.lease_lapsed,
         )  # fmt: skip
-        self._output = OutputHook(emit, node, job.id, self.spec, ctx.console)
+        self._output = OutputHook(
+            emit, node, job.id, self.spec, ctx.console, ended=ctx.attempt_ended
+        )
         self._recovery = RecoveryHook(
             emit, node, job.id, ctx.clock, ctx.update_job, self._background.spawn
         )

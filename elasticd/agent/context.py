@@ -79,6 +79,10 @@ class AgentContext:
     policy: SpawnPolicy = DEFAULT_POLICY
     #: Told each time a worker's log file grows (log followers wait on it).
     log_growth: LogGrown | None = None
+    #: Told the job's id each time an attempt's workers are gone and their output closed:
+    #: the node's log retention runs then, not only at its periodic pass (a crash loop
+    #: leaves an attempt folder a restart).
+    attempt_ended: Callable[[str], None] | None = None
     #: What the job's own processes (workers, its health check) start from, before its
     #: ``env``: the daemon's allowlisted environment (:func:`~elasticd.supervise.env.job_base_env`);
     #: None: ``base_env`` whole.

@@ -34,7 +34,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from elasticd.agent.publish import GroupPublisher
 from elasticd.clock import Clock, SteadyWallClock
@@ -91,6 +91,14 @@ def parse_record(raw: bytes, node: str, tag: str | None = None) -> NodeGoodput |
     return record
 
 
+def _compact(record: BaseModel) -> bytes:
+    """The record without the fields at their defaults (a crash loop's attempt is its round,
+    spawn and end: 80 bytes, not 240): it is rewritten at every attempt, up to
+    MAX_ATTEMPTS of them, and each copy stays in the store's watch history for a while
+    (issue 34: 62 KB records were most of its bytes). A reader fills the defaults in."""
+    return record.model_dump_json(exclude_defaults=True).encode()
+
+
 class GoodputHook:
     """This node's goodput facts of one job: sampled while an attempt runs, published."""
 
@@ -110,7 +118,7 @@ class GoodputHook:
         self._clock = SteadyWallClock(clock)
         self._key = goodput_key(job_id, node)
         self.record = NodeGoodput(node=node, job_tag=tag)
-        self._publisher = GroupPublisher(store, self._key, lambda: self.record)
+        self._publisher = GroupPublisher(store, self._key, lambda: self.record, _compact)
         self._sampler: asyncio.Task[None] | None = None
         self._written_at = float("-inf")  # monotonic
 

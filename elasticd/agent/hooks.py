@@ -98,6 +98,8 @@ class OutputHook:
     console: ConsoleSink | None
     said_partial: bool = False
     """``containment.partial`` was emitted (once per job per node)."""
+    ended: Callable[[str], None] | None = None
+    """Told the job's id once an attempt's output is closed (:attr:`AgentContext.attempt_ended`)."""
 
     def forwarder(self, attempt: Attempt) -> Callable[[int, str, bytes], None] | None:
         """The group's ``on_output``: its lines to the console (None: no console)."""
@@ -152,6 +154,8 @@ class OutputHook:
                 count=len(group.strays),
                 pids=list(group.strays),
             )
+        if self.ended is not None:
+            self.ended(self.job_id)
 
     def _dropped(
         self, attempt: Attempt, kind: EventKind, by_rank: dict[int, int], what: str

@@ -36,11 +36,23 @@ log = logging.getLogger("elasticd.agent")
 FLUSH_TIMEOUT = 5.0
 
 
+def _as_json(view: BaseModel) -> bytes:
+    return view.model_dump_json().encode()
+
+
 class GroupPublisher:
-    def __init__(self, store: Store, key: str, view: Callable[[], BaseModel | None]) -> None:
+    def __init__(
+        self,
+        store: Store,
+        key: str,
+        view: Callable[[], BaseModel | None],
+        encode: Callable[[BaseModel], bytes] = _as_json,
+    ) -> None:
+        """``encode``: the value written for a view (its JSON by default)."""
         self._store = store
         self._key = key
         self._view = view
+        self._encode = encode
         self._wanted = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -62,7 +74,7 @@ class GroupPublisher:
             view = self._view()
             if view is not None:
                 try:
-                    await self._store.put(self._key, view.model_dump_json().encode())
+                    await self._store.put(self._key, self._encode(view))
                     backoff = 0.1
                 except ElasticdError as exc:
                     log.warning("cannot publish group view %s: %s", self._key, exc)

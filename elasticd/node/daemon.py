@@ -483,6 +483,9 @@ class Daemon(ReexecMixin):
                 last=self.config.event_retention_last,
                 # Decide every quarter of the kept tail (at most 64): bounded overshoot.
                 every=max(1, min(64, self.config.event_retention_last // 4)),
+                finished_first=self.config.event_retention_finished_first,
+                finished_last=self.config.event_retention_finished_last,
+                finished_total=self.config.event_retention_finished_total,
             ),
         )
         self.metrics = Metrics()

@@ -50,7 +50,7 @@ from elasticd.errors import StateFileDamaged
 from elasticd.models import Event
 from elasticd.node.retention import EndSeen
 from elasticd.security import create_private_file, make_private_dir
-from elasticd.storage import StorageHealth, WriteBacklog
+from elasticd.storage import StorageHealth, WriteBacklog, bound_wal
 from elasticd.supervise.records import WorkerRecord
 
 log = logging.getLogger("elasticd.node.db")
@@ -173,6 +173,7 @@ class Database:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
+            bound_wal(conn)
             conn.execute("PRAGMA busy_timeout=5000")
             # Every page of every table and index, before anything is read or written: a
             # damaged file is found here, not half-way through a start-up that already

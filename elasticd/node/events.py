@@ -75,7 +75,7 @@ import contextlib
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
 from pydantic import ValidationError
@@ -182,6 +182,42 @@ class EventRetention:
     last: int = 400
     #: Decide again after this many new events of a job (the work is amortised).
     every: int = 64
+    #: A finished job keeps only its first ``finished_first`` and last ``finished_last``
+    #: (every distinct failure besides): a job that ended is read for how it began and
+    #: ended, and a node keeps finished jobs for ``job_retention`` (7 days).
+    finished_first: int = 20
+    finished_last: int = 50
+    #: The events of finished jobs this node keeps in all; past it, the jobs that ended
+    #: first keep only their last event and the marker (:func:`summarised_jobs`).
+    finished_total: int = 2000
+    #: Every failure unlike the one before it is kept (False: only first and last).
+    keep_failures: bool = True
+
+    def of_finished(self) -> EventRetention:
+        """The policy of a finished job's events (never more than a running job's)."""
+        return replace(
+            self,
+            first=min(self.first, self.finished_first),
+            last=min(self.last, self.finished_last),
+        )
+
+    def of_summarised(self) -> EventRetention:
+        """The policy of a finished job past ``finished_total``: its last event, a marker."""
+        return replace(self, first=0, last=1, keep_failures=False)
+
+
+def summarised_jobs(finished: Sequence[tuple[str, float, int]], total: int) -> set[str]:
+    """Which finished jobs keep only their last event (pure): ``finished`` holds each
+    finished job's id, when this node saw it end and how many of its events the node
+    keeps now. The newest ends keep theirs while they add up to at most ``total``; the
+    job that goes past it, and every one that ended before it, are summarised."""
+    out: set[str] = set()
+    kept = 0
+    for job_id, _, count in sorted(finished, key=lambda f: (f[1], f[0]), reverse=True):
+        kept += count
+        if kept > total:
+            out.add(job_id)
+    return out
 
 
 #: Kinds always kept: failures, faults, and what a reader needs to explain them.
@@ -272,7 +308,8 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
     it (a crash loop's thousandth identical exit is counted, not kept: the
     first of each run of the same failure stays, as do the ones in the last
     ``policy.last``); the others between them (and an earlier marker) become
-    one marker at the seq of the first of them.
+    one marker at the seq of the first of them. ``policy.keep_failures`` False:
+    the failures between them go too.
     """
     n = len(events)
     if n <= policy.first + policy.last:
@@ -286,7 +323,12 @@ def trim_events(events: Sequence[Retained], policy: EventRetention) -> Trim:
             repeats.add(at)
         before[e.signature[0]] = e.signature
     middle = [(at, e) for at, e in enumerate(events) if policy.first <= at < n - policy.last]
-    gone = [e for at, e in middle if (not e.failure or at in repeats) and e.published]
+    keep_failures = policy.keep_failures
+    gone = [
+        e
+        for at, e in middle
+        if (not e.failure or at in repeats or not keep_failures) and e.published
+    ]
     if not any(e.dropped == 0 for e in gone):
         return Trim()  # nothing new: at most the marker of an earlier trim
     anchor = gone[0]
@@ -364,6 +406,11 @@ class EventLog:
         self._unpublish: dict[str, list[str]] = {}
         #: Jobs forgotten so far (a trim that read a job's events meanwhile is dropped).
         self._forgets = 0
+        #: Finished jobs (:meth:`job_ended`): job -> (when this node saw it end, on the
+        #: monotonic clock; its events this node kept at its last trim).
+        self._finished: dict[str, tuple[float, int]] = {}
+        #: The finished jobs past ``finished_total`` (:func:`summarised_jobs`).
+        self._summarised: set[str] = set()
 
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` synchronously after every emit (metrics)."""
@@ -440,6 +487,39 @@ class EventLog:
 
     # retention (see the module docstring)
 
+    def job_ended(self, job_id: str, seen_at: float) -> None:
+        """The job ended (this node saw it at ``seen_at``, monotonic): its events here are
+        trimmed to the finished policy now (:meth:`EventRetention.of_finished`), and the
+        finished jobs' events together to ``finished_total``."""
+        if job_id in self._finished:
+            return
+        self._finished[job_id] = (seen_at, 0)
+        self._since_trim.pop(job_id, None)  # no more counting: trimmed once now
+        self._to_trim.add(job_id)
+        self._trim_wake.set()
+
+    def _policy_of(self, job_id: str) -> EventRetention:
+        if job_id in self._summarised:
+            return self.retention.of_summarised()
+        if job_id in self._finished:
+            return self.retention.of_finished()
+        return self.retention
+
+    def _kept(self, job_id: str, count: int) -> None:
+        """After a trim of a finished job: ``count`` of its events stay here; the jobs past
+        ``finished_total`` now are trimmed to their last event."""
+        ended = self._finished.get(job_id)
+        if ended is None:
+            return
+        self._finished[job_id] = (ended[0], count)
+        over = summarised_jobs(
+            [(j, at, n) for j, (at, n) in self._finished.items()], self.retention.finished_total
+        )
+        for job in over - self._summarised:
+            self._to_trim.add(job)
+            self._trim_wake.set()
+        self._summarised = over
+
     async def trim(self, job_id: str) -> dict[str | None, Trim]:
         """Apply the retention policy to this node's events of ``job_id`` now (locally).
 
@@ -467,14 +547,21 @@ class EventLog:
                     until=time + float(span or 0.0) if kind == EventKind.EVENTS_TRIMMED else 0.0,
                 )
             )
-        decisions = trim_jobs(views, self.retention)
+        policy = self._policy_of(job_id)
+        decisions = trim_jobs(views, policy)
         for tag, decision in decisions.items():
             if decision.marker is not None:
-                self._apply_trim(job_id, tag, decision.delete, decision.marker)
+                self._apply_trim(job_id, tag, decision.delete, decision.marker, policy)
+        self._kept(job_id, len(rows) - sum(len(d.delete) for d in decisions.values()))
         return decisions
 
     def _apply_trim(
-        self, job_id: str, tag: str | None, delete: tuple[int, ...], m: Retained
+        self,
+        job_id: str,
+        tag: str | None,
+        delete: tuple[int, ...],
+        m: Retained,
+        policy: EventRetention,
     ) -> None:
         """Write the marker ``m`` of the job ``tag`` names in place of the events it stands
         for (deleted here, and from the store by the trimming task)."""
@@ -492,8 +579,8 @@ class EventLog:
                 f"{m.dropped} events of this job on {self._node} were dropped by the event "
                 f"retention policy, over {max(0.0, m.until - m.time):.1f} s from here: routine "
                 f"ones, and failures the same as the one of their kind before them (kept: the "
-                f"first {self.retention.first}, the last {self.retention.last}, every other "
-                "failure)"
+                f"first {policy.first}, the last {policy.last}"
+                + (", every other failure)" if policy.keep_failures else ")")
             ),
         )
         self._db.apply_trim(job_id, delete, marker)
@@ -692,6 +779,8 @@ class EventLog:
         and no deletion in between to :meth:`forget` them for)."""
         self._forgets += 1
         self._db.delete_events_of_others(job_id, tag)
+        self._finished.pop(job_id, None)  # the old job's end: the new one runs
+        self._summarised.discard(job_id)
 
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""
@@ -700,6 +789,8 @@ class EventLog:
         self._db.delete_events(job_id)
         self._since_trim.pop(job_id, None)
         self._unpublish.pop(job_id, None)
+        self._finished.pop(job_id, None)
+        self._summarised.discard(job_id)
 
     # reading: this node's own events
 

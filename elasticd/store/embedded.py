@@ -74,6 +74,7 @@ from elasticd.security import create_private_file, make_private_dir
 from elasticd.storage import (
     BACKOFF_FIRST,
     StorageHealth,
+    bound_wal,
     describe,
     is_storage_fault,
     next_backoff,
@@ -197,6 +198,7 @@ class EmbeddedStore(MemoryStore):
             if str(mode).lower() != "wal":
                 raise StoreUnavailable(f"{path}: SQLite refused WAL mode (got {mode!r})")
             db.execute(f"PRAGMA synchronous={synchronous}")
+            bound_wal(db)
             found = db.execute("PRAGMA user_version").fetchone()[0]
             if found > SCHEMA_VERSION:
                 raise StoreUnavailable(

@@ -177,3 +177,63 @@ async def test_the_embedded_stores_history_holds_what_watchers_need(tmp_path: Pa
             assert changes <= 1000 + 1 and size < 1 << 20
         finally:
             await daemon.shutdown()
+
+
+async def test_finished_jobs_shrink_to_their_bounds_and_logs_go_as_attempts_end(
+    tmp_path: Path,
+) -> None:
+    """Issue 34: a job that ended keeps its own first 2 and last 4 events (and its distinct
+    failures), the finished jobs together at most ``event_retention_finished_total`` (the
+    oldest then keeps its last event and the marker); with the periodic log pass an hour
+    away, a crash loop's attempt folders never pile up past the bound and the running one."""
+    env = {
+        **RETENTION,
+        "ELASTICD_EVENT_RETENTION_FINISHED_FIRST": "2",
+        "ELASTICD_EVENT_RETENTION_FINISHED_LAST": "4",
+        "ELASTICD_EVENT_RETENTION_FINISHED_TOTAL": "15",
+        "ELASTICD_LOG_RETENTION_INTERVAL": "3600",
+    }
+    daemon = serve(tmp_path, env=env)
+    try:
+        await daemon.wait_ready()
+        async with daemon.client() as c:
+            most = 0
+            for job_id in ("old", "new"):
+                spec = {
+                    "id": job_id,
+                    "entrypoint": sys.executable,
+                    "args": ["-c", "import sys, time; time.sleep(0.05); sys.exit(3)"],
+                    "max_restarts": 12,
+                    "termination_grace": 1,
+                }
+                assert (await c.post("/jobs", json=spec)).status_code in (200, 201)
+                logs = daemon.state_dir / "logs" / job_id
+                async with asyncio.timeout(90):
+                    while (await c.get(f"/jobs/{job_id}")).json()["state"] != "FAILED":
+                        if logs.is_dir():
+                            folders = [p for p in logs.iterdir() if p.name.startswith("attempt_")]
+                            most = max(most, len(folders))
+                        await asyncio.sleep(0.05)
+                # The finished policy: first 2 + last 4 + the 3 distinct failures + the
+                # marker, and what the agent said after the end was seen (a few events).
+                bound = 2 + 4 + 3 + 1 + 6
+
+                def shrunk(job_id: str = job_id, bound: int = bound) -> bool:
+                    return len(local_events(daemon.state_dir, job_id)) <= bound
+
+                await eventually(shrunk, 20, f"{job_id}'s events shrunk to the finished policy")
+
+            # Together over 15: the job that ended first keeps its last event and the marker
+            # (and what landed after that trim).
+            def summarised() -> bool:
+                return len(local_events(daemon.state_dir, "old")) <= 2 + 4
+
+            await eventually(summarised, 20, "the oldest finished job summarised")
+            kinds = [k for _, k in local_events(daemon.state_dir, "old")]
+            assert kinds[0] == "events.trimmed", kinds
+            stored = (await c.get("/store/list", params={"prefix": "ev/old/"})).json()["entries"]
+            assert len(stored) <= 2 + 4
+            # At most the bound and the attempt being started (retention at each attempt end).
+            assert most <= ATTEMPTS + 2, most
+    finally:
+        daemon.stop()

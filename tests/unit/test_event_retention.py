@@ -9,6 +9,7 @@ from elasticd.node.events import (
     Retained,
     Trim,
     is_failure,
+    summarised_jobs,
     trim_events,
     trim_jobs,
 )
@@ -97,6 +98,67 @@ def marker(seq: int, count: int, until: float) -> Retained:
 def test_trim_events(events: list[Retained], expected: Trim) -> None:
     """What a trim deletes and where its marker goes."""
     assert trim_events(events, P) == expected
+
+
+FINISHED = EventRetention(first=2, last=2, finished_first=1, finished_last=2)
+
+
+@pytest.mark.parametrize(
+    ("policy", "events", "expected"),
+    [
+        # a finished job's policy: its own first 1 and last 2, failures kept
+        (
+            FINISHED.of_finished(),
+            [ev(1), crash(2), ev(3), ev(4), ev(5), ev(6)],
+            Trim(delete=(4,), marker=marker(3, 2, 4.0)),
+        ),
+        # past finished_total: its last event and the marker; failures go too
+        (
+            FINISHED.of_summarised(),
+            [ev(1), crash(2), crash(3, code=9), ev(4), ev(5, failure=True)],
+            Trim(delete=(2, 3, 4), marker=marker(1, 4, 4.0)),
+        ),
+        # summarised again: only the marker and the last event, nothing new
+        (FINISHED.of_summarised(), [marker(1, 4, 4.0), ev(5, failure=True)], Trim()),
+        # what is not published yet stays, even then
+        (
+            FINISHED.of_summarised(),
+            [ev(1), ev(2, published=False), ev(3)],
+            Trim(delete=(), marker=marker(1, 1, 1.0)),
+        ),
+    ],
+    ids=["finished", "summarised", "summarised-again", "unpublished"],
+)
+def test_trim_events_of_finished_jobs(
+    policy: EventRetention, events: list[Retained], expected: Trim
+) -> None:
+    """A finished job's events: its own first and last (the finished policy), or, past the
+    finished jobs' total, its last event only."""
+    assert trim_events(events, policy) == expected
+
+
+@pytest.mark.parametrize(
+    ("finished", "total", "expected"),
+    [
+        ([], 10, set()),
+        # within the total: nobody summarised
+        ([("a", 1.0, 4), ("b", 2.0, 6)], 10, set()),
+        # past it: the job that goes over and every older one, newest ends kept
+        ([("a", 1.0, 4), ("b", 2.0, 6), ("c", 3.0, 5)], 10, {"a", "b"}),
+        ([("c", 3.0, 5), ("a", 1.0, 4), ("b", 2.0, 3)], 10, {"a"}),
+        # one newest job larger than the total alone: summarised too
+        ([("a", 1.0, 1), ("b", 2.0, 20)], 10, {"a", "b"}),
+        # total 0: every finished job keeps only its last event
+        ([("a", 1.0, 1), ("b", 2.0, 1)], 0, {"a", "b"}),
+        # the same end time: ordered by id, so the decision is stable
+        ([("a", 1.0, 6), ("b", 1.0, 6)], 10, {"a"}),
+    ],
+)
+def test_summarised_jobs(
+    finished: list[tuple[str, float, int]], total: int, expected: set[str]
+) -> None:
+    """Which finished jobs keep only their last event: the oldest ends past the total."""
+    assert summarised_jobs(finished, total) == expected
 
 
 A, B = "a" * 32, "b" * 32

@@ -112,6 +112,10 @@ class Reconciler:
         self._db = db
         self._boot_id = boot_id()
         self.ends: dict[str, EndSeen] = {}
+        #: Jobs whose log retention runs now, and those to run it again after (an attempt
+        #: ended meanwhile): one pass per job at a time, never two on one folder.
+        self._retaining: set[str] = set()
+        self._retain_again: set[str] = set()
 
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes."""
@@ -151,6 +155,9 @@ class Reconciler:
                 self.ends[job.id] = end
                 if self._db is not None and self._db.is_open:
                     self._db.record_job_end(job.id, end)
+            # Its events here shrink to the finished policy (once per end; again after a
+            # restart of the daemon, which lost the count of the finished jobs' events).
+            self.side.events.job_ended(job.id, end.at)
 
     def forget_end(self, job_id: str) -> None:
         if self.ends.pop(job_id, None) is not None and self._db is not None and self._db.is_open:
@@ -215,6 +222,28 @@ class Reconciler:
             )
         except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
             log.warning("job %s: could not record its return to the queue: %s", ended.job_id, exc)
+
+    def attempt_ended(self, job_id: str) -> None:
+        """An attempt of the job ended here: its older attempts' log folders past
+        ``log_retention_attempts`` (or ``log_retention_bytes``) go now. Between two passes of
+        the periodic retention (``log_retention_interval``), three crash-looping jobs left
+        about 680 folders (issue 34); now a job has at most the bound and its running one."""
+        if job_id in self._retaining:
+            self._retain_again.add(job_id)
+            return
+        self._retaining.add(job_id)
+        self._background.spawn(self._retain_attempts(job_id), name=f"attempt-logs-{job_id}")
+
+    async def _retain_attempts(self, job_id: str) -> None:
+        try:
+            while True:
+                self._retain_again.discard(job_id)
+                await self._retain_logs([job_id])
+                if job_id not in self._retain_again:
+                    return
+        finally:
+            self._retaining.discard(job_id)
+            self._retain_again.discard(job_id)
 
     def agent_ended(self, ended: AgentEnded) -> None:
         """An agent of this node ended: what its slots and its job do next."""

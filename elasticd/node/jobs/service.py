@@ -146,6 +146,7 @@ class JobService:
         self.supervisor = AgentSupervisor(
             side,
             ended=lambda ended: self.reconciler.agent_ended(ended),
+            attempt_ended=lambda job_id: self.reconciler.attempt_ended(job_id),
             log_growth=self.log_growth,
             token_file=token_file,
             console=console,

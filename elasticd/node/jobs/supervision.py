@@ -115,14 +115,17 @@ class AgentSupervisor:
         *,
         ended: Callable[[AgentEnded], None],
         log_growth: LogGrowth,
+        attempt_ended: Callable[[str], None] | None = None,
         token_file: str | None = None,
         console: ConsoleSink | None = None,
         base_env: dict[str, str] | None = None,
         job_base_env: dict[str, str] | None = None,
         storage: StorageHealth | None = None,
     ) -> None:
-        """``ended``: told, in the task's done callback, whenever an agent task ends."""
+        """``ended``: told, in the task's done callback, whenever an agent task ends;
+        ``attempt_ended``: told the job's id whenever one of its attempts here ends."""
         self.side = side
+        self._attempt_ended = attempt_ended
         self.console = console
         self.log_growth = log_growth
         self.storage = storage
@@ -400,6 +403,7 @@ class AgentSupervisor:
             policy=self.spawn_policy,
             job_token=self._job_token if self.job_tokens is not None else None,
             log_growth=self.log_growth.grew,
+            attempt_ended=self._attempt_ended,
             node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
             attribute=self.attribute,
         )

@@ -92,7 +92,7 @@ def judge_devices(seen: dict[str, set[str]], sizes: dict[str, int]) -> Outcome:
 
 def gpus_present(nvidia_smi: str = "nvidia-smi") -> list[str] | None:
     """The GPU indices ``nvidia-smi -L`` lists, or None without the tool or a GPU."""
-    from elasticd.node.daemon import detect_gpus
+    from elasticd.node.host import detect_gpus
 
     found = asyncio.run(detect_gpus(nvidia_smi))
     return found or None

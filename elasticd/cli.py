@@ -509,7 +509,7 @@ def _command(words: list[str], *, no_python: bool = False, module: bool = False)
 async def _nproc_per_node(value: str) -> int:
     gpus = None
     if value in ("gpu", "auto"):
-        from elasticd.node.daemon import detect_gpus
+        from elasticd.node.host import detect_gpus
 
         found = await detect_gpus()
         gpus = len(found) if found else None

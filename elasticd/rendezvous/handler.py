@@ -210,6 +210,7 @@ class StoreRendezvous:
         self._announced: NodeInfo | None = None  # this node's presence key as last written
         self._announced_lease: int | None = None  # and the lease it is bound to
         self._round_seen: tuple[int, float] | None = None  # (round, when this node first saw it)
+        self._deadline_seen: tuple[float, Deadline] | None = None  # a deadline, and its bound
         self._absorber_from = absorber_from
         # Jobs this large join from the head and their own seat (O(1) bytes each),
         # never the document, unless a deadline is due (see _gather).
@@ -353,6 +354,7 @@ class StoreRendezvous:
                 if read is not Next.REUSE or view is None:
                     view = await self.snapshot()
                 state, version, present, revision = view
+                state = self._bounded(state)
                 read, view = Next.LIST, None
                 if me not in present or info.round < state.round:
                     # Our lease was lost and renewed, or a new round opened: announce again.
@@ -389,7 +391,7 @@ class StoreRendezvous:
                     if holding or result.entry is None:
                         continue
                     # Lost the race: the winner's document may say we are done or placed.
-                    there = decode_state(result.entry.value, result.entry.version)
+                    there = self._bounded(decode_state(result.entry.value, result.entry.version))
                     read = after_lost_write(there, me)
                     if read is Next.DONE:
                         return there
@@ -439,6 +441,7 @@ class StoreRendezvous:
         DECIDE: list and decide (we hold the role, or our round is due).
         """
         state, _, revision = await self._state_only()
+        state = self._bounded(state)
         if state.closed:
             raise RendezvousClosed(f"the rendezvous of {self._job} is closed")
         if state.complete and self._me in state.participants:
@@ -466,6 +469,27 @@ class StoreRendezvous:
                     return _Step.DECIDE, state, info, holding
                 return _Step.AGAIN, state, info, holding
         return _Step.DECIDE, state, info, holding
+
+    def _due(self, deadline: float | None) -> float | None:
+        """The last call's ``deadline`` as this node acts on it: at most
+        ``last_call_timeout`` after it first saw that deadline, on its own monotonic clock.
+
+        The deadline is a wall time the node that started the last call wrote. Written
+        by a node whose clock ran an hour ahead (and was corrected since), it would hold
+        the round open for an hour; each node bounds the wait by what the deadline can
+        mean (a last call lasts ``last_call_timeout``).
+        """
+        if deadline is None:
+            return None
+        if self._deadline_seen is None or self._deadline_seen[0] != deadline:
+            by = Deadline.after(self._clock, self._settings.last_call_timeout)
+            self._deadline_seen = (deadline, by)
+        return min(deadline, self._deadline_seen[1].wall(self._clock))
+
+    def _bounded(self, state: State) -> State:
+        """``state`` with its last call's deadline as this node acts on it (:meth:`_due`)."""
+        due = self._due(state.deadline)
+        return state if due == state.deadline else replace(state, deadline=due)
 
     def _seen_open(self, state: State) -> float:
         """When this node first saw ``state``'s round, by its own clock."""
@@ -643,6 +667,7 @@ class StoreRendezvous:
             if await self._relet():
                 await self._announce(info)  # its presence key went with its old lease
             head = self._sig.head() or Head()
+            head = replace(head, deadline=self._due(head.deadline))
             step, until = look(
                 head,
                 self._sig.absorber(),

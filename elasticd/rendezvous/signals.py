@@ -32,6 +32,7 @@ from elasticd.rendezvous.layout import (
 from elasticd.rendezvous.protocol import Absorber, Head, Seat, State, seats
 from elasticd.store import Store
 from elasticd.store.base import MAX_BATCH_KEYS, CasResult, WatchEvent
+from elasticd.tasks import cancel_and_wait
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -72,9 +73,7 @@ async def unless_relet(relet: Callable[[], Awaitable[bool]], watch: Awaitable[T]
                 return None
     finally:
         if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)  # the caller's own cancellation still goes through
         elif not task.cancelled():
             task.exception()  # seen: a watch that failed as this wait gave up on it
 
@@ -247,9 +246,7 @@ class AbsorberRole:
     async def stop_keeper(self) -> None:
         keeper, self._keeper = self._keeper, None
         if keeper is not None and not keeper.done():
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await cancel_and_wait(keeper)
 
     async def release(self) -> None:
         """Let go of the role (best effort: an overdue hold is taken over anyway)."""

@@ -48,6 +48,7 @@ from elasticd.rendezvous.layout import state_key
 from elasticd.rendezvous.protocol import Change, Head, Settings, State
 from elasticd.store.base import CasResult, Entry, Listing, Store, WatchEvent
 from elasticd.store.memory import MemoryStore, _Lease
+from elasticd.tasks import cancel_and_wait
 from tests.sim.vloop import run_virtual
 
 JOB = "job"
@@ -523,9 +524,7 @@ class World:
                 watch.cancel()
                 raise
             if crash in done:
-                watch.cancel()
-                with contextlib.suppress(BaseException):
-                    await watch
+                await cancel_and_wait(watch)  # a kill of the node meanwhile still goes through
                 self.log(f"{node.name}: a worker of round {info.round} crashed")
                 return None
             try:
@@ -567,9 +566,12 @@ class World:
         node.alive, node.running = False, None
         for task in node.tasks:
             task.cancel()
-        for task in node.tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        if node.tasks:
+            # A cancelled agent ends at once (no task outlives its owner): one that is
+            # still running a minute later swallowed its cancellation.
+            _, pending = await asyncio.wait(node.tasks, timeout=60.0)
+            if pending:
+                self.fail(f"{node.name}'s agent went on after it was cancelled (killed)")
         node.tasks = []
         self.log(f"{node.name} is killed -9 (its lease lives until its TTL)")
 
@@ -640,8 +642,9 @@ class World:
             rdzv = node.rdzv
             agent = node.tasks[0]
             agent.cancel()
-            with contextlib.suppress(BaseException):
-                await agent
+            _, pending = await asyncio.wait({agent}, timeout=60.0)
+            if pending:
+                self.fail(f"{node.name}'s agent went on after it was cancelled (taken)")
             node.running = None
             self.log(f"{node.name}: the plan takes it from the job; it leaves for good")
             if rdzv is not None:

@@ -31,6 +31,13 @@ FOUND = [
     pytest.param(48, True, id="lagging-head-never-caught-up"),
 ]
 
+#: Found by the 100,000-schedule sweep (100 steps, 3-6 nodes, agents that leave for good).
+FOUND_IN_THE_SWEEP = [
+    # A last call's deadline written by a node whose clock ran an hour ahead, then was
+    # corrected: the live nodes waited out the hour.
+    pytest.param(1000718, id="a-deadline-from-a-clock-an-hour-ahead"),
+]
+
 
 @pytest.mark.parametrize(("seed", "large"), FOUND)
 def test_a_seed_that_found_a_defect_now_keeps_every_invariant(
@@ -38,6 +45,12 @@ def test_a_seed_that_found_a_defect_now_keeps_every_invariant(
 ) -> None:
     """The schedule replays from its seed and every invariant holds to the end."""
     outcome = simulate(seed, 300, large, leaves=False)  # the schedule that found it
+    assert outcome.violation is None, f"{outcome.violation}\n{outcome.tail()}"
+
+
+@pytest.mark.parametrize("seed", FOUND_IN_THE_SWEEP)
+def test_a_seed_the_sweep_found_now_keeps_every_invariant(seed: int) -> None:
+    outcome = simulate(seed, 100, False)
     assert outcome.violation is None, f"{outcome.violation}\n{outcome.tail()}"
 
 

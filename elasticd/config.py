@@ -165,7 +165,9 @@ class Config(BaseModel):
     auto_quarantine: bool = Field(
         default=True,
         description="Quarantine this node when the policy trips: its health check fails, or "
-        "quarantine_threshold failures attributed to it within quarantine_window (any jobs). "
+        "quarantine_threshold failures attributed to it within quarantine_window (any jobs; "
+        "first failures of rounds count only from two jobs or more, or with a hardware-like "
+        "signal among them: one job's own bug is not the node's). "
         "Off: the record still counts them; only an admin's drain takes the node out.",
     )
     quarantine_threshold: int = Field(

@@ -152,6 +152,18 @@ def attributed(health: NodeHealth, window: float, now: float) -> list[HealthEntr
     return out
 
 
+def _evidence(counted: list[HealthEntry]) -> bool:
+    """Do the counted failures point at the node rather than at one job's own code?
+
+    A hardware-like signal does. First failures of rounds do only across two jobs or
+    more: a multi-node job whose every rank fails at once on its own bug has its first
+    failure on some node, at random; counted alone, one buggy job would quarantine the
+    fleet's nodes one after another."""
+    if any(e.kind == "hardware" for e in counted):
+        return True
+    return len({e.job for e in counted}) >= 2
+
+
 def note(health: NodeHealth, entry: HealthEntry, policy: Policy, now: float) -> NodeHealth:
     """The record with ``entry`` added; quarantined when the policy trips (pure)."""
     entries = [*health.entries, entry][-MAX_ENTRIES:]
@@ -163,7 +175,7 @@ def note(health: NodeHealth, entry: HealthEntry, policy: Policy, now: float) -> 
         reason = f"health check failed: {entry.message}"
     else:
         counted = [e for e in attributed(health, policy.window, now) if e.kind != "health_check"]
-        if len(counted) < policy.threshold:
+        if len(counted) < policy.threshold or not _evidence(counted):
             return health
         reason = (
             f"{len(counted)} failures attributed to it within {policy.window:g} s "

@@ -33,7 +33,9 @@ def _noted(entries: list[HealthEntry], policy: Policy, now: float = T) -> NodeHe
     ("entries", "policy", "quarantined"),
     [
         ([_entry(round_=r) for r in range(2)], Policy(), False),  # under the threshold
-        ([_entry(round_=r) for r in range(3)], Policy(), True),  # three rounds, one job
+        # Three rounds of one job, first failures alone: that job's own bug, not the node.
+        ([_entry(round_=r) for r in range(3)], Policy(), False),
+        ([_entry(round_=0), _entry(round_=1), _entry(job="other")], Policy(), True),
         ([_entry(job=f"j{r}") for r in range(3)], Policy(), True),  # across jobs
         ([_entry("hardware", round_=r) for r in range(3)], Policy(), True),
         ([_entry(round_=0), _entry("hardware", round_=0), _entry(round_=1)], Policy(), False),
@@ -41,7 +43,7 @@ def _noted(entries: list[HealthEntry], policy: Policy, now: float = T) -> NodeHe
         ([_entry("health_check", round_=None)], Policy(), True),  # at once
         ([_entry("health_check", round_=None)], Policy(auto=False), False),
         ([_entry(round_=r) for r in range(3)], Policy(auto=False), False),
-        ([_entry(round_=r) for r in range(5)], Policy(threshold=5), True),
+        ([_entry(round_=r) for r in range(4)] + [_entry(job="k")], Policy(threshold=5), True),
     ],
 )
 def test_the_policy_trips_on_a_health_check_or_n_failures_in_the_window(

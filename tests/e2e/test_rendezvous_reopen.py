@@ -77,6 +77,10 @@ async def test_a_running_jobs_rendezvous_closed_by_another_is_opened_again(
             }
             assert (await c.post("/jobs", json=body)).status_code == 201
             first = await _until_healthy(c, "reopened", set())
+            deadline = time.monotonic() + 30  # HEALTHY once spawned: its first line may lag
+            while not list(out.glob("pid.*")):
+                assert time.monotonic() < deadline, "the worker never wrote its pid"
+                await asyncio.sleep(0.05)
 
             key = state_key("reopened")
             answer = await c.get("/store/kv", params={"key": key})

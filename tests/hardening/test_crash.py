@@ -38,12 +38,19 @@ async def test_acknowledged_events_survive_twenty_sigkills(tmp_path: Path) -> No
     ever returned is still there, identical."""
     rng = random.Random(6)
     token_file, _ = make_token_file(tmp_path)
+    # What is tested is durability across kill -9, not retention: the jobs ended here (each
+    # cancelled by the next) keep every event their retention would keep while running.
+    keep = {
+        "ELASTICD_EVENT_RETENTION_FINISHED_FIRST": "100",
+        "ELASTICD_EVENT_RETENTION_FINISHED_LAST": "400",
+        "ELASTICD_EVENT_RETENTION_FINISHED_TOTAL": "100000",
+    }
     state = tmp_path / "state"
     acknowledged: dict[str, dict[int, dict[str, Any]]] = {}
     killed_during: list[int] = []
     async with asyncio.timeout(150):
         for i in range(KILLS):
-            daemon = serve(tmp_path, token_file=token_file, state_dir=state)
+            daemon = serve(tmp_path, token_file=token_file, state_dir=state, env=keep)
             try:
                 await daemon.wait_ready()
                 job_id = f"crash-{i}"
@@ -74,7 +81,7 @@ async def test_acknowledged_events_survive_twenty_sigkills(tmp_path: Path) -> No
             killed_during.append(len(seen))
             for name in ("elasticd.sqlite3", "store.sqlite3"):
                 assert integrity(state / name) == "ok", (i, name)
-        final = serve(tmp_path, token_file=token_file, state_dir=state)
+        final = serve(tmp_path, token_file=token_file, state_dir=state, env=keep)
         try:
             await final.wait_ready()
             async with final.client() as c:

@@ -20,7 +20,6 @@ job's budget is kept as the job document keeps it. After every step:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from elasticd.agent import machine as m
 from elasticd.agent.nodefail import Side
@@ -28,6 +27,7 @@ from elasticd.agent.progress import Hang
 from elasticd.eventkinds import EventKind
 from elasticd.rendezvous import Change, RoundInfo
 from elasticd.supervise.process import GroupResult, WorkerExit
+from tests.sim.outcome import Outcome
 
 #: The kinds of failure a job may be failed with, and why each is the job's own.
 OWN_FAILURES = {
@@ -35,17 +35,6 @@ OWN_FAILURES = {
     EventKind.RENDEZVOUS_FAILED,  # its join timed out (too few nodes came)
     EventKind.AGENT_ERROR,  # the agent itself raised
 }
-
-
-@dataclass
-class AgentOutcome:
-    seed: int
-    violation: str | None
-    trace: list[str]
-    steps: int
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.trace[-lines:])
 
 
 def _exit(rank: int, code: int, at: float) -> WorkerExit:
@@ -57,7 +46,7 @@ def _solo(round_: int) -> RoundInfo:
     return RoundInfo(round_, 0, 1, [], "127.0.0.1", 29_500, {"n0": 0})
 
 
-def simulate_agent(seed: int, steps: int = 300) -> AgentOutcome:
+def simulate_agent(seed: int, steps: int = 300) -> Outcome:
     rng = random.Random(f"agent-{seed}")
     state = m.AgentState(multi_node=rng.random() < 0.5, inprocess_restart=rng.random() < 0.2)
     max_restarts, restarts, round_ = rng.randint(0, 40), 0, 0
@@ -133,8 +122,8 @@ def simulate_agent(seed: int, steps: int = 300) -> AgentOutcome:
         problem = _check(before, event, state, effects, restarts, max_restarts)
         if problem is not None:
             trace.append(f"VIOLATION: {problem}")
-            return AgentOutcome(seed, f"seed {seed}: {problem}", trace, i + 1)
-    return AgentOutcome(seed, None, trace, taken)
+            return Outcome(seed, f"seed {seed}: {problem}", trace, i + 1)
+    return Outcome(seed, None, trace, taken)
 
 
 def _check(

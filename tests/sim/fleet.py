@@ -18,20 +18,10 @@ does, and checked:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from elasticd.sched.plan import SPARES_PER_JOB, Demand, FleetPlan, NodeCapacity, schedule
-
-
-@dataclass
-class FleetOutcome:
-    seed: int
-    violation: str | None
-    trace: list[str]
-    passes: int
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.trace[-lines:])
+from tests.sim.outcome import Outcome
 
 
 def _check(plan: FleetPlan, jobs: dict[str, Demand], nodes: dict[str, NodeCapacity],
@@ -95,7 +85,7 @@ def _starved(
     return None
 
 
-def simulate_fleet(seed: int, steps: int = 300) -> FleetOutcome:
+def simulate_fleet(seed: int, steps: int = 300) -> Outcome:
     rng = random.Random(f"fleet-{seed}")
     trace: list[str] = []
     nodes_all = {
@@ -153,17 +143,17 @@ def simulate_fleet(seed: int, steps: int = 300) -> FleetOutcome:
         problem = replan(what)
         if problem is not None:
             trace.append(f"VIOLATION: {problem}")
-            return FleetOutcome(seed, f"seed {seed}: {problem}", trace, passes)
+            return Outcome(seed, f"seed {seed}: {problem}", trace, passes)
     for _ in range(5):  # the fleet is quiet: the plan settles
         now += 1.0
         settled = plan
         problem = replan("a quiet pass")
         if problem is not None:
-            return FleetOutcome(seed, f"seed {seed}: {problem}", trace, passes)
+            return Outcome(seed, f"seed {seed}: {problem}", trace, passes)
         if plan.placements == settled.placements:
             break
     problem = _starved(plan, jobs, live)
     if problem is not None:
         trace.append(f"VIOLATION: {problem}")
-        return FleetOutcome(seed, f"seed {seed}: starvation: {problem}", trace, passes)
-    return FleetOutcome(seed, None, trace, passes)
+        return Outcome(seed, f"seed {seed}: starvation: {problem}", trace, passes)
+    return Outcome(seed, None, trace, passes)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 from elasticd.goodput import (
     AttemptFacts,
@@ -32,17 +31,7 @@ from elasticd.goodput import (
     account,
     merge_nodes,
 )
-
-
-@dataclass
-class GoodputOutcome:
-    seed: int
-    violation: str | None
-    trace: list[str]
-    attempts: int
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.trace[-lines:])
+from tests.sim.outcome import Outcome
 
 
 def _stamp(rng: random.Random, t: float) -> float:
@@ -53,7 +42,7 @@ def _stamp(rng: random.Random, t: float) -> float:
     return t + rng.choice([-3600.0, -60.0, 5.0, 3600.0])
 
 
-def simulate_goodput(seed: int, steps: int = 300) -> GoodputOutcome:
+def simulate_goodput(seed: int, steps: int = 300) -> Outcome:
     rng = random.Random(f"goodput-{seed}")
     trace: list[str] = []
     t = 1_000_000.0
@@ -117,8 +106,8 @@ def simulate_goodput(seed: int, steps: int = 300) -> GoodputOutcome:
     problem = _check(g, attempts)
     if problem is not None:
         trace.append(f"VIOLATION: {problem}")
-        return GoodputOutcome(seed, f"seed {seed}: {problem}", trace, len(attempts))
-    return GoodputOutcome(seed, None, trace, len(attempts))
+        return Outcome(seed, f"seed {seed}: {problem}", trace, len(attempts))
+    return Outcome(seed, None, trace, len(attempts))
 
 
 def _check(g, attempts: list[AttemptFacts]) -> str | None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from tests.sim.agent import simulate_agent
 from tests.sim.fleet import simulate_fleet
 from tests.sim.goodput import simulate_goodput
-from tests.sim.rendezvous import Outcome, simulate
+from tests.sim.outcome import Outcome
+from tests.sim.rendezvous import simulate
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Verdict:
 
 
 def _rendezvous(seed: int, steps: int, large: bool | None) -> Verdict:
-    outcome: Outcome = simulate(seed, steps, large)
+    outcome = simulate(seed, steps, large)
     plan = outcome.plan
     shape = f"{plan.nodes} nodes, min {plan.min_nodes}, max {plan.max_nodes}"
     violation = outcome.violation
@@ -45,36 +46,26 @@ def _rendezvous(seed: int, steps: int, large: bool | None) -> Verdict:
     )
 
 
-def _fleet(seed: int, steps: int, large: bool | None) -> Verdict:
-    outcome = simulate_fleet(seed, steps)
-    ok = outcome.violation is None
-    return Verdict(
-        seed, ok, outcome.violation or "", outcome.passes, 0.0, "" if ok else outcome.tail()
-    )
+def _pure(
+    simulate_part: Callable[[int, int], Outcome],
+) -> Callable[[int, int, bool | None], Verdict]:
+    """A pure part's schedules as verdicts (sizes are the rendezvous's alone)."""
 
+    def run(seed: int, steps: int, large: bool | None) -> Verdict:
+        outcome = simulate_part(seed, steps)
+        ok = outcome.violation is None
+        tail = "" if ok else outcome.tail()
+        return Verdict(seed, ok, outcome.violation or "", outcome.count, 0.0, tail)
 
-def _agent(seed: int, steps: int, large: bool | None) -> Verdict:
-    outcome = simulate_agent(seed, steps)
-    ok = outcome.violation is None
-    return Verdict(
-        seed, ok, outcome.violation or "", outcome.steps, 0.0, "" if ok else outcome.tail()
-    )
-
-
-def _goodput(seed: int, steps: int, large: bool | None) -> Verdict:
-    outcome = simulate_goodput(seed, steps)
-    ok = outcome.violation is None
-    return Verdict(
-        seed, ok, outcome.violation or "", outcome.attempts, 0.0, "" if ok else outcome.tail()
-    )
+    return run
 
 
 #: Each part of the control plane the simulation drives, by name.
 PARTS: Mapping[str, Callable[[int, int, bool | None], Verdict]] = {
     "rendezvous": _rendezvous,
-    "fleet": _fleet,
-    "agent": _agent,
-    "goodput": _goodput,
+    "fleet": _pure(simulate_fleet),
+    "agent": _pure(simulate_agent),
+    "goodput": _pure(simulate_goodput),
 }
 
 

@@ -42,17 +42,23 @@ async def health_failed(
 ) -> m.Event | None:
     """Run the health checks before a (re)start: None when healthy, else HealthFailed.
 
-    A failure goes into the node's health record (``attribute``), which quarantines
+    A failure of an operator's check (the node's own, the GPU check; never the job's own
+    ``health_check``) goes into the node's health record (``attribute``), which quarantines
     the node by the policy: then the job is not charged (the fleet moves it off this
     node, a membership change). Otherwise it spends one restart at once: a
     single-node job then tries again (or fails once the budget is spent); in a
     multi-node job this node leaves the rendezvous so that a spare or the others
     carry on.
     """
-    root = await health.prerun(identity)
-    if root is None:
+    failed = await health.failed_checks(identity)
+    if failed is None:
         return None
-    if attribute is not None and await attribute("health_check", job_id, None, root.message):
+    root, the_nodes = failed
+    if (
+        the_nodes
+        and attribute is not None
+        and await attribute("health_check", job_id, None, root.message)
+    ):
         return m.HealthFailed(job_ended=False)  # quarantined: this node leaves, uncharged
     job = await update_job(job_id, mutate=charge_now(root))
     return m.HealthFailed(job_ended=job.state.is_terminal)

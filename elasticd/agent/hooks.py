@@ -448,6 +448,10 @@ def _new_checkpoint(mine: AttemptProgress, reported: AttemptProgress | None) -> 
     )
 
 
+#: The name of a job's own check among its health checks (``JobSpec.health_check``).
+JOB_CHECK = "health_check"
+
+
 @dataclass(frozen=True)
 class HealthHook:
     """The health checks before each (re)start: their events, and what a failure says."""
@@ -462,6 +466,14 @@ class HealthHook:
 
     async def prerun(self, identity: Identity | None) -> RootCause | None:
         """Run them: None when healthy, else the root cause that spends a restart."""
+        failed = await self.failed_checks(identity)
+        return None if failed is None else failed[0]
+
+    async def failed_checks(self, identity: Identity | None) -> tuple[RootCause, bool] | None:
+        """Run them: None when healthy, else the root cause and whether an operator's check
+        (the node's own, the GPU check) failed: only those say anything of the node. The
+        job's own ``health_check`` is the job's: a job whose check fails quarantines no node
+        (any user could otherwise take nodes out of the fleet)."""
         if self.checks is None:
             return None
         results = await self.checks.run(
@@ -488,11 +500,12 @@ class HealthHook:
             f"node {self.node} is unhealthy for this job: {reason}",
             state="UNHEALTHY",
         )
-        return RootCause(
+        root = RootCause(
             message=f"health check failed on {self.node}: {reason}",
             node=self.node,
             timestamp=self.clock.time(),
         )
+        return root, any(r.name != JOB_CHECK for r in failed)
 
 
 @dataclass(frozen=True)

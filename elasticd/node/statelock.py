@@ -163,7 +163,11 @@ def _read(fd: int) -> str:
 
 def _handed_to_me(opened: int) -> int | None:
     """Another descriptor of this process on the lock file ``opened`` is (one the previous
-    program image handed over in a hand-over this image could not read): None if none."""
+    program image handed over in a hand-over this image could not read): None if none.
+
+    Only an inheritable one: a handed descriptor crossed the exec, so it is; a lock this
+    image holds itself is close-on-exec, and a second acquire in this process is refused
+    as from any other holder."""
     here = os.fstat(opened)
     try:
         names = os.listdir("/proc/self/fd")
@@ -177,6 +181,7 @@ def _handed_to_me(opened: int) -> int | None:
             st = os.fstat(fd)
         except OSError:
             continue
-        if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino) and stat.S_ISREG(st.st_mode):
+        same = (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino) and stat.S_ISREG(st.st_mode)
+        if same and os.get_inheritable(fd):
             return fd
     return None

@@ -343,8 +343,7 @@ class FleetScheduler:
             nodes = live_nodes(
                 list((await self.store.list(keys.NODES)).entries), self._node_refused
             )
-            out = quarantined(list((await self.store.list(keys.HEALTH)).entries), self.clock.time())
-            nodes = [n for n in nodes if n.name not in out]  # never placed while quarantined
+            health = list((await self.store.list(keys.HEALTH)).entries)
             demands = [
                 Demand(
                     id=j.id,
@@ -376,7 +375,10 @@ class FleetScheduler:
             # A plan that does not parse (written by hand, or by a hostile store writer) is
             # replaced, deciding from the last good one seen, not from nothing: that would
             # move every job without a word.
-            outcome = schedule(stored or self.plan, demands, nodes, self.clock.time())
+            now = self.clock.time()
+            out = quarantined(health, now)
+            nodes = [n for n in nodes if n.name not in out]  # never placed while quarantined
+            outcome = schedule(stored or self.plan, demands, nodes, now)
             if stored is not None and outcome.plan == stored:
                 return False
             result = await self.store.compare_and_set(

@@ -555,24 +555,21 @@ class ReexecMixin:
         deadline = loop.time() + STOP_ADOPT_WAIT
         while self.jobs.adopting and loop.time() < deadline:
             await asyncio.sleep(HANDOVER_POLL)
-        for handover in self.jobs.abandon_adoptions():
-            log.warning(
-                "job %s: its handed-over workers were not taken up in %.0f s before the stop; "
-                "ending them",
-                handover.job_id,
-                STOP_ADOPT_WAIT,
-            )
-            await end_handed(handover.workers)
+        await self._end_abandoned(STOP_ADOPT_WAIT, "before the stop")
 
     async def _adoption_deadline(self) -> None:
         """Handed-over attempts that no agent took up in time: their workers end."""
         await asyncio.sleep(ADOPT_DEADLINE)
+        await self._end_abandoned(ADOPT_DEADLINE, "(the job ended or moved)")
+
+    async def _end_abandoned(self, waited: float, why: str) -> None:
+        """End the workers of every handed-over attempt no agent took up in ``waited`` s."""
         for handover in self.jobs.abandon_adoptions():
             log.warning(
-                "job %s: its handed-over workers were not taken up in %.0f s (the job ended "
-                "or moved); ending them",
+                "job %s: its handed-over workers were not taken up in %.0f s %s; ending them",
                 handover.job_id,
-                ADOPT_DEADLINE,
+                waited,
+                why,
             )
             await end_handed(handover.workers)
 

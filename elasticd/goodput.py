@@ -69,7 +69,9 @@ __all__ = [
     "FACT_KINDS",
     "MAX_ATTEMPTS",
     "MAX_CHECKPOINTS",
+    "MAX_PAGES",
     "MAX_SAMPLES",
+    "PAGE_ATTEMPTS",
     "AttemptFacts",
     "End",
     "FailureMark",
@@ -84,8 +86,10 @@ __all__ = [
     "begin_attempt",
     "end_attempt",
     "job_facts",
+    "join_pages",
     "merge_nodes",
     "observe",
+    "seal",
     "walk_end",
 ]
 
@@ -94,6 +98,14 @@ BADPUT_KINDS = ("startup", "queue", "recovery", "lost_work", "hang", "preempted"
 
 #: Attempts one node's record keeps (the oldest go first; their time becomes ``other``).
 MAX_ATTEMPTS = 256
+#: Ended attempts sealed into one page (``gp/<job>/<node>/<page>``, written once): the
+#: record a node rewrites at every attempt holds its newest attempts only, so a write's
+#: size, and the copies a store's watch history keeps, do not grow with the job's age
+#: (issue 34: 62 KB records rewritten at every attempt were most of that history).
+PAGE_ATTEMPTS = 16
+#: Pages kept per node (the oldest is deleted when a new one is sealed): with the record's
+#: own attempts (at most twice a page and the open one), never more than MAX_ATTEMPTS.
+MAX_PAGES = MAX_ATTEMPTS // PAGE_ATTEMPTS - 3
 #: Step samples one attempt keeps (thinned to every other one when full).
 MAX_SAMPLES = 64
 #: Checkpoints one attempt keeps (the latest).
@@ -143,7 +155,13 @@ class AttemptFacts(BaseModel):
 
 
 class NodeGoodput(BaseModel):
-    """One node's record of a job (``gp/<job>/<node>``): its attempts, oldest first."""
+    """One node's record of a job (``gp/<job>/<node>``): its attempts, oldest first.
+
+    The stored record holds the newest attempts; older ones are sealed, a page of
+    :data:`PAGE_ATTEMPTS` at a time, into pages of the same shape
+    (``gp/<job>/<node>/<page>``, :func:`seal`), which :func:`join_pages` puts back in
+    front. An older daemon's record has no pages (and an older reader sees the newest
+    attempts only)."""
 
     node: str
     attempts: list[AttemptFacts] = Field(default_factory=list, max_length=MAX_ATTEMPTS)
@@ -151,6 +169,48 @@ class NodeGoodput(BaseModel):
     """Which job of its id the record is about (``models.incarnation_tag``): a deleted
     job's agent may still publish it after the id was taken again (None: an older
     daemon's)."""
+    pages: int = Field(default=0, ge=0)
+    """The record: how many pages its node sealed before its first attempt."""
+    page: int | None = Field(default=None, ge=0)
+    """A page: its number (None: the record itself)."""
+
+
+def seal(record: NodeGoodput) -> tuple[NodeGoodput, NodeGoodput | None]:
+    """The record with its oldest :data:`PAGE_ATTEMPTS` attempts taken out, and the page
+    that holds them; or the record as it is and None, while it holds fewer than two pages
+    of attempts or the oldest page's are not all ended (an open attempt stays in the
+    record, where it is rewritten)."""
+    head = record.attempts[:PAGE_ATTEMPTS]
+    if len(record.attempts) < 2 * PAGE_ATTEMPTS or any(a.end is None for a in head):
+        return record, None
+    page = NodeGoodput(node=record.node, job_tag=record.job_tag, attempts=head, page=record.pages)
+    rest = record.model_copy(
+        update={"attempts": record.attempts[PAGE_ATTEMPTS:], "pages": record.pages + 1}
+    )
+    return rest, page
+
+
+def join_pages(record: NodeGoodput, pages: Iterable[NodeGoodput]) -> NodeGoodput:
+    """The record with its pages' attempts in front (the :data:`MAX_PAGES` before it; a
+    round the record holds too is the record's: a page may be written before the record
+    that no longer holds its attempts)."""
+    kept = [
+        p
+        for p in pages
+        if p.page is not None
+        and p.node == record.node
+        and p.job_tag == record.job_tag
+        and record.pages - MAX_PAGES <= p.page < record.pages
+    ]
+    own = {a.round for a in record.attempts}
+    earlier = {
+        a.round: a
+        for p in sorted(kept, key=lambda p: p.page or 0)
+        for a in p.attempts
+        if a.round not in own
+    }
+    attempts = [*sorted(earlier.values(), key=lambda a: a.round), *record.attempts]
+    return record.model_copy(update={"attempts": attempts[-MAX_ATTEMPTS:]})
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ The cluster store holds, with one owner for each subtree::
     ev/<id>/<node>/<seq>              a node's events, in its order      (events)
     group/<id>/<node>                 a node's published worker group    (agent)
     gp/<id>/<node>                    a node's goodput facts of the job  (agent.goodput)
+    gp/<id>/<node>/<page>             its older attempts, sealed          (agent.goodput)
     barrier/<id>/<round>/<node>       a round's exit barrier             (agent)
     rdzv/<id>/...                     the job's rendezvous               (rendezvous.layout)
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
@@ -48,6 +49,7 @@ __all__ = [
     "event_key",
     "event_prefix",
     "goodput_key",
+    "goodput_page_key",
     "goodput_prefix",
     "group_key",
     "group_prefix",
@@ -121,6 +123,13 @@ def goodput_prefix(job_id: str) -> str:
 def goodput_key(job_id: str, node: str) -> str:
     """One node's record of what it saw of the job's attempts (``elasticd.goodput``)."""
     return goodput_prefix(job_id) + node
+
+
+def goodput_page_key(job_id: str, node: str, page: int | None = None) -> str:
+    """A sealed page of that record's older attempts, or (``page`` None) every page's prefix
+    (a node name has no ``/``, so no node's pages are another's record)."""
+    base = goodput_key(job_id, node) + "/"
+    return base if page is None else f"{base}{page}"
 
 
 def barrier_prefix(job_id: str, round_: int | None = None) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ValidationError
 
@@ -40,6 +40,9 @@ from elasticd.agent.publish import GroupPublisher
 from elasticd.clock import Clock, SteadyWallClock
 from elasticd.errors import ElasticdError
 from elasticd.goodput import (
+    MAX_ATTEMPTS,
+    MAX_PAGES,
+    PAGE_ATTEMPTS,
     AttemptFacts,
     End,
     NodeGoodput,
@@ -47,14 +50,24 @@ from elasticd.goodput import (
     begin_attempt,
     close_open,
     end_attempt,
+    join_pages,
     observe,
+    seal,
 )
-from elasticd.keys import goodput_key
+from elasticd.keys import goodput_key, goodput_page_key
 from elasticd.models import tagged_for
-from elasticd.store import Store
+from elasticd.store import Entry, Store
 from elasticd.tasks import cancel_and_wait
 
-__all__ = ["FAST_SAMPLE_S", "SAMPLE_S", "WRITE_EVERY_S", "GoodputHook", "end_of", "parse_record"]
+__all__ = [
+    "FAST_SAMPLE_S",
+    "SAMPLE_S",
+    "WRITE_EVERY_S",
+    "GoodputHook",
+    "end_of",
+    "parse_record",
+    "read_records",
+]
 
 log = logging.getLogger("elasticd.agent")
 
@@ -91,6 +104,25 @@ def parse_record(raw: bytes, node: str, tag: str | None = None) -> NodeGoodput |
     return record
 
 
+def read_records(entries: Iterable[Entry], prefix: str, tag: str | None) -> dict[str, NodeGoodput]:
+    """Every node's record of the job, its pages joined in, from a listing of ``prefix``
+    (``gp/<job>/``); a record or page that is not this job's, or not its node's, is left
+    out, and so is a page without its record (the record is what says the node ran it)."""
+    records: dict[str, NodeGoodput] = {}
+    pages: dict[str, list[NodeGoodput]] = {}
+    for entry in entries:
+        node, _, page = entry.key.removeprefix(prefix).partition("/")
+        record = parse_record(entry.value, node, tag)
+        if record is None:
+            continue
+        if not page:
+            if record.page is None:
+                records[node] = record
+        elif record.page is not None and str(record.page) == page:
+            pages.setdefault(node, []).append(record)
+    return {node: join_pages(r, pages.get(node, ())) for node, r in records.items()}
+
+
 def _compact(record: BaseModel) -> bytes:
     """The record without the fields at their defaults (a crash loop's attempt is its round,
     spawn and end: 80 bytes, not 240): it is rewritten at every attempt, up to
@@ -116,9 +148,12 @@ class GoodputHook:
         (:attr:`NodeGoodput.job_tag`)."""
         self._store, self._read = store, read
         self._clock = SteadyWallClock(clock)
-        self._key = goodput_key(job_id, node)
-        self.record = NodeGoodput(node=node, job_tag=tag)
-        self._publisher = GroupPublisher(store, self._key, lambda: self.record, _compact)
+        self._job_id, self._key = job_id, goodput_key(job_id, node)
+        self._tail = NodeGoodput(node=node, job_tag=tag)
+        """The stored record: the newest attempts (the open one among them)."""
+        self._sealed: list[AttemptFacts] = []
+        """The attempts of the pages this hook sealed or read back, oldest first."""
+        self._publisher = GroupPublisher(store, self._key, lambda: self._tail, _compact)
         self._sampler: asyncio.Task[None] | None = None
         self._written_at = float("-inf")  # monotonic
 
@@ -127,11 +162,29 @@ class GoodputHook:
         self._publisher.start(f"goodput-{self._key}")
         with contextlib.suppress(ElasticdError):
             entry = await self._store.get(self._key)
-            if entry is not None and not self.record.attempts:
-                earlier = parse_record(entry.value, self.record.node, self.record.job_tag)
+            if entry is not None and not self._tail.attempts:
+                earlier = parse_record(entry.value, self._tail.node, self._tail.job_tag)
                 if earlier is not None:  # this job's, not a deleted one's of the id
                     closed = [close_open(a) for a in earlier.attempts]
-                    self.record = self.record.model_copy(update={"attempts": closed})
+                    self._tail = earlier.model_copy(update={"attempts": closed})
+                    listing = await self._store.list(self._page_key())
+                    node, tag = self._tail.node, self._tail.job_tag
+                    pages = [parse_record(e.value, node, tag) for e in listing.entries]
+                    self._sealed = join_pages(
+                        self._tail.model_copy(update={"attempts": []}),
+                        [p for p in pages if p is not None],
+                    ).attempts
+
+    def _page_key(self, page: int | None = None) -> str:
+        return goodput_page_key(self._job_id, self._tail.node, page)
+
+    @property
+    def record(self) -> NodeGoodput:
+        """This node's record of the job: its sealed pages' attempts and the newest ones."""
+        if not self._sealed:
+            return self._tail
+        attempts = [*self._sealed, *self._tail.attempts][-MAX_ATTEMPTS:]
+        return self._tail.model_copy(update={"attempts": attempts})
 
     def time(self) -> float:
         """Now, on the clock of this node's facts (an account of them is taken as of it)."""
@@ -139,28 +192,47 @@ class GoodputHook:
 
     @property
     def current(self) -> AttemptFacts | None:
-        attempts = self.record.attempts
+        attempts = self._tail.attempts
         return attempts[-1] if attempts and attempts[-1].end is None else None
 
     async def began(self, round_: int, spawned_at: float) -> None:
         """An attempt's workers run: record it and sample its heartbeats until it ends.
         ``spawned_at``: the daemon's wall clock, a moment ago."""
         await self._stop_sampler()
-        self.record = begin_attempt(self.record, round_, self._clock.of_wall(spawned_at))
+        self._tail = begin_attempt(self._tail, round_, self._clock.of_wall(spawned_at))
+        await self._seal()
         self._publish()
         self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
+
+    async def _seal(self) -> None:
+        """Move the record's oldest page of ended attempts into a page of its own, written
+        once, before the record without them (a reader that sees both counts them once);
+        a store that refuses the page leaves them in the record until the next attempt."""
+        rest, page = seal(self._tail)
+        if page is None or page.page is None:
+            return
+        try:
+            await self._store.put(self._page_key(page.page), _compact(page))
+        except ElasticdError as exc:
+            log.warning("cannot seal goodput page %s/%d: %s", self._key, page.page, exc)
+            return
+        self._tail = rest
+        self._sealed = [*self._sealed, *page.attempts][-MAX_PAGES * PAGE_ATTEMPTS :]
+        if page.page >= MAX_PAGES:
+            with contextlib.suppress(ElasticdError):
+                await self._store.delete(self._page_key(page.page - MAX_PAGES))
 
     async def resumed(self, round_: int, spawned_at: float) -> None:
         """The daemon re-executed under a running attempt (issue 25): carry on with that
         attempt's facts (read back and closed as stopped by :meth:`start`), sampling again;
         a record without it (never written before the exec) begins it at ``spawned_at``."""
         await self._stop_sampler()
-        attempts = self.record.attempts
+        attempts = self._tail.attempts
         last = attempts[-1] if attempts else None
         if last is not None and last.round == round_ and last.end is End.STOPPED:
             self._replace(last.model_copy(update={"end": None, "ended_at": None}))
         else:
-            self.record = begin_attempt(self.record, round_, self._clock.of_wall(spawned_at))
+            self._tail = begin_attempt(self._tail, round_, self._clock.of_wall(spawned_at))
         self._publish()
         self._sampler = asyncio.create_task(self._sample(), name=f"goodput-sample-{self._key}")
 
@@ -204,8 +276,8 @@ class GoodputHook:
             self._publish()
 
     def _replace(self, attempt: AttemptFacts) -> None:
-        attempts = [*self.record.attempts[:-1], attempt]
-        self.record = self.record.model_copy(update={"attempts": attempts})
+        attempts = [*self._tail.attempts[:-1], attempt]
+        self._tail = self._tail.model_copy(update={"attempts": attempts})
 
     def _publish(self) -> None:
         self._written_at = self._clock.monotonic()

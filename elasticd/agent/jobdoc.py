@@ -19,7 +19,7 @@ from elasticd.agent.context import AgentContext, Emit, JobUpdater
 from elasticd.agent.edits import record_failure, settle_failure
 from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind
-from elasticd.keys import goodput_key, group_key, job_key, keys_of_job
+from elasticd.keys import goodput_key, goodput_page_key, group_key, job_key, keys_of_job
 from elasticd.models import EventSource, Job, JobEdit, RootCause
 from elasticd.rendezvous import Change, Rendezvous, RoundInfo
 from elasticd.states import JobState, WorkerState
@@ -90,8 +90,11 @@ class JobRecord:
         if entry is None:
             await sweep_leftovers(self.store, self.job_id)
         elif self.submitted is not None and _submitted(entry.value) != self.submitted:
+            pages = await self.store.list(goodput_page_key(self.job_id, self.node))
             for key in (group_key(self.job_id, self.node), goodput_key(self.job_id, self.node)):
                 await self.store.delete(key)
+            for page in pages.entries:
+                await self.store.delete(page.key, page.version)
             await sweep_leftovers(self.store, self.job_id)  # what it changed as the delete swept
 
     async def sweep_quietly(self, bound: float | None = None) -> None:

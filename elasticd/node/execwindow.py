@@ -81,14 +81,29 @@ class HeldSignals:
     handler on the main thread, and :meth:`_record` notes the signal; :meth:`pend` makes
     each one noted pending again on this thread, where it survives the exec."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, block: bool = True) -> None:
+        """``block`` False: :meth:`ignoring_reloads`."""
         self.caught: list[int] = []
         self._previous: dict[int, object] = {}
         self._held = False
+        self._block = block
         self._carry: tuple[int, int, int] | None = None  # (read end, write end, old wakeup fd)
+
+    @classmethod
+    def ignoring_reloads(cls) -> HeldSignals:
+        """For a new image that does not adopt held signals (one from before issue 34: it
+        would keep them blocked for good): nothing is blocked or carried; SIGHUP is ignored
+        across the exec (an ignored signal stays ignored in the new image until it installs
+        its handler), so a second reload is lost instead of killing the daemon, and a stop
+        meanwhile ends it at once, as such an image always did."""
+        return cls(block=False)
 
     def hold(self) -> None:
         """Block them here (the main thread) and note any that reaches the process."""
+        if not self._block:
+            self._previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            self._held = True
+            return
         for sig in HELD_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
         signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
@@ -100,14 +115,19 @@ class HeldSignals:
     def pend(self, extra: Iterable[int] = ()) -> None:
         """Right before the exec: each signal noted, and ``extra`` (what the daemon was
         asked meanwhile by a signal its loop already took), pending on this thread."""
+        if not self._block:
+            return  # nothing is blocked: a signal sent now would be handled here, not there
         for sig in dict.fromkeys([*self.caught, *extra]):
             signal.pthread_kill(threading.get_ident(), sig)
 
-    def carry(self) -> int:
+    def carry(self) -> int | None:
         """Right before the exec: from now on each signal another thread takes writes its
         number into a pipe whose read end (returned) crosses the exec, for the new image
         (:class:`EarlySignals` reads it): one taken as the exec starts is not lost with the
-        Python handler that would have noted it."""
+        Python handler that would have noted it. None: nothing is carried
+        (:meth:`ignoring_reloads`)."""
+        if not self._block:
+            return None
         read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         os.set_inheritable(read, True)
@@ -129,7 +149,8 @@ class HeldSignals:
         self._held = False
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
+        if self._block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
         caught, self.caught = self.caught, []
         for sig in dict.fromkeys(caught):
             signal.raise_signal(sig)

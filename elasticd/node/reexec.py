@@ -310,6 +310,43 @@ CHECKED_PACKAGES = (
 )
 
 
+#: What this image takes over from the one before it across an exec, beyond the manifest's
+#: jobs (issue 34), as ``--check`` announces it: an image that does not say it adopts one is
+#: not handed it (a downgrade to an image from before issue 34 would keep HUP, TERM and INT
+#: blocked for good, and find its own state folder locked by the descriptor handed to it).
+ADOPTS = ("held_signals", "lock_fd")
+#: The line of ``--check``'s output that says what it adopts (an older image's has none,
+#: and an older parent reads only the ``elasticd <version>`` line).
+ADOPTS_PREFIX = "elasticd-adopts:"
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the installed program's ``--check`` said of itself."""
+
+    version: str
+    adopts: frozenset[str] = frozenset()
+
+    @classmethod
+    def parse(cls, text: str) -> Preflight:
+        """From ``--check``'s output (an older image's: its version, adopting nothing)."""
+        version, adopts = "unknown", frozenset[str]()
+        for line in text.splitlines():
+            if line.startswith("elasticd "):
+                version = line.split(" ", 1)[1].strip() or version
+            elif line.startswith(ADOPTS_PREFIX):
+                words = line.removeprefix(ADOPTS_PREFIX).split(",")
+                adopts = frozenset(w.strip() for w in words if w.strip())
+        return cls(version, adopts)
+
+
+#: What a new image that does not adopt a thing gets instead (logged at the exec).
+_NOT_ADOPTED = {
+    "held_signals": "a reload asked for across the exec is ignored, a stop kills it outright",
+    "lock_fd": "the state folder is unlocked until it has started",
+}
+
+
 def check_install(config: Config) -> int:
     """``elasticd serve --check``: import every module the daemon runs, validate ``config``
     (already loaded by the caller), print ``elasticd <version>``; 0, or 2 with the error."""
@@ -337,6 +374,7 @@ def check_install(config: Config) -> int:
     if unfit is not None:
         print(f"elasticd: the check failed: {unfit}", file=sys.stderr)
         return 2
+    print(f"{ADOPTS_PREFIX} {','.join(ADOPTS)}")
     print(f"elasticd {__version__}", flush=True)
     return 0
 
@@ -389,8 +427,8 @@ def check_state(config: Config) -> str | None:
     return None
 
 
-async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]:
-    """Run the installed daemon with ``--check``: (its version, None), or (None, why not)."""
+async def preflight(environ: Mapping[str, str]) -> tuple[Preflight | None, str | None]:
+    """Run the installed daemon with ``--check``: (what it said, None), or (None, why not)."""
     argv = [sys.executable, *sys.orig_argv[1:], "--check"]
     try:
         proc = await start_process(
@@ -416,8 +454,7 @@ async def preflight(environ: Mapping[str, str]) -> tuple[str | None, str | None]
     if proc.returncode != 0:
         last = text.splitlines()[-1] if text else "no output"
         return None, f"the new program's check failed (exit {proc.returncode}): {last}"
-    lines = [line for line in text.splitlines() if line.startswith("elasticd ")]
-    return (lines[-1].split(" ", 1)[1].strip() if lines else "unknown"), None
+    return Preflight.parse(text), None
 
 
 def exec_self(manifest: Manifest, held: HeldSignals, asked: Iterable[int] = ()) -> NoReturn:
@@ -438,7 +475,9 @@ def exec_self(manifest: Manifest, held: HeldSignals, asked: Iterable[int] = ()) 
             os.set_inheritable(handed, True)
         sys.stdout.flush()
         sys.stderr.flush()
-        env[ENV_SIGNALS_FD] = str(held.carry())
+        carried = held.carry()
+        if carried is not None:
+            env[ENV_SIGNALS_FD] = str(carried)
         held.pend(asked)
         os.execve(sys.executable, sys.orig_argv, env)
     finally:
@@ -619,11 +658,18 @@ class ReexecMixin:
         if not self.can_reexec:
             self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
             return
-        new_version, reason = await preflight(self._environ)
-        if reason is not None:
-            self._refuse_reexec(reason)
+        new, reason = await preflight(self._environ)
+        if new is None:
+            self._refuse_reexec(reason or "the new program's check failed")
             return
-        log.info("re-executing in place: elasticd %s -> %s", __version__, new_version)
+        log.info("re-executing in place: elasticd %s -> %s", __version__, new.version)
+        for what in sorted(set(ADOPTS) - new.adopts):
+            log.warning(
+                "re-exec: the new program (elasticd %s) does not adopt %s: %s",
+                new.version,
+                what,
+                _NOT_ADOPTED[what],
+            )
         self._reexecing = True
         accepting, self.jobs.reconciler.accepting = self.jobs.accepting, False
         unready = await self._await_handover()
@@ -633,10 +679,10 @@ class ReexecMixin:
             return
         # The point of no return: from here until the new image has its handlers, SIGHUP,
         # SIGTERM and SIGINT wait (a stop asked for now is the new image's to carry out).
-        held = HeldSignals()
+        held = HeldSignals() if "held_signals" in new.adopts else HeldSignals.ignoring_reloads()
         held.hold()
         try:
-            await self._exec(unready, accepting, held)
+            await self._exec(unready, accepting, held, hand_lock="lock_fd" in new.adopts)
         finally:
             held.release()  # reached only where the exec did not happen
 
@@ -650,8 +696,11 @@ class ReexecMixin:
             asked.append(signal.SIGHUP)
         return asked
 
-    async def _exec(self, unready: dict[str, str], accepting: bool, held: HeldSignals) -> None:
-        """The re-exec past the point of no return; returns only where the exec failed."""
+    async def _exec(
+        self, unready: dict[str, str], accepting: bool, held: HeldSignals, *, hand_lock: bool
+    ) -> None:
+        """The re-exec past the point of no return; returns only where the exec failed.
+        ``hand_lock``: the new image adopts the state folder's lock (else it takes it anew)."""
         await self._record_failures(unready)
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
@@ -679,7 +728,7 @@ class ReexecMixin:
             unix_fd=listeners[1] if len(listeners) > 1 else None,
             lock_fd=(
                 inheritable_dup(self._state_lock.fileno())
-                if self._state_lock is not None and self._state_lock.held
+                if hand_lock and self._state_lock is not None and self._state_lock.held
                 else None
             ),
             lease=None if self.config.store_only else self.cluster.lease_id,

@@ -260,7 +260,9 @@ class MemoryStore(Store):
         self._entries: dict[str, Entry] = {}
         self._sorted: builtins.list[str] = []  # the keys of _entries, sorted (for listings)
         #: Per key, the revisions of its changes still in _history, oldest first.
-        self._key_changes: dict[str, deque[int]] = {}
+        # Lists, not deques: most keys have one change in the history, and an empty deque
+        # costs 600 bytes (a list of one, 64); the oldest leaves by pop(0), short lists.
+        self._key_changes: dict[str, builtins.list[int]] = {}
         self._changed_keys: builtins.list[str] = []  # the keys of _key_changes, sorted
         self._revision = 0
         self._visible = 0  # highest revision watchers may see
@@ -555,7 +557,7 @@ class MemoryStore(Store):
         self._history_bytes += _size(event)
         changes = self._key_changes.get(event.key)
         if changes is None:
-            changes = self._key_changes[event.key] = deque()
+            changes = self._key_changes[event.key] = []
             bisect.insort(self._changed_keys, event.key)
         changes.append(event.revision)
         # Bounded in bytes too, so large values cannot pile up in memory (and no watch
@@ -582,7 +584,7 @@ class MemoryStore(Store):
         self._history_bytes -= _size(dropped)
         changes = self._key_changes.get(dropped.key)
         if changes:
-            changes.popleft()  # a key's changes leave the history in the order they came
+            del changes[0]  # a key's changes leave the history in the order they came
             if not changes:
                 del self._key_changes[dropped.key]
                 del self._changed_keys[bisect.bisect_left(self._changed_keys, dropped.key)]

@@ -15,6 +15,7 @@ import pytest
 
 from elasticd.errors import ConfigError
 from elasticd.node.execwindow import HandoverPeek, peek_handover, slow_image_delay
+from elasticd.node.reexec import ADOPTS, Preflight, check_install
 from elasticd.node.statelock import StateLock
 
 #: Holds the signals, has SIGTERM and SIGHUP sent to itself (a thread is running, as in the
@@ -92,3 +93,66 @@ def test_the_state_lock_is_adopted_only_from_that_folders_lock(tmp_path: Path) -
         os.fstat(other)  # closed
     adopted.release()
     held.release()
+
+
+#: An image that does not adopt held signals (one from before issue 34) gets none held:
+#: SIGHUP is ignored across the exec, nothing stays blocked, nothing is carried.
+EXECS_TO_AN_OLDER_IMAGE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from elasticd.node.execwindow import HeldSignals
+    held = HeldSignals.ignoring_reloads()
+    held.hold()
+    assert held.carry() is None
+    held.pend([signal.SIGTERM])  # a stop asked meanwhile: not sent to this image
+    after = '''
+    import os, signal
+    os.kill(os.getpid(), signal.SIGHUP)  # a second reload in the window: ignored, not fatal
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    print(sorted(int(s) for s in blocked), "ELASTICD_REEXEC_SIGNALS_FD" in os.environ)
+    '''
+    os.execv(sys.executable, [sys.executable, "-c", after])
+    """
+)
+
+
+def test_an_image_that_does_not_adopt_held_signals_is_not_left_blocking_them() -> None:
+    """Issue 34, downgrade: an older image would keep HUP, TERM and INT blocked for good
+    (nothing unblocks them there); it gets them unblocked, with SIGHUP ignored until it
+    installs its handler, so a reload storm across the exec does not kill it."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXECS_TO_AN_OLDER_IMAGE], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done
+    assert done.stdout.split() == ["[]", "False"], done
+
+
+@pytest.mark.parametrize(
+    ("output", "version", "adopts"),
+    [
+        ("elasticd 0.1.0\n", "0.1.0", frozenset()),  # an image from before issue 34
+        (
+            "elasticd-adopts: held_signals,lock_fd\nelasticd 0.2.0\n",
+            "0.2.0",
+            frozenset({"held_signals", "lock_fd"}),
+        ),
+        ("some warning\nelasticd-adopts: lock_fd\nelasticd 0.3\n", "0.3", frozenset({"lock_fd"})),
+        ("", "unknown", frozenset()),
+    ],
+)
+def test_the_preflight_says_what_the_new_image_adopts(
+    output: str, version: str, adopts: frozenset[str]
+) -> None:
+    assert Preflight.parse(output) == Preflight(version, adopts)
+
+
+def test_this_image_adopts_everything_it_hands_over(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--check`` announces each thing the re-exec hands over (so an upgrade from this
+    image to this image keeps the window closed)."""
+    from elasticd.config import load_config
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    config = load_config({"state_dir": str(state), "node_name": "n", "port": 0}, environ={})
+    assert check_install(config) == 0, capsys.readouterr()
+    assert Preflight.parse(capsys.readouterr().out).adopts == frozenset(ADOPTS)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import BinaryIO, Literal
 
 from elasticd.agent.agent import JobAgent, decode_group
-from elasticd.agent.goodput import parse_record
+from elasticd.agent.goodput import read_records
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
 from elasticd.goodput import FACT_KINDS, Goodput, account, job_facts, merge_nodes
 from elasticd.keys import goodput_prefix, group_prefix, job_key
@@ -163,12 +163,7 @@ class JobQueries:
         # of the wall clock since the job began here moves no figure); else the wall clock.
         now = agent.goodput_time() if agent is not None else self.side.clock.time()
         listing = await self.side.store.list(goodput_prefix(job_id))
-        records = {}
-        for entry in listing.entries:
-            node = entry.key.removeprefix(goodput_prefix(job_id))
-            record = parse_record(entry.value, node, tag)
-            if record is not None:
-                records[node] = record
+        records = read_records(listing.entries, goodput_prefix(job_id), tag)
         if agent is not None:
             agent.refresh_progress()
             records[self.side.node] = agent.goodput

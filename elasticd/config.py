@@ -163,14 +163,13 @@ class Config(BaseModel):
         "or unset to look it up on the daemon's own PATH (never a job's).",
     )
     auto_quarantine: bool = Field(
-        default=False,
+        default=True,
         description="Quarantine this node when the policy trips: an operator's health check "
         "(the node's, the GPU check; never a job's own) fails, or "
         "quarantine_threshold failures attributed to it within quarantine_window (any jobs; "
         "first failures of rounds count only from two jobs or more, or with a hardware-like "
         "signal among them: one job's own bug is not the node's). "
-        "Off (the default, until automatic quarantine is proven on real multi-node faults): "
-        "the record still counts them; only an admin's drain takes the node out.",
+        "Off: the record still counts them; only an admin's drain takes the node out.",
     )
     quarantine_threshold: int = Field(
         default=3,

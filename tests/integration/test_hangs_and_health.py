@@ -160,9 +160,10 @@ async def daemon_client(tmp_path: Path, **config: Any) -> AsyncIterator[httpx.As
             await d.shutdown()
 
 
-async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(tmp_path):
+async def test_fake_nvidia_smi_reporting_a_bad_gpu_quarantines_the_node(tmp_path):
     """The built-in GPU check runs the operator's nvidia-smi (config `nvidia_smi`); a bad GPU
-    fails the job's start."""
+    fails the check, which quarantines the node (issue 37): the job is not charged and does
+    not fail for the node's trouble, it waits in the queue for a healthy node."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-smi"
@@ -174,10 +175,17 @@ async def test_fake_nvidia_smi_reporting_a_bad_gpu_fails_the_gpu_check(tmp_path)
         r = await client.post(
             "/jobs", json={"entrypoint": PY, "args": ["-c", "pass"], "max_restarts": 0}
         )
-        job = await wait_job(client, r.json()["id"])
-        assert job["state"] == "FAILED"
-        failed = [e for e in await events_of(client, job["id"]) if e["kind"] == "health.failed"]
+        job_id = r.json()["id"]
+        async with asyncio.timeout(30):
+            while (await client.get("/nodes")).json()[0]["state"] != "quarantined":
+                await asyncio.sleep(0.05)
+            while (job := (await client.get(f"/jobs/{job_id}")).json())["queue"] is None:
+                await asyncio.sleep(0.05)
+        (node,) = (await client.get("/nodes")).json()
+        failed = [e for e in await events_of(client, job_id) if e["kind"] == "health.failed"]
     assert failed and "gpu" in failed[0]["message"].lower()
+    assert "GPU is lost" in node["reason"], node
+    assert (job["state"], job["restart_count"]) == ("PENDING", 0), job
 
 
 async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(tmp_path):

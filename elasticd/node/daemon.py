@@ -509,6 +509,7 @@ class Daemon(ReexecMixin):
             )
             stack.push_async_callback(self.scheduler.stop)
             await self.scheduler.start()
+            self._background.spawn(self.health.release_when_due(), name="quarantine-ttl")
         self._state = DaemonState.RUNNING
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ

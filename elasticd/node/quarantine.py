@@ -36,6 +36,8 @@ Which side of the boundary: the daemon.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,9 +67,11 @@ __all__ = [
     "attributed",
     "decode_health",
     "drained",
+    "expired",
     "in_force",
     "node_health",
     "note",
+    "release_due",
     "released",
     "undrained",
     "view_of",
@@ -77,6 +81,11 @@ log = logging.getLogger("elasticd.node.quarantine")
 
 #: Signals that say the machine, not the program, failed (a bad page, a dying bus).
 HARDWARE_SIGNALS = frozenset({7})  # SIGBUS
+#: Seconds before a store that failed is asked again about this node's quarantine (and, times
+#: 60, the longest wait for a TTL's end: the wall clock may step).
+RELEASE_RETRY = 5.0
+#: A look a little after the TTL's end, not at it (``in_force`` is strict).
+RELEASE_SLACK = 0.05
 #: The most entries a record keeps (the newest).
 MAX_ENTRIES = 64
 _Text = Annotated[str, Field(max_length=1024)]
@@ -203,6 +212,23 @@ def released(health: NodeHealth, now: float) -> bool:
     return health.quarantine is not None and not in_force(health.quarantine, now)
 
 
+def expired(health: NodeHealth, now: float) -> NodeHealth:
+    """The record with a quarantine whose TTL ran out ended, as an undrain by the policy
+    would (its counted failures forgiven); any other record as it is (pure)."""
+    if not released(health, now):
+        return health
+    return undrained(health, "its quarantine's TTL ran out", "policy", now)
+
+
+def release_due(health: NodeHealth, now: float) -> float | None:
+    """Seconds until the record's quarantine ends by its TTL (0: it has); None: nothing
+    ends by itself (no quarantine, or an admin's drain, which lasts until an undrain)."""
+    q = health.quarantine
+    if q is None or q.until is None:
+        return None
+    return max(q.until - now, 0.0)
+
+
 def decode_health(name: str, raw: bytes | None) -> NodeHealth:
     """The record read from the store; a missing, invalid or misnamed one is a clean one."""
     if raw is not None:
@@ -254,8 +280,19 @@ class HealthBook:
         return await self._update(name, lambda h: drained(h, reason, by, now))
 
     async def undrain(self, name: str, reason: str, by: str, now: float) -> NodeHealth:
-        """An admin's undrain of ``name``, or this node's own end of an expired quarantine."""
+        """An admin's undrain of ``name``."""
         return await self._update(name, lambda h: undrained(h, reason, by, now))
+
+    async def release_expired(self, now: float) -> tuple[bool, NodeHealth]:
+        """End *this node's own* quarantine if its TTL ran out: (ended now, the record)."""
+        ended: list[bool] = []
+
+        def edit(health: NodeHealth) -> NodeHealth:
+            ended[:] = [released(health, now)]
+            return expired(health, now)
+
+        after = await self._update(self.node, edit)
+        return bool(ended and ended[0]), after
 
     async def _update(self, name: str, edit: Callable[[NodeHealth], NodeHealth]) -> NodeHealth:
         key = keys.health_key(name)
@@ -323,6 +360,11 @@ class NodeHealthService:
         #: Counted by kind, for the metrics (this node's own entries).
         self.attributed: dict[str, int] = {}
         self.quarantines = 0
+        #: Set when this node is newly quarantined (:meth:`release_when_due` looks again).
+        self._noted = asyncio.Event()
+        #: The jobs told of this node's latest automatic quarantine (told of its end too:
+        #: taken off the node, they may be placed on none now).
+        self._affected: set[str] = set()
 
     @property
     def node(self) -> str:
@@ -341,8 +383,10 @@ class NodeHealthService:
         self.attributed[kind] = self.attributed.get(kind, 0) + 1
         if newly and health.quarantine is not None:
             self.quarantines += 1
+            self._noted.set()
+            self._affected = {job, *self._jobs_on(self.node)}
             self._tell(
-                {job, *self._jobs_on(self.node)},
+                self._affected,
                 EventKind.NODE_QUARANTINED,
                 f"node {self.node} quarantined by its policy: {health.quarantine.reason}",
             )
@@ -369,6 +413,31 @@ class NodeHealthService:
             f"node {name} undrained by {by}: {reason}",
         )
         return view_of(name, health, self.policy, now, live=True)
+
+    async def release_when_due(self) -> None:
+        """Runs for the daemon's life: when this node's own quarantine reaches the end of its
+        TTL, end it in the record and tell its jobs (``node.released``): the record's change
+        wakes the fleet scheduler, which places the node again."""
+        while True:
+            self._noted.clear()
+            try:
+                ended, health = await self.book.release_expired(self.clock.time())
+            except StoreError as exc:
+                log.warning("could not look at this node's quarantine: %s", exc)
+                await asyncio.sleep(RELEASE_RETRY)
+                continue
+            if ended:
+                affected, self._affected = self._affected, set()
+                self._tell(
+                    affected | set(self._jobs_on(self.node)),
+                    EventKind.NODE_RELEASED,
+                    f"node {self.node} released: its quarantine's TTL ran out",
+                )
+            due = release_due(health, self.clock.time())
+            with contextlib.suppress(TimeoutError):
+                wait = None if due is None else min(due + RELEASE_SLACK, RELEASE_RETRY * 60)
+                async with asyncio.timeout(wait):
+                    await self._noted.wait()
 
     async def views(self, live: list[str]) -> list[NodeView]:
         """Every node with a record or a lease, as ``GET /nodes`` shows them."""

@@ -58,3 +58,42 @@ async def test_drain_and_undrain_by_an_admin_refused_to_others(tmp_path: Path) -
     finally:
         async with asyncio.timeout(60):
             await daemon.shutdown()
+
+
+async def test_an_automatic_quarantine_ends_at_its_ttl_and_the_node_takes_jobs_again(
+    tmp_path: Path,
+) -> None:
+    """The node's health check fails once: quarantined for ``quarantine_ttl`` (2 s), the job
+    waits, uncharged. At the TTL's end the node's own daemon releases it (``node.released``,
+    ``/nodes`` ready again) and the job runs there, its check passing now."""
+    marker = tmp_path / "failed-once"
+    check = tmp_path / "check.py"
+    check.write_text(
+        "import pathlib, sys\n"
+        f"marker = pathlib.Path({str(marker)!r})\n"
+        "if not marker.exists():\n"
+        "    marker.touch()\n"
+        "    print('ECC errors on GPU 0'); sys.exit(1)\n"
+    )
+    daemon = make_daemon(tmp_path, health_check=[PY, str(check)], quarantine_ttl=2.0)
+    async with asyncio.timeout(30):
+        await daemon.start()
+    try:
+        async with asgi_client(daemon) as admin:
+            r = await admin.post(
+                "/jobs", json={"id": "j", "entrypoint": PY, "args": ["-c", ""], "max_restarts": 0}
+            )
+            assert r.status_code == 201, r.text
+            async with asyncio.timeout(20):
+                while (node := (await admin.get("/nodes")).json()[0])["state"] != "quarantined":
+                    await asyncio.sleep(0.05)
+            assert "ECC errors on GPU 0" in node["reason"] and node["until"] is not None, node
+            job = await wait_job(admin, "j", timeout=30)
+            assert (job["state"], job["restart_count"]) == ("SUCCEEDED", 0), job
+            (node,) = (await admin.get("/nodes")).json()
+            assert node["state"] == "ready", node
+            kinds = [e["kind"] for e in (await admin.get("/jobs/j/events")).json()]
+            assert kinds.index("node.quarantined") < kinds.index("node.released"), kinds
+    finally:
+        async with asyncio.timeout(60):
+            await daemon.shutdown()

@@ -10,8 +10,10 @@ from elasticd.node.quarantine import (
     Policy,
     decode_health,
     drained,
+    expired,
     in_force,
     note,
+    release_due,
     undrained,
 )
 
@@ -65,6 +67,31 @@ def test_a_ttl_ends_a_quarantine_and_an_undrain_forgives() -> None:
     released = undrained(drain, "replaced", "alice", T + 5)
     assert released.quarantine is None and released.entries == []
     assert released.released is not None and released.released.reason == "replaced"
+
+
+@pytest.mark.parametrize(
+    ("health", "now", "due", "ends"),
+    [
+        (NodeHealth(node="n1"), T, None, False),  # nothing to end
+        (drained(NodeHealth(node="n1"), "DIMM", "alice", T), T + 10**6, None, False),  # an admin's
+        (_noted([_entry("health_check")], Policy(ttl=60.0)), T + 20, 40.0, False),
+        (_noted([_entry("health_check")], Policy(ttl=60.0)), T + 60, 0.0, True),  # at its end
+        (_noted([_entry("health_check")], Policy(ttl=60.0)), T + 3600, 0.0, True),
+    ],
+)
+def test_a_quarantine_ends_by_itself_only_at_its_ttl(
+    health: NodeHealth, now: float, due: float | None, ends: bool
+) -> None:
+    """The node's own daemon waits ``release_due`` for the end, then records it (by the
+    policy, its failures forgiven); an admin's drain never ends by itself."""
+    assert release_due(health, now) == due
+    after = expired(health, now)
+    assert (after.quarantine is None and after.released is not None) is ends
+    if ends:
+        assert after.released is not None and after.released.by == "policy"
+        assert after.entries == []
+    else:
+        assert after == health
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,15 @@ The daemon process never imports torch; torch lives in the workers and in the
 worker-side library (`elasticd.worker`).
 """
 
+import sys
 from typing import TYPE_CHECKING
+
+# httpx imports its command-line tool (``httpx._main``) with itself, and with it rich,
+# pygments and click where they are installed: about 4 MiB of every daemon's memory (issue
+# 34's soak) for a program no elasticd process runs. Marked missing, httpx takes the
+# fallback it has for an install without its CLI extra (its ``main`` then says so).
+if "httpx" not in sys.modules:
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 
 if TYPE_CHECKING:  # for type checkers; at run time these load lazily (below)
     from elasticd.launcher import LaunchError, launch

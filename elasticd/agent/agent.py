@@ -579,7 +579,8 @@ class JobAgent:
         if seen is not None and self._formed_seen is not None:
             root = root.model_copy(update={"since_round_s": seen - self._formed_seen})
         named = await self._watch.named(round_)  # the failure names the round's participants
-        job = await self._job.record_failure(named, root, what, self.spawn_seq)
+        alone = self.ctx.rendezvous.solo_round(round_) is not None
+        job = await self._job.record_failure(named, root, what, self.spawn_seq, alone=alone)
         self._job_progress = job.progress
         await self._attribute(root, job, round_.group_world_size)
         return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))

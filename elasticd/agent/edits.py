@@ -21,6 +21,7 @@ Which side of the boundary: the daemon; pure, no IO.
 from __future__ import annotations
 
 import signal as signals
+from collections.abc import Iterable
 from pathlib import Path
 
 from elasticd.agent.checkpoints import close_attempt
@@ -125,9 +126,13 @@ def in_time_order(failures: list[RootCause]) -> list[RootCause]:
     return [failures[i] for i in order]
 
 
-def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
+def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -> JobMutation:
     """Job-document edit: add this node's failure to the round's; the first in time is the
-    job's ``error``, the rest its ``collateral``, until the next round forms."""
+    job's ``error``, the rest its ``collateral``, until the next round forms.
+
+    ``alone``: no participant can be lost before the next round (a job of one node, this
+    one): the failure is charged now, not when that round forms, so a job with no restart
+    left fails at once instead of saying it restarts (issue 41)."""
 
     def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
@@ -159,6 +164,9 @@ def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
             changes["reason"] = reason
         elif job.state is JobState.RESTARTING and first != job.error:
             changes["reason"] = reason  # an earlier failure came in: it is the cause
+        if alone and job.restart_count >= job.max_restarts:
+            seen = job.model_copy(update=changes)
+            return {**changes, **_charge(seen, seen.pending_failure, round_.participants)}
         return changes
 
     return edit
@@ -189,25 +197,33 @@ def settle_failure(round_: RoundInfo) -> JobMutation:
         pending = job.pending_failure
         if job.state.is_terminal or pending is None or pending.round >= round_.round:
             return {}
-        if pending.round <= job.charged_round:
-            return {"pending_failure": None}
-        lost = sorted(set(pending.participants) - set(round_.participants))
-        if lost:  # a participant did not come back: a membership change, free
-            return {"pending_failure": None, "charged_round": pending.round}
-        err = pending.error
-        root = f"root cause: rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
-        progress, stuck = close_attempt(job, pending.round)
-        charged: JobEdit = {"pending_failure": None, "charged_round": pending.round}
-        if progress != job.progress:
-            charged["progress"] = progress
-        if job.restart_count >= job.max_restarts:
-            reason = f"restart budget spent ({job.max_restarts} restarts); {root}"
-            return {**charged, "state": JobState.FAILED, "reason": reason}
-        if stuck is not None:
-            return {**charged, "state": JobState.FAILED, "reason": f"{stuck}; {root}"}
-        return {**charged, "restart_count": job.restart_count + 1}
+        return _charge(job, pending, round_.participants)
 
     return edit
+
+
+def _charge(job: Job, pending: PendingFailure | None, participants: Iterable[str]) -> JobEdit:
+    """The edit that charges ``pending`` (the job's pending failure) once, given the next
+    round's ``participants``: free when one of its round's did not come back."""
+    if pending is None:
+        return {}
+    if pending.round <= job.charged_round:
+        return {"pending_failure": None}
+    lost = sorted(set(pending.participants) - set(participants))
+    if lost:  # a participant did not come back: a membership change, free
+        return {"pending_failure": None, "charged_round": pending.round}
+    err = pending.error
+    root = f"root cause: rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+    progress, stuck = close_attempt(job, pending.round)
+    charged: JobEdit = {"pending_failure": None, "charged_round": pending.round}
+    if progress != job.progress:
+        charged["progress"] = progress
+    if job.restart_count >= job.max_restarts:
+        reason = f"restart budget spent ({job.max_restarts} restarts); {root}"
+        return {**charged, "state": JobState.FAILED, "reason": reason}
+    if stuck is not None:
+        return {**charged, "state": JobState.FAILED, "reason": f"{stuck}; {root}"}
+    return {**charged, "restart_count": job.restart_count + 1}
 
 
 def merge_recovery(mine: Recovery) -> JobMutation:

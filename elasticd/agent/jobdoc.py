@@ -107,9 +107,15 @@ class JobRecord:
         """A round formed: charge the last round's failure once (or free it: a node lost)."""
         return await self.update_job(self.job_id, mutate=settle_failure(round_))
 
-    async def record_failure(self, named: RoundInfo, root: RootCause, what: str, seq: int) -> Job:
-        """The round's failure (the round with its participants named): ``group.restarting``."""
-        job = await self.update_job(self.job_id, mutate=record_failure(named, root))
+    async def record_failure(
+        self, named: RoundInfo, root: RootCause, what: str, seq: int, *, alone: bool = False
+    ) -> Job:
+        """The round's failure (the round with its participants named): ``group.restarting``,
+        unless it ended the job (``alone``: charged now, the budget spent; the job's state
+        change says so)."""
+        job = await self.update_job(self.job_id, mutate=record_failure(named, root, alone=alone))
+        if job.state.is_terminal:
+            return job
         self.emit(
             EventKind.GROUP_RESTARTING,
             f"{what}; re-forming the group",

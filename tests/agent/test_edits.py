@@ -81,3 +81,30 @@ def test_the_first_failure_in_time_is_the_cause_and_the_rest_collateral() -> Non
     assert job.pending_failure is not None
     assert [f.node for f in job.pending_failure.failures] == ["b", "a", "c"]  # store's order
     assert record_failure(_round(), _failure("a", 0.1))(job) == {}  # a node's one failure
+
+
+@pytest.mark.parametrize(
+    ("alone", "restarts", "state", "count"),
+    [
+        (True, 0, JobState.FAILED, 0),  # a job of one node, no restart left: failed at once
+        (True, 1, JobState.RESTARTING, 0),  # a restart left: charged when the round forms
+        (False, 0, JobState.RESTARTING, 0),  # a node may yet be lost: free if so
+    ],
+)
+def test_a_job_of_one_node_with_no_restart_left_fails_at_once(
+    alone: bool, restarts: int, state: JobState, count: int
+) -> None:
+    """Issue 41: with `--max-restarts 0` the job said it was re-forming the group, held a
+    new round, then failed. Where no participant can be lost before the next round, the
+    failure is charged as it is recorded."""
+    job = _job().model_copy(update={"max_restarts": restarts})
+    solo = RoundInfo(
+        round=3, group_rank=0, group_world_size=1, nodes=["a"], master_addr="h", master_port=1,
+        participants={"a": 0},
+    )  # fmt: skip
+    root = _failure("a", 0.5)
+    after = job.model_copy(update=dict(record_failure(solo, root, alone=alone)(job)))
+    assert (after.state, after.restart_count, after.error) == (state, count, root)
+    if state is JobState.FAILED:
+        assert after.reason is not None and after.reason.startswith("restart budget spent (0")
+        assert after.pending_failure is None and after.charged_round == 3

@@ -162,6 +162,12 @@ class Config(BaseModel):
         description="nvidia-smi for GPU discovery and the GPU health check: an absolute path, "
         "or unset to look it up on the daemon's own PATH (never a job's).",
     )
+    kernel_log: str | None = Field(
+        default="/dev/kmsg",
+        min_length=1,
+        description="The kernel log the GPU check reads NVIDIA Xid errors from (a critical "
+        "one fails the check: the node is quarantined); unset: not read. Root only.",
+    )
     auto_quarantine: bool = Field(
         default=True,
         description="Quarantine this node when the policy trips: an operator's health check "
@@ -525,6 +531,7 @@ _ENV_FIELDS = {
     "ALLOW_INSECURE_STORE": "allow_insecure_store",
     "LEASE_TTL": "lease_ttl",
     "AUTO_QUARANTINE": "auto_quarantine",
+    "KERNEL_LOG": "kernel_log",
     "QUARANTINE_THRESHOLD": "quarantine_threshold",
     "QUARANTINE_WINDOW": "quarantine_window",
     "QUARANTINE_TTL": "quarantine_ttl",

@@ -7,7 +7,9 @@ Two kinds, run concurrently by :func:`run_health_checks`:
   command runs in its own session and, on timeout, its whole process group
   is killed. The last few KiB of its output become the result's message.
 * :class:`GpuCheck` — built in: ``nvidia-smi --query-gpu=...`` over the GPUs
-  of the job (``-i $CUDA_VISIBLE_DEVICES`` when that lists them). It fails
+  of the job (``-i $CUDA_VISIBLE_DEVICES`` when that lists them), and the
+  critical Xid errors the driver wrote to the kernel log since the last look
+  (:mod:`elasticd.node.xid`). It fails on such an Xid,
   on a non-zero exit, on a GPU reported lost, in error or needing a reset
   (``[GPU is lost]``, ``[Unknown Error]``, ``ERR!``, ``[GPU requires
   reset]``), on uncorrected volatile ECC errors, on retired pages pending a
@@ -58,6 +60,7 @@ from dataclasses import dataclass
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.models import JobSpec
+from elasticd.node.xid import KernelLog, critical
 from elasticd.security import Identity
 from elasticd.supervise.cgroup import AttemptContainment
 from elasticd.supervise.env import job_check_env, operator_env
@@ -133,6 +136,8 @@ class GpuCheck:
     nvidia_smi: str = "nvidia-smi"
     """An absolute path, or a name looked up on the operator environment's ``PATH``."""
     timeout: float | None = None
+    kernel_log: KernelLog | None = None
+    """Where the driver's Xid errors are read (:mod:`elasticd.node.xid`); None: not read."""
 
 
 HealthCheck = CommandCheck | GpuCheck
@@ -149,6 +154,7 @@ def checks_for_job(
     nvidia_smi: str | None = None,
     job_id: str | None = None,
     umask: int | None = None,
+    kernel_log: KernelLog | None = None,
 ) -> list[HealthCheck]:
     """The checks a job runs: the node's command, the job's command, then the GPU check.
 
@@ -171,7 +177,7 @@ def checks_for_job(
             )
         )
     if gpu:
-        checks.append(GpuCheck(nvidia_smi=nvidia_smi or "nvidia-smi"))
+        checks.append(GpuCheck(nvidia_smi=nvidia_smi or "nvidia-smi", kernel_log=kernel_log))
     return checks
 
 
@@ -212,6 +218,8 @@ class NodeHealthChecks:
     nvidia_smi: str | None = None
     """The node config's ``nvidia-smi`` (None: looked up on ``base_env``'s PATH)."""
     policy: SpawnPolicy = DEFAULT_POLICY
+    kernel_log: KernelLog | None = None
+    """The daemon's reader of the kernel log, for the GPU check's Xid errors."""
 
     async def run(
         self,
@@ -237,6 +245,7 @@ class NodeHealthChecks:
             nvidia_smi=self.nvidia_smi,
             job_id=job_id,  # contained: nothing it starts outlives it
             umask=spec.umask_bits,
+            kernel_log=self.kernel_log,
         )
         if not checks:
             return []
@@ -299,6 +308,9 @@ async def _gpu(
     if visible and not visible.startswith("MIG-"):
         argv += ["-i", visible.strip()]
     code, output, timed_out, _ = await _execute(argv, env, timeout, policy=policy)
+    xids = critical(check.kernel_log.new_xids()) if check.kernel_log is not None else []
+    if xids:  # the driver's own word, whatever nvidia-smi says (it may hang on a lost GPU)
+        return False, False, "; ".join(x.describe() for x in xids[:8])
     if timed_out:
         return False, False, f"nvidia-smi did not answer within {timeout:g} s{_tail(output)}"
     if code is None:

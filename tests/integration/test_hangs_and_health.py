@@ -188,6 +188,36 @@ async def test_fake_nvidia_smi_reporting_a_bad_gpu_quarantines_the_node(tmp_path
     assert (job["state"], job["restart_count"]) == ("PENDING", 0), job
 
 
+async def test_an_xid_in_the_kernel_log_fails_the_gpu_check_and_quarantines_the_node(tmp_path):
+    """nvidia-smi says the GPU is healthy, but the driver logged Xid 79 (fallen off the bus)
+    after the daemon started: the GPU check fails on it, naming it, and the node is
+    quarantined; the job before the Xid ran."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '0, 00000000:3B:00.0, NVIDIA H100, 0, No'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    kmsg = tmp_path / "kmsg"
+    kmsg.write_text("3,1,1,-;NVRM: Xid (PCI:0000:3b:00): 79, before the daemon: handled\n")
+    async with daemon_client(tmp_path, nvidia_smi=str(fake), kernel_log=str(kmsg)) as client:
+        spec = {"entrypoint": PY, "args": ["-c", "pass"], "max_restarts": 0}
+        first = await wait_job(client, (await client.post("/jobs", json=spec)).json()["id"])
+        assert first["state"] == "SUCCEEDED", first
+        with kmsg.open("a") as log:
+            log.write(
+                "3,2,2,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=7, GPU has fallen off the bus.\n"
+            )
+        job_id = (await client.post("/jobs", json=spec)).json()["id"]
+        async with asyncio.timeout(30):
+            while (node := (await client.get("/nodes")).json()[0])["state"] != "quarantined":
+                await asyncio.sleep(0.05)
+        failed = [e for e in await events_of(client, job_id) if e["kind"] == "health.failed"]
+        job = (await client.get(f"/jobs/{job_id}")).json()
+    assert "Xid 79 on PCI:0000:3b:00 (GPU has fallen off the bus)" in failed[0]["message"]
+    assert "Xid 79" in node["reason"], node
+    assert job["state"] == "PENDING", job
+
+
 async def test_gpu_check_is_skipped_with_an_event_without_nvidia_smi(tmp_path):
     """Where nvidia-smi is absent the GPU check is skipped, with an event saying so."""
     async with daemon_client(tmp_path, nvidia_smi=str(tmp_path / "no" / "nvidia-smi")) as client:

@@ -57,6 +57,7 @@ from elasticd.node.events import of_job
 from elasticd.node.health import NodeHealthChecks
 from elasticd.node.jobs.documents import JobsSide, parse_job
 from elasticd.node.logfollow import LogGrowth
+from elasticd.node.xid import KernelLog
 from elasticd.rendezvous import Settings, StoreRendezvous
 from elasticd.security import Identity
 from elasticd.states import JOB_ACTIVE, JobState, WorkerState
@@ -137,6 +138,9 @@ class AgentSupervisor:
         self._job_base_env = job_base_env
         #: How workers are spawned (users, registry, containment): the daemon sets it.
         self.spawn_policy = DEFAULT_POLICY
+        #: The kernel log the GPU checks read Xid errors from, from this daemon's start on.
+        path = side.config.kernel_log
+        self.kernel_log = KernelLog(path) if path else None
         #: Notes a failure attributed to this node in its health record (the daemon's
         #: :class:`~elasticd.node.quarantine.NodeHealthService`; None: not counted).
         self.attribute: Attribute | None = None
@@ -283,6 +287,8 @@ class AgentSupervisor:
                     await self._record_stop(job_id, ran.get(job_id))
             except TimeoutError:
                 log.warning("job %s: could not record the daemon stop in time", job_id)
+        if self.kernel_log is not None:
+            self.kernel_log.close()
         return deadline
 
     async def _record_stop(self, job_id: str, ran: str | None) -> None:
@@ -398,6 +404,7 @@ class AgentSupervisor:
                 node_command=self.side.config.health_check,
                 nvidia_smi=self.side.config.nvidia_smi,
                 policy=self.spawn_policy,
+                kernel_log=self.kernel_log,
             ),
             storage=self.storage,
             policy=self.spawn_policy,

@@ -819,3 +819,8 @@ class WorkersView(BaseModel):
 def valid_job_id(value: str) -> bool:
     """Whether ``value`` is a job id the API would accept (and so a safe folder name)."""
     return re.fullmatch(JOB_ID_PATTERN, value) is not None
+
+
+def valid_node_name(value: str) -> bool:
+    """Whether ``value`` is a node name the daemon would accept (a store key's part may not be)."""
+    return re.fullmatch(NODE_NAME_PATTERN, value) is not None

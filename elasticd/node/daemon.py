@@ -98,7 +98,7 @@ from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.host import bind_socket, detect_gpus, raise_nofile_limit
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
-from elasticd.node.metrics import Metrics
+from elasticd.node.metrics import Metrics, node_series
 from elasticd.node.quarantine import node_health
 from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
@@ -793,9 +793,15 @@ class Daemon(ReexecMixin):
                 log.exception("log retention failed")
 
     async def metrics_text(self) -> bytes:
-        """``/metrics``: the series, with the goodput of the jobs run here computed now."""
+        """``/metrics``: the series, with the goodput of the jobs run here and the nodes'
+        health computed now."""
         wanted = self.metrics.goodput_to_refresh(self.jobs.running_here())
         self.metrics.on_goodput(await self.jobs.goodput_of(wanted))
+        with contextlib.suppress(StoreError):  # the store away: the last figures stay
+            live = [r.name for r in await self.cluster.nodes()]
+            records = await self.health.records()
+            now = self.clock.time()
+            self.metrics.on_nodes(*node_series(records, live, self.health.policy.window, now))
         return self.metrics.render()
 
     def _on_refused_job(self, key: str, reason: str) -> None:

@@ -20,6 +20,14 @@ The standby interpreters of ``prewarm`` jobs (their number and memory) are
 read at scrape time from the agents, through :attr:`Metrics.standbys`,
 which the daemon sets.
 
+The per-node series (quarantined or not, the failures attributed to each
+node by kind) come from the nodes' health records
+(:mod:`elasticd.node.quarantine`), read at scrape time and decided by the
+pure :func:`node_series`: node names come from the store, which anyone with
+its credential can write, so at most :data:`MAX_NODE_SERIES` nodes get
+series (quarantined ones first, then live ones) and the page says how many
+it left out.
+
 Two tables say which events feed what, so a new event kind from the agent
 needs one line here, not a new code path:
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from prometheus_client import (
     CollectorRegistry,
@@ -51,8 +60,9 @@ from prometheus_client.registry import Collector
 from elasticd import __version__
 from elasticd.eventkinds import EventKind, known_kind
 from elasticd.goodput import Goodput
-from elasticd.models import Event, Job, incarnation
+from elasticd.models import Event, Job, incarnation, valid_node_name
 from elasticd.node.looplag import LAG_BUCKETS, LoopLag
+from elasticd.node.quarantine import EntryKind, NodeHealth, by_kind, in_force
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 
@@ -61,11 +71,14 @@ __all__ = [
     "EXIT_REASONS",
     "EXIT_REASON_BY_KIND",
     "KEEP_FINISHED_JOBS",
+    "MAX_NODE_SERIES",
     "PHASE_BY_KIND",
     "RUN_OUTCOMES",
     "Metrics",
+    "NodeSeries",
     "exit_reason",
     "flakiness",
+    "node_series",
     "observe_store_request",
     "recovery_phase",
     "run_outcome",
@@ -81,6 +94,10 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Finished jobs whose per-job series stay on the page.
 KEEP_FINISHED_JOBS = 100
+
+#: The most nodes with per-node series: a bound on the page whatever the store holds
+#: (thousands of real nodes fit; a flood of keys written by hand does not grow it).
+MAX_NODE_SERIES = 4096
 
 #: Event kinds (with ``duration_s``) that time one phase of a recovery, and the
 #: phase label they feed (detected → stop_workers → rendezvous → spawn, total, and
@@ -191,6 +208,40 @@ def recovery_phase(kind: str) -> str | None:
     """The ``phase`` label an event kind's ``duration_s`` feeds, or None."""
     known = known_kind(kind)
     return PHASE_BY_KIND.get(known) if known is not None else None
+
+
+@dataclass(frozen=True)
+class NodeSeries:
+    """What the per-node series show of one node."""
+
+    node: str
+    quarantined: bool
+    """Out of the fleet now: quarantined by its policy or drained by an admin."""
+    attributed: Mapping[EntryKind, int]
+    """The failures attributed to it that count now, by kind (every kind, zeros too)."""
+
+
+def node_series(
+    records: Mapping[str, NodeHealth],
+    live: Iterable[str],
+    window: float,
+    now: float,
+    limit: int = MAX_NODE_SERIES,
+) -> tuple[list[NodeSeries], int]:
+    """The nodes that get per-node series, by name, and how many were left out (pure).
+
+    Every live node and every node with a health record (a quarantine outlives its
+    node's lease), names that are not node names dropped; past ``limit``, the
+    quarantined nodes are kept first, then the live ones, then by name."""
+    up = {n for n in live if valid_node_name(n)}
+    rows = []
+    for name in up | {n for n in records if valid_node_name(n)}:
+        health = records.get(name) or NodeHealth(node=name)
+        quarantined = in_force(health.quarantine, now)
+        rows.append(NodeSeries(name, quarantined, by_kind(health, window, now)))
+    rows.sort(key=lambda r: (not r.quarantined, r.node not in up, r.node))
+    kept = rows[: max(0, limit)]
+    return sorted(kept, key=lambda r: r.node), len(rows) - len(kept)
 
 
 class _StoreSeries(Collector):
@@ -305,6 +356,7 @@ class _JobSeries(Collector):
         yield placed
 
         yield from _standby_series(m)
+        yield from _node_series(m)
 
         build = GaugeMetricFamily(
             "elasticd_build_info", "Always 1; the daemon's version.", labels=["version"]
@@ -329,6 +381,33 @@ def _standby_series(m: Metrics) -> Iterator[Metric]:
         count.add_metric([job_id], n)
         memory.add_metric([job_id], rss)
     yield from (count, memory)
+
+
+def _node_series(m: Metrics) -> Iterator[Metric]:
+    """Each node's quarantine and the failures attributed to it (:func:`node_series`)."""
+    quarantined = GaugeMetricFamily(
+        "elasticd_node_quarantined",
+        "1 while the node is out of the fleet (quarantined by its policy or drained by an "
+        "admin), else 0.",
+        labels=["node"],
+    )
+    failures = GaugeMetricFamily(
+        "elasticd_node_attributed_failures",
+        "Failures attributed to the node that count now (within quarantine_window), by "
+        "kind: first_failure, hardware, health_check.",
+        labels=["node", "kind"],
+    )
+    for row in m.nodes:
+        quarantined.add_metric([row.node], int(row.quarantined))
+        for kind, count in row.attributed.items():
+            failures.add_metric([row.node, kind], count)
+    omitted = GaugeMetricFamily(
+        "elasticd_node_series_omitted",
+        f"Nodes left without per-node series (past {MAX_NODE_SERIES}: the quarantined "
+        "nodes are kept first, then the live ones).",
+    )
+    omitted.add_metric([], m.nodes_omitted)
+    yield from (quarantined, failures, omitted)
 
 
 def replaced(before: Mapping[str, Job], now: Mapping[str, Job], ran: Iterable[str]) -> list[str]:
@@ -362,6 +441,9 @@ class Metrics:
         self.flakiness: dict[str, tuple[str, float]] = {}
         #: job -> its goodput as last computed (:meth:`on_goodput`), for the jobs run here.
         self.goodput: dict[str, Goodput] = {}
+        #: The per-node series as last computed (:meth:`on_nodes`), and how many left out.
+        self.nodes: list[NodeSeries] = []
+        self.nodes_omitted = 0
         self._ran_here: set[str] = set()  # jobs this node has had a worker group for
         self._recorded: set[str] = set()  # jobs whose run metrics are recorded
         self._failure_at: dict[str, float] = {}  # job -> first failed exit of its attempt
@@ -444,6 +526,10 @@ class Metrics:
         """Take jobs' goodput, computed before a scrape (``Daemon.metrics_text``)."""
         for g in figures:
             self.goodput[g.job_id] = g
+
+    def on_nodes(self, rows: list[NodeSeries], omitted: int) -> None:
+        """Take the per-node series, computed before a scrape (``Daemon.metrics_text``)."""
+        self.nodes, self.nodes_omitted = rows, omitted
 
     def goodput_to_refresh(self, running_here: Iterable[str]) -> list[str]:
         """The jobs whose goodput a scrape computes: those this node runs, and those it ran

@@ -41,7 +41,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,12 +50,14 @@ from elasticd.clock import Clock
 from elasticd.config import Config
 from elasticd.errors import StoreError
 from elasticd.eventkinds import EventKind
-from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN
+from elasticd.models import JOB_ID_PATTERN, NODE_NAME_PATTERN, valid_node_name
 from elasticd.node.events import EventLog
 from elasticd.sched.plan import FleetPlan
 from elasticd.store import Store
 
 __all__ = [
+    "ENTRY_KINDS",
+    "EntryKind",
     "HARDWARE_SIGNALS",
     "HealthBook",
     "HealthEntry",
@@ -65,6 +67,7 @@ __all__ = [
     "Policy",
     "Quarantine",
     "attributed",
+    "by_kind",
     "decode_health",
     "drained",
     "expired",
@@ -91,6 +94,8 @@ MAX_ENTRIES = 64
 _Text = Annotated[str, Field(max_length=1024)]
 
 EntryKind = Literal["first_failure", "hardware", "health_check"]
+#: Every kind of entry, in the order the metrics show them.
+ENTRY_KINDS: tuple[EntryKind, ...] = get_args(EntryKind)
 
 
 class HealthEntry(BaseModel):
@@ -159,6 +164,15 @@ def attributed(health: NodeHealth, window: float, now: float) -> list[HealthEntr
         seen.add(key)
         out.append(e)
     return out
+
+
+def by_kind(health: NodeHealth, window: float, now: float) -> dict[EntryKind, int]:
+    """The entries that count now (:func:`attributed`), by kind, every kind from zero: the
+    kinds add up to the ``attributed_failures`` that ``GET /nodes`` shows (pure)."""
+    counts = dict.fromkeys(ENTRY_KINDS, 0)
+    for e in attributed(health, window, now):
+        counts[e.kind] += 1
+    return counts
 
 
 def _evidence(counted: list[HealthEntry]) -> bool:
@@ -230,7 +244,12 @@ def release_due(health: NodeHealth, now: float) -> float | None:
 
 
 def decode_health(name: str, raw: bytes | None) -> NodeHealth:
-    """The record read from the store; a missing, invalid or misnamed one is a clean one."""
+    """The record read from the store; a missing, invalid or misnamed one is a clean one.
+
+    Never raises: a key whose name is no node's (written by hand into ``health/``) is a
+    clean record too, built without validation (:meth:`HealthBook.all` leaves it out)."""
+    if not valid_node_name(name):
+        return NodeHealth.model_construct(node=name)
     if raw is not None:
         try:
             health = NodeHealth.model_validate_json(raw)
@@ -254,11 +273,14 @@ class HealthBook:
         return decode_health(name, entry.value if entry is not None else None)
 
     async def all(self) -> dict[str, NodeHealth]:
+        """Every record under ``health/`` whose key names a node (the store's keys are
+        anyone's with its credential: another name is no node's, and is left out)."""
         listing = await self.store.list(keys.HEALTH)
         out = {}
         for e in listing.entries:
             name = e.key[len(keys.HEALTH) :]
-            out[name] = decode_health(name, e.value)
+            if valid_node_name(name):
+                out[name] = decode_health(name, e.value)
         return out
 
     async def note(self, entry: HealthEntry, policy: Policy, now: float) -> tuple[bool, NodeHealth]:
@@ -439,10 +461,14 @@ class NodeHealthService:
                 async with asyncio.timeout(wait):
                     await self._noted.wait()
 
+    async def records(self) -> dict[str, NodeHealth]:
+        """Every node's health record, by name (:meth:`HealthBook.all`)."""
+        return await self.book.all()
+
     async def views(self, live: list[str]) -> list[NodeView]:
         """Every node with a record or a lease, as ``GET /nodes`` shows them."""
         now = self.clock.time()
-        records = await self.book.all()
+        records = await self.records()
         names = sorted(set(live) | set(records))
         return [
             view_of(n, records.get(n) or NodeHealth(node=n), self.policy, now, n in live)

@@ -4,7 +4,8 @@ The first test runs an in-process daemon; the others run ``elasticd serve`` subp
 (tests/hardening/support.py) with real jobs: the log viewer, cancel (confirmed, and
 refused for another identity's job), hash routing with back and forward, the wording of
 a job that succeeded after a failure, the goodput panel, a phone-width layout and the
-favicon.
+favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py), the culprit of a
+failed job shown first, with its stderr, and its collateral apart.
 
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
 fails, so CI cannot silently stop testing the page. The screenshot goes to
@@ -29,6 +30,7 @@ import pytest
 
 from elasticd.identity import hash_token, new_token
 from tests.conftest import PY, script
+from tests.e2e.cluster import TOKEN, LocalCluster, follow_until, job_ended
 from tests.hardening.support import Served, serve
 from tests.observability.support import CRASH_ONCE, live_daemon, url_of
 from tests.observability.test_goodput import HOLD_AT, JOB_ENV, STEP_S
@@ -211,34 +213,41 @@ class Session:
 
 
 @contextlib.asynccontextmanager
+async def browser_page(width: int = 1280, height: int = 900) -> AsyncIterator[tuple[Any, list]]:
+    """A fresh headless Chromium's page, and the script errors and 404s it meets."""
+    assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": height})
+            problems: list[str] = []
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "response",
+                lambda r: problems.append(f"404: {r.url}") if r.status == 404 else None,
+            )
+            yield page, problems
+        finally:
+            await browser.close()
+
+
+@contextlib.asynccontextmanager
 async def session(
     tmp_path: Path, *, width: int = 1280, height: int = 900, env: dict[str, str] | None = None
 ) -> AsyncIterator[Session]:
     """`elasticd serve` and a fresh headless Chromium; afterwards the page met no script
     error and no 404."""
-    assert not MISSING, f"CI is set but the browser test needs {', '.join(MISSING)}"
-    from playwright.async_api import async_playwright
-
     daemon = serve(tmp_path, env=env)
     try:
         async with (
             asyncio.timeout(60),
             daemon.client() as api,
-            async_playwright() as pw,
+            browser_page(width, height) as (page, problems),
         ):
-            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = await browser.new_page(viewport={"width": width, "height": height})
-                problems: list[str] = []
-                page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-                page.on(
-                    "response",
-                    lambda r: problems.append(f"404: {r.url}") if r.status == 404 else None,
-                )
-                await daemon.wait_ready()
-                yield Session(daemon, api, page, problems)
-            finally:
-                await browser.close()
+            await daemon.wait_ready()
+            yield Session(daemon, api, page, problems)
     finally:
         daemon.stop()
     assert problems == []
@@ -388,3 +397,113 @@ async def test_the_goodput_panel_shows_where_the_time_went(tmp_path):
         assert await s.page.locator("#goodput svg circle.ckpt").count() >= 5
         assert await s.page.locator('#goodput svg line.fail[data-end="failed"]').count() == 1
         await s.page.locator("#goodput").screenshot(path=str(artifacts / "goodput.png"))
+
+
+# --- the culprit, on two nodes ------------------------------------------------------------
+
+#: What the culprit raises: a job writes its own root cause, and this one is markup.
+HOSTILE = "rank 1 crashed <img src=x onerror=document.title='pwned'>"
+
+#: Rank 1 raises and, after a slow teardown, exits; rank 0 waits on a socket to it (as a
+#: collective waits on its peers) and dies of losing it: the collateral failure.
+CULPRIT = f"""
+import os, socket, sys, time, traceback
+address = "\\0" + sys.argv[1]  # an abstract socket: no path to clean up
+if os.environ["RANK"] == "0":
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(address)
+    server.listen(1)
+    peer, _ = server.accept()
+    peer.recv(1)  # b"": rank 1 is gone
+    raise ConnectionResetError("Connection reset by peer: rank 1 went away")
+while True:
+    try:
+        link = socket.socket(socket.AF_UNIX)
+        link.connect(address)
+        break
+    except OSError:
+        time.sleep(0.05)
+try:
+    raise RuntimeError({HOSTILE!r})
+except RuntimeError:
+    traceback.print_exc()
+    sys.stderr.flush()
+time.sleep(1.0)  # its error is a second older than its exit, and the survivor's
+os._exit(1)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_the_culprit_comes_first_with_its_stderr_and_the_collateral_apart(tmp_path):
+    """A 2-node job whose rank 1 raises: the page's first panel names rank 1 and its node,
+    shows its (hostile) message as text and links to that rank's stderr through the API;
+    rank 0's "connection reset" is listed apart, as collateral."""
+    cluster = LocalCluster(tmp_path, slots=1)
+    try:
+        async with asyncio.timeout(150):
+            await cluster.start_all("n0", "n1")
+            worker = script(tmp_path, "culprit.py", CULPRIT)
+            spec = {
+                "id": "blame", "entrypoint": PY, "args": [worker, f"elasticd-{tmp_path.name}"],
+                "nproc_per_node": 1, "min_nodes": 2, "max_nodes": 2, "max_restarts": 0,
+                "termination_grace": 3,
+            }  # fmt: skip
+            async with cluster.client("n0") as api:
+                assert (await api.post("/jobs", json=spec)).status_code == 201
+                await follow_until(api, "blame", job_ended, 90)
+                job = (await api.get("/jobs/blame")).json()
+                assert job["state"] == "FAILED", cluster.logs()
+                error, collateral = job["error"], job["collateral"]
+                assert (error["rank"], error["message"]) == (1, f"RuntimeError: {HOSTILE}"), job
+                assert [(c["rank"], c["node"] != error["node"]) for c in collateral] == [(0, True)]
+                await check_the_culprit_panel(cluster, api, error, collateral[0])
+    finally:
+        cluster.stop_all()
+
+
+async def check_the_culprit_panel(
+    cluster: LocalCluster, api: httpx.AsyncClient, error: dict, bystander: dict
+) -> None:
+    async with browser_page() as (page, problems):
+        await page.goto(cluster.nodes["n0"].url + "/ui#blame")
+        await page.wait_for_selector("#token-dialog[open]")
+        await page.fill("#token-input", TOKEN)
+        await page.click("#token-form button[type=submit]")
+        await page.wait_for_selector("#culprit .who")
+        # First: the culprit panel leads the job's column, its cause before its collateral.
+        order = await page.evaluate(
+            "[...document.querySelectorAll('#detail > section, #culprit-cause, #collateral')]"
+            ".filter((e) => !e.hidden).map((e) => e.id)"
+        )
+        assert order[:4] == ["culprit", "culprit-cause", "collateral", "job-panel"], order
+        who = page.locator("#culprit .who")
+        assert await who.inner_text() == f"rank 1 on node {error['node']}"
+        # The job's own text is text: no element made of it, nothing run.
+        assert await page.inner_text("#culprit .why") == f"RuntimeError: {HOSTILE}"
+        assert await page.locator("img").count() == 0
+        assert "pwned" not in await page.title()
+        # Apart: one collateral failure, rank 0 on the other node, not in the cause.
+        items = page.locator("#collateral li")
+        assert await items.count() == 1
+        assert await items.get_attribute("data-node") == bystander["node"]
+        assert (await items.inner_text()).startswith(f"rank 0 on {bystander['node']}")
+        assert "Connection reset by peer" in await items.inner_text()
+        assert "Connection reset" not in await page.inner_text("#culprit-cause")
+        # The link: that rank's stderr (its node, local rank, attempt) by the logs route.
+        link = page.locator("#culprit-cause a.stderr-link")
+        href = await link.get_attribute("href")
+        node = error["node"]
+        assert href == f"/jobs/blame/logs?local_rank=0&stream=stderr&node={node}&attempt=0"
+        assert f"RuntimeError: {HOSTILE}" in (await api.get(href)).text
+        artifacts = Path(os.environ.get("ELASTICD_ARTIFACTS") or cluster.root)
+        await page.screenshot(path=str(artifacts / "culprit.png"))
+        # Followed, it opens in the page's log viewer, fetched with the token.
+        await link.click()
+        log = page.locator("#log-text")
+        await log.filter(has_text=f"RuntimeError: {HOSTILE}").wait_for()
+        assert await log.get_attribute("data-key") == f"{node}/0"
+        assert await log.get_attribute("data-stream") == "stderr"
+        assert await page.locator("img").count() == 0
+        assert "Connection reset" not in await log.inner_text()
+    assert problems == []

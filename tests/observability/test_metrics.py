@@ -308,3 +308,61 @@ def test_goodput_series_are_the_last_figures_of_jobs_run_here():
     assert value(scrape, "elasticd_job_goodput_ratio", job_id="a") == 0.75
     labels = {"job_id": "a", "kind": "startup"}
     assert value(scrape, "elasticd_job_badput_seconds_total", **labels) == 1.0
+
+
+def test_node_series_are_bounded_and_keep_quarantined_nodes_first():
+    """Per node: quarantined 0/1 and the counted failures by kind; past the bound the
+    quarantined nodes stay, then the live ones, and the rest are counted as left out;
+    a key that names no node gets no series."""
+    from elasticd.node.quarantine import HealthEntry, NodeHealth, Quarantine
+
+    now = 1_700_000_000.0
+    held = Quarantine(reason="bad DIMM", since=now - 5, by="admin")
+    expired = Quarantine(reason="ttl", since=now - 60, by="policy", until=now - 1)
+    entries = [
+        HealthEntry(kind="hardware", at=now - 10, job="j", round=0),
+        HealthEntry(kind="first_failure", at=now - 10, job="k", round=3),
+        HealthEntry(kind="first_failure", at=now - 7200, job="k", round=1),  # out of the window
+    ]
+    records = {f"z{i:03}": NodeHealth(node=f"z{i:03}") for i in range(50)} | {
+        "sick": NodeHealth(node="sick", quarantine=held, entries=entries),
+        "over": NodeHealth(node="over", quarantine=expired),
+        "<img src=x>": NodeHealth.model_construct(node="<img src=x>"),
+    }
+    rows, omitted = m.node_series(records, ["a", "b", "bad name"], 3600.0, now, limit=4)
+    assert [r.node for r in rows] == ["a", "b", "over", "sick"]  # then by name
+    assert omitted == 50
+    sick = next(r for r in rows if r.node == "sick")
+    assert sick.quarantined and sick.attributed == {
+        "first_failure": 1,
+        "hardware": 1,
+        "health_check": 0,
+    }
+    sink = Metrics()
+    sink.on_nodes(rows, omitted)
+    scrape = samples(sink.render().decode())
+    assert value(scrape, "elasticd_node_quarantined", node="sick") == 1
+    assert value(scrape, "elasticd_node_quarantined", node="a") == 0
+    assert value(scrape, "elasticd_node_attributed_failures", node="sick", kind="hardware") == 1
+    assert value(scrape, "elasticd_node_attributed_failures", node="a", kind="hardware") == 0
+    assert value(scrape, "elasticd_node_series_omitted") == 50
+    assert not next(r for r in rows if r.node == "over").quarantined  # its TTL ran out
+    rows, omitted = m.node_series(records, ["a"], 3600.0, now, limit=2)
+    assert ([r.node for r in rows], omitted) == (["a", "sick"], 51)
+
+
+async def test_a_drained_node_is_quarantined_in_the_metrics_until_undrained(client):
+    """After an admin's drain /metrics shows the node quarantined (1), after the undrain 0."""
+
+    async def quarantined() -> float:
+        r = await client.get("/metrics")
+        assert r.status_code == 200
+        return value(samples(r.text), "elasticd_node_quarantined", node="node-a")
+
+    assert await quarantined() == 0
+    r = await client.post("/nodes/node-a/drain", json={"reason": "bad DIMM"})
+    assert r.status_code == 200, r.text
+    assert await quarantined() == 1
+    r = await client.post("/nodes/node-a/undrain", json={"reason": "DIMM replaced"})
+    assert r.status_code == 200, r.text
+    assert await quarantined() == 0

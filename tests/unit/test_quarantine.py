@@ -101,3 +101,9 @@ def test_a_quarantine_ends_by_itself_only_at_its_ttl(
 def test_a_missing_malformed_or_misnamed_record_is_a_clean_one(raw: bytes | None) -> None:
     """What a store writer put under another node's key counts as no quarantine."""
     assert decode_health("n1", raw) == NodeHealth(node="n1")
+
+
+def test_a_key_that_names_no_node_is_a_clean_record_not_an_error() -> None:
+    """A hand-written ``health/`` key with a name no node may have decodes (no exception)."""
+    health = decode_health("no such\nnode<img>", b'{"node": "x"}')
+    assert health.quarantine is None and health.entries == []

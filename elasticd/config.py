@@ -156,6 +156,14 @@ class Config(BaseModel):
         default=None,
         description="A node-wide health check command (argv) run before every group start.",
     )
+    health_check_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Seconds the operator's checks (health_check above, the GPU check) may take: "
+        "theirs, never a job's health_check_timeout (a job that set a tiny one would fail them "
+        "and have the node quarantined).",
+    )
     nvidia_smi: str | None = Field(
         default=None,
         min_length=1,
@@ -186,6 +194,15 @@ class Config(BaseModel):
     )
     quarantine_window: float = Field(
         default=3600.0, gt=0, description="Seconds over which attributed failures are counted."
+    )
+    quarantine_max_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="The share of the fleet's nodes automatic quarantine may hold at once (at "
+        "least one node); past it failures are counted but quarantine nothing. Bounds what one "
+        "job's failures that look like its node's (a SIGBUS it raised itself) can take out; an "
+        "admin's drain is not bounded.",
     )
     quarantine_ttl: float | None = Field(
         default=None,
@@ -532,9 +549,11 @@ _ENV_FIELDS = {
     "LEASE_TTL": "lease_ttl",
     "AUTO_QUARANTINE": "auto_quarantine",
     "KERNEL_LOG": "kernel_log",
+    "HEALTH_CHECK_TIMEOUT": "health_check_timeout",
     "QUARANTINE_THRESHOLD": "quarantine_threshold",
     "QUARANTINE_WINDOW": "quarantine_window",
     "QUARANTINE_TTL": "quarantine_ttl",
+    "QUARANTINE_MAX_FRACTION": "quarantine_max_fraction",
     "SHUTDOWN_TIMEOUT": "shutdown_timeout",
     "JOB_RETENTION": "job_retention",
     "NODE_FAILURE_GRACE": "node_failure_grace",

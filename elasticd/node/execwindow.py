@@ -89,6 +89,11 @@ class HeldSignals:
         self._block = block
         self._carry: tuple[int, int, int] | None = None  # (read end, write end, old wakeup fd)
 
+    @property
+    def blocking(self) -> bool:
+        """Whether the signals are held for the next image (else :meth:`ignoring_reloads`)."""
+        return self._block
+
     @classmethod
     def ignoring_reloads(cls) -> HeldSignals:
         """For a new image that does not adopt held signals (one from before issue 34: it

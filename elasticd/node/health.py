@@ -155,15 +155,19 @@ def checks_for_job(
     job_id: str | None = None,
     umask: int | None = None,
     kernel_log: KernelLog | None = None,
+    operator_timeout: float | None = None,
 ) -> list[HealthCheck]:
     """The checks a job runs: the node's command, the job's command, then the GPU check.
 
     The job's command runs as ``identity`` with ``job_env`` in ``cwd``; the
-    node's command and the GPU check run as the operator's (see the module).
+    node's command and the GPU check run as the operator's (see the module), within
+    ``operator_timeout`` (None: the run's timeout, the job's).
     """
     checks: list[HealthCheck] = []
     if node_command:
-        checks.append(CommandCheck(list(node_command), name="node_health_check"))
+        checks.append(
+            CommandCheck(list(node_command), name="node_health_check", timeout=operator_timeout)
+        )
     if command:
         checks.append(
             CommandCheck(
@@ -177,7 +181,13 @@ def checks_for_job(
             )
         )
     if gpu:
-        checks.append(GpuCheck(nvidia_smi=nvidia_smi or "nvidia-smi", kernel_log=kernel_log))
+        checks.append(
+            GpuCheck(
+                nvidia_smi=nvidia_smi or "nvidia-smi",
+                kernel_log=kernel_log,
+                timeout=operator_timeout,
+            )
+        )
     return checks
 
 
@@ -220,6 +230,9 @@ class NodeHealthChecks:
     policy: SpawnPolicy = DEFAULT_POLICY
     kernel_log: KernelLog | None = None
     """The daemon's reader of the kernel log, for the GPU check's Xid errors."""
+    operator_timeout: float = 60.0
+    """How long the node's check and the GPU check may take (config ``health_check_timeout``;
+    the job's ``health_check_timeout`` is its own check's only)."""
 
     async def run(
         self,
@@ -246,6 +259,7 @@ class NodeHealthChecks:
             job_id=job_id,  # contained: nothing it starts outlives it
             umask=spec.umask_bits,
             kernel_log=self.kernel_log,
+            operator_timeout=self.operator_timeout,
         )
         if not checks:
             return []

@@ -144,6 +144,25 @@ class Policy:
     threshold: int = 3
     window: float = 3600.0
     ttl: float | None = None
+    max_fraction: float = 0.1
+    """The share of the fleet's nodes the policy may hold quarantined at once (at least one
+    node): past it, a failure is counted but quarantines nothing. Any user's job can fail in
+    ways that look like the node's (a SIGBUS it raised itself): this bounds what one can
+    take out of the fleet; an admin's drain is not bounded."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What the policy weighs a new quarantine against: the fleet as the store shows it."""
+
+    nodes: int
+    """Nodes alive (with a lease) or quarantined, this one among them."""
+    quarantined: int
+    """Other nodes quarantined by the policy now (an admin's drains aside)."""
+
+    def has_room(self, policy: Policy) -> bool:
+        """Whether one more node may be quarantined by the policy (pure)."""
+        return self.quarantined < max(1, int(policy.max_fraction * self.nodes))
 
 
 def in_force(quarantine: Quarantine | None, now: float) -> bool:
@@ -187,11 +206,16 @@ def _evidence(counted: list[HealthEntry]) -> bool:
     return len({e.job for e in counted}) >= 2
 
 
-def note(health: NodeHealth, entry: HealthEntry, policy: Policy, now: float) -> NodeHealth:
-    """The record with ``entry`` added; quarantined when the policy trips (pure)."""
+def note(
+    health: NodeHealth, entry: HealthEntry, policy: Policy, now: float, fleet: Fleet | None = None
+) -> NodeHealth:
+    """The record with ``entry`` added; quarantined when the policy trips and ``fleet`` has
+    room for one more (:attr:`Policy.max_fraction`; None: no bound) (pure)."""
     entries = [*health.entries, entry][-MAX_ENTRIES:]
     health = health.model_copy(update={"entries": entries})
     if in_force(health.quarantine, now) or not policy.auto:
+        return health
+    if fleet is not None and not fleet.has_room(policy):
         return health
     until = now + policy.ttl if policy.ttl is not None else None
     if entry.kind == "health_check":
@@ -286,16 +310,41 @@ class HealthBook:
     async def note(self, entry: HealthEntry, policy: Policy, now: float) -> tuple[bool, NodeHealth]:
         """Add an entry to *this node's own* record: (newly quarantined, the record)."""
         before: list[NodeHealth] = []
+        fleet = await self.fleet(now)
 
         def edit(health: NodeHealth) -> NodeHealth:
             before[:] = [health]
-            return note(health, entry, policy, now)
+            bounded = note(health, entry, policy, now, fleet)
+            if bounded.quarantine is None and note(health, entry, policy, now).quarantine:
+                log.warning(
+                    "node %s would be quarantined, but %d of the fleet's %d nodes already are "
+                    "(quarantine_max_fraction %g): it stays in the fleet, its failures counted",
+                    self.node,
+                    fleet.quarantined,
+                    fleet.nodes,
+                    policy.max_fraction,
+                )
+            return bounded
 
         after = await self._update(self.node, edit)
         newly = after.quarantine is not None and (
             not before or not in_force(before[0].quarantine, now)
         )
         return newly and in_force(after.quarantine, now), after
+
+    async def fleet(self, now: float) -> Fleet:
+        """The fleet as the store shows it now: live and quarantined nodes, and how many
+        others the policy holds quarantined (read at an attributed failure only)."""
+        records = await self.all()
+        live = {e.key[len(keys.NODES) :] for e in (await self.store.list(keys.NODES)).entries}
+        by_policy = {
+            name
+            for name, health in records.items()
+            if in_force(health.quarantine, now)
+            and health.quarantine is not None
+            and health.quarantine.by == "policy"
+        }
+        return Fleet(len(live | by_policy | {self.node}), len(by_policy - {self.node}))
 
     async def drain(self, name: str, reason: str, by: str, now: float) -> NodeHealth:
         """An admin's drain of ``name`` (any node): authorized by the caller."""
@@ -501,6 +550,7 @@ def node_health(
         threshold=config.quarantine_threshold,
         window=config.quarantine_window,
         ttl=config.quarantine_ttl,
+        max_fraction=config.quarantine_max_fraction,
     )
 
     def emit(job: str, kind: EventKind, message: str) -> None:

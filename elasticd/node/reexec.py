@@ -743,16 +743,26 @@ class ReexecMixin:
             "has its handlers)",
             len(handed),
         )
+        if not held.blocking and self._stop.is_set():
+            # Nothing is held for an older image: a stop asked for now would be lost with
+            # this image's handler. The stop wins: no exec, the daemon stops as asked.
+            await self._undo_exec(manifest, listeners, accepting)
+            log.info("re-exec abandoned: the daemon is asked to stop")
+            return
         try:
             exec_self(manifest, held, self._asked_meanwhile())
         except OSError as exc:
-            for fd in manifest.fds[len(listeners) :]:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._reexecing = False
-            self.jobs.reconciler.accepting = accepting
-            await self._restart_http(listeners)
+            await self._undo_exec(manifest, listeners, accepting)
             self._refuse_reexec(f"the exec failed: {exc}")
+
+    async def _undo_exec(self, manifest: Manifest, listeners: list[int], accepting: bool) -> None:
+        """The exec did not happen: this image runs on as it was (serving, placing)."""
+        for fd in manifest.fds[len(listeners) :]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._reexecing = False
+        self.jobs.reconciler.accepting = accepting
+        await self._restart_http(listeners)
 
     async def _await_handover(self) -> dict[str, str]:
         """Wait up to :data:`HANDOVER_WAIT` for every agent to be ready to hand its attempt

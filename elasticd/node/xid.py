@@ -52,7 +52,14 @@ CRITICAL_XIDS = {
 #: Bytes read from the log per check at most (a storm of records is cut, not followed).
 MAX_READ = 1 << 20
 
-_XID = re.compile(r"NVRM: Xid \(PCI:(?P<bus>[0-9A-Fa-f:.]+)\): (?P<code>\d+)(?P<rest>[^\n]*)")
+#: An Xid message: at the start of a record's message, never inside one (a segfault record
+#: ends with the name of the file the program ran in, which the job chooses).
+_XID = re.compile(r"NVRM: Xid \(PCI:(?P<bus>[0-9A-Fa-f:.]+)\): (?P<code>\d+)(?P<rest>.*)")
+#: A ``/dev/kmsg`` record: ``<facility*8+level>,<seq>,<usec>,<flags>;<message>``.
+_KMSG = re.compile(r"(?P<prio>\d+),\d+,\d+,[^;]*;(?P<message>.*)")
+#: A ``dmesg`` line (``[ seconds] message``), or a ``kern.log`` one (``... kernel: [ seconds]
+#: message``): a file the operator names; messages of the kernel's own only.
+_LOGGED = re.compile(r"(?:.*\bkernel: )?\[\s*\d+\.\d+\]\s?(?P<message>.*)")
 
 
 @dataclass(frozen=True)
@@ -69,8 +76,23 @@ class Xid:
 
 
 def parse_xids(text: str) -> list[Xid]:
-    """The Xid records in kernel log ``text`` (``/dev/kmsg`` records, ``dmesg`` lines)."""
-    return [Xid(m["bus"], int(m["code"]), m["rest"].rstrip()) for m in _XID.finditer(text)]
+    """The Xid records in kernel log ``text`` (``/dev/kmsg`` records, ``dmesg`` or
+    ``kern.log`` lines). Only the kernel's own count: a ``/dev/kmsg`` record of facility 0
+    (the kernel files what a process writes there under another, ``user``) whose message
+    starts with the driver's ``NVRM: Xid``."""
+    xids = []
+    for line in text.splitlines():
+        if (record := _KMSG.fullmatch(line)) is not None:
+            if int(record["prio"]) >> 3 != 0:
+                continue  # not the kernel's: a process wrote it
+            message = record["message"]
+        elif (logged := _LOGGED.fullmatch(line)) is not None:
+            message = logged["message"]
+        else:
+            continue
+        if (m := _XID.match(message)) is not None:
+            xids.append(Xid(m["bus"], int(m["code"]), m["rest"].rstrip()))
+    return xids
 
 
 def critical(xids: list[Xid]) -> list[Xid]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticd.node.quarantine import (
+    Fleet,
     HealthEntry,
     NodeHealth,
     Policy,
@@ -107,3 +108,25 @@ def test_a_key_that_names_no_node_is_a_clean_record_not_an_error() -> None:
     """A hand-written ``health/`` key with a name no node may have decodes (no exception)."""
     health = decode_health("no such\nnode<img>", b'{"node": "x"}')
     assert health.quarantine is None and health.entries == []
+
+
+@pytest.mark.parametrize(
+    ("fleet", "policy", "quarantined"),
+    [
+        (Fleet(nodes=3, quarantined=0), Policy(), True),  # at least one node, however small
+        (Fleet(nodes=3, quarantined=1), Policy(), False),  # one of three is the bound
+        (Fleet(nodes=100, quarantined=9), Policy(), True),
+        (Fleet(nodes=100, quarantined=10), Policy(), False),  # 10 % by default
+        (Fleet(nodes=100, quarantined=10), Policy(max_fraction=0.5), True),
+    ],
+)
+def test_the_policy_quarantines_no_more_than_its_share_of_the_fleet(
+    fleet: Fleet, policy: Policy, quarantined: bool
+) -> None:
+    """Any user's job can fail the way a bad node does (a SIGBUS it raised itself), so what
+    the policy alone takes out of the fleet is bounded; the failure is still counted."""
+    health = NodeHealth(node="n1")
+    for r in range(3):
+        health = note(health, _entry("hardware", round_=r), policy, T, fleet)
+    assert (health.quarantine is not None) is quarantined
+    assert len(health.entries) == 3

@@ -27,6 +27,22 @@ APP = "4,55,1,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=9, Graphics Exception: ESR 0
             [79, 94],
         ),
         ("6,1,2,-;usb 1-1: new high-speed USB device\n", [], []),
+        # Written to /dev/kmsg by a process: filed under the user facility (8+), not the kernel's.
+        ("11,7,8,-;NVRM: Xid (PCI:0000:3b:00): 79, forged\n", [], []),
+        # A job's program segfaults in a file it named like an Xid: the kernel's record, but
+        # the Xid is not at its start.
+        (
+            "6,9,9,-;python[77]: segfault at 0 ip 0 sp 0 error 4 in "
+            "NVRM: Xid (PCI:0000:3b:00): 79, x[1000+1000]\n",
+            [],
+            [],
+        ),
+        (
+            "Dec  2 06:00:00 h kernel: [ 12.5] NVRM: Xid (PCI:0000:3b:00): 48, DBE\n",
+            [("0000:3b:00", 48)],
+            [48],
+        ),
+        ("Dec  2 06:00:00 h root: NVRM: Xid (PCI:0000:3b:00): 79, logger\n", [], []),
         ("", [], []),
     ],
 )

@@ -405,6 +405,7 @@ class AgentSupervisor:
                 nvidia_smi=self.side.config.nvidia_smi,
                 policy=self.spawn_policy,
                 kernel_log=self.kernel_log,
+                operator_timeout=self.side.config.health_check_timeout,
             ),
             storage=self.storage,
             policy=self.spawn_policy,

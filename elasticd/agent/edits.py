@@ -7,7 +7,8 @@ that document alone):
 
 * :func:`record_failure`: remember the round's failures, the earliest in time
   the root cause and the others collateral (:func:`in_time_order`), until the
-  next round forms (the job goes RESTARTING);
+  next round forms (the job goes RESTARTING); a hang's cause is the rank whose
+  stack differs from the others' (:func:`elasticd.agent.hangs.blame`);
 * :func:`settle_failure`: when a round forms, charge the previous round's
   failure once, or free it when a participant did not come back (a node loss);
   a charged failure also closes the attempt's progress and may fail the job
@@ -24,6 +25,7 @@ import signal as signals
 from pathlib import Path
 
 from elasticd.agent.checkpoints import close_attempt
+from elasticd.agent.hangs import blame, innermost
 from elasticd.agent.progress import Hang
 from elasticd.models import (
     MAX_ROUND_FAILURES,
@@ -31,6 +33,7 @@ from elasticd.models import (
     JobEdit,
     JobMutation,
     PendingFailure,
+    RankStack,
     Recovery,
     RecoveryTotals,
     RootCause,
@@ -86,11 +89,23 @@ def root_cause_of(
 
 
 def root_cause_of_hang(
-    hang: Hang, rank: int, node: str, attempt: int, round_: int, log_dir: Path, at: float
+    hang: Hang,
+    rank: int,
+    node: str,
+    attempt: int,
+    round_: int,
+    log_dir: Path,
+    at: float,
+    stacks: list[RankStack] | None = None,
 ) -> RootCause:
-    """What the job reports about a worker that stopped reporting progress."""
+    """What the job reports about a worker that stopped reporting progress, with where each
+    of the node's ranks was (``stacks``, when they could be read)."""
+    where = next((s.stack for s in stacks or [] if s.local_rank == hang.local_rank), None)
     return RootCause(
-        message=f"rank {rank} hung: {hang.describe()}",
+        message=f"rank {rank} hung"
+        + (f" in {innermost(where)}" if where else "")
+        + f": {hang.describe()}",
+        stacks=stacks or None,
         node=node,
         local_rank=hang.local_rank,
         rank=rank,
@@ -127,7 +142,9 @@ def in_time_order(failures: list[RootCause]) -> list[RootCause]:
 
 def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
     """Job-document edit: add this node's failure to the round's; the first in time is the
-    job's ``error``, the rest its ``collateral``, until the next round forms."""
+    job's ``error``, the rest its ``collateral``, until the next round forms. When the
+    first is a hang, the ranks' stacks may name another cause (:func:`blame`): the rank
+    whose stack differs (asleep while the others wait in ``all_reduce``)."""
 
     def edit(job: Job) -> JobEdit:
         if job.state.is_terminal:
@@ -142,7 +159,11 @@ def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
         ordered = in_time_order(failures)
         kept = ordered[:MAX_ROUND_FAILURES]
         failures = [f for f in failures if any(f is k for k in kept)]
-        first = kept[0]
+        first, rest = kept[0], kept[1:]
+        blamed = blame(kept)
+        if blamed is not None:  # a hang: the rank whose stack differs is the cause
+            index, first = blamed
+            rest = [f for i, f in enumerate(kept) if i != index]
         changes: JobEdit = {
             "pending_failure": PendingFailure(
                 round=round_.round,
@@ -151,9 +172,16 @@ def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
                 failures=failures,
             ),
             "error": first,
-            "collateral": [f.model_copy(update={"collateral": True}) for f in kept[1:]],
+            # Their stacks stay in pending_failure only (the edit's next run reads them):
+            # the job document holds no third copy of every rank's stack.
+            "collateral": [f.model_copy(update={"collateral": True, "stacks": None}) for f in rest],
         }
-        reason = f"rank {first.rank} on {first.node} failed: {first.message}; restarting the group"
+        said = (
+            first.message
+            if blamed
+            else f"rank {first.rank} on {first.node} failed: {first.message}"
+        )
+        reason = f"{said}; restarting the group"
         if job.state is JobState.RUNNING:
             changes["state"] = JobState.RESTARTING  # RUNNING -> RESTARTING
             changes["reason"] = reason

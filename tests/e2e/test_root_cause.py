@@ -5,7 +5,8 @@ every traceback line with a ``[rankN]: `` prefix, and the job's error is still
 the exception line of the failing rank's ``stderr.log`` (the last exception of
 a chain), not "worker exited with code 1". Across nodes, the first failure in
 time is the root cause and the survivors' ("connection reset by peer") are
-labelled collateral.
+labelled collateral. A hang's cause is the rank whose stack differs: asleep in
+Python while the others wait in a gloo all-reduce.
 """
 
 from __future__ import annotations
@@ -142,3 +143,72 @@ async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collat
     assert proc.returncode == 0, err.decode()
     assert "root cause  rank 1" in text and "rank 1 crashes at step 2" in text
     assert text.count("collateral") == len(collateral), text
+
+
+HUNG = """
+import time
+import torch
+import torch.distributed as dist
+import elasticd.worker as w
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def slow_step():
+    time.sleep(600)  # alive, in Python, and no progress: the others wait for it
+
+
+def train():
+    t = torch.ones(4)
+    for step in range(1000):
+        w.ping(step=step)
+        if rank == 1 and step == 3:
+            slow_step()
+        dist.all_reduce(t)
+        time.sleep(0.1)
+
+
+train()
+"""
+
+
+@pytest.mark.timeout(150)
+async def test_a_hung_rank_is_named_with_its_stack(cluster, tmp_path):
+    """3 nodes, rank 1 sleeps while ranks 0 and 2 wait in all_reduce: every rank goes silent,
+    every node dumps its ranks' stacks, and the job's error names rank 1, on its node, in
+    slow_step; the ranks in all_reduce are not the cause."""
+    await cluster.start_all("n0", "n1", "n2")
+    path = script(tmp_path, "hung.py", HUNG)
+    async with cluster.client("n0") as c:
+        r = await c.post(
+            "/jobs",
+            json={
+                "id": "hung3",
+                "entrypoint": PY,
+                "args": [path],
+                "nproc_per_node": 1,
+                "min_nodes": 3,
+                "max_nodes": 3,
+                "max_restarts": 0,
+                "progress_timeout": 3,
+                "termination_grace": 2,
+            },
+        )
+        assert r.status_code == 201, r.text
+        events = await follow_until(c, "hung3", job_ended, 120)
+        job = (await c.get("/jobs/hung3")).json()
+    assert job["state"] == "FAILED", cluster.logs()
+    error = job["error"]
+    assert error["rank"] == 1 and error["local_rank"] == 0, error
+    assert "slow_step" in error["message"] and "all_reduce" in error["message"], error
+    assert error["message"].startswith(f"rank 1 on {error['node']} hung in slow_step"), error
+    stacks = [e for e in events if e["kind"] == "worker.stacks"]
+    # Every node dumps its ranks when it sees the hang; one whose rank died first of a
+    # peer's stop (a loaded machine) has none to dump, and the others' still decide.
+    assert 1 in {e["rank"] for e in stacks} and len(stacks) >= 2, stacks
+    slept = next(e for e in stacks if e["rank"] == 1)
+    assert slept["node"] == error["node"] and "slow_step" in slept["message"], slept
+    assert any(s["rank"] == 1 and "slow_step" in s["stack"] for s in error["stacks"]), error
+    assert all(c["rank"] != 1 and c["collateral"] for c in job["collateral"]), job["collateral"]
+    assert "rank 1 on" in job["reason"] and "slow_step" in job["reason"], job["reason"]

@@ -12,6 +12,7 @@ Python while the others wait in a gloo all-reduce.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -94,6 +95,25 @@ def cluster(tmp_path):
         c.stop_all()
 
 
+async def _run_on_three(
+    cluster: LocalCluster, job_id: str, path: str, timeout: float, **spec: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start 3 daemons, run ``path`` on them, one worker each, no restart: its events until
+    it ended, and the job then."""
+    await cluster.start_all("n0", "n1", "n2")
+    async with cluster.client("n0") as c:
+        r = await c.post(
+            "/jobs",
+            json={
+                "id": job_id, "entrypoint": PY, "args": [path], "nproc_per_node": 1,
+                "min_nodes": 3, "max_nodes": 3, "max_restarts": 0, **spec,
+            },
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        events = await follow_until(c, job_id, job_ended, timeout)
+        return events, (await c.get(f"/jobs/{job_id}")).json()
+
+
 @pytest.mark.timeout(240)
 async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collateral(
     cluster, tmp_path
@@ -104,26 +124,10 @@ async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collat
     survivors die at once of losing it, before their agents see the round change, so all
     three exits are reaped together and the survivors' are recorded first: the culprit's
     error, a second earlier, still comes first."""
-    await cluster.start_all("n0", "n1", "n2")
     path = script(tmp_path, "ddp.py", DDP.replace("CRASH", PLAIN))
-    async with cluster.client("n0") as c:
-        r = await c.post(
-            "/jobs",
-            json={
-                "id": "ddp3",
-                "entrypoint": PY,
-                "args": [path],
-                "nproc_per_node": 1,
-                "min_nodes": 3,
-                "max_nodes": 3,
-                "max_restarts": 0,
-                "termination_grace": 3,
-                "env": {"EXIT_AT_ONCE": "1"},
-            },
-        )
-        assert r.status_code == 201, r.text
-        await follow_until(c, "ddp3", job_ended, 200)
-        job = (await c.get("/jobs/ddp3")).json()
+    _, job = await _run_on_three(
+        cluster, "ddp3", path, 200, termination_grace=3, env={"EXIT_AT_ONCE": "1"}
+    )
     assert job["state"] == "FAILED", cluster.logs()
     error = job["error"]
     assert (error["rank"], error["message"]) == (1, "RuntimeError: rank 1 crashes at step 2")
@@ -178,26 +182,10 @@ async def test_a_hung_rank_is_named_with_its_stack(cluster, tmp_path):
     """3 nodes, rank 1 sleeps while ranks 0 and 2 wait in all_reduce: every rank goes silent,
     every node dumps its ranks' stacks, and the job's error names rank 1, on its node, in
     slow_step; the ranks in all_reduce are not the cause."""
-    await cluster.start_all("n0", "n1", "n2")
     path = script(tmp_path, "hung.py", HUNG)
-    async with cluster.client("n0") as c:
-        r = await c.post(
-            "/jobs",
-            json={
-                "id": "hung3",
-                "entrypoint": PY,
-                "args": [path],
-                "nproc_per_node": 1,
-                "min_nodes": 3,
-                "max_nodes": 3,
-                "max_restarts": 0,
-                "progress_timeout": 3,
-                "termination_grace": 2,
-            },
-        )
-        assert r.status_code == 201, r.text
-        events = await follow_until(c, "hung3", job_ended, 120)
-        job = (await c.get("/jobs/hung3")).json()
+    events, job = await _run_on_three(
+        cluster, "hung3", path, 120, progress_timeout=3, termination_grace=2
+    )
     assert job["state"] == "FAILED", cluster.logs()
     error = job["error"]
     assert error["rank"] == 1 and error["local_rank"] == 0, error

@@ -7,17 +7,12 @@ import os
 from pathlib import Path
 
 from elasticd.agent.hooks import MAX_DUMP_BYTES, read_dump
-
-
-def _folder(tmp_path: Path) -> Path:
-    folder = tmp_path / "attempt_1" / "0"
-    folder.mkdir(parents=True)
-    return folder
+from tests.supervise.support import worker_folder
 
 
 def test_only_what_the_log_gained_is_read_and_bounded(tmp_path: Path) -> None:
     """The bytes past the size before the signal, at most MAX_DUMP_BYTES of their end."""
-    folder = _folder(tmp_path)
+    folder = worker_folder(tmp_path)
     log = folder / "stderr.log"
     log.write_text("before\n")
     since = log.stat().st_size
@@ -34,7 +29,7 @@ def test_only_what_the_log_gained_is_read_and_bounded(tmp_path: Path) -> None:
 def test_a_planted_link_or_fifo_is_not_read(tmp_path: Path) -> None:
     """A worker that swaps its log for a link to another file, or a FIFO, gets nothing read
     (and the read does not block)."""
-    folder = _folder(tmp_path)
+    folder = worker_folder(tmp_path)
     secret = tmp_path / "secret"
     secret.write_text("root only\n" * 100)
     (folder / "stderr.log").symlink_to(secret)

@@ -170,7 +170,9 @@ MEANING: dict[EventKind, str] = {
     EventKind.WORKERS_STRAYS: "Processes of the attempt outlived its workers and were killed.",
     EventKind.WORKER_EXITED: "A worker exited.",
     EventKind.WORKER_HANG: "A worker missed its progress deadline.",
-    EventKind.WORKER_STACKS: "The stacks of a hung worker.",
+    EventKind.WORKER_STACKS: "The stacks of a worker of a node that saw a hang (every running "
+    "rank of the node; with in-process restart the stuck one only), and where its main thread "
+    "is (`its main thread is in f (file.py:12) < ...`) when its dump could be read.",
     EventKind.WORKER_HEARTBEAT_REPLACED: "A worker's heartbeat file was replaced.",
     EventKind.WORKER_HEALTH_CHECK_FAILED: "A health check failed before the attempt.",
     EventKind.WORKER_ORPHAN_KILLED: "A worker of an earlier daemon run was killed at start-up.",

@@ -46,6 +46,10 @@ MAX_RESTARTS = 1000
 #: The most failures of one round a job document keeps (the earliest: the root cause and
 #: what it took down first).
 MAX_ROUND_FAILURES = 64
+#: A hang's root cause keeps at most this many of its node's ranks' stacks
+#: (:attr:`RootCause.stacks`), each at most :data:`MAX_STACK_CHARS` long.
+MAX_RANK_STACKS = 16
+MAX_STACK_CHARS = 240
 #: Each worker's stdout.log and stderr.log take at most this per attempt unless the job says
 #: otherwise; the daemon writes them as root, so they need a ceiling of their own.
 DEFAULT_LOG_LIMIT_BYTES = 1 << 30
@@ -388,6 +392,19 @@ class JobSpec(BaseModel):
         return self.model_dump(exclude={"id"})
 
 
+class RankStack(BaseModel):
+    """Where one rank's main thread was when its node saw the hang (its stack dump, read)."""
+
+    rank: int = Field(ge=0, description="The worker's global rank.")
+    local_rank: int = Field(ge=0)
+    stack: str = Field(
+        min_length=1,
+        max_length=MAX_STACK_CHARS,
+        description="The innermost frames of its main thread, innermost first: "
+        "`slow_step (train.py:12) < train (train.py:20) < <module> (train.py:30)`.",
+    )
+
+
 class RootCause(BaseModel):
     """The first failure of a job attempt: which worker, and what it said."""
 
@@ -417,6 +434,13 @@ class RootCause(BaseModel):
         default=False,
         description="A failure of the round after its root cause (`Job.error`): a survivor's "
         "consequence, such as a peer's 'connection reset', not a cause.",
+    )
+    stacks: list[RankStack] | None = Field(
+        default=None,
+        max_length=MAX_RANK_STACKS,
+        description="A hang: where each rank of the node that saw it was (its stack dump, "
+        "read). Across the round's nodes, the ranks whose stacks differ from the others' "
+        "are the hang's cause (`Job.error` names one of them).",
     )
 
     def sort_key(self) -> tuple[float, float]:

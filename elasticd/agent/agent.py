@@ -48,7 +48,6 @@ from elasticd.agent.hooks import (
     OutputHook,
     ProgressHook,
     RecoveryHook,
-    stderr_of,
 )
 from elasticd.agent.jobdoc import JobRecord, states_on_close
 from elasticd.agent.nodefail import cause_of, side_of
@@ -67,7 +66,7 @@ from elasticd.errors import (
 from elasticd.eventkinds import EventKind
 from elasticd.goodput import End, NodeGoodput
 from elasticd.keys import group_key
-from elasticd.models import GroupView, Job, JobSpec, RootCause, incarnation_tag
+from elasticd.models import GroupView, Job, JobSpec, RankStack, RootCause, incarnation_tag
 from elasticd.rendezvous import RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
@@ -164,6 +163,8 @@ class JobAgent:
             emit, node, job.id, self.spec, ctx.health, ctx.clock, ctx.cuda_visible_devices
         )
         self._hangs = HangHook(emit, node)
+        #: The stacks of the last hang's ranks, and the attempt (spawn_seq) they are of.
+        self._hang_stacks: tuple[int, list[RankStack]] = (-1, [])
         observed = self._progress.observations
         self._goodput = GoodputHook(ctx.store, job.id, node, ctx.clock, observed, self.job_tag)
         #: When the last attempt's workers were spawned (wall time), for its start-up.
@@ -540,14 +541,17 @@ class JobAgent:
         self._publisher.request()
 
     async def _report_hang(self, hang: Hang, *, kill: bool) -> None:
-        """The hang's event and stacks; ``kill``: SIGKILL only that rank (in-process restart)."""
+        """The hang's event and every rank's stacks (kept for its record, :meth:`_record_failure`);
+        ``kill``: SIGKILL only that rank (in-process restart)."""
         group = self._group
         assert group.attempt is not None
         if kill:
             self._progress.exited(hang.local_rank)  # judged; its exit will follow
-        pid, stderr = group.pid_of(hang.local_rank), stderr_of(group.log_dir(hang.local_rank))
         state = None if kill else WorkerState.UNHEALTHY.value
-        await self._hangs.report(hang, group.attempt, pid, stderr, state=state, kill=kill)
+        stacks = await self._hangs.report(
+            hang, group.attempt, group.live_workers(), state=state, kill=kill
+        )
+        self._hang_stacks = (group.attempt.spawn_seq, stacks)
 
     async def _stop_workers(self, target: WorkerState | None) -> None:
         try:
@@ -571,7 +575,11 @@ class JobAgent:
         self, round_: RoundInfo, cause: GroupResult | Hang, at: float
     ) -> m.Event:
         """Record the round's failure (charged when the next round forms): FailureRecorded."""
-        root, what = self._group.root_cause(cause, round_.round, at)
+        stacks = None
+        if isinstance(cause, Hang) and self._group.attempt is not None:
+            seq, taken = self._hang_stacks
+            stacks = taken if seq == self._group.attempt.spawn_seq else None
+        root, what = self._group.root_cause(cause, round_.round, at, stacks)
         if isinstance(cause, Hang):
             seen: float | None = self.ctx.clock.monotonic()
         else:
@@ -579,7 +587,14 @@ class JobAgent:
         if seen is not None and self._formed_seen is not None:
             root = root.model_copy(update={"since_round_s": seen - self._formed_seen})
         named = await self._watch.named(round_)  # the failure names the round's participants
-        alone = self.ctx.rendezvous.solo_round(round_) is not None
+        # Charged at once only where nothing can yet find the node at fault and free the
+        # failure: no other node can be lost, no hardware-like signal (attributed below), no
+        # GPU whose check before the next round may quarantine the node.
+        alone = (
+            self.ctx.rendezvous.solo_round(round_) is not None
+            and root.signal not in HARDWARE_SIGNALS
+            and not self.ctx.cuda_visible_devices
+        )
         job = await self._job.record_failure(named, root, what, self.spawn_seq, alone=alone)
         self._job_progress = job.progress
         await self._attribute(root, job, round_.group_world_size)

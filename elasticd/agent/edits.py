@@ -7,7 +7,8 @@ that document alone):
 
 * :func:`record_failure`: remember the round's failures, the earliest in time
   the root cause and the others collateral (:func:`in_time_order`), until the
-  next round forms (the job goes RESTARTING);
+  next round forms (the job goes RESTARTING); a hang's cause is the rank whose
+  stack differs from the others' (:func:`elasticd.agent.hangs.blame`);
 * :func:`settle_failure`: when a round forms, charge the previous round's
   failure once, or free it when a participant did not come back (a node loss);
   a charged failure also closes the attempt's progress and may fail the job
@@ -25,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from elasticd.agent.checkpoints import close_attempt
+from elasticd.agent.hangs import blame, innermost
 from elasticd.agent.progress import Hang
 from elasticd.models import (
     MAX_ROUND_FAILURES,
@@ -32,6 +34,7 @@ from elasticd.models import (
     JobEdit,
     JobMutation,
     PendingFailure,
+    RankStack,
     Recovery,
     RecoveryTotals,
     RootCause,
@@ -87,11 +90,23 @@ def root_cause_of(
 
 
 def root_cause_of_hang(
-    hang: Hang, rank: int, node: str, attempt: int, round_: int, log_dir: Path, at: float
+    hang: Hang,
+    rank: int,
+    node: str,
+    attempt: int,
+    round_: int,
+    log_dir: Path,
+    at: float,
+    stacks: list[RankStack] | None = None,
 ) -> RootCause:
-    """What the job reports about a worker that stopped reporting progress."""
+    """What the job reports about a worker that stopped reporting progress, with where each
+    of the node's ranks was (``stacks``, when they could be read)."""
+    where = next((s.stack for s in stacks or [] if s.local_rank == hang.local_rank), None)
     return RootCause(
-        message=f"rank {rank} hung: {hang.describe()}",
+        message=f"rank {rank} hung"
+        + (f" in {innermost(where)}" if where else "")
+        + f": {hang.describe()}",
+        stacks=stacks or None,
         node=node,
         local_rank=hang.local_rank,
         rank=rank,
@@ -128,7 +143,9 @@ def in_time_order(failures: list[RootCause]) -> list[RootCause]:
 
 def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -> JobMutation:
     """Job-document edit: add this node's failure to the round's; the first in time is the
-    job's ``error``, the rest its ``collateral``, until the next round forms.
+    job's ``error``, the rest its ``collateral``, until the next round forms. When the
+    first is a hang, the ranks' stacks may name another cause (:func:`blame`): the rank
+    whose stack differs (asleep while the others wait in ``all_reduce``).
 
     ``alone``: no participant can be lost before the next round (a job of one node, this
     one): the failure is charged now, not when that round forms, so a job with no restart
@@ -147,7 +164,11 @@ def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -
         ordered = in_time_order(failures)
         kept = ordered[:MAX_ROUND_FAILURES]
         failures = [f for f in failures if any(f is k for k in kept)]
-        first = kept[0]
+        first, rest = kept[0], kept[1:]
+        blamed = blame(kept)
+        if blamed is not None:  # a hang: the rank whose stack differs is the cause
+            index, first = blamed
+            rest = [f for i, f in enumerate(kept) if i != index]
         changes: JobEdit = {
             "pending_failure": PendingFailure(
                 round=round_.round,
@@ -156,9 +177,16 @@ def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -
                 failures=failures,
             ),
             "error": first,
-            "collateral": [f.model_copy(update={"collateral": True}) for f in kept[1:]],
+            # Their stacks stay in pending_failure only (the edit's next run reads them):
+            # the job document holds no third copy of every rank's stack.
+            "collateral": [f.model_copy(update={"collateral": True, "stacks": None}) for f in rest],
         }
-        reason = f"rank {first.rank} on {first.node} failed: {first.message}; restarting the group"
+        said = (
+            first.message
+            if blamed
+            else f"rank {first.rank} on {first.node} failed: {first.message}"
+        )
+        reason = f"{said}; restarting the group"
         if job.state is JobState.RUNNING:
             changes["state"] = JobState.RESTARTING  # RUNNING -> RESTARTING
             changes["reason"] = reason

@@ -29,7 +29,7 @@ from elasticd.agent.hooks import Attempt, OutputHook, ProgressHook
 from elasticd.agent.progress import Hang
 from elasticd.errors import ElasticdError
 from elasticd.eventkinds import EventKind
-from elasticd.models import JobSpec, RootCause, StandbyView
+from elasticd.models import JobSpec, RankStack, RootCause, StandbyView
 from elasticd.security import Identity
 from elasticd.states import WorkerState
 from elasticd.supervise.process import GroupHooks, GroupResult, WorkerExit, WorkerGroupProcesses
@@ -81,8 +81,20 @@ class LocalGroup:
         seq = self.attempt.spawn_seq if self.attempt is not None else 0
         return self.ctx.logs.worker_dir(self.job_id, seq, local_rank)
 
-    def pid_of(self, local_rank: int) -> int | None:
-        return self.processes.pids.get(local_rank) if self.processes is not None else None
+    def live_workers(self) -> dict[int, tuple[int, Path]]:
+        """The attempt's workers not seen to exit: local rank -> (pid, its folder).
+
+        A pid whose exit was reaped may be another process's by now: it is left out
+        (a worker not reaped yet is at worst a zombie, whose pid nobody else has)."""
+        processes = self.processes
+        if processes is None:
+            return {}
+        exited = processes.snapshot().exits
+        return {
+            rank: (pid, self.log_dir(rank))
+            for rank, pid in sorted(processes.pids.items())
+            if rank not in exited
+        }
 
     async def start(
         self, attempt: Attempt, plan: AttemptPlan, identity: Identity | None, *, early: bool
@@ -364,14 +376,21 @@ class LocalGroup:
             )
 
     def root_cause(
-        self, cause: GroupResult | Hang, round_no: int, at: float
+        self,
+        cause: GroupResult | Hang,
+        round_no: int,
+        at: float,
+        stacks: list[RankStack] | None = None,
     ) -> tuple[RootCause, str]:
-        """What the job reports about the attempt's failure (or hang), and a line for people."""
+        """What the job reports about the attempt's failure (or hang, with where its ranks
+        were: ``stacks``), and a line for people."""
         attempt, node = self.attempt, self.ctx.node
         assert attempt is not None
         if isinstance(cause, Hang):
             rank, log_dir = attempt.rank_of(cause.local_rank), self.log_dir(cause.local_rank)
-            root = root_cause_of_hang(cause, rank, node, attempt.spawn_seq, round_no, log_dir, at)
+            root = root_cause_of_hang(
+                cause, rank, node, attempt.spawn_seq, round_no, log_dir, at, stacks
+            )
             return root, f"rank {rank} hung on {node}"
         failure = cause.root_cause
         assert failure is not None, "a failed attempt has a failed worker"

@@ -13,7 +13,8 @@ as the round's, ``exited`` per worker, ``stopped`` once the group is gone):
 * :class:`RecoveryHook`: the recovery timeline's events and its summary in the job;
 * :class:`HealthHook`: the health checks before a (re)start (the node runs
   them: :class:`~elasticd.agent.ports.HealthChecks`);
-* :class:`HangHook`: a hang's event and the stuck worker's stacks.
+* :class:`HangHook`: a hang's event and the stacks of every rank of the node, read
+  back into where each one's main thread was (:mod:`elasticd.agent.hangs`).
 
 Publishing the group view is :class:`elasticd.agent.publish.GroupPublisher`;
 events go through :class:`elasticd.agent.context.Emit`.
@@ -28,7 +29,7 @@ import contextlib
 import logging
 import os
 import signal as signals
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 from elasticd.agent.checkpoints import merge_attempt, observe
 from elasticd.agent.context import ConsoleSink, Emit, JobUpdater
 from elasticd.agent.edits import merge_first_progress, merge_recovery
+from elasticd.agent.hangs import stack_of
 from elasticd.agent.ports import HealthChecks
 from elasticd.agent.progress import Beat, Hang, ProgressMonitor, ProgressSettings, dump_stacks
 from elasticd.agent.recovery import FirstProgress, RecoveryTimeline
@@ -45,12 +47,21 @@ from elasticd.errors import ElasticdError, InvalidTransition
 from elasticd.eventkinds import EventKind, recovery_phase_kind
 from elasticd.goodput import Observation
 from elasticd.logs import stream_file
-from elasticd.models import AttemptProgress, GroupView, JobSpec, RootCause, std_for_rank
+from elasticd.models import (
+    MAX_RANK_STACKS,
+    AttemptProgress,
+    GroupView,
+    JobSpec,
+    RankStack,
+    RootCause,
+    std_for_rank,
+)
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
 from elasticd.security import Identity
 from elasticd.states import WorkerState
 from elasticd.supervise.adopt import HandedWorker
+from elasticd.supervise.files import read_worker_file
 from elasticd.supervise.process import WorkerGroupProcesses
 from elasticd.supervise.spawn import SpawnPolicy
 
@@ -62,6 +73,7 @@ __all__ = [
     "ProgressHook",
     "RecoveryHook",
     "file_size",
+    "read_dump",
     "wait_for_growth",
 ]
 
@@ -510,7 +522,8 @@ class HealthHook:
 
 @dataclass(frozen=True)
 class HangHook:
-    """A hang: the ``worker.hang`` event, then the stuck worker's stacks (and its kill)."""
+    """A hang: the ``worker.hang`` event, then the stacks of every rank of the node (and the
+    stuck one's kill, with in-process restart)."""
 
     emit: Emit
     node: str
@@ -519,13 +532,22 @@ class HangHook:
         self,
         hang: Hang,
         attempt: Attempt,
-        pid: int | None,
-        stderr_log: Path,
+        workers: Mapping[int, tuple[int, Path]],
         *,
         state: str | None = None,
         kill: bool = False,
-    ) -> None:
+    ) -> list[RankStack]:
+        """Say the hang, dump the stacks of ``workers`` (local rank -> pid and folder: the
+        attempt's running workers) at once, one ``worker.stacks`` each; return where each
+        one's main thread was, as read from its dump (:mod:`elasticd.agent.hangs`).
+
+        In a collective hang every rank goes silent, the cause and the ranks waiting for
+        it alike: only their stacks tell them apart, so all are dumped. With ``kill``
+        (in-process restart) only the stuck rank is, and killed: the others carry on.
+        """
         rank = attempt.rank_of(hang.local_rank)
+        stuck = workers.get(hang.local_rank)
+        pid = stuck[0] if stuck is not None else None
         self.emit(
             EventKind.WORKER_HANG,
             f"rank {rank} on {self.node}: {hang.describe()}"
@@ -537,26 +559,71 @@ class HangHook:
             pid=pid,
             duration_s=hang.silent_for,
         )
-        if pid is None:
-            return
+        only = {} if stuck is None else {hang.local_rank: stuck}
+        dumped = only if kill else dict(workers)
+        found = await asyncio.gather(
+            *(
+                self._dump(attempt, lr, pid_, folder)
+                for lr, (pid_, folder) in sorted(dumped.items())
+            )
+        )
+        if kill and pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
+        return [s for s in found if s is not None][:MAX_RANK_STACKS]
+
+    async def _dump(
+        self, attempt: Attempt, local_rank: int, pid: int, folder: Path
+    ) -> RankStack | None:
+        """One worker's stacks: the ``worker.stacks`` event, and its main thread's signature."""
+        rank = attempt.rank_of(local_rank)
+        stderr_log = stderr_of(folder)
         size = file_size(stderr_log)
         stacks = await dump_stacks(pid)
+        text = stacks.text
         if stacks.to_stderr:
             # faulthandler writes from the worker's signal handler into its stderr
             # pipe; give it a moment to land before the worker is stopped.
             await wait_for_growth(stderr_log, size, timeout=2.0)
+            text = await asyncio.to_thread(read_dump, folder, size)
+        stack = stack_of(text)
         self.emit(
             EventKind.WORKER_STACKS,
-            f"stacks of rank {rank} (pid {pid}):\n{stacks.text}",
+            f"stacks of rank {rank} (pid {pid})"
+            + (f": its main thread is in {stack}" if stack else "")
+            + f":\n{stacks.text}",
             attempt=attempt.spawn_seq,
             rank=rank,
-            local_rank=hang.local_rank,
+            local_rank=local_rank,
             pid=pid,
             source="worker",
         )
-        if kill:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signals.SIGKILL)  # each worker leads its own process group
+        return None if stack is None else RankStack(rank=rank, local_rank=local_rank, stack=stack)
+
+
+#: The most of a worker's ``stderr.log`` read back for its stack dump: faulthandler's
+#: text of a few dozen threads (the main thread is listed last, so the end is kept).
+MAX_DUMP_BYTES = 64 * 1024
+
+
+def read_dump(folder: Path, since: int) -> str:
+    """What the worker's ``stderr.log`` gained past ``since`` bytes (its stack dump), at most
+    :data:`MAX_DUMP_BYTES` of its end; "" when it cannot be read safely.
+
+    The file is the worker's to replace: it is opened through
+    :func:`~elasticd.supervise.files.open_worker_file` (never a link, never blocking on
+    a FIFO, one link only). Blocking: run it in a thread.
+    """
+    grown = file_size(stderr_of(folder)) - since
+    if grown <= 0:
+        return ""
+    try:
+        data = read_worker_file(
+            folder, stream_file("stderr"), min(grown, MAX_DUMP_BYTES), tail=True
+        )
+    except (OSError, ValueError):
+        return ""
+    return data.decode("utf-8", "replace")
 
 
 def stderr_of(log_dir: Path) -> Path:
@@ -575,12 +642,15 @@ def file_size(path: Path) -> int:
 
 
 async def wait_for_growth(path: Path, size: int, timeout: float) -> bool:
-    """Until ``path`` is larger than ``size`` (bounded; the pipe reader announces nothing)."""
+    """Until ``path`` is larger than ``size`` and stopped growing for a moment (the rest of
+    the dump arrived), bounded by ``timeout``; the pipe reader announces nothing."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    last = size
     while loop.time() < deadline:
-        if file_size(path) > size:
-            await asyncio.sleep(0.05)  # let the rest of the dump arrive
+        now = file_size(path)
+        if now > size and now == last:
             return True
-        await asyncio.sleep(0.02)
-    return False
+        last = now
+        await asyncio.sleep(0.05 if now > size else 0.02)
+    return file_size(path) > size

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from elasticd.agent.edits import in_time_order, record_failure
-from elasticd.models import Job, JobSpec, RootCause
+from elasticd.models import Job, JobSpec, RankStack, RootCause
 from elasticd.rendezvous import RoundInfo
 from elasticd.states import JobState
 
@@ -108,3 +108,63 @@ def test_a_job_of_one_node_with_no_restart_left_fails_at_once(
     if state is JobState.FAILED:
         assert after.reason is not None and after.reason.startswith("restart budget spent (0")
         assert after.pending_failure is None and after.charged_round == 3
+
+
+ALL_REDUCE = "all_reduce (distributed_c10d.py:3252) < wrapper (c10d_logger.py:83) < train (t.py:13)"
+SLEEP = "slow_step (t.py:7) < train (t.py:12) < <module> (t.py:16)"
+
+
+def _hang(node: str, rank: int, stack: str, since: float) -> RootCause:
+    return RootCause(
+        message=f"rank {rank} hung: no progress",
+        node=node,
+        rank=rank,
+        local_rank=0,
+        since_round_s=since,
+        round=3,
+        stacks=[RankStack(rank=rank, local_rank=0, stack=stack)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("order", "error"),
+    [
+        # whatever order the nodes' hangs come in, once rank 1's is in it is the cause
+        (["a", "b", "c"], [("a", 0), ("b", 1), ("b", 1)]),
+        (["b", "a", "c"], [("b", 1), ("b", 1), ("b", 1)]),
+        (["c", "a", "b"], [("c", 2), ("c", 2), ("b", 1)]),
+    ],
+)
+def test_a_hang_names_the_rank_whose_stack_differs(order: list[str], error: list) -> None:
+    """Rank 1 asleep while ranks 0 and 2 wait in all_reduce: as the nodes' hangs are joined
+    rank 1 becomes the error (on its node, with its frame), the rest collateral."""
+    hangs = {
+        "a": _hang("a", 0, ALL_REDUCE, 1.0),
+        "b": _hang("b", 1, SLEEP, 1.1),
+        "c": _hang("c", 2, ALL_REDUCE, 0.9),
+    }
+    job = _job()
+    for node, (named_node, named_rank) in zip(order, error, strict=True):
+        job = _apply(job, hangs[node])
+        assert job.error is not None
+        assert (job.error.node, job.error.rank) == (named_node, named_rank)
+    assert job.error is not None and job.pending_failure is not None
+    assert job.error.message == (
+        "rank 1 on b hung in slow_step (t.py:7), while the 2 other ranks wait in "
+        "all_reduce (distributed_c10d.py:3252)"
+    )
+    assert job.pending_failure.error == job.error
+    assert job.reason == f"{job.error.message}; restarting the group"
+    assert sorted(c.node for c in job.collateral) == ["a", "c"]
+    assert all(c.collateral and c.stacks is None for c in job.collateral)
+    assert len(job.pending_failure.failures) == 3  # each with its stacks, for the next join
+    assert all(f.stacks for f in job.pending_failure.failures)
+
+
+def test_a_crash_before_the_hangs_stays_the_cause() -> None:
+    """The stacks of ranks that timed out after a peer crashed name no one."""
+    crash = RootCause(message="Segmentation fault", node="c", rank=2, since_round_s=0.5, round=3)
+    job = _apply(
+        _apply(_apply(_job(), _hang("a", 0, ALL_REDUCE, 1.0)), crash), _hang("b", 1, SLEEP, 1.1)
+    )
+    assert job.error == crash

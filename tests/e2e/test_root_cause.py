@@ -5,12 +5,14 @@ every traceback line with a ``[rankN]: `` prefix, and the job's error is still
 the exception line of the failing rank's ``stderr.log`` (the last exception of
 a chain), not "worker exited with code 1". Across nodes, the first failure in
 time is the root cause and the survivors' ("connection reset by peer") are
-labelled collateral.
+labelled collateral. A hang's cause is the rank whose stack differs: asleep in
+Python while the others wait in a gloo all-reduce.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -93,6 +95,25 @@ def cluster(tmp_path):
         c.stop_all()
 
 
+async def _run_on_three(
+    cluster: LocalCluster, job_id: str, path: str, timeout: float, **spec: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Start 3 daemons, run ``path`` on them, one worker each, no restart: its events until
+    it ended, and the job then."""
+    await cluster.start_all("n0", "n1", "n2")
+    async with cluster.client("n0") as c:
+        r = await c.post(
+            "/jobs",
+            json={
+                "id": job_id, "entrypoint": PY, "args": [path], "nproc_per_node": 1,
+                "min_nodes": 3, "max_nodes": 3, "max_restarts": 0, **spec,
+            },
+        )  # fmt: skip
+        assert r.status_code == 201, r.text
+        events = await follow_until(c, job_id, job_ended, timeout)
+        return events, (await c.get(f"/jobs/{job_id}")).json()
+
+
 @pytest.mark.timeout(240)
 async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collateral(
     cluster, tmp_path
@@ -103,26 +124,10 @@ async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collat
     survivors die at once of losing it, before their agents see the round change, so all
     three exits are reaped together and the survivors' are recorded first: the culprit's
     error, a second earlier, still comes first."""
-    await cluster.start_all("n0", "n1", "n2")
     path = script(tmp_path, "ddp.py", DDP.replace("CRASH", PLAIN))
-    async with cluster.client("n0") as c:
-        r = await c.post(
-            "/jobs",
-            json={
-                "id": "ddp3",
-                "entrypoint": PY,
-                "args": [path],
-                "nproc_per_node": 1,
-                "min_nodes": 3,
-                "max_nodes": 3,
-                "max_restarts": 0,
-                "termination_grace": 3,
-                "env": {"EXIT_AT_ONCE": "1"},
-            },
-        )
-        assert r.status_code == 201, r.text
-        await follow_until(c, "ddp3", job_ended, 200)
-        job = (await c.get("/jobs/ddp3")).json()
+    _, job = await _run_on_three(
+        cluster, "ddp3", path, 200, termination_grace=3, env={"EXIT_AT_ONCE": "1"}
+    )
     assert job["state"] == "FAILED", cluster.logs()
     error = job["error"]
     assert (error["rank"], error["message"]) == (1, "RuntimeError: rank 1 crashes at step 2")
@@ -142,3 +147,56 @@ async def test_across_nodes_the_first_failure_is_the_cause_and_the_others_collat
     assert proc.returncode == 0, err.decode()
     assert "root cause  rank 1" in text and "rank 1 crashes at step 2" in text
     assert text.count("collateral") == len(collateral), text
+
+
+HUNG = """
+import time
+import torch
+import torch.distributed as dist
+import elasticd.worker as w
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def slow_step():
+    time.sleep(600)  # alive, in Python, and no progress: the others wait for it
+
+
+def train():
+    t = torch.ones(4)
+    for step in range(1000):
+        w.ping(step=step)
+        if rank == 1 and step == 3:
+            slow_step()
+        dist.all_reduce(t)
+        time.sleep(0.1)
+
+
+train()
+"""
+
+
+@pytest.mark.timeout(150)
+async def test_a_hung_rank_is_named_with_its_stack(cluster, tmp_path):
+    """3 nodes, rank 1 sleeps while ranks 0 and 2 wait in all_reduce: every rank goes silent,
+    every node dumps its ranks' stacks, and the job's error names rank 1, on its node, in
+    slow_step; the ranks in all_reduce are not the cause."""
+    path = script(tmp_path, "hung.py", HUNG)
+    events, job = await _run_on_three(
+        cluster, "hung3", path, 120, progress_timeout=3, termination_grace=2
+    )
+    assert job["state"] == "FAILED", cluster.logs()
+    error = job["error"]
+    assert error["rank"] == 1 and error["local_rank"] == 0, error
+    assert "slow_step" in error["message"] and "all_reduce" in error["message"], error
+    assert error["message"].startswith(f"rank 1 on {error['node']} hung in slow_step"), error
+    stacks = [e for e in events if e["kind"] == "worker.stacks"]
+    # Every node dumps its ranks when it sees the hang; one whose rank died first of a
+    # peer's stop (a loaded machine) has none to dump, and the others' still decide.
+    assert 1 in {e["rank"] for e in stacks} and len(stacks) >= 2, stacks
+    slept = next(e for e in stacks if e["rank"] == 1)
+    assert slept["node"] == error["node"] and "slow_step" in slept["message"], slept
+    assert any(s["rank"] == 1 and "slow_step" in s["stack"] for s in error["stacks"]), error
+    assert all(c["rank"] != 1 and c["collateral"] for c in job["collateral"]), job["collateral"]
+    assert "rank 1 on" in job["reason"] and "slow_step" in job["reason"], job["reason"]

@@ -21,6 +21,14 @@ import pytest
 from elasticd.supervise import WorkerExit, WorkerGroupProcesses, WorkerLaunch
 
 
+def worker_folder(tmp_path: Path) -> Path:
+    """A worker's own folder as the daemon lays it out: ``attempt_0/0`` (its parent the
+    daemon's), for the readers of the files a worker writes."""
+    rank = tmp_path / "attempt_0" / "0"
+    rank.mkdir(parents=True)
+    return rank
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` is a running process (a zombie counts as gone: it cannot act)."""
     try:

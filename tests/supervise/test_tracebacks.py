@@ -14,6 +14,7 @@ from elasticd.supervise.tracebacks import (
     last_traceback,
     traceback_from_log,
 )
+from tests.supervise.support import worker_folder
 
 SIMPLE = 'Traceback (most recent call last):\n  File "t.py", line 3, in <module>\n    boom()\nValueError: boom'
 CHAINED = (
@@ -148,7 +149,7 @@ def test_last_cause(text: str, expected: LogCause | None) -> None:
 
 def test_a_prefixed_log_gives_the_exception_line(tmp_path: Path) -> None:
     """A DDP rank's stderr.log, prefixed by torch's excepthook, names the exception."""
-    rank = _rank_dir(tmp_path)
+    rank = worker_folder(tmp_path)
     (rank / "stderr.log").write_text("loss 0.1\n" + _ranked(RANK_CRASH) + "\n")
     error = traceback_from_log(rank, timestamp=1.0)
     assert error is not None
@@ -158,15 +159,9 @@ def test_a_prefixed_log_gives_the_exception_line(tmp_path: Path) -> None:
     )
 
 
-def _rank_dir(tmp_path: Path) -> Path:
-    rank = tmp_path / "attempt_0" / "0"
-    rank.mkdir(parents=True)
-    return rank
-
-
 def test_the_log_gives_message_traceback_and_source(tmp_path: Path) -> None:
     """The exception line is the message, the traceback kept, the source `log`, the time the exit's."""
-    rank = _rank_dir(tmp_path)
+    rank = worker_folder(tmp_path)
     (rank / "stderr.log").write_text("warming up\n" + SIMPLE + "\n")
     error = traceback_from_log(rank, timestamp=12.5)
     assert error is not None
@@ -180,7 +175,7 @@ def test_the_log_gives_message_traceback_and_source(tmp_path: Path) -> None:
 
 def test_only_the_tail_is_read(tmp_path: Path) -> None:
     """A traceback before the last TAIL_BYTES of a long log is not seen: the read is bounded."""
-    rank = _rank_dir(tmp_path)
+    rank = worker_folder(tmp_path)
     (rank / "stderr.log").write_text(SIMPLE + "\n" + "x" * TAIL_BYTES + "\n")
     assert traceback_from_log(rank, timestamp=0) is None
     (rank / "stderr.log").write_text("x" * (4 * TAIL_BYTES) + "\n" + SIMPLE + "\n")
@@ -192,7 +187,7 @@ def test_what_a_worker_planted_is_not_read(tmp_path: Path) -> None:
     """A link, a FIFO or a hard link in place of stderr.log gives no cause and never blocks."""
     secret = tmp_path / "secret"
     secret.write_text(SIMPLE + "\n")
-    rank = _rank_dir(tmp_path)
+    rank = worker_folder(tmp_path)
     log = rank / "stderr.log"
     assert traceback_from_log(rank, timestamp=0) is None  # absent
     log.symlink_to(secret)

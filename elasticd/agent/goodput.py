@@ -166,7 +166,10 @@ class GoodputHook:
                 earlier = parse_record(entry.value, self._tail.node, self._tail.job_tag)
                 if earlier is not None:  # this job's, not a deleted one's of the id
                     closed = [close_open(a) for a in earlier.attempts]
-                    self._tail = earlier.model_copy(update={"attempts": closed})
+                    # Its attempts and pages, never its tag: the hook's is this job's (an
+                    # untagged record, an older daemon's or planted, must not untag it).
+                    update = {"attempts": closed, "job_tag": self._tail.job_tag}
+                    self._tail = earlier.model_copy(update=update)
                     listing = await self._store.list(self._page_key())
                     node, tag = self._tail.node, self._tail.job_tag
                     pages = [parse_record(e.value, node, tag) for e in listing.entries]
@@ -218,9 +221,12 @@ class GoodputHook:
             return
         self._tail = rest
         self._sealed = [*self._sealed, *page.attempts][-MAX_PAGES * PAGE_ATTEMPTS :]
-        if page.page >= MAX_PAGES:
+        # The page that left the window one seal ago: the record that no longer counts it
+        # has been written since (deleted at once, a reader of the record before would miss
+        # it); one the store refused stays until the job is deleted.
+        if (gone := page.page - MAX_PAGES - 1) >= 0:
             with contextlib.suppress(ElasticdError):
-                await self._store.delete(self._page_key(page.page - MAX_PAGES))
+                await self._store.delete(self._page_key(gone))
 
     async def resumed(self, round_: int, spawned_at: float) -> None:
         """The daemon re-executed under a running attempt (issue 25): carry on with that

@@ -362,6 +362,10 @@ class HealthBook:
             ended[:] = [released(health, now)]
             return expired(health, now)
 
+        entry = await self.store.get(keys.health_key(self.node))
+        current = decode_health(self.node, entry.value if entry is not None else None)
+        if not released(current, now):
+            return False, current  # nothing to end: no write (a write wakes every scheduler)
         after = await self._update(self.node, edit)
         return bool(ended and ended[0]), after
 

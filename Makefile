@@ -78,7 +78,8 @@ bench-quick: $(STAMP)
 
 ## gpu-check: every check that needs an NVIDIA GPU, in one run (bench/gpu_check.py): the GPU
 ## health check on the real nvidia-smi, CUDA_VISIBLE_DEVICES per job, an NCCL all-reduce job
-## with a crash and restart. Without a GPU: "no GPU: skipped", exit 0 (GPU_CHECK_FLAGS=--require-gpu: 77)
+## with a crash and restart, re-exec and prewarm under NCCL, the flight recorder naming the rank
+## behind in an NCCL hang. Without a GPU: "no GPU: skipped", exit 0 (GPU_CHECK_FLAGS=--require-gpu: 77)
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py $(GPU_CHECK_FLAGS)
 

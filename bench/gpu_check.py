@@ -269,6 +269,59 @@ dist.destroy_process_group()
 """
 
 
+NCCL_HANG = """
+import os, time, torch, torch.distributed as dist
+import elasticd.worker as w
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+
+
+def slow_step():
+    time.sleep(600)  # the others wait for it in the next all-reduce
+
+
+t = torch.ones(1 << 16, device="cuda")
+for step in range(1000):
+    w.ping(step=step)
+    if rank == world - 1 and step == 3:
+        slow_step()
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+"""
+
+
+def check_flight_recorder(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outcome:
+    """An NCCL job with torch's flight recorder on whose last rank stops issuing collectives:
+    the hang's root cause names that rank as behind in collectives (issue 37)."""
+    why = torch_cuda()
+    if why is not None:
+        return Outcome("flight-recorder", "skipped", why)
+    if len(gpus) < 2:
+        return Outcome("flight-recorder", "skipped", "one GPU: no rank to be behind another")
+    script = work / "hang.py"
+    script.write_text(NCCL_HANG)
+    server.submit(
+        {
+            "id": "fr",
+            "entrypoint": sys.executable,
+            "args": [str(script)],
+            "nproc_per_node": len(gpus),
+            "max_restarts": 0,
+            "progress_timeout": 10,
+            "termination_grace": 5,
+            "env": {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
+        }
+    )
+    job = server.wait_terminal("fr", 300)
+    error = job.get("error") or {}
+    message = str(error.get("message", ""))
+    if error.get("rank") != len(gpus) - 1 or "behind in collectives" not in message:
+        return Outcome("flight-recorder", "failed", f"{job['state']}: {message or job}")
+    return Outcome("flight-recorder", "passed", message)
+
+
 def check_nccl_reexec(server: ElasticdServer, gpus: Sequence[str], work: Path) -> Outcome:
     """An NCCL job runs on while its daemon re-executes itself in place (issue 25)."""
     why = torch_cuda()
@@ -435,7 +488,14 @@ def run(nvidia_smi: str = "nvidia-smi") -> tuple[list[str] | None, list[Outcome]
     with tempfile.TemporaryDirectory(prefix="elasticd-gpu-check-") as tmp:
         work = Path(tmp)
         with ElasticdServer(work, name="gpu") as server:
-            for check in (check_devices, check_nccl, check_nccl_reexec, check_prewarm):
+            checks = (
+                check_devices,
+                check_nccl,
+                check_nccl_reexec,
+                check_prewarm,
+                check_flight_recorder,
+            )
+            for check in checks:
                 try:
                     outcomes.append(check(server, gpus, work))
                 except Exception as exc:  # one check's breakage must not hide the others

@@ -403,6 +403,13 @@ class RankStack(BaseModel):
         description="The innermost frames of its main thread, innermost first: "
         "`slow_step (train.py:12) < train (train.py:20) < <module> (train.py:30)`.",
     )
+    collectives: int | None = Field(
+        default=None,
+        ge=0,
+        description="The highest collective sequence number its flight recorder shows it "
+        "issued (the default process group's; None: the recorder is off). A rank behind the "
+        "others is the one they wait for.",
+    )
 
 
 class RootCause(BaseModel):

@@ -27,6 +27,8 @@ from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks, ranks_from
 from elasticd.states import WorkerState
 from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
 from elasticd.supervise.process import WorkerLaunch
+from elasticd.worker.flight import FILE as FLIGHT_FILE
+from elasticd.worker.flight import FILE_VAR as FLIGHT_FILE_VAR
 
 __all__ = ["AttemptPlan", "NodeFacts", "plan_attempt"]
 
@@ -119,13 +121,16 @@ def plan_attempt(
             heartbeat_file=str(heartbeats[r.local_rank]),
         )
         env["ELASTICD_ATTEMPT"] = tag  # in-process restart keys of this group start
+        # Where the worker writes its flight recorder's summary (a job that turned it on).
+        folder = logs.worker_dir(job_id, spawn_seq, r.local_rank)
+        env[FLIGHT_FILE_VAR] = str(folder / FLIGHT_FILE)
         launches.append(
             WorkerLaunch(
                 local_rank=r.local_rank,
                 argv=[spec.entrypoint, *worker_args(spec.args, r.local_rank)],
                 env=env,
                 cwd=spec.cwd,
-                log_dir=logs.worker_dir(job_id, spawn_seq, r.local_rank),
+                log_dir=folder,
                 console_stdout=out,
                 console_stderr=err,
                 user=spec.user,

@@ -17,7 +17,10 @@ Everything here is pure:
   thread, innermost first;
 * :func:`signature` makes the few innermost frames a bounded line:
   ``slow_step (train.py:12) < train (train.py:20) < <module> (train.py:30)``;
-* :func:`blame` decides, from the round's failures, who hung: ranks waiting
+* :func:`blame` decides, from the round's failures, who hung: first by the
+  flight recorders where the job turned them on (:mod:`elasticd.worker.flight`:
+  the rank that issued fewer collectives than the others is behind, and they
+  wait for it); else by the stacks: ranks waiting
   in a collective (a frame of ``torch.distributed``) are victims when others
   are not, and the ranks that are not are the cause; when every rank waits in
   a collective (mismatched collectives), or none does, the ranks outside a
@@ -177,6 +180,8 @@ def blame(failures: Sequence[RootCause]) -> tuple[int, RootCause] | None:
     if not failures or not failures[0].stacks:
         return None
     seen = _ranks(failures)
+    if (behind := _behind(failures, seen)) is not None:
+        return behind
     groups: dict[str, list[_Seen]] = {}
     for s in seen:
         groups.setdefault(s.stack.stack, []).append(s)
@@ -211,6 +216,30 @@ def blame(failures: Sequence[RootCause]) -> tuple[int, RootCause] | None:
         )
         more = f" and {len(culprits) - 4} more" if len(culprits) > 4 else ""
         message += f"; also elsewhere: {also}{more}"
+    return culprit.failure, _named(failures[culprit.failure], culprit.stack, message)
+
+
+def _behind(failures: Sequence[RootCause], seen: list[_Seen]) -> tuple[int, RootCause] | None:
+    """The rank behind in collectives, by the flight recorders (the surest sign: the others
+    wait in a collective it never issued); None when they do not tell (fewer than two ranks
+    recorded, all alike)."""
+    known = [s for s in seen if s.stack.collectives is not None]
+    counts = {s.stack.collectives for s in known}
+    if len(known) < 2 or len(counts) < 2:
+        return None
+    low, high = min(c for c in counts if c is not None), max(c for c in counts if c is not None)
+    culprits = [s for s in known if s.stack.collectives == low]
+    culprit = culprits[0]
+    others = len(known) - len(culprits)
+    message = (
+        f"rank {culprit.stack.rank} on {culprit.node} is behind in collectives ({low} issued, "
+        f"{'the other rank' if others == 1 else f'the {others} other ranks'} at up to {high}): "
+        f"it hung in {innermost(culprit.stack.stack)}"
+    )
+    if len(culprits) > 1:
+        message += "; also behind: " + ", ".join(
+            f"rank {s.stack.rank} on {s.node}" for s in culprits[1:4]
+        )
     return culprit.failure, _named(failures[culprit.failure], culprit.stack, message)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal as signals
@@ -64,6 +65,7 @@ from elasticd.supervise.adopt import HandedWorker
 from elasticd.supervise.files import read_worker_file
 from elasticd.supervise.process import WorkerGroupProcesses
 from elasticd.supervise.spawn import SpawnPolicy
+from elasticd.worker.flight import FILE as FLIGHT_FILE
 
 __all__ = [
     "Attempt",
@@ -598,7 +600,33 @@ class HangHook:
             pid=pid,
             source="worker",
         )
-        return None if stack is None else RankStack(rank=rank, local_rank=local_rank, stack=stack)
+        if stack is None:
+            return None
+        collectives = await asyncio.to_thread(read_flight, folder)
+        return RankStack(rank=rank, local_rank=local_rank, stack=stack, collectives=collectives)
+
+
+#: The most of a worker's flight recorder summary read back (a few process groups).
+MAX_FLIGHT_BYTES = 64 * 1024
+
+
+def read_flight(folder: Path) -> int | None:
+    """The highest collective sequence number in the worker's flight recorder summary
+    (:mod:`elasticd.worker.flight`): the default process group's, else the highest of
+    any; None when there is none, or it cannot be read safely (the worker's file: opened
+    as :func:`read_dump` opens its stderr). Blocking: run it in a thread."""
+    try:
+        raw = read_worker_file(folder, FLIGHT_FILE, MAX_FLIGHT_BYTES)
+        doc = json.loads(raw)
+    except (OSError, ValueError):
+        return None
+    groups = doc.get("collectives") if isinstance(doc, dict) else None
+    if not isinstance(groups, dict):
+        return None
+    seqs = {k: v for k, v in groups.items() if isinstance(v, int) and 0 <= v < 1 << 62}
+    if "default_pg" in seqs:
+        return seqs["default_pg"]
+    return max(seqs.values(), default=None)
 
 
 #: The most of a worker's ``stderr.log`` read back for its stack dump: faulthandler's

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from elasticd.worker import flight as _flight
 from elasticd.worker import stacks as _stacks
 from elasticd.worker.errors import record, write_error_file
 from elasticd.worker.heartbeat import checkpointed, checkpointing, ping
@@ -73,3 +74,4 @@ def client(namespace: str | None = None, *, timeout: float = 300.0) -> ClusterSt
 
 if _stacks.under_elasticd():
     _stacks.install()
+    _flight.start()

@@ -248,3 +248,63 @@ def test_a_rank_listed_twice_counts_once() -> None:
     blamed = blame([*failures[:1], _hang("n3", (3, SLEEP)), failures[1], lie])
     assert blamed is not None and blamed[1].rank == 3  # rank 1's first stack: SLEEP
     assert "also elsewhere: rank 1 on n1" in blamed[1].message
+
+
+def _recorded(node: str, rank: int, stack: str, collectives: int | None) -> RootCause:
+    """One node's hang with one rank and its flight recorder's count of collectives."""
+    failure = _hang(node, (rank, stack))
+    assert failure.stacks is not None
+    counted = failure.stacks[0].model_copy(update={"collectives": collectives})
+    return failure.model_copy(update={"stacks": [counted]})
+
+
+@pytest.mark.parametrize(
+    ("failures", "named"),
+    [
+        # The recorders say who is behind, whatever the stacks say (all alike here).
+        ([_recorded("n0", 0, ALL_REDUCE, 4), _recorded("n1", 1, ALL_REDUCE, 3)], 1),
+        ([_recorded("n0", 0, SLEEP, 7), _recorded("n1", 1, ALL_REDUCE, 8),
+          _recorded("n2", 2, ALL_REDUCE, 8)], 0),
+        # All at the same count, or one recorder only: the stacks decide.
+        ([_recorded("n0", 0, ALL_REDUCE, 4), _recorded("n1", 1, SLEEP, 4)], 1),
+        ([_recorded("n0", 0, ALL_REDUCE, None), _recorded("n1", 1, SLEEP, 3)], 1),
+        ([_recorded("n0", 0, ALL_REDUCE, 4), _recorded("n1", 1, ALL_REDUCE, None)], None),
+    ],
+    ids=["behind", "behind-of-three", "level", "one-recorder", "one-recorder-alike"],
+)  # fmt: skip
+def test_the_flight_recorder_names_the_rank_behind_in_collectives(
+    failures: list[RootCause], named: int | None
+) -> None:
+    blamed = blame(failures)
+    if named is None:
+        assert blamed is None
+        return
+    assert blamed is not None and blamed[1].rank == named
+    counts = {s.collectives for f in failures for s in f.stacks or []}
+    if len(counts - {None}) > 1:
+        assert "is behind in collectives" in blamed[1].message, blamed[1].message
+
+
+@pytest.mark.parametrize(
+    ("dump", "summary"),
+    [
+        ({"entries": []}, {}),
+        (
+            {"entries": [
+                {"collective_seq_id": 1, "process_group": ["0", "default_pg"], "profiling_name": "gloo:all_reduce"},
+                {"collective_seq_id": 2, "process_group": ["0", "default_pg"], "profiling_name": "gloo:broadcast"},
+                {"collective_seq_id": 9, "process_group": ["1", "tp"], "profiling_name": "nccl:all_gather"},
+                {"collective_seq_id": 50, "is_p2p": True, "process_group": ["0", "default_pg"]},
+            ]},
+            {"default_pg": 2, "tp": 9},
+        ),
+        ({"entries": "not a list"}, {}),
+        ({}, {}),
+    ],
+)  # fmt: skip
+def test_a_recorder_dump_is_summed_up_per_process_group(dump: dict, summary: dict) -> None:
+    """What the worker writes for the daemon: the highest collective of each group (p2p
+    aside), never the dump itself."""
+    from elasticd.worker.flight import summary as summed
+
+    assert summed(dump)["collectives"] == summary

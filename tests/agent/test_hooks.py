@@ -3,10 +3,12 @@ bounded, and never through something the worker planted in its folder."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from elasticd.agent.hooks import MAX_DUMP_BYTES, read_dump
+from elasticd.agent.hooks import MAX_DUMP_BYTES, read_dump, read_flight
+from elasticd.worker.flight import FILE as FLIGHT_FILE
 from tests.supervise.support import worker_folder
 
 
@@ -40,3 +42,25 @@ def test_a_planted_link_or_fifo_is_not_read(tmp_path: Path) -> None:
     (folder / "stderr.log").unlink()
     os.link(secret, folder / "stderr.log")  # a second name of someone else's file
     assert read_dump(folder, 0) == ""
+
+
+def test_the_flight_recorder_summary_is_read_only_as_the_workers_own_file(tmp_path: Path) -> None:
+    """The default group's count (else the highest); a link, a FIFO, junk, or a count that
+    is not a number gives nothing (and the read does not block)."""
+    folder = worker_folder(tmp_path)
+    summary = folder / FLIGHT_FILE
+    summary.write_text(json.dumps({"collectives": {"tp": 9, "default_pg": 3}}))
+    assert read_flight(folder) == 3
+    summary.write_text(json.dumps({"collectives": {"tp": 9, "dp": "many", "x": -1}}))
+    assert read_flight(folder) == 9
+    for junk in ("not json", "[]", '{"collectives": 5}'):
+        summary.write_text(junk)
+        assert read_flight(folder) is None
+    summary.unlink()
+    secret = tmp_path / "secret"
+    secret.write_text(json.dumps({"collectives": {"default_pg": 1}}))
+    summary.symlink_to(secret)
+    assert read_flight(folder) is None
+    summary.unlink()
+    os.mkfifo(summary)
+    assert read_flight(folder) is None

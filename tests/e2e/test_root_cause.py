@@ -178,19 +178,31 @@ train()
 
 
 @pytest.mark.timeout(150)
-async def test_a_hung_rank_is_named_with_its_stack(cluster, tmp_path):
+@pytest.mark.parametrize("recorder", [False, True], ids=["stacks", "flight-recorder"])
+async def test_a_hung_rank_is_named_with_its_stack(cluster, tmp_path, recorder):
     """3 nodes, rank 1 sleeps while ranks 0 and 2 wait in all_reduce: every rank goes silent,
     every node dumps its ranks' stacks, and the job's error names rank 1, on its node, in
-    slow_step; the ranks in all_reduce are not the cause."""
+    slow_step; the ranks in all_reduce are not the cause. With torch's flight recorder on
+    (the job's `TORCH_FR_BUFFER_SIZE`), rank 1 is named as behind in collectives: it
+    issued 3, the others 4."""
     path = script(tmp_path, "hung.py", HUNG)
+    env = {"TORCH_FR_BUFFER_SIZE": "200"} if recorder else {}
     events, job = await _run_on_three(
-        cluster, "hung3", path, 120, progress_timeout=3, termination_grace=2
-    )
+        cluster, "hung3", path, 120, progress_timeout=5 if recorder else 3,
+        termination_grace=2, env=env,
+    )  # fmt: skip
     assert job["state"] == "FAILED", cluster.logs()
     error = job["error"]
     assert error["rank"] == 1 and error["local_rank"] == 0, error
-    assert "slow_step" in error["message"] and "all_reduce" in error["message"], error
-    assert error["message"].startswith(f"rank 1 on {error['node']} hung in slow_step"), error
+    if recorder:
+        assert error["message"].startswith(
+            f"rank 1 on {error['node']} is behind in collectives (3 issued, "
+        ), error
+        assert "at up to 4): it hung in slow_step" in error["message"], error
+        assert any(s["rank"] == 1 and s["collectives"] == 3 for s in error["stacks"]), error
+    else:
+        assert "slow_step" in error["message"] and "all_reduce" in error["message"], error
+        assert error["message"].startswith(f"rank 1 on {error['node']} hung in slow_step"), error
     stacks = [e for e in events if e["kind"] == "worker.stacks"]
     # Every node dumps its ranks when it sees the hang; one whose rank died first of a
     # peer's stop (a loaded machine) has none to dump, and the others' still decide.

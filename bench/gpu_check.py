@@ -302,18 +302,10 @@ def check_flight_recorder(server: ElasticdServer, gpus: Sequence[str], work: Pat
         return Outcome("flight-recorder", "skipped", "one GPU: no rank to be behind another")
     script = work / "hang.py"
     script.write_text(NCCL_HANG)
-    server.submit(
-        {
-            "id": "fr",
-            "entrypoint": sys.executable,
-            "args": [str(script)],
-            "nproc_per_node": len(gpus),
-            "max_restarts": 0,
-            "progress_timeout": 10,
-            "termination_grace": 5,
-            "env": {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
-        }
-    )
+    spec: dict[str, Any] = {"id": "fr", "entrypoint": sys.executable, "args": [str(script)]}
+    spec.update(nproc_per_node=len(gpus), max_restarts=0, progress_timeout=10)
+    spec.update(termination_grace=5, env={"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+    server.submit(spec)
     job = server.wait_terminal("fr", 300)
     error = job.get("error") or {}
     message = str(error.get("message", ""))

@@ -54,8 +54,10 @@ Files
     daemon opens log files with ``O_NOFOLLOW``.
 
 Unix socket
-    :func:`bind_unix_socket` creates ``--unix-socket`` 0660 inside a 0750
-    folder, binding it itself so that uvicorn's default of 0666 never applies.
+    :func:`bind_unix_socket` creates ``--unix-socket`` itself, so that uvicorn's
+    default never applies: a root daemon's 0666 in a 0755 folder (every local
+    user is served as itself), 0660 in a 0750 folder of ``unix_socket_group``, a
+    user's own daemon's 0600 in 0700.
 
 The token
     Never logged, never put in an event, an API answer or a worker's

@@ -227,7 +227,11 @@ def test_the_demo_installs_the_runtime_and_torch_not_the_test_toolchain():
     names = {d.split(">=")[0].split(";")[0].strip().lower().replace("_", "-") for d in declared}
     assert names <= set(runtime), names - set(runtime)
     assert runtime["torch"] == "2.13.0"
-    assert set(runtime) - names == {"torch", "starlette"}  # fastapi's, pinned with it
+    # starlette: fastapi's, pinned with it; numpy: torch's, which warns in every worker
+    # without it, and is in the torch extra too.
+    assert set(runtime) - names == {"torch", "starlette", "numpy"}
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "numpy" in extra["optional-dependencies"]["torch"]
     dev_text = (ROOT / "requirements-dev.txt").read_text()
     assert "-r requirements.txt" in dev_text.splitlines()
     assert not set(_pins(ROOT / "requirements-dev.txt")) & set(runtime)

@@ -54,8 +54,10 @@ Files
     daemon opens log files with ``O_NOFOLLOW``.
 
 Unix socket
-    :func:`bind_unix_socket` creates ``--unix-socket`` 0660 inside a 0750
-    folder, binding it itself so that uvicorn's default of 0666 never applies.
+    :func:`bind_unix_socket` creates ``--unix-socket`` itself, so that uvicorn's
+    default never applies: a root daemon's 0666 in a 0755 folder (every local
+    user is served as itself), 0660 in a 0750 folder of ``unix_socket_group``, a
+    user's own daemon's 0600 in 0700.
 
 The token
     Never logged, never put in an event, an API answer or a worker's
@@ -248,15 +250,15 @@ class JobUsers:
                 raise WorkerSpawnError(str(exc)) from None
             if found.is_root:
                 raise WorkerSpawnError(
-                    "the job asks to run as root, which this node allows only with "
-                    "allow_root = true"
+                    "the job asks to run as root, which this node allows only when started "
+                    "with --allow-root (allow_root = true in the config)"
                 )
             identity = found
         if identity is None:
             names = ", ".join(sorted(self.allowed)) or "none"
             raise WorkerSpawnError(
                 f"the job asks to run as {requested!r}, which this node does not allow "
-                f"(allowed_users: {names})"
+                f"(--allowed-users, allowed_users in the config: {names})"
             )
         return None if identity.uid == self.daemon_uid else identity
 
@@ -296,8 +298,8 @@ def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
         identity = lookup_user(name)
         if identity.is_root and not allow_root:
             raise ConfigError(
-                f"{setting}: refusing to run jobs as root ({name!r}); "
-                "set allow_root = true if that is really intended"
+                f"{setting}: refusing to run jobs as root ({name!r}); start with --allow-root "
+                "(allow_root = true in the config) if that is really intended"
             )
         return identity
 
@@ -336,9 +338,11 @@ def resolve_job_users(config: Config, *, euid: int | None = None) -> JobUsers:
         default = None
     else:
         reason = (
-            "refusing to run the job as root: this daemon runs as root and no run_as user is "
-            f'configured (and no {SERVICE_USER!r} user exists). Set run_as = "<user>" in the '
-            f"config, create the {SERVICE_USER!r} user, or set allow_root = true"
+            "refusing to run the job as root: this daemon runs as root and no user to run it "
+            f"as is configured (and no {SERVICE_USER!r} user exists). Start the daemon with "
+            '--run-as USER (run_as = "USER" in the config), create the '
+            f"{SERVICE_USER!r} user (elasticd install-service makes it), or start it with "
+            "--allow-root (allow_root = true in the config)"
         )
         return JobUsers(default=None, allowed=allowed, refusal=reason, daemon_uid=euid)
     if default is not None:

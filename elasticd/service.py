@@ -31,6 +31,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "apply",
     "desired",
     "elasticd_path",
+    "exec_path_warnings",
     "install_service_command",
     "pending",
     "render_unit",
@@ -99,12 +101,78 @@ class Found:
 
 
 def render_unit(template: str, exec_path: str) -> str:
-    """The unit with its ``ExecStart`` pointing at ``exec_path`` (pure)."""
+    """The unit with its ``ExecStart`` pointing at ``exec_path`` (pure).
+
+    Only the ``ExecStart=`` line's placeholder is replaced: the header comment that
+    explains the placeholder keeps naming it.
+    """
     if not os.path.isabs(exec_path) or any(c.isspace() for c in exec_path):
         raise ConfigError(f"{exec_path!r}: ExecStart needs an absolute path without spaces")
-    if EXEC_PLACEHOLDER not in template:
-        raise ConfigError(f"the unit template has no {EXEC_PLACEHOLDER} to replace")
-    return template.replace(EXEC_PLACEHOLDER, exec_path)
+    lines = template.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.startswith("ExecStart=")]
+    if len(starts) != 1 or EXEC_PLACEHOLDER not in lines[starts[0]]:
+        raise ConfigError(f"the unit template has no ExecStart={EXEC_PLACEHOLDER} to replace")
+    lines[starts[0]] = lines[starts[0]].replace(EXEC_PLACEHOLDER, exec_path)
+    return "".join(lines)
+
+
+#: Folders whose contents do not outlive a reboot or a cleaner (``systemd-tmpfiles``).
+SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def exec_path_warnings(
+    exec_path: str, *, editable_source: str | None, homes: Iterable[str]
+) -> list[str]:
+    """What makes ``exec_path`` a fragile ``ExecStart`` (pure): an editable install (the
+    service runs a source checkout's code), or a path under a scratch or home folder."""
+    warnings = []
+    if editable_source is not None:
+        warnings.append(
+            f"elasticd is an editable install of {editable_source}: the service runs that "
+            "checkout's code, and breaks when it is moved, deleted or switched to another "
+            "branch; install a release (pip install . into a venv of its own, or pipx) "
+            "and give --exec its elasticd"
+        )
+    real = os.path.realpath(exec_path)
+    for path in dict.fromkeys((exec_path, real)):
+        folder = next((d for d in SCRATCH_DIRS if _under(path, d)), None)
+        kind = "a scratch folder"
+        if folder is None:
+            folder = next((h for h in homes if _under(path, h)), None)
+            kind = "a home folder"
+        if folder is not None:
+            warnings.append(
+                f"ExecStart={exec_path} is under {kind} ({folder}): the service stops "
+                "starting when it is cleaned, and the service user may not reach it; "
+                "install elasticd in a system-wide place (e.g. a venv in /opt) and give "
+                "--exec its elasticd"
+            )
+            break
+    return warnings
+
+
+def _under(path: str, folder: str) -> bool:
+    folder = folder.rstrip("/")
+    return bool(folder) and (path == folder or path.startswith(folder + "/"))
+
+
+def _editable_source() -> str | None:
+    """The source folder this elasticd runs from when it is not installed (an editable
+    install, PEP 660, or a checkout on ``PYTHONPATH``), else None."""
+    package = Path(__file__).resolve().parent
+    if {"site-packages", "dist-packages"} & set(package.parts):
+        return None
+    return str(package.parent)
+
+
+def _homes() -> list[str]:
+    """Home folders of root and of people (uid 1000 and up), as this node's passwd has them."""
+    homes = {"/root", "/home"}
+    for entry in pwd.getpwall():
+        person = entry.pw_uid == 0 or entry.pw_uid >= 1000
+        if person and entry.pw_dir not in ("", "/") and not entry.pw_dir.startswith("/nonex"):
+            homes.add(entry.pw_dir)
+    return sorted(homes)
 
 
 def desired(*, root: Path, unit_dir: str, unit: str, readme: str | None, user: str) -> list[Item]:
@@ -237,7 +305,13 @@ def install_service_command(args: argparse.Namespace) -> int:
     """``elasticd install-service``: print what changes (or would), apply it, exit 0."""
     root = Path(args.root).resolve()
     template = resources.files("elasticd").joinpath("data", UNIT_NAME).read_text()
-    unit = render_unit(template, args.exec_path or elasticd_path())
+    exec_path = args.exec_path or elasticd_path()
+    unit = render_unit(template, exec_path)
+    # The editable install is this elasticd's: it matters only when ExecStart runs this one.
+    running = os.path.realpath(str(Path(sys.executable).parent / "elasticd"))
+    editable = _editable_source() if os.path.realpath(exec_path) == running else None
+    for warning in exec_path_warnings(exec_path, editable_source=editable, homes=_homes()):
+        print(f"elasticd install-service: warning: {warning}", file=sys.stderr, flush=True)
     items = desired(root=root, unit_dir=args.unit_dir, unit=unit, readme=_readme(), user=args.user)
     todo = pending(items, observe(items, root))
     if not todo:

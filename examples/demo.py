@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -34,26 +35,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def serve_args(port: int, state: Path, euid: int) -> list[str]:
+    """The demo daemon's ``elasticd`` arguments (printed and run as they are)."""
+    return [
+        "serve",
+        "--port",
+        str(port),
+        "--state-dir",
+        str(state),
+        "--node-name",
+        "demo-node",
+        # As root, `elasticd serve` runs jobs as root only when told to.
+        *(["--allow-root"] if euid == 0 else []),
+    ]
+
+
 def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="elasticd-demo-"))
     port = free_port()
-    print(f"== starting: elasticd serve --port {port} --state-dir {state}")
+    serve = serve_args(port, state, os.geteuid())
+    # What is printed is what runs: `python -m elasticd` is this venv's `elasticd`.
+    print(f"== starting: {shlex.join(['elasticd', *serve])}")
     with (state / "daemon.log").open("wb") as daemon_log:
         daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "elasticd",
-                "serve",
-                "--port",
-                str(port),
-                "--state-dir",
-                str(state),
-                "--node-name",
-                "demo-node",
-                # As root, `elasticd serve` runs jobs as root only when told to.
-                *(["--allow-root"] if os.geteuid() == 0 else []),
-            ],
+            [sys.executable, "-m", "elasticd", *serve],
             cwd=ROOT,
             stdout=daemon_log,
             stderr=subprocess.STDOUT,

@@ -111,7 +111,7 @@ class OutputHook:
     spec: JobSpec
     console: ConsoleSink | None
     said_partial: bool = False
-    """``containment.partial`` was emitted (once per job per node)."""
+    """``containment.partial`` was emitted by this job (the daemon says it once in all)."""
     ended: Callable[[str], None] | None = None
     """Told the job's id once an attempt's output is closed (:attr:`AgentContext.attempt_ended`)."""
 
@@ -130,7 +130,8 @@ class OutputHook:
         return forward
 
     def poststart(self, attempt: Attempt, group: WorkerGroupProcesses) -> None:
-        """Say once that the job's processes cannot be put in a cgroup here."""
+        """Say that the job's processes cannot be put in a cgroup here (once per daemon: the
+        group of its first attempt carries the notice)."""
         if group.containment_partial is None or self.said_partial:
             return
         self.said_partial = True
@@ -138,7 +139,8 @@ class OutputHook:
             EventKind.CONTAINMENT_PARTIAL,
             f"{self.node} cannot put the job's processes in a cgroup "
             f"({group.containment_partial}); a process that leaves a worker's process "
-            "group is found only if it is re-parented to the daemon (child subreaper)",
+            "group is found only if it is re-parented to the daemon (child subreaper); "
+            "said once per daemon, for every job it runs",
             attempt=attempt.spawn_seq,
         )
 

@@ -120,7 +120,7 @@ from elasticd.store import (
 )
 from elasticd.store.embedded import EmbeddedStore
 from elasticd.supervise.adopt import adopted_children, end_inherited
-from elasticd.supervise.cgroup import Containment
+from elasticd.supervise.cgroup import Containment, partial_log_level
 from elasticd.supervise.env import job_base_env
 from elasticd.supervise.spawn import SpawnPolicy, live_children
 from elasticd.supervise.sweep import sweep_orphans
@@ -704,9 +704,11 @@ class Daemon(ReexecMixin):
                 'or set containment = "auto"'
             ) from exc
         if containment.partial:
-            log.warning(
-                "job processes are contained only partly (child subreaper, no cgroup): %s",
+            log.log(
+                partial_log_level(self.config.containment, os.geteuid()),
+                "job processes are contained only partly (child subreaper, no cgroup): %s; %s",
                 containment.reason,
+                containment.fix,
             )
         else:
             log.info("each job attempt runs in its own cgroup under %s", containment.base)

@@ -71,7 +71,8 @@ The fallback: a child subreaper
     not start whose environment names the job and attempt is killed and
     reaped. That is partial: a stray whose parent is still alive, or that
     cleared its environment, is not found, and nothing is found after a
-    ``kill -9`` of the daemon. The job gets a ``containment.partial`` event.
+    ``kill -9`` of the daemon. The daemon says so once (:meth:`Containment.notice`):
+    in its log, and in a ``containment.partial`` event of the first job it runs.
 
     A subreaper must also *reap*: an orphan that exits on its own becomes a
     zombie child of the daemon, and nobody else will wait for it.
@@ -116,6 +117,8 @@ __all__ = [
     "Leftover",
     "Move",
     "attempt_name",
+    "containment_fix",
+    "partial_log_level",
     "cgroup2_mount",
     "leftovers",
     "own_cgroup",
@@ -592,6 +595,25 @@ class AttemptContainment:
         return sorted(counted)
 
 
+def containment_fix(choice: ContainmentChoice, euid: int) -> str:
+    """What gives each attempt a cgroup of its own on a daemon that has none (pure)."""
+    if choice == "subreaper":
+        return 'for a cgroup per attempt, set containment = "auto"'
+    if euid != 0:
+        return (
+            "a daemon that is not root gets cgroups only in a cgroup v2 subtree delegated to "
+            "its user (systemd-run --user --scope -p Delegate=yes ...); a root daemon (the "
+            "systemd unit, Delegate=yes) gives each attempt one"
+        )
+    return "mount cgroup v2 and, under systemd, set Delegate=yes (the shipped unit does)"
+
+
+def partial_log_level(choice: ContainmentChoice, euid: int) -> int:
+    """How loudly a daemon says it has no cgroups (pure): a warning where they were expected
+    (root, ``auto``), else info (a user's daemon cannot have them; ``subreaper`` was chosen)."""
+    return logging.WARNING if euid == 0 and choice == "auto" else logging.INFO
+
+
 class Containment:
     """How this daemon contains job attempts: cgroups, or a subreaper (partial)."""
 
@@ -609,10 +631,21 @@ class Containment:
         self.reason = reason
         self._known = known
         self.move_budget = move_budget
+        self.fix = ""
+        """What would give each attempt a cgroup here (set by :meth:`setup`)."""
+        self._said = False
 
     @property
     def partial(self) -> bool:
         return self.mode != "cgroup"
+
+    def notice(self) -> str | None:
+        """Why the attempts are only partly contained, with the fix: the first time this
+        daemon asks, then None (a daemon says it once, not once per job); None with cgroups."""
+        if not self.partial or self._said:
+            return None
+        self._said = True
+        return f"{self.reason or 'no cgroup'}; {self.fix}" if self.fix else self.reason
 
     @classmethod
     def setup(
@@ -642,7 +675,9 @@ class Containment:
         else:
             reason = "containment = subreaper in the daemon's configuration"
         _become_subreaper()
-        return cls("subreaper", reason=reason, known=known, move_budget=move_budget)
+        contained = cls("subreaper", reason=reason, known=known, move_budget=move_budget)
+        contained.fix = containment_fix(choice, os.geteuid())
+        return contained
 
     @staticmethod
     def _make_subtree(node: str, state_dir: Path, proc: Path) -> Path:

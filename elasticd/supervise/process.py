@@ -296,7 +296,7 @@ class WorkerGroupProcesses:
         self._containment: AttemptContainment | None = None
         #: Pids killed at the stop that had left the workers' process groups (strays).
         self.strays: list[int] = []
-        self._partial_reason: str | None = None
+        self._partial_notice: str | None = None
         self._standbys: StandbyPool | None = None
 
     @classmethod
@@ -341,8 +341,9 @@ class WorkerGroupProcesses:
 
     @property
     def containment_partial(self) -> str | None:
-        """Why this group is only partly contained (no cgroup: a subreaper), None if it is not."""
-        return self._partial_reason
+        """Why this group is only partly contained (no cgroup: a subreaper), with the fix,
+        when it is the daemon's first such group; None otherwise (said once per daemon)."""
+        return self._partial_notice
 
     @property
     def closed(self) -> bool:
@@ -569,8 +570,7 @@ class WorkerGroupProcesses:
                     launch.attempt if launch.attempt is not None else attempt_of(launch.log_dir),
                     launch.env.get("ELASTICD_ATTEMPT"),
                 )
-                if policy.containment.partial:
-                    self._partial_reason = policy.containment.reason or "no cgroup"
+                self._partial_notice = policy.containment.notice()
         except OSError as exc:
             stdout.close()
             stderr.close()

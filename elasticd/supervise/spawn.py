@@ -371,16 +371,38 @@ SH = "/bin/sh"
 #: the program gets as its stdin ("" for /dev/null), ``$2`` the working folder
 #: ("" to stay), ``$3`` the program, the rest its arguments. A failure is
 #: written to stdin (a pipe the daemon reads) as ``what NUL ERRNO-NAME NUL
-#: path``; the exec swaps stdin for /dev/null (or the descriptor, which it
-#: then closes), so EOF alone means it started.
+#: path`` and, where a folder on the way is closed to the user (a venv whose
+#: ``python`` links into root's 0700 home), ``NUL folder NUL target NUL
+#: candidate``: what ``reach`` saw as that user (``[ -d ]``, ``[ -x ]``,
+#: ``readlink``), nothing the user could not see itself. The exec swaps stdin
+#: for /dev/null (or the descriptor, which it then closes), so EOF alone means
+#: it started.
 #: ``CDPATH`` never applies (a relative folder gets ``./``); an empty ``PATH``
 #: entry is the working folder, as for ``execvp``.
-RESOLVER = r"""fail() { printf '%s\0%s\0%s' "$1" "$2" "$3" >&0; exit 127; }
-in=$1; cwd=$2; shift 2
+RESOLVER = r"""fail() {
+  printf '%s\0%s\0%s\0%s\0%s\0%s' "$1" "$2" "$3" "$4" "$5" "$6" >&0; exit 127; }
+reach() {  # why this user cannot reach $1: blk, a folder on the way (after links) it may not
+  tgt=$1; blk=; n=0  # enter, and tgt, where the links lead; blk "" when no such folder is seen
+  while [ -L "$tgt" ] && [ "$n" -lt 40 ]; do
+    l=; for r in /usr/bin/readlink /bin/readlink; do
+      [ -x "$r" ] && { l=$("$r" -- "$tgt"); break; }; done
+    [ -n "$l" ] || break
+    case $l in /*) tgt=$l ;; *) tgt=${tgt%/*}/$l ;; esac; n=$((n + 1))
+  done
+  case $tgt in /*) p=; r=${tgt#/} ;; *) p=${PWD%/}; r=$tgt ;; esac
+  while [ -d "${p:-/}" ]; do
+    [ -x "${p:-/}" ] || { blk=${p:-/}; return; }
+    [ -n "$r" ] || return
+    case $r in */*) c=${r%%/*}; r=${r#*/} ;; *) c=$r; r= ;; esac
+    [ -z "$c" ] || p=$p/$c
+  done
+}
+in=$1; cwd=$2; shift 2; blk=; tgt=
 case $in in ''|[0-9]) ;; *) fail stdin EBADF "$in" ;; esac
 if [ -n "$cwd" ]; then
   case $cwd in /*) dir=$cwd ;; *) dir=./$cwd ;; esac
   cd -- "$dir" 2>/dev/null || {
+    reach "$dir"; [ -z "$blk" ] || fail cwd EACCES "$cwd" "$blk" "$tgt" "$dir"
     [ -e "$dir" ] || fail cwd ENOENT "$cwd"; [ -d "$dir" ] || fail cwd ENOTDIR "$cwd"
     fail cwd EACCES "$cwd"; }
 fi
@@ -390,9 +412,14 @@ case $1 in
   for dir in $PATH; do
     if [ -f "${dir:-.}/$1" ] && [ -x "${dir:-.}/$1" ]; then exe=${dir:-.}/$1; break; fi
   done
+  if [ -z "$exe" ]; then  # only on a failure: does a folder closed to this user hide it?
+    for dir in $PATH; do reach "${dir:-.}/$1"; [ -z "$blk" ] || { at=${dir:-.}/$1; break; }; done
+  fi
   unset IFS; set +f
+  [ -n "$exe" ] || [ -z "$blk" ] || fail path EACCES "$1" "$blk" "$tgt" "$at"
   [ -n "$exe" ] || fail path ENOENT "$1" ;;
 esac
+[ -e "$exe" ] || { reach "$exe"; [ -z "$blk" ] || fail program EACCES "$exe" "$blk" "$tgt" "$exe"; }
 [ -e "$exe" ] || fail program ENOENT "$exe"
 [ -d "$exe" ] && fail program EACCES "$exe"
 [ -x "$exe" ] || fail program EACCES "$exe"
@@ -400,7 +427,6 @@ shift
 [ -z "$in" ] && exec "$exe" "$@" </dev/null
 eval "exec \"\$exe\" \"\$@\" <&$in $in<&-"
 """
-
 #: How long the daemon waits for the resolver's verdict; past it the program
 #: counts as started (only the job's own code, e.g. its LD_PRELOAD, can delay it).
 VERDICT_TIMEOUT = 30.0
@@ -562,7 +588,8 @@ async def start_process(
     if not verdict:
         return process
     await _discard(process)  # the resolver exits 127 right after its verdict
-    raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath))
+    user = identity.user if identity is not None else _my_name()
+    raise _verdict_error(verdict, argv, cwd, full_env.get("PATH", os.defpath), user)
 
 
 def process_env(env: Mapping[str, str], identity: Identity | None) -> dict[str, str]:
@@ -627,11 +654,11 @@ async def _read_verdict(fd: int) -> bytes:
 
 
 def _verdict_error(
-    verdict: bytes, argv: Sequence[str], cwd: str | None, search_path: str
+    verdict: bytes, argv: Sequence[str], cwd: str | None, search_path: str, user: str
 ) -> WorkerSpawnError:
     # Written by a process of the job's (its LD_PRELOAD could write anything): parse, never trust.
     parts = verdict.decode("utf-8", "replace").split("\0")
-    what, name, path = (parts + ["", "", ""])[:3]
+    what, name, path, closed, target, candidate = (parts + [""] * 6)[:6]
     code = _VERDICT_ERRORS.get(name, errno.EACCES)
     cause = OSError(code, os.strerror(code), path)
     if what == "cgroup":
@@ -646,18 +673,32 @@ def _verdict_error(
             f"cannot start {argv[0]!r}: the start stage failed to {_STAGE_STEPS[what]}",
             stage=SpawnStage.STAGE,
         )
+    unreachable = _unreachable(user, closed, target, candidate) if closed else ""
     if what == "path":
         return WorkerSpawnError(
-            f"cannot start {argv[0]!r}: no executable of that name on its PATH ({search_path})",
+            f"cannot start {argv[0]!r} as user {user}: no executable of that name on its PATH "
+            f"({search_path}){unreachable}",
             stage=SpawnStage.PROGRAM,
         )
     where = "the working folder" if what == "cwd" else "the program"
     error = WorkerSpawnError(
-        f"cannot start {argv[0]!r} (cwd {cwd!r}): {where}: {cause}",
+        f"cannot start {argv[0]!r} (cwd {cwd!r}) as user {user}: {where}: "
+        f"{unreachable.removeprefix(': ') or cause}",
         stage=SpawnStage.CWD if what == "cwd" else SpawnStage.PROGRAM,
     )
     error.__cause__ = cause
     return error
+
+
+def _unreachable(user: str, closed: str, target: str, candidate: str) -> str:
+    """Why ``user`` cannot reach ``candidate``: ``closed``, a folder on the way to ``target``
+    (where its links lead), is one it may not enter. Only what the user sees itself."""
+    via = f"{candidate}, which leads to {target}" if candidate and candidate != target else target
+    return (
+        f": it may be there, but user {user} cannot reach {via}: {user} may not enter "
+        f"{closed}; put the program (a venv, its python) where {user} can reach it, or run "
+        "the job as a user who can"
+    )
 
 
 # -- the registry of spawned workers -----------------------------------------------

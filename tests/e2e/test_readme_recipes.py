@@ -11,6 +11,7 @@ nor disturbs a daemon of the user's on the README's ports; the shell runs under
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -241,3 +243,134 @@ async def test_the_cli_samples_submit_wait_lines_are_real_output(tmp_path):
             continue
         assert any(shape(line) == got for got in left), (line, real)
     assert shown[0] == real[0] and shown[-1] == real[-1], (shown, real)
+
+
+#: The README's `train.py` of its "Use it" recipe: it only says it ran.
+TRAIN_PY = "import os, sys\nprint('rank', os.environ['RANK'], 'epochs', sys.argv[2])\n"
+
+
+def _reaches(user: str, path: str) -> bool:
+    """Whether ``user`` can run ``path`` (its links followed), as a job of that user would."""
+    probe = subprocess.run(
+        ["/bin/sh", "-c", '[ -f "$1" ] && [ -x "$1" ]', "sh", path], user=user, timeout=30
+    )
+    return probe.returncode == 0
+
+
+def _use_it_script(folder: Path, port: int) -> str:
+    """The "Use it" block as written but for its set-up and the test's port and state folder:
+    the venv it makes and `pip install -e .` are the tests' own venv (put first on PATH, as
+    `. .venv/bin/activate` does); root's /var/lib/elasticd is a folder of the test's."""
+    script = recipe("## Use it")
+    setup, install, rest = script.split("\n", 2)
+    assert setup.startswith("python3 -m venv .venv && . .venv/bin/activate"), setup
+    assert install.startswith("pip install -e ."), install
+    return localized(rest, folder, [port]).replace("/var/lib/elasticd", f"{folder}/state")
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the recipe uses curl")
+@pytest.mark.parametrize("who", ["root", "root-with-elasticd-user", "user"])
+def test_the_use_it_recipe_does_what_the_readme_says(who):
+    """The README's first recipe, run as root with no `elasticd` user (the job is refused:
+    403 naming --run-as and --allow-root and their config keys), as root once the `elasticd`
+    user exists (the job runs as `elasticd`: it succeeds where `elasticd` can reach this
+    venv's python, else fails naming the user and the folder it may not enter), and as a
+    normal user (the job runs as that user and succeeds)."""
+    import httpx
+
+    exists = subprocess.run(["id", "-u", "elasticd"], capture_output=True).returncode == 0
+    python = str(Path(sys.executable).parent / "python")
+    if who != "user" and os.geteuid() != 0:
+        pytest.skip("needs root")
+    if who == "root" and exists:
+        pytest.skip("an elasticd user exists on this machine (it is not this test's to remove)")
+    if who == "user":
+        if os.geteuid() != 0:
+            pytest.skip("runs the recipe as nobody, which needs root to switch to")
+        if not _reaches("nobody", python):
+            pytest.skip(f"nobody cannot run {python}: this venv is out of a normal user's reach")
+    folder = Path(tempfile.mkdtemp(prefix="elasticd-readme-"))
+    folder.chmod(0o755)
+    made_user = False
+    shell = None
+    try:
+        if who == "root-with-elasticd-user" and not exists:
+            subprocess.run(["useradd", "--system", "--no-create-home", "elasticd"], check=True)
+            made_user = True
+        work = folder / "work"
+        work.mkdir()
+        (work / "train.py").write_text(TRAIN_PY)
+        (work / "train.py").chmod(0o644)
+        port = free_ports(1)[0]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        user = None
+        if who == "user":
+            user = "nobody"
+            home = folder / "home"
+            home.mkdir()
+            os.chown(home, 65534, 65534)
+            env.update(HOME=str(home), USER="nobody", LOGNAME="nobody")
+            env.pop("XDG_STATE_HOME", None)
+            state = home / ".local" / "state" / "elasticd"
+            os.chown(work, 65534, 65534)
+        else:
+            state = folder / "state"
+            env.update(ELASTICD_STATE_DIR=str(state), ELASTICD_LOG_DIR=str(folder / "logs"))
+        # `elasticd jobs` would look at /run/elasticd first: this daemon's socket, named.
+        env["ELASTICD_SOCKET"] = str(state / "run" / "elasticd.sock")
+        log = folder / "recipe.log"
+        with log.open("wb") as out:
+            if user is not None:
+                os.chown(log, 65534, 65534)
+            shell = subprocess.Popen(
+                ["bash", "-c", _use_it_script(folder, port)],
+                cwd=work,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                user=user,
+            )
+        assert shell.wait(timeout=150) == 0, log.read_text(errors="replace")
+        text = log.read_text(errors="replace")
+        transport = httpx.HTTPTransport(uds=str(state / "run" / "elasticd.sock"))
+        with httpx.Client(transport=transport, base_url="http://localhost", timeout=30) as http:
+            if who == "root":
+                assert '"status":403' in text.replace(" ", ""), text
+                for fix in ("--run-as USER", 'run_as = \\"USER\\"', "--allow-root", "allow_root"):
+                    assert fix in text, (fix, text)
+                assert http.get("/jobs/resnet-1").status_code == 404
+                return
+            deadline = time.monotonic() + 60
+            while (job := http.get("/jobs/resnet-1").json())["state"] not in (
+                "SUCCEEDED",
+                "FAILED",
+                "CANCELLED",
+            ):
+                assert time.monotonic() < deadline, job
+                time.sleep(0.2)
+        runs_as = "elasticd" if who != "user" else "nobody"
+        assert job["spec"]["user"] in (runs_as, None), job
+        if runs_as == "elasticd" and not _reaches("elasticd", python):
+            assert job["state"] == "FAILED", job
+            assert "as user elasticd" in job["reason"], job["reason"]
+            assert "elasticd may not enter" in job["reason"], job["reason"]
+        else:  # it ran; the recipe's cancel may have come before it ended
+            assert job["state"] in ("SUCCEEDED", "CANCELLED"), job
+            assert job["state"] == "CANCELLED" or job["restart_count"] == 0, job
+    finally:
+        if shell is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while (
+                subprocess.run(["pgrep", "-g", str(shell.pid)], capture_output=True).returncode == 0
+            ):
+                if time.monotonic() > deadline:
+                    os.killpg(shell.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.2)
+        if made_user:
+            subprocess.run(["userdel", "elasticd"], check=False)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -21,6 +21,7 @@ import pytest
 
 from elasticd.errors import WorkerSpawnError
 from elasticd.models import Job, JobSpec
+from elasticd.security import lookup_user
 from elasticd.states import JobState
 from elasticd.supervise.spawn import start_process
 from tests.conftest import events_of, wait_job
@@ -409,15 +410,49 @@ async def test_entrypoint_and_cwd_are_resolved_as_the_job_user(open_tmp: Path) -
         ("path-there", "path-missing", "'prog'", "'none'"),
     ]:
         assert there_path in reasons[there] and missing_path in reasons[missing]
-        assert reasons[there].replace(there_path, "X") == reasons[missing].replace(
-            missing_path, "X"
-        ), (reasons[there], reasons[missing])
-    assert "No such file or directory" in reasons["prog-there"]
+        # A name looked up on PATH is also named where nobody could not look for it.
+        there_at, missing_at = (f"{secret}/{p.strip(chr(39))}" for p in (there_path, missing_path))
+        assert reasons[there].replace(there_path, "X").replace(there_at, "X") == reasons[
+            missing
+        ].replace(missing_path, "X").replace(missing_at, "X"), (reasons[there], reasons[missing])
+    assert f"nobody may not enter {secret};" in reasons["prog-there"]
     assert "working folder" in reasons["cwd-there"]
     assert "no executable of that name" in reasons["path-there"]
 
 
 # -- the one start path, directly ------------------------------------------------------
+
+
+@AS_ROOT
+@pytest.mark.parametrize("how", ["path", "program"])
+async def test_a_program_the_job_user_cannot_reach_is_named_with_the_user(
+    open_tmp: Path, how: str
+) -> None:
+    """A venv whose python links into a folder closed to the job's user (root's 0700 home):
+    found on PATH or given by path, the start fails naming the user, the link, where it
+    leads and the folder the user may not enter, not "no such program"."""
+    secret = _secret(open_tmp)
+    venv = open_tmp / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python3").symlink_to(secret / "prog")
+    (venv / "python").symlink_to("python3")  # relative, as venv makes it
+    nobody = lookup_user("nobody")
+    argv = ["python"] if how == "path" else [str(venv / "python")]
+    env = {"PATH": f"/nonexistent:{venv}:/usr/bin:/bin"}
+    with pytest.raises(WorkerSpawnError) as caught:
+        async with asyncio.timeout(30):
+            await start_process(argv, env, identity=nobody)
+    message = str(caught.value)
+    assert "as user nobody" in message, message
+    assert f"user nobody cannot reach {venv / 'python'}, which leads to {secret / 'prog'}" in (
+        message
+    )
+    assert f"nobody may not enter {secret};" in message, message
+    if how == "path":
+        assert "no executable of that name on its PATH" in message, message
+    # Run by root itself, the same program starts: it is there, only not for nobody.
+    proc = await start_process(argv, env, identity=None)
+    assert await proc.wait() == 0
 
 
 async def test_start_process_resolves_in_the_child_and_withholds_secrets(tmp_path: Path) -> None:

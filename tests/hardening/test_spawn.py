@@ -226,8 +226,11 @@ def test_root_daemon_user_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     # `elasticd serve` (allow_root False) with no service user: jobs are refused, with the fix.
     monkeypatch.setattr("elasticd.security.SERVICE_USER", "no-such-service-user")
     refused = resolve_job_users(_config(allow_root=False))
-    with pytest.raises(WorkerSpawnError, match="allow_root = true"):
+    with pytest.raises(WorkerSpawnError, match="allow_root = true") as caught:
         refused.for_job(None)
+    # The fix in both spellings: the flags the README names and the config keys.
+    for spelling in ("--run-as USER", 'run_as = "USER"', "--allow-root", "allow_root = true"):
+        assert spelling in str(caught.value), caught.value
     assert resolve_job_users(_config(allow_root=True)).for_job(None) is None  # root, as told
     assert resolve_job_users(_config()).for_job(None) is None  # embedded: the caller
     # With the service user present, the service runs jobs as it.
@@ -237,7 +240,7 @@ def test_root_daemon_user_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     listed = resolve_job_users(_config(run_as="nobody", allowed_users="daemon", allow_root=False))
     assert listed.for_job("daemon") == lookup_user("daemon")
     assert listed.for_job("nobody") == nobody
-    with pytest.raises(WorkerSpawnError, match="allowed_users: daemon, nobody"):
+    with pytest.raises(WorkerSpawnError, match="allowed_users in the config: daemon, nobody"):
         listed.for_job("bin")
 
 
@@ -249,7 +252,9 @@ async def test_a_job_asking_for_a_user_the_daemon_does_not_allow_fails_to_spawn(
     launch = WorkerLaunch(
         0, [sys.executable, "-c", "pass"], dict(os.environ), None, tmp_path, user="bin"
     )
-    with pytest.raises(WorkerSpawnError, match="local rank 0: .*'bin'.*allowed_users: none"):
+    with pytest.raises(
+        WorkerSpawnError, match="local rank 0: .*'bin'.*allowed_users in the config: none"
+    ):
         await WorkerGroupProcesses.start([launch], policy=policy)
 
 

@@ -88,6 +88,63 @@ def test_the_unit_gets_an_absolute_exec_path():
         render_unit("ExecStart=/usr/local/bin/elasticd serve", "/opt/ed/bin/elasticd")
 
 
+def test_only_exec_start_gets_the_path_and_the_header_keeps_the_placeholder():
+    """The shipped unit: its header comment, which explains @ELASTICD@, keeps naming it; only
+    ExecStart's placeholder becomes the path (a comment naming the path would be false)."""
+    template = (ROOT / "elasticd" / "data" / "elasticd.service").read_text()
+    unit = render_unit(template, "/opt/ed/bin/elasticd")
+    changed = [
+        (old, new)
+        for old, new in zip(template.splitlines(), unit.splitlines(), strict=True)
+        if old != new
+    ]
+    assert changed == [
+        (line, line.replace("@ELASTICD@", "/opt/ed/bin/elasticd"))
+        for line in template.splitlines()
+        if line.startswith("ExecStart=")
+    ]
+    header = unit.split("[Unit]")[0]
+    assert "@ELASTICD@" in header and "/opt/ed" not in header
+
+
+def test_the_units_socket_folder_mode_is_the_one_the_daemon_makes():
+    """RuntimeDirectoryMode and the comment above it say the mode bind_unix_socket gives a
+    root daemon's socket folder (every local user served: 0755, the socket 0666)."""
+    from elasticd.security import SOCKET_DIR_MODE_EVERYONE, SOCKET_MODE_EVERYONE
+
+    unit = (ROOT / "elasticd" / "data" / "elasticd.service").read_text()
+    mode = next(x for x in unit.splitlines() if x.startswith("RuntimeDirectoryMode="))
+    assert int(mode.split("=")[1], 8) == SOCKET_DIR_MODE_EVERYONE
+    comment = unit[unit.index("# Private folders") : unit.index("StateDirectory=")]
+    assert (
+        f"{SOCKET_DIR_MODE_EVERYONE:04o} with the\n# socket {SOCKET_MODE_EVERYONE:04o}" in comment
+    )
+    assert "socket, 0750" not in comment
+
+
+@pytest.mark.parametrize(
+    ("exec_path", "editable", "says"),
+    [
+        ("/opt/ed/bin/elasticd", None, []),
+        ("/opt/ed/bin/elasticd", "/work/clone", ["editable install of /work/clone"]),
+        ("/tmp/clone/.venv/bin/elasticd", None, ["under a scratch folder (/tmp)"]),
+        ("/home/alice/ed/.venv/bin/elasticd", None, ["under a home folder (/home/alice)"]),
+        ("/root/ed/bin/elasticd", None, ["under a home folder (/root)"]),
+    ],
+)
+def test_a_fragile_exec_start_is_warned_about(exec_path, editable, says):
+    """An editable install, or an elasticd under /tmp or a home folder, gets a warning naming
+    it and the fix; a system-wide install gets none."""
+    from elasticd.service import exec_path_warnings
+
+    warnings = exec_path_warnings(
+        exec_path, editable_source=editable, homes=["/home/alice", "/root"]
+    )
+    assert len(warnings) == len(says), warnings
+    for warning, said in zip(warnings, says, strict=True):
+        assert said in warning and "--exec" in warning, warning
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze missing")
 def test_install_service_writes_a_verified_unit_the_user_and_token_once(tmp_path):
     """A dry run changes nothing; the install writes the unit (ExecStart: the venv's elasticd),
@@ -105,7 +162,9 @@ def test_install_service_writes_a_verified_unit_the_user_and_token_once(tmp_path
     unit = root / "etc/systemd/system/elasticd.service"
     text = unit.read_text()
     assert f"ExecStart={ELASTICD} serve --config /etc/elasticd/elasticd.toml" in text
-    assert "@ELASTICD@" not in text
+    assert [x for x in text.splitlines() if "@ELASTICD@" in x and not x.startswith("#")] == []
+    # This venv's elasticd is an editable install of the checkout: said, not refused.
+    assert f"warning: elasticd is an editable install of {ROOT}" in first.stderr, first.stderr
     doc = next(line for line in text.splitlines() if line.startswith("Documentation="))
     assert (root / doc.removeprefix("Documentation=file:///")).read_text().startswith("# elasticd")
     user = next(x for x in (root / "etc/passwd").read_text().splitlines() if x.startswith("elast"))

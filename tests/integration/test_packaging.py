@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -227,7 +228,11 @@ def test_the_demo_installs_the_runtime_and_torch_not_the_test_toolchain():
     names = {d.split(">=")[0].split(";")[0].strip().lower().replace("_", "-") for d in declared}
     assert names <= set(runtime), names - set(runtime)
     assert runtime["torch"] == "2.13.0"
-    assert set(runtime) - names == {"torch", "starlette"}  # fastapi's, pinned with it
+    # starlette: fastapi's, pinned with it; numpy: torch's, which warns in every worker
+    # without it, and is in the torch extra too.
+    assert set(runtime) - names == {"torch", "starlette", "numpy"}
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "numpy" in extra["optional-dependencies"]["torch"]
     dev_text = (ROOT / "requirements-dev.txt").read_text()
     assert "-r requirements.txt" in dev_text.splitlines()
     assert not set(_pins(ROOT / "requirements-dev.txt")) & set(runtime)
@@ -250,3 +255,33 @@ def test_make_demo_installs_requirements_txt_with_progress(tmp_path):
     assert "-r requirements.txt" in installs[0] and "--no-deps -e ." in installs[1]
     assert "requirements-dev.txt" not in plan.stdout
     assert all(" -q" not in line for line in installs)
+
+
+def test_the_demo_prints_the_serve_command_it_runs(monkeypatch, capsys, tmp_path):
+    """`make demo` says `== starting: elasticd serve ...`: the very arguments it starts the
+    daemon with (as root --allow-root and the node name too), not a shorter line."""
+    import importlib.util
+    import shlex
+
+    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    ran: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def popen(argv, **_kwargs):  # stands for the daemon: records what would run, no more
+        ran.append(list(argv))
+        raise Started
+
+    monkeypatch.setattr(demo.subprocess, "Popen", popen)
+    monkeypatch.setattr(demo.tempfile, "mkdtemp", lambda prefix: str(tmp_path))
+    with pytest.raises(Started):
+        demo.main()
+    printed = next(x for x in capsys.readouterr().out.splitlines() if "== starting:" in x)
+    (argv,) = ran
+    assert argv[:3] == [sys.executable, "-m", "elasticd"]
+    assert shlex.split(printed.split("== starting: ", 1)[1]) == ["elasticd", *argv[3:]]
+    assert "--node-name" in argv and ("--allow-root" in argv) == (os.geteuid() == 0)

@@ -25,11 +25,14 @@ from elasticd.supervise.cgroup import (
     AttemptName,
     Cgroup,
     Containment,
+    ContainmentChoice,
     attempt_name,
     cgroup2_mount,
+    containment_fix,
     leftovers,
     own_cgroup,
     parse_attempt_name,
+    partial_log_level,
     strays,
     subtree_name,
     zombies_to_reap,
@@ -693,3 +696,41 @@ def test_zombies_to_reap(
 ) -> None:
     """Only a zombie seen at two looks in a row, and not one the daemon started, is reaped."""
     assert zombies_to_reap(zombies, before, known) == reaped
+
+
+async def test_a_daemon_without_cgroups_says_so_once_with_the_fix(tmp_path: Path) -> None:
+    """Partial containment is the daemon's, not each job's: its first group carries the
+    reason and the fix (for the ``containment.partial`` event), every later group nothing."""
+    from elasticd.supervise import WorkerGroupProcesses, WorkerLaunch
+
+    containment = Containment("subreaper", reason="EACCES on /sys/fs/cgroup")
+    containment.fix = containment_fix("auto", 1000)
+    policy = SpawnPolicy(containment=containment)
+    said = []
+    for job in ("first", "second"):
+        launch = WorkerLaunch(0, ["/bin/true"], {"PATH": "/usr/bin:/bin"}, None, tmp_path / job)
+        group = await WorkerGroupProcesses.start([launch], policy=policy)
+        said.append(group.containment_partial)
+        await group.stop(5.0)
+    assert said[1] is None, said
+    assert said[0] is not None and said[0].startswith("EACCES on /sys/fs/cgroup; "), said
+    assert "Delegate=yes" in said[0], said
+
+
+@pytest.mark.parametrize(
+    ("choice", "euid", "level", "fix"),
+    [
+        ("auto", 0, "WARNING", "Delegate=yes"),
+        ("auto", 1000, "INFO", "delegated to its user"),
+        ("subreaper", 0, "INFO", 'containment = "auto"'),
+    ],
+)
+def test_no_cgroups_is_a_warning_only_where_they_were_expected(
+    choice: ContainmentChoice, euid: int, level: str, fix: str
+) -> None:
+    """A root daemon on `auto` expected cgroups (a warning); a user's daemon cannot have them
+    and `subreaper` was chosen (info); each says what would give the attempts cgroups."""
+    import logging
+
+    assert logging.getLevelName(partial_log_level(choice, euid)) == level
+    assert fix in containment_fix(choice, euid)

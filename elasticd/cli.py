@@ -52,7 +52,9 @@ from elasticd.cli_commands import (
     RUN_MAX_RESTARTS_HELP,
     TEE_HELP,
     add_client_commands,
+    add_job_flags,
     client_main,
+    job_flag_fields,
     note,
     report,
 )
@@ -186,14 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
-    run.add_argument(
-        "--prewarm",
-        action="append",
-        default=[],
-        metavar="MODULE[,MODULE...]",
-        help="keep a standby interpreter per worker that has imported these modules "
-        "(e.g. torch); a restart hands the round to it instead of starting cold",
-    )
+    add_job_flags(run)
     run.add_argument(
         "-q",
         "--quiet",
@@ -585,7 +580,7 @@ async def _run(args: argparse.Namespace) -> int:
                 master_addr=args.master_addr,
                 master_port=args.master_port,
                 umask=args.umask if args.umask is not None else format_umask(caller_umask),
-                prewarm=[m for arg in args.prewarm for m in arg.split(",") if m],
+                **job_flag_fields(args),
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,112 @@ RANKS_FILTER_HELP = "local ranks whose output reaches the console, e.g. 0,2 (def
 GRACE_HELP = "seconds from SIGTERM to SIGKILL when the workers are stopped (default 30)"
 MASTER_ADDR_HELP = "MASTER_ADDR for the workers (default: chosen by elasticd)"
 MASTER_PORT_HELP = "MASTER_PORT for the workers (default: a free port)"
+
+
+PREWARM_HELP = (
+    "keep a standby interpreter per worker that has imported these modules (e.g. torch; "
+    "repeatable or comma-separated); a restart hands the round to it instead of starting cold"
+)
+
+
+def _seconds_or_auto(value: str) -> float | str:
+    """``--progress-timeout``: seconds, or ``auto`` (sized from the job's own pings)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'auto', not {value!r}") from None
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The spec fields ``run`` and ``submit`` both set by flag: warm restarts, hang
+    detection, health checks. Every default is None: the spec's own default applies
+    (:func:`job_flag_fields` sends only what was given)."""
+    p.add_argument("--prewarm", action="append", metavar="MODULE[,MODULE...]", help=PREWARM_HELP)
+    p.add_argument(
+        "--progress-timeout",
+        type=_seconds_or_auto,
+        metavar="SECONDS|auto",
+        help="a worker that has pinged (elasticd.worker.ping) must ping again within this "
+        "many seconds, or the group is restarted as hung; 'auto': sized from the job's own "
+        "ping intervals (default: off)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a worker has for its first ping before the group is restarted as hung "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--checkpoint-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="while a checkpoint is in progress (elasticd.worker.checkpointing()), the most "
+        "seconds it may take, instead of --progress-timeout (default: no deadline)",
+    )
+    p.add_argument(
+        "--max-no-progress-restarts",
+        type=int,
+        metavar="N",
+        help="fail the job after N restarts in a row that made no progress (default: off)",
+    )
+    p.add_argument(
+        "--health-check",
+        metavar="COMMAND",
+        help="a command run before every (re)start of the group, split as a shell would "
+        "(e.g. 'nvidia-smi -L'); a non-zero exit means the node is unhealthy",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds the --health-check command may run (default 60)",
+    )
+    p.add_argument(
+        "--no-gpu-health-check",
+        dest="gpu_health_check",
+        action="store_const",
+        const=False,
+        help="skip the built-in nvidia-smi check before each start",
+    )
+    p.add_argument(
+        "--inprocess-restart",
+        action="store_const",
+        const=True,
+        help="the program uses elasticd.inprocess.Wrapper: a dead rank is restarted in "
+        "process by the others (default: the group is restarted)",
+    )
+    p.add_argument(
+        "--log-limit-bytes",
+        type=int,
+        metavar="BYTES",
+        help="the most bytes each worker's stdout.log and stderr.log keep per attempt "
+        "(later output is counted and dropped)",
+    )
+
+
+def job_flag_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec fields :func:`add_job_flags`' flags set (pure): only those given."""
+    fields: dict[str, Any] = {
+        "progress_timeout": args.progress_timeout,
+        "startup_timeout": args.startup_timeout,
+        "checkpoint_timeout": args.checkpoint_timeout,
+        "max_no_progress_restarts": args.max_no_progress_restarts,
+        "health_check_timeout": args.health_check_timeout,
+        "gpu_health_check": args.gpu_health_check,
+        "inprocess_restart": args.inprocess_restart,
+        "log_limit_bytes": args.log_limit_bytes,
+    }
+    if args.prewarm:
+        fields["prewarm"] = [m for arg in args.prewarm for m in arg.split(",") if m]
+    if args.health_check is not None:
+        try:
+            fields["health_check"] = shlex.split(args.health_check)
+        except ValueError as exc:
+            raise ConfigError(f"--health-check {args.health_check!r}: {exc}") from None
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def note(text: str) -> None:
@@ -123,7 +230,12 @@ def add_client_commands(sub: Any) -> None:
     submit.add_argument(
         "--nproc-per-node", "--nproc_per_node", type=int, help="workers on each node (default 1)"
     )
-    submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
+    submit.add_argument(
+        "--nnodes",
+        metavar="MIN[:MAX]",
+        help="nodes the job runs on, as torchrun's --nnodes: N, or MIN:MAX to run elastic "
+        "(default 1)",
+    )
     submit.add_argument("--max-restarts", "--max_restarts", type=int, help=SUBMIT_MAX_RESTARTS_HELP)
     submit.add_argument("--role", help=ROLE_HELP)
     submit.add_argument(
@@ -138,15 +250,34 @@ def add_client_commands(sub: Any) -> None:
     submit.add_argument("--master-addr", "--master_addr", help=MASTER_ADDR_HELP)
     submit.add_argument("--master-port", "--master_port", type=int, help=MASTER_PORT_HELP)
     submit.add_argument(
-        "--env", action="append", default=[], metavar="K=V", help="worker env (repeatable)"
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable for the workers (repeatable)",
     )
     submit.add_argument("--cwd", help="workers' directory (default: this one, for a command)")
     submit.add_argument(
         "--umask", help="the workers' umask, octal (default: this shell's, as torchrun's workers)"
     )
     submit.add_argument(
-        "--selector", action="append", default=[], metavar="K=V", help="node label to require"
+        "--selector",
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a node label the job needs (repeatable): it runs only on nodes labelled so",
     )
+    submit.add_argument(
+        "--user", help="run the workers as this user (the node must allow it; default: you)"
+    )
+    submit.add_argument(
+        "--join-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a round may wait to gather its minimum of nodes (default 600)",
+    )
+    add_job_flags(submit)
     submit.add_argument(
         "--wait", action="store_true", help="follow the job; exit 0 if it succeeds, 1 if not"
     )
@@ -326,8 +457,11 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
         "cwd": args.cwd,
         "priority": args.priority,
         "umask": args.umask,
+        "user": args.user,
+        "join_timeout": args.join_timeout,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
+    spec.update(job_flag_fields(args))
     # As torchrun's workers inherit the umask of the shell that started them.
     spec.setdefault("umask", format_umask(current_umask()))
     if args.nnodes:

@@ -229,3 +229,25 @@ def test_workers_get_the_launchers_stdin_as_under_torchrun(tmp_path):
     done = run(tmp_path, READ_INPUT, stdin="hi\n")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 read 'hi'" in done.stdout + done.stderr
+
+
+def test_run_takes_the_job_flags_submit_takes(tmp_path):
+    """`elasticd run` shares submit's job flags (--health-check, --startup-timeout, ...): a
+    health check that fails ends the run as FAILED, naming the check."""
+    (tmp_path / "hi.py").write_text("print('hi')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env["ELASTICD_ALLOW_ROOT"] = "true"
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--state-dir", str(tmp_path / "state")]
+        + ["--log-dir", str(tmp_path / "logs"), "--startup-timeout", "60"]
+        + ["--prewarm", "json", "--health-check", "false", "--", "python3", "hi.py"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "health_check: 'false' exited with code 1" in done.stderr
+    assert "hi" not in done.stdout

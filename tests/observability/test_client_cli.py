@@ -254,3 +254,69 @@ async def test_cli_queue_and_priority(live, tmp_path, capsys, monkeypatch):
     for job_id in ("blocker", "low", "high"):
         rc, _, _ = await run_cli(capsys, "cancel", job_id)
         assert rc == 0
+
+
+async def test_cli_submit_flags_set_the_spec_fields_users_set_often(
+    live, tmp_path, capsys, monkeypatch
+):
+    """`elasticd submit`'s flags for prewarm, the hang timeouts, health checks, nodes, env,
+    priority and selector reach the job's spec as given; unset flags leave its defaults."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    argv = [
+        "submit",
+        "--id",
+        "flags1",
+        "--json",
+        "--prewarm",
+        "json,email",
+        "--prewarm",
+        "csv",
+        "--progress-timeout",
+        "auto",
+        "--startup-timeout",
+        "120",
+        "--checkpoint-timeout",
+        "600",
+        "--max-no-progress-restarts",
+        "2",
+        "--health-check",
+        "true --quiet 'a b'",
+        "--health-check-timeout",
+        "5",
+        "--no-gpu-health-check",
+        "--nnodes",
+        "1:2",
+        "--join-timeout",
+        "30",
+        "--env",
+        "A=1",
+        "--priority",
+        "4",
+        "--node-selector",
+        "zone=a",
+        "--termination-grace",
+        "1",
+        "--",
+        PY,
+        "-c",
+        "pass",
+    ]
+    rc, out, err = await run_cli(capsys, *argv)
+    assert rc == 0, err
+    spec = json.loads(out)["spec"]
+    assert spec["prewarm"] == ["json", "email", "csv"]
+    assert spec["progress_timeout"] == "auto" and spec["startup_timeout"] == 120.0
+    assert spec["checkpoint_timeout"] == 600.0 and spec["max_no_progress_restarts"] == 2
+    assert spec["health_check"] == ["true", "--quiet", "a b"]
+    assert spec["health_check_timeout"] == 5.0 and spec["gpu_health_check"] is False
+    assert (spec["min_nodes"], spec["max_nodes"], spec["join_timeout"]) == (1, 2, 30.0)
+    assert (spec["env"], spec["priority"], spec["node_selector"]) == ({"A": "1"}, 4, {"zone": "a"})
+    assert spec["inprocess_restart"] is False and spec["max_restarts"] == 3  # defaults
+    rc, _, err = await run_cli(capsys, "cancel", "flags1")
+    assert rc == 0, err
+
+    with pytest.raises(SystemExit) as usage:
+        await run_cli(capsys, "submit", "--progress-timeout", "soon", "--", PY)
+    assert usage.value.code == 2 and "expected seconds or 'auto'" in capsys.readouterr().err
+    rc, _, err = await run_cli(capsys, "submit", "--startup-timeout", "0", "--", PY)
+    assert rc == 1 and "startup_timeout" in err and err.endswith("(422)\n")

@@ -23,7 +23,7 @@ from typing import Any
 from elasticd.client import DEFAULT_URL, Client
 from elasticd.errors import ConfigError
 from elasticd.goodput import BADPUT_KINDS, Goodput
-from elasticd.models import format_umask
+from elasticd.models import Job, format_umask, known
 from elasticd.security import current_umask
 from elasticd.states import JobState
 from elasticd.terminal import printable
@@ -172,7 +172,8 @@ def report(job: dict[str, Any], console: str = "normal") -> int:
             note(f"job {job['id']} SUCCEEDED after {job['restart_count']} restart(s)")
         return 0
     error = job.get("error") or {}
-    note(f"job {job['id']} {state.value}: {job.get('reason') or ''}")
+    reason = job.get("reason")
+    note(f"job {job['id']} {state.value}" + (f": {reason}" if reason else ""))
     if error.get("traceback"):
         print(printable(error["traceback"], lines=True), file=sys.stderr)
     return 1
@@ -565,37 +566,43 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         _print_json(job.model_dump(mode="json"))
         return 0
     spec = job.spec
+    nodes = spec.max_nodes or spec.min_nodes
     lines = [
         ("job", job.id),
         ("state", job.state.value),
         ("restarts", f"{job.restart_count} of {job.max_restarts}"),
         ("round", str(job.round)),
         ("command", " ".join([spec.entrypoint, *spec.args])),
-        ("workers", f"{spec.nproc_per_node} per node, {spec.min_nodes}-{spec.max_nodes} nodes"),
+        (
+            "workers",
+            f"{spec.nproc_per_node} per node, "
+            + (
+                f"{spec.min_nodes}-{nodes} nodes" if nodes != spec.min_nodes else f"{nodes} node(s)"
+            ),
+        ),
         ("created", _when(job.created_at)),
         ("started", _when(job.started_at)),
         ("finished", _when(job.finished_at)),
     ]
-    if job.reason:
-        lines.append(("reason", job.reason))
+    if now := headline(job):
+        lines.append(("reason", now))
     if job.error:
         e = job.error
         lines.append(
             (
                 "root cause" if job.state is JobState.FAILED else "last failure",
-                f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
-                f"attempt {e.attempt}): {e.message}"
-                + (" (from its stderr.log)" if e.source == "log" else ""),
+                f"{e.who()}: {e.message}" + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
         for c in job.collateral:
             lines.append(
                 (
                     "collateral",
-                    f"rank {c.rank} (node {c.node}, local rank {c.local_rank}): {c.message} "
-                    "(after the root cause: a consequence)",
+                    f"{c.who(attempt=False)}: {c.message} (after the root cause: a consequence)",
                 )
             )
+    if (r := job.last_recovery) is not None and r.total_s is not None:
+        lines.append(("last recovery", f"{r.total_s:.3f}s in all ({r.cause}): {r.phases_text()}"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key.ljust(width)}  {printable(value)}")
@@ -603,6 +610,17 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         print()
         print(printable(job.error.traceback.rstrip(), lines=True))
     return 0
+
+
+def headline(job: Job) -> str:
+    """What the job is doing now, in words (pure), as the dashboard's header says it: its
+    ``reason`` only while it applies. A RUNNING job still carries the "restarting the
+    group" of its last failure; it reads "running again after N restart(s)" instead."""
+    if job.state is JobState.RUNNING:
+        return f"running again after {job.restart_count} restart(s)" if job.restart_count else ""
+    if job.state is JobState.RESTARTING:
+        return job.reason or "restarting the group"
+    return job.reason or ""
 
 
 def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
@@ -664,8 +682,13 @@ def goodput_text(g: Goodput) -> str:
     elif not g.steps_reported:
         steps = "the job reports no steps (elasticd.worker.ping(step=N)): lost work unknown"
     else:
-        lost = "unknown" if st.lost_steps is None else str(st.lost_steps)
-        steps = f"steps: max {st.max_step}, checkpoint {st.checkpoint_step}, lost {lost}"
+        steps = "steps: " + ", ".join(
+            [
+                *known(("max", st.max_step)),
+                *(known(("checkpoint", st.checkpoint_step)) or ["no checkpoint"]),
+                *(known(("lost", st.lost_steps)) or ["lost unknown"]),
+            ]
+        )
     as_of = "finished" if g.finished else "running"
     return "\n".join(
         [

@@ -153,7 +153,7 @@ def record_failure(round_: RoundInfo, root: RootCause) -> JobMutation:
             "error": first,
             "collateral": [f.model_copy(update={"collateral": True}) for f in kept[1:]],
         }
-        reason = f"rank {first.rank} on {first.node} failed: {first.message}; restarting the group"
+        reason = f"{first.who(attempt=False)} failed: {first.message}; restarting the group"
         if job.state is JobState.RUNNING:
             changes["state"] = JobState.RESTARTING  # RUNNING -> RESTARTING
             changes["reason"] = reason
@@ -195,7 +195,7 @@ def settle_failure(round_: RoundInfo) -> JobMutation:
         if lost:  # a participant did not come back: a membership change, free
             return {"pending_failure": None, "charged_round": pending.round}
         err = pending.error
-        root = f"root cause: rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+        root = f"root cause: {err.who(attempt=False)}: {err.message}"
         progress, stuck = close_attempt(job, pending.round)
         charged: JobEdit = {"pending_failure": None, "charged_round": pending.round}
         if progress != job.progress:

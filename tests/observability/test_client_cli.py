@@ -320,3 +320,51 @@ async def test_cli_submit_flags_set_the_spec_fields_users_set_often(
     assert usage.value.code == 2 and "expected seconds or 'auto'" in capsys.readouterr().err
     rc, _, err = await run_cli(capsys, "submit", "--startup-timeout", "0", "--", PY)
     assert rc == 1 and "startup_timeout" in err and err.endswith("(422)\n")
+
+
+CRASH_ONCE_THEN_RUN = """
+import os, sys, time
+from elasticd.worker import ping
+if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+for step in range(1, 4):
+    ping(step=step)
+    time.sleep(0.05)
+time.sleep(60)
+"""
+
+
+async def test_cli_status_says_what_applies_now_and_never_none(live, tmp_path, capsys, monkeypatch):
+    """`elasticd status` of a job RUNNING again after a crash shows no stale "restarting the
+    group"; status and goodput never print None (no rank of a failed health check, no
+    checkpoint); the last recovery's phases are shown."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    path = script(tmp_path, "again.py", CRASH_ONCE_THEN_RUN)
+    argv = ["submit", "--id", "again", "--nproc-per-node", "2", "--termination-grace", "1"]
+    rc, _, err = await run_cli(capsys, *argv, "--", PY, path)
+    assert rc == 0, err
+    async with asyncio.timeout(30):
+        while True:
+            rc, out, _ = await run_cli(capsys, "status", "--json", "again")
+            job = json.loads(out)
+            if job["state"] == "RUNNING" and job["restart_count"] == 1 and job["last_recovery"]:
+                break
+            await asyncio.sleep(0.1)
+    assert "restarting the group" in job["reason"]  # the document keeps it; status must not
+    rc, out, _ = await run_cli(capsys, "status", "again")
+    assert rc == 0 and "restarting the group" not in out and "None" not in out
+    assert "running again after 1 restart(s)" in out
+    assert "rank 1 (node node-a, local rank 1, attempt 0): worker exited with code 3" in out
+    assert "last recovery" in out and "rendezvous " in out
+    rc, _, _ = await run_cli(capsys, "cancel", "again")
+    with Client(url_of(live), token=live.token) as c:
+        await asyncio.to_thread(c.wait, "again", timeout=30)
+    rc, out, _ = await run_cli(capsys, "goodput", "again")
+    assert rc == 0 and "steps: max 3, no checkpoint, lost " in out and "None" not in out
+
+    argv = ["submit", "--id", "sick", "--max-restarts", "0", "--health-check", "false", "--wait"]
+    rc, _, err = await run_cli(capsys, *argv, "--", PY, "-c", "pass")
+    assert rc == 1 and "None" not in err
+    rc, out, _ = await run_cli(capsys, "status", "sick")
+    assert "root cause  node node-a" in out and "health check failed" in out
+    assert "None" not in out

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elasticd.cli_follow import WorkerOutput, followed_ranks
 from elasticd.client import DEFAULT_URL, Client
 from elasticd.errors import ConfigError
 from elasticd.goodput import BADPUT_KINDS, Goodput
@@ -280,7 +281,18 @@ def add_client_commands(sub: Any) -> None:
     )
     add_job_flags(submit)
     submit.add_argument(
-        "--wait", action="store_true", help="follow the job; exit 0 if it succeeds, 1 if not"
+        "--wait",
+        action="store_true",
+        help="follow the job: its events and its workers' output (those on this daemon's "
+        "node), until it ends; exit 0 if it succeeds, 1 if not",
+    )
+    submit.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        default=0,
+        help="with --wait: -q shows the events but not the workers' output; -qq neither, "
+        "only how the job ended",
     )
     submit.add_argument("program", nargs=argparse.REMAINDER, help="SPEC.json | - | -- program args")
 
@@ -497,10 +509,17 @@ def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
         elif not job.state.is_terminal:
             print(f"job {job.id} submitted ({job.state.value})")
         return 0
-    if not args.json:
+    if not args.json and args.quiet < 2:
+        output = None
+        if args.quiet == 0:
+            ranks = followed_ranks(job.spec.nproc_per_node, job.spec.local_ranks_filter)
+            output = WorkerOutput(client, job.id, ranks, role=job.spec.role)
+            output.start()
         note(f"job {job.id} submitted; following it (Ctrl-C stops following, not the job)")
         for event in client.follow_events(job.id):
             note(f"{event.kind}: {event.message}")
+        if output is not None:
+            output.join()
     final = client.wait(job.id)
     if args.json:
         _print_json(final.model_dump(mode="json"))

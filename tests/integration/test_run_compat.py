@@ -32,7 +32,7 @@ print(f"rank {os.environ['LOCAL_RANK']} argv {sys.argv[1:]}")
 
 
 def run(
-    tmp_path, body: str, *args: str, stdin: str | None = None
+    tmp_path, body: str, *args: str, stdin: str | None = None, flags: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(body)
@@ -45,6 +45,7 @@ def run(
             "-m",
             "elasticd",
             "run",
+            *flags,
             "--nproc-per-node",
             "2",
             "--termination-grace",
@@ -234,20 +235,8 @@ def test_workers_get_the_launchers_stdin_as_under_torchrun(tmp_path):
 def test_run_takes_the_job_flags_submit_takes(tmp_path):
     """`elasticd run` shares submit's job flags (--health-check, --startup-timeout, ...): a
     health check that fails ends the run as FAILED, naming the check."""
-    (tmp_path / "hi.py").write_text("print('hi')\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
-    env["ELASTICD_ALLOW_ROOT"] = "true"
-    done = subprocess.run(
-        [sys.executable, "-m", "elasticd", "run", "--state-dir", str(tmp_path / "state")]
-        + ["--log-dir", str(tmp_path / "logs"), "--startup-timeout", "60"]
-        + ["--prewarm", "json", "--health-check", "false", "--", "python3", "hi.py"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-    )
+    flags = ("--startup-timeout", "60", "--prewarm", "json", "--health-check", "false")
+    done = run(tmp_path, "print('hi')\n", flags=flags)
     assert done.returncode == 1, done.stderr
     assert "health_check: 'false' exited with code 1" in done.stderr
     assert "hi" not in done.stdout

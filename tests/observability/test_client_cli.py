@@ -368,3 +368,33 @@ async def test_cli_status_says_what_applies_now_and_never_none(live, tmp_path, c
     rc, out, _ = await run_cli(capsys, "status", "sick")
     assert "root cause  node node-a" in out and "health check failed" in out
     assert "None" not in out
+
+
+@pytest.mark.parametrize("quiet", [(), ("-q",), ("-qq",)])
+async def test_cli_submit_wait_streams_the_workers_output_unless_quiet(
+    live, tmp_path, capsys, monkeypatch, quiet
+):
+    """`submit --wait` prints the workers' output as it comes (stdout to stdout, stderr to
+    stderr, each worker's lines prefixed), across the restart, beside the events; -q keeps
+    only the events, -qq only how the job ended."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    path = script(tmp_path, "crash.py", CRASH_ONCE)
+    argv = ["submit", "--nproc-per-node", "2", "--wait", *quiet, "--", PY, path]
+    rc, out, err = await run_cli(capsys, *argv)
+    assert rc == 0, err
+    assert "SUCCEEDED after 1 restart(s)" in err
+    if not quiet:
+        assert sorted(out.splitlines()) == [
+            "[default0]:==> attempt 1 <==",
+            "[default0]:rank 0 attempt 0",
+            "[default0]:rank 0 attempt 1",
+            "[default1]:==> attempt 1 <==",
+            "[default1]:rank 1 attempt 0",
+            "[default1]:rank 1 attempt 1",
+        ]
+        assert "[default1]:crashing\n" in err and "group.restarting" in err
+    else:
+        assert out == "" and "crashing" not in err
+        assert ("group.restarting" in err) is (quiet == ("-q",))
+        if quiet == ("-qq",):
+            assert err.count("\n") == 1

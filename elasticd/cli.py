@@ -60,6 +60,7 @@ from elasticd.cli_commands import (
     note,
     report,
 )
+from elasticd.completion import SHELLS
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
@@ -274,11 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     completion = sub.add_parser(
         "completion",
-        help="print a shell completion script",
-        description="Example: source <(elasticd completion bash), or save it as "
-        "/etc/bash_completion.d/elasticd",
+        help="print a shell completion script (bash, zsh, fish)",
+        description="Examples: source <(elasticd completion bash) (or save it as "
+        "/etc/bash_completion.d/elasticd); source <(elasticd completion zsh); "
+        "elasticd completion fish | source. Job ids complete from the daemon.",
     )
-    completion.add_argument("shell", choices=("bash",), help="the shell (bash)")
+    completion.add_argument("shell", nargs="?", choices=SHELLS, help="the shell: bash, zsh or fish")
+    completion.add_argument(
+        "--job-ids",
+        action="store_true",
+        help="print the daemon's job ids, one a line, or nothing when it cannot be asked "
+        "(what the scripts run to complete a job id)",
+    )
     return parser
 
 
@@ -347,16 +355,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return install_service_command(args)
         if args.command == "completion":
-            from elasticd.completion import bash_completion
-
-            sys.stdout.write(bash_completion(build_parser()))
-            return 0
+            return _completion(args)
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return 2  # pragma: no cover - argparse requires a command
+
+
+def _completion(args: argparse.Namespace) -> int:
+    """``elasticd completion SHELL``: the script; ``--job-ids``: what it completes a job
+    id from (nothing, exit 0, when no daemon answers: a shell shows no error)."""
+    from elasticd.completion import completion_script, job_ids
+
+    if args.job_ids:
+        sys.stdout.write("".join(f"{job_id}\n" for job_id in job_ids()))
+        return 0
+    if args.shell is None:
+        print("elasticd completion: name a shell (bash, zsh or fish)", file=sys.stderr)
+        return 2
+    sys.stdout.write(completion_script(args.shell, build_parser()))
+    return 0
 
 
 #: ``elasticd serve``'s exit when a re-executed image cannot start: one systemd restarts (2, a

@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -37,6 +38,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +54,13 @@ from elasticd.cli_commands import (
     RUN_MAX_RESTARTS_HELP,
     TEE_HELP,
     add_client_commands,
+    add_job_flags,
     client_main,
+    job_flag_fields,
     note,
     report,
 )
+from elasticd.completion import SHELLS
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
 from elasticd.errors import ConfigError, StoreAuthError
@@ -183,17 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--run-id", "--run_id", default=None, help="the job id")
     run.add_argument("--state-dir", help="state folder (default: a temporary one)")
-    run.add_argument("--log-dir", "--log_dir", help="worker logs (default: a temporary folder)")
+    run.add_argument(
+        "--log-dir",
+        "--log_dir",
+        help="worker logs, kept (default: a temporary folder, removed at the end unless the "
+        "job fails or is stopped, or --keep-logs)",
+    )
+    run.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the temporary log folder also when the job succeeds (its path is printed)",
+    )
     run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
-    run.add_argument(
-        "--prewarm",
-        action="append",
-        default=[],
-        metavar="MODULE[,MODULE...]",
-        help="keep a standby interpreter per worker that has imported these modules "
-        "(e.g. torch); a restart hands the round to it instead of starting cold",
-    )
+    add_job_flags(run)
     run.add_argument(
         "-q",
         "--quiet",
@@ -267,11 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     completion = sub.add_parser(
         "completion",
-        help="print a shell completion script",
-        description="Example: source <(elasticd completion bash), or save it as "
-        "/etc/bash_completion.d/elasticd",
+        help="print a shell completion script (bash, zsh, fish)",
+        description="Examples: source <(elasticd completion bash) (or save it as "
+        "/etc/bash_completion.d/elasticd); source <(elasticd completion zsh); "
+        "elasticd completion fish | source. Job ids complete from the daemon.",
     )
-    completion.add_argument("shell", choices=("bash",), help="the shell (bash)")
+    completion.add_argument("shell", nargs="?", choices=SHELLS, help="the shell: bash, zsh or fish")
+    completion.add_argument(
+        "--job-ids",
+        action="store_true",
+        help="print the daemon's job ids, one a line, or nothing when it cannot be asked "
+        "(what the scripts run to complete a job id)",
+    )
     return parser
 
 
@@ -340,16 +355,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return install_service_command(args)
         if args.command == "completion":
-            from elasticd.completion import bash_completion
-
-            sys.stdout.write(bash_completion(build_parser()))
-            return 0
+            return _completion(args)
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return 2  # pragma: no cover - argparse requires a command
+
+
+def _completion(args: argparse.Namespace) -> int:
+    """``elasticd completion SHELL``: the script; ``--job-ids``: what it completes a job
+    id from (nothing, exit 0, when no daemon answers: a shell shows no error)."""
+    from elasticd.completion import completion_script, job_ids
+
+    if args.job_ids:
+        sys.stdout.write("".join(f"{job_id}\n" for job_id in job_ids()))
+        return 0
+    if args.shell is None:
+        print("elasticd completion: name a shell (bash, zsh or fish)", file=sys.stderr)
+        return 2
+    sys.stdout.write(completion_script(args.shell, build_parser()))
+    return 0
 
 
 #: ``elasticd serve``'s exit when a re-executed image cannot start: one systemd restarts (2, a
@@ -428,8 +455,16 @@ async def _serve(args: argparse.Namespace) -> int:
             raise
         return _reexec_failed(exc)
     print(f"elasticd listening on http://{config.host}:{config.port}", flush=True)
+    print(f"elasticd dashboard at {dashboard_url(config.url)}", flush=True)
     await daemon.serve()
     return 0
+
+
+def dashboard_url(api_url: str) -> str:
+    """The dashboard's URL on the daemon at ``api_url``."""
+    from api.routes.ui import DASHBOARD_PATH
+
+    return api_url.rstrip("/") + DASHBOARD_PATH
 
 
 def _reexec_failed(exc: Exception) -> int:
@@ -555,7 +590,12 @@ async def _run(args: argparse.Namespace) -> int:
         if args.state_dir:  # one of the caller's choosing: it must be the caller's own
             refuse_foreign_state(Path(state_dir))
         state_lock = stack.enter_context(StateLock(Path(state_dir)))
-        log_dir = args.log_dir or tempfile.mkdtemp(prefix="elasticd-logs-")
+        run_logs = None
+        log_dir = args.log_dir
+        if not log_dir:  # a folder of the run's own: gone at its end unless needed
+            run_logs = RunLogs(Path(tempfile.mkdtemp(prefix="elasticd-logs-")))
+            stack.callback(run_logs.close)
+            log_dir = str(run_logs.path)
         config = load_config(
             {
                 "host": "127.0.0.1",
@@ -585,7 +625,7 @@ async def _run(args: argparse.Namespace) -> int:
                 master_addr=args.master_addr,
                 master_port=args.master_port,
                 umask=args.umask if args.umask is not None else format_umask(caller_umask),
-                prewarm=[m for arg in args.prewarm for m in arg.split(",") if m],
+                **job_flag_fields(args),
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -616,7 +656,8 @@ async def _run(args: argparse.Namespace) -> int:
             if args.console != "quiet":
                 note(
                     f"job {job.id} submitted: {nproc} worker(s) of {' '.join(command)}; API at "
-                    f"{config.url} (token in {config.token_file}), logs in {config.logs / job.id}"
+                    f"{config.url} (token in {config.token_file}), dashboard at "
+                    f"{dashboard_url(config.url)}, logs in {config.logs / job.id}"
                 )
             follower = asyncio.create_task(_print_events(daemon, job.id, args.console))
             waiter = asyncio.create_task(daemon.jobs.wait(job.id))
@@ -632,9 +673,47 @@ async def _run(args: argparse.Namespace) -> int:
             # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.
             # Said last, after the daemon's own stop, so it is the last line the user sees.
             sig = signal.Signals(daemon.stop_signal or signal.SIGINT)
+            if run_logs is not None:
+                run_logs.keep = keep_run_logs(succeeded=False, asked=args.keep_logs)
+                note(run_logs.kept_line(job.id))
             note(stopped_line(job.id, sig))
             return 128 + sig
-        return report(waiter.result().model_dump(), args.console)
+        code = report(waiter.result().model_dump(), args.console)
+        if run_logs is not None:
+            run_logs.keep = keep_run_logs(succeeded=code == 0, asked=args.keep_logs)
+            if run_logs.keep and (code != 0 or args.console != "quiet"):
+                note(run_logs.kept_line(job.id))
+        return code
+
+
+def keep_run_logs(*, succeeded: bool, asked: bool) -> bool:
+    """Whether an ``elasticd run`` keeps its temporary log folder (pure).
+
+    Removed when the job succeeded: the workers' output was on the console. Kept when
+    it failed or was stopped, as its logs are the evidence (the failed rank's
+    stderr.log, a hung rank's last lines, an error file's traceback), or when the user
+    asked (``--keep-logs``); the run then says where they are.
+    """
+    return asked or not succeeded
+
+
+@dataclass
+class RunLogs:
+    """The temporary log folder of an ``elasticd run`` given no ``--log-dir``: removed
+    when the run ends (also when it could not start) unless :func:`keep_run_logs`."""
+
+    path: Path
+    keep: bool = False
+
+    def kept_line(self, job_id: str) -> str:
+        return (
+            f"the workers' logs are kept in {self.path / job_id} (remove the folder "
+            f"{self.path} when done; --log-dir chooses where they go)"
+        )
+
+    def close(self) -> None:
+        if not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 #: The events ``elasticd run`` prints, by its console level. The default is torchrun's

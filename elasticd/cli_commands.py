@@ -14,15 +14,17 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from elasticd.cli_follow import WorkerOutput, followed_ranks
 from elasticd.client import DEFAULT_URL, Client
 from elasticd.errors import ConfigError
 from elasticd.goodput import BADPUT_KINDS, Goodput
-from elasticd.models import format_umask
+from elasticd.models import Job, format_umask, known
 from elasticd.security import current_umask
 from elasticd.states import JobState
 from elasticd.terminal import printable
@@ -54,6 +56,112 @@ MASTER_ADDR_HELP = "MASTER_ADDR for the workers (default: chosen by elasticd)"
 MASTER_PORT_HELP = "MASTER_PORT for the workers (default: a free port)"
 
 
+PREWARM_HELP = (
+    "keep a standby interpreter per worker that has imported these modules (e.g. torch; "
+    "repeatable or comma-separated); a restart hands the round to it instead of starting cold"
+)
+
+
+def _seconds_or_auto(value: str) -> float | str:
+    """``--progress-timeout``: seconds, or ``auto`` (sized from the job's own pings)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'auto', not {value!r}") from None
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The spec fields ``run`` and ``submit`` both set by flag: warm restarts, hang
+    detection, health checks. Every default is None: the spec's own default applies
+    (:func:`job_flag_fields` sends only what was given)."""
+    p.add_argument("--prewarm", action="append", metavar="MODULE[,MODULE...]", help=PREWARM_HELP)
+    p.add_argument(
+        "--progress-timeout",
+        type=_seconds_or_auto,
+        metavar="SECONDS|auto",
+        help="a worker that has pinged (elasticd.worker.ping) must ping again within this "
+        "many seconds, or the group is restarted as hung; 'auto': sized from the job's own "
+        "ping intervals (default: off)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a worker has for its first ping before the group is restarted as hung "
+        "(default: off)",
+    )
+    p.add_argument(
+        "--checkpoint-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="while a checkpoint is in progress (elasticd.worker.checkpointing()), the most "
+        "seconds it may take, instead of --progress-timeout (default: no deadline)",
+    )
+    p.add_argument(
+        "--max-no-progress-restarts",
+        type=int,
+        metavar="N",
+        help="fail the job after N restarts in a row that made no progress (default: off)",
+    )
+    p.add_argument(
+        "--health-check",
+        metavar="COMMAND",
+        help="a command run before every (re)start of the group, split as a shell would "
+        "(e.g. 'nvidia-smi -L'); a non-zero exit means the node is unhealthy",
+    )
+    p.add_argument(
+        "--health-check-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds the --health-check command may run (default 60)",
+    )
+    p.add_argument(
+        "--no-gpu-health-check",
+        dest="gpu_health_check",
+        action="store_const",
+        const=False,
+        help="skip the built-in nvidia-smi check before each start",
+    )
+    p.add_argument(
+        "--inprocess-restart",
+        action="store_const",
+        const=True,
+        help="the program uses elasticd.inprocess.Wrapper: a dead rank is restarted in "
+        "process by the others (default: the group is restarted)",
+    )
+    p.add_argument(
+        "--log-limit-bytes",
+        type=int,
+        metavar="BYTES",
+        help="the most bytes each worker's stdout.log and stderr.log keep per attempt "
+        "(later output is counted and dropped)",
+    )
+
+
+def job_flag_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec fields :func:`add_job_flags`' flags set (pure): only those given."""
+    fields: dict[str, Any] = {
+        "progress_timeout": args.progress_timeout,
+        "startup_timeout": args.startup_timeout,
+        "checkpoint_timeout": args.checkpoint_timeout,
+        "max_no_progress_restarts": args.max_no_progress_restarts,
+        "health_check_timeout": args.health_check_timeout,
+        "gpu_health_check": args.gpu_health_check,
+        "inprocess_restart": args.inprocess_restart,
+        "log_limit_bytes": args.log_limit_bytes,
+    }
+    if args.prewarm:
+        fields["prewarm"] = [m for arg in args.prewarm for m in arg.split(",") if m]
+    if args.health_check is not None:
+        try:
+            fields["health_check"] = shlex.split(args.health_check)
+        except ValueError as exc:
+            raise ConfigError(f"--health-check {args.health_check!r}: {exc}") from None
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def note(text: str) -> None:
     print(f"[elasticd] {printable(text)}", file=sys.stderr, flush=True)
 
@@ -65,7 +173,8 @@ def report(job: dict[str, Any], console: str = "normal") -> int:
             note(f"job {job['id']} SUCCEEDED after {job['restart_count']} restart(s)")
         return 0
     error = job.get("error") or {}
-    note(f"job {job['id']} {state.value}: {job.get('reason') or ''}")
+    reason = job.get("reason")
+    note(f"job {job['id']} {state.value}" + (f": {reason}" if reason else ""))
     if error.get("traceback"):
         print(printable(error["traceback"], lines=True), file=sys.stderr)
     return 1
@@ -123,7 +232,12 @@ def add_client_commands(sub: Any) -> None:
     submit.add_argument(
         "--nproc-per-node", "--nproc_per_node", type=int, help="workers on each node (default 1)"
     )
-    submit.add_argument("--nnodes", help="MIN[:MAX] nodes, as torchrun's --nnodes")
+    submit.add_argument(
+        "--nnodes",
+        metavar="MIN[:MAX]",
+        help="nodes the job runs on, as torchrun's --nnodes: N, or MIN:MAX to run elastic "
+        "(default 1)",
+    )
     submit.add_argument("--max-restarts", "--max_restarts", type=int, help=SUBMIT_MAX_RESTARTS_HELP)
     submit.add_argument("--role", help=ROLE_HELP)
     submit.add_argument(
@@ -138,17 +252,47 @@ def add_client_commands(sub: Any) -> None:
     submit.add_argument("--master-addr", "--master_addr", help=MASTER_ADDR_HELP)
     submit.add_argument("--master-port", "--master_port", type=int, help=MASTER_PORT_HELP)
     submit.add_argument(
-        "--env", action="append", default=[], metavar="K=V", help="worker env (repeatable)"
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable for the workers (repeatable)",
     )
     submit.add_argument("--cwd", help="workers' directory (default: this one, for a command)")
     submit.add_argument(
         "--umask", help="the workers' umask, octal (default: this shell's, as torchrun's workers)"
     )
     submit.add_argument(
-        "--selector", action="append", default=[], metavar="K=V", help="node label to require"
+        "--selector",
+        "--node-selector",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a node label the job needs (repeatable): it runs only on nodes labelled so",
     )
     submit.add_argument(
-        "--wait", action="store_true", help="follow the job; exit 0 if it succeeds, 1 if not"
+        "--user", help="run the workers as this user (the node must allow it; default: you)"
+    )
+    submit.add_argument(
+        "--join-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a round may wait to gather its minimum of nodes (default 600)",
+    )
+    add_job_flags(submit)
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow the job: its events and its workers' output (those on this daemon's "
+        "node), until it ends; exit 0 if it succeeds, 1 if not",
+    )
+    submit.add_argument(
+        "-q",
+        "--quiet",
+        action="count",
+        default=0,
+        help="with --wait: -q shows the events but not the workers' output; -qq neither, "
+        "only how the job ended",
     )
     submit.add_argument("program", nargs=argparse.REMAINDER, help="SPEC.json | - | -- program args")
 
@@ -326,8 +470,11 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
         "cwd": args.cwd,
         "priority": args.priority,
         "umask": args.umask,
+        "user": args.user,
+        "join_timeout": args.join_timeout,
     }
     spec.update({k: v for k, v in flags.items() if v is not None})
+    spec.update(job_flag_fields(args))
     # As torchrun's workers inherit the umask of the shell that started them.
     spec.setdefault("umask", format_umask(current_umask()))
     if args.nnodes:
@@ -362,10 +509,17 @@ def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
         elif not job.state.is_terminal:
             print(f"job {job.id} submitted ({job.state.value})")
         return 0
-    if not args.json:
+    if not args.json and args.quiet < 2:
+        output = None
+        if args.quiet == 0:
+            ranks = followed_ranks(job.spec.nproc_per_node, job.spec.local_ranks_filter)
+            output = WorkerOutput(client, job.id, ranks, role=job.spec.role)
+            output.start()
         note(f"job {job.id} submitted; following it (Ctrl-C stops following, not the job)")
         for event in client.follow_events(job.id):
             note(f"{event.kind}: {event.message}")
+        if output is not None:
+            output.join()
     final = client.wait(job.id)
     if args.json:
         _print_json(final.model_dump(mode="json"))
@@ -431,37 +585,43 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         _print_json(job.model_dump(mode="json"))
         return 0
     spec = job.spec
+    nodes = spec.max_nodes or spec.min_nodes
     lines = [
         ("job", job.id),
         ("state", job.state.value),
         ("restarts", f"{job.restart_count} of {job.max_restarts}"),
         ("round", str(job.round)),
         ("command", " ".join([spec.entrypoint, *spec.args])),
-        ("workers", f"{spec.nproc_per_node} per node, {spec.min_nodes}-{spec.max_nodes} nodes"),
+        (
+            "workers",
+            f"{spec.nproc_per_node} per node, "
+            + (
+                f"{spec.min_nodes}-{nodes} nodes" if nodes != spec.min_nodes else f"{nodes} node(s)"
+            ),
+        ),
         ("created", _when(job.created_at)),
         ("started", _when(job.started_at)),
         ("finished", _when(job.finished_at)),
     ]
-    if job.reason:
-        lines.append(("reason", job.reason))
+    if now := headline(job):
+        lines.append(("reason", now))
     if job.error:
         e = job.error
         lines.append(
             (
                 "root cause" if job.state is JobState.FAILED else "last failure",
-                f"rank {e.rank} (node {e.node}, local rank {e.local_rank}, "
-                f"attempt {e.attempt}): {e.message}"
-                + (" (from its stderr.log)" if e.source == "log" else ""),
+                f"{e.who()}: {e.message}" + (" (from its stderr.log)" if e.source == "log" else ""),
             )
         )
         for c in job.collateral:
             lines.append(
                 (
                     "collateral",
-                    f"rank {c.rank} (node {c.node}, local rank {c.local_rank}): {c.message} "
-                    "(after the root cause: a consequence)",
+                    f"{c.who(attempt=False)}: {c.message} (after the root cause: a consequence)",
                 )
             )
+    if (r := job.last_recovery) is not None and r.total_s is not None:
+        lines.append(("last recovery", f"{r.total_s:.3f}s in all ({r.cause}): {r.phases_text()}"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key.ljust(width)}  {printable(value)}")
@@ -469,6 +629,17 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         print()
         print(printable(job.error.traceback.rstrip(), lines=True))
     return 0
+
+
+def headline(job: Job) -> str:
+    """What the job is doing now, in words (pure), as the dashboard's header says it: its
+    ``reason`` only while it applies. A RUNNING job still carries the "restarting the
+    group" of its last failure; it reads "running again after N restart(s)" instead."""
+    if job.state is JobState.RUNNING:
+        return f"running again after {job.restart_count} restart(s)" if job.restart_count else ""
+    if job.state is JobState.RESTARTING:
+        return job.reason or "restarting the group"
+    return job.reason or ""
 
 
 def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
@@ -530,8 +701,13 @@ def goodput_text(g: Goodput) -> str:
     elif not g.steps_reported:
         steps = "the job reports no steps (elasticd.worker.ping(step=N)): lost work unknown"
     else:
-        lost = "unknown" if st.lost_steps is None else str(st.lost_steps)
-        steps = f"steps: max {st.max_step}, checkpoint {st.checkpoint_step}, lost {lost}"
+        steps = "steps: " + ", ".join(
+            [
+                *known(("max", st.max_step)),
+                *(known(("checkpoint", st.checkpoint_step)) or ["no checkpoint"]),
+                *(known(("lost", st.lost_steps)) or ["lost unknown"]),
+            ]
+        )
     as_of = "finished" if g.finished else "running"
     return "\n".join(
         [

@@ -392,6 +392,12 @@ class JobSpec(BaseModel):
         return self.model_dump(exclude={"id"})
 
 
+def known(*parts: tuple[str, object]) -> list[str]:
+    """``label value`` for each part whose value is known (pure): what a line shows of a
+    record whose fields may be unset, so that no text says "None"."""
+    return [f"{label} {value}" for label, value in parts if value is not None]
+
+
 class RankStack(BaseModel):
     """Where one rank's main thread was when its node saw the hang (its stack dump, read)."""
 
@@ -450,6 +456,23 @@ class RootCause(BaseModel):
         "are the hang's cause (`Job.error` names one of them).",
     )
 
+    def who(self, *, attempt: bool = True) -> str:
+        """The failed worker in words, naming only what is known (pure): ``rank 1 (node a,
+        local rank 1, attempt 0)``; ``node a (attempt 0)`` for a failure of no one worker (a
+        health check); ``a worker`` when nothing is."""
+        details = known(
+            ("node", self.node),
+            ("local rank", self.local_rank),
+            ("attempt", self.attempt if attempt else None),
+        )
+        if self.rank is not None:
+            head = f"rank {self.rank}"
+        elif details:
+            head, details = details[0], details[1:]
+        else:
+            return "a worker"
+        return head + (f" ({', '.join(details)})" if details else "")
+
     def sort_key(self) -> tuple[float, float]:
         """Earliest failure first: the error file's time, then the exit time (one node's clock)."""
         return (self.timestamp or float("inf"), self.exited_at or float("inf"))
@@ -475,6 +498,29 @@ class Recovery(BaseModel):
     )
     spawned_at: float | None = None
     total_s: float | None = Field(default=None, description="Detected → workers spawned.")
+
+    def phases_text(self) -> str:
+        """``stop 0.100s, rendezvous 0.250s, spawn 0.020s`` (the phases known, pure), and a
+        word when they add up to more than the total: phases overlap (workers started
+        early, during the rendezvous; a round that formed while the old workers stopped;
+        across nodes each phase is the slowest node's, not one node's timeline)."""
+        phases = [
+            (name, s)
+            for name, s in (
+                ("stop", self.stop_s),
+                ("rendezvous", self.rendezvous_s),
+                ("spawn", self.spawn_s),
+            )
+            if s is not None
+        ]
+        text = ", ".join(f"{name} {s:.3f}s" for name, s in phases)
+        summed = sum(s for _, s in phases)
+        if self.total_s is not None and summed > self.total_s + 0.0005:
+            text += (
+                f" (the phases overlap: they add up to {summed:.3f}s, more than the "
+                f"{self.total_s:.3f}s total)"
+            )
+        return text
 
 
 class RecoveryTotals(BaseModel):

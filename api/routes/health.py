@@ -22,14 +22,18 @@ async def healthz(request: Request) -> Health:
     return _alive(request, "ok")
 
 
-def _alive(request: Request, status: str) -> Health:
+def _alive(request: Request, status: str, **more: object) -> Health:
+    """The daemon's health record: its node, version, pid and image's start, and ``more``."""
     daemon = daemon_of(request)
-    return Health(
-        status=status,
-        node=daemon.config.node_name,
-        version=__version__,
-        pid=daemon.pid,
-        started_at=daemon.started_at,
+    return Health.model_validate(
+        {
+            "status": status,
+            "node": daemon.config.node_name,
+            "version": __version__,
+            "pid": daemon.pid,
+            "started_at": daemon.started_at,
+            **more,
+        }
     )
 
 
@@ -55,7 +59,7 @@ async def reload(body: Empty, request: Request) -> Health:
 
 @private.get("/readyz", response_model=Health, responses={503: {"model": Health}})
 async def readyz(request: Request) -> Health | JSONResponse:
-    """The daemon accepts jobs.
+    """The daemon accepts jobs; its pid and image's start, as ``/healthz``'s.
 
     503 with the reason while starting, waiting for its store, shutting down, or
     while its disk refuses writes ("storage degraded since T: ...: disk full").
@@ -64,13 +68,8 @@ async def readyz(request: Request) -> Health | JSONResponse:
     """
     daemon = daemon_of(request)
     reason = daemon.not_ready_reason
-    health = Health(
-        status="ready" if reason is None else "not ready",
-        node=daemon.config.node_name,
-        version=__version__,
-        reason=reason,
-        warnings=daemon.warnings,
-    )
+    status = "ready" if reason is None else "not ready"
+    health = _alive(request, status, reason=reason, warnings=daemon.warnings)
     if reason is not None:
         return JSONResponse(health.model_dump(), status_code=503)
     return health

@@ -44,6 +44,10 @@ FAVICON = (
 )
 
 
+#: Where the dashboard is served (``elasticd serve`` and ``run`` print its URL).
+DASHBOARD_PATH = "/ui"
+
+
 def _hash(source: str) -> str:
     digest = hashlib.sha256(source.encode()).digest()
     return "'sha256-" + base64.b64encode(digest).decode() + "'"
@@ -72,10 +76,12 @@ def page() -> tuple[str, str]:
 
 @router.get("/", include_in_schema=False)
 async def root() -> RedirectResponse:
-    return RedirectResponse("/ui", status_code=307)
+    return RedirectResponse(DASHBOARD_PATH, status_code=307)
 
 
-@router.get("/ui", response_class=HTMLResponse, summary="Dashboard page (no data, no auth)")
+@router.get(
+    DASHBOARD_PATH, response_class=HTMLResponse, summary="Dashboard page (no data, no auth)"
+)
 async def dashboard() -> HTMLResponse:
     """The dashboard: jobs, worker grids, the last recovery, live events. Static; no auth."""
     html, csp = page()

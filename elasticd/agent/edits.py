@@ -181,11 +181,7 @@ def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -
             # the job document holds no third copy of every rank's stack.
             "collateral": [f.model_copy(update={"collateral": True, "stacks": None}) for f in rest],
         }
-        said = (
-            first.message
-            if blamed
-            else f"rank {first.rank} on {first.node} failed: {first.message}"
-        )
+        said = first.message if blamed else f"{first.who(attempt=False)} failed: {first.message}"
         reason = f"{said}; restarting the group"
         if job.state is JobState.RUNNING:
             changes["state"] = JobState.RESTARTING  # RUNNING -> RESTARTING
@@ -241,7 +237,7 @@ def _charge(job: Job, pending: PendingFailure | None, participants: Iterable[str
     if lost:  # a participant did not come back: a membership change, free
         return {"pending_failure": None, "charged_round": pending.round}
     err = pending.error
-    root = f"root cause: rank {err.rank} (local {err.local_rank}) on {err.node}: {err.message}"
+    root = f"root cause: {err.who(attempt=False)}: {err.message}"
     progress, stuck = close_attempt(job, pending.round)
     charged: JobEdit = {"pending_failure": None, "charged_round": pending.round}
     if progress != job.progress:

@@ -246,8 +246,7 @@ class RecoveryHook:
         self.emit(
             EventKind.RECOVERY_TOTAL,
             f"recovered on {self.node} in {mine.total_s:.3f}s ({mine.cause}): "
-            f"stop {mine.stop_s:.3f}s, rendezvous {mine.rendezvous_s:.3f}s, "
-            f"spawn {mine.spawn_s:.3f}s"
+            + mine.phases_text()
             + (" (the workers were started early, during the rendezvous)" if early else ""),
             attempt=attempt,
             duration_s=mine.total_s,

@@ -181,8 +181,11 @@ SYSCALLS: dict[str, dict[str, int]] = {
 #: verdicts. Run as root with an EMPTY environment (no ``PERL5LIB``/``PERL5OPT``), it loads no
 #: module. The user switch is the kernel's own calls, checked afterwards in
 #: ``/proc/self/status`` (real, effective and saved ids, and the supplementary groups), so a
-#: process that could regain root never runs anything of the job.
+#: process that could regain root never runs anything of the job. Its first statement names
+#: the process ``elasticd-stage`` (Perl's ``$0``: the argument area is overwritten, ``comm``
+#: set), run as it is parsed: ``ps`` shows the name, not 3 KB of program text.
 PERL_STAGE = r"""
+BEGIN { $0 = "elasticd-stage" }  # what ps shows of it: a name, not this program's text
 my ($pfd, $efd, $ppid, $u, $g, $gs, $sp, $exe, @rest) = @ARGV;
 sub fail {  # a verdict on the pipe (fd 0), as the Python stage and the resolver give one
   my ($what, $n) = @_;

@@ -133,7 +133,7 @@ def test_settle_failure_fails_the_job_for_no_progress_before_the_budget() -> Non
     edit = settle_failure(_round(5))(_job(p, restarts=2, pending=4))
     assert edit["state"] is JobState.FAILED
     assert edit["reason"] is not None and edit["reason"].startswith("no progress in 2 restarts")
-    assert "root cause: rank None (local None) on None: boom" in edit["reason"]
+    assert "root cause: a worker: boom" in edit["reason"] and "None" not in edit["reason"]
     assert edit["progress"].no_progress_restarts == 2
     assert "restart_count" not in edit
 

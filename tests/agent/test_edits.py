@@ -74,7 +74,7 @@ def test_the_first_failure_in_time_is_the_cause_and_the_rest_collateral() -> Non
     job = _apply(job, culprit)
     assert job.error == culprit
     assert [(c.node, c.collateral) for c in job.collateral] == [("b", True)]
-    assert job.reason is not None and job.reason.startswith("rank 0 on a failed")
+    assert job.reason is not None and job.reason.startswith("rank 0 (node a) failed")
     job = _apply(job, _failure("c", 1.2, WALL + 3600))
     assert job.error == culprit
     assert [(c.node, c.collateral) for c in job.collateral] == [("b", True), ("c", True)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 
@@ -90,9 +91,13 @@ async def test_restart_keeps_finished_jobs_and_resumes_running_ones(tmp_path):
 
 
 async def test_readyz_reflects_accepting_jobs(daemon, client):
-    """/readyz is 200 while the daemon accepts jobs and 503 once it stops accepting; POST /jobs too."""
-    assert (await client.get("/readyz")).status_code == 200
+    """/readyz is 200 while the daemon accepts jobs and 503 once it stops accepting; POST /jobs
+    too. Either way it reports the daemon's pid and start, as /healthz does."""
+    ready = await client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["pid"] == os.getpid()
+    assert ready.json()["started_at"] == (await client.get("/healthz")).json()["started_at"]
     daemon.jobs.stop_accepting()
-    assert (await client.get("/readyz")).status_code == 503
+    stopping = await client.get("/readyz")
+    assert stopping.status_code == 503 and stopping.json()["pid"] == os.getpid()
     r = await client.post("/jobs", json={"entrypoint": PY})
     assert r.status_code == 503 and "shutting down" in r.json()["detail"]

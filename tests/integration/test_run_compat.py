@@ -32,7 +32,7 @@ print(f"rank {os.environ['LOCAL_RANK']} argv {sys.argv[1:]}")
 
 
 def run(
-    tmp_path, body: str, *args: str, stdin: str | None = None
+    tmp_path, body: str, *args: str, stdin: str | None = None, flags: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "script.py"
     script.write_text(body)
@@ -45,6 +45,7 @@ def run(
             "-m",
             "elasticd",
             "run",
+            *flags,
             "--nproc-per-node",
             "2",
             "--termination-grace",
@@ -229,3 +230,13 @@ def test_workers_get_the_launchers_stdin_as_under_torchrun(tmp_path):
     done = run(tmp_path, READ_INPUT, stdin="hi\n")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 read 'hi'" in done.stdout + done.stderr
+
+
+def test_run_takes_the_job_flags_submit_takes(tmp_path):
+    """`elasticd run` shares submit's job flags (--health-check, --startup-timeout, ...): a
+    health check that fails ends the run as FAILED, naming the check."""
+    flags = ("--startup-timeout", "60", "--prewarm", "json", "--health-check", "false")
+    done = run(tmp_path, "print('hi')\n", flags=flags)
+    assert done.returncode == 1, done.stderr
+    assert "health_check: 'false' exited with code 1" in done.stderr
+    assert "hi" not in done.stdout

@@ -254,3 +254,147 @@ async def test_cli_queue_and_priority(live, tmp_path, capsys, monkeypatch):
     for job_id in ("blocker", "low", "high"):
         rc, _, _ = await run_cli(capsys, "cancel", job_id)
         assert rc == 0
+
+
+async def test_cli_submit_flags_set_the_spec_fields_users_set_often(
+    live, tmp_path, capsys, monkeypatch
+):
+    """`elasticd submit`'s flags for prewarm, the hang timeouts, health checks, nodes, env,
+    priority and selector reach the job's spec as given; unset flags leave its defaults."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    argv = [
+        "submit",
+        "--id",
+        "flags1",
+        "--json",
+        "--prewarm",
+        "json,email",
+        "--prewarm",
+        "csv",
+        "--progress-timeout",
+        "auto",
+        "--startup-timeout",
+        "120",
+        "--checkpoint-timeout",
+        "600",
+        "--max-no-progress-restarts",
+        "2",
+        "--health-check",
+        "true --quiet 'a b'",
+        "--health-check-timeout",
+        "5",
+        "--no-gpu-health-check",
+        "--nnodes",
+        "1:2",
+        "--join-timeout",
+        "30",
+        "--env",
+        "A=1",
+        "--priority",
+        "4",
+        "--node-selector",
+        "zone=a",
+        "--termination-grace",
+        "1",
+        "--",
+        PY,
+        "-c",
+        "pass",
+    ]
+    rc, out, err = await run_cli(capsys, *argv)
+    assert rc == 0, err
+    spec = json.loads(out)["spec"]
+    assert spec["prewarm"] == ["json", "email", "csv"]
+    assert spec["progress_timeout"] == "auto" and spec["startup_timeout"] == 120.0
+    assert spec["checkpoint_timeout"] == 600.0 and spec["max_no_progress_restarts"] == 2
+    assert spec["health_check"] == ["true", "--quiet", "a b"]
+    assert spec["health_check_timeout"] == 5.0 and spec["gpu_health_check"] is False
+    assert (spec["min_nodes"], spec["max_nodes"], spec["join_timeout"]) == (1, 2, 30.0)
+    assert (spec["env"], spec["priority"], spec["node_selector"]) == ({"A": "1"}, 4, {"zone": "a"})
+    assert spec["inprocess_restart"] is False and spec["max_restarts"] == 3  # defaults
+    rc, _, err = await run_cli(capsys, "cancel", "flags1")
+    assert rc == 0, err
+
+    with pytest.raises(SystemExit) as usage:
+        await run_cli(capsys, "submit", "--progress-timeout", "soon", "--", PY)
+    assert usage.value.code == 2 and "expected seconds or 'auto'" in capsys.readouterr().err
+    rc, _, err = await run_cli(capsys, "submit", "--startup-timeout", "0", "--", PY)
+    assert rc == 1 and "startup_timeout" in err and err.endswith("(422)\n")
+
+
+CRASH_ONCE_THEN_RUN = """
+import os, sys, time
+from elasticd.worker import ping
+if os.environ["LOCAL_RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(3)
+for step in range(1, 4):
+    ping(step=step)
+    time.sleep(0.05)
+time.sleep(60)
+"""
+
+
+async def test_cli_status_says_what_applies_now_and_never_none(live, tmp_path, capsys, monkeypatch):
+    """`elasticd status` of a job RUNNING again after a crash shows no stale "restarting the
+    group"; status and goodput never print None (no rank of a failed health check, no
+    checkpoint); the last recovery's phases are shown."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    path = script(tmp_path, "again.py", CRASH_ONCE_THEN_RUN)
+    argv = ["submit", "--id", "again", "--nproc-per-node", "2", "--termination-grace", "1"]
+    rc, _, err = await run_cli(capsys, *argv, "--", PY, path)
+    assert rc == 0, err
+    async with asyncio.timeout(30):
+        while True:
+            rc, out, _ = await run_cli(capsys, "status", "--json", "again")
+            job = json.loads(out)
+            if job["state"] == "RUNNING" and job["restart_count"] == 1 and job["last_recovery"]:
+                break
+            await asyncio.sleep(0.1)
+    assert "restarting the group" in job["reason"]  # the document keeps it; status must not
+    rc, out, _ = await run_cli(capsys, "status", "again")
+    assert rc == 0 and "restarting the group" not in out and "None" not in out
+    assert "running again after 1 restart(s)" in out
+    assert "rank 1 (node node-a, local rank 1, attempt 0): worker exited with code 3" in out
+    assert "last recovery" in out and "rendezvous " in out
+    rc, _, _ = await run_cli(capsys, "cancel", "again")
+    with Client(url_of(live), token=live.token) as c:
+        await asyncio.to_thread(c.wait, "again", timeout=30)
+    rc, out, _ = await run_cli(capsys, "goodput", "again")
+    assert rc == 0 and "steps: max 3, no checkpoint, lost " in out and "None" not in out
+
+    argv = ["submit", "--id", "sick", "--max-restarts", "0", "--health-check", "false", "--wait"]
+    rc, _, err = await run_cli(capsys, *argv, "--", PY, "-c", "pass")
+    assert rc == 1 and "None" not in err
+    rc, out, _ = await run_cli(capsys, "status", "sick")
+    assert "root cause  node node-a" in out and "health check failed" in out
+    assert "None" not in out
+
+
+@pytest.mark.parametrize("quiet", [(), ("-q",), ("-qq",)])
+async def test_cli_submit_wait_streams_the_workers_output_unless_quiet(
+    live, tmp_path, capsys, monkeypatch, quiet
+):
+    """`submit --wait` prints the workers' output as it comes (stdout to stdout, stderr to
+    stderr, each worker's lines prefixed), across the restart, beside the events; -q keeps
+    only the events, -qq only how the job ended."""
+    monkeypatch.setenv("ELASTICD_URL", url_of(live))
+    path = script(tmp_path, "crash.py", CRASH_ONCE)
+    argv = ["submit", "--nproc-per-node", "2", "--wait", *quiet, "--", PY, path]
+    rc, out, err = await run_cli(capsys, *argv)
+    assert rc == 0, err
+    assert "SUCCEEDED after 1 restart(s)" in err
+    if not quiet:
+        assert sorted(out.splitlines()) == [
+            "[default0]:==> attempt 1 <==",
+            "[default0]:rank 0 attempt 0",
+            "[default0]:rank 0 attempt 1",
+            "[default1]:==> attempt 1 <==",
+            "[default1]:rank 1 attempt 0",
+            "[default1]:rank 1 attempt 1",
+        ]
+        assert "[default1]:crashing\n" in err and "group.restarting" in err
+    else:
+        assert out == "" and "crashing" not in err
+        assert ("group.restarting" in err) is (quiet == ("-q",))
+        if quiet == ("-qq",):
+            assert err.count("\n") == 1

@@ -681,6 +681,46 @@ def test_the_perl_stage_reports_a_failed_step_and_runs_nothing(
             os.close(env_fd)
 
 
+@pytest.mark.skipif(find_perl() is None, reason="no usable perl here")
+def test_the_perl_stage_reads_as_its_name_in_ps(tmp_path: Path) -> None:
+    """While the stage runs (here: held reading the job's environment), its command line and
+    its comm read `elasticd-stage`, not the program's text; it then goes on as before."""
+    from elasticd.supervise.spawn import perl_stage
+
+    stage, perl = perl_stage(), find_perl()
+    assert stage is not None and perl is not None
+    marker = tmp_path / "ran"
+    env_r, env_w = os.pipe()
+    verdict_r, verdict_w = os.pipe()
+    argv = [perl, "-e", stage, "--", "-1", str(env_r), str(os.getpid())]
+    argv += ["-1", "-1", "", "", "/bin/sh", "sh", "-c", f"touch {marker}"]
+    proc = subprocess.Popen(argv, stdin=verdict_w, pass_fds=(env_r,), env={})
+    try:
+        os.close(verdict_w)
+        verdict_w = -1
+        deadline = time.monotonic() + 10
+        # Until the exec and the name's write are done, /proc shows this process's command
+        # line, then perl's with the program, then the name.
+        name = b"elasticd-stage\0"
+        while not (cmdline := Path(f"/proc/{proc.pid}/cmdline").read_bytes()).startswith(name):
+            assert time.monotonic() < deadline, cmdline
+            time.sleep(0.005)
+        assert b"syscall" not in cmdline
+        assert Path(f"/proc/{proc.pid}/comm").read_text() == "elasticd-stage\n"
+        os.write(env_w, b"PATH=/usr/bin:/bin")
+        os.close(env_w)
+        env_w = -1
+        assert proc.wait(30) == 0 and marker.exists()
+        assert os.read(verdict_r, 100) == b""  # EOF, no verdict: it started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for fd in (env_r, env_w, verdict_r, verdict_w):
+            if fd >= 0:
+                os.close(fd)
+
+
 @pytest.mark.parametrize(
     ("zombies", "before", "known", "reaped"),
     [

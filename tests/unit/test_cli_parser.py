@@ -134,4 +134,4 @@ def test_bash_completion_from_the_parser_completes_commands_flags_and_choices(tm
     assert complete(script, "elasticd", "logs", "j", "--stream", "") == ["stdout", "stderr"]
     assert complete(script, "elasticd", "install-service", "--d") == ["--dry-run"]
     assert "--max-restarts" in complete(script, "elasticd", "run", "--max")
-    assert complete(script, "elasticd", "completion", "") == ["bash"]  # a positional's choices
+    assert complete(script, "elasticd", "completion", "") == ["bash", "zsh", "fish"]  # choices

@@ -149,3 +149,33 @@ def test_progress_rules_of_a_spec():
     )
     with pytest.raises(ValidationError, match='a number of seconds or "auto"'):
         JobSpec.model_validate({"entrypoint": "x", "progress_timeout": "fast"})
+
+
+def test_recovery_phases_say_when_they_overlap():
+    """Phases that add up to the total read as they are; a round that formed while the old
+    workers stopped makes them add up to more, and the text says they overlap."""
+    from elasticd.models import Recovery
+
+    apart = Recovery(
+        round=1, cause="c", detected_at=0, stop_s=0.2, rendezvous_s=0.5, spawn_s=0.05, total_s=0.75
+    )
+    assert apart.phases_text() == "stop 0.200s, rendezvous 0.500s, spawn 0.050s"
+    formed_while_stopping = apart.model_copy(
+        update={"rendezvous_s": 0.0, "spawn_s": 0.6, "total_s": 0.6}
+    )
+    assert formed_while_stopping.phases_text() == (
+        "stop 0.200s, rendezvous 0.000s, spawn 0.600s (the phases overlap: they add up to "
+        "0.800s, more than the 0.600s total)"
+    )
+
+
+def test_a_root_cause_names_only_what_is_known():
+    """A worker's failure names its rank and place; a health check's (no rank) its node;
+    nothing unknown is shown as None."""
+    from elasticd.models import RootCause
+
+    worker = RootCause(message="m", rank=1, node="a", local_rank=1, attempt=0)
+    assert worker.who() == "rank 1 (node a, local rank 1, attempt 0)"
+    assert worker.who(attempt=False) == "rank 1 (node a, local rank 1)"
+    assert RootCause(message="m", node="a", attempt=2).who() == "node a (attempt 2)"
+    assert RootCause(message="m").who() == "a worker"

@@ -290,6 +290,23 @@ async def test_cancel_asks_first_then_cancels_the_job(tmp_path):
         assert await s.page.inner_text("#job-error") == ""
 
 
+async def test_after_a_cancel_the_grid_and_the_event_tail_follow_the_job_to_its_end(tmp_path):
+    """Cancelled while shown: the grid leaves HEALTHY and the event tail goes on past the job's
+    end to its workers' exits and the agent's ``agent.finished``."""
+    async with session(tmp_path) as s:
+        await s.submit("doomed", ["-c", "import time; time.sleep(600)"], n=2)
+        await s.sign_in("#doomed")
+        await s.page.locator('#workers .worker[data-state="HEALTHY"]').nth(1).wait_for()
+        await s.page.click('#job-head button[data-action="cancel"]')
+        await s.page.click("#cancel-confirm")
+        await s.page.wait_for_selector('#job-head .badge[data-state="CANCELLED"]')
+        for kind in ("worker.exited", "workers.stopped", "agent.finished"):
+            await s.page.wait_for_selector(f'#event-rows tr[data-kind="{kind}"]', state="attached")
+        await s.page.wait_for_selector('#events-note:has-text("job ended")')
+        await s.page.wait_for_selector('#workers .group-head .badge:not([data-state="HEALTHY"])')
+        assert await s.page.locator('#workers [data-state="HEALTHY"]').count() == 0
+
+
 async def test_a_refused_cancel_shows_the_apis_error(tmp_path):
     """Another identity's cancel of the admin's job: the page shows the 403 and its reason."""
     token = new_token()
@@ -345,6 +362,37 @@ async def test_a_job_that_succeeded_after_a_failure_shows_its_last_failure(tmp_p
         reason = await s.page.inner_text("#reason")
         assert "every worker exited 0" in reason
         assert "last failure: rank 1" in reason and "root cause" not in reason
+
+
+#: Rank 1 writes its failure to stderr and exits 3; rank 0 prints to stdout and waits.
+FAILS_ON_RANK_1 = """
+import os, sys, time
+print("rank", os.environ["RANK"], "is fine", flush=True)
+if os.environ["RANK"] == "1":
+    print("rank 1 fell over", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+async def test_a_failed_jobs_log_pane_opens_on_the_failed_ranks_stderr(tmp_path):
+    """A FAILED job's log pane shows the failed rank's stderr (its attempt), not rank 0's
+    stdout."""
+    async with session(tmp_path) as s:
+        spec = {
+            "id": "broken", "entrypoint": PY, "args": [script(tmp_path, "f.py", FAILS_ON_RANK_1)],
+            "nproc_per_node": 2, "max_restarts": 0, "termination_grace": 1,
+        }  # fmt: skip
+        assert (await s.api.post("/jobs", json=spec)).status_code == 201
+        await follow_until(s.api, "broken", job_ended, 30)
+        await s.sign_in("#broken")
+        await s.page.wait_for_selector('#job-head .badge[data-state="FAILED"]')
+        log = s.page.locator("#log-text")
+        await log.filter(has_text="rank 1 fell over").wait_for()
+        assert await log.get_attribute("data-key") == "hard-node/1"
+        assert await log.get_attribute("data-stream") == "stderr"
+        assert await s.page.input_value("#log-stream") == "stderr"
+        assert await s.page.input_value("#log-worker") == "hard-node/1"
 
 
 async def test_at_phone_width_nothing_overflows_sideways(tmp_path):

@@ -2,9 +2,10 @@
 
 The first test runs an in-process daemon; the others run ``elasticd serve`` subprocesses
 (tests/hardening/support.py) with real jobs: the log viewer, cancel (confirmed, and
-refused for another identity's job), hash routing with back and forward, the wording of
-a job that succeeded after a failure, the goodput panel, a phone-width layout and the
-favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py), the culprit of a
+refused for another identity's job), the grid and event tail after a cancel, hash routing
+with back and forward, the wording of a job that succeeded after a failure, a failed job's
+log pane on its failed rank's stderr, the attempt picker, the goodput panel, a phone-width
+layout and the favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py), the culprit of a
 failed job shown first, with its stderr, and its collateral apart.
 
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
@@ -393,6 +394,27 @@ async def test_a_failed_jobs_log_pane_opens_on_the_failed_ranks_stderr(tmp_path)
         assert await log.get_attribute("data-stream") == "stderr"
         assert await s.page.input_value("#log-stream") == "stderr"
         assert await s.page.input_value("#log-worker") == "hard-node/1"
+
+
+async def test_the_attempt_picker_shows_an_earlier_attempts_log(tmp_path):
+    """Rank 1 crashed in attempt 0 and not in attempt 1: its stderr's attempt 0 shows the
+    crash, the latest does not."""
+    async with session(tmp_path) as s:
+        await s.submit("twice", [script(tmp_path, "crash.py", CRASH_ONCE)], n=2)
+        await s.sign_in("#twice")
+        await s.page.wait_for_selector('#job-head .badge[data-state="SUCCEEDED"]')
+        await s.page.wait_for_selector('#log-attempt option[value="1"]', state="attached")
+        await s.page.select_option("#log-worker", value="hard-node/1")
+        await s.page.select_option("#log-stream", value="stderr")
+        log = s.page.locator("#log-text")
+        await s.page.wait_for_selector('#log-text[data-key="hard-node/1"][data-stream="stderr"]')
+        await s.page.select_option("#log-attempt", value="0")
+        await log.filter(has_text="crashing").wait_for()
+        assert await log.get_attribute("data-attempt") == "0"
+        await s.page.select_option("#log-attempt", value="1")
+        await s.page.wait_for_selector('#log-text[data-attempt="1"]')
+        await s.page.wait_for_selector('#log-note:not(:has-text("loading"))')
+        assert "crashing" not in await log.inner_text()
 
 
 async def test_at_phone_width_nothing_overflows_sideways(tmp_path):

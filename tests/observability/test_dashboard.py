@@ -2,9 +2,10 @@
 
 The first test runs an in-process daemon; the others run ``elasticd serve`` subprocesses
 (tests/hardening/support.py) with real jobs: the log viewer, cancel (confirmed, and
-refused for another identity's job), hash routing with back and forward, the wording of
-a job that succeeded after a failure, the goodput panel, a phone-width layout and the
-favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py), the culprit of a
+refused for another identity's job), the grid and event tail after a cancel, hash routing
+with back and forward, the wording of a job that succeeded after a failure, a failed job's
+log pane on its failed rank's stderr, the attempt picker, the goodput panel, a phone-width
+layout and the favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py), the culprit of a
 failed job shown first, with its stderr, and its collateral apart.
 
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
@@ -290,6 +291,23 @@ async def test_cancel_asks_first_then_cancels_the_job(tmp_path):
         assert await s.page.inner_text("#job-error") == ""
 
 
+async def test_after_a_cancel_the_grid_and_the_event_tail_follow_the_job_to_its_end(tmp_path):
+    """Cancelled while shown: the grid leaves HEALTHY and the event tail goes on past the job's
+    end to its workers' exits and the agent's ``agent.finished``."""
+    async with session(tmp_path) as s:
+        await s.submit("doomed", ["-c", "import time; time.sleep(600)"], n=2)
+        await s.sign_in("#doomed")
+        await s.page.locator('#workers .worker[data-state="HEALTHY"]').nth(1).wait_for()
+        await s.page.click('#job-head button[data-action="cancel"]')
+        await s.page.click("#cancel-confirm")
+        await s.page.wait_for_selector('#job-head .badge[data-state="CANCELLED"]')
+        for kind in ("worker.exited", "workers.stopped", "agent.finished"):
+            await s.page.wait_for_selector(f'#event-rows tr[data-kind="{kind}"]', state="attached")
+        await s.page.wait_for_selector('#events-note:has-text("job ended")')
+        await s.page.wait_for_selector('#workers .group-head .badge:not([data-state="HEALTHY"])')
+        assert await s.page.locator('#workers [data-state="HEALTHY"]').count() == 0
+
+
 async def test_a_refused_cancel_shows_the_apis_error(tmp_path):
     """Another identity's cancel of the admin's job: the page shows the 403 and its reason."""
     token = new_token()
@@ -345,6 +363,58 @@ async def test_a_job_that_succeeded_after_a_failure_shows_its_last_failure(tmp_p
         reason = await s.page.inner_text("#reason")
         assert "every worker exited 0" in reason
         assert "last failure: rank 1" in reason and "root cause" not in reason
+
+
+#: Rank 1 writes its failure to stderr and exits 3; rank 0 prints to stdout and waits.
+FAILS_ON_RANK_1 = """
+import os, sys, time
+print("rank", os.environ["RANK"], "is fine", flush=True)
+if os.environ["RANK"] == "1":
+    print("rank 1 fell over", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+async def test_a_failed_jobs_log_pane_opens_on_the_failed_ranks_stderr(tmp_path):
+    """A FAILED job's log pane shows the failed rank's stderr (its attempt), not rank 0's
+    stdout."""
+    async with session(tmp_path) as s:
+        spec = {
+            "id": "broken", "entrypoint": PY, "args": [script(tmp_path, "f.py", FAILS_ON_RANK_1)],
+            "nproc_per_node": 2, "max_restarts": 0, "termination_grace": 1,
+        }  # fmt: skip
+        assert (await s.api.post("/jobs", json=spec)).status_code == 201
+        await follow_until(s.api, "broken", job_ended, 30)
+        await s.sign_in("#broken")
+        await s.page.wait_for_selector('#job-head .badge[data-state="FAILED"]')
+        log = s.page.locator("#log-text")
+        await log.filter(has_text="rank 1 fell over").wait_for()
+        assert await log.get_attribute("data-key") == "hard-node/1"
+        assert await log.get_attribute("data-stream") == "stderr"
+        assert await s.page.input_value("#log-stream") == "stderr"
+        assert await s.page.input_value("#log-worker") == "hard-node/1"
+
+
+async def test_the_attempt_picker_shows_an_earlier_attempts_log(tmp_path):
+    """Rank 1 crashed in attempt 0 and not in attempt 1: its stderr's attempt 0 shows the
+    crash, the latest does not."""
+    async with session(tmp_path) as s:
+        await s.submit("twice", [script(tmp_path, "crash.py", CRASH_ONCE)], n=2)
+        await s.sign_in("#twice")
+        await s.page.wait_for_selector('#job-head .badge[data-state="SUCCEEDED"]')
+        await s.page.wait_for_selector('#log-attempt option[value="1"]', state="attached")
+        await s.page.select_option("#log-worker", value="hard-node/1")
+        await s.page.select_option("#log-stream", value="stderr")
+        log = s.page.locator("#log-text")
+        await s.page.wait_for_selector('#log-text[data-key="hard-node/1"][data-stream="stderr"]')
+        await s.page.select_option("#log-attempt", value="0")
+        await log.filter(has_text="crashing").wait_for()
+        assert await log.get_attribute("data-attempt") == "0"
+        await s.page.select_option("#log-attempt", value="1")
+        await s.page.wait_for_selector('#log-text[data-attempt="1"]')
+        await s.page.wait_for_selector('#log-note:not(:has-text("loading"))')
+        assert "crashing" not in await log.inner_text()
 
 
 async def test_at_phone_width_nothing_overflows_sideways(tmp_path):

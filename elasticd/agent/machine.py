@@ -33,6 +33,7 @@ RUNNING                 RoundChanged (other, a fence)  FORMING         no
 BARRIER                 BarrierDone (passed, closed)   DONE            no
 BARRIER                 BarrierDone (a peer changed)   FORMING         no
 RESTARTING              FailureRecorded                FORMING         (early restart: budget)
+RESTARTING              FailureRecorded (job ended)    DONE            (charged: no restart left)
 any but DONE            StoreLost                      FORMING         no
 any                     Cancelled                      DONE            no
 any                     Crashed                        DONE            no
@@ -656,6 +657,10 @@ def _barrier(state: AgentState, event: Event, now: float) -> Step:
 
 def _restarting(state: AgentState, event: Event) -> Step:
     match event:
+        case FailureRecorded(job_ended=True):
+            # The failure ended the job (no restart left, charged at once; or it ended
+            # meanwhile): no round to form (issue 41: it formed one, then saw the end).
+            return _done(state), (CloseRendezvous(), FinishClosed())
         case FailureRecorded() as rec:
             forming = replace(state, phase=Phase.FORMING, early=None)
             effects: tuple[Effect, ...] = (SetState(WorkerState.INIT),)

@@ -58,6 +58,7 @@ ROUND_VARIABLES = frozenset(
         "ELASTICD_ATTEMPT",
         "ELASTICD_CHECKPOINT_STEP",  # the job's last checkpoint moves on between attempts
         "ELASTICD_CHECKPOINT_PATH",
+        "ELASTICD_FLIGHT_RECORDER_FILE",  # in the attempt's log folder
     }
 )
 

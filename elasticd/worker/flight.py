@@ -64,6 +64,9 @@ def _run(path: str) -> None:
         text = _dump()
         if text is None:
             continue
+        # Read again at each write: a standby (prewarm) started with one attempt's path
+        # is handed the next attempt's before its script runs.
+        path = os.environ.get(FILE_VAR) or path
         tmp = f"{path}.tmp"
         try:
             with open(tmp, "w") as f:

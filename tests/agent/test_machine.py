@@ -283,7 +283,7 @@ TABLE: list[tuple[AgentState, Event, AgentState, tuple[Effect, ...]]] = [
         (SetState(INIT), PlanEarlyRestart(SOLO, 2)),
     ),
     (at(RS), recorded(restart_count=3), at(F), (SetState(INIT),)),  # the budget is spent
-    (at(RS), recorded(job_ended=True), at(F), (SetState(INIT),)),
+    (at(RS), recorded(job_ended=True), at(D), (CloseRendezvous(), FinishClosed())),
     (at(RS), recorded(recorded_here=False), at(F), (SetState(INIT),)),  # another round's
     # -- any phase but DONE: the store lost; any phase: a cancel, a crash
     *[

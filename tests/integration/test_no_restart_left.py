@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.conftest import PY, events_of, wait_job
@@ -21,9 +23,11 @@ async def test_a_crash_with_no_restart_left_fails_without_restarting(client) -> 
     assert (job["state"], job["restart_count"]) == ("FAILED", 0), job
     assert job["reason"].startswith("restart budget spent (0 restarts)"), job
     assert job["error"]["exit_code"] == 3, job
-    events = await events_of(client, job["id"])
+    async with asyncio.timeout(30):  # the agent's end: all it did after the failure is in
+        while (events := await events_of(client, job["id"]))[-1]["kind"] != "agent.finished":
+            await asyncio.sleep(0.05)
     states = [e["state"] for e in events if e["kind"] == "job.state"]
     assert "RESTARTING" not in states, states
     kinds = [e["kind"] for e in events]
     assert "group.restarting" not in kinds, kinds
-    assert kinds.count("rendezvous.complete") == 1, kinds
+    assert kinds.count("rendezvous.complete") == 1, kinds  # no second round

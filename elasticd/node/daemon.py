@@ -227,6 +227,9 @@ class Daemon(ReexecMixin):
         #: Set by ``elasticd serve``: this daemon may re-execute itself (SIGHUP, /reload).
         self.can_reexec = False
         self._reload = asyncio.Event()
+        #: From the reload's request (SIGHUP, ``POST /reload``, one held across an exec)
+        #: through its pre-flight: ``/readyz`` says a reload is coming (not ready).
+        self._reload_checking = False
         self._reexecing = False
         #: The image's start and the process (``/healthz``).
         self.started_at = IMAGE_STARTED
@@ -318,6 +321,8 @@ class Daemon(ReexecMixin):
         if self._state is DaemonState.RUNNING:
             if self._reexecing:
                 return "re-executing (elasticd reload): back in a moment"
+            if self._reload.is_set() or self._reload_checking:
+                return "a reload is asked (elasticd reload): checking the new program"
             if adopting := self.jobs.adopting:
                 return f"re-adopting the workers of {adopting} job(s) after a re-exec"
             if not self.jobs.accepting:
@@ -843,8 +848,12 @@ class Daemon(ReexecMixin):
         while not self._stop.is_set():
             await race(self._stop.wait(), self._reload.wait())
             if self._reload.is_set() and not self._stop.is_set():
+                self._reload_checking = True  # still not ready: the request is being served
                 self._reload.clear()
-                await self.reexec()
+                try:
+                    await self.reexec()
+                finally:
+                    self._reload_checking = False
         await self._take_up_before_the_stop()
         await self.shutdown()
 

@@ -57,19 +57,45 @@ async def in_the_window(daemon: Served, timeout: float = 90) -> None:
 
 async def settled(daemon: Served, c: httpx.AsyncClient, timeout: float = 120) -> None:
     """Until the daemon has re-executed, every exec has come up as a ready image (each logs
-    its window once) and the daemon is ready."""
+    its window once) and the daemon is ready: ``/readyz`` is not ready while a reload is
+    asked or checked (one held across the exec is asked as the image starts)."""
     deadline = time.monotonic() + timeout
     while True:
         assert daemon.proc.poll() is None, daemon.output()[-4000:]
         execs, ups = lines(daemon, "exec'ing now"), lines(daemon, "re-exec window:")
         with contextlib.suppress(httpx.TransportError):
             ready = execs == ups > 0 and (await c.get("/readyz", timeout=2)).status_code == 200
-            if ready:
-                await asyncio.sleep(1.0)  # a held SIGHUP is delivered as the image starts
-                if lines(daemon, "re-executing in place") == execs == ups:
-                    return
+            if ready and lines(daemon, "re-executing in place") == execs:
+                return
         assert time.monotonic() < deadline, daemon.output()[-4000:]
         await asyncio.sleep(0.1)
+
+
+async def test_readyz_is_not_ready_from_a_reload_request_until_the_new_image(
+    tmp_path: Path,
+) -> None:
+    """From a SIGHUP to the new image's ready, ``/readyz`` never says ready: while the reload
+    is asked and its pre-flight checks the new program it says so (a caller that waits for
+    ready, such as a storm's last held SIGHUP, is never told "ready" by an image that is about
+    to exec)."""
+    async with running(tmp_path, env=ENV, timeout=120) as (daemon, c):
+        before = await health(c)
+        daemon.proc.send_signal(signal.SIGHUP)
+        said: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 90
+        while True:
+            assert daemon.proc.poll() is None, daemon.output()[-4000:]
+            with contextlib.suppress(httpx.TransportError, ValueError):
+                ready = await c.get("/readyz", timeout=2)
+                if (await health(c))["started_at"] != before["started_at"]:
+                    if ready.status_code == 200:
+                        break  # the new image, ready
+                else:
+                    said.append((ready.status_code, ready.json().get("reason") or ""))
+            assert time.monotonic() < deadline, (said, daemon.output()[-4000:])
+            await asyncio.sleep(0.02)
+        assert said and all(code == 503 for code, _ in said), said
+        assert any("a reload is asked" in reason for _, reason in said), said
 
 
 async def test_a_sighup_storm_during_a_reload_coalesces(tmp_path: Path) -> None:

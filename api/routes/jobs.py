@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from api import proxy, streams
 from api.auth import principal_of, require_lister
 from api.deps import daemon_of, jobs_of, streams_of
+from api.encode import json_of
 from api.problems import PROBLEM_JSON
 from api.schemas import Empty, Event, Goodput, Job, JobList, JobSpec, Problem, WorkersView
 from elasticd.errors import LogNotFound
@@ -81,23 +82,24 @@ async def list_jobs(
     state: Annotated[list[JobState] | None, Query(description="Only jobs in these states")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0)] = 0,
-) -> JobList:
+) -> Response:
     """Jobs, newest first, a page at a time (another owner's without its env and args)."""
     jobs = jobs_of(request)
     page = await jobs.list_jobs(state, limit, offset)
     who = principal_of(request)
-    return page.model_copy(update={"jobs": [jobs.as_seen_by(j, who) for j in page.jobs]})
+    shown = page.model_copy(update={"jobs": [jobs.as_seen_by(j, who) for j in page.jobs]})
+    return json_of(JobList, shown)
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=NOT_FOUND)
-async def get_job(job_id: str, request: Request) -> Job:
+async def get_job(job_id: str, request: Request) -> Response:
     """One job: state, restarts, times, and the root cause of a failure.
 
     Its spec's env and args, and the root cause, are its owner's (and an admin's).
     """
     who = principal_of(request)
     jobs = jobs_of(request)
-    return jobs.as_seen_by(await jobs.authorized(job_id, who, Action.READ), who)
+    return json_of(Job, jobs.as_seen_by(await jobs.authorized(job_id, who, Action.READ), who))
 
 
 @router.post(
@@ -127,11 +129,11 @@ async def delete_job(job_id: str, request: Request) -> Response:
 
 
 @router.get("/jobs/{job_id}/workers", response_model=WorkersView, responses=READ_BY_ID)
-async def get_workers(job_id: str, request: Request) -> WorkersView:
+async def get_workers(job_id: str, request: Request) -> Response:
     """The worker groups of every node in the job's current round, and their workers."""
     jobs = jobs_of(request)
     seen = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
-    return await jobs.workers(job_id, seen)
+    return json_of(WorkersView, await jobs.workers(job_id, seen))
 
 
 @router.get("/jobs/{job_id}/goodput", response_model=Goodput, responses=READ_BY_ID)
@@ -168,7 +170,7 @@ async def get_events(
     last_event_id: Annotated[
         str | None, Header(description="SSE reconnect: resume after this seq")
     ] = None,
-) -> list[Event] | StreamingResponse:
+) -> Response:
     """The job's events in order; as Server-Sent Events with ``Accept: text/event-stream``."""
     jobs = jobs_of(request)
     seen = await jobs.authorized(job_id, principal_of(request), Action.READ_DETAIL)
@@ -182,8 +184,8 @@ async def get_events(
             headers=STREAM_HEADERS,
         )
     if wait > 0:
-        return await jobs.follow_events(job_id, after, wait, seen)
-    return await jobs.list_events(job_id, after, limit, seen)
+        return json_of(list[Event], await jobs.follow_events(job_id, after, wait, seen))
+    return json_of(list[Event], await jobs.list_events(job_id, after, limit, seen))
 
 
 @router.get(

@@ -74,7 +74,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
@@ -110,6 +110,40 @@ def _parsed(entry: Entry) -> Event | None:
     except ValidationError:
         log.warning("ignoring malformed event %s", entry.key)
         return None
+
+
+class ParsedEvents:
+    """The events of the store's entries, parsed once per entry version (issue 40: a
+    crash-looping job has hundreds, and every page of them, every follower's poll and
+    every scrape read them all), for the :data:`PARSED_JOBS` jobs read last. What a job's
+    entries no longer hold (trimmed, deleted) leaves its cache at its next read; the
+    cached events are never mutated (a read copies each one it numbers)."""
+
+    def __init__(self, jobs: int | None = None) -> None:
+        self._jobs = PARSED_JOBS if jobs is None else jobs
+        self._by_job: dict[str, dict[str, tuple[int, Event | None]]] = {}
+
+    def of(self, job_id: str, entries: Iterable[Entry]) -> list[tuple[Entry, Event]]:
+        """Each entry with its event (a malformed one left out, warned about once)."""
+        known = self._by_job.pop(job_id, {})
+        fresh: dict[str, tuple[int, Event | None]] = {}
+        out: list[tuple[Entry, Event]] = []
+        for entry in entries:
+            cached = known.get(entry.key)
+            if cached is not None and cached[0] == entry.version:
+                event = cached[1]
+            else:
+                event = _parsed(entry)
+            fresh[entry.key] = (entry.version, event)
+            if event is not None:
+                out.append((entry, event))
+        self._by_job[job_id] = fresh  # the newest read last: the first is the oldest
+        while len(self._by_job) > self._jobs:
+            del self._by_job[next(iter(self._by_job))]
+        return out
+
+    def forget(self, job_id: str) -> None:
+        self._by_job.pop(job_id, None)
 
 
 def of_job(event: Event, tag: str | None) -> bool:
@@ -358,6 +392,8 @@ def trim_jobs(
 
 #: Store keys of trimmed events deleted together (one commit of the embedded store).
 UNPUBLISH_CHUNK = 64
+#: Jobs whose parsed events a node keeps for its next merged read (:class:`ParsedEvents`).
+PARSED_JOBS = 16
 
 
 class _Merged(NamedTuple):
@@ -411,6 +447,8 @@ class EventLog:
         self._finished: dict[str, tuple[float, int]] = {}
         #: The finished jobs past ``finished_total`` (:func:`summarised_jobs`).
         self._summarised: set[str] = set()
+        #: Merged reads parse only what changed since the last read of the job (issue 40).
+        self._parsed = ParsedEvents()
 
     def add_listener(self, listener: Any) -> None:
         """Call ``listener(event)`` synchronously after every emit (metrics)."""
@@ -785,6 +823,7 @@ class EventLog:
     def forget(self, job_id: str) -> None:
         """Drop this node's records of a deleted job."""
         self._forgets += 1
+        self._parsed.forget(job_id)
         self._store_lost.pop(job_id, None)
         self._db.delete_events(job_id)
         self._since_trim.pop(job_id, None)
@@ -827,11 +866,12 @@ class EventLog:
     # reading: every node's events, merged through the store
 
     async def cluster_events(
-        self, job_id: str, after: int = 0, tag: str | None = None
+        self, job_id: str, after: int = 0, tag: str | None = None, limit: int | None = None
     ) -> list[Event]:
-        """Every node's events of the job after ``after``, merged; ``tag``: only the job it
-        names (:func:`of_job`: a job of the id deleted since has none of its events shown)."""
-        return (await self._cluster_events(job_id, after, tag)).events
+        """Every node's events of the job after ``after``, merged (the first ``limit``);
+        ``tag``: only the job it names (:func:`of_job`: a job of the id deleted since has
+        none of its events shown)."""
+        return (await self._cluster_events(job_id, after, tag, limit)).events
 
     async def cluster_events_of(
         self, job_id: str, kinds: Collection[EventKind], tag: str | None = None
@@ -858,30 +898,34 @@ class EventLog:
                     found.append(event)
         return found
 
-    async def _cluster_events(self, job_id: str, after: int, tag: str | None) -> _Merged:
+    async def _cluster_events(
+        self, job_id: str, after: int, tag: str | None, limit: int | None = None
+    ) -> _Merged:
+        """The merged read (the first ``limit`` events after ``after``: a page)."""
         if self._store is None:
-            return _Merged(self.read(job_id, after, tag=tag), 0, False)
+            return _Merged(self.read(job_id, after, limit or 1000, tag=tag), 0, False)
         listing = await self._store.list(event_prefix(job_id))
-        found: list[tuple[int, Event]] = []
-        for entry in listing.entries:
+        found = [
+            (entry.created, event)
+            for entry, event in self._parsed.of(job_id, listing.entries)
             # Whole revisions only: the cursor's revision may still hold later events.
-            if entry.created < after // SEQ_STRIDE:
-                continue
-            event = _parsed(entry)
-            if event is not None:
-                found.append((entry.created, event))
+            if entry.created >= after // SEQ_STRIDE
+        ]
         found.sort(key=lambda pair: merge_key(*pair))
         # Numbered before another job's events are left out: every reader of the id
         # numbers each event alike, whichever job of it they read.
         seqs = merged_seqs([created for created, _ in found])
-        events, others = [], False
+        events: list[Event] = []
+        others = False
         for seq, (_, event) in zip(seqs, found, strict=True):
             if seq <= after:
                 continue
-            if of_job(event, tag):
+            if not of_job(event, tag):
+                others = True
+            elif limit is None or len(events) < limit:
                 events.append(event.model_copy(update={"seq": seq}))
             else:
-                others = True
+                break  # the page is full
         return _Merged(events, listing.revision, others)
 
     async def follow_cluster(

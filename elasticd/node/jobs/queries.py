@@ -191,9 +191,7 @@ class JobQueries:
         job's: an event of an earlier job of the id that reached the store late is left
         out (:func:`~elasticd.node.events.of_job`)."""
         job = await self._of(job_id, seen)
-        events = (await self.side.events.cluster_events(job_id, after, incarnation_tag(job)))[
-            :limit
-        ]
+        events = await self.side.events.cluster_events(job_id, after, incarnation_tag(job), limit)
         await self._still(seen)
         return events
 

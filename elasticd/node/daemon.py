@@ -98,7 +98,7 @@ from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.host import bind_socket, detect_gpus, raise_nofile_limit
 from elasticd.node.jobs import JobService
 from elasticd.node.looplag import LoopLag
-from elasticd.node.metrics import Metrics, node_series
+from elasticd.node.metrics import PAGE_MAX_AGE, Metrics, node_series
 from elasticd.node.quarantine import node_health
 from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
@@ -230,6 +230,9 @@ class Daemon(ReexecMixin):
         #: From the reload's request (SIGHUP, ``POST /reload``, one held across an exec)
         #: through its pre-flight: ``/readyz`` says a reload is coming (not ready).
         self._reload_checking = False
+        #: The last ``/metrics`` page: (``Metrics.changes`` and the node records written here
+        #: when it began, when, its bytes).
+        self._metrics_page: tuple[tuple[int, int], float, bytes] | None = None
         self._reexecing = False
         #: The image's start and the process (``/healthz``).
         self.started_at = IMAGE_STARTED
@@ -801,7 +804,18 @@ class Daemon(ReexecMixin):
 
     async def metrics_text(self) -> bytes:
         """``/metrics``: the series, with the goodput of the jobs run here and the nodes'
-        health computed now."""
+        health computed now; or the page rendered less than ``PAGE_MAX_AGE`` ago, when no
+        input of the metrics changed since it began (:attr:`Metrics.changes`, a node record
+        this daemon wrote)."""
+        now, changes = self.clock.monotonic(), (self.metrics.changes, self.health.book.writes)
+        page = self._metrics_page
+        if page is not None and page[0] == changes and now - page[1] < PAGE_MAX_AGE:
+            return page[2]
+        body = await self._render_metrics()
+        self._metrics_page = (changes, now, body)
+        return body
+
+    async def _render_metrics(self) -> bytes:
         wanted = self.metrics.goodput_to_refresh(self.jobs.running_here())
         self.metrics.on_goodput(await self.jobs.goodput_of(wanted))
         with contextlib.suppress(StoreError):  # the store away: the last figures stay

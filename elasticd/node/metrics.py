@@ -423,6 +423,12 @@ def replaced(before: Mapping[str, Job], now: Mapping[str, Job], ran: Iterable[st
     return out
 
 
+#: Seconds a rendered ``/metrics`` page answers further scrapes while no input changed
+#: (issue 40: under a crash loop a scrape costs the loop milliseconds; Prometheus scrapes
+#: every 15 s or so, a dashboard or a load test many times a second).
+PAGE_MAX_AGE = 0.5
+
+
 class Metrics:
     """One daemon's metrics: feed it with :meth:`on_event` and :meth:`on_jobs`, scrape
     :meth:`render`."""
@@ -448,6 +454,9 @@ class Metrics:
         self._recorded: set[str] = set()  # jobs whose run metrics are recorded
         self._failure_at: dict[str, float] = {}  # job -> first failed exit of its attempt
         self._recovering: set[str] = set()  # jobs between a failure and running again
+        #: Bumped by every input (an event, the job documents, the plan): a page rendered
+        #: at the same count shows them all (``Daemon.metrics_text`` keeps it a moment).
+        self.changes = 0
 
         self.registry = r = CollectorRegistry(auto_describe=True)
         r.register(_JobSeries(self))
@@ -539,12 +548,14 @@ class Metrics:
 
     def on_plan(self, plan: FleetPlan) -> None:
         """Take the fleet's current plan (queue and placements)."""
+        self.changes += 1
         self.plan = plan
 
     def on_jobs(self, jobs: Iterable[Job]) -> None:
         """Take the cluster's current job documents (all of them). What is kept of a job
         this node ran is dropped when its id is gone or names another job (deleted, and
         maybe taken again between two looks): the new job's run is its own."""
+        self.changes += 1
         before, self.jobs = self.jobs, {job.id: job for job in jobs}
         for job_id in replaced(before, self.jobs, self._ran_here):
             self._forget(job_id)
@@ -558,6 +569,7 @@ class Metrics:
 
     def on_event(self, event: Event) -> None:
         """Update the series an event of this node feeds (called after each emit)."""
+        self.changes += 1
         kind, job_id = event.kind, event.job_id
         reason = exit_reason(event)
         if reason is not None:

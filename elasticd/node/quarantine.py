@@ -291,6 +291,8 @@ class HealthBook:
     def __init__(self, store: Store, node: str) -> None:
         self.store = store
         self.node = node
+        #: Records this daemon wrote so far (a ``/metrics`` page older than one is stale).
+        self.writes = 0
 
     async def read(self, name: str) -> NodeHealth:
         entry = await self.store.get(keys.health_key(name))
@@ -378,6 +380,7 @@ class HealthBook:
             expected = entry.version if entry is not None else None
             result = await self.store.compare_and_set(key, new.model_dump_json().encode(), expected)
             if result.ok:
+                self.writes += 1
                 return new
             entry = result.entry  # lost the race: decide again on the winner's record
         raise StoreError(f"health record of {name}: too many concurrent writes")

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import create_app
+from elasticd.eventkinds import EventKind
 from elasticd.models import Event, Job, JobSpec, incarnation_tag
 from elasticd.node import metrics as m
 from elasticd.node.metrics import Metrics, exit_reason, flakiness, recovery_phase, run_outcome
@@ -366,3 +367,29 @@ async def test_a_drained_node_is_quarantined_in_the_metrics_until_undrained(clie
     r = await client.post("/nodes/node-a/undrain", json={"reason": "DIMM replaced"})
     assert r.status_code == 200, r.text
     assert await quarantined() == 0
+
+
+async def test_a_page_answers_again_until_an_input_changes(daemon, client, monkeypatch):
+    """Scrapes with no change between them get the page rendered for the first (issue 40:
+    a scrape costs the loop milliseconds); an event, or a node record this daemon writes,
+    makes the next scrape render anew, and it shows them."""
+    renders: list[int] = []
+    real = daemon._render_metrics
+
+    async def counted() -> bytes:
+        renders.append(1)
+        return await real()
+
+    monkeypatch.setattr(daemon, "_render_metrics", counted)
+    first = await client.get("/metrics")
+    assert (await client.get("/metrics")).text == first.text
+    assert len(renders) == 1
+    daemon.events.emit("some-job", "agent", EventKind.GROUP_RESTARTING, "restarting")
+    scrape = samples((await client.get("/metrics")).text)
+    assert len(renders) == 2
+    assert value(scrape, "elasticd_restarts_total") == 1
+    r = await client.post("/nodes/node-a/drain", json={"reason": "bad DIMM"})
+    assert r.status_code == 200, r.text
+    scrape = samples((await client.get("/metrics")).text)
+    assert len(renders) == 3
+    assert value(scrape, "elasticd_node_quarantined", node="node-a") == 1

@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: venv demo check lint types test test-fast openapi bench bench-quick gpu-check sim clean
+.PHONY: venv demo check lint types test test-fast openapi screenshots bench bench-quick gpu-check sim clean
 
 DEMO_STAMP := $(VENV)/.installed-runtime
 
@@ -38,6 +38,11 @@ lint: $(STAMP)
 
 types: $(STAMP)
 	$(BIN)/mypy
+
+## screenshots: the browser tests of cancel, a failed job's stderr and the attempt picker rewrite docs/dashboard-{cancelled,failed-stderr,attempt-picker}.png
+screenshots: $(STAMP)
+	ELASTICD_DOCS_SCREENSHOTS=docs $(BIN)/pytest -q tests/observability/test_dashboard.py \
+		-k "cancel_the_grid or failed_jobs_log_pane or attempt_picker"
 
 test: $(STAMP)
 	$(BIN)/pytest -q

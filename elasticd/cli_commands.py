@@ -633,8 +633,9 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
 
 def headline(job: Job) -> str:
     """What the job is doing now, in words (pure), as the dashboard's header says it: its
-    ``reason`` only while it applies. A RUNNING job still carries the "restarting the
-    group" of its last failure; it reads "running again after N restart(s)" instead."""
+    ``reason`` only while it applies. A RUNNING job reads "running again after N
+    restart(s)" (its document's reason is cleared as it runs; one written before that
+    rule may still say "restarting the group")."""
     if job.state is JobState.RUNNING:
         return f"running again after {job.restart_count} restart(s)" if job.restart_count else ""
     if job.state is JobState.RESTARTING:

@@ -665,7 +665,11 @@ class Job(BaseModel):
         description="The other failures of `error`'s round, after it in time, each marked "
         "`collateral`: what the root cause took down with it.",
     )
-    reason: str | None = Field(default=None, description="Why the job ended, in words.")
+    reason: str | None = Field(
+        default=None,
+        description="Why the job ended, restarts or waits, in words; none while it runs "
+        "(a move to RUNNING clears it).",
+    )
     submitted_to: str | None = Field(default=None, description="The node that took the POST.")
     owner: JobOwner | None = Field(
         default=None,

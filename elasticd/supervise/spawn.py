@@ -71,7 +71,10 @@ Into a cgroup, or as another user: :data:`PERL_STAGE`, else :data:`CGROUP_STAGE`
     where ``python -I -S`` takes ~8 ms, paid on every start and restart),
     else ``python -I -S``; a step that fails after the join is reported on
     the verdict pipe (a clear :class:`~elasticd.errors.WorkerSpawnError`),
-    and nothing of the job runs.
+    and nothing of the job runs. Either reads as ``elasticd-stage`` in ``ps``:
+    Perl sets ``$0``; Python runs its program from a memfd of the daemon's (no
+    file anyone else could write), the arguments written into the program, so
+    its command line is the interpreter, ``/proc/self/fd/N`` and the name.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ import signal
 import subprocess
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -129,17 +132,22 @@ PY_WRAPPER = (
 
 
 #: The first program of a process started into a cgroup or as another user, run as root
-#: with an EMPTY environment: argv is ``procs_fd env_fd ppid uid gid groups setpriv
+#: with an EMPTY environment. Its arguments are ``a``, a list literal written in ahead of
+#: it (:func:`python_stage`): ``stage_fd procs_fd env_fd ppid uid gid groups setpriv
 #: executable argv0 args...`` (procs_fd -1: no cgroup; uid -1: no switch; setpriv "":
-#: none). It joins the cgroup through the daemon's descriptor and closes it, reads the
-#: environment from ``env_fd`` (``K=V`` NUL-separated), switches user, and execs with
-#: that environment: through ``setpriv --pdeathsig KILL`` (as :func:`wrap_argv` does;
-#: saves importing ctypes here), else setting the parent-death signal itself (after the
-#: switch, which clears it) and making sure the parent did not die before that. A
-#: failure to join is reported on stdin (the verdict pipe) like the resolver's.
+#: none). Program and arguments come in the memfd ``stage_fd``, run by path
+#: (:func:`python_stage_argv`), so ``ps`` shows ``python -I -S /proc/self/fd/N
+#: elasticd-stage``, not 3 KB of program and the resolver's text; the stage closes that
+#: descriptor first, so nothing of the job inherits it. It joins the cgroup through the
+#: daemon's descriptor and closes it, reads the environment from ``env_fd`` (``K=V``
+#: NUL-separated), switches user, and execs with that environment: through ``setpriv
+#: --pdeathsig KILL`` (as :func:`wrap_argv` does; saves importing ctypes here), else
+#: setting the parent-death signal itself (after the switch, which clears it) and making
+#: sure the parent did not die before that. A failure to join is reported on stdin (the
+#: verdict pipe) like the resolver's.
 CGROUP_STAGE = (
     "import os,sys\n"
-    "a=sys.argv\n"
+    "os.close(int(a[0]))\n"
     "if int(a[1])>=0:\n"
     " try:os.write(int(a[1]),b'0')\n"
     " except OSError as e:\n"
@@ -277,7 +285,7 @@ def find_perl() -> str | None:
     return exe if out == "ok" else None
 
 
-def cgroup_argv(
+def stage_args(
     executable: str,
     argv: Sequence[str],
     *,
@@ -285,23 +293,15 @@ def cgroup_argv(
     env_fd: int,
     identity: Identity | None,
     setpriv: str | None,
-    perl: str | None = None,
 ) -> list[str]:
-    """The command line that runs ``argv`` (program ``executable``) through :data:`CGROUP_STAGE`
-    (or, given ``perl``, through :data:`PERL_STAGE`); ``procs_fd`` -1: join no cgroup."""
+    """The arguments of either root stage (:data:`PERL_STAGE`, :data:`CGROUP_STAGE`) that runs
+    ``argv`` (program ``executable``); ``procs_fd`` -1: join no cgroup."""
     uid, gid, groups = (
         (-1, -1, "")
         if identity is None
         else (identity.uid, identity.gid, ",".join(str(g) for g in identity.groups))
     )
-    stage = perl_stage() if perl is not None else None
-    head = (
-        [perl, "-e", stage, "--"]
-        if perl is not None and stage is not None
-        else [sys.executable, "-I", "-S", "-c", CGROUP_STAGE]
-    )
     return [
-        *head,
         str(procs_fd),
         str(env_fd),
         str(os.getpid()),
@@ -312,6 +312,22 @@ def cgroup_argv(
         executable,
         *argv,
     ]
+
+
+def python_stage(stage_fd: int, args: Sequence[str]) -> bytes:
+    """The program the memfd ``stage_fd`` holds: :data:`CGROUP_STAGE` with ``a``, its
+    arguments, written in ahead of it (``repr`` of strings: literals, never code)."""
+    if any("\0" in arg for arg in args):
+        raise ValueError("embedded null byte")  # as on a command line: nothing is cut short
+    return f"a={[str(stage_fd), *args]!r}\n{CGROUP_STAGE}".encode()
+
+
+def python_stage_argv(stage_fd: int) -> list[str]:
+    """The command line of :data:`CGROUP_STAGE` held in the memfd ``stage_fd``: the
+    interpreter runs it by path (read whole, and closed, before the first statement runs)
+    and ``ps`` shows this, a name; ``argv[0]`` stays the interpreter's path, which an
+    interpreter that is not where it was built needs to find its standard library."""
+    return [sys.executable, "-I", "-S", f"/proc/self/fd/{stage_fd}", "elasticd-stage"]
 
 
 #: Every process :func:`start_process` started, while the daemon holds it: a child of
@@ -522,6 +538,7 @@ async def start_process(
     full_env = process_env(env, identity)
     program, resolver = resolver_argv(argv, cwd, stdin)
     env_fd: int | None = None
+    stage_fd: int | None = None
     pass_fds: tuple[int, ...] = () if stdin is None else (stdin,)
     if cgroup_procs is None and identity is None:
         command = wrap_argv(program, resolver, setpriv=policy.wrapper())
@@ -532,28 +549,42 @@ async def start_process(
         # user=/group=/extra_groups= make it fork() where it would vfork(): see the
         # module docstring, "On the event loop's thread").
         try:
-            env_fd = _env_memfd(full_env)
+            env_fd = _memfd("elasticd-env", lambda _fd: _env_bytes(full_env))
         except OSError as exc:  # EMFILE, ENOMEM: the node's, not the job's
             raise WorkerSpawnError(
                 f"cannot start {argv[0]!r}: no memfd for its environment: {exc}",
                 stage=SpawnStage.FORK,
             ) from exc
-        command = cgroup_argv(
+        args = stage_args(
             program,
             resolver,
             procs_fd=-1 if cgroup_procs is None else cgroup_procs,
             env_fd=env_fd,
             identity=identity,
             setpriv=policy.wrapper(),
-            perl=policy.perl(),
         )
+        perl = policy.perl()
+        perl_text = perl_stage() if perl is not None else None
+        if perl is not None and perl_text is not None:
+            command = [perl, "-e", perl_text, "--", *args]
+        else:
+            try:
+                stage_fd = _memfd("elasticd-stage", functools.partial(python_stage, args=args))
+            except (OSError, ValueError) as exc:  # no memfd (the node's), a NUL in argv
+                os.close(env_fd)
+                raise WorkerSpawnError(
+                    f"cannot start {argv[0]!r}: {exc}", stage=SpawnStage.FORK
+                ) from exc
+            command = python_stage_argv(stage_fd)
+            pass_fds = (*pass_fds, stage_fd)
         exec_env = {}
         pass_fds = (*pass_fds, *(() if cgroup_procs is None else (cgroup_procs,)), env_fd)
     try:
         verdict_r, verdict_w = os.pipe()
     except OSError as exc:  # EMFILE, ENFILE: the node's, not the job's
-        if env_fd is not None:
-            os.close(env_fd)
+        for fd in (env_fd, stage_fd):
+            if fd is not None:
+                os.close(fd)
         raise WorkerSpawnError(
             f"cannot start {argv[0]!r}: no pipe for its start: {exc}", stage=SpawnStage.FORK
         ) from exc
@@ -578,8 +609,9 @@ async def start_process(
             ) from exc
         finally:
             os.close(verdict_w)  # the child has its copy; ours would keep EOF away
-            if env_fd is not None:
-                os.close(env_fd)
+            for fd in (env_fd, stage_fd):
+                if fd is not None:
+                    os.close(fd)
         _started.add(process)
         try:
             verdict = await _read_verdict(verdict_r)
@@ -603,12 +635,16 @@ def process_env(env: Mapping[str, str], identity: Identity | None) -> dict[str, 
     return full_env
 
 
-def _env_memfd(env: Mapping[str, str]) -> int:
-    """A memfd holding ``env`` as ``K=V`` NUL-separated, read from the start by the stage."""
-    fd = os.memfd_create("elasticd-env", os.MFD_CLOEXEC)
+def _env_bytes(env: Mapping[str, str]) -> bytes:
+    """``env`` as the stages read it: ``K=V`` NUL-separated."""
+    return b"\0".join(f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in env.items())
+
+
+def _memfd(name: str, content: Callable[[int], bytes]) -> int:
+    """A memfd holding ``content(fd)`` (given its own number), read from the start by a stage."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        data = b"\0".join(f"{k}={v}".encode("utf-8", "surrogateescape") for k, v in env.items())
-        view = memoryview(data)
+        view = memoryview(content(fd))
         while view:
             view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)

@@ -17,10 +17,13 @@ from elasticd.errors import ConfigError, WorkerSpawnError
 from elasticd.security import JobUsers, lookup_user, resolve_job_users
 from elasticd.supervise import WorkerGroupProcesses, WorkerLaunch
 from elasticd.supervise.spawn import (
+    CGROUP_STAGE,
     PY_WRAPPER,
     SpawnPolicy,
     find_perl,
     find_setpriv,
+    python_stage,
+    start_process,
     wrap_argv,
 )
 from tests.hardening.support import eventually, pid_alive, proc_uid
@@ -191,6 +194,37 @@ def test_the_wrapper_argv() -> None:
     fallback = wrap_argv("/usr/bin/python3", ["python", "x.py"], setpriv=None)
     assert fallback[:5] == [sys.executable, "-I", "-S", "-c", PY_WRAPPER]
     assert fallback[5:] == [str(os.getpid()), "/usr/bin/python3", "python", "x.py"]
+
+
+@pytest.mark.parametrize(
+    "arg", ["plain", 'it\'s "quoted"\n\\', "\u00e9\u4e2d", "\udcff", "'); import os #"]
+)
+def test_the_python_stage_reads_its_arguments_as_literals(arg: str) -> None:
+    """The arguments written into the Python stage come back exactly as given, as data:
+    quotes, newlines, non-ASCII and an undecodable byte (a surrogate) alike."""
+    text = python_stage(7, ["-1", arg])
+    assert text.endswith(CGROUP_STAGE.encode())
+    scope: dict[str, object] = {}
+    exec(text.decode().removesuffix(CGROUP_STAGE), {}, scope)
+    assert scope == {"a": ["7", "-1", arg]}
+
+
+async def test_a_nul_in_an_argument_is_a_start_error_on_the_python_stage() -> None:
+    """A NUL cannot be on a command line; written into the Python stage it would not be cut
+    there either: the start fails, as subprocess fails it, and nothing runs."""
+    r, w = os.pipe()  # a cgroup.procs stand-in: the root stage is used
+    try:
+        with pytest.raises(WorkerSpawnError, match="embedded null byte"):
+            await start_process(
+                ["sh", "-c", "true\0"],
+                {"PATH": "/usr/bin:/bin"},
+                identity=None,
+                cgroup_procs=w,
+                policy=SpawnPolicy(stage=False),
+            )
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 # -- users ---------------------------------------------------------------------------

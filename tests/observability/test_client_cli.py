@@ -350,7 +350,7 @@ async def test_cli_status_says_what_applies_now_and_never_none(live, tmp_path, c
             if job["state"] == "RUNNING" and job["restart_count"] == 1 and job["last_recovery"]:
                 break
             await asyncio.sleep(0.1)
-    assert "restarting the group" in job["reason"]  # the document keeps it; status must not
+    assert job["reason"] is None  # the failure's "restarting the group" ended with the restart
     rc, out, _ = await run_cli(capsys, "status", "again")
     assert rc == 0 and "restarting the group" not in out and "None" not in out
     assert "running again after 1 restart(s)" in out

@@ -9,8 +9,12 @@ layout and the favicon; and, on two `elasticd serve` nodes (tests/e2e/cluster.py
 failed job shown first, with its stderr, and its collateral apart.
 
 Skipped when chromium or Playwright is missing, unless ``CI`` is set: then it
-fails, so CI cannot silently stop testing the page. The screenshot goes to
-``$ELASTICD_ARTIFACTS`` (CI keeps it) or the test's temporary folder.
+fails, so CI cannot silently stop testing the page. The screenshots go to
+``$ELASTICD_ARTIFACTS`` (CI keeps them) or the test's temporary folder. The cancel, the
+failed job's stderr and the attempt picker each photograph the state they assert
+(:func:`snapshot`); with ``ELASTICD_DOCS_SCREENSHOTS=docs`` (``make screenshots``) those
+pictures also replace ``docs/dashboard-cancelled.png``, ``-failed-stderr.png`` and
+``-attempt-picker.png``.
 """
 
 from __future__ import annotations
@@ -190,6 +194,9 @@ time.sleep(600)
 """
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @dataclass
 class Session:
     """A served daemon, an admin client of its API, and a Chromium page with its problems."""
@@ -198,6 +205,22 @@ class Session:
     api: httpx.AsyncClient
     page: Any
     problems: list[str]
+    folder: Path
+
+    async def snapshot(self, name: str, height: int) -> None:
+        """A picture of the state the test just asserted: the page's top ``height`` px (the
+        viewport, that tall), ``dashboard-NAME.png`` in ``$ELASTICD_ARTIFACTS`` (else the
+        test's folder) and, given ``$ELASTICD_DOCS_SCREENSHOTS`` (a folder; relative: to the
+        checkout), there too: how the docs' pictures are made."""
+        width = self.page.viewport_size["width"]
+        await self.page.set_viewport_size({"width": width, "height": height})
+        await self.page.evaluate("window.scrollTo(0, 0)")
+        folders = [Path(os.environ.get("ELASTICD_ARTIFACTS") or self.folder)]
+        if docs := os.environ.get("ELASTICD_DOCS_SCREENSHOTS"):
+            folders.append(ROOT / docs)
+        for folder in folders:
+            folder.mkdir(parents=True, exist_ok=True)
+            await self.page.screenshot(path=str(folder / f"dashboard-{name}.png"))
 
     async def submit(self, job_id: str, args: list[str], n: int = 1) -> None:
         spec = {"id": job_id, "entrypoint": PY, "args": args, "nproc_per_node": n}
@@ -248,7 +271,7 @@ async def session(
             browser_page(width, height) as (page, problems),
         ):
             await daemon.wait_ready()
-            yield Session(daemon, api, page, problems)
+            yield Session(daemon, api, page, problems, tmp_path)
     finally:
         daemon.stop()
     assert problems == []
@@ -306,6 +329,7 @@ async def test_after_a_cancel_the_grid_and_the_event_tail_follow_the_job_to_its_
         await s.page.wait_for_selector('#events-note:has-text("job ended")')
         await s.page.wait_for_selector('#workers .group-head .badge:not([data-state="HEALTHY"])')
         assert await s.page.locator('#workers [data-state="HEALTHY"]').count() == 0
+        await s.snapshot("cancelled", 1250)
 
 
 async def test_a_refused_cancel_shows_the_apis_error(tmp_path):
@@ -394,6 +418,7 @@ async def test_a_failed_jobs_log_pane_opens_on_the_failed_ranks_stderr(tmp_path)
         assert await log.get_attribute("data-stream") == "stderr"
         assert await s.page.input_value("#log-stream") == "stderr"
         assert await s.page.input_value("#log-worker") == "hard-node/1"
+        await s.snapshot("failed-stderr", 740)
 
 
 async def test_the_attempt_picker_shows_an_earlier_attempts_log(tmp_path):
@@ -411,6 +436,8 @@ async def test_the_attempt_picker_shows_an_earlier_attempts_log(tmp_path):
         await s.page.select_option("#log-attempt", value="0")
         await log.filter(has_text="crashing").wait_for()
         assert await log.get_attribute("data-attempt") == "0"
+        await s.page.wait_for_selector('#log-note:not(:has-text("loading"))')
+        await s.snapshot("attempt-picker", 600)
         await s.page.select_option("#log-attempt", value="1")
         await s.page.wait_for_selector('#log-text[data-attempt="1"]')
         await s.page.wait_for_selector('#log-note:not(:has-text("loading"))')

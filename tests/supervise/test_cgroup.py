@@ -721,6 +721,65 @@ def test_the_perl_stage_reads_as_its_name_in_ps(tmp_path: Path) -> None:
                 os.close(fd)
 
 
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@STAGES
+async def test_the_root_stage_of_a_start_reads_as_its_name_in_ps(
+    tmp_path: Path, stage: bool
+) -> None:
+    """A start through the root stage (Perl, or the Python fallback it is forced to here), held
+    at its cgroup join: its command line is short and names `elasticd-stage` (neither
+    stage's program text nor the resolver's shows); let go, the program runs."""
+    if stage and find_perl() is None:
+        pytest.skip("no usable perl here: the Python stage is the one used")
+    marker = tmp_path / "ran"
+    procs_r, procs_w = os.pipe()  # stands in for cgroup.procs: a full pipe holds the join
+    os.set_blocking(procs_w, False)
+    with contextlib.suppress(BlockingIOError):
+        while os.write(procs_w, b"x" * 65536):
+            pass
+    os.set_blocking(procs_w, True)
+    before = live_children()
+    start = asyncio.create_task(
+        start_process(
+            ["sh", "-c", f"touch {marker}"],
+            {"PATH": "/usr/bin:/bin"},
+            identity=None,
+            cgroup_procs=procs_w,
+            policy=SpawnPolicy(stage=stage),
+        )
+    )
+    try:
+        async with asyncio.timeout(10):
+            while not (pids := live_children() - before):
+                await asyncio.sleep(0.005)
+        (pid,) = pids
+        # Perl names itself as its first statement; until then /proc shows perl's own line.
+        deadline = time.monotonic() + 10
+        while b"elasticd-stage\0" not in (cmdline := _cmdline(pid)):
+            assert time.monotonic() < deadline, cmdline[:200]
+            await asyncio.sleep(0.005)
+        shown = cmdline.replace(b"\0", b" ").strip()  # what ps shows (Perl pads with spaces)
+        assert len(shown) < len(sys.executable) + 64, shown
+        assert b"import" not in shown and b"syscall" not in shown and b"exec" not in shown
+        os.set_blocking(procs_r, False)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(procs_r, 65536):
+                pass
+        async with asyncio.timeout(10):
+            proc = await start
+            assert await proc.wait() == 0
+        assert marker.exists()
+    finally:
+        start.cancel()
+        with contextlib.suppress(BaseException):
+            await start
+        os.close(procs_r)
+        os.close(procs_w)
+
+
 @pytest.mark.parametrize(
     ("zombies", "before", "known", "reaped"),
     [

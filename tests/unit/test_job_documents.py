@@ -13,10 +13,10 @@ import pytest
 from elasticd.clock import SYSTEM_CLOCK
 from elasticd.errors import JobConflict
 from elasticd.keys import job_key
-from elasticd.models import Job, JobSpec
+from elasticd.models import Job, JobEdit, JobSpec
 from elasticd.node.db import Database
 from elasticd.node.events import EventLog
-from elasticd.node.jobs.documents import JobDocuments, cancelled
+from elasticd.node.jobs.documents import JobDocuments, apply_edit, cancelled
 from elasticd.states import JobState
 from elasticd.store.memory import MemoryStore
 
@@ -42,6 +42,37 @@ def test_a_job_that_replaced_the_one_authorized_is_a_conflict() -> None:
     with pytest.raises(JobConflict, match="replaced by a new job"):
         cancelled(seen)(_job(JobState.RUNNING, created_at=2.0))
     assert cancelled(seen)(_job(JobState.RUNNING, created_at=1.0))["state"] is JobState.CANCELLED
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "changes", "after"),
+    [
+        # running again after a restart: the failure's "restarting the group" is over
+        (JobState.RESTARTING, "rank 1 failed: boom; restarting the group", {}, None),
+        # out of the queue: its "waiting in the queue" is over too
+        (JobState.PENDING, "waiting in the queue: needs 2 nodes", {}, None),
+        # a move that says why keeps what it says
+        (JobState.RESTARTING, "x; restarting the group", {"reason": "resumed"}, "resumed"),
+        # no move (already RUNNING): the reason is left as it is
+        (JobState.RUNNING, "kept", {}, "kept"),
+    ],
+)
+def test_a_move_to_running_clears_a_reason_that_no_longer_applies(
+    state: JobState, reason: str, changes: JobEdit, after: str | None
+) -> None:
+    """The reason a job carries into RUNNING (a restart's, the queue's) is cleared as it
+    runs, so the API never serves a RUNNING job "restarting the group"."""
+    job = _job(state).model_copy(update={"reason": reason, "started_at": 1.0})
+    new = apply_edit(job, {"state": JobState.RUNNING, **changes}, now=5.0)
+    assert (new.state, new.reason, new.started_at) == (JobState.RUNNING, after, 1.0)
+
+
+def test_the_first_move_to_running_stamps_its_start_and_the_end_its_finish() -> None:
+    """``started_at`` is the first RUNNING's time, ``finished_at`` the terminal state's."""
+    running = apply_edit(_job(JobState.PENDING), {"state": JobState.RUNNING}, now=5.0)
+    assert running.started_at == 5.0 and running.finished_at is None
+    failed = apply_edit(running, {"state": JobState.FAILED, "reason": "boom"}, now=9.0)
+    assert (failed.started_at, failed.finished_at, failed.reason) == (5.0, 9.0, "boom")
 
 
 @pytest.mark.timeout(10)

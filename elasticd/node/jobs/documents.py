@@ -132,6 +132,29 @@ def parse_job(job_id: str, raw: bytes) -> Job:
     return job
 
 
+def apply_edit(job: Job, changes: JobEdit, now: float) -> Job:
+    """``job`` with ``changes`` applied at ``now`` (pure): a state change is checked and
+    stamps ``started_at``/``finished_at``; terminal states are final. A move to RUNNING
+    clears ``reason`` unless the change sets one: what it said (a failure's "restarting
+    the group", a requeue's cause) no longer applies to a job that runs."""
+    target = changes.get("state")
+    updates: dict[str, Any] = {
+        k: v for k, v in changes.items() if k != "state" and getattr(job, k) != v
+    }
+    if target is not None and target is not job.state:
+        job_transition(job.state, target)
+        updates["state"] = target
+        if target is JobState.RUNNING:  # RESTARTING -> RUNNING: "restarting" is over
+            updates["reason"] = changes.get("reason")
+            if job.started_at is None:
+                updates["started_at"] = now
+        if target.is_terminal:
+            updates["finished_at"] = now
+    elif job.state.is_terminal and updates:
+        raise InvalidTransition(f"job {job.id} already ended as {job.state.value}")
+    return job.model_copy(update=updates) if updates else job
+
+
 class JobDocuments:
     """Reads and compare-and-set updates of the job documents; state changes are evented."""
 
@@ -217,19 +240,7 @@ class JobDocuments:
 
     def _apply(self, job: Job, given: JobEdit, mutate: JobMutation | None) -> Job:
         changes: JobEdit = {**given, **(mutate(job) if mutate is not None else {})}
-        target = changes.pop("state", None)
-        now = self.clock.time()
-        updates: dict[str, Any] = {k: v for k, v in changes.items() if getattr(job, k) != v}
-        if target is not None and target is not job.state:
-            job_transition(job.state, target)
-            updates["state"] = target
-            if target is JobState.RUNNING and job.started_at is None:
-                updates["started_at"] = now
-            if target.is_terminal:
-                updates["finished_at"] = now
-        elif job.state.is_terminal and updates:
-            raise InvalidTransition(f"job {job.id} already ended as {job.state.value}")
-        return job.model_copy(update=updates) if updates else job
+        return apply_edit(job, changes, self.clock.time())
 
     # reads
 

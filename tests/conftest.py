@@ -17,6 +17,7 @@ from api.app import create_app
 from elasticd.config import load_config
 from elasticd.node.daemon import Daemon
 from elasticd.testing import MemoryStore
+from tests.normal_user import nobody_clone  # noqa: F401  (a fixture: nobody's clone and venv)
 from tests.users import users  # noqa: F401  (a fixture: throwaway Unix users)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,6 +16,7 @@ import secrets
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import pytest
 
@@ -33,6 +34,13 @@ def need_root() -> None:
         if os.environ.get("CI"):
             raise AssertionError("this test plays other users and needs root (CI runs as root)")
         pytest.skip("needs root to make Unix users")
+
+
+def missing(why: str) -> NoReturn:
+    """A tool the tests need is missing: a skip here, a failure in CI (which installs it)."""
+    if os.environ.get("CI"):
+        raise AssertionError(f"{why} (.ci/run installs it)")
+    pytest.skip(why)
 
 
 @dataclass

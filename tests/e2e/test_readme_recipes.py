@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -27,17 +28,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.normal_user import NobodyClone, recipe, use_it_recipe
+from tests.users import need_root
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def recipe(heading: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(heading) :]
-    match = re.search(r"```sh\n(.*?)```", section, re.S)
-    assert match, f"no sh block after {heading!r}"
-    return match.group(1)
 
 
 def free_ports(count: int) -> list[int]:
@@ -257,38 +253,34 @@ def _reaches(user: str, path: str) -> bool:
     return probe.returncode == 0
 
 
-def _use_it_script(folder: Path, port: int) -> str:
-    """The "Use it" block as written but for its set-up and the test's port and state folder:
-    the venv it makes and `pip install -e .` are the tests' own venv (put first on PATH, as
-    `. .venv/bin/activate` does); root's /var/lib/elasticd is a folder of the test's."""
-    script = recipe("## Use it")
-    setup, install, rest = script.split("\n", 2)
-    assert setup.startswith("python3 -m venv .venv && . .venv/bin/activate"), setup
-    assert install.startswith("pip install -e ."), install
-    return localized(rest, folder, [port]).replace("/var/lib/elasticd", f"{folder}/state")
+def _use_it_script(folder: Path, port: int, *, in_clone: bool) -> str:
+    """The "Use it" block with the test's port and root's /var/lib/elasticd a folder of the
+    test's, after its set-up: ``in_clone``, the one nobody's clone ran (the venv it made is
+    activated again), else the tests' own venv (first on PATH, as activating it does)."""
+    _setup, rest = use_it_recipe()
+    script = f". .venv/bin/activate\n{rest}" if in_clone else rest
+    return localized(script, folder, [port]).replace("/var/lib/elasticd", f"{folder}/state")
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the recipe uses curl")
 @pytest.mark.parametrize("who", ["root", "root-with-elasticd-user", "user"])
-def test_the_use_it_recipe_does_what_the_readme_says(who):
+def test_the_use_it_recipe_does_what_the_readme_says(who, request):
     """The README's first recipe, run as root with no `elasticd` user (the job is refused:
     403 naming --run-as and --allow-root and their config keys), as root once the `elasticd`
     user exists (the job runs as `elasticd`: it succeeds where `elasticd` can reach this
     venv's python, else fails naming the user and the folder it may not enter), and as a
-    normal user (the job runs as that user and succeeds)."""
+    normal user, as written: nobody, in a clone in their home, with a normal user's PATH
+    (the system python3), ran its set-up (`nobody_clone`) and runs the rest: the job runs
+    as nobody and succeeds."""
     import httpx
 
     exists = subprocess.run(["id", "-u", "elasticd"], capture_output=True).returncode == 0
     python = str(Path(sys.executable).parent / "python")
-    if who != "user" and os.geteuid() != 0:
-        pytest.skip("needs root")
+    if os.geteuid() != 0:
+        need_root()  # the recipe as root, and as nobody, whom only root can switch to
     if who == "root" and exists:
         pytest.skip("an elasticd user exists on this machine (it is not this test's to remove)")
-    if who == "user":
-        if os.geteuid() != 0:
-            pytest.skip("runs the recipe as nobody, which needs root to switch to")
-        if not _reaches("nobody", python):
-            pytest.skip(f"nobody cannot run {python}: this venv is out of a normal user's reach")
+    mine: NobodyClone | None = request.getfixturevalue("nobody_clone") if who == "user" else None
     folder = Path(tempfile.mkdtemp(prefix="elasticd-readme-"))
     folder.chmod(0o755)
     made_user = False
@@ -297,45 +289,49 @@ def test_the_use_it_recipe_does_what_the_readme_says(who):
         if who == "root-with-elasticd-user" and not exists:
             subprocess.run(["useradd", "--system", "--no-create-home", "elasticd"], check=True)
             made_user = True
-        work = folder / "work"
-        work.mkdir()
-        (work / "train.py").write_text(TRAIN_PY)
-        (work / "train.py").chmod(0o644)
         port = free_ports(1)[0]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        user = None
-        if who == "user":
-            user = "nobody"
-            home = folder / "home"
-            home.mkdir()
-            os.chown(home, 65534, 65534)
-            env.update(HOME=str(home), USER="nobody", LOGNAME="nobody")
-            env.pop("XDG_STATE_HOME", None)
-            state = home / ".local" / "state" / "elasticd"
-            os.chown(work, 65534, 65534)
-        else:
+        if mine is None:
+            work = folder / "work"
+            work.mkdir()
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "PET_"))}
+            env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
             state = folder / "state"
             env.update(ELASTICD_STATE_DIR=str(state), ELASTICD_LOG_DIR=str(folder / "logs"))
+        else:  # in nobody's clone, where a user who cloned it types the recipe
+            work = mine.clone
+            env = mine.env()
+            state = mine.home / ".local" / "state" / "elasticd"
+        (work / "train.py").write_text(TRAIN_PY)
+        (work / "train.py").chmod(0o644)
         # `elasticd jobs` would look at /run/elasticd first: this daemon's socket, named.
         env["ELASTICD_SOCKET"] = str(state / "run" / "elasticd.sock")
         log = folder / "recipe.log"
+        nobody = pwd.getpwnam("nobody")
         with log.open("wb") as out:
-            if user is not None:
-                os.chown(log, 65534, 65534)
+            if mine is not None:
+                os.chown(work / "train.py", nobody.pw_uid, nobody.pw_gid)
+                os.chown(log, nobody.pw_uid, nobody.pw_gid)
             shell = subprocess.Popen(
-                ["bash", "-c", _use_it_script(folder, port)],
+                ["bash", "-c", _use_it_script(folder, port, in_clone=mine is not None)],
                 cwd=work,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                user=user,
+                user=None if mine is None else nobody.pw_uid,
+                group=None if mine is None else nobody.pw_gid,
+                extra_groups=None if mine is None else [],
             )
         assert shell.wait(timeout=150) == 0, log.read_text(errors="replace")
         text = log.read_text(errors="replace")
-        transport = httpx.HTTPTransport(uds=str(state / "run" / "elasticd.sock"))
-        with httpx.Client(transport=transport, base_url="http://localhost", timeout=30) as http:
+        # Over TCP with the daemon's token, as the recipe's last curl: a normal user's daemon
+        # serves no other user on its socket, root included.
+        token = (state / "token").read_text().strip()
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        ) as http:
             if who == "root":
                 assert '"status":403' in text.replace(" ", ""), text
                 for fix in ("--run-as USER", 'run_as = \\"USER\\"', "--allow-root", "allow_root"):
@@ -343,11 +339,11 @@ def test_the_use_it_recipe_does_what_the_readme_says(who):
                 assert http.get("/jobs/resnet-1").status_code == 404
                 return
             deadline = time.monotonic() + 60
-            while (job := http.get("/jobs/resnet-1").json())["state"] not in (
-                "SUCCEEDED",
-                "FAILED",
-                "CANCELLED",
-            ):
+            while True:
+                answer = http.get("/jobs/resnet-1")
+                assert answer.status_code == 200, (answer.text, text)
+                if (job := answer.json())["state"] in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                    break
                 assert time.monotonic() < deadline, job
                 time.sleep(0.2)
         runs_as = "elasticd" if who != "user" else "nobody"

@@ -15,7 +15,6 @@ import ctypes
 import json
 import os
 import pwd
-import shutil
 import signal
 import stat
 import struct
@@ -27,13 +26,13 @@ from typing import Any
 import httpx
 import pytest
 
-import elasticd
 from elasticd.agent.progress import ProgressMonitor, ProgressSettings
 from elasticd.errors import WorkerSpawnError
 from elasticd.supervise.output import OutputPipe
 from elasticd.worker.heartbeat import HeartbeatFile, create_heartbeat_file, read_heartbeat
 from tests.conftest import events_of, wait_job
 from tests.hardening.support import Served, eventually, healthy_pids, pid_alive, serve
+from tests.normal_user import NobodyClone
 
 pytestmark = [
     pytest.mark.slow,
@@ -254,38 +253,19 @@ if sys.argv[2] == "idle":
 """
 
 
-def _python_for_nobody(root: Path) -> tuple[str, Path]:
-    """An interpreter nobody may run, and a world-readable copy of elasticd for its PYTHONPATH."""
-    python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
-    if python is None:
-        pytest.skip("no system python3 that nobody could run")
-    nobody = pwd.getpwnam("nobody")
-    probe = subprocess.run(
-        [python, "-c", "pass"], user=nobody.pw_uid, group=nobody.pw_gid, check=False, timeout=30
-    )
-    if probe.returncode != 0:
-        pytest.skip(f"nobody cannot run {python}")
-    src = root / "src"
-    shutil.copytree(
-        Path(elasticd.__file__).parent,
-        src / "elasticd",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    for folder, _dirs, files in os.walk(src):
-        os.chmod(folder, 0o755)
-        for name in files:
-            os.chmod(os.path.join(folder, name), 0o644)
+def _pinger(root: Path) -> str:
+    """``PINGER``, in a file every user can read."""
     (root / "pinger.py").write_text(PINGER)
     (root / "pinger.py").chmod(0o644)
-    return python, src
+    return str(root / "pinger.py")
 
 
 async def test_a_pinging_worker_of_another_user_passes_startup_and_progress_timeouts(
-    open_tmp: Path,
+    open_tmp: Path, nobody_clone: NobodyClone
 ) -> None:
     """--run-as nobody: the heartbeat is nobody's, so a worker that pings for 4 s (past
     startup_timeout and several progress_timeouts) is never judged hung and SUCCEEDS."""
-    python, src = _python_for_nobody(open_tmp)
+    pinger = _pinger(open_tmp)
     daemon = _serve_as_nobody(open_tmp)
     try:
         async with asyncio.timeout(90), daemon.client() as c:
@@ -294,9 +274,8 @@ async def test_a_pinging_worker_of_another_user_passes_startup_and_progress_time
                 "/jobs",
                 json={
                     "id": "pings",
-                    "entrypoint": python,
-                    "args": [str(open_tmp / "pinger.py"), "4", "exit"],
-                    "env": {"PYTHONPATH": str(src)},
+                    "entrypoint": nobody_clone.python,
+                    "args": [pinger, "4", "exit"],
                     "startup_timeout": 1.5,
                     "progress_timeout": 1.0,
                     "max_restarts": 0,
@@ -316,10 +295,12 @@ async def test_a_pinging_worker_of_another_user_passes_startup_and_progress_time
     assert hangs == []
 
 
-async def test_a_worker_of_another_user_that_stops_pinging_is_caught(open_tmp: Path) -> None:
+async def test_a_worker_of_another_user_that_stops_pinging_is_caught(
+    open_tmp: Path, nobody_clone: NobodyClone
+) -> None:
     """--run-as nobody: a worker that pings for 1 s then idles is declared hung about
     progress_timeout after its last ping (not never, as when it could not write its file)."""
-    python, src = _python_for_nobody(open_tmp)
+    pinger = _pinger(open_tmp)
     daemon = _serve_as_nobody(open_tmp)
     timeout = 1.0
     try:
@@ -329,9 +310,8 @@ async def test_a_worker_of_another_user_that_stops_pinging_is_caught(open_tmp: P
                 "/jobs",
                 json={
                     "id": "stops",
-                    "entrypoint": python,
-                    "args": [str(open_tmp / "pinger.py"), "1", "idle"],
-                    "env": {"PYTHONPATH": str(src)},
+                    "entrypoint": nobody_clone.python,
+                    "args": [pinger, "1", "idle"],
                     "progress_timeout": timeout,
                     "max_restarts": 0,
                     "termination_grace": 1,

@@ -184,7 +184,9 @@ def test_the_daemonsets_command_is_a_serve_that_elasticds_parser_accepts(tmp_pat
     assert Path(args.config) == init.config_out, "the daemon reads another config than is written"
     _, volume = mount_of(pod, c, args.config)
     assert "emptyDir" in volume, "the written config is not the init container's output"
-    text = the("ConfigMap", "elasticd-config")["data"][init.config_in.name]
+    _, source = mount_of(pod, container(pod, "node-labels"), str(init.config_in))
+    configmap = the("ConfigMap", source["configMap"]["name"])
+    text = configmap["data"][init.config_in.name]
     written = node_labels_module().with_labels(text, {"elasticd.io/node": "true"})
     config_file = tmp_path / "elasticd.toml"
     config_file.write_text(written)

@@ -11,7 +11,24 @@ import pytest
 
 from tests.conftest import PY, script
 from tests.e2e.cluster import follow_until, job_ended
-from tests.observability.test_dashboard import FAILS_ON_RANK_1, MISSING, Session, session
+from tests.observability.test_dashboard import MISSING, Session, session
+
+#: Rank 0 says it is fine, then rank 1 fails (only after that: rank 0's line is in its log
+#: before the group is stopped, however loaded the machine).
+FAILS_AFTER_RANK_0 = """
+import os, sys, time
+from pathlib import Path
+said = Path(sys.argv[1])
+if os.environ["RANK"] == "0":
+    print("rank 0 is fine", flush=True)
+    said.touch()
+    time.sleep(600)
+deadline = time.monotonic() + 60
+while not said.exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+print("rank 1 fell over", file=sys.stderr, flush=True)
+sys.exit(3)
+"""
 
 if MISSING and not os.environ.get("CI"):
     pytestmark = pytest.mark.skip(reason=f"needs {', '.join(MISSING)}")
@@ -49,7 +66,7 @@ async def test_download_saves_the_log_the_viewer_shows(tmp_path):
 
 async def failed_and_shown(s: Session, tmp_path: Path, job_id: str) -> None:
     """Run ``job_id``, whose rank 1 fails (its stderr says so), to its end; show it."""
-    args = [script(tmp_path, "f.py", FAILS_ON_RANK_1)]
+    args = [script(tmp_path, "f.py", FAILS_AFTER_RANK_0), str(tmp_path / f"{job_id}-said")]
     spec = {"id": job_id, "entrypoint": PY, "args": args, "nproc_per_node": 2}
     r = await s.api.post("/jobs", json={**spec, "max_restarts": 0, "termination_grace": 1})
     assert r.status_code == 201, r.text

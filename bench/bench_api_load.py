@@ -81,14 +81,26 @@ from elasticd.models import MAX_RESTARTS
 
 STEADY_JOB = "steady"
 CRASH_JOB = "crashloop"
-#: The reads, in the order the load cycles through them (equal shares).
-READS = (
-    "GET /jobs",
-    "GET /jobs/{id}",
-    "GET /jobs/{id}/workers",
-    "GET /jobs/{id}/events?after=N",
-    "GET /metrics",
-)
+#: The reads of each mix, in the order the load cycles through them (equal shares):
+#: ``follower`` asks for the events after one it saw (a follower's page); ``page``, the
+#: mix of issue 40 (held out), for the first page of 100 events each time (a dashboard
+#: that opens the job), about 48 KB under a crash loop.
+MIXES: dict[str, tuple[str, ...]] = {
+    "page": (
+        "GET /jobs",
+        "GET /jobs/{id}",
+        "GET /jobs/{id}/workers",
+        "GET /jobs/{id}/events?after=0&limit=100",
+        "GET /metrics",
+    ),
+    "follower": (
+        "GET /jobs",
+        "GET /jobs/{id}",
+        "GET /jobs/{id}/workers",
+        "GET /jobs/{id}/events?after=N",
+        "GET /metrics",
+    ),
+}
 #: Unanswered requests are given this long after the last one was issued.
 DRAIN_S = 15.0
 LAG_METRIC = "elasticd_event_loop_lag_seconds"
@@ -97,8 +109,12 @@ LAG_METRIC = "elasticd_event_loop_lag_seconds"
 # -- the load generator (its own process) ---------------------------------------------------
 
 
-async def generate(url: str, token: str, job: str, rate: float, seconds: float) -> dict[str, Any]:
-    """The open-loop load on ``job`` for ``seconds``: latencies, errors and own lag, in seconds."""
+async def generate(
+    url: str, token: str, job: str, rate: float, seconds: float, mix: str = "page"
+) -> dict[str, Any]:
+    """The open-loop load of ``mix`` on ``job`` for ``seconds``: latencies, errors and own
+    lag, in seconds."""
+    reads = MIXES[mix]
     host, port = url.removeprefix("http://").rsplit(":", 1)
     client = RawHttp(
         host, int(port), True, timeout=10.0, headers={"Authorization": f"Bearer {token}"}
@@ -128,7 +144,7 @@ async def generate(url: str, token: str, job: str, rate: float, seconds: float) 
             errors[kind].append(f"HTTP {status}: {body[:80]!r}")
             return
         latency[kind].append(done - at)
-        if kind == "GET /jobs/{id}/events?after=N":
+        if kind.startswith("GET /jobs/{id}/events"):
             new = sorted(int(e["seq"]) for e in json.loads(body))
             seqs.extend(s for s in new if not seqs or s > seqs[-1])
             del seqs[:-100]
@@ -146,7 +162,7 @@ async def generate(url: str, token: str, job: str, rate: float, seconds: float) 
         delay = at - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(READS[i % len(READS)], at)))
+        tasks.append(asyncio.create_task(one(reads[i % len(reads)], at)))
     issued_in = loop.time() - start
     _, pending = await asyncio.wait(tasks, timeout=DRAIN_S)
     for task in pending:
@@ -177,6 +193,8 @@ def run_generator(server: ElasticdServer, job: str, args: argparse.Namespace) ->
             str(args.rate),
             "--seconds",
             str(args.seconds),
+            "--mix",
+            args.mix,
         ],
         input=server.token,
         capture_output=True,
@@ -336,7 +354,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> tuple[str, dict[str
         rows,
     )
     per = []
-    for kind in READS:
+    for kind in MIXES[args.mix]:
         cells = [f"`{kind}`"]
         for name in phases:
             s = phases[name]["latency_ms_by_endpoint"].get(kind)
@@ -369,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="each phase's load (default 20; --quick 8)")
     parser.add_argument("--rate", type=float, default=200.0, help="requests per second (200)")
     parser.add_argument("--crash-after", type=float, default=0.3, help="seconds (0.3)")
+    parser.add_argument(
+        "--mix",
+        choices=sorted(MIXES),
+        default="page",
+        help="the reads: page (issue 40's held-out mix: the first 100 events each time; "
+        "default) or follower (the events after one seen)",
+    )
     parser.add_argument("--warm-restarts", type=int, default=3, help="before the crash phase (3)")
     parser.add_argument("--goal-p99-ms", type=float, default=20.0, help="(20)")
     parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
@@ -395,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.generate:
         url, job = args.generate
         token = sys.stdin.read().strip()
-        print(json.dumps(asyncio.run(generate(url, token, job, args.rate, args.seconds))))
+        figures = asyncio.run(generate(url, token, job, args.rate, args.seconds, args.mix))
+        print(json.dumps(figures))
         return 0
     if args.nice:
         os.nice(args.nice)  # inherited by the daemon, its workers and the load generator
@@ -413,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     text, figures, ok = report(res, args)
     info["loadavg_at_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(
-        f"\n## API load: {args.rate:g} req/s for {args.seconds:g} s, steady then with a job "
+        f"\n## API load ({args.mix} mix): {args.rate:g} req/s for {args.seconds:g} s, steady then with a job "
         f"crashing {args.crash_after:g} s after each start ({time.monotonic() - started:.0f} s "
         "in all)\n"
     )

@@ -1,0 +1,128 @@
+"""The IO of ``elasticd run`` inside a Slurm step (form 1; see :mod:`elasticd.slurm`).
+
+The decisions are :mod:`elasticd.slurm.allocation`'s; this module resolves
+the nodes' addresses, provides the shared token, waits for the store host,
+for the job task 0 submits, and, on the store host, for the others to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from elasticd.errors import ConfigError, JobNotFound, StoreError
+from elasticd.models import Job
+from elasticd.slurm.allocation import AllocationRun
+
+#: How long a task waits for the store host to answer, and for task 0's job to appear.
+JOIN_WAIT = 120.0
+#: How long the store host waits, after the job's end, for the other daemons to leave
+#: (each must read the end from its store before the host stops serving it).
+LEAVE_WAIT = 30.0
+#: The shared token when no ``--token-file`` is given (the home is shared across the nodes).
+DEFAULT_TOKEN = Path("~/.config/elasticd/slurm-token")
+
+
+def resolve(host: str) -> str:
+    """The IPv4 address of a node's name, as its resolver (``/etc/hosts``, DNS) gives it."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(f"cannot resolve the Slurm node {host!r}: {exc}") from None
+    return str(infos[0][4][0])
+
+
+def shared_token(path: Path | None) -> Path:
+    """The token file every task of the step uses: ``path``, else :data:`DEFAULT_TOKEN`,
+    made (0600, a random token) by the first task that finds none; the others read it.
+
+    Made under a private name and linked into place, so that of tasks racing on a
+    shared home exactly one token wins and no task reads a half-written file.
+    """
+    if path is not None:
+        if not path.is_file():
+            raise ConfigError(f"--token-file {path}: no such file")
+        return path
+    target = DEFAULT_TOKEN.expanduser()
+    if target.is_file():
+        return target
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fresh = target.parent / f".{target.name}.{secrets.token_hex(8)}"
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+    finally:
+        os.close(fd)
+    try:
+        os.link(fresh, target)
+    except FileExistsError:
+        pass  # another task made it first: theirs is the token
+    finally:
+        fresh.unlink()
+    return target
+
+
+def daemon_flags(plan: AllocationRun, token_file: Path) -> dict[str, Any]:
+    """The embedded daemon's configuration flags for this task (IO: name resolution)."""
+    own = resolve(plan.node_name)
+    flags: dict[str, Any] = {
+        "host": own,
+        "advertise_addr": own,
+        "port": plan.store_port if plan.hosts_store else 0,
+        "node_name": plan.node_name,
+        "token_file": str(token_file),
+    }
+    if plan.store_url is not None:
+        flags["store_url"] = plan.store_url
+    elif not plan.hosts_store:
+        flags["store_url"] = f"http://{resolve(plan.store_host)}:{plan.store_port}"
+    return flags
+
+
+async def wait_for_store(url: str, timeout: float = JOIN_WAIT) -> None:
+    """Until the store host's daemon answers ``/healthz`` (it starts with its task)."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url.rstrip("/") + "/healthz")).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"the store host at {url} (task 0 of the step) did not answer within "
+                    f"{timeout:.0f} s"
+                )
+            await asyncio.sleep(0.1)
+
+
+async def wait_submitted(daemon: Any, job_id: str, timeout: float = JOIN_WAIT) -> Job:
+    """The job once it has ended, on a task that did not submit it (it may not exist yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            job: Job = await daemon.jobs.wait(job_id)
+            return job
+        except (JobNotFound, StoreError):
+            if time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.1)
+
+
+async def wait_others_left(daemon: Any, timeout: float = LEAVE_WAIT) -> None:
+    """On the store host, after the job's end: until every other daemon has left the store
+    (a clean stop revokes its lease; a dead one's lapses), so each could read the end."""
+    deadline = time.monotonic() + timeout
+    mine = daemon.config.node_name
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StoreError):
+            if all(record.name == mine for record in await daemon.cluster.nodes()):
+                return
+        await asyncio.sleep(0.1)

@@ -1,0 +1,180 @@
+"""``elasticd run --nnodes`` inside a real Slurm step (issue 38, form 1), on 3 namespaced nodes.
+
+The cluster is :class:`tests.e2e.slurm_cluster.SlurmCluster` (slurmctld, a
+slurmd per node, munge); the workers are tiny Python scripts that write a note
+per start, so the test sees every attempt on every node.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e.slurm_cluster import KILL_WAIT, SlurmCluster, require_slurm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: Each start of a worker writes a line ``{"node", "rank", "restart", "pid"}`` to the notes
+#: file; rank 1 of the first attempt crashes (exit 3) when CRASH is set; the others sleep
+#: SLEEP seconds, pinging, then exit 0.
+WORKER = """
+import json, os, sys, time
+from elasticd.worker import ping
+note = {"node": os.uname().nodename, "rank": int(os.environ["RANK"]),
+        "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "pid": os.getpid(),
+        "world": int(os.environ["WORLD_SIZE"])}
+with open(os.environ["NOTES"], "a") as f:
+    f.write(json.dumps(note) + "\\n")
+if os.environ.get("CRASH") and note["rank"] == 1 and note["restart"] == 0:
+    sys.exit(3)
+end = time.monotonic() + float(os.environ["SLEEP"])
+step = 0
+while time.monotonic() < end:
+    step += 1
+    ping(step=step)
+    time.sleep(0.1)
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
+    require_slurm()
+    (tmp_path / "slurm").mkdir()
+    cluster = SlurmCluster(tmp_path / "slurm")
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def srun(
+    slurm: SlurmCluster, tmp_path: Path, *, crash: bool, sleep: float, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
+    """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(WORKER))
+    home = tmp_path / "home"  # the shared token is made here, as in a shared home
+    home.mkdir(exist_ok=True)
+    env = {
+        **slurm.env,
+        "HOME": str(home),
+        "NOTES": str(tmp_path / "notes.jsonl"),
+        "SLEEP": str(sleep),
+        "PYTHONPATH": str(ROOT),
+        **({"CRASH": "1"} if crash else {}),
+    }
+    args = [
+        "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label",
+        sys.executable, "-m", "elasticd", "run", "--nnodes", "2:3", "--nproc-per-node", "2",
+        "--max-restarts", "2", "--termination-grace", "2", *extra, "--", str(worker),
+    ]  # fmt: skip
+    with (tmp_path / "srun.out").open("w") as out:
+        return subprocess.Popen(
+            args,
+            env=env,
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def notes(tmp_path: Path) -> list[dict[str, int | str]]:
+    path = tmp_path / "notes.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def task_codes(output: str) -> dict[str, str]:
+    """Each task's last line, by srun's ``--label`` (``0: ...``)."""
+    last: dict[str, str] = {}
+    for line in output.splitlines():
+        label, sep, text = line.partition(": ")
+        if sep and label.strip().isdigit():
+            last[label.strip()] = text
+    return last
+
+
+def test_a_crash_restarts_the_group_and_every_task_exits_0(slurm, tmp_path):
+    """One rank's crash restarts the whole group on all 3 nodes once; the job succeeds and
+    srun (so every task) exits 0."""
+    proc = srun(slurm, tmp_path, crash=True, sleep=2)
+    try:
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = (tmp_path / "srun.out").read_text()
+    seen = notes(tmp_path)
+    assert code == 0, f"{output}\n{slurm.logs()}"
+    first = [n for n in seen if n["restart"] == 0]
+    second = [n for n in seen if n["restart"] == 1]
+    assert sorted(n["rank"] for n in first) == list(range(6)), seen
+    assert sorted(n["rank"] for n in second) == list(range(6)), seen
+    assert {n["node"] for n in second} == {"n1", "n2", "n3"}, seen
+    assert not [n for n in seen if int(n["restart"]) > 1], seen
+    # srun's exit is its tasks' highest: each task also says the job's result.
+    ends = task_codes(output)
+    assert sorted(ends) == ["0", "1", "2"], output
+    assert all("SUCCEEDED after 1 restart" in text for text in ends.values()), output
+
+
+def test_b_scancel_ends_every_worker_within_the_grace(slurm, tmp_path):
+    """``scancel`` of the job stops the workers on every node within KillWait: no process of
+    the job is left in any node's namespaces and srun ends."""
+    proc = srun(slurm, tmp_path, crash=False, sleep=300)
+    try:
+        deadline = time.monotonic() + 60
+        while len({n["pid"] for n in notes(tmp_path)}) < 6:
+            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
+            time.sleep(0.1)
+        workers = [int(n["pid"]) for n in notes(tmp_path)]
+        jobs = slurm.run("squeue", "-h", "-o", "%i").stdout.split()
+        assert len(jobs) == 1, jobs
+        cancelled = time.monotonic()
+        assert slurm.run("scancel", jobs[0]).returncode == 0
+        proc.wait(KILL_WAIT + 30)
+        while any(_alive(pid) for pid in workers):
+            assert time.monotonic() - cancelled < KILL_WAIT, [p for p in workers if _alive(p)]
+            time.sleep(0.05)
+        for name, node in slurm.nodes.items():
+            left = [p for p in node.pids() if p != (node.slurmd.pid if node.slurmd else 0)]
+            assert not _job_processes(left), (name, _job_processes(left))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _job_processes(pids: list[int]) -> list[str]:
+    """The command lines among ``pids`` that are the job's (elasticd, the workers)."""
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "elasticd" in cmdline or "worker.py" in cmdline:
+            found.append(f"{pid}: {cmdline}")
+    return found
+

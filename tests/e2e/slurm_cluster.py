@@ -38,7 +38,7 @@ import pytest
 #: What the harness needs on PATH (Debian: slurm-wlm, munge, iproute2, util-linux).
 TOOLS = ("slurmctld", "slurmd", "srun", "sinfo", "scontrol", "munged", "ip", "unshare", "nsenter")
 #: ``KillWait``: the seconds between Slurm's SIGTERM and its SIGKILL on a cancel or time limit.
-KILL_WAIT = 5
+KILL_WAIT = 10
 
 
 def require_slurm() -> None:

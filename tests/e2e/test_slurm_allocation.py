@@ -22,12 +22,19 @@ from tests.e2e.slurm_cluster import KILL_WAIT, SlurmCluster, require_slurm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
+#: The job's ``--termination-grace``: well under the cluster's KillWait, so that a worker
+#: gone within it was stopped by elasticd, not by Slurm's SIGKILL.
+GRACE = 2
+
 #: Each start of a worker writes a line ``{"node", "rank", "restart", "pid"}`` to the notes
 #: file; rank 1 of the first attempt crashes (exit 3) when CRASH is set; the others sleep
-#: SLEEP seconds, pinging, then exit 0.
+#: SLEEP seconds, pinging, then exit 0. With DEAF set they ignore SIGTERM (only a SIGKILL
+#: ends them).
 WORKER = """
-import json, os, sys, time
+import json, os, signal, sys, time
 from elasticd.worker import ping
+if os.environ.get("DEAF"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 note = {"node": os.uname().nodename, "rank": int(os.environ["RANK"]),
         "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "pid": os.getpid(),
         "world": int(os.environ["WORLD_SIZE"])}
@@ -57,7 +64,12 @@ def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
 
 
 def srun(
-    slurm: SlurmCluster, tmp_path: Path, *, crash: bool, sleep: float, extra: tuple[str, ...] = ()
+    slurm: SlurmCluster,
+    tmp_path: Path,
+    *,
+    crash: bool = False,
+    deaf: bool = False,
+    sleep: float,
 ) -> subprocess.Popen[str]:
     """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
     worker = tmp_path / "worker.py"
@@ -71,11 +83,12 @@ def srun(
         "SLEEP": str(sleep),
         "PYTHONPATH": str(ROOT),
         **({"CRASH": "1"} if crash else {}),
+        **({"DEAF": "1"} if deaf else {}),
     }
     args = [
         "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label",
         sys.executable, "-m", "elasticd", "run", "--nnodes", "2:3", "--nproc-per-node", "2",
-        "--max-restarts", "2", "--termination-grace", "2", *extra, "--", str(worker),
+        "--max-restarts", "2", "--termination-grace", str(GRACE), "--", str(worker),
     ]  # fmt: skip
     with (tmp_path / "srun.out").open("w") as out:
         return subprocess.Popen(
@@ -131,9 +144,10 @@ def test_a_crash_restarts_the_group_and_every_task_exits_0(slurm, tmp_path):
 
 
 def test_b_scancel_ends_every_worker_within_the_grace(slurm, tmp_path):
-    """``scancel`` of the job stops the workers on every node within KillWait: no process of
-    the job is left in any node's namespaces and srun ends."""
-    proc = srun(slurm, tmp_path, crash=False, sleep=300)
+    """``scancel`` of the job stops the workers on every node within the job's grace, even
+    workers that ignore SIGTERM (long before Slurm's own SIGKILL at KillWait): no process of
+    the job is left in any node's namespaces, and every task exits 143."""
+    proc = srun(slurm, tmp_path, deaf=True, sleep=300)
     try:
         deadline = time.monotonic() + 60
         while len({n["pid"] for n in notes(tmp_path)}) < 6:
@@ -145,13 +159,17 @@ def test_b_scancel_ends_every_worker_within_the_grace(slurm, tmp_path):
         assert len(jobs) == 1, jobs
         cancelled = time.monotonic()
         assert slurm.run("scancel", jobs[0]).returncode == 0
-        proc.wait(KILL_WAIT + 30)
         while any(_alive(pid) for pid in workers):
-            assert time.monotonic() - cancelled < KILL_WAIT, [p for p in workers if _alive(p)]
+            left = [p for p in workers if _alive(p)]
+            assert time.monotonic() - cancelled < GRACE + 2.5 < KILL_WAIT, left
             time.sleep(0.05)
+        proc.wait(KILL_WAIT + 30)
+        output = (tmp_path / "srun.out").read_text()
+        ends = task_codes(output)
+        assert sorted(ends) == ["0", "1", "2"], output
+        assert all("stopped by SIGTERM" in text and "exit 143" in text for text in ends.values())
         for name, node in slurm.nodes.items():
-            left = [p for p in node.pids() if p != (node.slurmd.pid if node.slurmd else 0)]
-            assert not _job_processes(left), (name, _job_processes(left))
+            assert not _job_processes(node.pids()), (name, _job_processes(node.pids()))
     finally:
         if proc.poll() is None:
             proc.kill()

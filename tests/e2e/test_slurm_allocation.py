@@ -7,7 +7,10 @@ per start, so the test sees every attempt on every node.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,8 +31,8 @@ GRACE = 2
 
 #: Each start of a worker writes a line ``{"node", "rank", "restart", "pid"}`` to the notes
 #: file; rank 1 of the first attempt crashes (exit 3) when CRASH is set; the others sleep
-#: SLEEP seconds, pinging, then exit 0. With DEAF set they ignore SIGTERM (only a SIGKILL
-#: ends them).
+#: SLEEP seconds (SLEEP_SMALLER in a world smaller than 3 nodes'), pinging, then exit 0.
+#: With DEAF set they ignore SIGTERM (only a SIGKILL ends them).
 WORKER = """
 import json, os, signal, sys, time
 from elasticd.worker import ping
@@ -42,7 +45,8 @@ with open(os.environ["NOTES"], "a") as f:
     f.write(json.dumps(note) + "\\n")
 if os.environ.get("CRASH") and note["rank"] == 1 and note["restart"] == 0:
     sys.exit(3)
-end = time.monotonic() + float(os.environ["SLEEP"])
+sleep = os.environ["SLEEP"] if note["world"] == 6 else os.environ.get("SLEEP_SMALLER", "0")
+end = time.monotonic() + float(sleep)
 step = 0
 while time.monotonic() < end:
     step += 1
@@ -70,6 +74,7 @@ def srun(
     crash: bool = False,
     deaf: bool = False,
     sleep: float,
+    sleep_smaller: float = 0,
 ) -> subprocess.Popen[str]:
     """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
     worker = tmp_path / "worker.py"
@@ -81,6 +86,7 @@ def srun(
         "HOME": str(home),
         "NOTES": str(tmp_path / "notes.jsonl"),
         "SLEEP": str(sleep),
+        "SLEEP_SMALLER": str(sleep_smaller),
         "PYTHONPATH": str(ROOT),
         **({"CRASH": "1"} if crash else {}),
         **({"DEAF": "1"} if deaf else {}),
@@ -170,6 +176,36 @@ def test_b_scancel_ends_every_worker_within_the_grace(slurm, tmp_path):
         assert all("stopped by SIGTERM" in text and "exit 143" in text for text in ends.values())
         for name, node in slurm.nodes.items():
             assert not _job_processes(node.pids()), (name, _job_processes(node.pids()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_c_the_loss_of_a_node_other_than_the_store_host_reforms_on_2(slurm, tmp_path):
+    """n3 lost whole (its slurmd and every process of its task killed): the job re-forms
+    on n1 and n2 (MIN is 2) and succeeds there; their tasks say so."""
+    proc = srun(slurm, tmp_path, sleep=300, sleep_smaller=2)
+    try:
+        deadline = time.monotonic() + 60
+        while len({n["pid"] for n in notes(tmp_path)}) < 6:
+            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
+            time.sleep(0.1)
+        slurm.kill_slurmd("n3")
+        for pid in slurm.nodes["n3"].pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not any(n["world"] == 4 for n in notes(tmp_path)):
+            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
+            time.sleep(0.1)
+        proc.wait(90)
+        output = (tmp_path / "srun.out").read_text()
+        reformed = [n for n in notes(tmp_path) if n["world"] == 4]
+        assert {n["node"] for n in reformed} == {"n1", "n2"}, notes(tmp_path)
+        assert sorted(n["rank"] for n in reformed) == [0, 1, 2, 3], notes(tmp_path)
+        ends = task_codes(output)
+        assert "SUCCEEDED" in ends.get("0", "") and "SUCCEEDED" in ends.get("1", ""), output
     finally:
         if proc.poll() is None:
             proc.kill()

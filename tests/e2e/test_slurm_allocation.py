@@ -231,4 +231,3 @@ def _job_processes(pids: list[int]) -> list[str]:
         if "elasticd" in cmdline or "worker.py" in cmdline:
             found.append(f"{pid}: {cmdline}")
     return found
-

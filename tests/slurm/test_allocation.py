@@ -63,11 +63,21 @@ STEP = {
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1"}, None),  # a batch script, no step
         (STEP, SlurmTask("42", "0", ("n1", "n2", "n3"), 1)),
         (
-            {**STEP, "SLURM_STEP_NODELIST": "n[2-3]", "SLURM_STEP_NUM_NODES": "2", "SLURM_NODEID": "0"},
+            {
+                **STEP,
+                "SLURM_STEP_NODELIST": "n[2-3]",
+                "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_NODEID": "0",
+            },
             SlurmTask("42", "0", ("n2", "n3"), 0),
         ),
         (
-            {"SLURM_JOBID": "7", "SLURM_STEPID": "3", "SLURM_JOB_NODELIST": "a", "SLURM_NODEID": "0"},
+            {
+                "SLURM_JOBID": "7",
+                "SLURM_STEPID": "3",
+                "SLURM_JOB_NODELIST": "a",
+                "SLURM_NODEID": "0",
+            },
             SlurmTask("7", "3", ("a",), 0),
         ),
     ],

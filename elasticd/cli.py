@@ -63,7 +63,7 @@ from elasticd.cli_commands import (
 from elasticd.completion import SHELLS
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
-from elasticd.errors import ConfigError, StoreAuthError
+from elasticd.errors import ConfigError, SlurmStepError, StoreAuthError
 from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, format_umask
 from elasticd.security import refuse_foreign_state, set_private_umask
@@ -700,8 +700,9 @@ async def _run(args: argparse.Namespace) -> int:
             if allocation is None or allocation.submits:
                 waiter = asyncio.create_task(daemon.jobs.wait(job_id))
             else:
-                waiter = asyncio.create_task(slurm_run.wait_submitted(daemon, job_id))
-            await race(asyncio.shield(waiter), daemon.stop_requested())
+                waiter = asyncio.create_task(slurm_run.wait_submitted(daemon, allocation))
+            with contextlib.suppress(SlurmStepError):  # said below, after the daemon's stop
+                await race(asyncio.shield(waiter), daemon.stop_requested())
             if allocation is not None and allocation.hosts_store and waiter.done():
                 # The others read the end from this daemon's store: it leaves last.
                 await race(slurm_run.wait_others_left(daemon), daemon.stop_requested())
@@ -711,6 +712,13 @@ async def _run(args: argparse.Namespace) -> int:
                 await daemon.shutdown()
             await cancel_and_wait(follower)
             stopped = not waiter.done() or waiter.cancelled() or waiter.exception() is not None
+        lost = None if not waiter.done() or waiter.cancelled() else waiter.exception()
+        if isinstance(lost, SlurmStepError):
+            if run_logs is not None:
+                run_logs.keep = keep_run_logs(succeeded=False, asked=args.keep_logs)
+                note(run_logs.kept_line(job_id))
+            note(str(lost))
+            return 1
         if stopped:
             # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
             # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.

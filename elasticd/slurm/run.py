@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from elasticd.errors import ConfigError, JobNotFound, StoreError
+from elasticd.errors import ConfigError, JobNotFound, SlurmStepError, StoreError
 from elasticd.models import Job
 from elasticd.slurm.allocation import AllocationRun
 
@@ -103,17 +103,48 @@ async def wait_for_store(url: str, timeout: float = JOIN_WAIT) -> None:
             await asyncio.sleep(0.1)
 
 
-async def wait_submitted(daemon: Any, job_id: str, timeout: float = JOIN_WAIT) -> Job:
-    """The job once it has ended, on a task that did not submit it (it may not exist yet)."""
+async def wait_submitted(
+    daemon: Any, plan: AllocationRun, timeout: float = JOIN_WAIT, lost_after: float | None = None
+) -> Job:
+    """The job once it has ended, on a task that did not submit it (it may not exist yet).
+
+    :class:`SlurmStepError` when task 0 has not submitted it within ``timeout``, or when the
+    store has not answered for ``lost_after`` seconds (default: 3 lease TTLs; by then this
+    node's lease has lapsed and its workers are stopped): the store host is lost, and with
+    it the job's state.
+    """
+    lost_after = 3 * daemon.config.lease_ttl if lost_after is None else lost_after
     deadline = time.monotonic() + timeout
+    unreachable_since: float | None = None
     while True:
         try:
-            job: Job = await daemon.jobs.wait(job_id)
+            job: Job = await daemon.jobs.wait(plan.job_id)
             return job
-        except (JobNotFound, StoreError):
+        except JobNotFound:
+            unreachable_since = None
             if time.monotonic() > deadline:
-                raise
-        await asyncio.sleep(0.1)
+                raise SlurmStepError(
+                    f"job {plan.job_id}: task 0 (on {plan.store_host}) did not submit it "
+                    f"within {timeout:.0f} s"
+                ) from None
+        except StoreError as exc:
+            now = time.monotonic()
+            unreachable_since = unreachable_since or now
+            if now - unreachable_since > lost_after:
+                where = (
+                    f"the store host {plan.store_host}" if plan.store_url is None else "the store"
+                )
+                raise SlurmStepError(
+                    f"job {plan.job_id}: {where} has not answered for {lost_after:.0f} s "
+                    f"({exc}); the job cannot go on without its store and this node's workers "
+                    "were stopped"
+                    + (
+                        " (with --store-url etcd://... the job outlives its first node)"
+                        if plan.store_url is None
+                        else ""
+                    )
+                ) from None
+        await asyncio.sleep(0.2)
 
 
 async def wait_others_left(daemon: Any, timeout: float = LEAVE_WAIT) -> None:

@@ -211,6 +211,38 @@ def test_c_the_loss_of_a_node_other_than_the_store_host_reforms_on_2(slurm, tmp_
             proc.kill()
 
 
+def test_d_the_loss_of_the_store_host_ends_the_job_on_every_node(slurm, tmp_path):
+    """n1, the store host, lost whole: the other tasks cannot go on without the store; they
+    stop their workers and exit 1 within a bounded time, naming the lost store host."""
+    proc = srun(slurm, tmp_path, sleep=300, sleep_smaller=300)
+    try:
+        deadline = time.monotonic() + 60
+        while len({n["pid"] for n in notes(tmp_path)}) < 6:
+            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
+            time.sleep(0.1)
+        workers = [int(n["pid"]) for n in notes(tmp_path) if n["node"] != "n1"]
+        slurm.kill_slurmd("n1")
+        lost = time.monotonic()
+        for pid in slurm.nodes["n1"].pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while any(_alive(pid) for pid in workers):
+            assert time.monotonic() - lost < 30, [p for p in workers if _alive(p)]
+            time.sleep(0.1)
+        proc.wait(90)
+        output = (tmp_path / "srun.out").read_text()
+        ends = task_codes(output)
+        for task in ("1", "2"):
+            assert "the store host n1 has not answered" in ends.get(task, ""), output
+        assert "Traceback" not in output, output
+        for name in ("n2", "n3"):
+            assert not _job_processes(slurm.nodes[name].pids()), name
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

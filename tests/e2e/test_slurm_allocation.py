@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,6 +242,43 @@ def test_d_the_loss_of_the_store_host_ends_the_job_on_every_node(slurm, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_readme_batch_script_runs_as_written(slurm, tmp_path):
+    """The README's form-1 batch script, read from README.md and sbatch'ed as it is (its
+    ``python train.py`` is the tiny worker), runs the job on the 3 nodes and exits 0."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Inside an allocation, with no daemon installed") :]
+    match = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert match, "no sh block in the README's Slurm section"
+    (tmp_path / "job.sh").write_text(match.group(1))
+    (tmp_path / "train.py").write_text(textwrap.dedent(WORKER))
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {
+        **slurm.env,
+        "HOME": str(home),
+        "NOTES": str(tmp_path / "notes.jsonl"),
+        "SLEEP": "1",
+        "PYTHONPATH": str(ROOT),
+        # `elasticd` and `python` are this checkout's, as an installed elasticd would be.
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["sbatch", "--wait", "-o", str(tmp_path / "job.out"), str(tmp_path / "job.sh")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}"
+    seen = notes(tmp_path)
+    assert {n["node"] for n in seen} == {"n1", "n2", "n3"}, seen
+    assert sorted(n["rank"] for n in seen) == list(range(6)), seen
+    assert output.count("SUCCEEDED") == 3, output
 
 
 def _alive(pid: int) -> bool:

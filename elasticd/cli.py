@@ -67,7 +67,7 @@ from elasticd.errors import ConfigError, SlurmStepError, StoreAuthError
 from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, format_umask
 from elasticd.security import refuse_foreign_state, set_private_umask
-from elasticd.slurm.allocation import AllocationRun
+from elasticd.slurm.allocation import AllocationRun, store_environ
 from elasticd.tasks import cancel_and_wait, race
 
 log = logging.getLogger("elasticd")
@@ -640,7 +640,9 @@ async def _run(args: argparse.Namespace) -> int:
             store_url = str(flags.get("store_url") or "")
             if store_url.startswith("http"):
                 await slurm_run.wait_for_store(store_url)
-        config = load_config(flags, environ={})
+        # The user's ELASTICD_* variables are for their own daemon, never this one; in a
+        # Slurm step, but for the store's credentials (an etcd's user, its TLS files).
+        config = load_config(flags, environ={} if allocation is None else store_environ(os.environ))
         try:
             spec = JobSpec(
                 # Known before the submission: the run's reaper names the job's processes by it.

@@ -20,6 +20,20 @@ PORT_SPAN = 9000
 #: What a bracket of a hostlist may expand to: a typo such as ``n[1-1000000]`` is refused.
 MAX_HOSTS = 100_000
 
+#: The only ``ELASTICD_*`` variables a step's daemons read: the store's credentials and TLS
+#: files (an etcd's user, say). The rest of a user's ``ELASTICD_*`` is for their own daemon.
+STORE_ENV = frozenset(
+    {
+        "ELASTICD_STORE_USERNAME",
+        "ELASTICD_STORE_PASSWORD_FILE",
+        "ELASTICD_STORE_CA_FILE",
+        "ELASTICD_STORE_CERT_FILE",
+        "ELASTICD_STORE_KEY_FILE",
+        "ELASTICD_STORE_PREFIX",
+        "ELASTICD_ALLOW_INSECURE_STORE",
+    }
+)
+
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
@@ -137,6 +151,11 @@ def _int(environ: Mapping[str, str], name: str) -> int:
     if not value.isdigit():
         raise ConfigError(f"inside a Slurm step but {name} is {value or 'not set'!r}")
     return int(value)
+
+
+def store_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of ``environ`` a step's daemons configure their store from (:data:`STORE_ENV`)."""
+    return {k: v for k, v in environ.items() if k in STORE_ENV}
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e.slurm_cluster import KILL_WAIT, SlurmCluster, require_slurm
+from tests.store.etcd_server import EtcdProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -76,6 +77,7 @@ def srun(
     deaf: bool = False,
     sleep: float,
     sleep_smaller: float = 0,
+    store_url: str | None = None,
 ) -> subprocess.Popen[str]:
     """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
     worker = tmp_path / "worker.py"
@@ -91,11 +93,14 @@ def srun(
         "PYTHONPATH": str(ROOT),
         **({"CRASH": "1"} if crash else {}),
         **({"DEAF": "1"} if deaf else {}),
+        # The test's etcd has no users; its network is the test's own.
+        **({"ELASTICD_ALLOW_INSECURE_STORE": "true"} if store_url else {}),
     }
     args = [
         "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label",
         sys.executable, "-m", "elasticd", "run", "--nnodes", "2:3", "--nproc-per-node", "2",
-        "--max-restarts", "2", "--termination-grace", str(GRACE), "--", str(worker),
+        "--max-restarts", "2", "--termination-grace", str(GRACE),
+        *(["--store-url", store_url] if store_url else []), "--", str(worker),
     ]  # fmt: skip
     with (tmp_path / "srun.out").open("w") as out:
         return subprocess.Popen(
@@ -156,11 +161,7 @@ def test_b_scancel_ends_every_worker_within_the_grace(slurm, tmp_path):
     the job is left in any node's namespaces, and every task exits 143."""
     proc = srun(slurm, tmp_path, deaf=True, sleep=300)
     try:
-        deadline = time.monotonic() + 60
-        while len({n["pid"] for n in notes(tmp_path)}) < 6:
-            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
-            time.sleep(0.1)
+        _wait_started(proc, tmp_path)
         workers = [int(n["pid"]) for n in notes(tmp_path)]
         jobs = slurm.run("squeue", "-h", "-o", "%i").stdout.split()
         assert len(jobs) == 1, jobs
@@ -187,15 +188,8 @@ def test_c_the_loss_of_a_node_other_than_the_store_host_reforms_on_2(slurm, tmp_
     on n1 and n2 (MIN is 2) and succeeds there; their tasks say so."""
     proc = srun(slurm, tmp_path, sleep=300, sleep_smaller=2)
     try:
-        deadline = time.monotonic() + 60
-        while len({n["pid"] for n in notes(tmp_path)}) < 6:
-            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
-            time.sleep(0.1)
-        slurm.kill_slurmd("n3")
-        for pid in slurm.nodes["n3"].pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _wait_started(proc, tmp_path)
+        _lose(slurm, "n3")
         deadline = time.monotonic() + 90
         while not any(n["world"] == 4 for n in notes(tmp_path)):
             assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
@@ -217,17 +211,10 @@ def test_d_the_loss_of_the_store_host_ends_the_job_on_every_node(slurm, tmp_path
     stop their workers and exit 1 within a bounded time, naming the lost store host."""
     proc = srun(slurm, tmp_path, sleep=300, sleep_smaller=300)
     try:
-        deadline = time.monotonic() + 60
-        while len({n["pid"] for n in notes(tmp_path)}) < 6:
-            assert proc.poll() is None, (tmp_path / "srun.out").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
-            time.sleep(0.1)
+        _wait_started(proc, tmp_path)
         workers = [int(n["pid"]) for n in notes(tmp_path) if n["node"] != "n1"]
-        slurm.kill_slurmd("n1")
         lost = time.monotonic()
-        for pid in slurm.nodes["n1"].pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _lose(slurm, "n1")
         while any(_alive(pid) for pid in workers):
             assert time.monotonic() - lost < 30, [p for p in workers if _alive(p)]
             time.sleep(0.1)
@@ -242,6 +229,48 @@ def test_d_the_loss_of_the_store_host_ends_the_job_on_every_node(slurm, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_e_with_etcd_the_loss_of_the_first_node_reforms_on_2(slurm, tmp_path):
+    """With ``--store-url etcd://`` (an etcd on the bridge), n1 is a node like the others:
+    lost whole, the job re-forms on n2 and n3 and succeeds there."""
+    (tmp_path / "etcd").mkdir()
+    etcd = EtcdProcess(tmp_path / "etcd" / "data", host=slurm.controller_addr)
+    etcd.start()
+    try:
+        url = etcd.url.replace("http://", "etcd://")
+        proc = srun(slurm, tmp_path, sleep=300, sleep_smaller=2, store_url=url)
+        try:
+            _wait_started(proc, tmp_path)
+            _lose(slurm, "n1")
+            proc.wait(120)
+            output = (tmp_path / "srun.out").read_text()
+            reformed = [n for n in notes(tmp_path) if n["world"] == 4]
+            assert {n["node"] for n in reformed} == {"n2", "n3"}, (notes(tmp_path), output)
+            ends = task_codes(output)
+            assert "SUCCEEDED" in ends.get("1", "") and "SUCCEEDED" in ends.get("2", ""), output
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        etcd.kill()
+
+
+def _wait_started(proc: subprocess.Popen[str], tmp_path: Path, count: int = 6) -> None:
+    """Until ``count`` workers have written their note (the job runs everywhere)."""
+    deadline = time.monotonic() + 60
+    while len({n["pid"] for n in notes(tmp_path)}) < count:
+        assert proc.poll() is None, (tmp_path / "srun.out").read_text()
+        assert time.monotonic() < deadline, (tmp_path / "srun.out").read_text()
+        time.sleep(0.1)
+
+
+def _lose(slurm: SlurmCluster, name: str) -> None:
+    """The node lost whole: its slurmd and every process of its task SIGKILLed."""
+    slurm.kill_slurmd(name)
+    for pid in slurm.nodes[name].pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_readme_batch_script_runs_as_written(slurm, tmp_path):

@@ -297,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument(
         "--dry-run", action="store_true", help="say what would change, change nothing"
     )
+    slurm = sub.add_parser(
+        "slurm",
+        help="Slurm's node hooks (slurm.conf)",
+        description="Example: Prolog=/usr/local/sbin/elasticd-prolog in slurm.conf, a script "
+        "that runs `exec elasticd slurm prolog`",
+    )
+    hooks = slurm.add_subparsers(dest="hook", required=True)
+    prolog = hooks.add_parser(
+        "prolog",
+        help="run the node's health checks; exit 1 (Slurm drains the node) when one fails",
+    )
+    prolog.add_argument("--config", help="the node daemon's TOML config file (its health_check)")
     completion = sub.add_parser(
         "completion",
         help="print a shell completion script (bash, zsh, fish)",
@@ -380,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return install_service_command(args)
         if args.command == "completion":
             return _completion(args)
+        if args.command == "slurm":
+            from elasticd.slurm.hooks import prolog
+
+            return asyncio.run(prolog(load_config({"config": args.config}), os.environ))
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2

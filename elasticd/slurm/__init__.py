@@ -32,4 +32,9 @@ allocation's nodes, as on most Slurm clusters.
 :mod:`elasticd.slurm.run` is the IO around those decisions (addresses,
 the token, the wait for the store, the end in order: the store host leaves
 last).
+
+Form 2, *elasticd's daemons on every node with Slurm as the allocator*,
+has so far its prolog: :mod:`elasticd.slurm.hooks` (``elasticd slurm
+prolog``), the node's health checks before a job, a failure draining the
+node with the check's reason.
 """

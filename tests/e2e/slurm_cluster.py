@@ -109,6 +109,8 @@ class SlurmCluster:
 
     root: Path
     size: int = 3
+    #: More slurm.conf lines (``Prolog=...``, say).
+    extra_conf: tuple[str, ...] = ()
     nodes: dict[str, SlurmNode] = field(default_factory=dict)
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -264,6 +266,7 @@ class SlurmCluster:
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
         ]
+        lines += self.extra_conf
         for node in self.nodes.values():
             lines.append(
                 f"NodeName={node.name} NodeAddr={node.addr} NodeHostname={node.name} "

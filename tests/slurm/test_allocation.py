@@ -12,6 +12,7 @@ from elasticd.slurm.allocation import (
     expand_hostlist,
     parse_nnodes,
     plan_allocation_run,
+    store_environ,
     task_from_env,
 )
 
@@ -167,3 +168,21 @@ def test_spares_beyond_max_still_take_part():
     """Nodes beyond MAX are spares: the job's bounds stay MIN:MAX whatever the step's size."""
     plan = plan_allocation_run(SlurmTask("42", "0", (*NODES, "n4"), 3), "2:3")
     assert (plan.min_nodes, plan.max_nodes, plan.submits) == (2, 3, False)
+
+
+def test_store_environ_keeps_only_the_store_settings():
+    """A step's daemons read the store's credentials from ELASTICD_STORE_*, nothing else of
+    the user's ELASTICD_* (their own daemon's settings) nor anything else."""
+    environ = {
+        "ELASTICD_STORE_USERNAME": "job",
+        "ELASTICD_STORE_PASSWORD_FILE": "/home/u/.etcd-pw",
+        "ELASTICD_ALLOW_INSECURE_STORE": "true",
+        "ELASTICD_PORT": "7070",
+        "ELASTICD_STORE_URL": "http://elsewhere:7070",
+        "PATH": "/usr/bin",
+    }
+    assert store_environ(environ) == {
+        "ELASTICD_STORE_USERNAME": "job",
+        "ELASTICD_STORE_PASSWORD_FILE": "/home/u/.etcd-pw",
+        "ELASTICD_ALLOW_INSECURE_STORE": "true",
+    }

@@ -714,6 +714,8 @@ async def _run(args: argparse.Namespace) -> int:
                         f"{dashboard_url(config.url)}, logs in {config.logs / job.id}"
                     )
             job_id = str(spec.id)
+            if allocation is not None:
+                slurm_run.handle_warnings(daemon, job_id)
             follower = asyncio.create_task(_print_events(daemon, job_id, args.console))
             if allocation is None or allocation.submits:
                 waiter = asyncio.create_task(daemon.jobs.wait(job_id))
@@ -811,7 +813,12 @@ class RunLogs:
 RUN_EVENTS: dict[str, frozenset[str]] = {
     "quiet": frozenset(),
     "normal": frozenset(
-        {EventKind.GROUP_RESTARTING, EventKind.WORKERS_SPAWN_FAILED, EventKind.WORKER_HANG}
+        {
+            EventKind.GROUP_RESTARTING,
+            EventKind.WORKERS_SPAWN_FAILED,
+            EventKind.WORKER_HANG,
+            EventKind.JOB_CHECKPOINT_REQUESTED,
+        }
     ),
     "verbose": frozenset(EventKind),  # every event, once
 }

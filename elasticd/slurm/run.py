@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 
 from elasticd.errors import ConfigError, JobNotFound, SlurmStepError, StoreError
+from elasticd.eventkinds import EventKind
 from elasticd.models import Job
 from elasticd.slurm.allocation import AllocationRun
 
@@ -157,3 +159,33 @@ async def wait_others_left(daemon: Any, timeout: float = LEAVE_WAIT) -> None:
             if all(record.name == mine for record in await daemon.cluster.nodes()):
                 return
         await asyncio.sleep(0.1)
+
+
+#: The signals Slurm's ``--signal`` sends ahead of the time limit (the usual ones; its
+#: default is SIGUSR1). Their default action would end the embedded daemon.
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def handle_warnings(daemon: Any, job_id: str) -> None:
+    """Take Slurm's warning signals on this task's daemon as a checkpoint request.
+
+    Slurm sends ``--signal``'s signal to every process of the step, the
+    workers included (they are the step's, under ``proctrack/linuxproc`` and
+    ``proctrack/cgroup`` alike): they get it from Slurm, once, and checkpoint
+    on it. The daemon records ``job.checkpoint_requested`` (with the signal),
+    which the console shows, instead of dying of the signal's default action.
+    """
+    loop = asyncio.get_running_loop()
+    for sig in WARNING_SIGNALS:
+        loop.add_signal_handler(sig, _warned, daemon, job_id, sig)
+
+
+def _warned(daemon: Any, job_id: str, sig: signal.Signals) -> None:
+    message = (
+        f"Slurm's warning {sig.name}: the job's end is near; its workers got {sig.name} "
+        "from Slurm, a request to checkpoint"
+    )
+    # Shown on the console by `elasticd run`'s event follower, as a restart is.
+    daemon.events.emit(
+        job_id, "daemon", EventKind.JOB_CHECKPOINT_REQUESTED, message, signal=int(sig)
+    )

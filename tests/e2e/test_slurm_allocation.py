@@ -25,7 +25,7 @@ from tests.conftest import ROOT
 from tests.e2e.slurm_cluster import KILL_WAIT, SlurmCluster, require_slurm
 from tests.store.etcd_server import EtcdProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
 #: The job's ``--termination-grace``: well under the cluster's KillWait, so that a worker
 #: gone within it was stopped by elasticd, not by Slurm's SIGKILL.
@@ -34,12 +34,17 @@ GRACE = 2
 #: Each start of a worker writes a line ``{"node", "rank", "restart", "pid"}`` to the notes
 #: file; rank 1 of the first attempt crashes (exit 3) when CRASH is set; the others sleep
 #: SLEEP seconds (SLEEP_SMALLER in a world smaller than 3 nodes'), pinging, then exit 0.
-#: With DEAF set they ignore SIGTERM (only a SIGKILL ends them).
+#: With DEAF set they ignore SIGTERM (only a SIGKILL ends them). A SIGUSR1 (a checkpoint
+#: request) writes a line to the ``.usr1`` notes.
 WORKER = """
 import json, os, signal, sys, time
 from elasticd.worker import ping
 if os.environ.get("DEAF"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def warned(sig, frame):
+    with open(os.environ["NOTES"] + ".usr1", "a") as f:
+        f.write(json.dumps({"node": os.uname().nodename, "rank": int(os.environ["RANK"])}) + "\\n")
+signal.signal(signal.SIGUSR1, warned)
 note = {"node": os.uname().nodename, "rank": int(os.environ["RANK"]),
         "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "pid": os.getpid(),
         "world": int(os.environ["WORLD_SIZE"])}
@@ -78,6 +83,7 @@ def srun(
     sleep: float,
     sleep_smaller: float = 0,
     store_url: str | None = None,
+    slurm_flags: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
     worker = tmp_path / "worker.py"
@@ -97,7 +103,7 @@ def srun(
         **({"ELASTICD_ALLOW_INSECURE_STORE": "true"} if store_url else {}),
     }
     args = [
-        "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label",
+        "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label", *slurm_flags,
         sys.executable, "-m", "elasticd", "run", "--nnodes", "2:3", "--nproc-per-node", "2",
         "--max-restarts", "2", "--termination-grace", str(GRACE),
         *(["--store-url", store_url] if store_url else []), "--", str(worker),
@@ -254,6 +260,30 @@ def test_e_with_etcd_the_loss_of_the_first_node_reforms_on_2(slurm, tmp_path):
                 proc.kill()
     finally:
         etcd.kill()
+
+
+def test_f_the_time_limit_warns_then_stops_the_workers(slurm, tmp_path):
+    """``--signal=USR1@50`` with a 1-minute limit: every worker gets SIGUSR1 once (from
+    Slurm; elasticd does not die of it and records the request), then the limit's SIGTERM
+    stops the workers and every task exits 143."""
+    proc = srun(slurm, tmp_path, sleep=300, slurm_flags=("--time=1", "--signal=USR1@50"))
+    try:
+        _wait_started(proc, tmp_path)
+        proc.wait(150)
+        output = (tmp_path / "srun.out").read_text()
+        usr1 = tmp_path / "notes.jsonl.usr1"
+        warned = [json.loads(x) for x in usr1.read_text().splitlines()] if usr1.exists() else []
+        assert sorted(n["rank"] for n in warned) == list(range(6)), (warned, output)
+        for task in ("0", "1", "2"):
+            lines = [x for x in output.splitlines() if x.startswith(f"{task}: ")]
+            assert any("Slurm's warning SIGUSR1" in x for x in lines), output
+        ends = task_codes(output)
+        assert all("stopped by SIGTERM" in ends.get(t, "") for t in "012"), output
+        for name, node in slurm.nodes.items():
+            assert not _job_processes(node.pids()), (name, _job_processes(node.pids()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _wait_started(proc: subprocess.Popen[str], tmp_path: Path, count: int = 6) -> None:

@@ -47,7 +47,7 @@ def warned(sig, frame):
 signal.signal(signal.SIGUSR1, warned)
 note = {"node": os.uname().nodename, "rank": int(os.environ["RANK"]),
         "restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "pid": os.getpid(),
-        "world": int(os.environ["WORLD_SIZE"])}
+        "world": int(os.environ["WORLD_SIZE"]), "master": os.environ["MASTER_ADDR"]}
 with open(os.environ["NOTES"], "a") as f:
     f.write(json.dumps(note) + "\\n")
 if os.environ.get("CRASH") and note["rank"] == 1 and note["restart"] == 0:
@@ -84,8 +84,10 @@ def srun(
     sleep_smaller: float = 0,
     store_url: str | None = None,
     slurm_flags: tuple[str, ...] = (),
+    nodes: int = 3,
 ) -> subprocess.Popen[str]:
-    """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster."""
+    """``srun -N3 --no-kill --ntasks-per-node=1 elasticd run --nnodes 2:3 ...`` in the cluster
+    (``-N{nodes}``)."""
     worker = tmp_path / "worker.py"
     worker.write_text(textwrap.dedent(WORKER))
     home = tmp_path / "home"  # the shared token is made here, as in a shared home
@@ -103,7 +105,7 @@ def srun(
         **({"ELASTICD_ALLOW_INSECURE_STORE": "true"} if store_url else {}),
     }
     args = [
-        "srun", "-N3", "--no-kill", "--ntasks-per-node=1", "--label", *slurm_flags,
+        "srun", f"-N{nodes}", "--no-kill", "--ntasks-per-node=1", "--label", *slurm_flags,
         sys.executable, "-m", "elasticd", "run", "--nnodes", "2:3", "--nproc-per-node", "2",
         "--max-restarts", "2", "--termination-grace", str(GRACE),
         *(["--store-url", store_url] if store_url else []), "--", str(worker),
@@ -155,6 +157,9 @@ def test_a_crash_restarts_the_group_and_every_task_exits_0(slurm, tmp_path):
     assert sorted(n["rank"] for n in second) == list(range(6)), seen
     assert {n["node"] for n in second} == {"n1", "n2", "n3"}, seen
     assert not [n for n in seen if int(n["restart"]) > 1], seen
+    # torch's store is on rank 0's node, at its address on the cluster's network.
+    masters = {n["master"] for n in second}
+    assert len(masters) == 1 and masters <= {node.addr for node in slurm.nodes.values()}, seen
     # srun's exit is its tasks' highest: each task also says the job's result.
     ends = task_codes(output)
     assert sorted(ends) == ["0", "1", "2"], output
@@ -284,6 +289,32 @@ def test_f_the_time_limit_warns_then_stops_the_workers(slurm, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_g_a_node_beyond_max_is_a_spare(tmp_path):
+    """On 4 nodes with --nnodes 2:3, three run the job and the fourth stands by; its task
+    still exits with the job's result."""
+    require_slurm()
+    (tmp_path / "slurm").mkdir()
+    slurm = SlurmCluster(tmp_path / "slurm", size=4)
+    slurm.start()
+    try:
+        proc = srun(slurm, tmp_path, sleep=2, nodes=4)
+        try:
+            code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        output = (tmp_path / "srun.out").read_text()
+        seen = notes(tmp_path)
+        assert code == 0, output
+        assert len({n["node"] for n in seen}) == 3, seen
+        assert sorted(n["rank"] for n in seen) == list(range(6)), seen
+        ends = task_codes(output)
+        assert sorted(ends) == ["0", "1", "2", "3"], output
+        assert all("SUCCEEDED" in text for text in ends.values()), output
+    finally:
+        slurm.close()
 
 
 def _wait_started(proc: subprocess.Popen[str], tmp_path: Path, count: int = 6) -> None:

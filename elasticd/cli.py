@@ -63,10 +63,11 @@ from elasticd.cli_commands import (
 from elasticd.completion import SHELLS
 from elasticd.config import DEFAULT_PORT, load_config
 from elasticd.console import write_line
-from elasticd.errors import ConfigError, StoreAuthError
+from elasticd.errors import ConfigError, SlurmStepError, StoreAuthError
 from elasticd.eventkinds import EventKind
 from elasticd.models import JobSpec, format_umask
 from elasticd.security import refuse_foreign_state, set_private_umask
+from elasticd.slurm.allocation import AllocationRun, store_environ
 from elasticd.tasks import cancel_and_wait, race
 
 log = logging.getLogger("elasticd")
@@ -199,7 +200,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the temporary log folder also when the job succeeds (its path is printed)",
     )
-    run.add_argument("--port", type=int, default=0, help="HTTP port (default: any free port)")
+    run.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="HTTP port (default: any free port; inside a Slurm step with --nnodes, the store "
+        "host's, derived from the job and step ids)",
+    )
+    run.add_argument(
+        "--nnodes",
+        metavar="MIN[:MAX]",
+        help="inside a Slurm step (srun --ntasks-per-node=1 elasticd run ...): run one job "
+        "across the step's nodes, on MIN to MAX of them (the rest are spares); the tasks find "
+        "each other from Slurm's environment",
+    )
+    run.add_argument(
+        "--store-url",
+        help="with --nnodes: the cluster store (etcd://...; default: hosted by the daemon on "
+        "the step's first node)",
+    )
+    run.add_argument(
+        "--token-file",
+        help="with --nnodes: the 0600 token file the step's daemons share (default: "
+        "~/.config/elasticd/slurm-token, made if missing; the home must be shared)",
+    )
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
     add_job_flags(run)
     run.add_argument(
@@ -273,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument(
         "--dry-run", action="store_true", help="say what would change, change nothing"
     )
+    slurm = sub.add_parser(
+        "slurm",
+        help="Slurm's node hooks (slurm.conf)",
+        description="Example: Prolog=/usr/local/sbin/elasticd-prolog in slurm.conf, a script "
+        "that runs `exec elasticd slurm prolog`",
+    )
+    hooks = slurm.add_subparsers(dest="hook", required=True)
+    prolog = hooks.add_parser(
+        "prolog",
+        help="run the node's health checks; exit 1 (Slurm drains the node) when one fails",
+    )
+    prolog.add_argument("--config", help="the node daemon's TOML config file (its health_check)")
     completion = sub.add_parser(
         "completion",
         help="print a shell completion script (bash, zsh, fish)",
@@ -356,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return install_service_command(args)
         if args.command == "completion":
             return _completion(args)
+        if args.command == "slurm":
+            from elasticd.slurm.hooks import prolog
+
+            return asyncio.run(prolog(load_config({"config": args.config}), os.environ))
     except (ConfigError, StoreAuthError) as exc:  # a store that refuses us is misconfigured
         print(f"elasticd: {exc}", file=sys.stderr)
         return 2
@@ -568,6 +608,7 @@ async def _run(args: argparse.Namespace) -> int:
     from elasticd.launcher import write_run_token
     from elasticd.node.daemon import Daemon
     from elasticd.node.statelock import StateLock
+    from elasticd.slurm import run as slurm_run
     from elasticd.supervise.reaper import RunReaper
 
     # The caller's umask is the job's (as torchrun's workers inherit it); the daemon's own
@@ -581,6 +622,7 @@ async def _run(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.root.level))
     command = _command(list(args.program), no_python=args.no_python, module=args.module)
     nproc = await _nproc_per_node(args.nproc_per_node)
+    allocation = _allocation_run(args)
     with contextlib.ExitStack() as stack:
         state_dir = args.state_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="elasticd-run-")
@@ -596,22 +638,32 @@ async def _run(args: argparse.Namespace) -> int:
             run_logs = RunLogs(Path(tempfile.mkdtemp(prefix="elasticd-logs-")))
             stack.callback(run_logs.close)
             log_dir = str(run_logs.path)
-        config = load_config(
-            {
-                "host": "127.0.0.1",
-                "port": _api_port(args.port, args.master_port),
-                "state_dir": state_dir,
-                "log_dir": log_dir,
-                "node_name": "localhost",
-                "slots": nproc,
-                "token_file": str(write_run_token(Path(state_dir))),
-            },
-            environ={},
-        )
+        flags: dict[str, object] = {
+            "host": "127.0.0.1",
+            "port": _api_port(args.port, args.master_port),
+            "state_dir": state_dir,
+            "log_dir": log_dir,
+            "node_name": "localhost",
+            "slots": nproc,
+        }
+        nodes: dict[str, int] = {}
+        if allocation is None:
+            flags["token_file"] = str(write_run_token(Path(state_dir)))
+        else:
+            token = slurm_run.shared_token(Path(args.token_file) if args.token_file else None)
+            flags.update(slurm_run.daemon_flags(allocation, token))
+            nodes = {"min_nodes": allocation.min_nodes, "max_nodes": allocation.max_nodes}
+            store_url = str(flags.get("store_url") or "")
+            if store_url.startswith("http"):
+                await slurm_run.wait_for_store(store_url)
+        # The user's ELASTICD_* variables are for their own daemon, never this one; in a
+        # Slurm step, but for the store's credentials (an etcd's user, its TLS files).
+        config = load_config(flags, environ={} if allocation is None else store_environ(os.environ))
         try:
             spec = JobSpec(
                 # Known before the submission: the run's reaper names the job's processes by it.
-                id=args.run_id or uuid.uuid4().hex[:12],
+                id=allocation.job_id if allocation else args.run_id or uuid.uuid4().hex[:12],
+                **nodes,
                 entrypoint=command[0],
                 args=command[1:],
                 cwd=os.getcwd(),
@@ -629,7 +681,8 @@ async def _run(args: argparse.Namespace) -> int:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        stdin = _stdin_for_workers()
+        # Inside a Slurm step only task 0 has srun's stdin: the workers get none.
+        stdin = _stdin_for_workers() if allocation is None else None
         if stdin is not None:
             stack.callback(os.close, stdin)
         daemon = Daemon(
@@ -652,22 +705,40 @@ async def _run(args: argparse.Namespace) -> int:
                     keep_fd=state_lock.fileno(),
                 )
             )
-            job, _ = await daemon.jobs.submit(spec)
-            if args.console != "quiet":
-                note(
-                    f"job {job.id} submitted: {nproc} worker(s) of {' '.join(command)}; API at "
-                    f"{config.url} (token in {config.token_file}), dashboard at "
-                    f"{dashboard_url(config.url)}, logs in {config.logs / job.id}"
-                )
-            follower = asyncio.create_task(_print_events(daemon, job.id, args.console))
-            waiter = asyncio.create_task(daemon.jobs.wait(job.id))
-            await race(asyncio.shield(waiter), daemon.stop_requested())
+            if allocation is None or allocation.submits:
+                job, _ = await daemon.jobs.submit(spec)
+                if args.console != "quiet":
+                    note(
+                        f"job {job.id} submitted: {nproc} worker(s) of {' '.join(command)}; "
+                        f"API at {config.url} (token in {config.token_file}), dashboard at "
+                        f"{dashboard_url(config.url)}, logs in {config.logs / job.id}"
+                    )
+            job_id = str(spec.id)
+            if allocation is not None:
+                slurm_run.handle_warnings(daemon, job_id)
+            follower = asyncio.create_task(_print_events(daemon, job_id, args.console))
+            if allocation is None or allocation.submits:
+                waiter = asyncio.create_task(daemon.jobs.wait(job_id))
+            else:
+                waiter = asyncio.create_task(slurm_run.wait_submitted(daemon, allocation))
+            with contextlib.suppress(SlurmStepError):  # said below, after the daemon's stop
+                await race(asyncio.shield(waiter), daemon.stop_requested())
+            if allocation is not None and allocation.hosts_store and waiter.done():
+                # The others read the end from this daemon's store: it leaves last.
+                await race(slurm_run.wait_others_left(daemon), daemon.stop_requested())
             if not waiter.done():
                 note("interrupted: stopping the workers")
                 await cancel_and_wait(waiter)
                 await daemon.shutdown()
             await cancel_and_wait(follower)
             stopped = not waiter.done() or waiter.cancelled() or waiter.exception() is not None
+        lost = None if not waiter.done() or waiter.cancelled() else waiter.exception()
+        if isinstance(lost, SlurmStepError):
+            if run_logs is not None:
+                run_logs.keep = keep_run_logs(succeeded=False, asked=args.keep_logs)
+                note(run_logs.kept_line(job_id))
+            note(str(lost))
+            return 1
         if stopped:
             # Stopped by a signal: 128 + its number, as a shell reports it (SIGTERM 143,
             # Ctrl-C 130). torchrun exits 1 here; a scheduler must tell a stop from a failure.
@@ -675,15 +746,34 @@ async def _run(args: argparse.Namespace) -> int:
             sig = signal.Signals(daemon.stop_signal or signal.SIGINT)
             if run_logs is not None:
                 run_logs.keep = keep_run_logs(succeeded=False, asked=args.keep_logs)
-                note(run_logs.kept_line(job.id))
-            note(stopped_line(job.id, sig))
+                note(run_logs.kept_line(job_id))
+            note(stopped_line(job_id, sig))
             return 128 + sig
         code = report(waiter.result().model_dump(), args.console)
         if run_logs is not None:
             run_logs.keep = keep_run_logs(succeeded=code == 0, asked=args.keep_logs)
             if run_logs.keep and (code != 0 or args.console != "quiet"):
-                note(run_logs.kept_line(job.id))
+                note(run_logs.kept_line(job_id))
         return code
+
+
+def _allocation_run(args: argparse.Namespace) -> AllocationRun | None:
+    """With ``--nnodes``: this task's part in a job across the Slurm step (else None)."""
+    from elasticd.slurm.allocation import plan_allocation_run, task_from_env
+
+    if args.nnodes is None:
+        if args.store_url or args.token_file:
+            raise ConfigError("--store-url and --token-file go with --nnodes (a Slurm step)")
+        return None
+    task = task_from_env(os.environ)
+    if task is None:
+        raise ConfigError(
+            "elasticd run --nnodes runs inside a Slurm step: srun --ntasks-per-node=1 "
+            "elasticd run --nnodes MIN:MAX ... (elsewhere, run the daemons and elasticd submit)"
+        )
+    if args.run_id:
+        raise ConfigError("--run-id: inside a Slurm step the job's id is slurm-JOB.STEP")
+    return plan_allocation_run(task, args.nnodes, store_url=args.store_url, port=args.port)
 
 
 def keep_run_logs(*, succeeded: bool, asked: bool) -> bool:
@@ -723,7 +813,12 @@ class RunLogs:
 RUN_EVENTS: dict[str, frozenset[str]] = {
     "quiet": frozenset(),
     "normal": frozenset(
-        {EventKind.GROUP_RESTARTING, EventKind.WORKERS_SPAWN_FAILED, EventKind.WORKER_HANG}
+        {
+            EventKind.GROUP_RESTARTING,
+            EventKind.WORKERS_SPAWN_FAILED,
+            EventKind.WORKER_HANG,
+            EventKind.JOB_CHECKPOINT_REQUESTED,
+        }
     ),
     "verbose": frozenset(EventKind),  # every event, once
 }

@@ -29,7 +29,8 @@ above it handle a small, documented set::
     ├── RendezvousError          the rendezvous could not complete
     │   ├── RendezvousClosed     the job's rendezvous was closed (job is over)
     │   └── RendezvousTimeout    not enough nodes within the join timeout
-    └── WorkerSpawnError         a worker process could not be started
+    ├── WorkerSpawnError         a worker process could not be started
+    └── SlurmStepError           a task of a Slurm step lost its step's job (its store host)
 """
 
 from __future__ import annotations
@@ -205,3 +206,8 @@ class WorkerSpawnError(ElasticdError):
             return self._errno
         cause = self.__cause__
         return cause.errno if isinstance(cause, OSError) else None
+
+
+class SlurmStepError(ElasticdError):
+    """A task of ``elasticd run --nnodes`` in a Slurm step cannot follow the step's job: the
+    store host (the first node) is lost, or task 0 never submitted the job."""

@@ -24,6 +24,7 @@ class EventKind(enum.StrEnum):
     JOB_RESUMED = "job.resumed"
     JOB_REFUSED = "job.refused"
     JOB_CANCEL_REQUESTED = "job.cancel_requested"
+    JOB_CHECKPOINT_REQUESTED = "job.checkpoint_requested"
     JOB_UNSCHEDULABLE = "job.unschedulable"
     JOB_QUEUED = "job.queued"
     JOB_PLACED = "job.placed"
@@ -97,6 +98,10 @@ MEANING: dict[EventKind, str] = {
     EventKind.JOB_RESUMED: "A job left active by a daemon that stopped goes on as a new attempt.",
     EventKind.JOB_REFUSED: "A job document in the store failed the daemon's checks.",
     EventKind.JOB_CANCEL_REQUESTED: "A user asked to cancel.",
+    EventKind.JOB_CHECKPOINT_REQUESTED: (
+        "The scheduler warned that the job's end is near (Slurm's --signal, ahead of the time "
+        "limit): the workers are asked to checkpoint; `signal` is the signal they got."
+    ),
     EventKind.JOB_UNSCHEDULABLE: (
         "No set of live nodes could ever hold it (too few match with enough slots); it waits, "
         "flagged, until such nodes join."

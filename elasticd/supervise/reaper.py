@@ -58,7 +58,8 @@ DONE_TIMEOUT = 5.0
 #: The reaper's program. Standard library only (``-I -S``); argv[1] is its JSON settings.
 REAPER_SOURCE = r"""
 import json, os, signal, sys, time
-for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE, signal.SIGUSR1,
+          signal.SIGUSR2):  # USR1/2: a scheduler's warning to the whole step (Slurm --signal)
     signal.signal(s, signal.SIG_IGN)
 conf = json.loads(sys.argv[1])
 got = b""

@@ -40,12 +40,13 @@ def etcd_binary() -> str:
 class EtcdProcess:
     """One etcd member; ``start``/``kill`` may be repeated on the same data dir and ports."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        """``host``: the address clients reach it on (its peer port stays on loopback)."""
         self.binary = etcd_binary()
         self.data_dir = data_dir
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        self.url = f"http://{host}:{self.client_port}"
         self.log = data_dir.parent / f"{data_dir.name}.log"
         self._process: subprocess.Popen[bytes] | None = None
 

@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "elasticd.launcher",
         "elasticd.launch_worker",
         "elasticd.node.daemon",
+        "elasticd.slurm.hooks",
     ),
     # The node's services: jobs, the cluster, the scheduler's loop, events, health checks.
     ("elasticd.node",),

@@ -1,0 +1,40 @@
+"""elasticd under Slurm (issue 38).
+
+Form 1, *inside an allocation with no daemon installed*, is torchrun's habit::
+
+    srun --no-kill --ntasks-per-node=1 \\
+        elasticd run --nnodes 2:3 --nproc-per-node 4 -- python train.py
+
+Each task of the step runs an embedded daemon for the one job, as ``elasticd
+run`` does on one node, and the tasks find each other from Slurm's
+environment, with no endpoint to type (:mod:`elasticd.slurm.allocation`
+decides everything from it, purely):
+
+* the store is hosted by the daemon on the allocation's first node (task 0
+  of the step), on a port derived from the job and step ids, or is the
+  ``--store-url etcd://...`` given; the other daemons join it;
+* task 0 submits the job (``min_nodes``/``max_nodes`` from ``--nnodes``)
+  under an id made of Slurm's job and step ids, so every task waits on the
+  same job; the fleet scheduler and the rendezvous place it, and nodes
+  beyond ``MAX`` stand by as spares;
+* a worker crash restarts the whole group (``--max-restarts``), the loss of
+  a node other than the store host re-forms the job on the rest, down to
+  ``MIN``;
+* every task exits with the job's result; Slurm's SIGTERM (``scancel``, the
+  time limit) stops the workers with the job's grace (``--termination-grace``,
+  keep it under the cluster's ``KillWait``), exit 143.
+
+The daemons share one bearer token: ``--token-file`` when given, else a
+0600 file in the user's home (``~/.config/elasticd/slurm-token``), made by
+the first task that needs it; the home folder is assumed shared across the
+allocation's nodes, as on most Slurm clusters.
+
+:mod:`elasticd.slurm.run` is the IO around those decisions (addresses,
+the token, the wait for the store, the end in order: the store host leaves
+last).
+
+Form 2, *elasticd's daemons on every node with Slurm as the allocator*,
+has so far its prolog: :mod:`elasticd.slurm.hooks` (``elasticd slurm
+prolog``), the node's health checks before a job, a failure draining the
+node with the check's reason.
+"""

@@ -18,6 +18,11 @@ attempt over now (:func:`not_ready`, pure), the hand-over itself, and taking
 one up in the next image (the same pids, pipes and heartbeats, then
 ``job.readopted``). The agent keeps only the calls and its own state.
 
+An agent that is not handed over (mid-start, mid-restart) runs on until the
+exec cuts it off: :func:`unrecorded_at_exec` (pure) names the failure it saw,
+or its workers met, that is not in the job yet, and :class:`CarriedFailure`
+carries it to the next image, which records it before the job resumes.
+
 Which side of the boundary: the daemon.
 """
 

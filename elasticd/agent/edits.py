@@ -216,22 +216,32 @@ def record_carried_failure(
     landed after all, and the next round formed; one that landed and waits is not recorded
     twice (:func:`record_failure` keeps one failure per node and round).
 
-    ``early_count``: the workers were started early and the store had not confirmed their
-    round at the exec; recorded only if it did meanwhile (the failure before it settled,
-    the restart count as predicted), as the early start's own confirmation asks
-    (:class:`~elasticd.agent.early.Formation`); else their start never counted."""
+    ``early_count``: the workers were started early (a job of one node) and the store had
+    not confirmed their round at the exec, the restart count it would carry. Formed as
+    predicted (the failure before it charged, the count as predicted): recorded, as any.
+    Not formed yet, or its failure before not charged yet (the exec cut the formation
+    short; the next image forms the round anew, maybe under the same number, where the
+    failure would never be charged): that failure is charged as the round's formation
+    would have, and this one at once. Anything else (the count changed): the store's
+    answer would have differed, and the early start never counted
+    (:class:`~elasticd.agent.early.Formation`)."""
     record = record_failure(round_, root, alone=alone)
 
     def edit(job: Job) -> JobEdit:
         if round_.round <= job.charged_round or not tagged_for(job_tag, incarnation_tag(job)):
             return {}
+        if early_count is None:
+            return record(job)
         pending = job.pending_failure
-        if early_count is not None and (
-            job.restart_count != early_count
-            or (pending is not None and pending.round < round_.round)
-        ):
+        if pending is None or pending.round >= round_.round:
+            return record(job) if job.restart_count == early_count else {}
+        if job.restart_count != early_count - 1:
             return {}
-        return record(job)
+        settled = _charge(job, pending, round_.participants)
+        seen = job.model_copy(update=settled)
+        if seen.state.is_terminal:
+            return settled
+        return {**settled, **charge_now(root)(seen)}
 
     return edit
 

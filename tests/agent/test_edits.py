@@ -214,19 +214,25 @@ def test_a_carried_failure_is_not_another_job_of_its_id() -> None:
 
 
 @pytest.mark.parametrize(
-    ("settled", "count", "recorded"),
+    ("settled", "count", "pending", "charged", "then"),
     [
-        (True, 1, True),  # the store formed the early round as predicted: it counts
-        (False, 1, False),  # the round before it never settled: the start never counted
-        (True, 2, False),  # another restart count than predicted: not that round
+        # The store formed the early round as predicted: recorded, charged at the next.
+        (True, 1, 3, 1, 2),
+        # Not formed yet at the exec: the failure before it charged, and this one at once.
+        (False, 1, None, 2, 2),
+        # Another restart count than predicted: not that round, never counted.
+        (True, 2, None, 1, 1),
+        (False, 2, 2, 0, 1),
     ],
 )
-def test_a_carried_failure_of_an_early_start_counts_once_its_round_formed(
-    settled: bool, count: int, recorded: bool
+def test_a_carried_failure_of_an_early_start_is_charged_once(
+    settled: bool, count: int, pending: int | None, charged: int, then: int
 ) -> None:
-    """Workers started early (round 3 predicted after round 2 failed), their round not
-    confirmed at the exec: the failure is recorded only where the job shows the round
-    formed as predicted (round 2's failure charged, the count as predicted)."""
+    """Workers started early (round 3, predicted with restart count ``count`` after round 2
+    failed), their round not confirmed at the exec, failed: where the store formed it as
+    predicted the failure waits for the next round, as any; where the exec cut the
+    formation short, the failure before is charged as the round would have and this one at
+    once (the next image may form round 3 anew: it would never be charged there)."""
     before = _edit(_job(), record_failure(_next_round(2), _failure("a", 0.1)))
     if settled:
         before = _edit(before, settle_failure(_round()))
@@ -235,4 +241,7 @@ def test_a_carried_failure_of_an_early_start_counts_once_its_round_formed(
     tag = incarnation_tag(_job())
     carried = record_carried_failure(_round(), root, alone=False, job_tag=tag, early_count=count)
     after = _edit(before, carried)
-    assert (after.pending_failure is not None and after.pending_failure.round == 3) is recorded
+    waiting = after.pending_failure.round if after.pending_failure is not None else None
+    assert (waiting, after.restart_count) == (pending, charged)
+    after = _edit(after, settle_failure(_next_round(4)))
+    assert after.restart_count == then

@@ -35,11 +35,13 @@ from elasticd.agent.goodput import GoodputHook, end_of
 from elasticd.agent.group import LocalGroup
 from elasticd.agent.handover import (
     AgentHandover,
+    CarriedFailure,
     HandoverFacts,
     Readoption,
     not_ready,
     started_from,
     unrecorded,
+    unrecorded_at_exec,
 )
 from elasticd.agent.hooks import (
     Attempt,
@@ -351,6 +353,34 @@ class JobAgent:
         if failure is not None and self._round is not None and self._group.attempt is not None:
             await self._record_failure(self._round, failure.cause, failure.at)
 
+    def carried_failure(self) -> CarriedFailure | None:
+        """For the re-exec, when this agent is not handed over: the failure it saw, or its
+        workers met, and has not recorded yet (:func:`unrecorded_at_exec`), for the next
+        image to record. Called on the loop's thread right before the exec (no await)."""
+        round_, group = self._round, self._group
+        if round_ is None or group.attempt is None:
+            return None
+        processes = group.processes
+        result, unsaid = processes.snapshot_at_exec() if processes is not None else (None, None)
+        failure = unrecorded_at_exec(
+            self._queued,
+            self.handover_facts(),
+            result,
+            inprocess_restart=self.spec.inprocess_restart,
+            now=self.ctx.clock.time(),
+        )
+        if failure is None:
+            return None
+        root, _ = self._root_of(round_, failure.cause, failure.at)
+        cause = failure.cause
+        first = cause.root_cause if isinstance(cause, GroupResult) else None
+        held = {e.local_rank for e in group.held or ()}  # said once confirmed: not yet
+        unsaid = (unsaid or frozenset()) | held
+        pid = first.pid if first is not None and first.local_rank in unsaid else None
+        early = self._machine.early_restart_count if group.held is not None else None
+        alone = self._alone(round_, root)
+        return CarriedFailure(round_, root, alone, self.job_tag, pid, early)
+
     def hand_over(self, slots: list[int]) -> AgentHandover | None:
         """The running attempt for the daemon's next program image, or None when the agent
         is anywhere but watching its running workers (the job then resumes there as a new
@@ -575,6 +605,18 @@ class JobAgent:
         self, round_: RoundInfo, cause: GroupResult | Hang, at: float
     ) -> m.Event:
         """Record the round's failure (charged when the next round forms): FailureRecorded."""
+        root, what = self._root_of(round_, cause, at)
+        named = await self._watch.named(round_)  # the failure names the round's participants
+        alone = self._alone(round_, root)
+        job = await self._job.record_failure(named, root, what, self.spawn_seq, alone=alone)
+        self._job_progress = job.progress
+        await self._attribute(root, job, round_.group_world_size)
+        return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))
+
+    def _root_of(
+        self, round_: RoundInfo, cause: GroupResult | Hang, at: float
+    ) -> tuple[RootCause, str]:
+        """What the job records of the round's failure, and a line for people (no await)."""
         stacks = None
         if isinstance(cause, Hang) and self._group.attempt is not None:
             seq, taken = self._hang_stacks
@@ -586,19 +628,17 @@ class JobAgent:
             seen = cause.root_cause.seen_at if cause.root_cause is not None else None
         if seen is not None and self._formed_seen is not None:
             root = root.model_copy(update={"since_round_s": seen - self._formed_seen})
-        named = await self._watch.named(round_)  # the failure names the round's participants
-        # Charged at once only where nothing can yet find the node at fault and free the
-        # failure: no other node can be lost, no hardware-like signal (attributed below), no
-        # GPU whose check before the next round may quarantine the node.
-        alone = (
+        return root, what
+
+    def _alone(self, round_: RoundInfo, root: RootCause) -> bool:
+        """The failure is charged at once (the budget spent) only where nothing can yet find
+        the node at fault and free it: no other node can be lost, no hardware-like signal
+        (attributed), no GPU whose check before the next round may quarantine the node."""
+        return (
             self.ctx.rendezvous.solo_round(round_) is not None
             and root.signal not in HARDWARE_SIGNALS
             and not self.ctx.cuda_visible_devices
         )
-        job = await self._job.record_failure(named, root, what, self.spawn_seq, alone=alone)
-        self._job_progress = job.progress
-        await self._attribute(root, job, round_.group_world_size)
-        return m.FailureRecorded.of(job, round_.round, self.ctx.rendezvous.solo_round(round_))
 
     async def _attribute(self, root: RootCause, job: Job, nodes: int) -> None:
         """This node's share of the failure in its health record, across jobs: a worker

@@ -13,6 +13,8 @@ that document alone):
   failure once, or free it when a participant did not come back (a node loss);
   a charged failure also closes the attempt's progress and may fail the job
   for ``max_no_progress_restarts`` (:func:`elasticd.agent.checkpoints.close_attempt`);
+* :func:`record_carried_failure`: the same, in the daemon's next program image, for a
+  failure the re-exec cut its agent off from recording;
 * :func:`charge_now`: spend a restart at once (a failed health check);
 * :func:`merge_recovery`: fold one node's recovery timeline into the job's.
 
@@ -38,6 +40,8 @@ from elasticd.models import (
     Recovery,
     RecoveryTotals,
     RootCause,
+    incarnation_tag,
+    tagged_for,
 )
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks
@@ -48,6 +52,7 @@ __all__ = [
     "charge_now",
     "in_time_order",
     "merge_recovery",
+    "record_carried_failure",
     "record_failure",
     "root_cause_of",
     "root_cause_of_hang",
@@ -192,6 +197,51 @@ def record_failure(round_: RoundInfo, root: RootCause, *, alone: bool = False) -
             seen = job.model_copy(update=changes)
             return {**changes, **_charge(seen, seen.pending_failure, round_.participants)}
         return changes
+
+    return edit
+
+
+def record_carried_failure(
+    round_: RoundInfo,
+    root: RootCause,
+    *,
+    alone: bool,
+    job_tag: str | None,
+    early_count: int | None = None,
+) -> JobMutation:
+    """Job-document edit, in the daemon's next program image: :func:`record_failure` of a
+    failure its agent saw and had not recorded when the re-exec cut it off
+    (:class:`~elasticd.agent.handover.CarriedFailure`). Not on another job of the id
+    (``job_tag``), nor once the round's failure is charged (or freed) already: its record
+    landed after all, and the next round formed; one that landed and waits is not recorded
+    twice (:func:`record_failure` keeps one failure per node and round).
+
+    ``early_count``: the workers were started early (a job of one node) and the store had
+    not confirmed their round at the exec, the restart count it would carry. Formed as
+    predicted (the failure before it charged, the count as predicted): recorded, as any.
+    Not formed yet, or its failure before not charged yet (the exec cut the formation
+    short; the next image forms the round anew, maybe under the same number, where the
+    failure would never be charged): that failure is charged as the round's formation
+    would have, and this one at once. Anything else (the count changed): the store's
+    answer would have differed, and the early start never counted
+    (:class:`~elasticd.agent.early.Formation`)."""
+    record = record_failure(round_, root, alone=alone)
+
+    def edit(job: Job) -> JobEdit:
+        if round_.round <= job.charged_round or not tagged_for(job_tag, incarnation_tag(job)):
+            return {}
+        if early_count is None:
+            return record(job)
+        pending = job.pending_failure
+        if pending is None or pending.round >= round_.round:
+            return record(job) if job.restart_count == early_count else {}
+        if job.restart_count != early_count - 1:
+            return {}
+        settled = _charge(job, pending, round_.participants)
+        seen = job.model_copy(update=settled)
+        if seen.state.is_terminal:
+            return settled
+        return {**settled, **charge_now(root)(seen)}
 
     return edit
 

@@ -18,6 +18,11 @@ attempt over now (:func:`not_ready`, pure), the hand-over itself, and taking
 one up in the next image (the same pids, pipes and heartbeats, then
 ``job.readopted``). The agent keeps only the calls and its own state.
 
+An agent that is not handed over (mid-start, mid-restart) runs on until the
+exec cuts it off: :func:`unrecorded_at_exec` (pure) names the failure it saw,
+or its workers met, that is not in the job yet, and :class:`CarriedFailure`
+carries it to the next image, which records it before the job resumes.
+
 Which side of the boundary: the daemon.
 """
 
@@ -32,11 +37,13 @@ from typing import TYPE_CHECKING, Any
 from elasticd.agent.machine import Effect, Phase, RecordFailure
 from elasticd.agent.recovery import FirstProgress
 from elasticd.eventkinds import EventKind
+from elasticd.models import RootCause
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
 from elasticd.rendezvous.ranks import NodeSlot
 from elasticd.states import WorkerState
 from elasticd.supervise.adopt import HandedWorker, end_handed
+from elasticd.supervise.process import GroupResult
 
 if TYPE_CHECKING:
     from elasticd.agent.attempt import AttemptPlan
@@ -48,6 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentHandover",
+    "CarriedFailure",
     "HandoverFacts",
     "Readoption",
     "not_ready",
@@ -55,6 +63,7 @@ __all__ = [
     "round_to_json",
     "started_from",
     "unrecorded",
+    "unrecorded_at_exec",
 ]
 
 
@@ -128,6 +137,50 @@ class AgentHandover:
 
 
 @dataclass(frozen=True)
+class CarriedFailure:
+    """A failure a job's agent saw and had not recorded in the job when the exec cut it off
+    (the job is not handed over): the next program image records it before the job resumes,
+    so that it is charged once there (:func:`~elasticd.agent.edits.record_carried_failure`)."""
+
+    round: RoundInfo
+    """The failed round, its participants as the agent knew them."""
+    root: RootCause
+    alone: bool
+    """Charged at once when the budget is spent (:func:`~elasticd.agent.edits.record_failure`)."""
+    job_tag: str | None
+    """Which job of its id failed (:func:`~elasticd.models.incarnation_tag`)."""
+    pid: int | None = None
+    """The failed worker's pid when nothing said its exit yet (``worker.exited`` is said
+    there); None: said already."""
+    early_count: int | None = None
+    """Workers started early whose round the store had not confirmed at the exec: the
+    restart count that round carries once the previous failure is charged. Recorded only
+    if the job shows it was (the round formed as predicted); else, as when the store's
+    answer differs, nothing of that start is charged."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": round_to_json(self.round),
+            "root": self.root.model_dump(mode="json"),
+            "alone": self.alone,
+            "job_tag": self.job_tag,
+            "pid": self.pid,
+            "early_count": self.early_count,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> CarriedFailure:
+        return cls(
+            round=round_from_json(doc["round"]),
+            root=RootCause.model_validate(doc["root"]),
+            alone=bool(doc.get("alone", False)),
+            job_tag=None if doc.get("job_tag") is None else str(doc["job_tag"]),
+            pid=None if doc.get("pid") is None else int(doc["pid"]),
+            early_count=None if doc.get("early_count") is None else int(doc["early_count"]),
+        )
+
+
+@dataclass(frozen=True)
 class HandoverFacts:
     """What decides whether an agent can hand its attempt over (read right before the exec)."""
 
@@ -168,6 +221,36 @@ def unrecorded(queued: Sequence[Effect]) -> RecordFailure | None:
     if it comes, changes nothing.
     """
     return next((effect for effect in queued if isinstance(effect, RecordFailure)), None)
+
+
+def unrecorded_at_exec(
+    queued: Sequence[Effect],
+    facts: HandoverFacts,
+    result: GroupResult | None,
+    *,
+    inprocess_restart: bool,
+    now: float,
+) -> RecordFailure | None:
+    """The failure an agent that is not handed over saw, or its workers met, and has not
+    recorded in the job when the exec cuts it off, wherever it is (pure): its queued
+    record (:func:`unrecorded`: behind the survivors' stop, or its write under way), else
+    the running attempt's failure (``result``, the exits as they are at the exec: one not
+    yet seen by the agent, or not yet reaped) that it would record next; or, forming with
+    workers started early (their exits held: ``holding_exits``), theirs, which counts only
+    if the store formed their round as predicted (:attr:`CarriedFailure.early_count`). Not
+    an in-process restart's (its wrapper's business), nor while an adoption holds exits."""
+    queued_failure = unrecorded(queued)
+    if queued_failure is not None:
+        return queued_failure
+    early = facts.phase is Phase.FORMING and facts.holding_exits
+    if (
+        ((facts.phase not in (Phase.STARTING, Phase.RUNNING) or facts.holding_exits) and not early)
+        or inprocess_restart
+        or result is None
+        or result.root_cause is None
+    ):
+        return None
+    return RecordFailure(result, now)
 
 
 def started_from(progress: JobProgress, round_: int) -> int | None:

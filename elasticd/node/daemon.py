@@ -498,7 +498,8 @@ class Daemon(ReexecMixin):
         if manifest is None:
             await self.jobs.recover()
         else:
-            await self.jobs.recover(manifest.agents, {**manifest.not_handed, **manifest.refused})
+            refused = {**manifest.not_handed, **manifest.refused}
+            await self.jobs.recover(manifest.agents, refused, manifest.failures)
             self._said_reexec(manifest)
             if manifest.agents:
                 self._background.spawn(self._adoption_deadline(), name="adoption-deadline")

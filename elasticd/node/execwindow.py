@@ -22,7 +22,9 @@ heavy imports):
 :func:`peek_handover` reads what the early start needs from the hand-over (without taking
 it: :func:`elasticd.node.reexec.take_manifest` does, later). ``ELASTICD_TEST_REEXEC_DELAY``
 (:func:`slow_image_delay`): seconds a re-executed image sleeps where its heavy imports start, for
-the tests of a slow new image; read only by a re-executed image.
+the tests of a slow new image; read only by a re-executed image. ``ELASTICD_TEST_REEXEC_LINGER``
+(:func:`linger_delay`): seconds the old image lingers past its wait for the agents, before the
+hand-over, for the tests of what the agents it did not wait for do meanwhile.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ __all__ = [
     "HeldSignals",
     "LeaseKeeper",
     "TEST_DELAY_ENV",
+    "TEST_LINGER_ENV",
     "configured_store",
     "early_lease_keeper",
+    "linger_delay",
     "peek_handover",
     "slow_image_delay",
 ]
@@ -68,6 +72,9 @@ _ENV_FD = "ELASTICD_REEXEC_FD"
 ENV_SIGNALS_FD = "ELASTICD_REEXEC_SIGNALS_FD"
 #: A test hook: seconds a re-executed image waits before its heavy imports (a slow image).
 TEST_DELAY_ENV = "ELASTICD_TEST_REEXEC_DELAY"
+#: A test hook: seconds the old image lingers past its wait for the agents, before the
+#: hand-over (what an agent it did not wait for does meanwhile is cut off by the exec).
+TEST_LINGER_ENV = "ELASTICD_TEST_REEXEC_LINGER"
 #: Bytes of the hand-over read at the early start (it is a few KiB; the rest is for later).
 _PEEK_MAX = 1 << 22
 
@@ -236,7 +243,17 @@ def peek_handover(environ: dict[str, str] | None = None) -> HandoverPeek | None:
 
 def slow_image_delay(environ: dict[str, str] | None = None) -> float:
     """Seconds a re-executed image waits before its heavy imports (a test's slow image)."""
-    value = (os.environ if environ is None else environ).get(TEST_DELAY_ENV, "")
+    return _test_seconds(TEST_DELAY_ENV, environ)
+
+
+def linger_delay(environ: dict[str, str] | None = None) -> float:
+    """Seconds the old image lingers between its wait for the agents and the hand-over
+    (a test's slow quiesce: the agents it did not wait for go on meanwhile)."""
+    return _test_seconds(TEST_LINGER_ENV, environ)
+
+
+def _test_seconds(name: str, environ: dict[str, str] | None) -> float:
+    value = (os.environ if environ is None else environ).get(name, "")
     try:
         return max(0.0, float(value)) if value else 0.0
     except ValueError:

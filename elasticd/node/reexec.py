@@ -25,7 +25,12 @@ it. In order:
    refused); the loop runs until no worker exit is half-delivered.
 3. **Hand-over** (:class:`Manifest`, JSON, never pickle): with no await
    between it and the ``exec``, each agent that is watching its running
-   workers hands over its attempt (:mod:`elasticd.agent.handover`); the
+   workers hands over its attempt (:mod:`elasticd.agent.handover`); each
+   other agent went on through the quiesce, and the failure it saw (or its
+   workers met) and has not recorded yet is carried
+   (:class:`~elasticd.agent.handover.CarriedFailure`): the new image records
+   it before the job resumes, so that it is charged once, wherever the exec
+   cut the agent off; the
    descriptors named in the manifest (listening sockets, pipes, log files,
    heartbeats) are inheritable copies, every other descriptor closes at the
    ``exec``. The manifest travels in a memfd whose number is in
@@ -53,7 +58,8 @@ workers out of the orphan sweep, and re-adopts each job whose workers pass
 is not ready until every handed job is taken up). A job that was not handed
 over, or whose workers fail the check, has them killed by the orphan sweep
 and resumes as a new attempt with no restart charged (``job.resumed`` says
-why), as after a crash.
+why), as after a crash; a failure of its carried over is recorded first
+(:attr:`Manifest.failures`), charged at its next round.
 
 The store may be away at the exec (its host died while this node waited to
 re-execute). The handed workers then run unwatched until the new image takes
@@ -86,7 +92,7 @@ from typing import NoReturn
 import uvicorn
 
 from elasticd import __version__
-from elasticd.agent.handover import AgentHandover
+from elasticd.agent.handover import AgentHandover, CarriedFailure
 from elasticd.clock import Clock
 from elasticd.config import Config, read_cluster_token, read_store_password, read_token
 from elasticd.errors import ConfigError, StoreError, WorkerSpawnError
@@ -94,7 +100,7 @@ from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator
 from elasticd.node.cluster import Cluster
 from elasticd.node.events import EventLog
-from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper
+from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper, linger_delay
 from elasticd.node.jobs import JobService
 from elasticd.node.statelock import StateLock
 from elasticd.security import refuse_foreign_state, resolve_job_users
@@ -168,6 +174,9 @@ class Manifest:
     agents: list[AgentHandover] = field(default_factory=list)
     #: Jobs this node ran that were not handed over, and why (they resume as new attempts).
     not_handed: dict[str, str] = field(default_factory=dict)
+    #: Of those, the failures their agents saw and had not recorded yet: recorded by the
+    #: new image before they resume, so that each is charged once (nothing is lost).
+    failures: dict[str, CarriedFailure] = field(default_factory=dict)
     #: Each job's token hash on this node (its workers keep the token they read).
     job_tokens: dict[str, str] = field(default_factory=dict)
     #: (pid, start time) of what the old image started and did not hand over (a health
@@ -192,6 +201,7 @@ class Manifest:
                 "exec_at": self.exec_at,
                 "agents": [a.to_json() for a in self.agents],
                 "not_handed": self.not_handed,
+                "failures": {job: f.to_json() for job, f in self.failures.items()},
                 "job_tokens": self.job_tokens,
                 "unhanded": [list(pair) for pair in self.unhanded],
             }
@@ -212,6 +222,9 @@ class Manifest:
             exec_at=None if doc.get("exec_at") is None else float(doc["exec_at"]),
             agents=[AgentHandover.from_json(a) for a in doc.get("agents", [])],
             not_handed={str(k): str(v) for k, v in doc.get("not_handed", {}).items()},
+            failures={
+                str(k): CarriedFailure.from_json(v) for k, v in doc.get("failures", {}).items()
+            },
             job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
             unhanded=[(int(pid), int(start)) for pid, start in doc.get("unhanded", [])],
         )
@@ -702,18 +715,27 @@ class ReexecMixin:
         """The re-exec past the point of no return; returns only where the exec failed.
         ``hand_lock``: the new image adopts the state folder's lock (else it takes it anew)."""
         await self._record_failures(unready)
+        if linger := linger_delay(self._environ):  # a test's slow quiesce
+            await asyncio.sleep(linger)
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
         await self.jobs.close_standbys()
-        # No exit half-delivered: each is with its worker, or still a zombie for the next image.
+        # The last await that takes time: the new image has a whole TTL from here to renew
+        # the lease.
+        await self._renew_lease()
+        # No exit half-delivered (reaped, its callback not run: its status nowhere but
+        # there): each is with its worker, or still a zombie (read at the hand-over, left for
+        # the next image). Last, after the renewal: an exit reaped during it is delivered too.
         for _ in range(1000):
             if not self.jobs.pending_exit():
                 break
             await asyncio.sleep(0)
-        # The last await: the new image has a whole TTL from here to renew the lease.
-        await self._renew_lease()
         # From here to the exec nothing awaits: the hand-over is what the exec carries.
         handed, not_handed = self.jobs.hand_over()
+        # What the agents not handed over are in the middle of: a failure they saw (or their
+        # workers met) and have not recorded yet, the exec would lose (the record above was
+        # made before the last awaits, during which they went on); the new image records it.
+        failures = self.jobs.carried_failures(not_handed)
         workers = {w.pid for a in handed for w in a.workers}
         unhanded = [
             (pid, start)
@@ -735,6 +757,7 @@ class ReexecMixin:
             renewed_at=None if self.config.store_only else self.cluster.renewed_at,
             agents=handed,
             not_handed=not_handed,
+            failures=failures,
             job_tokens=self.authenticator.jobs.digests(),
             unhanded=unhanded,
         )

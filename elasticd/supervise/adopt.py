@@ -55,6 +55,7 @@ __all__ = [
     "inheritable_dup",
     "unreported_exit",
     "use_loop_child_watcher",
+    "zombie_status",
 ]
 
 #: Adopted workers this image has not reaped yet: the subreaper's zombie sweep leaves them.
@@ -136,6 +137,21 @@ def unreported_exit(pid: int, returncode: int | None) -> bool:
     except ChildProcessError:
         return True  # reaped, its status in a callback not yet run
     return False
+
+
+def zombie_status(pid: int) -> int | None:
+    """The status of a child that exited and is not reaped yet, as asyncio's ``returncode``
+    says it (negative: the signal); None while it runs (or when it is not a child of ours).
+    Looked at only (``WNOWAIT``): whoever reaps it later still gets it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None
+    if info is None or info.si_pid == 0:
+        return None
+    if info.si_code == os.CLD_EXITED:
+        return info.si_status
+    return -info.si_status
 
 
 def inheritable_dup(fd: int) -> int:

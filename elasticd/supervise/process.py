@@ -31,6 +31,7 @@ from elasticd.supervise.adopt import (
     HandedPipe,
     HandedWorker,
     unreported_exit,
+    zombie_status,
 )
 from elasticd.supervise.cgroup import AttemptContainment, Cgroup
 from elasticd.supervise.errorfile import WorkerError, read_error_file
@@ -434,6 +435,26 @@ class WorkerGroupProcesses:
         """Some worker was reaped but asyncio has not delivered its exit yet."""
         return any(unreported_exit(w.pid, w.process.returncode) for w in self._workers.values())
 
+    def snapshot_at_exec(self) -> tuple[GroupResult, frozenset[int]]:
+        """The exits as they are at the exec, no await: :meth:`snapshot` and the exits not
+        recorded yet (reaped, their log awaited; reaped, not delivered; a zombie nobody has
+        reaped: looked at, not reaped), and the local ranks of those (nothing said them)."""
+        exits = {rank: w.exit for rank, w in self._workers.items() if w.exit is not None}
+        unsaid = set()
+        for rank, worker in self._workers.items():
+            if worker.exit is not None:
+                continue
+            returncode = worker.process.returncode
+            if returncode is None:
+                returncode = zombie_status(worker.pid)
+            if returncode is not None:
+                exits[rank] = self._exit_of(worker, returncode)
+                unsaid.add(rank)
+        exits = dict(sorted(exits.items()))
+        failures = [exit_ for exit_ in exits.values() if exit_.failed]
+        succeeded = len(exits) == self._expected and not failures
+        return GroupResult(succeeded, exits, failures), frozenset(unsaid)
+
     def hand_over(self) -> tuple[list[HandedWorker], str | None] | None:
         """The workers for the next program image (inheritable copies of their descriptors),
         and the attempt's cgroup; None when this group is not simply running."""
@@ -727,6 +748,24 @@ class WorkerGroupProcesses:
         self._record_exit(worker, returncode)
 
     def _record_exit(self, worker: _Worker, returncode: int) -> None:
+        exit_ = self._exit_of(worker, returncode)
+        reported = exit_.reported
+        worker.exit = exit_
+        worker.exited.set()
+        # INFO, a failure too: the agent's worker.exited event says it (at WARNING it was
+        # said twice in a daemon's log, and twice on `elasticd run`'s console).
+        if not reported:
+            log.info("%s", exit_.describe())
+        if self._on_exit is not None:
+            try:
+                self._on_exit(exit_)
+            except Exception:
+                log.exception("the on_exit callback failed for local rank %d", exit_.local_rank)
+        if (exit_.failed and not exit_.stopped) or self.snapshot().succeeded:
+            self._decided.set()
+
+    def _exit_of(self, worker: _Worker, returncode: int) -> WorkerExit:
+        """How ``worker`` ended, its status ``returncode`` (its error file or log read)."""
         reported = worker.reported_at is not None
         exited_at = worker.reported_at if worker.reported_at is not None else self._clock.time()
         exit_code, signal_number = (None, -returncode) if returncode < 0 else (returncode, None)
@@ -741,7 +780,7 @@ class WorkerGroupProcesses:
             # The time it said so on stderr, when it did: its exit may come much later.
             said = worker.pipes[1].error_at
             error = traceback_from_log(worker.launch.log_dir, timestamp=said or exited_at)
-        exit_ = WorkerExit(
+        return WorkerExit(
             local_rank=worker.launch.local_rank,
             pid=worker.pid,
             exit_code=exit_code,
@@ -752,19 +791,6 @@ class WorkerGroupProcesses:
             reported=reported,
             seen_at=None if reported else _seen_at(worker, error),
         )
-        worker.exit = exit_
-        worker.exited.set()
-        # INFO, a failure too: the agent's worker.exited event says it (at WARNING it was
-        # said twice in a daemon's log, and twice on `elasticd run`'s console).
-        if not reported:
-            log.info("%s", exit_.describe())
-        if self._on_exit is not None:
-            try:
-                self._on_exit(exit_)
-            except Exception:
-                log.exception("the on_exit callback failed for local rank %d", exit_.local_rank)
-        if (failed and not exit_.stopped) or self.snapshot().succeeded:
-            self._decided.set()
 
     # Stopping.
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.agent.edits import in_time_order, record_failure
-from elasticd.models import Job, JobSpec, RankStack, RootCause
+from elasticd.agent.edits import (
+    in_time_order,
+    record_carried_failure,
+    record_failure,
+    settle_failure,
+)
+from elasticd.models import Job, JobMutation, JobSpec, RankStack, RootCause, incarnation_tag
 from elasticd.rendezvous import RoundInfo
 from elasticd.states import JobState
 
@@ -168,3 +173,75 @@ def test_a_crash_before_the_hangs_stays_the_cause() -> None:
         _apply(_apply(_job(), _hang("a", 0, ALL_REDUCE, 1.0)), crash), _hang("b", 1, SLEEP, 1.1)
     )
     assert job.error == crash
+
+
+def _next_round(number: int) -> RoundInfo:
+    return RoundInfo(
+        round=number, group_rank=0, group_world_size=3, nodes=[], master_addr="h",
+        master_port=1, participants={"a": 0, "b": 1, "c": 2},
+    )  # fmt: skip
+
+
+def _edit(job: Job, mutate: JobMutation) -> Job:
+    return job.model_copy(update=dict(mutate(job)))
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_a_failure_carried_across_the_reexec_is_charged_once(landed: bool) -> None:
+    """The new image records the failure the re-exec cut its agent off from recording (its
+    write may have landed after all: then nothing changes); the next round charges it once,
+    and a record of it arriving later still (a charged round) changes nothing."""
+    root = _failure("a", 0.5)
+    tag = incarnation_tag(_job())
+    job = _apply(_job(), root) if landed else _job()
+    carried = record_carried_failure(_round(), root, alone=False, job_tag=tag)
+    if landed:
+        assert carried(job) == {}
+    job = _edit(job, carried)
+    assert job.state is JobState.RESTARTING and job.error == root
+    job = _edit(job, settle_failure(_next_round(4)))
+    assert (job.restart_count, job.charged_round, job.pending_failure) == (1, 3, None)
+    assert carried(job) == {}
+    job = _edit(job, settle_failure(_next_round(5)))
+    assert job.restart_count == 1
+
+
+def test_a_carried_failure_is_not_another_job_of_its_id() -> None:
+    """A job deleted and submitted again under its id across the exec: not its failure."""
+    root = _failure("a", 0.5)
+    carried = record_carried_failure(_round(), root, alone=False, job_tag="another")
+    assert carried(_job()) == {}
+
+
+@pytest.mark.parametrize(
+    ("settled", "count", "pending", "charged", "then"),
+    [
+        # The store formed the early round as predicted: recorded, charged at the next.
+        (True, 1, 3, 1, 2),
+        # Not formed yet at the exec: the failure before it charged, and this one at once.
+        (False, 1, None, 2, 2),
+        # Another restart count than predicted: not that round, never counted.
+        (True, 2, None, 1, 1),
+        (False, 2, 2, 0, 1),
+    ],
+)
+def test_a_carried_failure_of_an_early_start_is_charged_once(
+    settled: bool, count: int, pending: int | None, charged: int, then: int
+) -> None:
+    """Workers started early (round 3, predicted with restart count ``count`` after round 2
+    failed), their round not confirmed at the exec, failed: where the store formed it as
+    predicted the failure waits for the next round, as any; where the exec cut the
+    formation short, the failure before is charged as the round would have and this one at
+    once (the next image may form round 3 anew: it would never be charged there)."""
+    before = _edit(_job(), record_failure(_next_round(2), _failure("a", 0.1)))
+    if settled:
+        before = _edit(before, settle_failure(_round()))
+        assert before.restart_count == 1
+    root = _failure("a", 0.5)
+    tag = incarnation_tag(_job())
+    carried = record_carried_failure(_round(), root, alone=False, job_tag=tag, early_count=count)
+    after = _edit(before, carried)
+    waiting = after.pending_failure.round if after.pending_failure is not None else None
+    assert (waiting, after.restart_count) == (pending, charged)
+    after = _edit(after, settle_failure(_next_round(4)))
+    assert after.restart_count == then

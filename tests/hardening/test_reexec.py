@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elasticd.node.execwindow import TEST_LINGER_ENV
 from elasticd.node.reexec import HANDOVER_WAIT
 from tests.hardening.support import (
     PY,
@@ -742,6 +743,11 @@ while True:
 """
 
 
+def told(said: list[dict[str, Any]]) -> str:
+    """The job's events, one line each (kind: message): what a failed assert shows."""
+    return "\n".join(f"{e['kind']}: {e['message']}" for e in said)
+
+
 def exits_of(said: list[dict[str, Any]]) -> list[tuple[int, int | None, int | None]]:
     """(pid, exit code, signal) of each ``worker.exited`` event, in order."""
     return [(e["pid"], e["exit_code"], e["signal"]) for e in said if e["kind"] == "worker.exited"]
@@ -824,7 +830,7 @@ async def test_a_crash_of_the_held_job_while_the_reexec_waits_is_charged_once(
         second = int((tmp_path / "crashed-again").read_text())
         assert exits_of(said) == [(first, 1, None), (second, 3, None)], said
         job = (await c.get("/jobs/held")).json()
-        assert (job["state"], job["restart_count"]) == ("RUNNING", 2), job
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 2), (job, told(said))
 
 
 async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_once(
@@ -848,3 +854,48 @@ async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_onc
         assert [e[1] for e in exits_of(said)].count(3) == 1, said
         job = (await c.get("/jobs/runs")).json()
         assert (job["state"], job["restart_count"]) == ("RUNNING", 1), (job, said)
+
+
+async def test_a_crash_after_the_wait_ran_out_and_before_the_exec_is_charged_once(
+    tmp_path: Path,
+) -> None:
+    """The re-exec's wait runs out (a job held mid-restart); the old image then lingers
+    before its hand-over (a test hook: a slow quiesce) and meanwhile a rank of another job,
+    ready when the wait ended, exits 3; its peer ignores SIGTERM, so the agent is still
+    stopping the group, its failure not recorded, when the exec cuts it off. The failure is
+    carried across the exec: reported once, and once the job runs again one restart is
+    charged (none was, before: the job resumed as a new attempt with the crash lost)."""
+    armed, crashed = tmp_path / "armed", tmp_path / "crashed-runs"
+    worker = script(tmp_path, "crashes_once.py", CRASHES_ONCE)
+    env = {"PYTHONPATH": str(ROOT), TEST_LINGER_ENV: "8"}
+    async with running(tmp_path, env=env, timeout=150) as (daemon, c):
+        await submit(
+            c, "runs", worker, str(armed), str(crashed), "stubborn",
+            nproc_per_node=2, termination_grace=15,
+        )  # fmt: skip
+        old = await healthy_pids(c, "runs", 2)
+        await crashed_and_held(tmp_path, c, "held", tmp_path / "go")
+        before = await health(c)
+        await waiting_to_reexec(daemon, c)
+        await eventually(
+            lambda: "not ready to be handed over after" in daemon.output(),
+            HANDOVER_WAIT + 30,
+            "the re-exec's wait ran out",
+        )
+        armed.touch()  # while the old image lingers: after the wait, before the hand-over
+        await kind_seen(c, "runs", "worker.exited", 6)
+        await new_image(daemon, c, before)
+        (tmp_path / "go").touch()
+        pids = await healthy_pids(c, "runs", 2, timeout=60)
+        assert not set(pids) & set(old)
+        await once_each(daemon.port, "runs", 2, pids)
+        said = await events(c, "runs")
+        (reexec,) = [e for e in said if e["kind"] == "daemon.reexec"]
+        assert "not carried over" in reexec["message"], told(said)
+        assert [e[1] for e in exits_of(said)].count(3) == 1, told(said)
+        assert exits_of(said)[0] == (int(crashed.read_text()), 3, None), told(said)
+        job = (await c.get("/jobs/runs")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), (job, told(said))
+        await healthy_pids(c, "held", 1, timeout=60)
+        job = (await c.get("/jobs/held")).json()
+        assert (job["state"], job["restart_count"]) == ("RUNNING", 1), job

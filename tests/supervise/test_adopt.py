@@ -22,6 +22,7 @@ from elasticd.supervise.adopt import (
     end_inherited,
     inherited_to_end,
     unreported_exit,
+    zombie_status,
 )
 from elasticd.supervise.sweep import process_start_time, start_time_of
 
@@ -239,3 +240,26 @@ def test_which_inherited_children_are_killed_and_reaped(
     """After an exec every child that is not a handed worker is reaped; those the old image
     started and handed nothing of are killed first (by pid and start time, never pid alone)."""
     assert inherited_to_end(children, handed, unhanded) == (kill, reap)
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [("raise SystemExit(3)", 3), ("import os; os.kill(os.getpid(), 9)", -9)]
+)
+async def test_a_zombie_s_status_is_read_without_reaping_it(code: str, status: int) -> None:
+    """What the re-exec reads of a worker that exited and nobody reaped yet: its code (or
+    signal, negative); None while it runs; and it stays a zombie for whoever reaps it."""
+    running = child("import time; time.sleep(60)")
+    proc = child(code)
+    try:
+        assert zombie_status(running.pid) is None
+        async with asyncio.timeout(30):
+            while _state(proc.pid) != "Z":
+                await asyncio.sleep(0.01)
+        assert zombie_status(proc.pid) == status
+        assert zombie_status(proc.pid) == status  # looked at, not reaped
+        _, raw = os.waitpid(proc.pid, 0)  # noqa: ASYNC222 - a zombie: at once
+        assert os.waitstatus_to_exitcode(raw) == status
+        assert zombie_status(proc.pid) is None  # reaped: not ours any more
+    finally:
+        running.kill()
+        proc.kill()

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from elasticd.agent.handover import AgentHandover
+from elasticd.agent.handover import AgentHandover, CarriedFailure
 from elasticd.agent.recovery import FirstProgress
+from elasticd.models import RootCause
 from elasticd.node.reexec import ENV_FD, Manifest, fence_at, take_manifest
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.protocol import Seat
@@ -46,6 +47,16 @@ def a_handover(seat: Seat | None = None, recovery: FirstProgress | None = None) 
     )
 
 
+def a_failure() -> CarriedFailure:
+    """A failure of job j2 its agent had not recorded at the exec (its exit unsaid too)."""
+    round_ = RoundInfo(
+        round=2, group_rank=0, group_world_size=1, nodes=[NodeSlot(0, "default", 2)],
+        master_addr="h", master_port=5, participants={"n": 0},
+    )  # fmt: skip
+    root = RootCause(message="worker exited with code 3", node="n", rank=1, exit_code=3, round=2)
+    return CarriedFailure(round_, root, alone=True, job_tag="t", pid=42)
+
+
 def test_the_manifest_reads_back_the_same() -> None:
     """Every field of a manifest, with a round that has a seat (large jobs) and one without,
     and a recovery still awaiting its first ping."""
@@ -58,6 +69,7 @@ def test_the_manifest_reads_back_the_same() -> None:
         renewed_at=12345.25,
         agents=[a_handover(), a_handover(seat, FirstProgress(4, 1700000001.25))],
         not_handed={"j2": "restarting"},
+        failures={"j2": a_failure()},
         job_tokens={"j1": "digest"},
         unhanded=[(300, 11)],
     )
@@ -88,6 +100,13 @@ def test_handed_workers_are_fenced_when_the_lease_may_lapse(
     """The new image ends the handed workers, the store still away, once the node's lease
     (TTL 3 s here) may have lapsed: counted from the last renewal the old image got through."""
     assert fence_at(renewed_at, 3.0, now) == fence
+
+
+def test_a_manifest_of_an_image_that_carried_no_failures_reads_back_with_none() -> None:
+    """An older image's manifest has no ``failures``: none to record."""
+    doc = json.loads(Manifest(old_version="0.0.9", failures={"j2": a_failure()}).encode())
+    del doc["failures"]
+    assert Manifest.decode(json.dumps(doc).encode()).failures == {}
 
 
 def test_a_manifest_without_renewed_at_reads_back_with_none() -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing_extensions import Unpack
 
 from elasticd.agent.agent import ConsoleSink
-from elasticd.agent.handover import AgentHandover
+from elasticd.agent.handover import AgentHandover, CarriedFailure
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.config import Config
 from elasticd.errors import (
@@ -211,12 +211,17 @@ class JobService:
     # lifecycle
 
     async def recover(
-        self, adopt: Sequence[AgentHandover] = (), refused: Mapping[str, str] | None = None
+        self,
+        adopt: Sequence[AgentHandover] = (),
+        refused: Mapping[str, str] | None = None,
+        failures: Mapping[str, CarriedFailure] | None = None,
     ) -> None:
         """After a start: resume the jobs a previous run left active. ``adopt``: attempts the
         daemon's previous program image handed over (re-exec), taken up by the jobs' next
-        agents here; ``refused``: why a job was not (it resumes as a new attempt)."""
+        agents here; ``refused``: why a job was not (it resumes as a new attempt);
+        ``failures``: what the agents of those jobs saw and had not recorded (recorded first)."""
         self.reconciler.adoptions = {a.job_id: a for a in adopt}
+        await self.supervisor.record_carried(failures or {})
         await self.supervisor.recover(skip=frozenset(self.reconciler.adoptions), why=refused)
 
     def not_ready(self) -> dict[str, str]:
@@ -226,6 +231,10 @@ class JobService:
     async def record_failures(self, job_ids: Iterable[str]) -> None:
         """Failures seen and not recorded yet by the agents of ``job_ids`` (re-exec)."""
         await self.supervisor.record_failures(job_ids)
+
+    def carried_failures(self, job_ids: Iterable[str]) -> dict[str, CarriedFailure]:
+        """What the agents of ``job_ids`` (not handed over) have not recorded (re-exec)."""
+        return self.supervisor.carried_failures(job_ids)
 
     def hand_over(self) -> tuple[list[AgentHandover], dict[str, str]]:
         """Every running attempt for the daemon's next program image (re-exec)."""

@@ -29,7 +29,8 @@ from typing_extensions import Unpack
 
 from elasticd.agent.agent import AgentContext, ConsoleSink, JobAgent, decode_group
 from elasticd.agent.context import JobUpdater
-from elasticd.agent.handover import AgentHandover, not_ready
+from elasticd.agent.edits import record_carried_failure
+from elasticd.agent.handover import AgentHandover, CarriedFailure, not_ready
 from elasticd.agent.nodefail import RetrySettings
 from elasticd.agent.ports import Attribute
 from elasticd.errors import (
@@ -185,6 +186,61 @@ class AgentSupervisor:
             why = not_ready(agent.handover_facts()) or "its workers could not be handed over"
             not_handed[job_id] = f"{why} at the re-exec"
         return handed, not_handed
+
+    def carried_failures(self, job_ids: Iterable[str]) -> dict[str, CarriedFailure]:
+        """The failures the agents of ``job_ids`` (not handed over) saw, or their workers
+        met, and have not recorded yet, for the next program image; no await: right
+        before the exec."""
+        carried = {}
+        for job_id in job_ids:
+            agent = self.agents.get(job_id)
+            failure = agent.carried_failure() if agent is not None else None
+            if failure is not None:
+                carried[job_id] = failure
+        return carried
+
+    async def record_carried(self, failures: Mapping[str, CarriedFailure]) -> None:
+        """The new image's start: record the failures the previous image's agents could not
+        (:meth:`carried_failures`), before their jobs resume; charged when the next round
+        forms, as any. The exit nothing said yet is said now (``worker.exited``)."""
+        for job_id, failure in failures.items():
+            root = failure.root
+            if failure.pid is not None:
+                how = (
+                    f"was killed by {root.signal_name}"
+                    if root.signal is not None
+                    else f"exited with code {root.exit_code}"
+                )
+                self.side.events.emit(
+                    job_id,
+                    "worker",
+                    EventKind.WORKER_EXITED,
+                    f"rank {root.rank} on {root.node}: local rank {root.local_rank} (pid "
+                    f"{failure.pid}) {how} (seen as the daemon re-executed itself)",
+                    state=WorkerState.FAILED.value,
+                    attempt=root.attempt,
+                    rank=root.rank,
+                    local_rank=root.local_rank,
+                    pid=failure.pid,
+                    exit_code=root.exit_code,
+                    signal=root.signal,
+                    job_tag=failure.job_tag,
+                )
+            edit = record_carried_failure(
+                failure.round,
+                root,
+                alone=failure.alone,
+                job_tag=failure.job_tag,
+                early_count=failure.early_count,
+            )
+            try:
+                await self.side.documents.update(job_id, mutate=edit)
+            except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
+                log.warning("job %s: could not record its failure across the re-exec: %s",
+                            job_id, exc)  # fmt: skip
+                continue
+            log.info("job %s: recorded the failure its agent saw before the re-exec: %s",
+                     job_id, root.message)  # fmt: skip
 
     async def recover(
         self, skip: frozenset[str] = frozenset(), why: Mapping[str, str] | None = None

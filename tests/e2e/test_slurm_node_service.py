@@ -1,6 +1,6 @@
 """elasticd's daemons as the node service under a real Slurm (issue 38, form 2), on 4
 namespaced nodes: a batch script's ``elasticd submit --slurm --wait`` runs its job on exactly
-the allocation's nodes, ``scancel`` cancels it with nothing left, the epilog verifies that.
+the allocation's nodes, ``scancel`` cancels it with nothing left, the epilog verifies that; an admin's drain through elasticd's API drains the node in Slurm.
 
 One ``elasticd serve`` runs in each Slurm node's namespaces (n1's serves the embedded store,
 the others join it); each listens on the same port in its own network namespace, so the
@@ -66,6 +66,8 @@ class NodeService:
         first = self.slurm.nodes["n1"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "SLURM_"))}
         env.update(ELASTICD_LEASE_TTL="2", ELASTICD_ALLOW_ROOT="true", PYTHONPATH=str(ROOT))
+        # slurm_drain: a quarantine drains the node in Slurm (scontrol, with the cluster's conf).
+        env.update(ELASTICD_SLURM_DRAIN="true", SLURM_CONF=str(self.slurm.conf))
         for name, node in self.slurm.nodes.items():
             args = [
                 sys.executable, "-m", "elasticd", "serve", "--host", "0.0.0.0",
@@ -249,3 +251,32 @@ def test_scancel_cancels_the_elasticd_job_with_no_process_left(service, tmp_path
         assert time.monotonic() < deadline, service.logs()
         time.sleep(0.1)
     assert "left on this node" not in "".join(p.read_text() for p in logs.values())
+
+
+def slurm_node(service: NodeService, name: str) -> tuple[str, str]:
+    """``scontrol show node``'s State and Reason of ``name``."""
+    text = service.slurm.run("scontrol", "-o", "show", "node", name).stdout
+    state = re.search(r"\bState=(\S+)", text)
+    return (state.group(1) if state else ""), text.partition(" Reason=")[2].strip()
+
+
+def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(service):
+    """``slurm_drain = true``: an admin's drain of n2 through the API shows in ``scontrol show
+    node`` as DRAIN with elasticd's reason; the undrain resumes n2 in Slurm."""
+    with service.api() as api:
+        drained = api.post("/nodes/n2/drain", json={"reason": "bad HBM on gpu3"})
+        assert drained.status_code == 200, drained.text
+        deadline = time.monotonic() + 30
+        while "DRAIN" not in slurm_node(service, "n2")[0]:
+            assert time.monotonic() < deadline, f"{slurm_node(service, 'n2')}\n{service.logs()}"
+            time.sleep(0.1)
+        state, reason = slurm_node(service, "n2")
+        assert reason.startswith("elasticd: bad HBM on gpu3"), (state, reason)
+        assert "DRAIN" not in slurm_node(service, "n1")[0]
+        undrained = api.post("/nodes/n2/undrain", json={"reason": "replaced"})
+        assert undrained.status_code == 200, undrained.text
+        deadline = time.monotonic() + 30
+        while "DRAIN" in slurm_node(service, "n2")[0]:
+            assert time.monotonic() < deadline, f"{slurm_node(service, 'n2')}\n{service.logs()}"
+            time.sleep(0.1)
+    assert service.slurm.run("srun", "-N1", "-w", "n2", "true", timeout=60).returncode == 0

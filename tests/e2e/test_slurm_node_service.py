@@ -66,6 +66,8 @@ class NodeService:
         first = self.slurm.nodes["n1"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "SLURM_"))}
         env.update(ELASTICD_LEASE_TTL="2", ELASTICD_ALLOW_ROOT="true", PYTHONPATH=str(ROOT))
+        # The workers' `python` is this checkout's, as an installed elasticd's would be.
+        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
         # slurm_drain: a quarantine drains the node in Slurm (scontrol, with the cluster's conf).
         env.update(ELASTICD_SLURM_DRAIN="true", SLURM_CONF=str(self.slurm.conf))
         for name, node in self.slurm.nodes.items():
@@ -280,3 +282,33 @@ def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(servi
             assert time.monotonic() < deadline, f"{slurm_node(service, 'n2')}\n{service.logs()}"
             time.sleep(0.1)
     assert service.slurm.run("srun", "-N1", "-w", "n2", "true", timeout=60).returncode == 0
+
+
+def test_the_readme_batch_script_runs_as_written(service, tmp_path):
+    """The README's form-2 batch script, sbatch'ed as it is (its ``train.py`` writes notes in
+    the job's folder), runs 2 workers on each of its 3 nodes and exits 0."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### As the node service, with Slurm as the allocator") :]
+    match = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert match, "no sh block in the README's form-2 section"
+    (tmp_path / "job.sh").write_text(match.group(1))
+    worker = WORKER.replace('os.environ["NOTES"]', '"notes.jsonl"').replace(
+        'os.environ["SLEEP"]', '"1"'
+    )
+    (tmp_path / "train.py").write_text(textwrap.dedent(worker))
+    env = {
+        **service.slurm.env,
+        "ELASTICD_URL": f"http://127.0.0.1:{service.port}",
+        "ELASTICD_TOKEN_FILE": str(service.token),
+        "PYTHONPATH": str(ROOT),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(
+        ["sbatch", "--wait", "-o", str(tmp_path / "job.out"), str(tmp_path / "job.sh")],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{output}\n{service.logs()}"
+    seen = notes(tmp_path)
+    assert len({n["node"] for n in seen}) == 3, seen
+    assert sorted(n["rank"] for n in seen) == list(range(6)), seen

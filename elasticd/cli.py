@@ -309,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the node's health checks; exit 1 (Slurm drains the node) when one fails",
     )
     prolog.add_argument("--config", help="the node daemon's TOML config file (its health_check)")
+    epilog = hooks.add_parser(
+        "epilog",
+        help="cancel the Slurm job's elasticd jobs on the node's daemon; exit 1 if any of "
+        "their processes is left on this node",
+    )
+    epilog.add_argument("--url", help="the node daemon's URL (default: as elasticd submit)")
+    epilog.add_argument("--socket", help="the node daemon's unix socket")
+    epilog.add_argument("--token-file", help="file holding the bearer token")
     completion = sub.add_parser(
         "completion",
         help="print a shell completion script (bash, zsh, fish)",
@@ -392,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return install_service_command(args)
         if args.command == "completion":
             return _completion(args)
+        if args.command == "slurm" and args.hook == "epilog":
+            return _epilog(args)
         if args.command == "slurm":
             from elasticd.slurm.hooks import prolog
 
@@ -402,6 +412,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 2  # pragma: no cover - argparse requires a command
+
+
+def _epilog(args: argparse.Namespace) -> int:
+    """``elasticd slurm epilog``: see :mod:`elasticd.slurm.node`."""
+    from elasticd.client import Client, ClientError, find_daemon
+    from elasticd.slurm.node import epilog
+
+    try:
+        found = find_daemon(args.url, args.socket, args.token_file)
+        with Client(found.url, socket=found.socket, token_file=found.token_file) as client:
+            return epilog(client, os.environ)
+    except ClientError as exc:
+        print(f"elasticd slurm epilog: {exc}", file=sys.stderr)
+        return 1
 
 
 def _completion(args: argparse.Namespace) -> int:

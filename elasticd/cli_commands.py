@@ -287,6 +287,13 @@ def add_client_commands(sub: Any) -> None:
         "node), until it ends; exit 0 if it succeeds, 1 if not",
     )
     submit.add_argument(
+        "--slurm",
+        action="store_true",
+        help="in a Slurm batch script: run only on the allocation's nodes (--nnodes "
+        "default: all of them), record the Slurm job on the job; with --wait, Slurm's "
+        "SIGTERM (scancel, the time limit) cancels the job within its grace",
+    )
+    submit.add_argument(
         "-q",
         "--quiet",
         action="count",
@@ -473,11 +480,15 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
         "user": args.user,
         "join_timeout": args.join_timeout,
     }
+    if args.slurm:
+        from elasticd.slurm.allocation import submission_from_env
+
+        spec.update(submission_from_env(os.environ, args.nnodes).spec_fields())
     spec.update({k: v for k, v in flags.items() if v is not None})
     spec.update(job_flag_fields(args))
     # As torchrun's workers inherit the umask of the shell that started them.
     spec.setdefault("umask", format_umask(current_umask()))
-    if args.nnodes:
+    if args.nnodes and not args.slurm:
         low, _, high = str(args.nnodes).partition(":")
         try:
             spec["min_nodes"] = int(low)
@@ -495,7 +506,26 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
+    if not (args.slurm and args.wait):
+        return _submit(client, args)
+    from elasticd.slurm.node import SlurmStop, cancel_and_wait, slurm_jobs, stop_on_sigterm
+
+    submitted: list[Job] = []
+    try:
+        with stop_on_sigterm():
+            return _submit(client, args, submitted)
+    except SlurmStop:
+        if submitted:
+            return cancel_and_wait(client, submitted[0])
+        # Stopped while submitting: the job may exist all the same.
+        found = slurm_jobs(client, _submit_spec(args)["slurm_job_id"])
+        return cancel_and_wait(client, found[0]) if found else 143
+
+
+def _submit(client: Any, args: argparse.Namespace, submitted: list[Job] | None = None) -> int:
     job = client.submit(_submit_spec(args))
+    if submitted is not None:
+        submitted.append(job)
     if job.state.is_terminal and not args.json:
         # Same id and spec: the API answers with the existing job (idempotent), which has
         # already ended; say so rather than look like a new run that ended at once.

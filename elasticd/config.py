@@ -209,6 +209,12 @@ class Config(BaseModel):
         gt=0,
         description="Seconds an automatic quarantine lasts (unset: until an admin undrains).",
     )
+    slurm_drain: bool = Field(
+        default=False,
+        description="Under Slurm: drain this node in Slurm too while it is quarantined (the "
+        "policy's or an admin's drain), with the reason; resume it when released. Needs "
+        "scontrol on the daemon's PATH and the right to update nodes (root, SlurmUser).",
+    )
     metrics_open_on_loopback: bool = Field(
         default=False, description="Serve /metrics without the token to loopback clients."
     )
@@ -553,6 +559,7 @@ _ENV_FIELDS = {
     "QUARANTINE_THRESHOLD": "quarantine_threshold",
     "QUARANTINE_WINDOW": "quarantine_window",
     "QUARANTINE_TTL": "quarantine_ttl",
+    "SLURM_DRAIN": "slurm_drain",
     "QUARANTINE_MAX_FRACTION": "quarantine_max_fraction",
     "SHUTDOWN_TIMEOUT": "shutdown_timeout",
     "JOB_RETENTION": "job_retention",

@@ -25,6 +25,7 @@ from pydantic import (
 
 from elasticd.identity import ADMIN
 from elasticd.sched.plan import (
+    MAX_NODES,
     MAX_SELECTOR_ITEMS,
     MAX_SELECTOR_KEY,
     MAX_SELECTOR_VALUE,
@@ -226,6 +227,20 @@ class JobSpec(BaseModel):
         max_length=MAX_SELECTOR_ITEMS,
         description=f"Node labels the job needs (at most {MAX_SELECTOR_ITEMS}; keys of 1 to "
         f"{MAX_SELECTOR_KEY} characters, values of at most {MAX_SELECTOR_VALUE}).",
+    )
+    nodes: list[Annotated[str, Field(pattern=NODE_NAME_PATTERN)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_NODES,
+        description="The only nodes the job may run on, by name (unset: any). "
+        "`elasticd submit --slurm` sets the Slurm allocation's nodes.",
+    )
+    slurm_job_id: str | None = Field(
+        default=None,
+        pattern=r"^[0-9]+(_[0-9]+)?$",
+        max_length=64,
+        description="The Slurm job this job belongs to (`elasticd submit --slurm`): it ends "
+        "with it, and `elasticd slurm epilog` cancels it.",
     )
     master_addr: str | None = Field(default=None, min_length=1, max_length=255)
     master_port: int | None = Field(default=None, ge=1, le=65535)

@@ -102,6 +102,7 @@ from elasticd.node.metrics import PAGE_MAX_AGE, Metrics, node_series
 from elasticd.node.quarantine import node_health
 from elasticd.node.reexec import DATABASE_FILE, Manifest, ReexecMixin, inherited_socket
 from elasticd.node.scheduler import FleetScheduler
+from elasticd.node.slurm_drain import SlurmDrain
 from elasticd.node.statelock import StateLock
 from elasticd.sched.plan import FleetPlan
 from elasticd.security import (
@@ -519,6 +520,9 @@ class Daemon(ReexecMixin):
             stack.push_async_callback(self.scheduler.stop)
             await self.scheduler.start()
             self._background.spawn(self.health.release_when_due(), name="quarantine-ttl")
+            if self.config.slurm_drain:
+                drain = SlurmDrain(self.store, self.config.node_name, self.clock)
+                self._background.spawn(drain.run(), name="slurm-drain")
         self._state = DaemonState.RUNNING
         systemd.notify(
             f"READY=1\nSTATUS=serving on {self.config.host}:{self.config.port}", self._environ

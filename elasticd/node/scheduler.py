@@ -353,6 +353,7 @@ class FleetScheduler:
                     priority=j.spec.priority,
                     created_at=j.created_at,
                     selector=dict(j.spec.node_selector),
+                    nodes=frozenset(j.spec.nodes) if j.spec.nodes is not None else None,
                     # A job from before identities may preempt and has no quota.
                     # A local user and an identity of the same name are two owners.
                     owner=(

@@ -187,10 +187,14 @@ class Demand:
     may_preempt: bool = True
     #: The most slots the owner's placed jobs may hold together (None: any).
     slot_quota: int | None = None
+    #: The only nodes it may run on, by name (None: any); a Slurm allocation's nodes.
+    nodes: frozenset[str] | None = None
 
     def matches(self, node: NodeCapacity) -> bool:
-        return self.id not in node.declined and all(
-            node.labels.get(k) == v for k, v in self.selector.items()
+        return (
+            self.id not in node.declined
+            and (self.nodes is None or node.name in self.nodes)
+            and all(node.labels.get(k) == v for k, v in self.selector.items())
         )
 
 
@@ -248,6 +252,12 @@ def demand_problem(job: Demand) -> str | None:
                 f"node_selector[{clip(key, 40)!r}] must be a string of at most "
                 f"{MAX_SELECTOR_VALUE} characters"
             )
+    if job.nodes is not None and (
+        not isinstance(job.nodes, frozenset)
+        or len(job.nodes) > MAX_NODES
+        or not all(isinstance(n, str) for n in job.nodes)
+    ):
+        return f"nodes must be a set of at most {MAX_NODES} node names"
     if job.slot_quota is not None and (type(job.slot_quota) is not int or job.slot_quota < 0):
         return "its owner's slot_quota must be a non-negative integer"
     return None
@@ -312,10 +322,13 @@ class _Ledger:
 
 
 def _selector_text(job: Demand) -> str:
-    if not job.selector:
-        return ""
-    text = ",".join(f"{k}={v}" for k, v in sorted(job.selector.items()))
-    return " matching " + clip(text, 200)
+    text = ""
+    if job.nodes is not None:
+        text += " among " + clip(",".join(sorted(job.nodes)), 200)
+    if job.selector:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(job.selector.items()))
+        text += " matching " + clip(labels, 200)
+    return text
 
 
 def _plural(n: int, word: str) -> str:

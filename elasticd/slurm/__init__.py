@@ -33,8 +33,14 @@ allocation's nodes, as on most Slurm clusters.
 the token, the wait for the store, the end in order: the store host leaves
 last).
 
-Form 2, *elasticd's daemons on every node with Slurm as the allocator*,
-has so far its prolog: :mod:`elasticd.slurm.hooks` (``elasticd slurm
-prolog``), the node's health checks before a job, a failure draining the
-node with the check's reason.
+Form 2, *elasticd's daemons on every node with Slurm as the allocator*:
+``elasticd submit --slurm`` in a batch script restricts the job to the
+allocation's nodes and records the Slurm job on it
+(:func:`elasticd.slurm.allocation.submission_from_env`, pure); with
+``--wait`` Slurm's SIGTERM cancels it within its grace, and ``elasticd slurm
+epilog`` makes sure nothing of it is left on the node (:mod:`elasticd.slurm.node`);
+``elasticd slurm prolog`` (:mod:`elasticd.slurm.hooks`) runs the node's health
+checks before a job, a failure draining the node with the check's reason.
+A quarantine drains the node in Slurm where ``slurm_drain = true``
+(:mod:`elasticd.node.slurm_drain`, a daemon's own node).
 """

@@ -218,3 +218,45 @@ def plan_allocation_run(
         store_url=store_url,
         submits=first,
     )
+
+
+@dataclass(frozen=True)
+class SlurmSubmission:
+    """What ``elasticd submit --slurm`` adds to a job, in a batch script (form 2)."""
+
+    slurm_job_id: str
+    #: The allocation's nodes: the only ones the job may run on.
+    nodes: tuple[str, ...]
+    min_nodes: int
+    max_nodes: int
+
+    def spec_fields(self) -> dict[str, object]:
+        return {
+            "slurm_job_id": self.slurm_job_id,
+            "nodes": list(self.nodes),
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+        }
+
+
+def submission_from_env(environ: Mapping[str, str], nnodes: str | None) -> SlurmSubmission:
+    """The job's part of the allocation this batch script runs in (``nnodes``: ``--nnodes``,
+    None for every node of the allocation); a ``ConfigError`` outside one."""
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not job_id or not nodelist:
+        raise ConfigError(
+            "elasticd submit --slurm runs inside a Slurm allocation (a batch script, salloc): "
+            "SLURM_JOB_ID and SLURM_JOB_NODELIST are not set"
+        )
+    try:
+        nodes = tuple(dict.fromkeys(expand_hostlist(nodelist)))
+    except ValueError as exc:
+        raise ConfigError(f"SLURM_JOB_NODELIST: {exc}") from None
+    low, high = parse_nnodes(nnodes) if nnodes else (len(nodes), len(nodes))
+    if high > len(nodes):
+        raise ConfigError(
+            f"--nnodes {nnodes}: the allocation has {len(nodes)} nodes ({','.join(nodes)}); "
+            f"sbatch -N{high} or more"
+        )
+    return SlurmSubmission(job_id.strip(), nodes, low, high)

@@ -475,3 +475,34 @@ def test_only_an_owner_that_may_preempt_stops_other_jobs(may_preempt, owner, pre
     assert ("low" in out.plan.preempted) is preempts
     if not preempts:
         assert out.plan.entry("hi").reason == "capacity"
+
+
+@pytest.mark.parametrize(
+    ("allowed", "lo", "hi", "fleet", "want"),
+    [
+        # An allocation of 3 of 5 nodes: the job runs on exactly those 3.
+        ({"n1", "n2", "n3"}, 3, 3, 5, {"n1", "n2", "n3"}),
+        # MIN:MAX within the allocation: at most its nodes, never one outside.
+        ({"n0", "n4"}, 1, 3, 5, {"n0", "n4"}),
+        # An allocation node that is not live: the job waits rather than spill over.
+        ({"n1", "n9"}, 2, 2, 3, set()),
+    ],
+)
+def test_a_job_restricted_to_nodes_is_placed_only_on_them(allowed, lo, hi, fleet, want):
+    """``nodes`` (a Slurm allocation) bounds the placement: only those nodes, or a wait."""
+    restricted = Demand("slurm", 1, lo, hi, nodes=frozenset(allowed))
+    out = run([restricted], nodes(fleet))
+    got = out.plan.placements.get("slurm")
+    assert set(got.nodes if got else []) == want
+    if not want:
+        entry = out.plan.entry("slurm")
+        assert entry is not None and "among n1,n9" in entry.message
+
+
+def test_nodes_that_cannot_be_read_make_the_job_unplaceable():
+    """A ``nodes`` that is not a set of names (a store writer's) is refused, the rest placed."""
+    bad = Demand("bad", 1, nodes=frozenset({1, 2}))  # type: ignore[arg-type]
+    out = run([bad, job("good", t=1)], nodes(1))
+    assert placed(out.plan) == {"good": ["n0"]}
+    entry = out.plan.entry("bad")
+    assert entry is not None and "nodes must be a set" in entry.message

@@ -95,7 +95,7 @@ async def test_readyz_is_not_ready_from_a_reload_request_until_the_new_image(
             assert time.monotonic() < deadline, (said, daemon.output()[-4000:])
             await asyncio.sleep(0.02)
         assert said and all(code == 503 for code, _ in said), said
-        assert any("a reload is asked" in reason for _, reason in said), said
+        assert any("checking the new program" in reason for _, reason in said), said
 
 
 async def test_a_sighup_storm_during_a_reload_coalesces(tmp_path: Path) -> None:

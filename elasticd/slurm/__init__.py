@@ -43,4 +43,18 @@ epilog`` makes sure nothing of it is left on the node (:mod:`elasticd.slurm.node
 checks before a job, a failure draining the node with the check's reason.
 A quarantine drains the node in Slurm where ``slurm_drain = true``
 (:mod:`elasticd.node.slurm_drain`, a daemon's own node).
+
+Which side of the boundary:
+
+* ``elasticd run`` in a step and ``elasticd submit --slurm`` run as the Slurm
+  job's user, with that user's rights and no daemon secret: form 1's embedded
+  daemons are that user's processes (their token is that user's file), and
+  form 2 asks the node's daemon as any caller does;
+* the prolog and the epilog run as root (slurmd runs them). They read
+  Slurm's environment, set by slurmd, and ask the node's daemon over its
+  socket as the node's admin; the prolog runs the operator's checks from the
+  daemon's config, never anything of a job's;
+* ``slurm_drain`` is the daemon's: it runs ``scontrol`` with an argument list,
+  never a shell; the reason it writes is the health record's, which an admin
+  or the policy wrote.
 """

@@ -71,6 +71,9 @@ log = logging.getLogger("elasticd.node.jobs")
 #: Seconds a stopping daemon spends recording why its jobs stopped (the store may not
 #: acknowledge writes: a full disk under the embedded store). A restart resumes them anyway.
 STOP_RECORD_TIMEOUT = 10.0
+#: How long the new image of a re-exec tries to record a carried failure while the store
+#: fails, before the job resumes (a lease TTL's worth and more: the store's own failover).
+CARRIED_STORE_WAIT = 30.0
 
 DAEMON_STOPPED = (
     "the elasticd daemon stopped while the job was running (e.g. systemctl restart); "
@@ -234,13 +237,30 @@ class AgentSupervisor:
                 early_count=failure.early_count,
             )
             try:
-                await self.side.documents.update(job_id, mutate=edit)
+                await self._update_past_outages(job_id, edit)
             except (StoreError, InvalidTransition, JobNotFound, JobConflict) as exc:
                 log.warning("job %s: could not record its failure across the re-exec: %s",
                             job_id, exc)  # fmt: skip
                 continue
             log.info("job %s: recorded the failure its agent saw before the re-exec: %s",
                      job_id, root.message)  # fmt: skip
+
+    async def _update_past_outages(self, job_id: str, edit: JobMutation) -> None:
+        """``edit`` the job's document, again while the store fails (the new image may come
+        up as the store goes away), for up to :data:`CARRIED_STORE_WAIT` s: the job resumes
+        only after, so its failure is charged once there, not lost (the last error raises)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CARRIED_STORE_WAIT
+        pause = 0.1
+        while True:
+            try:
+                await self.side.documents.update(job_id, mutate=edit)
+                return
+            except StoreError:
+                if loop.time() + pause > deadline:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
     async def recover(
         self, skip: frozenset[str] = frozenset(), why: Mapping[str, str] | None = None

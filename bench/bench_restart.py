@@ -28,7 +28,11 @@ after ``import torch``, and crash → every new-round worker past
 ``init_process_group``, for elasticd without and with ``prewarm: ["torch"]``
 (standby interpreters that imported torch while the attempt ran) and torchrun
 (c10d), on the same shapes. Rank 1 crashes ``--torch-crash-after`` seconds into
-each attempt, so that the standbys have finished their own import by then.
+each attempt (after ``init_process_group``): 10 by default, a late crash, the
+standbys long past their own import; ``--torch-crash-after 1`` is the early
+crash of issue 40 (a bad batch, an OOM at the first step), where a standby is
+ready only if it started with the workers (a node with a spare CPU for each)
+and the replacement starts cold at once where it is not.
 
 Usage::
 
@@ -424,9 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-crash-after",
         type=float,
         default=10.0,
-        help="seconds a torch attempt runs before rank 1 crashes (a standby needs its own "
-        "import torch done by then, and a cold attempt's standbys start only after its "
-        "workers' imports, FIRST_FILL_AFTER_S without heartbeats; default 10)",
+        help="seconds a torch attempt runs before rank 1 crashes: 10 (default) a late crash, "
+        "1 an early one (issue 40: a first attempt's standbys start with its workers only "
+        "on a node with a spare CPU each, else after their imports; one still importing at "
+        "the crash is not waited for)",
     )
     args = p.parse_args(argv)
     which = set(args.figures.split(","))

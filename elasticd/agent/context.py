@@ -91,6 +91,10 @@ class AgentContext:
     node_failure: RetrySettings = field(default_factory=RetrySettings)
     #: Notes a failure attributed to this node (its health record); None: not counted.
     attribute: Attribute | None = None
+    #: How many of this node's worker slots its jobs' agents hold now (their running
+    #: workers, this job's too): a ``prewarm`` job starts its standbys with its workers only
+    #: beside CPUs they leave spare. None: only this job's workers count.
+    busy_slots: Callable[[], int] | None = None
 
     @property
     def job_env_base(self) -> Mapping[str, str]:

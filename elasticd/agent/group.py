@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,8 +117,9 @@ class LocalGroup:
         self.output.poststart(attempt, self.processes)
         if pool is not None:
             self._say_how_started(attempt, pool, had_standbys)
-            # After the workers and their imports: the attempt is never delayed by its own
-            # standbys (fill_wait). Workers that all took over standbys are past them.
+            # With the workers where the node has a CPU to spare for each, else after their
+            # imports: the attempt is never delayed by its own standbys (fill_wait).
+            # Workers that all took over standbys are past them.
             warm = had_standbys and not pool.cold
             self.background.spawn(
                 self._fill_when_due(attempt, pool, plan, identity, warm=warm),
@@ -220,8 +222,11 @@ class LocalGroup:
         clock = self.ctx.clock
         started = clock.monotonic()
         ranks = [launch.local_rank for launch in plan.launches]
+        spare = self._spare_cpus(len(ranks))
         while self.attempt is attempt and self.processes is not None:
             wait = fill_wait(
+                spare_cpus=spare,
+                wanted=len(ranks),
                 warm=warm,
                 pinged=self._all_pinged(ranks),
                 age=clock.monotonic() - started,
@@ -231,6 +236,12 @@ class LocalGroup:
                 await self._fill(pool, plan, identity)
                 return
             await asyncio.sleep(min(wait, FILL_POLL_S))
+
+    def _spare_cpus(self, workers: int) -> int:
+        """The CPUs this daemon may run on less the slots the node's workers hold (``workers``:
+        this attempt's, when nothing counts the node's)."""
+        busy = self.ctx.busy_slots() if self.ctx.busy_slots is not None else workers
+        return len(os.sched_getaffinity(0)) - busy
 
     def _all_pinged(self, ranks: list[int]) -> bool:
         """Every worker of the attempt has pinged its heartbeat (it is past its imports)."""

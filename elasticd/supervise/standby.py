@@ -28,9 +28,12 @@ an attempt); :meth:`StandbyPool.aclose` leaves none. A standby that ends any
 way but the hand-off takes its cgroup along (killed, removed); under the
 subreaper, its process group, then what of the job's orphans reached the daemon.
 
-A cold attempt's standbys start only after its workers' own imports
-(:func:`fill_wait`): beside them they would take the CPU the first attempt
-needs.
+A cold attempt's standbys start with its workers where the node has a spare
+CPU for each, so that they are ready for an early crash; on a node without,
+only after the workers' own imports (:func:`fill_wait`): beside them they
+would take the CPU the attempt needs. A standby still importing when its rank
+starts again is never waited for: the rank starts cold at once, and the
+standby is killed (its end does not hold the start).
 
 If the daemon dies, its standbys die with it (the parent-death signal). They
 are in the spawn registry all the same (attempt None): their imports are the
@@ -78,36 +81,20 @@ __all__ = [
     "mismatch",
     "python_program",
     "standby_env",
+    "still_importing",
 ]
 
 log = logging.getLogger(__name__)
 
 #: How long a hand-off waits for the standby's answer before the worker starts cold.
 HANDOFF_TIMEOUT = 5.0
-#: How long a start waits for a standby still importing (it is further along than a cold
-#: start would be); past it, the worker starts cold.
-READY_WAIT = 120.0
-
-#: With no import time observed yet, a restart waits for a standby still importing until it
-#: is this old (seconds since its start); past that it starts cold.
-FIRST_IMPORT_GUESS_S = 5.0
-#: With import times observed, it waits until the standby is this many times the slowest of
-#: them old, plus IMPORT_SLACK_S (a slow one still beats a cold start; a stuck one does not).
+#: A cold attempt's standbys, on a node without a spare CPU for each, wait this long for the
+#: workers' own imports (IMPORT_MARGIN times the slowest standby import seen, plus
+#: IMPORT_SLACK_S).
 IMPORT_MARGIN = 1.5
 IMPORT_SLACK_S = 1.0
 #: Import times kept per pool (the newest).
 IMPORT_SAMPLES = 8
-
-
-def ready_wait(observed: Sequence[float], age: float) -> float:
-    """How much longer a restart waits for a standby still importing (pure).
-
-    ``observed``: how long this pool's standbys took to become ready; ``age``:
-    how long ago this one started. The wait ends when the standby is as old as
-    an import should take, never past :data:`READY_WAIT`; 0 means start cold now.
-    """
-    expected = max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S if observed else FIRST_IMPORT_GUESS_S
-    return max(0.0, min(expected, READY_WAIT) - age)
 
 
 #: A cold attempt's standbys start once its workers have all pinged their heartbeat (past
@@ -119,15 +106,26 @@ FIRST_FILL_AFTER_S = 5.0
 MAX_FILL_AFTER_S = 30.0
 
 
-def fill_wait(*, warm: bool, pinged: bool, age: float, observed: Sequence[float]) -> float:
+def fill_wait(
+    *,
+    spare_cpus: int,
+    wanted: int,
+    warm: bool,
+    pinged: bool,
+    age: float,
+    observed: Sequence[float],
+) -> float:
     """How much longer an attempt's standbys wait before they start (pure; 0: now).
 
-    ``warm``: every worker took over a standby (past its imports already); ``pinged``: every
-    worker has pinged its heartbeat; ``age``: seconds since the workers started;
-    ``observed``: how long this pool's standbys took to import. A cold worker imports what
-    its standby would: the standbys wait for the workers' imports, as long as one takes.
+    ``spare_cpus``: the node's CPUs less the slots its running workers hold; ``wanted``:
+    the standbys to start (one per local rank); ``warm``: every worker took over a standby
+    (past its imports already); ``pinged``: every worker has pinged its heartbeat; ``age``:
+    seconds since the workers started; ``observed``: how long this pool's standbys took to
+    import. With a spare CPU for each, they start with the workers, ready for an early
+    crash (issue 40). Without, a cold worker imports what its standby would: the standbys
+    wait for the workers' imports, as long as one takes, not to take their CPU.
     """
-    if warm or pinged:
+    if warm or pinged or spare_cpus >= wanted:
         return 0.0
     bound = (
         min(max(observed) * IMPORT_MARGIN + IMPORT_SLACK_S, MAX_FILL_AFTER_S)
@@ -135,6 +133,15 @@ def fill_wait(*, warm: bool, pinged: bool, age: float, observed: Sequence[float]
         else FIRST_FILL_AFTER_S
     )
     return max(0.0, bound - age)
+
+
+def still_importing(age: float, observed: Sequence[float]) -> str:
+    """Why a rank whose standby was not ready at its start started cold (pure)."""
+    seen = f"; imports here took {max(observed):.1f} s at most" if observed else ""
+    return (
+        f"its standby was still importing ({age:.1f} s after it started{seen}): "
+        "the worker started cold at once rather than wait"
+    )
 
 
 #: The most of a standby's "ready" line that is read (it is the job's process that writes it).
@@ -263,15 +270,11 @@ class _Standby:
     """Its own cgroup (or the subreaper's bookkeeping): it and all it starts, until the
     hand-off moves them into the attempt's, or its end kills them."""
     state: _State = _State.STARTING
-    ready: asyncio.Future[str | None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    """None once it is ready, else why it is not (its imports failed, it died)."""
     watch: asyncio.Task[None] | None = None
     record: tuple[int, int] | None = None
     """(pid, start time) in the spawn registry, until it is forgotten or handed off."""
     started_at: float = field(default_factory=lambda: asyncio.get_running_loop().time())
-    """When it was started (the loop's clock): its age, for :func:`ready_wait`."""
+    """When it was started (the loop's clock): its age, for :func:`still_importing`."""
 
     @property
     def pid(self) -> int:
@@ -328,9 +331,11 @@ class StandbyPool:
         self._made_for: dict[int, tuple[WorkerLaunch, Identity | None]] = {}
         self._replacements = 0
         self._replacing: set[asyncio.Task[None]] = set()
+        #: The ends of standbys dropped at a hand-off (:meth:`_drop`), until done.
+        self._ending: set[asyncio.Task[None]] = set()
         #: Why a local rank has no standby (it was lost), until a new one starts.
         self._why_none: dict[int, str] = {}
-        #: How long this pool's standbys took to become ready (the newest), for ready_wait.
+        #: How long this pool's standbys took to become ready (the newest), for fill_wait.
         self._import_s: list[float] = []
         #: Why each local rank of the last start started cold.
         self.cold: dict[int, str] = {}
@@ -472,6 +477,8 @@ class StandbyPool:
                 if not chunk:
                     break
                 line += chunk
+        if standby.state is _State.GONE:
+            return  # dropped while importing (its end is :meth:`_kill`'s): not lost
         reason: str | None
         try:
             answer = json.loads(line) if line.endswith(b"\n") else None
@@ -485,8 +492,6 @@ class StandbyPool:
             reason = f"its imports failed ({str(answer.get('error'))[:300]})"
         else:
             reason = "it exited before it was ready"
-        if not standby.ready.done():
-            standby.ready.set_result(reason)
         if reason is None and self._on_ready is not None:
             self._on_ready()
         if reason is not None:
@@ -549,12 +554,12 @@ class StandbyPool:
             return None
         reason = mismatch(standby.launch, standby.identity, launch, identity)
         if reason is None and standby.state is _State.STARTING:
-            reason = await self._until_ready(standby)
-            if reason is None and self._standbys.get(rank) is not standby:
-                # Ready, then dead before this resumed: the watch took it out of the pool
-                # (a replacement may be there already, for the next start: leave it).
-                self.cold[rank] = self._why_none.get(rank, "its standby died as it got ready")
-                return None
+            # Never waited for (issue 40): the cold start begins now, and the standby's end
+            # (its kill, reap and cgroup) follows in the background, not before it.
+            age = asyncio.get_running_loop().time() - standby.started_at
+            self.cold[rank] = still_importing(age, self._import_s)
+            self._drop(standby)
+            return None
         if reason is not None:
             self.cold[rank] = reason
             await self._discard(standby)
@@ -596,23 +601,6 @@ class StandbyPool:
         self.cold.pop(rank, None)
         return standby.process
 
-    async def _until_ready(self, standby: _Standby) -> str | None:
-        """Wait for a standby still importing, as long as an import should take
-        (:func:`ready_wait`): a slow one is further along than a cold start; a stuck one
-        is not, and is given up (then discarded and replaced by the caller)."""
-        age = asyncio.get_running_loop().time() - standby.started_at
-        wait = ready_wait(self._import_s, age)
-        try:
-            async with asyncio.timeout(wait):
-                return await asyncio.shield(standby.ready)
-        except TimeoutError:
-            return (
-                f"its standby was still importing after {age + wait:.1f} s "
-                f"(imports here took {max(self._import_s):.1f} s at most)"
-                if self._import_s
-                else f"its standby was still importing after {age + wait:.1f} s"
-            )
-
     async def _send(
         self, standby: _Standby, launch: WorkerLaunch, identity: Identity | None, fds: list[int]
     ) -> None:
@@ -633,6 +621,20 @@ class StandbyPool:
         control.close()
         if answer != b"1":
             raise OSError("the standby ended before it took the worker's place")
+
+    def _drop(self, standby: _Standby) -> None:
+        """:meth:`_discard` without waiting: out of the pool and killed now, reaped (and its
+        cgroup removed) by a task :meth:`aclose` awaits."""
+        standby.state = _State.GONE
+        if self._standbys.get(standby.launch.local_rank) is standby:
+            del self._standbys[standby.launch.local_rank]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(standby.pid, signal.SIGKILL)
+        task = asyncio.get_running_loop().create_task(
+            self._kill(standby), name=f"elasticd-standby-{standby.launch.local_rank}-end"
+        )
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def _discard(self, standby: _Standby) -> None:
         standby.state = _State.GONE
@@ -670,3 +672,5 @@ class StandbyPool:
             standbys = list(self._standbys.values())
             for standby in standbys:
                 await self._discard(standby)
+        if self._ending:  # never cancelled: each ends what it was given
+            await asyncio.shield(asyncio.gather(*self._ending, return_exceptions=True))

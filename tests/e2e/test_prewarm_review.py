@@ -286,15 +286,20 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("worker", ["silent", "ping"])
-async def test_a_first_attempts_standbys_start_after_its_workers_imports(
-    tmp_path: Path, worker: str
+@pytest.mark.parametrize(
+    ("worker", "cpus", "beside"),
+    [("silent", 1, False), ("ping", 1, False), ("silent", 2, True)],
+)
+async def test_a_first_attempts_standbys_start_after_its_workers_imports_unless_cpus_are_spare(
+    tmp_path: Path, worker: str, cpus: int, beside: bool
 ) -> None:
-    """The standbys of a first attempt start only once its workers have pinged (they are past
-    their imports), or FIRST_FILL_AFTER_S after they started: never beside their imports.
-    Measured on the processes' own start times (the kernel's), not the test's clock."""
+    """On a node with no CPU to spare (the daemon on one CPU, a worker on it), the standbys of
+    a first attempt start only once its workers have pinged (they are past their imports),
+    or FIRST_FILL_AFTER_S after they started: never beside their imports. With a CPU to
+    spare for the standby (two, one worker), it starts with the worker, ready for an early
+    crash (issue 40). Measured on the processes' own start times (the kernel's)."""
     code, out = _job_files(tmp_path, PINGS, None)
-    daemon = serve(tmp_path)
+    daemon = serve(tmp_path, cpus=cpus)
     try:
         async with asyncio.timeout(100), daemon.client() as c:
             await daemon.wait_ready()
@@ -308,7 +313,9 @@ async def test_a_first_attempts_standbys_start_after_its_workers_imports(
             (pid,) = (int(p.name.split(".")[1]) for p in out.glob("worker.*"))
             ticks = os.sysconf("SC_CLK_TCK")
             after = (_started(standby) - _started(pid)) / ticks
-            if worker == "silent":
+            if beside:  # with the worker, not after its imports (nor the bound)
+                assert after < 1.5, after
+            elif worker == "silent":
                 assert after >= FIRST_FILL_AFTER_S
             else:  # the ping came well before the bound (its poll: FILL_POLL_S)
                 assert after < FIRST_FILL_AFTER_S - 1

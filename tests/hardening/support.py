@@ -160,11 +160,13 @@ def serve(
     verbose: bool = False,
     nofile: tuple[int, int] | None = None,
     cwd: Path | None = None,
+    cpus: int | None = None,
 ) -> Served:
     """Start `elasticd serve` on a free loopback port (as root, jobs may run as root).
 
     ``nofile``: the daemon's (soft, hard) ``RLIMIT_NOFILE``, set before its exec.
     ``cwd``: where it runs (``python -m`` imports from there first).
+    ``cpus``: the daemon runs on this many of the CPUs the test may use (its affinity).
     """
     port = port or free_port()
     state_dir = state_dir or root / "state"
@@ -204,15 +206,24 @@ def serve(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if nofile is None else _limit_nofile(nofile),
+            preexec_fn=_preexec(nofile, cpus),
             cwd=cwd,
         )
     return Served(proc, port, state_dir, log, token, args, environ, cwd)
 
 
-def _limit_nofile(limits: tuple[int, int]) -> Callable[[], None]:
+def _preexec(nofile: tuple[int, int] | None, cpus: int | None) -> Callable[[], None] | None:
+    if nofile is None and cpus is None:
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    if cpus is not None and cpus > len(mine):
+        raise AssertionError(f"the test needs {cpus} CPUs, this machine has {len(mine)}")
+
     def preexec() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+        if cpus is not None:
+            os.sched_setaffinity(0, mine[:cpus])
 
     return preexec
 

@@ -42,6 +42,11 @@ class Slots:
         self.free = list(range(count))
         self.held: dict[str, list[int]] = {}
 
+    @property
+    def busy(self) -> int:
+        """How many slots the jobs' agents hold."""
+        return sum(len(held) for held in self.held.values())
+
     def fits(self, n: int) -> bool:
         return n <= len(self.free)
 

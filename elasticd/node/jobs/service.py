@@ -153,6 +153,7 @@ class JobService:
             base_env=base_env,
             job_base_env=job_base_env,
             storage=storage,
+            busy_slots=lambda: self.reconciler.slots.busy,
         )
         self.queries = JobQueries(
             side,

@@ -126,10 +126,13 @@ class AgentSupervisor:
         base_env: dict[str, str] | None = None,
         job_base_env: dict[str, str] | None = None,
         storage: StorageHealth | None = None,
+        busy_slots: Callable[[], int] | None = None,
     ) -> None:
         """``ended``: told, in the task's done callback, whenever an agent task ends;
-        ``attempt_ended``: told the job's id whenever one of its attempts here ends."""
+        ``attempt_ended``: told the job's id whenever one of its attempts here ends;
+        ``busy_slots``: how many of the node's slots its agents hold (the agents' context)."""
         self.side = side
+        self._busy_slots = busy_slots
         self._attempt_ended = attempt_ended
         self.console = console
         self.log_growth = log_growth
@@ -490,6 +493,7 @@ class AgentSupervisor:
             attempt_ended=self._attempt_ended,
             node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
             attribute=self.attribute,
+            busy_slots=self._busy_slots,
         )
         agent = JobAgent(job, ctx, handover)
         try:

@@ -95,13 +95,11 @@ class NodeService:
                 start_new_session=True,
             )
 
-    def restart(self, name: str) -> None:
-        """Stop node ``name``'s daemon (SIGTERM) and start a fresh one, which knows nothing."""
+    def stop(self, name: str) -> None:
+        """Stop node ``name``'s daemon (SIGTERM); :meth:`spawn` starts a fresh one."""
         proc = self.daemons[name]
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        self.spawn(name)
-        self.wait_nodes(set(self.slurm.nodes))
 
     def api(self) -> httpx.Client:
         """The API of n1's daemon, from the host (over the bridge)."""
@@ -278,8 +276,8 @@ def slurm_node(service: NodeService, name: str) -> tuple[str, str]:
 
 def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(service):
     """``slurm_drain = true``: an admin's drain of n2 through the API shows in ``scontrol show
-    node`` as DRAIN with elasticd's reason; after n2's daemon restarts (remembering nothing),
-    the undrain still resumes n2 in Slurm: Slurm's reason says the drain is elasticd's."""
+    node`` as DRAIN with elasticd's reason; the undrain, made while n2's daemon is down,
+    resumes n2 in Slurm once a fresh daemon starts: Slurm's reason says the drain is ours."""
     with service.api() as api:
         drained = api.post("/nodes/n2/drain", json={"reason": "bad HBM on gpu3"})
         assert drained.status_code == 200, drained.text
@@ -290,9 +288,11 @@ def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(servi
         state, reason = slurm_node(service, "n2")
         assert reason.startswith("elasticd: bad HBM on gpu3"), (state, reason)
         assert "DRAIN" not in slurm_node(service, "n1")[0]
-        service.restart("n2")
+        # Released while n2's daemon is down: the fresh one, which remembers nothing, resumes.
+        service.stop("n2")
         undrained = api.post("/nodes/n2/undrain", json={"reason": "replaced"})
         assert undrained.status_code == 200, undrained.text
+        service.spawn("n2")
         deadline = time.monotonic() + 30
         while "DRAIN" in slurm_node(service, "n2")[0]:
             assert time.monotonic() < deadline, f"{slurm_node(service, 'n2')}\n{service.logs()}"

@@ -17,6 +17,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -508,22 +509,31 @@ def _submit_spec(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_submit(client: Any, args: argparse.Namespace) -> int:
     if not (args.slurm and args.wait):
         return _submit(client, args)
-    from elasticd.slurm.node import SlurmStop, cancel_and_wait, slurm_jobs, stop_on_sigterm
+    from elasticd.slurm.node import SlurmStop, cancel_and_wait, own_submission, stop_on_sigterm
 
+    # The id is chosen here, before the POST, so that a stop during it knows which job is
+    # its own: not merely the newest naming the Slurm job, which anyone may name.
+    spec = _submit_spec(args)
+    spec.setdefault("id", f"slurm-{spec['slurm_job_id']}-{uuid.uuid4().hex[:12]}")
     submitted: list[Job] = []
     try:
         with stop_on_sigterm():
-            return _submit(client, args, submitted)
+            return _submit(client, args, submitted, spec)
     except SlurmStop:
         if submitted:
             return cancel_and_wait(client, submitted[0])
         # Stopped while submitting: the job may exist all the same.
-        found = slurm_jobs(client, _submit_spec(args)["slurm_job_id"])
-        return cancel_and_wait(client, found[0]) if found else 143
+        mine = own_submission(client, spec)
+        return cancel_and_wait(client, mine) if mine is not None else 143
 
 
-def _submit(client: Any, args: argparse.Namespace, submitted: list[Job] | None = None) -> int:
-    job = client.submit(_submit_spec(args))
+def _submit(
+    client: Any,
+    args: argparse.Namespace,
+    submitted: list[Job] | None = None,
+    spec: dict[str, Any] | None = None,
+) -> int:
+    job = client.submit(spec if spec is not None else _submit_spec(args))
     if submitted is not None:
         submitted.append(job)
     if job.state.is_terminal and not args.json:

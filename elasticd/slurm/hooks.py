@@ -13,8 +13,9 @@ the built-in GPU check, skipped where there is no ``nvidia-smi``), with the
 configuration read as ``elasticd serve`` reads it (``--config``,
 ``ELASTICD_CONFIG``, ``ELASTICD_*``). A failing check exits 1: Slurm then
 drains the node and requeues the job. Before that the prolog drains the node
-itself with a reason naming the check (``elasticd: node_health_check
-failed: ...``), so ``scontrol show node`` says why, not only "Prolog error".
+itself with a reason naming the check (``elasticd prolog: node_health_check
+failed: ...``), so ``scontrol show node`` says why, not only "Prolog error". (Not
+``elasticd: ...``: that marks a quarantine's drain, which ``slurm_drain`` resumes.)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def drain_reason(results: Sequence[HealthResult]) -> str | None:
         return None
     first = failed[0]
     message = " ".join(first.message.split()) or "no output"
-    reason = f"elasticd: {first.name} failed: {message}"
+    reason = f"elasticd prolog: {first.name} failed: {message}"
     if len(failed) > 1:
         reason += f" (and {len(failed) - 1} more)"
     return reason if len(reason) <= MAX_REASON else reason[: MAX_REASON - 3] + "..."

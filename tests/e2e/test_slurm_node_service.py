@@ -1,6 +1,8 @@
 """elasticd's daemons as the node service under a real Slurm (issue 38, form 2), on 4
 namespaced nodes: a batch script's ``elasticd submit --slurm --wait`` runs its job on exactly
-the allocation's nodes, ``scancel`` cancels it with nothing left, the epilog verifies that; an admin's drain through elasticd's API drains the node in Slurm.
+the allocation's nodes, ``scancel`` cancels it with nothing left, the epilog verifies that;
+an admin's drain through
+elasticd's API drains the node in Slurm, and a restarted daemon still resumes it.
 
 One ``elasticd serve`` runs in each Slurm node's namespaces (n1's serves the embedded store,
 the others join it); each listens on the same port in its own network namespace, so the
@@ -63,31 +65,41 @@ class NodeService:
 
     def start(self) -> None:
         self.slurm.start()
-        first = self.slurm.nodes["n1"]
+        for name in self.slurm.nodes:
+            self.spawn(name)
+        self.wait_nodes(set(self.slurm.nodes))
+
+    def spawn(self, name: str) -> None:
+        """Start node ``name``'s daemon (n1's serves the store, the others join it)."""
+        first, node = self.slurm.nodes["n1"], self.slurm.nodes[name]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "SLURM_"))}
         env.update(ELASTICD_LEASE_TTL="2", ELASTICD_ALLOW_ROOT="true", PYTHONPATH=str(ROOT))
         # The workers' `python` is this checkout's, as an installed elasticd's would be.
         env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
         # slurm_drain: a quarantine drains the node in Slurm (scontrol, with the cluster's conf).
         env.update(ELASTICD_SLURM_DRAIN="true", SLURM_CONF=str(self.slurm.conf))
-        for name, node in self.slurm.nodes.items():
-            args = [
-                sys.executable, "-m", "elasticd", "serve", "--host", "0.0.0.0",
-                "--port", str(self.port), "--advertise-addr", node.addr, "--node-name", name,
-                "--state-dir", str(self.root / name), "--slots", "2",
-                "--token-file", str(self.token),
-            ]  # fmt: skip
-            if name != "n1":
-                args += ["--store-url", f"http://{first.addr}:{self.port}"]
-            with (self.root / f"daemon-{name}.log").open("ab") as out:
-                self.daemons[name] = subprocess.Popen(
-                    node.nsenter(*args),
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-        self.wait_nodes(set(self.slurm.nodes))
+        args = [
+            sys.executable, "-m", "elasticd", "serve", "--host", "0.0.0.0",
+            "--port", str(self.port), "--advertise-addr", node.addr, "--node-name", name,
+            "--state-dir", str(self.root / name), "--slots", "2",
+            "--token-file", str(self.token),
+        ]  # fmt: skip
+        if name != "n1":
+            args += ["--store-url", f"http://{first.addr}:{self.port}"]
+        with (self.root / f"daemon-{name}.log").open("ab") as out:
+            self.daemons[name] = subprocess.Popen(
+                node.nsenter(*args),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self, name: str) -> None:
+        """Stop node ``name``'s daemon (SIGTERM); :meth:`spawn` starts a fresh one."""
+        proc = self.daemons[name]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
     def api(self) -> httpx.Client:
         """The API of n1's daemon, from the host (over the bridge)."""
@@ -264,7 +276,8 @@ def slurm_node(service: NodeService, name: str) -> tuple[str, str]:
 
 def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(service):
     """``slurm_drain = true``: an admin's drain of n2 through the API shows in ``scontrol show
-    node`` as DRAIN with elasticd's reason; the undrain resumes n2 in Slurm."""
+    node`` as DRAIN with elasticd's reason; the undrain, made while n2's daemon is down,
+    resumes n2 in Slurm once a fresh daemon starts: Slurm's reason says the drain is ours."""
     with service.api() as api:
         drained = api.post("/nodes/n2/drain", json={"reason": "bad HBM on gpu3"})
         assert drained.status_code == 200, drained.text
@@ -275,8 +288,11 @@ def test_an_elasticd_drain_drains_the_node_in_slurm_and_undrain_resumes_it(servi
         state, reason = slurm_node(service, "n2")
         assert reason.startswith("elasticd: bad HBM on gpu3"), (state, reason)
         assert "DRAIN" not in slurm_node(service, "n1")[0]
+        # Released while n2's daemon is down: the fresh one, which remembers nothing, resumes.
+        service.stop("n2")
         undrained = api.post("/nodes/n2/undrain", json={"reason": "replaced"})
         assert undrained.status_code == 200, undrained.text
+        service.spawn("n2")
         deadline = time.monotonic() + 30
         while "DRAIN" in slurm_node(service, "n2")[0]:
             assert time.monotonic() < deadline, f"{slurm_node(service, 'n2')}\n{service.logs()}"

@@ -63,7 +63,7 @@ def test_the_prolog_drains_a_node_whose_health_check_fails(slurm):
         assert time.monotonic() < deadline, node_fields(slurm, "n2")
         time.sleep(0.1)
     fields = node_fields(slurm, "n2")
-    assert "elasticd: node_health_check failed" in fields["Reason"], fields
+    assert "elasticd prolog: node_health_check failed" in fields["Reason"], fields
     assert "n2 disk is sick" in fields["Reason"], fields
     ran = slurm.run("srun", "-N1", "-w", "n1", "hostname", timeout=60)
     assert (ran.returncode, ran.stdout.strip()) == (0, "n1"), ran

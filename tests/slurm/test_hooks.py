@@ -23,11 +23,11 @@ def result(name: str, ok: bool, message: str = "", skipped: bool = False) -> Hea
         ([result("node_health_check", True)], None),
         (
             [result("node_health_check", False, "exit 1:\n  disk\tfull ")],
-            "elasticd: node_health_check failed: exit 1: disk full",
+            "elasticd prolog: node_health_check failed: exit 1: disk full",
         ),
         (
             [result("node_health_check", False, ""), result("gpu", False, "Xid 79")],
-            "elasticd: node_health_check failed: no output (and 1 more)",
+            "elasticd prolog: node_health_check failed: no output (and 1 more)",
         ),
     ],
 )

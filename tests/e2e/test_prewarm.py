@@ -393,12 +393,16 @@ async def test_every_node_of_a_multi_node_job_hands_off_locally(tmp_path: Path) 
         assert hot["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
 
 
-#: Attempt 0 waits for its job's standby to exist (a process whose command line names the
-#: standby's namespace and whose environment names the job), then fails; every attempt prints whether ``colorsys`` was imported before its first line.
+#: Attempt 0 waits for its job's standby to be ready (a process whose command line names the
+#: standby's namespace and whose environment names the job, blocked reading its socket for
+#: the hand-off: ``recvmsg``, which it calls only once it said it is ready), then fails: a
+#: standby not ready at a crash is never waited for (issue 40). Every attempt prints whether
+#: ``colorsys`` was imported before its first line.
 RUN_PROBE = r"""
 import sys
 print("colorsys imported before:", "colorsys" in sys.modules, flush=True)
 import os, time
+RECVMSG = {"47", "212"}  # x86_64, aarch64
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     mine = ("ELASTICD_JOB_ID=" + os.environ["ELASTICD_JOB_ID"]).encode()
     def standby():  # this job's: its environment names the job
@@ -409,7 +413,12 @@ if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
             except OSError:
                 continue
             if b"elasticd_standby" in command and mine in environ:
-                return True
+                try:
+                    return open(f"/proc/{pid}/syscall").read().split()[0] in RECVMSG
+                except PermissionError:  # not ours to look into: its being there must do
+                    return True
+                except (OSError, IndexError):
+                    continue
         return False
     while not standby():
         time.sleep(0.02)

@@ -119,7 +119,7 @@ def create_app(daemon: Daemon | None) -> FastAPI:
 
 
 #: Served without the token (see the routes); every other operation may answer 401.
-_PUBLIC_PATHS = frozenset({"/healthz", "/ui"})
+_PUBLIC_PATHS = frozenset({"/healthz", "/slurm/proof", "/ui"})
 
 
 def _document_problems(app: FastAPI) -> None:

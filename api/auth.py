@@ -41,7 +41,7 @@ from elasticd.store.scoped import PrefixLedger, PrefixShare, ScopedStore
 PRINCIPAL_KEY = "elasticd.principal"
 
 #: Served to anyone: no data (``/favicon.ico``, which browsers ask for by themselves, is 404).
-PUBLIC_PATHS = frozenset({"/healthz", "/ui", "/", "/favicon.ico"})
+PUBLIC_PATHS = frozenset({"/healthz", "/slurm/proof", "/ui", "/", "/favicon.ico"})
 
 
 _NO_PRINCIPAL = "this endpoint needs 'Authorization: Bearer <token>' or the daemon's unix socket"

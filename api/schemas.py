@@ -36,6 +36,13 @@ __all__ = [
 ]
 
 
+class SlurmProof(BaseModel):
+    """A Slurm step's store host's answer to a task's challenge (``GET /slurm/proof``)."""
+
+    proof: str
+    """HMAC-SHA256 of the step's token over ``elasticd-slurm-proof:<nonce>``, hex."""
+
+
 class Health(BaseModel):
     """Liveness / readiness answer."""
 

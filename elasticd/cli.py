@@ -221,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--token-file",
-        help="with --nnodes: the 0600 token file the step's daemons share (default: "
-        "~/.config/elasticd/slurm-token, made if missing; the home must be shared)",
+        help="with --nnodes: the 0600 secret file the step's tasks share, whose HMAC for the "
+        "step is its daemons' token (default: ~/.config/elasticd/slurm-token, made if "
+        "missing; the home must be shared)",
     )
     run.add_argument("--umask", help="the workers' umask, octal (default: this shell's)")
     add_job_flags(run)
@@ -674,11 +675,16 @@ async def _run(args: argparse.Namespace) -> int:
         if allocation is None:
             flags["token_file"] = str(write_run_token(Path(state_dir)))
         else:
-            token = slurm_run.shared_token(Path(args.token_file) if args.token_file else None)
+            secret = slurm_run.shared_token(Path(args.token_file) if args.token_file else None)
+            token = slurm_run.step_token_file(allocation, secret, Path(state_dir))
             flags.update(slurm_run.daemon_flags(allocation, token))
             nodes = {"min_nodes": allocation.min_nodes, "max_nodes": allocation.max_nodes}
             store_url = str(flags.get("store_url") or "")
-            if store_url.startswith("http"):
+            if allocation.store_url is None and not allocation.hosts_store:
+                # Task 0's daemon, at a port anyone may hold: it proves itself first.
+                step_token = token.read_text().strip()
+                await slurm_run.verify_store_host(store_url, step_token)
+            elif store_url.startswith("http"):
                 await slurm_run.wait_for_store(store_url)
         # The user's ELASTICD_* variables are for their own daemon, never this one; in a
         # Slurm step, but for the store's credentials (an etcd's user, its TLS files).
@@ -717,6 +723,7 @@ async def _run(args: argparse.Namespace) -> int:
             state_lock=state_lock,
         )
         daemon.install_signal_handlers()
+        daemon.slurm_store_host = allocation is not None and allocation.hosts_store
         async with daemon:
             # Outlives this process: if it is killed (even kill -9), the reaper kills what the
             # job left (its attempt cgroups, else its processes) and removes the temporary

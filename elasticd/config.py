@@ -652,10 +652,10 @@ def read_token(config: Config, environ: Mapping[str, str] | None = None) -> str 
     if config.token_file is None:
         token = environ.get(ENV_PREFIX + "TOKEN")
         return token.strip() or None if token else None
-    return _read_secret(config.token_file, "token file")
+    return read_secret(config.token_file, "token file")
 
 
-def _read_secret(path: Path, setting: str) -> str:
+def read_secret(path: Path, setting: str) -> str:
     """A secret file private to this daemon's user (see :mod:`elasticd.tokens`)."""
     try:
         return read_token_file(
@@ -684,7 +684,7 @@ def own_token(state_dir: Path) -> tuple[str, Path]:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except FileExistsError:
-        return _read_secret(path, "token file"), path
+        return read_secret(path, "token file"), path
     except OSError as exc:
         raise ConfigError(f"cannot make the daemon's token {path}: {exc.strerror}") from None
     from elasticd.identity import new_token
@@ -701,7 +701,7 @@ def read_cluster_token(config: Config) -> str | None:
     """The cluster credential of ``cluster_token_file``; None: the admin token is it too."""
     if config.cluster_token_file is None:
         return None
-    return _read_secret(config.cluster_token_file, "cluster_token_file")
+    return read_secret(config.cluster_token_file, "cluster_token_file")
 
 
 def _check_private(st: os.stat_result, path: Path, setting: str) -> None:
@@ -740,7 +740,7 @@ def read_store_password(config: Config) -> str | None:
     path = config.store_password_file
     if path is None:
         return None
-    return _read_secret(path, "store_password_file")
+    return read_secret(path, "store_password_file")
 
 
 def check_store(config: Config, token: str | None, *, serves_others: bool = False) -> None:

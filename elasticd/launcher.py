@@ -125,7 +125,7 @@ def _json_args(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]
 RUN_TOKEN_FILE = "run-token"
 
 
-def write_run_token(state_dir: Path) -> Path:
+def write_run_token(state_dir: Path, token: str | None = None) -> Path:
     """A new random bearer token for an embedded daemon, in a 0600 file in ``state_dir``.
 
     An embedded daemon (``elasticd run``, :func:`launch`) listens on
@@ -135,13 +135,14 @@ def write_run_token(state_dir: Path) -> Path:
     0700 if new), its workers get its path as ``ELASTICD_TOKEN_FILE`` as
     from any daemon, and the same user's CLI can pass it with ``--token-file``.
     A token file left by an earlier run is replaced, never reused or followed.
+    ``token``: this one instead of a random one (a Slurm step's, derived).
     """
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = state_dir / RUN_TOKEN_FILE
     fresh = state_dir / f".{RUN_TOKEN_FILE}.{secrets.token_hex(8)}"
     fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, (secrets.token_urlsafe(32) + "\n").encode())
+        os.write(fd, ((token or secrets.token_urlsafe(32)) + "\n").encode())
     finally:
         os.close(fd)
     os.replace(fresh, path)  # a name replaced atomically: never opens what was there

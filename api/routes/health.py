@@ -1,15 +1,17 @@
-"""``/healthz`` (no auth: is the process alive) and ``/readyz`` (is it accepting jobs)."""
+"""``/healthz`` (no auth: is the process alive), ``/readyz`` (is it accepting jobs), and
+``/slurm/proof`` (no auth: a Slurm step's store host proves it holds the step's token)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from starlette.responses import JSONResponse
 
 from api.auth import principal_of
 from api.deps import daemon_of
-from api.schemas import Empty, Health
+from api.schemas import Empty, Health, SlurmProof
 from elasticd import __version__
 from elasticd.identity import Action, Deny, authorize
+from elasticd.slurm.allocation import NONCE_PATTERN, store_proof
 
 public = APIRouter(tags=["health"])
 private = APIRouter(tags=["health"])
@@ -20,6 +22,21 @@ async def healthz(request: Request) -> Health:
     """The daemon process is alive and its event loop answers; its pid, and when the running
     program image started (``started_at`` changes at a re-exec, ``pid`` does not)."""
     return _alive(request, "ok")
+
+
+@public.get(
+    "/slurm/proof",
+    response_model=SlurmProof,
+    responses={404: {"description": "Not a Slurm step's store host"}},
+)
+async def slurm_proof(request: Request, nonce: str = Query(pattern=NONCE_PATTERN)) -> SlurmProof:
+    """The store host of a Slurm step (``elasticd run --nnodes``) proves it holds the step's
+    token before the other tasks send it: HMAC-SHA256 of the token over
+    ``elasticd-slurm-proof:<nonce>``. 404 on any other daemon."""
+    daemon = daemon_of(request)
+    if not daemon.slurm_store_host:
+        raise HTTPException(404, "this daemon is not a Slurm step's store host")
+    return SlurmProof(proof=store_proof(daemon.cluster_token, nonce))
 
 
 def _alive(request: Request, status: str, **more: object) -> Health:

@@ -227,6 +227,9 @@ class Daemon(ReexecMixin):
         self.handlers_at: float | None = None
         #: Set by ``elasticd serve``: this daemon may re-execute itself (SIGHUP, /reload).
         self.can_reexec = False
+        #: Set by ``elasticd run`` on a Slurm step's store host: ``GET /slurm/proof`` answers
+        #: (with this daemon's token's proof) instead of 404.
+        self.slurm_store_host = False
         self._reload = asyncio.Event()
         #: From the reload's request (SIGHUP, ``POST /reload``, one held across an exec)
         #: through its pre-flight: ``/readyz`` says a reload is coming (not ready).

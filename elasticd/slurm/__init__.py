@@ -24,10 +24,15 @@ decides everything from it, purely):
   time limit) stops the workers with the job's grace (``--termination-grace``,
   keep it under the cluster's ``KillWait``), exit 143.
 
-The daemons share one bearer token: ``--token-file`` when given, else a
-0600 file in the user's home (``~/.config/elasticd/slurm-token``), made by
-the first task that needs it; the home folder is assumed shared across the
-allocation's nodes, as on most Slurm clusters.
+The daemons of a step share one bearer token, the step's: an HMAC of a
+secret (``--token-file`` when given, else a 0600 file in the user's home,
+``~/.config/elasticd/slurm-token``, made by the first task that needs it; the
+home folder is assumed shared across the allocation's nodes, as on most Slurm
+clusters) for the job and step ids, so a leaked one is worth one step. The
+store host's port can be predicted, so another user may hold it first: a
+task sends the token only to a store host that has proven it holds the step's
+token (its answer to the task's random nonce, ``GET /slurm/proof``), and
+exits 2 saying so when none does.
 
 :mod:`elasticd.slurm.run` is the IO around those decisions (addresses,
 the token, the wait for the store, the end in order: the store host leaves

@@ -6,6 +6,8 @@ Pure: no IO, no clock; the caller hands in the environment. See
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import zlib
 from collections.abc import Mapping
@@ -33,6 +35,13 @@ STORE_ENV = frozenset(
         "ELASTICD_ALLOW_INSECURE_STORE",
     }
 )
+
+#: What a step's token is derived for (HMAC-SHA256 of the home secret), and what the store
+#: host's proof is of (HMAC-SHA256 of the step's token): two purposes, never one another's.
+STEP_TOKEN_CONTEXT = "elasticd-slurm-step:"
+PROOF_CONTEXT = "elasticd-slurm-proof:"
+#: A challenge's nonce: what a task sends and a store host answers for (URL-safe base64).
+NONCE_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -174,6 +183,8 @@ class AllocationRun:
     node_name: str
     #: The elasticd job's id, the same on every task: ``slurm-<job>.<step>``.
     job_id: str
+    #: The Slurm step, ``<job>.<step>``: what the step's token is derived for.
+    step: str
     min_nodes: int
     max_nodes: int
     #: This task's daemon hosts the store (none given, and it is the first node's).
@@ -210,6 +221,7 @@ def plan_allocation_run(
     return AllocationRun(
         node_name=task.node_name,
         job_id=f"slurm-{step}",
+        step=step,
         min_nodes=low,
         max_nodes=high,
         hosts_store=first and store_url is None,
@@ -218,6 +230,28 @@ def plan_allocation_run(
         store_url=store_url,
         submits=first,
     )
+
+
+def step_token(secret: str, step: str) -> str:
+    """The bearer token of the daemons of ``step`` (``<job>.<step>``): an HMAC-SHA256 of the
+    home's secret, so that one leaked (to a store host's impostor, a worker's environment)
+    is worth that step only, and the secret itself never leaves the home."""
+    message = (STEP_TOKEN_CONTEXT + step).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def store_proof(token: str, nonce: str) -> str:
+    """What a store host holding ``token`` answers to the challenge ``nonce``."""
+    message = (PROOF_CONTEXT + nonce).encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def proof_holds(token: str, nonce: str, proof: object) -> bool:
+    """``proof`` is the answer of a holder of ``token`` to ``nonce`` (compared in constant
+    time); anything else (another step's proof, not a string) is not."""
+    if not isinstance(proof, str) or not proof.isascii():
+        return False
+    return hmac.compare_digest(store_proof(token, nonce).encode(), proof.encode())
 
 
 @dataclass(frozen=True)

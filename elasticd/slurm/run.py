@@ -1,8 +1,10 @@
 """The IO of ``elasticd run`` inside a Slurm step (form 1; see :mod:`elasticd.slurm`).
 
 The decisions are :mod:`elasticd.slurm.allocation`'s; this module resolves
-the nodes' addresses, provides the shared token, waits for the store host,
-for the job task 0 submits, and, on the store host, for the others to leave.
+the nodes' addresses, provides the home's secret and the step's token derived
+from it, waits for the store host and checks its proof (no token goes to a
+store host that cannot prove it holds the step's), for the job task 0
+submits, and, on the store host, for the others to leave.
 """
 
 from __future__ import annotations
@@ -19,17 +21,20 @@ from typing import Any
 
 import httpx
 
+from elasticd.config import read_secret
 from elasticd.errors import ConfigError, JobNotFound, SlurmStepError, StoreError
 from elasticd.eventkinds import EventKind
+from elasticd.launcher import write_run_token
 from elasticd.models import Job
-from elasticd.slurm.allocation import AllocationRun
+from elasticd.slurm.allocation import AllocationRun, proof_holds, step_token
 
 #: How long a task waits for the store host to answer, and for task 0's job to appear.
 JOIN_WAIT = 120.0
 #: How long the store host waits, after the job's end, for the other daemons to leave
 #: (each must read the end from its store before the host stops serving it).
 LEAVE_WAIT = 30.0
-#: The shared token when no ``--token-file`` is given (the home is shared across the nodes).
+#: The home's secret, the step tokens' key, when no ``--token-file`` is given (the home
+#: is shared across the nodes).
 DEFAULT_TOKEN = Path("~/.config/elasticd/slurm-token")
 
 
@@ -43,8 +48,9 @@ def resolve(host: str) -> str:
 
 
 def shared_token(path: Path | None) -> Path:
-    """The token file every task of the step uses: ``path``, else :data:`DEFAULT_TOKEN`,
-    made (0600, a random token) by the first task that finds none; the others read it.
+    """The secret file every task of the step derives its token from (:func:`step_token_file`):
+    ``path``, else :data:`DEFAULT_TOKEN`, made (0600, a random secret) by the first task
+    that finds none; the others read it.
 
     Made under a private name and linked into place, so that of tasks racing on a
     shared home exactly one token wins and no task reads a half-written file.
@@ -72,6 +78,14 @@ def shared_token(path: Path | None) -> Path:
     return target
 
 
+def step_token_file(plan: AllocationRun, secret_file: Path, state_dir: Path) -> Path:
+    """The step's token (:func:`~elasticd.slurm.allocation.step_token` of the secret in
+    ``secret_file``, a private file), in a new 0600 file in this task's ``state_dir``: what
+    its daemon authenticates with and accepts."""
+    secret = read_secret(secret_file, "Slurm token file")
+    return write_run_token(state_dir, step_token(secret, plan.step))
+
+
 def daemon_flags(plan: AllocationRun, token_file: Path) -> dict[str, Any]:
     """The embedded daemon's configuration flags for this task (IO: name resolution)."""
     own = resolve(plan.node_name)
@@ -89,8 +103,49 @@ def daemon_flags(plan: AllocationRun, token_file: Path) -> dict[str, Any]:
     return flags
 
 
+async def verify_store_host(url: str, token: str, timeout: float = JOIN_WAIT) -> None:
+    """Until the store host's daemon answers, and then that it holds the step's ``token``.
+
+    The store host's port is predictable, so another user of its node may hold it first;
+    this task sends it nothing but a random nonce (no token) and checks the answer
+    (``/slurm/proof``). A :class:`ConfigError` saying so when the answer is not the proof,
+    a 404 or anything else: this task must not send that host the token.
+    """
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            nonce = secrets.token_urlsafe(32)
+            try:
+                answer = await client.get(url.rstrip("/") + "/slurm/proof", params={"nonce": nonce})
+            except httpx.HTTPError:
+                answer = None
+            if answer is not None:
+                if answer.status_code == 200 and proof_holds(token, nonce, _proof_in(answer)):
+                    return
+                raise ConfigError(
+                    f"the store host at {url} did not prove it holds this step's token "
+                    f"(HTTP {answer.status_code}): it is not task 0's daemon (another user's "
+                    "process may hold the port; srun --port chooses another); no token was "
+                    "sent to it"
+                )
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"the store host at {url} (task 0 of the step) did not answer within "
+                    f"{timeout:.0f} s"
+                )
+            await asyncio.sleep(0.1)
+
+
+def _proof_in(answer: httpx.Response) -> object:
+    try:
+        body = answer.json()
+    except ValueError:
+        return None
+    return body.get("proof") if isinstance(body, dict) else None
+
+
 async def wait_for_store(url: str, timeout: float = JOIN_WAIT) -> None:
-    """Until the store host's daemon answers ``/healthz`` (it starts with its task)."""
+    """Until the store given by ``--store-url`` answers ``/healthz``."""
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=2.0) as client:
         while True:

@@ -507,3 +507,159 @@ def test_the_helper_refuses_a_config_that_sets_labels_itself():
     with pytest.raises(ValueError, match="labels"):
         helper.with_labels('labels = "a=b"\n', {"c": "d"})
     assert 'labels = { "c" = "d" }' in helper.with_labels('run_as = "elasticd"\n', {"c": "d"})
+
+
+# -- the admission policy ------------------------------------------------------------
+
+
+def policy() -> dict[str, Any]:
+    return the("ValidatingAdmissionPolicy")["spec"]
+
+
+def refusals(pod: dict[str, Any], uid: str = "1000") -> list[str]:
+    """The messages of the policy's validations that ``pod`` fails in a namespace labelled
+    ``elasticd.io/uid=uid``: its CEL evaluated (variables first, in order) by a CEL library."""
+    import cel  # common-expression-language: the CEL of cel-spec, not the API server's build
+
+    context: dict[str, Any] = {
+        "object": {"apiVersion": "v1", "kind": "Pod", "spec": pod},
+        "namespaceObject": {"metadata": {"labels": {"elasticd.io/uid": uid}}},
+    }
+    variables: dict[str, Any] = {}
+    for variable in policy()["variables"]:
+        variables[variable["name"]] = cel.evaluate(
+            variable["expression"], {**context, "variables": variables}
+        )
+    return [
+        validation["message"].strip()
+        for validation in policy()["validations"]
+        if cel.evaluate(validation["expression"], {**context, "variables": variables}) is not True
+    ]
+
+
+def test_the_policy_matches_pods_and_their_ephemeral_containers():
+    """`kubectl debug` adds a container through pods/ephemeralcontainers (an UPDATE): matched,
+    as pods' creations and updates are."""
+    (rule,) = policy()["matchConstraints"]["resourceRules"]
+    assert {"pods", "pods/ephemeralcontainers"} <= set(rule["resources"])
+    assert {"CREATE", "UPDATE"} <= set(rule["operations"])
+    containers = next(v for v in policy()["variables"] if v["name"] == "containers")
+    for field in ("containers", "initContainers", "ephemeralContainers"):
+        assert f"object.spec.{field}" in containers["expression"], field
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["runAsUser", "runAsNonRoot", "allowPrivilegeEscalation", "capabilities.drop", "'ALL'"],
+)
+def test_a_validation_checks_each_field_that_keeps_a_container_its_uid(field):
+    """Each field is read by a validation over every container (the variable above)."""
+    assert any(
+        field in v["expression"] and "variables.containers.all(" in v["expression"]
+        for v in policy()["validations"]
+    ), field
+
+
+def test_the_example_jobs_containers_can_gain_no_privilege():
+    """No privilege escalation, every capability dropped, non-root: what the policy demands."""
+    pod = job_pod()
+    for c in pod["containers"] + pod.get("initContainers", []):
+        security = c["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False, c["name"]
+        assert "ALL" in security["capabilities"]["drop"] and "add" not in security["capabilities"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_the_policy_admits_the_example_jobs_pod():
+    """Every validation holds of the example Job's pod, in its namespace."""
+    namespace = the("Namespace", the("Job")["metadata"]["namespace"])
+    assert refusals(job_pod(), namespace["metadata"]["labels"]["elasticd.io/uid"]) == []
+
+
+def _attack(change: Any) -> dict[str, Any]:
+    pod = copy.deepcopy(job_pod())
+    change(pod, pod["containers"][0])
+    return pod
+
+
+def _debug_container(security: dict[str, Any] | None) -> Any:
+    """An ephemeral container (`kubectl debug`) with ``security`` as its securityContext."""
+
+    def change(pod: dict[str, Any], _: dict[str, Any]) -> None:
+        debug = {"name": "debugger", "image": "busybox", "command": ["sh"]}
+        if security is not None:
+            debug["securityContext"] = security
+        pod["ephemeralContainers"] = [debug]
+
+    return change
+
+
+_LOCKED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"),
+    [
+        pytest.param(
+            lambda pod, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+            "allowPrivilegeEscalation",
+            id="setuid-capable: allowPrivilegeEscalation unset",
+        ),
+        pytest.param(
+            lambda pod, c: c["securityContext"].update(allowPrivilegeEscalation=True),
+            "allowPrivilegeEscalation",
+            id="allowPrivilegeEscalation true",
+        ),
+        pytest.param(
+            lambda pod, c: c["securityContext"].pop("capabilities"),
+            "capabilities",
+            id="capabilities kept",
+        ),
+        pytest.param(
+            lambda pod, c: c["securityContext"]["capabilities"].update(add=["SETUID"]),
+            "capabilities",
+            id="ALL dropped, SETUID added",
+        ),
+        pytest.param(
+            lambda pod, c: c["securityContext"].update(runAsUser=0, runAsNonRoot=False),
+            "elasticd.io/uid",
+            id="a container as root",
+        ),
+        pytest.param(
+            lambda pod, c: pod["securityContext"].pop("runAsNonRoot"),
+            "runAsNonRoot",
+            id="runAsNonRoot unset",
+        ),
+        pytest.param(
+            lambda pod, c: pod["securityContext"].update(runAsUser=1001),
+            "elasticd.io/uid",
+            id="another uid",
+        ),
+        pytest.param(
+            _debug_container({**_LOCKED, "runAsUser": 0}),
+            "elasticd.io/uid",
+            id="ephemeral container as root",
+        ),
+        pytest.param(
+            _debug_container(None),
+            "allowPrivilegeEscalation",
+            id="ephemeral container with no securityContext",
+        ),
+        pytest.param(
+            lambda pod, c: pod.setdefault("initContainers", []).append(
+                {"name": "setup", "image": "busybox", "securityContext": {"runAsUser": 1000}}
+            ),
+            "allowPrivilegeEscalation",
+            id="init container that may escalate",
+        ),
+    ],
+)
+def test_the_policy_refuses_a_pod_that_could_reach_the_socket_as_another_user(change, refused):
+    """Each attack on the example pod is refused, by the validation that names its field."""
+    found = refusals(_attack(change))
+    assert any(refused in message for message in found), found
+
+
+def test_a_locked_ephemeral_container_as_the_namespaces_uid_is_admitted():
+    """`kubectl debug` stays possible: an ephemeral container as locked down as the pod's."""
+    assert refusals(_attack(_debug_container({**_LOCKED, "runAsNonRoot": True}))) == []

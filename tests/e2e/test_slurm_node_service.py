@@ -74,6 +74,9 @@ class NodeService:
         first, node = self.slurm.nodes["n1"], self.slurm.nodes[name]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "SLURM_"))}
         env.update(ELASTICD_LEASE_TTL="2", ELASTICD_ALLOW_ROOT="true", PYTHONPATH=str(ROOT))
+        # Jobs as root, as the test's workers need, whether or not this machine has an
+        # `elasticd` user just now (another test may make one for a while).
+        env["ELASTICD_RUN_AS"] = "root"
         # The workers' `python` is this checkout's, as an installed elasticd's would be.
         env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
         # slurm_drain: a quarantine drains the node in Slurm (scontrol, with the cluster's conf).

@@ -32,7 +32,10 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = 40
-PUBLIC = {"/healthz", "/ui"}
+#: Answered without a token by design: liveness, the page (its API calls carry the token), and
+#: a Slurm step's store host proving it holds the step's token (an HMAC of the caller's nonce;
+#: 404 on any other daemon), asked before a task sends it anything (issue 38).
+PUBLIC = {"/healthz", "/ui", "/slurm/proof"}
 #: Operations not fuzzed: ``POST /reload`` re-executes the daemon (its answers are tested on
 #: real daemons in tests/hardening/test_reexec.py, its authorization in tests/unit/test_identity.py).
 NOT_FUZZED = {"/reload"}

@@ -329,7 +329,7 @@ class Daemon(ReexecMixin):
             if self._reexecing:
                 return "re-executing (elasticd reload): back in a moment"
             if self._reload.is_set() or self._reload_checking:
-                return "re-executing soon (elasticd reload): checking the new program first"
+                return "reload asked (elasticd reload): checking the new program, then re-executing"
             if adopting := self.jobs.adopting:
                 return f"re-adopting the workers of {adopting} job(s) after a re-exec"
             if not self.jobs.accepting:

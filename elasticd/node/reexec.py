@@ -671,6 +671,7 @@ class ReexecMixin:
         if not self.can_reexec:
             self._refuse_reexec("only a daemon started by `elasticd serve` re-executes itself")
             return
+        log.info("reload asked: checking the new program before re-executing")
         new, reason = await preflight(self._environ)
         if new is None:
             self._refuse_reexec(reason or "the new program's check failed")

@@ -154,7 +154,7 @@ async def test_workers_keep_their_pids_through_one_and_five_reexecs(tmp_path: Pa
         # and re-adopts). Whether a poll lands in those windows at all is the machine's to
         # decide (a fast one may re-exec between two polls): none seen in six passes too;
         # the tests that hold the re-exec (waiting_to_reexec) see "re-executing" every time.
-        own = ("re-executing", "re-adopting", "starting")
+        own = ("reload asked", "re-executing", "re-adopting", "starting")
         assert all(r.startswith(own) for r in reasons), reasons
         job = (await c.get("/jobs/up")).json()
         assert job["state"] == "RUNNING"

@@ -81,6 +81,8 @@ async def test_readyz_is_not_ready_from_a_reload_request_until_the_new_image(
     async with running(tmp_path, env=ENV, timeout=120) as (daemon, c):
         before = await health(c)
         daemon.proc.send_signal(signal.SIGHUP)
+        # From when the daemon took the request (a poll sent with the signal may come first).
+        await eventually(lambda: lines(daemon, "reload asked: checking") > 0, 60, "the request")
         said: list[tuple[int, str]] = []
         deadline = time.monotonic() + 90
         while True:

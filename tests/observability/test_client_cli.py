@@ -356,6 +356,9 @@ async def test_cli_status_says_what_applies_now_and_never_none(live, tmp_path, c
     assert "running again after 1 restart(s)" in out
     assert "rank 1 (node node-a, local rank 1, attempt 0): worker exited with code 3" in out
     assert "last recovery" in out and "rendezvous " in out
+    async with asyncio.timeout(30):  # the restarted workers' three steps, seen, then the cancel
+        while "steps: max 3," not in (await run_cli(capsys, "goodput", "again"))[1]:
+            await asyncio.sleep(0.1)
     rc, _, _ = await run_cli(capsys, "cancel", "again")
     with Client(url_of(live), token=live.token) as c:
         await asyncio.to_thread(c.wait, "again", timeout=30)

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "elasticd.launch_worker",
         "elasticd.node.daemon",
         "elasticd.slurm.hooks",
+        "elasticd.slurm.run",  # the IO of `elasticd run` in a Slurm step (it writes the run token)
     ),
     # The node's services: jobs, the cluster, the scheduler's loop, events, health checks.
     ("elasticd.node",),

@@ -18,6 +18,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,17 +140,23 @@ def task_codes(output: str) -> dict[str, str]:
     return last
 
 
-def test_a_crash_restarts_the_group_and_every_task_exits_0(slurm, tmp_path):
-    """One rank's crash restarts the whole group on all 3 nodes once; the job succeeds and
-    srun (so every task) exits 0."""
-    proc = srun(slurm, tmp_path, crash=True, sleep=2)
+def srun_to_end(
+    slurm: SlurmCluster, tmp_path: Path, **how: Any
+) -> tuple[int, str, list[dict[str, int | str]]]:
+    """:func:`srun` until it ends (killed past 120 s): its exit code, output and the notes."""
+    proc = srun(slurm, tmp_path, **how)
     try:
         code = proc.wait(120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    output = (tmp_path / "srun.out").read_text()
-    seen = notes(tmp_path)
+    return code, (tmp_path / "srun.out").read_text(), notes(tmp_path)
+
+
+def test_a_crash_restarts_the_group_and_every_task_exits_0(slurm, tmp_path):
+    """One rank's crash restarts the whole group on all 3 nodes once; the job succeeds and
+    srun (so every task) exits 0."""
+    code, output, seen = srun_to_end(slurm, tmp_path, crash=True, sleep=2)
     assert code == 0, f"{output}\n{slurm.logs()}"
     first = [n for n in seen if n["restart"] == 0]
     second = [n for n in seen if n["restart"] == 1]
@@ -299,14 +306,7 @@ def test_g_a_node_beyond_max_is_a_spare(tmp_path):
     slurm = SlurmCluster(tmp_path / "slurm", size=4)
     slurm.start()
     try:
-        proc = srun(slurm, tmp_path, sleep=2, nodes=4)
-        try:
-            code = proc.wait(120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        output = (tmp_path / "srun.out").read_text()
-        seen = notes(tmp_path)
+        code, output, seen = srun_to_end(slurm, tmp_path, sleep=2, nodes=4)
         assert code == 0, output
         assert len({n["node"] for n in seen}) == 3, seen
         assert sorted(n["rank"] for n in seen) == list(range(6)), seen

@@ -833,6 +833,19 @@ async def test_a_crash_of_the_held_job_while_the_reexec_waits_is_charged_once(
         assert (job["state"], job["restart_count"]) == ("RUNNING", 2), (job, told(said))
 
 
+async def runs_again(
+    daemon: Served, c: httpx.AsyncClient, before: dict[str, Any], old: list[int], tmp_path: Path
+) -> list[dict[str, Any]]:
+    """Once the new image is up and ``go`` lets the held job on: "runs" runs again in new
+    processes, one per rank; its events."""
+    await new_image(daemon, c, before)
+    (tmp_path / "go").touch()
+    pids = await healthy_pids(c, "runs", 2, timeout=60)
+    assert not set(pids) & set(old)
+    await once_each(daemon.port, "runs", 2, pids)
+    return await events(c, "runs")
+
+
 async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_once(
     tmp_path: Path,
 ) -> None:
@@ -844,12 +857,7 @@ async def test_a_crash_still_being_handled_when_the_wait_runs_out_is_charged_onc
         old, before, crashed = await crash_while_waiting(
             tmp_path, daemon, c, "stubborn", termination_grace=15
         )
-        await new_image(daemon, c, before)
-        (tmp_path / "go").touch()
-        pids = await healthy_pids(c, "runs", 2, timeout=60)
-        assert not set(pids) & set(old)
-        await once_each(daemon.port, "runs", 2, pids)
-        said = await events(c, "runs")
+        said = await runs_again(daemon, c, before, old, tmp_path)
         assert exits_of(said)[0] == (crashed, 3, None), said
         assert [e[1] for e in exits_of(said)].count(3) == 1, said
         job = (await c.get("/jobs/runs")).json()
@@ -884,12 +892,7 @@ async def test_a_crash_after_the_wait_ran_out_and_before_the_exec_is_charged_onc
         )
         armed.touch()  # while the old image lingers: after the wait, before the hand-over
         await kind_seen(c, "runs", "worker.exited", 6)
-        await new_image(daemon, c, before)
-        (tmp_path / "go").touch()
-        pids = await healthy_pids(c, "runs", 2, timeout=60)
-        assert not set(pids) & set(old)
-        await once_each(daemon.port, "runs", 2, pids)
-        said = await events(c, "runs")
+        said = await runs_again(daemon, c, before, old, tmp_path)
         (reexec,) = [e for e in said if e["kind"] == "daemon.reexec"]
         assert "not carried over" in reexec["message"], told(said)
         assert [e[1] for e in exits_of(said)].count(3) == 1, told(said)

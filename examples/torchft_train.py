@@ -27,7 +27,7 @@ What the loop must do to survive a fault (each point is a way we saw it die):
   only its client;
 - ``elasticd.worker.ping(step=...)``: progress for elasticd's hang detection and goodput.
 
-Each committed step prints one JSON line on stdout, ``{"group", "step", "quorum",
+Each committed step prints one JSON line on stdout, ``{"t", "group", "step", "quorum",
 "participants", "weights"}`` (``weights``: a checksum of the parameters; equal across
 groups when they agree), which the tests read.
 """
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.ping(step=step)
             weights = float(sum(p.detach().double().sum() for p in model.parameters()))
             line = {
+                "t": time.time(),
                 "group": group,
                 "step": step,
                 "quorum": manager._quorum_id,  # noqa: SLF001 (no public accessor in 0.2.0)

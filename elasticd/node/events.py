@@ -83,7 +83,7 @@ from pydantic import ValidationError
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
-from elasticd.keys import event_key, event_prefix
+from elasticd.keys import EVENTS, event_key, event_prefix
 from elasticd.models import Event, EventSource, tagged_for
 from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
@@ -394,6 +394,15 @@ def trim_jobs(
 UNPUBLISH_CHUNK = 64
 #: Jobs whose parsed events a node keeps for its next merged read (:class:`ParsedEvents`).
 PARSED_JOBS = 16
+
+
+@dataclass(frozen=True)
+class MergedSource:
+    """One job whose events a merged read takes (:meth:`EventLog.merged_events`)."""
+
+    job_id: str
+    tag: str | None = None
+    replica_group: int | None = None
 
 
 class _Merged(NamedTuple):
@@ -927,6 +936,57 @@ class EventLog:
             else:
                 break  # the page is full
         return _Merged(events, listing.revision, others)
+
+    async def merged_events(
+        self, sources: Sequence[MergedSource], after: int = 0, limit: int | None = None
+    ) -> tuple[list[Event], int]:
+        """Every node's events of several jobs (a job of replica groups and its groups)
+        after ``after``, merged in ``seq`` order (the first ``limit``, never splitting one
+        ``seq``: two jobs' events created at one revision may share it), and the lowest
+        revision read (a watch from it misses nothing). Each source's events carry its
+        ``replica_group``."""
+        events: list[Event] = []
+        revision: int | None = None
+        #: The highest seq up to which every source's events were all read: a source cut
+        #: at ``limit`` may have more past its last one.
+        bound: int | None = None
+        for source in sources:
+            merged = await self._cluster_events(source.job_id, after, source.tag, limit)
+            revision = merged.revision if revision is None else min(revision, merged.revision)
+            if limit is not None and len(merged.events) >= limit:
+                last = merged.events[-1].seq
+                bound = last if bound is None else min(bound, last)
+            group = source.replica_group
+            events.extend(
+                e if group is None else e.model_copy(update={"replica_group": group})
+                for e in merged.events
+            )
+        if len(sources) > 1:
+            events.sort(key=lambda e: e.seq)  # stable: ties keep the sources' order
+        if bound is not None:
+            events = [e for e in events if e.seq <= bound]
+        if limit is not None and len(events) > limit:
+            cut = limit
+            while 0 < cut < len(events) and events[cut].seq == events[cut - 1].seq:
+                cut -= 1
+            events = events[: cut or limit]
+        return events, revision or 0
+
+    async def follow_merged(
+        self, sources: Sequence[MergedSource], prefix: str, after: int, timeout: float
+    ) -> list[Event]:
+        """:meth:`merged_events` after ``after``, waiting up to ``timeout`` for the first
+        one; woken by any change under ``ev/<prefix>`` (the parent's id: its groups' ids
+        start with it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            events, revision = await self.merged_events(sources, after)
+            remaining = deadline - loop.time()
+            if events or remaining <= 0 or self._store is None:
+                return events
+            with contextlib.suppress(StoreCompacted):
+                await self._store.watch(EVENTS + prefix, revision, remaining, prefix=True)
 
     async def follow_cluster(
         self,

@@ -173,6 +173,16 @@ class JobDocuments:
     async def all(self) -> list[Job]:
         return parse_jobs((await list_in_parts(self.store, JOB_PREFIX)).entries)
 
+    async def children(self, parent: Job) -> dict[str, Job]:
+        """The documents at the ids of ``parent``'s replica groups, by id (one listing);
+        whether each is the parent's own is :func:`~elasticd.node.jobs.groups.belongs`'."""
+        groups = parent.spec.replica_groups or 0
+        ids = {f"{parent.id}.g{k}" for k in range(groups)}
+        if not ids:
+            return {}
+        listing = await list_in_parts(self.store, job_key(parent.id) + ".g")
+        return {j.id: j for j in parse_jobs(listing.entries) if j.id in ids}
+
     async def sweep(self, job_id: str) -> int:
         """What earlier jobs of this id left (:func:`~elasticd.agent.jobdoc.sweep_leftovers`)."""
         return await sweep_leftovers(self.store, job_id)

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from elasticd.identity import ADMIN
+from elasticd.replicas import MAX_REPLICA_GROUPS, child_problem, majority, spec_problem
 from elasticd.sched.plan import (
     MAX_NODES,
     MAX_SELECTOR_ITEMS,
@@ -38,11 +39,6 @@ MAX_ARGS = 4096
 MAX_ENV = 1024
 MAX_STRING = 65536
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-#: The longest job id (:data:`JOB_ID_PATTERN`): a replica group's id is its parent's plus
-#: ``.g<k>`` (:func:`elasticd.node.jobs.groups.child_id`), so a parent's leaves room for it.
-MAX_JOB_ID = 128
-#: Most replica groups one job may have (each is a child job with its own document).
-MAX_REPLICA_GROUPS = 256
 #: An :func:`incarnation_tag`: which job of its id a record is about.
 JOB_TAG_PATTERN = r"^[0-9a-f]{32}$"
 #: Node names: a host name's characters; they name store keys and are shown in paths.
@@ -426,24 +422,10 @@ class JobSpec(BaseModel):
 
     @model_validator(mode="after")
     def _replicas(self) -> JobSpec:
-        groups = self.replica_groups
-        if groups is None:
-            if self.min_replicas is not None:
-                raise ValueError("min_replicas goes with replica_groups")
-            return self
-        if self.min_replicas is None:
-            self.min_replicas = groups // 2 + 1
-        if self.min_replicas > groups:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) must not exceed replica_groups ({groups})"
-            )
-        suffix = len(f".g{groups - 1}")
-        if self.id is not None and len(self.id) + suffix > MAX_JOB_ID:
-            raise ValueError(
-                f"a job of {groups} replica groups has an id of at most "
-                f"{MAX_JOB_ID - suffix} characters (its groups are '<id>.g<k>'), "
-                f"not {len(self.id)}"
-            )
+        if (problem := spec_problem(self.id, self.replica_groups, self.min_replicas)) is not None:
+            raise ValueError(problem)
+        if self.replica_groups is not None and self.min_replicas is None:
+            self.min_replicas = majority(self.replica_groups)
         return self
 
     def without_id(self) -> dict[str, Any]:
@@ -697,10 +679,7 @@ class Launcher(StrEnum):
 
     ELASTICD = "elasticd"  # the daemons' agents: scheduled, run, cancelled and resumed by them
     TORCHRUN = "torchrun"  # torch's agents (``torchrun --rdzv-backend=elasticd``): shown only
-    #: A job of ``replica_groups``: its groups (child jobs) run the workers; the daemons
-    #: derive its state from theirs (:mod:`elasticd.node.jobs.groups`) and schedule,
-    #: run and resume only the children.
-    GROUPS = "groups"
+    GROUPS = "groups"  # a job of replica_groups: its groups (child jobs) run it; derived
 
 
 class ReplicaGroupView(BaseModel):
@@ -779,21 +758,13 @@ class Job(BaseModel):
         ),
     )
     replica_group: int | None = Field(
-        default=None,
-        ge=0,
-        lt=MAX_REPLICA_GROUPS,
-        description="A replica group (child job) of `group_of`: its REPLICA_GROUP_ID.",
+        default=None, ge=0, description="A replica group of `group_of`: its REPLICA_GROUP_ID."
     )
     group_of: str | None = Field(
-        default=None,
-        pattern=JOB_ID_PATTERN,
-        description="The job of `replica_groups` this one is a group of (None: no parent).",
+        default=None, pattern=JOB_ID_PATTERN, description="The job of replica_groups it is of."
     )
     num_replica_groups: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_REPLICA_GROUPS,
-        description="A group's parent's `replica_groups` (its NUM_REPLICA_GROUPS).",
+        default=None, ge=1, le=MAX_REPLICA_GROUPS, description="Its NUM_REPLICA_GROUPS."
     )
     groups: list[ReplicaGroupView] | None = Field(
         default=None,
@@ -805,18 +776,10 @@ class Job(BaseModel):
     def _ids_agree(self) -> Job:
         if self.spec.id is not None and self.spec.id != self.id:
             raise ValueError(f"the job's id {self.id!r} differs from its spec's {self.spec.id!r}")
-        child = (self.replica_group, self.group_of, self.num_replica_groups)
-        if any(v is not None for v in child):
-            if None in child:
-                raise ValueError("replica_group, group_of and num_replica_groups go together")
-            assert self.replica_group is not None
-            assert self.num_replica_groups is not None
-            if self.replica_group >= self.num_replica_groups:
-                raise ValueError("replica_group must be below num_replica_groups")
-            if self.id != f"{self.group_of}.g{self.replica_group}":
-                raise ValueError(f"a replica group's id is '<group_of>.g<k>', not {self.id!r}")
-            if self.spec.replica_groups is not None:
-                raise ValueError("a replica group has no replica_groups of its own")
+        nested = self.spec.replica_groups is not None
+        group, of, count = self.replica_group, self.group_of, self.num_replica_groups
+        if (problem := child_problem(self.id, group, of, count, nested)) is not None:
+            raise ValueError(problem)
         return self
 
     @property

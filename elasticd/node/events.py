@@ -396,15 +396,6 @@ UNPUBLISH_CHUNK = 64
 PARSED_JOBS = 16
 
 
-@dataclass(frozen=True)
-class MergedSource:
-    """One job whose events a merged read takes (:meth:`EventLog.merged_events`)."""
-
-    job_id: str
-    tag: str | None = None
-    replica_group: int | None = None
-
-
 class _Merged(NamedTuple):
     """A merged read: the events shown, the store's revision it read at, and whether
     events of another job of the id were left out."""
@@ -937,56 +928,21 @@ class EventLog:
                 break  # the page is full
         return _Merged(events, listing.revision, others)
 
-    async def merged_events(
-        self, sources: Sequence[MergedSource], after: int = 0, limit: int | None = None
+    async def cluster_page(
+        self, job_id: str, after: int, tag: str | None, limit: int | None
     ) -> tuple[list[Event], int]:
-        """Every node's events of several jobs (a job of replica groups and its groups)
-        after ``after``, merged in ``seq`` order (the first ``limit``, never splitting one
-        ``seq``: two jobs' events created at one revision may share it), and the lowest
-        revision read (a watch from it misses nothing). Each source's events carry its
-        ``replica_group``."""
-        events: list[Event] = []
-        revision: int | None = None
-        #: The highest seq up to which every source's events were all read: a source cut
-        #: at ``limit`` may have more past its last one.
-        bound: int | None = None
-        for source in sources:
-            merged = await self._cluster_events(source.job_id, after, source.tag, limit)
-            revision = merged.revision if revision is None else min(revision, merged.revision)
-            if limit is not None and len(merged.events) >= limit:
-                last = merged.events[-1].seq
-                bound = last if bound is None else min(bound, last)
-            group = source.replica_group
-            events.extend(
-                e if group is None else e.model_copy(update={"replica_group": group})
-                for e in merged.events
-            )
-        if len(sources) > 1:
-            events.sort(key=lambda e: e.seq)  # stable: ties keep the sources' order
-        if bound is not None:
-            events = [e for e in events if e.seq <= bound]
-        if limit is not None and len(events) > limit:
-            cut = limit
-            while 0 < cut < len(events) and events[cut].seq == events[cut - 1].seq:
-                cut -= 1
-            events = events[: cut or limit]
-        return events, revision or 0
+        """:meth:`cluster_events`, and the store revision it read at (0: no store)."""
+        merged = await self._cluster_events(job_id, after, tag, limit)
+        return merged.events, merged.revision
 
-    async def follow_merged(
-        self, sources: Sequence[MergedSource], prefix: str, after: int, timeout: float
-    ) -> list[Event]:
-        """:meth:`merged_events` after ``after``, waiting up to ``timeout`` for the first
-        one; woken by any change under ``ev/<prefix>`` (the parent's id: its groups' ids
-        start with it)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            events, revision = await self.merged_events(sources, after)
-            remaining = deadline - loop.time()
-            if events or remaining <= 0 or self._store is None:
-                return events
-            with contextlib.suppress(StoreCompacted):
-                await self._store.watch(EVENTS + prefix, revision, remaining, prefix=True)
+    async def wait_for_events(self, prefix: str, revision: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a change under ``ev/<prefix>`` after ``revision``
+        (any job whose id starts with ``prefix``); False at once without a store."""
+        if self._store is None:
+            return False
+        with contextlib.suppress(StoreCompacted):
+            await self._store.watch(EVENTS + prefix, revision, timeout, prefix=True)
+        return True
 
     async def follow_cluster(
         self,

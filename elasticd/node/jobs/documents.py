@@ -28,6 +28,7 @@ from elasticd.models import Job, JobEdit, JobMutation, JobOwner, incarnation, in
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
 from elasticd.node.events import EventLog
 from elasticd.rendezvous import presence_prefix
+from elasticd.replicas import child_id
 from elasticd.states import JobState, job_transition
 from elasticd.store import Store
 from elasticd.store.parts import list_in_parts
@@ -177,7 +178,7 @@ class JobDocuments:
         """The documents at the ids of ``parent``'s replica groups, by id (one listing);
         whether each is the parent's own is :func:`~elasticd.node.jobs.groups.belongs`'."""
         groups = parent.spec.replica_groups or 0
-        ids = {f"{parent.id}.g{k}" for k in range(groups)}
+        ids = {child_id(parent.id, k) for k in range(groups)}
         if not ids:
             return {}
         listing = await list_in_parts(self.store, job_key(parent.id) + ".g")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from elasticd.errors import ElasticdError
 from elasticd.models import Job, JobEdit, Launcher, ReplicaGroupView, RootCause
+from elasticd.replicas import child_id, majority
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState
 from elasticd.tasks import TaskSet
@@ -59,11 +60,6 @@ __all__ = [
 
 #: Most derived-state writes one pass makes (PENDING -> RUNNING -> SUCCEEDED at most).
 MAX_STEPS = 3
-
-
-def child_id(parent_id: str, group: int) -> str:
-    """The id of the ``group``-th replica group of ``parent_id`` (pure)."""
-    return f"{parent_id}.g{group}"
 
 
 def parent_of_spec(job: Job) -> Job:
@@ -132,7 +128,7 @@ def derive_parent(parent: Job, children: Mapping[int, Job]) -> JobEdit:
     spec = parent.spec
     if parent.state.is_terminal or spec.replica_groups is None:
         return {}
-    total, least = spec.replica_groups, spec.min_replicas or spec.replica_groups // 2 + 1
+    total, least = spec.replica_groups, spec.min_replicas or majority(spec.replica_groups)
     states = [children[k].state if k in children else JobState.PENDING for k in range(total)]
     lost = sorted(
         (children[k] for k in range(total) if states[k] in (JobState.FAILED, JobState.CANCELLED)),

@@ -37,9 +37,9 @@ from elasticd.models import (
     valid_job_id,
 )
 from elasticd.node.cluster import valid_node_url
-from elasticd.node.events import MergedSource
 from elasticd.node.jobs.documents import JobsSide, parse_job, same_job
 from elasticd.node.jobs.groups import belongs, group_views
+from elasticd.node.jobs.merged import EventSource, follow_merged, merged_events
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -90,13 +90,13 @@ class JobQueries:
         mine = [c for c in children.values() if belongs(c, parent)]
         return sorted(mine, key=lambda c: c.replica_group or 0)
 
-    async def _sources(self, job: Job) -> list[MergedSource]:
+    async def _sources(self, job: Job) -> list[EventSource]:
         """Whose events a read of ``job``'s takes: its own, and its groups' (a parent)."""
-        own = MergedSource(job.id, incarnation_tag(job), job.replica_group)
+        own = EventSource(job.id, incarnation_tag(job), job.replica_group)
         if not job.is_parent:
             return [own]
         groups = await self._groups_of(job)
-        return [own] + [MergedSource(c.id, incarnation_tag(c), c.replica_group) for c in groups]
+        return [own] + [EventSource(c.id, incarnation_tag(c), c.replica_group) for c in groups]
 
     async def _of(self, job_id: str, seen: Job | None) -> Job:
         """The job to answer about: ``seen``, the job its caller was authorized for (read by
@@ -246,7 +246,7 @@ class JobQueries:
         job's: an event of an earlier job of the id that reached the store late is left
         out (:func:`~elasticd.node.events.of_job`)."""
         job = await self._of(job_id, seen)
-        events, _ = await self.side.events.merged_events(await self._sources(job), after, limit)
+        events, _ = await merged_events(self.side.events, await self._sources(job), after, limit)
         await self._still(seen)
         return events
 
@@ -260,7 +260,7 @@ class JobQueries:
         job = await self._of(job_id, seen)
         if job.is_parent or job.replica_group is not None:
             sources = await self._sources(job)
-            events = await self.side.events.follow_merged(sources, job_id, after, timeout)
+            events = await follow_merged(self.side.events, sources, job_id, after, timeout)
             await self._still(seen)
             return events
         events = await self.side.events.follow_cluster(

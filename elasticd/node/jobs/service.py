@@ -650,12 +650,14 @@ class JobService:
         its parent's to do (a group whose parent is gone may go)."""
         if job.group_of is None:
             return
-        with contextlib.suppress(JobNotFound, JobConflict):
+        try:
             parent = await self.documents.read(job.group_of)
-            if belongs(job, parent):
-                raise JobConflict(
-                    f"job {job.id!r} is part of job {parent.id!r}; {action} {parent.id!r}"
-                ) from None
+        except (JobNotFound, JobConflict):  # gone, or another (refused) document of its id
+            return
+        if belongs(job, parent):
+            raise JobConflict(
+                f"job {job.id!r} is part of job {parent.id!r}; {action} {parent.id!r}"
+            )
 
     async def _delete_groups(self, parent: Job) -> None:
         """Delete the ended groups of ``parent``; ``JobConflict`` if one still runs."""

@@ -1,0 +1,161 @@
+"""Replica groups (torchft) on a real daemon: each group is its own gang, a failure
+restarts its group only, and the job's state follows ``min_replicas``.
+
+Tiny non-torch workers: each writes its pid and its torchft variables to a file
+named after its group and restart, then waits (or fails, as told by a file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import PY, script
+
+#: A worker of a group: says who it is, then sleeps until stopped; it exits 7 at once
+#: while ``<dir>/fail.<group>`` exists.
+WORKER = """
+import json, os, sys, time
+out = sys.argv[1]
+group = os.environ["REPLICA_GROUP_ID"]
+restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
+names = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE", "ELASTICD_JOB_ID",
+         "MASTER_PORT", "WORLD_SIZE", "RANK")
+info = {n: os.environ.get(n) for n in names} | {"pid": os.getpid()}
+with open(os.path.join(out, f"w.{group}.{restart}.tmp"), "w") as fh:
+    json.dump(info, fh)
+os.rename(os.path.join(out, f"w.{group}.{restart}.tmp"), os.path.join(out, f"w.{group}.{restart}"))
+if os.path.exists(os.path.join(out, f"fail.{group}")):
+    sys.exit(7)
+while True:
+    time.sleep(0.2)
+"""
+
+
+async def until(what: str, check: Any, timeout: float = 30.0, every: float = 0.05) -> Any:
+    """Poll ``check()`` (async) under a deadline until it returns something true."""
+    async with asyncio.timeout(timeout):
+        while True:
+            got = await check()
+            if got:
+                return got
+            await asyncio.sleep(every)
+    raise AssertionError(what)  # pragma: no cover
+
+
+def started(out: Path, group: int, restart: int) -> dict[str, Any] | None:
+    path = out / f"w.{group}.{restart}"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+async def job_in(client: httpx.AsyncClient, job_id: str, *states: str) -> dict[str, Any] | None:
+    job = (await client.get(f"/jobs/{job_id}")).json()
+    return job if job["state"] in states else None
+
+
+def spec(path: str, out: Path, job_id: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "id": job_id,
+        "entrypoint": PY,
+        "args": [path, str(out)],
+        "replica_groups": 3,
+        "termination_grace": 2,
+        **extra,
+    }
+
+
+async def test_a_killed_groups_worker_restarts_only_its_group(client, daemon, tmp_path):
+    """3 groups of 1 worker: kill -9 one group's worker, and only that child restarts
+    (its restart_count 1); the other two keep their pids, the parent stays RUNNING, and
+    the workers route shows all 3 groups, each worker naming its group."""
+    lighthouses: list[str] = []
+
+    async def lighthouse(parent: str) -> str:
+        lighthouses.append(parent)
+        return f"http://127.0.0.1:29510/{parent}"
+
+    daemon.jobs.use_lighthouse(lighthouse)
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    r = await client.post("/jobs", json=spec(path, out, "ft"))
+    assert r.status_code == 201, r.text
+    assert r.json()["launcher"] == "groups"
+    first = [await until(f"group {k} starts", lambda k=k: _started(out, k, 0)) for k in range(3)]
+    await until("the parent runs", lambda: job_in(client, "ft", "RUNNING"))
+    for k, info in enumerate(first):
+        assert info["REPLICA_GROUP_ID"] == str(k)
+        assert info["NUM_REPLICA_GROUPS"] == "3"
+        assert info["ELASTICD_JOB_ID"] == f"ft.g{k}"
+        assert info["TORCHFT_LIGHTHOUSE"] == "http://127.0.0.1:29510/ft"
+        assert (info["WORLD_SIZE"], info["RANK"]) == ("1", "0")  # each group its own gang
+    assert len({info["MASTER_PORT"] for info in first}) == 3
+    assert set(lighthouses) == {"ft"}
+
+    os.kill(first[1]["pid"], signal.SIGKILL)
+    again = await until("group 1 restarts", lambda: _started(out, 1, 1))
+    child = await until("group 1 runs again", lambda: job_in(client, "ft.g1", "RUNNING"))
+    assert child["restart_count"] == 1 and child["replica_group"] == 1
+    assert again["pid"] != first[1]["pid"]
+    for k in (0, 2):
+        assert not (out / f"w.{k}.1").exists()  # never restarted
+        os.kill(first[k]["pid"], 0)  # the same process still runs
+        assert (await client.get(f"/jobs/ft.g{k}")).json()["restart_count"] == 0
+    parent = (await client.get("/jobs/ft")).json()
+    assert parent["state"] == "RUNNING"
+    assert [(g["group"], g["job"], g["state"]) for g in parent["groups"]] == [
+        (k, f"ft.g{k}", "RUNNING") for k in range(3)
+    ]
+    assert [g["restart_count"] for g in parent["groups"]] == [0, 1, 0]
+
+    async def three_running() -> dict[str, Any] | None:
+        view = (await client.get("/jobs/ft/workers")).json()
+        running = [g for g in view["groups"] if g["state"] == "HEALTHY"]
+        return view if len(running) == 3 else None
+
+    view = await until("all 3 groups shown running", three_running)
+    assert sorted(g["replica_group"] for g in view["groups"]) == [0, 1, 2]
+    pids = {w["replica_group"]: w["pid"] for g in view["groups"] for w in g["workers"]}
+    assert pids == {0: first[0]["pid"], 1: again["pid"], 2: first[2]["pid"]}
+
+    events = (await client.get("/jobs/ft/events")).json()  # the groups' events, merged
+    seqs = [e["seq"] for e in events]
+    assert seqs == sorted(seqs)
+    restarts = [e for e in events if e["kind"] == "group.restarting"]
+    assert [(e["job_id"], e["replica_group"]) for e in restarts] == [("ft.g1", 1)]
+    assert {e["replica_group"] for e in events if e["job_id"] == "ft.g2"} == {2}
+
+    refused = await client.post("/jobs/ft.g1/cancel", json={})
+    assert refused.status_code == 409 and "cancel 'ft'" in refused.json()["detail"]
+    r = await client.post("/jobs/ft/cancel", json={})
+    assert r.status_code == 200
+    for k in range(3):
+        await until(f"group {k} cancelled", lambda k=k: job_in(client, f"ft.g{k}", "CANCELLED"))
+    await until(
+        "no worker left", lambda: _all_gone([first[0]["pid"], again["pid"], first[2]["pid"]])
+    )
+    assert (await client.get("/jobs/ft")).json()["state"] == "CANCELLED"
+    assert (await client.delete("/jobs/ft.g0")).status_code == 409
+    assert (await client.delete("/jobs/ft")).status_code == 204
+    for k in range(3):
+        assert (await client.get(f"/jobs/ft.g{k}")).status_code == 404
+
+
+async def _started(out: Path, group: int, restart: int) -> dict[str, Any] | None:
+    return started(out, group, restart)
+
+
+async def _all_gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True

@@ -159,3 +159,58 @@ async def _all_gone(pids: list[int]) -> bool:
             continue
         return False
     return True
+
+
+async def test_min_replicas_keeps_the_job_running_until_too_few_groups_can(client, tmp_path):
+    """A group whose budget is spent leaves the job RUNNING while min_replicas groups
+    still run; once fewer can, the job FAILS naming the groups, and the last one is
+    ended (no stray process)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    (out / "fail.0").touch()  # group 0 fails at once, with no restart left
+    body = spec(path, out, "mr", max_restarts=0, min_replicas=2)
+    assert (await client.post("/jobs", json=body)).status_code == 201
+    await until("group 0 fails", lambda: job_in(client, "mr.g0", "FAILED"))
+    first = [await until(f"group {k} starts", lambda k=k: _started(out, k, 0)) for k in (1, 2)]
+    parent = await until("the parent runs on 2 groups", lambda: job_in(client, "mr", "RUNNING"))
+    assert [g["state"] for g in parent["groups"]] == ["FAILED", "RUNNING", "RUNNING"]
+
+    os.kill(first[0]["pid"], signal.SIGKILL)  # group 1's budget is spent too: 1 of 2 left
+    parent = await until("the parent fails", lambda: job_in(client, "mr", "FAILED"))
+    assert "fewer than 2 can run" in parent["reason"]
+    assert "group 0 (mr.g0) FAILED" in parent["reason"]
+    assert "group 1 (mr.g1) FAILED" in parent["reason"]
+    assert parent["error"]["message"].startswith("group 0 (mr.g0): ")
+    ended = await until("group 2 is ended", lambda: job_in(client, "mr.g2", "CANCELLED"))
+    assert "its job mr ended as FAILED" in ended["reason"]
+    await until("no worker left", lambda: _all_gone([first[1]["pid"]]))
+
+
+async def test_a_parent_whose_groups_were_not_written_gets_them(client, daemon, tmp_path):
+    """A daemon that died between the parent's write and its groups' leaves a parent
+    alone in the store: a daemon writes the missing groups (replicas.created) and the
+    job runs."""
+    from elasticd.keys import job_key
+    from elasticd.models import JobSpec
+    from elasticd.node.jobs.groups import children_of
+    from elasticd.states import JobState
+
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    job, _ = await daemon.jobs.submit(JobSpec(**spec(path, out, "lost", replica_groups=2)))
+    await until("both groups start", lambda: _started(out, 1, 0))
+    await client.post("/jobs/lost/cancel", json={})
+    await until("group 0 ended", lambda: job_in(client, "lost.g0", "CANCELLED"))
+    await until("group 1 ended", lambda: job_in(client, "lost.g1", "CANCELLED"))
+    assert (await client.delete("/jobs/lost")).status_code == 204
+
+    # The same parent again, written alone (as a daemon killed after its first write).
+    parent = job.model_copy(update={"state": JobState.PENDING, "finished_at": None, "reason": None})
+    assert [c.id for c in children_of(parent)] == ["lost.g0", "lost.g1"]
+    store = daemon.jobs.store
+    assert (await store.compare_and_set(job_key("lost"), parent.model_dump_json().encode(), None)).ok
+    await until("the parent runs again", lambda: job_in(client, "lost", "RUNNING"))
+    kinds = [e["kind"] for e in (await client.get("/jobs/lost/events")).json()]
+    assert "replicas.created" in kinds

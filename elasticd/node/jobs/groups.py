@@ -37,7 +37,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from elasticd.errors import ElasticdError
+from elasticd.errors import ElasticdError, JobNotFound
 from elasticd.models import Job, JobEdit, Launcher, ReplicaGroupView, RootCause
 from elasticd.replicas import child_id, majority
 from elasticd.sched.plan import FleetPlan
@@ -275,6 +275,8 @@ class GroupKeeper:
                 self._again.discard(parent_id)
                 try:
                     await self._apply(parent_id)
+                except JobNotFound:  # deleted meanwhile: its groups went with it
+                    return
                 except ElasticdError as exc:  # the next change of the watch tries again
                     log.warning("job %s: its replica groups: %s", parent_id, exc)
                 if parent_id not in self._again:

@@ -210,7 +210,66 @@ async def test_a_parent_whose_groups_were_not_written_gets_them(client, daemon, 
     parent = job.model_copy(update={"state": JobState.PENDING, "finished_at": None, "reason": None})
     assert [c.id for c in children_of(parent)] == ["lost.g0", "lost.g1"]
     store = daemon.jobs.store
-    assert (await store.compare_and_set(job_key("lost"), parent.model_dump_json().encode(), None)).ok
+    assert (
+        await store.compare_and_set(job_key("lost"), parent.model_dump_json().encode(), None)
+    ).ok
     await until("the parent runs again", lambda: job_in(client, "lost", "RUNNING"))
     kinds = [e["kind"] for e in (await client.get("/jobs/lost/events")).json()]
     assert "replicas.created" in kinds
+
+
+def test_elasticd_run_runs_every_group_on_its_one_node(tmp_path):
+    """``elasticd run --replica-groups 3 --min-replicas 2`` runs the 3 groups side by
+    side on its embedded daemon (nproc_per_node 2 each: 6 workers) and succeeds when
+    they all have."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    out.mkdir()
+    body = (
+        "import os, sys\n"
+        "name = os.environ['REPLICA_GROUP_ID'] + '.' + os.environ['LOCAL_RANK']\n"
+        "open(os.path.join(sys.argv[1], name), 'w').write("
+        "os.environ['NUM_REPLICA_GROUPS'] + ' ' + os.environ['ELASTICD_JOB_ID'])\n"
+    )
+    worker = script(tmp_path, "once.py", body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICD_")}
+    env["ELASTICD_ALLOW_ROOT"] = "true"
+    done = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", "--replica-groups", "3", "--min-replicas", "2"]
+        + ["--nproc-per-node", "2", "--run-id", "cli", "--state-dir", str(tmp_path / "state")]
+        + ["--", PY, worker, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "job cli SUCCEEDED" in done.stderr
+    written = {p.name: p.read_text() for p in out.iterdir()}
+    assert written == {f"{k}.{r}": f"3 cli.g{k}" for k in range(3) for r in range(2)}
+
+
+async def test_elasticd_status_shows_the_groups(daemon, tmp_path):
+    """``elasticd status P`` names each group's child job, state and restarts."""
+    from elasticd.cli_commands import group_lines
+    from elasticd.models import JobSpec
+
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    await daemon.jobs.submit(JobSpec(**spec(path, out, "st", replica_groups=2)))
+    for k in range(2):
+        await until(f"group {k} starts", lambda k=k: _started(out, k, 0))
+
+    async def running() -> Any:
+        job = await daemon.jobs.get("st")
+        return job if job.state.value == "RUNNING" else None
+
+    job = await until("the parent runs", running)
+    lines = dict(group_lines(job))
+    assert lines["replica groups"] == "2, at least 2 running"
+    assert lines["group 0"].startswith("st.g0 RUNNING, 0 restart(s) on node-a")
+    assert lines["group 1"].startswith("st.g1 RUNNING, 0 restart(s)")
+    await daemon.jobs.cancel("st")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import PY, script
 
@@ -273,3 +274,55 @@ async def test_elasticd_status_shows_the_groups(daemon, tmp_path):
     assert lines["group 0"].startswith("st.g0 RUNNING, 0 restart(s) on node-a")
     assert lines["group 1"].startswith("st.g1 RUNNING, 0 restart(s)")
     await daemon.jobs.cancel("st")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_three_groups_spread_over_three_daemons_one_killed(tmp_path):
+    """3 groups on 3 daemons of one slot each: one per node. A group's worker killed
+    with -9 restarts that group only; then its node lost whole (kill -9 of the daemon and
+    its worker) leaves the job RUNNING on the other two, whose workers keep their pids."""
+    from tests.e2e.cluster import LocalCluster
+
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    with LocalCluster(tmp_path, slots=1) as cluster:
+        await cluster.start_all("n0", "n1", "n2")
+        async with cluster.client("n1") as c:
+            r = await c.post("/jobs", json=spec(path, out, "wide"))
+            assert r.status_code == 201, r.text
+            first = [
+                await until(f"{k} starts", lambda k=k: _started(out, k, 0), 60) for k in range(3)
+            ]
+            parent = await until("the parent runs", lambda: job_in(c, "wide", "RUNNING"), 60)
+            where = {g["group"]: g["nodes"] for g in parent["groups"]}
+            assert sorted(n for nodes in where.values() for n in nodes) == ["n0", "n1", "n2"]
+
+            victim = next(k for k, nodes in where.items() if nodes == ["n2"])
+            os.kill(first[victim]["pid"], signal.SIGKILL)
+            again = await until("its group restarts", lambda: _started(out, victim, 1), 60)
+            child = await until("it runs again", lambda: job_in(c, f"wide.g{victim}", "RUNNING"))
+            assert child["restart_count"] == 1
+            others = [k for k in range(3) if k != victim]
+            for k in others:
+                os.kill(first[k]["pid"], 0)
+                assert not (out / f"w.{k}.1").exists()
+            view = (await c.get("/jobs/wide/workers")).json()
+            shown = {w["replica_group"]: w["pid"] for g in view["groups"] for w in g["workers"]}
+            assert shown == {k: first[k]["pid"] if k != victim else again["pid"] for k in range(3)}
+
+            cluster.kill9("n2", [again["pid"]])  # the node lost, with everything on it
+            await until("the fleet drops n2", lambda: _off(c, f"wide.g{victim}", "n2"), 60)
+            parent = (await c.get("/jobs/wide")).json()
+            assert parent["state"] == "RUNNING"
+            for k in others:
+                os.kill(first[k]["pid"], 0)
+                got = (await c.get(f"/jobs/wide.g{k}")).json()
+                assert (got["state"], got["restart_count"]) == ("RUNNING", 0)
+            assert (await c.post("/jobs/wide/cancel", json={})).status_code == 200
+            await until("no worker left", lambda: _all_gone([first[k]["pid"] for k in others]), 60)
+
+
+async def _off(c: httpx.AsyncClient, job_id: str, node: str) -> bool:
+    return node not in ((await c.get(f"/jobs/{job_id}")).json()["nodes"] or [])

@@ -218,6 +218,8 @@ def test_a_pass_writes_missing_groups_and_ends_a_finished_parents():
     assert taken.taken == ["ft.g1"] and not taken.create
     edit = taken_edit(job, taken.taken)
     assert edit["state"] is F and "ft.g1" in (edit["reason"] or "")
+    failed = job.model_copy(update={"state": F})
+    assert not plan_groups(failed, {kids[0].id: kids[0], foreign.id: foreign}).taken
     assert not plan_groups(job.model_copy(update={"state": R}), running)  # nothing to do
     ordinary = kids[0]
     assert not plan_groups(ordinary, {})

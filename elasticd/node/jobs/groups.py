@@ -202,11 +202,11 @@ def plan_groups(parent: Job, jobs: Mapping[str, Job]) -> GroupPlan:
         else:
             taken.append(child.id)
     if taken and not parent.state.is_terminal:
-        return GroupPlan(taken=taken)
+        return GroupPlan(taken=taken)  # an ended parent's taken ids are nothing to do
     end = []
     if parent.state in (JobState.CANCELLED, JobState.FAILED):
         end = [c for c in children.values() if not c.state.is_terminal]
-    return GroupPlan(create=create, end=end, edit=derive_parent(parent, children), taken=taken)
+    return GroupPlan(create=create, end=end, edit=derive_parent(parent, children))
 
 
 def taken_edit(parent: Job, taken: Iterable[str]) -> JobEdit:

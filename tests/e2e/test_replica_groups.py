@@ -132,6 +132,9 @@ async def test_a_killed_groups_worker_restarts_only_its_group(client, daemon, tm
     assert [(e["job_id"], e["replica_group"]) for e in restarts] == [("ft.g1", 1)]
     assert {e["replica_group"] for e in events if e["job_id"] == "ft.g2"} == {2}
 
+    own = [e["message"] for e in events if e["job_id"] == "ft" and e["kind"] == "job.state"]
+    assert own == ["job PENDING -> RUNNING"]  # it never left RUNNING for group 1's restart
+
     refused = await client.post("/jobs/ft.g1/cancel", json={})
     assert refused.status_code == 409 and "cancel 'ft'" in refused.json()["detail"]
     r = await client.post("/jobs/ft/cancel", json={})

@@ -88,6 +88,13 @@ async def test_a_killed_groups_worker_restarts_only_its_group(client, daemon, tm
     r = await client.post("/jobs", json=spec(path, out, "ft"))
     assert r.status_code == 201, r.text
     assert r.json()["launcher"] == "groups"
+    again = await client.post("/jobs", json=spec(path, out, "ft"))  # idempotent, as any job
+    assert again.status_code == 200 and again.json()["created_at"] == r.json()["created_at"]
+    other = await client.post("/jobs", json={"id": "zz.g1", "entrypoint": PY, "args": ["-V"]})
+    assert other.status_code == 201  # an ordinary job at an id a parent's group would have
+    taken = await client.post("/jobs", json=spec(path, out, "zz"))
+    assert taken.status_code == 409 and "zz.g1" in taken.json()["detail"]
+    assert (await client.get("/jobs/zz")).status_code == 404  # nothing of it written
     first = [await until(f"group {k} starts", lambda k=k: _started(out, k, 0)) for k in range(3)]
     await until("the parent runs", lambda: job_in(client, "ft", "RUNNING"))
     for k, info in enumerate(first):

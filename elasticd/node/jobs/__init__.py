@@ -6,7 +6,8 @@ store, changed by compare-and-set), ``queries`` (what the routes read),
 ``reconcile`` (plan application: which agents run on this node's slots),
 ``groups`` (replica groups: a parent job's children and its derived state),
 ``merged`` (a parent's events with its groups') and ``supervision`` (the
-agents' tasks, their deaths, a daemon's stop and recovery). Each part is handed what it needs; none imports the facade.
+agents' tasks, their deaths, a daemon's stop and recovery). Each part is
+handed what it needs; none imports the facade.
 """
 
 from elasticd.models import incarnation, incarnation_tag

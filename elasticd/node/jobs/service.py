@@ -395,11 +395,14 @@ class JobService:
         return job, True
 
     async def _check_group_ids(self, parent: Job) -> None:
-        """``JobConflict`` (409) when an id of ``parent``'s groups names another job."""
+        """``JobConflict`` (409) when an id of ``parent``'s groups names another job: one
+        not of a parent of its id and owner (a submission again of the same job finds its
+        own groups there; the parent's document then decides, as for any job)."""
+        owner = parent.owner
         taken = [
             other.id
             for other in (await self.documents.children(parent)).values()
-            if not belongs(other, parent)
+            if other.group_of != parent.id or other.owner != owner
         ]
         if taken:
             raise JobConflict(

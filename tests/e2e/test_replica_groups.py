@@ -336,3 +336,49 @@ async def test_three_groups_spread_over_three_daemons_one_killed(tmp_path):
 
 async def _off(c: httpx.AsyncClient, job_id: str, node: str) -> bool:
     return node not in ((await c.get(f"/jobs/{job_id}")).json()["nodes"] or [])
+
+
+async def test_a_group_without_its_lighthouse_starts_and_says_why(client, daemon, tmp_path):
+    """A Lighthouse that cannot be found leaves TORCHFT_LIGHTHOUSE unset (the group runs
+    without one) and says so in a ``lighthouse.missing`` event of the group."""
+
+    async def broken(parent: str) -> str:
+        raise OSError(f"no Lighthouse serves {parent}")
+
+    daemon.jobs.use_lighthouse(broken)
+    out = tmp_path / "out"
+    out.mkdir()
+    path = script(tmp_path, "worker.py", WORKER)
+    assert (
+        await client.post("/jobs", json=spec(path, out, "nl", replica_groups=1))
+    ).status_code == 201
+    info = await until("the group starts", lambda: _started(out, 0, 0))
+    assert info["TORCHFT_LIGHTHOUSE"] is None and info["REPLICA_GROUP_ID"] == "0"
+    events = (await client.get("/jobs/nl/events")).json()
+    (missing,) = [e for e in events if e["kind"] == "lighthouse.missing"]
+    assert missing["job_id"] == "nl.g0" and "no Lighthouse serves nl" in missing["message"]
+    assert (await client.post("/jobs/nl/cancel", json={})).status_code == 200
+    await until("no worker left", lambda: _all_gone([info["pid"]]))
+
+
+async def test_a_parents_event_stream_has_its_groups_and_ends_with_it(client):
+    """The parent's SSE stream carries its groups' events (each naming its group) and
+    ends after the parent's own final job.state, once every group succeeded."""
+    body = {"id": "sse", "entrypoint": PY, "args": ["-c", "pass"], "replica_groups": 2}
+    assert (await client.post("/jobs", json=body)).status_code == 201
+    await until("the job succeeds", lambda: job_in(client, "sse", "SUCCEEDED"))
+    headers = {"Accept": "text/event-stream"}
+    async with asyncio.timeout(30):
+        text = (await client.get("/jobs/sse/events", headers=headers)).text
+    events = [
+        json.loads(line.removeprefix("data: "))
+        for line in text.splitlines()
+        if line.startswith("data: {") and '"seq"' in line
+    ]
+    assert {(e["job_id"], e.get("replica_group")) for e in events} == {
+        ("sse", None),
+        ("sse.g0", 0),
+        ("sse.g1", 1),
+    }
+    assert text.rstrip().splitlines()[-2] == "event: end"
+    assert '"state": "SUCCEEDED"' in text.rstrip().splitlines()[-1]

@@ -142,7 +142,10 @@ async def _wait_or_close(
 async def _final_event_seen(daemon: Daemon, job_id: str, state: str) -> bool:
     """Whether the ``job.state`` event of the job's final state is in the log yet."""
     events = await daemon.jobs.list_events(job_id, 0, 1_000_000)
-    return any(e.kind == EventKind.JOB_STATE and e.state == state for e in events)
+    # The job's own: a job of replica groups' events hold its groups' job.state too.
+    return any(
+        e.kind == EventKind.JOB_STATE and e.state == state and e.job_id == job_id for e in events
+    )
 
 
 async def event_stream(
@@ -165,7 +168,8 @@ async def event_stream(
             if events:
                 after = events[-1].seq
                 final_seen = final_seen or any(
-                    e.kind == EventKind.JOB_STATE and _terminal(e.state) for e in events
+                    e.kind == EventKind.JOB_STATE and _terminal(e.state) and e.job_id == job_id
+                    for e in events
                 )
                 yield "".join(sse_message(e) for e in events)
                 continue

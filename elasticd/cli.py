@@ -669,7 +669,8 @@ async def _run(args: argparse.Namespace) -> int:
             "state_dir": state_dir,
             "log_dir": log_dir,
             "node_name": "localhost",
-            "slots": nproc,
+            # Every replica group runs on this one node, side by side.
+            "slots": nproc * (args.replica_groups or 1),
         }
         nodes: dict[str, int] = {}
         if allocation is None:
@@ -731,7 +732,11 @@ async def _run(args: argparse.Namespace) -> int:
             stack.enter_context(
                 RunReaper(
                     cgroup=daemon.containment.base,
-                    match={"ELASTICD_URL": config.url, "ELASTICD_JOB_ID": str(spec.id)},
+                    # A job of replica groups: its groups' processes name their own job
+                    # (<id>.g<k>); this run's daemon URL names them all.
+                    match={"ELASTICD_URL": config.url}
+                    if spec.replica_groups
+                    else {"ELASTICD_URL": config.url, "ELASTICD_JOB_ID": str(spec.id)},
                     remove=None if args.state_dir else Path(state_dir),
                     keep_fd=state_lock.fileno(),
                 )

@@ -133,6 +133,23 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
         "process by the others (default: the group is restarted)",
     )
     p.add_argument(
+        "--replica-groups",
+        "--replica_groups",
+        type=int,
+        metavar="N",
+        help="torchft: run N replica groups, each an independent gang of the job's workers "
+        "with its own restarts (jobs <id>.g0 .. <id>.g<N-1>); the workers get "
+        "REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE",
+    )
+    p.add_argument(
+        "--min-replicas",
+        "--min_replicas",
+        type=int,
+        metavar="M",
+        help="with --replica-groups: the job runs while M groups do, and fails only once "
+        "fewer can (default: a majority)",
+    )
+    p.add_argument(
         "--log-limit-bytes",
         type=int,
         metavar="BYTES",
@@ -152,6 +169,8 @@ def job_flag_fields(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_health_check": args.gpu_health_check,
         "inprocess_restart": args.inprocess_restart,
         "log_limit_bytes": args.log_limit_bytes,
+        "replica_groups": args.replica_groups,
+        "min_replicas": args.min_replicas,
     }
     if args.prewarm:
         fields["prewarm"] = [m for arg in args.prewarm for m in arg.split(",") if m]
@@ -662,6 +681,7 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
             )
     if (r := job.last_recovery) is not None and r.total_s is not None:
         lines.append(("last recovery", f"{r.total_s:.3f}s in all ({r.cause}): {r.phases_text()}"))
+    lines += group_lines(job)
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key.ljust(width)}  {printable(value)}")
@@ -669,6 +689,19 @@ def _cmd_status(client: Any, args: argparse.Namespace) -> int:
         print()
         print(printable(job.error.traceback.rstrip(), lines=True))
     return 0
+
+
+def group_lines(job: Job) -> list[tuple[str, str]]:
+    """A job of replica groups: how many must run, and a line per group (pure)."""
+    if job.groups is None:
+        return []
+    least = job.spec.min_replicas
+    lines = [("replica groups", f"{len(job.groups)}, at least {least} running")]
+    for g in job.groups:
+        state = g.state.value if g.state is not None else "not written yet"
+        where = f" on {', '.join(g.nodes)}" if g.nodes else ""
+        lines.append((f"group {g.group}", f"{g.job} {state}, {g.restart_count} restart(s){where}"))
+    return lines
 
 
 def headline(job: Job) -> str:
@@ -698,9 +731,11 @@ def _cmd_workers(client: Any, args: argparse.Namespace) -> int:
     for g in view.groups:
         print()
         master = f", master {g.master_addr}:{g.master_port}" if g.master_addr else ""
+        replica = f"replica group {g.replica_group} ({g.job}), " if g.job is not None else ""
         print(
             printable(
-                f"node {g.node}: group {g.group_rank}/{g.group_world_size} {g.state.value}, "
+                f"{replica}node {g.node}: group {g.group_rank}/{g.group_world_size} "
+                f"{g.state.value}, "
                 f"attempt {g.attempt}, round {g.round}{master}"
             )
         )

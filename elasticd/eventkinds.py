@@ -80,6 +80,8 @@ class EventKind(enum.StrEnum):
     RECOVERY_FIRST_PROGRESS = "recovery.first_progress"
     NODE_QUARANTINED = "node.quarantined"
     NODE_RELEASED = "node.released"
+    REPLICAS_CREATED = "replicas.created"
+    LIGHTHOUSE_MISSING = "lighthouse.missing"
 
 
 #: What each kind means (``docs/events.md`` is made from it).
@@ -199,6 +201,10 @@ MEANING: dict[EventKind, str] = {
     EventKind.RECOVERY_SPAWN: "Recovery phase: the new workers were spawned.",
     EventKind.RECOVERY_TOTAL: "Recovery: from detection to the new workers.",
     EventKind.RECOVERY_FIRST_PROGRESS: "Recovery: to the first heartbeat of the new workers.",
+    EventKind.REPLICAS_CREATED: "A job of replica_groups had groups (child jobs) without a "
+    "document (the daemon that took the POST stopped between its writes): a daemon wrote them.",
+    EventKind.LIGHTHOUSE_MISSING: "A replica group started without TORCHFT_LIGHTHOUSE: this "
+    "node's Lighthouse for the job could not be found (the message says why).",
 }
 
 

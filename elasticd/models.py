@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from elasticd.identity import ADMIN
+from elasticd.replicas import MAX_REPLICA_GROUPS, child_problem, majority, spec_problem
 from elasticd.sched.plan import (
     MAX_NODES,
     MAX_SELECTOR_ITEMS,
@@ -326,6 +327,23 @@ class JobSpec(BaseModel):
         "a new interpreter (a Python entrypoint only; else the workers start cold).",
     )
 
+    replica_groups: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REPLICA_GROUPS,
+        description="torchft replica groups: the job runs N independent gangs (child jobs "
+        "`<id>.g0` .. `<id>.g<N-1>`), each of nproc_per_node workers on min_nodes..max_nodes "
+        "nodes of its own, with its own rendezvous, ranks and restart budget; its workers get "
+        "REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE. Unset: one gang.",
+    )
+    min_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REPLICA_GROUPS,
+        description="With replica_groups: the job is RUNNING while at least this many groups "
+        "run, and fails only once fewer can still run (default: a majority, N//2+1).",
+    )
+
     @field_validator("progress_timeout", mode="before")
     @classmethod
     def _progress_timeout(cls, value: Any) -> Any:
@@ -400,6 +418,14 @@ class JobSpec(BaseModel):
             raise ValueError(
                 f"min_nodes ({self.min_nodes}) must not exceed max_nodes ({self.max_nodes})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _replicas(self) -> JobSpec:
+        if (problem := spec_problem(self.id, self.replica_groups, self.min_replicas)) is not None:
+            raise ValueError(problem)
+        if self.replica_groups is not None and self.min_replicas is None:
+            self.min_replicas = majority(self.replica_groups)
         return self
 
     def without_id(self) -> dict[str, Any]:
@@ -653,6 +679,19 @@ class Launcher(StrEnum):
 
     ELASTICD = "elasticd"  # the daemons' agents: scheduled, run, cancelled and resumed by them
     TORCHRUN = "torchrun"  # torch's agents (``torchrun --rdzv-backend=elasticd``): shown only
+    GROUPS = "groups"  # a job of replica_groups: its groups (child jobs) run it; derived
+
+
+class ReplicaGroupView(BaseModel):
+    """One replica group of a job of ``replica_groups`` (served with the job, derived)."""
+
+    group: int = Field(ge=0, description="Its REPLICA_GROUP_ID.")
+    job: str = Field(description="The child job that runs it (`<parent>.g<group>`).")
+    state: JobState | None = Field(
+        default=None, description="The child's state; None: its document is not written yet."
+    )
+    restart_count: int = 0
+    nodes: list[str] | None = None
 
 
 class Job(BaseModel):
@@ -714,15 +753,39 @@ class Job(BaseModel):
         description=(
             "Who runs the workers. `torchrun`: torch's own agents, under "
             "`torchrun --rdzv-backend=elasticd`, write this document; the daemons show it "
-            "and never run, cancel or resume it."
+            "and never run, cancel or resume it. `groups`: a job of `replica_groups`, whose "
+            "groups (child jobs) run the workers."
         ),
+    )
+    replica_group: int | None = Field(
+        default=None, ge=0, description="A replica group of `group_of`: its REPLICA_GROUP_ID."
+    )
+    group_of: str | None = Field(
+        default=None, pattern=JOB_ID_PATTERN, description="The job of replica_groups it is of."
+    )
+    num_replica_groups: int | None = Field(
+        default=None, ge=1, le=MAX_REPLICA_GROUPS, description="Its NUM_REPLICA_GROUPS."
+    )
+    groups: list[ReplicaGroupView] | None = Field(
+        default=None,
+        description="A job of `replica_groups`: each group's child job and where it stands "
+        "(filled in when served, never stored).",
     )
 
     @model_validator(mode="after")
     def _ids_agree(self) -> Job:
         if self.spec.id is not None and self.spec.id != self.id:
             raise ValueError(f"the job's id {self.id!r} differs from its spec's {self.spec.id!r}")
+        nested = self.spec.replica_groups is not None
+        group, of, count = self.replica_group, self.group_of, self.num_replica_groups
+        if (problem := child_problem(self.id, group, of, count, nested)) is not None:
+            raise ValueError(problem)
         return self
+
+    @property
+    def is_parent(self) -> bool:
+        """A job of ``replica_groups``: its groups (child jobs) run its workers."""
+        return self.launcher is Launcher.GROUPS
 
 
 def incarnation(job: Job) -> str:
@@ -829,6 +892,9 @@ class Event(BaseModel):
     cause: str | None = Field(default=None, max_length=64)
     """``workers.spawn_retry``, ``agent.gave_back``: the node's trouble that kept it from
     starting the workers (an errno name such as ``EMFILE``, or a stage such as ``cgroup``)."""
+    replica_group: int | None = None
+    """The replica group (child job) the event is about, in the events of a job of
+    ``replica_groups`` and of its groups (stamped when read: ``job_id`` names the child)."""
     job_tag: str | None = Field(default=None, pattern=JOB_TAG_PATTERN)
     """Which job of its id the event is about (:func:`incarnation_tag` of its document):
     a job id can be deleted and taken again, maybe by another owner, while an event of
@@ -863,6 +929,10 @@ class WorkerView(BaseModel):
     checkpoint_step: int | None = Field(
         default=None, description="The last checkpoint it reported."
     )
+    replica_group: int | None = Field(
+        default=None,
+        description="Its replica group (a job of `replica_groups`; None: an ordinary job).",
+    )
 
 
 class StandbyView(BaseModel):
@@ -894,6 +964,10 @@ class GroupView(BaseModel):
     workers: list[WorkerView] = Field(default_factory=list)
     standbys: list[StandbyView] = Field(default_factory=list)
     """The node's standby interpreters for the next attempt (a ``prewarm`` job)."""
+    replica_group: int | None = None
+    """The replica group it runs (a job of ``replica_groups``; None: an ordinary job)."""
+    job: str | None = None
+    """The child job that runs it (a job of ``replica_groups``; None: the job asked about)."""
     job_tag: str | None = Field(default=None, pattern=JOB_TAG_PATTERN)
     """Which job of its id the group ran (:func:`incarnation_tag`): the agent of a deleted
     job may still publish its group after the id was taken again; a read by id shows only

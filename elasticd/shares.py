@@ -60,13 +60,15 @@ class Usage:
 
 
 def job_share_problem(
-    owner: str, usage: Usage, new_bytes: int, share: JobShare
+    owner: str, usage: Usage, new_bytes: int, share: JobShare, documents: int = 1
 ) -> tuple[int, str] | None:
-    """``(status, message)`` when a new job document of ``new_bytes`` would take ``owner``
+    """``(status, message)`` when ``documents`` new job documents of ``new_bytes`` in all
+    (a job of replica groups writes one per group besides its own) would take ``owner``
     past its ``share`` (429 for the count, 413 for the bytes); None when it fits (pure)."""
-    if share.max_jobs is not None and usage.count + 1 > share.max_jobs:
+    if share.max_jobs is not None and usage.count + documents > share.max_jobs:
+        adds = "" if documents == 1 else f" (this job writes {documents}: one per replica group)"
         return 429, (
-            f"owner {owner} keeps {usage.count} job documents, its share is {share.max_jobs} "
+            f"owner {owner} keeps {usage.count} job documents{adds}, its share is {share.max_jobs} "
             f"({share.jobs_setting}; ended jobs count until they are deleted or expire): "
             "delete jobs it no longer needs (DELETE /jobs/<id>), or ask the operator to raise "
             f"{share.jobs_setting} (or max_jobs of its identity)"

@@ -73,6 +73,7 @@ from elasticd.rendezvous import RoundInfo
 from elasticd.security import Identity
 from elasticd.states import JobState, WorkerState, worker_transition
 from elasticd.supervise.adopt import end_handed
+from elasticd.supervise.env import ReplicaGroup
 from elasticd.supervise.process import GroupResult
 from elasticd.tasks import TaskSet
 
@@ -85,6 +86,15 @@ log = logging.getLogger("elasticd.agent")
 
 #: Seconds a passed health check stays good for a start that a failed round delayed.
 HEALTH_FRESH_FOR = 60.0
+#: Seconds a replica group's start waits for its Lighthouse's address.
+LIGHTHOUSE_TIMEOUT = 5.0
+
+
+def replica_of(job: Job) -> ReplicaGroup | None:
+    """A replica group's place among its parent's (pure); None for an ordinary job."""
+    if job.replica_group is None or job.num_replica_groups is None:
+        return None
+    return ReplicaGroup(job.replica_group, job.num_replica_groups)
 
 
 class JobAgent:
@@ -161,6 +171,10 @@ class JobAgent:
         )  # fmt: skip
         #: The job's last checkpoint as last read (a restarted attempt starts from it).
         self._job_progress = job.progress
+        #: A replica group's place among its parent's (torchft), its Lighthouse looked up
+        #: before each start (:meth:`_look_up_lighthouse`); None: an ordinary job.
+        self._replica = replica_of(job)
+        self._parent = job.group_of
         self._health = HealthHook(
             emit, node, job.id, self.spec, ctx.health, ctx.clock, ctx.cuda_visible_devices
         )
@@ -402,6 +416,7 @@ class JobAgent:
         self._round, self._restart_count = round_, handover.restart_count
         self._formed_at, self.spawn_seq = handover.formed_at, handover.spawn_seq
         begun = started_from(self._job_progress, round_.round)
+        await self._look_up_lighthouse()
         plan, attempt = self._plan(round_, handover.restart_count, begun)
         await self.readoption.take_up(handover, attempt, plan, self._identity)
         self._machine = dataclasses.replace(self._machine, phase=m.Phase.RUNNING)
@@ -529,6 +544,7 @@ class JobAgent:
         self._checked_at = None  # the next (re)start runs the health checks again
         self.spawn_seq += 1
         self._round = round_
+        await self._look_up_lighthouse()
         plan, attempt = self._plan(round_, restart_count, self._job_progress.checkpoint_step)
         self._spawned_at = self.ctx.clock.time()
         await self._group.start(attempt, plan, self._identity, early=early)
@@ -548,8 +564,28 @@ class JobAgent:
             now=self.ctx.clock.time(),
             progress=self._job_progress,
             job_tag=self.job_tag,
+            replica=self._replica,
         )
         return plan, Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
+
+    async def _look_up_lighthouse(self) -> None:
+        """A replica group's Lighthouse on this node, asked before each start: it may have
+        moved since the last (the daemon restarted). Bounded; not found, the workers start
+        without TORCHFT_LIGHTHOUSE and the event says why."""
+        replica, look_up = self._replica, self.ctx.lighthouse
+        if replica is None or look_up is None or self._parent is None:
+            return
+        try:
+            async with asyncio.timeout(LIGHTHOUSE_TIMEOUT):
+                address = await look_up(self._parent)
+        except Exception as exc:  # the port is the daemon's: any failure is said, not raised
+            self._emit(
+                EventKind.LIGHTHOUSE_MISSING,
+                f"no Lighthouse on {self.ctx.node} for job {self._parent}: "
+                f"{str(exc) or type(exc).__name__}; the group starts without TORCHFT_LIGHTHOUSE",
+            )
+            address = None
+        self._replica = dataclasses.replace(replica, lighthouse=address)
 
     async def _running(self, round_: RoundInfo, *, early: bool) -> None:
         """The attempt's workers run as the round's: HEALTHY, ``workers.started``, the job

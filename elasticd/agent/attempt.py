@@ -25,7 +25,7 @@ from elasticd.models import GroupView, JobProgress, JobSpec, WorkerView, console
 from elasticd.rendezvous import RoundInfo
 from elasticd.rendezvous.ranks import WorkerRanks, assign_ranks, ranks_from
 from elasticd.states import WorkerState
-from elasticd.supervise.env import AttemptInfo, worker_args, worker_env
+from elasticd.supervise.env import AttemptInfo, ReplicaGroup, worker_args, worker_env
 from elasticd.supervise.process import WorkerLaunch
 from elasticd.worker.flight import FILE as FLIGHT_FILE
 from elasticd.worker.flight import FILE_VAR as FLIGHT_FILE_VAR
@@ -72,6 +72,7 @@ def plan_attempt(
     now: float,
     progress: JobProgress | None = None,
     job_tag: str | None = None,
+    replica: ReplicaGroup | None = None,
 ) -> AttemptPlan:
     """The plan of this node's ``spawn_seq``-th start of the job, in ``round_`` (see the module)."""
     seat = round_.seat
@@ -106,6 +107,7 @@ def plan_attempt(
         cuda_visible_devices=node.cuda_visible_devices,
         checkpoint_step=progress.checkpoint_step if progress is not None else None,
         checkpoint_path=progress.checkpoint_path if progress is not None else None,
+        replica=replica,
     )
     tag = f"{round_.round}.{restart_count}"
     heartbeats = {r.local_rank: logs.heartbeat_file(job_id, spawn_seq, r.local_rank) for r in ranks}
@@ -155,6 +157,7 @@ def plan_attempt(
         log_dir=str(logs.attempt_dir(job_id, spawn_seq)),
         updated_at=now,
         job_tag=job_tag,
+        replica_group=replica.group if replica is not None else None,
         workers=[
             WorkerView(
                 local_rank=r.local_rank,
@@ -164,6 +167,7 @@ def plan_attempt(
                 role_world_size=r.role_world_size,
                 local_world_size=r.local_world_size,
                 state=WorkerState.INIT,
+                replica_group=replica.group if replica is not None else None,
             )
             for r in ranks
         ],

@@ -10,7 +10,7 @@ Which side of the boundary: the daemon; declarations only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -95,6 +95,10 @@ class AgentContext:
     #: workers, this job's too): a ``prewarm`` job starts its standbys with its workers only
     #: beside CPUs they leave spare. None: only this job's workers count.
     busy_slots: Callable[[], int] | None = None
+    #: A replica group's Lighthouse (torchft): the parent job's id -> the address of this
+    #: node's Lighthouse for it (its workers' TORCHFT_LIGHTHOUSE). None: no Lighthouse here;
+    #: the variable is left unset and the groups run without one.
+    lighthouse: Callable[[str], Awaitable[str]] | None = None
 
     @property
     def job_env_base(self) -> Mapping[str, str]:

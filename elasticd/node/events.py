@@ -83,7 +83,7 @@ from pydantic import ValidationError
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreCompacted, StoreError
 from elasticd.eventkinds import EventKind
-from elasticd.keys import event_key, event_prefix
+from elasticd.keys import EVENTS, event_key, event_prefix
 from elasticd.models import Event, EventSource, tagged_for
 from elasticd.node.db import Database
 from elasticd.storage import is_storage_fault
@@ -927,6 +927,22 @@ class EventLog:
             else:
                 break  # the page is full
         return _Merged(events, listing.revision, others)
+
+    async def cluster_page(
+        self, job_id: str, after: int, tag: str | None, limit: int | None
+    ) -> tuple[list[Event], int]:
+        """:meth:`cluster_events`, and the store revision it read at (0: no store)."""
+        merged = await self._cluster_events(job_id, after, tag, limit)
+        return merged.events, merged.revision
+
+    async def wait_for_events(self, prefix: str, revision: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a change under ``ev/<prefix>`` after ``revision``
+        (any job whose id starts with ``prefix``); False at once without a store."""
+        if self._store is None:
+            return False
+        with contextlib.suppress(StoreCompacted):
+            await self._store.watch(EVENTS + prefix, revision, timeout, prefix=True)
+        return True
 
     async def follow_cluster(
         self,

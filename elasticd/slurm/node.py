@@ -109,8 +109,14 @@ def unfinished_jobs(client: Any) -> Iterator[Job]:
 
 
 def slurm_jobs(client: Any, slurm_job_id: str) -> list[Job]:
-    """The daemon's unfinished jobs that say they are the Slurm job's (anyone may say so)."""
-    return [j for j in unfinished_jobs(client) if j.spec.slurm_job_id == slurm_job_id]
+    """The daemon's unfinished jobs that say they are the Slurm job's (anyone may say so);
+    a replica group is its parent's to cancel, and a cancel of it is refused, so it is
+    left out (its parent, with the same Slurm job, is in)."""
+    return [
+        j
+        for j in unfinished_jobs(client)
+        if j.spec.slurm_job_id == slurm_job_id and j.group_of is None
+    ]
 
 
 def is_own_submission(job: Job, spec: Mapping[str, Any]) -> bool:

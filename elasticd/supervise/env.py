@@ -59,6 +59,7 @@ ROUND_VARIABLES = frozenset(
         "ELASTICD_CHECKPOINT_STEP",  # the job's last checkpoint moves on between attempts
         "ELASTICD_CHECKPOINT_PATH",
         "ELASTICD_FLIGHT_RECORDER_FILE",  # in the attempt's log folder
+        "TORCHFT_LIGHTHOUSE",  # this node's Lighthouse may move (a daemon's restart)
     }
 )
 
@@ -128,6 +129,19 @@ def operator_env(
 
 
 @dataclass(frozen=True)
+class ReplicaGroup:
+    """A worker's replica group, for torchft (a job of ``replica_groups``)."""
+
+    group: int
+    """``REPLICA_GROUP_ID``: which group (child job) of its parent."""
+    groups: int
+    """``NUM_REPLICA_GROUPS``: how many its parent has."""
+    lighthouse: str | None = None
+    """``TORCHFT_LIGHTHOUSE``: this node's Lighthouse for the job; None: the variable is
+    left as the job's env has it (unset by default: the group runs without one)."""
+
+
+@dataclass(frozen=True)
 class AttemptInfo:
     """What every worker of one attempt on one node shares."""
 
@@ -144,6 +158,8 @@ class AttemptInfo:
     """The job's last durable checkpoint (``ELASTICD_CHECKPOINT_STEP``), None: none yet."""
     checkpoint_path: str | None = None
     """Where it lies (``ELASTICD_CHECKPOINT_PATH``), when the worker said."""
+    replica: ReplicaGroup | None = None
+    """The attempt's replica group (a job of ``replica_groups``); None: an ordinary job."""
 
 
 #: What a restarted attempt is told of the job's last checkpoint (the daemon's value wins
@@ -219,4 +235,11 @@ def worker_env(
             env["ELASTICD_CHECKPOINT_PATH"] = attempt.checkpoint_path
     if attempt.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = attempt.cuda_visible_devices
+    if (replica := attempt.replica) is not None:
+        # torchft's contract: the Manager reads the group and the Lighthouse from these. Its
+        # own ports (TORCHFT_MANAGER_PORT, the store's) are left to the job.
+        env["REPLICA_GROUP_ID"] = str(replica.group)
+        env["NUM_REPLICA_GROUPS"] = str(replica.groups)
+        if replica.lighthouse is not None:
+            env["TORCHFT_LIGHTHOUSE"] = replica.lighthouse
     return env

@@ -5,7 +5,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticd.rendezvous.ranks import NodeSlot, assign_ranks
-from elasticd.supervise.env import AttemptInfo, job_base_env, worker_args, worker_env
+from elasticd.supervise.env import (
+    AttemptInfo,
+    ReplicaGroup,
+    job_base_env,
+    worker_args,
+    worker_env,
+)
 
 TORCHRUN_VARS = {
     "RANK",
@@ -232,3 +238,47 @@ def test_a_restarted_attempt_is_told_the_jobs_last_checkpoint():
     assert told["ELASTICD_CHECKPOINT_STEP"] == "40" and told["ELASTICD_CHECKPOINT_PATH"] == "/ck/40"
     no_path = env(replace(info, checkpoint_step=0), base=stale)
     assert no_path["ELASTICD_CHECKPOINT_STEP"] == "0" and "ELASTICD_CHECKPOINT_PATH" not in no_path
+
+
+@pytest.mark.parametrize(
+    ("replica", "job_env", "expected"),
+    [
+        # an ordinary job: none of torchft's variables is set, the job's own pass
+        (
+            None,
+            {},
+            {"REPLICA_GROUP_ID": None, "NUM_REPLICA_GROUPS": None, "TORCHFT_LIGHTHOUSE": None},
+        ),
+        (None, {"TORCHFT_LIGHTHOUSE": "http://own:1"}, {"TORCHFT_LIGHTHOUSE": "http://own:1"}),
+        # a group with this node's Lighthouse: every variable, the daemon's winning
+        (
+            ReplicaGroup(2, 3, "http://127.0.0.1:29510"),
+            {"REPLICA_GROUP_ID": "9", "TORCHFT_LIGHTHOUSE": "http://own:1"},
+            {
+                "REPLICA_GROUP_ID": "2",
+                "NUM_REPLICA_GROUPS": "3",
+                "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:29510",
+            },
+        ),
+        # no Lighthouse here: the group and count are set, the address is the job's (or none)
+        (
+            ReplicaGroup(0, 1),
+            {},
+            {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "1", "TORCHFT_LIGHTHOUSE": None},
+        ),
+        (
+            ReplicaGroup(0, 2),
+            {"TORCHFT_LIGHTHOUSE": "http://own:1"},
+            {"TORCHFT_LIGHTHOUSE": "http://own:1"},
+        ),
+    ],
+)
+def test_a_replica_groups_workers_get_torchfts_variables(replica, job_env, expected):
+    """A replica group's workers get REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and, where the
+    node has a Lighthouse, TORCHFT_LIGHTHOUSE, beside torchrun's contract; the Manager's
+    own ports are left alone."""
+    (ranks,) = assign_ranks([NodeSlot(0, "default", 1)], 0)
+    info = AttemptInfo("j.g2", "j.g2", "127.0.0.1", 29500, 0, 3, "http://x:1", replica=replica)
+    env = worker_env({}, job_env, ranks, info, error_file="/logs/e.json")
+    assert {name: env.get(name) for name in expected} == expected
+    assert env.keys() >= TORCHRUN_VARS and "TORCHFT_MANAGER_PORT" not in env

@@ -35,6 +35,19 @@ def test_job_documents_per_owner(usage: Usage, new: int, expected: tuple[int, st
         assert "alice" in problem[1]
 
 
+@pytest.mark.parametrize(
+    ("held", "documents", "refused"), [(0, 3, False), (1, 3, True), (0, 4, True)]
+)
+def test_a_job_of_replica_groups_counts_each_groups_document(
+    held: int, documents: int, refused: bool
+) -> None:
+    """A job of N replica groups writes N+1 documents: all of them count."""
+    problem = job_share_problem("alice", Usage(held, 0), 10, SHARE, documents)
+    assert (problem is not None) is refused
+    if problem is not None:
+        assert problem[0] == 429 and f"this job writes {documents}" in problem[1]
+
+
 def test_no_share_bounds_nothing_and_an_identitys_setting_is_named() -> None:
     assert job_share_problem("a", Usage(10**6, 10**12), 10**6, JobShare(None, None)) is None
     named = JobShare(1, None, jobs_setting="max_jobs of ci-bot")

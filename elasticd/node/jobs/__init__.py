@@ -3,9 +3,11 @@
 The routes and the daemon call :class:`~elasticd.node.jobs.service.JobService`
 only. Behind it, one module per job: ``documents`` (the job documents in the
 store, changed by compare-and-set), ``queries`` (what the routes read),
-``reconcile`` (plan application: which agents run on this node's slots) and
-``supervision`` (the agents' tasks, their deaths, a daemon's stop and
-recovery). Each part is handed what it needs; none imports the facade.
+``reconcile`` (plan application: which agents run on this node's slots),
+``groups`` (replica groups: a parent job's children and its derived state),
+``merged`` (a parent's events with its groups') and ``supervision`` (the
+agents' tasks, their deaths, a daemon's stop and recovery). Each part is
+handed what it needs; none imports the facade.
 """
 
 from elasticd.models import incarnation, incarnation_tag

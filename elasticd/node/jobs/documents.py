@@ -28,6 +28,7 @@ from elasticd.models import Job, JobEdit, JobMutation, JobOwner, incarnation, in
 from elasticd.node.cluster import JOB_PREFIX, Cluster, check_job_document, parse_jobs
 from elasticd.node.events import EventLog
 from elasticd.rendezvous import presence_prefix
+from elasticd.replicas import child_id
 from elasticd.states import JobState, job_transition
 from elasticd.store import Store
 from elasticd.store.parts import list_in_parts
@@ -172,6 +173,16 @@ class JobDocuments:
 
     async def all(self) -> list[Job]:
         return parse_jobs((await list_in_parts(self.store, JOB_PREFIX)).entries)
+
+    async def children(self, parent: Job) -> dict[str, Job]:
+        """The documents at the ids of ``parent``'s replica groups, by id (one listing);
+        whether each is the parent's own is :func:`~elasticd.node.jobs.groups.belongs`'."""
+        groups = parent.spec.replica_groups or 0
+        ids = {child_id(parent.id, k) for k in range(groups)}
+        if not ids:
+            return {}
+        listing = await list_in_parts(self.store, job_key(parent.id) + ".g")
+        return {j.id: j for j in parse_jobs(listing.entries) if j.id in ids}
 
     async def sweep(self, job_id: str) -> int:
         """What earlier jobs of this id left (:func:`~elasticd.agent.jobdoc.sweep_leftovers`)."""

@@ -38,6 +38,8 @@ from elasticd.models import (
 )
 from elasticd.node.cluster import valid_node_url
 from elasticd.node.jobs.documents import JobsSide, parse_job, same_job
+from elasticd.node.jobs.groups import belongs, group_views
+from elasticd.node.jobs.merged import EventSource, follow_merged, merged_events
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -45,6 +47,16 @@ from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
 log = logging.getLogger("elasticd.node.jobs")
 
 MAX_LOG_BYTES = 8 * 1024 * 1024
+
+
+def _in_group(group: GroupView, job: Job) -> GroupView:
+    """A group view of ``job`` naming its replica group (None: an ordinary job), and the
+    child job that runs it, on the group and on each worker (pure)."""
+    if job.replica_group is None:
+        return group
+    k = job.replica_group
+    workers = [w.model_copy(update={"replica_group": k}) for w in group.workers]
+    return group.model_copy(update={"replica_group": k, "job": job.id, "workers": workers})
 
 
 class JobQueries:
@@ -66,7 +78,25 @@ class JobQueries:
         self._agent_of = agent_of
 
     async def get(self, job_id: str) -> Job:
-        return self._as_served(await self.side.documents.read(job_id))
+        job = self._as_served(await self.side.documents.read(job_id))
+        if job.is_parent:
+            children = await self.side.documents.children(job)
+            job = job.model_copy(update={"groups": group_views(job, children, self._plan())})
+        return job
+
+    async def _groups_of(self, parent: Job) -> list[Job]:
+        """The replica groups (child jobs) of ``parent`` written so far, by group."""
+        children = await self.side.documents.children(parent)
+        mine = [c for c in children.values() if belongs(c, parent)]
+        return sorted(mine, key=lambda c: c.replica_group or 0)
+
+    async def _sources(self, job: Job) -> list[EventSource]:
+        """Whose events a read of ``job``'s takes: its own, and its groups' (a parent)."""
+        own = EventSource(job.id, incarnation_tag(job), job.replica_group)
+        if not job.is_parent:
+            return [own]
+        groups = await self._groups_of(job)
+        return [own] + [EventSource(c.id, incarnation_tag(c), c.replica_group) for c in groups]
 
     async def _of(self, job_id: str, seen: Job | None) -> Job:
         """The job to answer about: ``seen``, the job its caller was authorized for (read by
@@ -103,13 +133,47 @@ class JobQueries:
             wanted = set(state)
             jobs = [j for j in jobs if j.state in wanted]
         jobs.sort(key=lambda j: (-j.created_at, j.id))
-        page = [self._as_served(j) for j in jobs[offset : offset + limit]]
+        known = {j.id: j for j in jobs}
+        plan = self._plan()
+        page = [
+            self._as_served(j).model_copy(update={"groups": group_views(j, known, plan)})
+            if j.is_parent
+            else self._as_served(j)
+            for j in jobs[offset : offset + limit]
+        ]
         next_offset = offset + len(page) if offset + len(page) < len(jobs) else None
         return JobList(jobs=page, total=len(jobs), next_offset=next_offset)
 
     async def workers(self, job_id: str, seen: Job | None = None) -> WorkersView:
-        """The job's worker groups; ``seen``: the job its caller was authorized for."""
+        """The job's worker groups; ``seen``: the job its caller was authorized for. A job of
+        replica groups: every group's, each group and worker naming its replica group."""
         job = await self._of(job_id, seen)
+        if job.is_parent:
+            groups: list[GroupView] = []
+            for child in await self._groups_of(job):
+                view = await self.workers(child.id, child)
+                groups.extend(view.groups)
+            await self._still(seen)
+            return self._workers_view(job, groups)
+        own = await self._groups_view(job)
+        await self._still(seen)
+        return self._workers_view(job, own)
+
+    @staticmethod
+    def _workers_view(job: Job, groups: list[GroupView]) -> WorkersView:
+        return WorkersView(
+            job_id=job.id,
+            state=job.state,
+            restart_count=job.restart_count,
+            max_restarts=job.max_restarts,
+            remaining_restarts=max(0, job.max_restarts - job.restart_count),
+            round=job.round,
+            groups=groups,
+        )
+
+    async def _groups_view(self, job: Job) -> list[GroupView]:
+        """The worker groups of an ordinary job (or of one replica group) in its current round."""
+        job_id = job.id
         tag = incarnation_tag(job)
         listing = await self.side.store.list(group_prefix(job_id))
         decoded = (decode_group(e.value) for e in listing.entries)
@@ -121,17 +185,8 @@ class JobQueries:
         if agent is not None and agent.view is not None:  # our own group: freshest copy
             groups = [g for g in groups if g.node != agent.view.node] + [agent.view]
         current = [g for g in groups if g.round == job.round] or groups
-        current = [await self._as_seen(g) for g in current]
-        await self._still(seen)
-        return WorkersView(
-            job_id=job.id,
-            state=job.state,
-            restart_count=job.restart_count,
-            max_restarts=job.max_restarts,
-            remaining_restarts=max(0, job.max_restarts - job.restart_count),
-            round=job.round,
-            groups=sorted(current, key=lambda g: (g.group_rank, g.node)),
-        )
+        current = [_in_group(await self._as_seen(g), job) for g in current]
+        return sorted(current, key=lambda g: (g.group_rank, g.node))
 
     async def _as_seen(self, group: GroupView) -> GroupView:
         """A running group of a node that is gone (its lease expired) is shown UNKNOWN.
@@ -191,7 +246,7 @@ class JobQueries:
         job's: an event of an earlier job of the id that reached the store late is left
         out (:func:`~elasticd.node.events.of_job`)."""
         job = await self._of(job_id, seen)
-        events = await self.side.events.cluster_events(job_id, after, incarnation_tag(job), limit)
+        events, _ = await merged_events(self.side.events, await self._sources(job), after, limit)
         await self._still(seen)
         return events
 
@@ -203,6 +258,11 @@ class JobQueries:
         only this job's, as for :meth:`list_events`. Events of another job of the id end
         the wait with a 409 when they are a new job's (one read of the document then)."""
         job = await self._of(job_id, seen)
+        if job.is_parent or job.replica_group is not None:
+            sources = await self._sources(job)
+            events = await follow_merged(self.side.events, sources, job_id, after, timeout)
+            await self._still(seen)
+            return events
         events = await self.side.events.follow_cluster(
             job_id, after, timeout, incarnation_tag(job), functools.partial(self._still, job)
         )

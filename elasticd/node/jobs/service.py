@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from typing_extensions import Unpack
@@ -66,6 +66,7 @@ from elasticd.models import (
     JobOwner,
     JobSpec,
     Launcher,
+    incarnation,
     incarnation_tag,
     valid_job_id,
 )
@@ -82,6 +83,16 @@ from elasticd.node.jobs.documents import (
     parse_job,
     redacted,
     same_job,
+)
+from elasticd.node.jobs.groups import (
+    MAX_STEPS,
+    GroupKeeper,
+    belongs,
+    children_of,
+    derive_parent,
+    parent_of_spec,
+    plan_groups,
+    taken_edit,
 )
 from elasticd.node.jobs.queries import JobQueries
 from elasticd.node.jobs.reconcile import Reconciler, Slots
@@ -186,6 +197,8 @@ class JobService:
         self.read_log = self.queries.read_log
         self.check_log = self.queries.check_log
         self.node_url = self.queries.node_url
+        #: Creates a parent's missing replica groups and derives its state from theirs.
+        self.groups = GroupKeeper(self._background, self._keep_groups)
         if storage is not None:
             storage.on_state_back(self.supervisor.storage_back)
         #: Raises WorkerSpawnError when this node refuses to run jobs as that user.
@@ -208,6 +221,11 @@ class JobService:
         """Give each job run here its own token, in a file of ``folder`` (the daemon's, 0711)."""
         self.supervisor.job_tokens = tokens
         self.supervisor.token_dir = folder
+
+    def use_lighthouse(self, lighthouse: Callable[[str], Awaitable[str]] | None) -> None:
+        """This node's torchft Lighthouse: a parent job's id -> the address its replica
+        groups' workers here get as TORCHFT_LIGHTHOUSE (agents started from now on)."""
+        self.supervisor.lighthouse = lighthouse
 
     # lifecycle
 
@@ -326,20 +344,27 @@ class JobService:
             submitted_to=self.node,
             owner=owner,
         )
+        if spec.replica_groups is not None:
+            job = parent_of_spec(job)
+        children = children_of(job)
+        if children:
+            await self._check_group_ids(job)
         document = job.model_dump_json().encode()
+        sizes = {c.id: len(c.model_dump_json()) for c in children} | {job_id: len(document)}
         share = self._job_share(principal)
         if share is None:
             result = await self.store.compare_and_set(job_key(job_id), document, None)
         else:
             async with self._share_lock:  # one check-and-write of a share at a time here
-                self._check_share(owner, job_key(job_id), len(document), share)
+                self._check_share(owner, job_key(job_id), sum(sizes.values()), share, len(sizes))
                 result = await self.store.compare_and_set(job_key(job_id), document, None)
                 if result.ok:
-                    self._recent[job_key(job_id)] = (
-                        (owner.name, owner.local),
-                        len(document),
-                        self.clock.monotonic(),
-                    )
+                    for written, size in sizes.items():
+                        self._recent[job_key(written)] = (
+                            (owner.name, owner.local),
+                            size,
+                            self.clock.monotonic(),
+                        )
         if not result.ok:
             assert result.entry is not None
             existing = parse_job(job_id, result.entry.value)
@@ -362,7 +387,94 @@ class JobService:
             state=JobState.PENDING.value,
             job_tag=incarnation_tag(job),
         )
+        if children:
+            # Acknowledged once the parent is written: a daemon that dies before its groups
+            # are leaves them to the others (GroupKeeper), which write what is missing.
+            with contextlib.suppress(StoreError):
+                await self._create_groups(children)
         return job, True
+
+    async def _check_group_ids(self, parent: Job) -> None:
+        """``JobConflict`` (409) when an id of ``parent``'s groups names another job: one
+        not of a parent of its id and owner (a submission again of the same job finds its
+        own groups there; the parent's document then decides, as for any job)."""
+        owner = parent.owner
+        taken = [
+            other.id
+            for other in (await self.documents.children(parent)).values()
+            if other.group_of != parent.id or other.owner != owner
+        ]
+        if taken:
+            raise JobConflict(
+                f"job {parent.id!r} would have replica groups {', '.join(taken)}, ids other "
+                "jobs hold; choose another id"
+            )
+
+    async def _create_groups(self, children: Sequence[Job]) -> list[Job]:
+        """Write the groups (child jobs) that have no document yet; the ones written."""
+        written = []
+        for child in children:
+            document = child.model_dump_json().encode()
+            if (await self.store.compare_and_set(job_key(child.id), document, None)).ok:
+                written.append(child)
+                self.events.emit(
+                    child.id,
+                    "daemon",
+                    EventKind.JOB_SUBMITTED,
+                    f"replica group {child.replica_group} of job {child.group_of}, "
+                    f"written by {self.node}",
+                    state=JobState.PENDING.value,
+                    job_tag=incarnation_tag(child),
+                )
+        return written
+
+    async def _keep_groups(self, parent_id: str) -> None:
+        """One pass over a parent (:func:`~elasticd.node.jobs.groups.plan_groups`), read
+        fresh: its missing groups written, its active ones ended when it ended, its state
+        derived from theirs. Each write a compare-and-set: any daemon may run it."""
+        try:
+            parent = await self.documents.read(parent_id)
+        except JobNotFound:
+            return
+        children = await self.documents.children(parent)
+        plan = plan_groups(parent, children)
+        if plan.taken and not parent.state.is_terminal:
+            await self.update_job(parent_id, mutate=lambda p: taken_edit(p, plan.taken))
+            return
+        if plan.create:
+            written = await self._create_groups(plan.create)
+            if written:
+                self.events.emit(
+                    parent_id,
+                    "daemon",
+                    EventKind.REPLICAS_CREATED,
+                    f"{self.node} wrote {len(written)} replica group(s) the job lacked: "
+                    + ", ".join(c.id for c in written),
+                    job_tag=incarnation_tag(parent),
+                )
+        why = f"its job {parent_id} ended as {parent.state.value}"
+        for child in plan.end:
+            await self._end_group(child, why)
+        for _ in range(MAX_STEPS):
+            derive = _derived_from(await self.documents.children(parent))
+            if not derive(await self.update_job(parent_id, mutate=derive)):
+                return
+
+    async def _end_group(self, child: Job, why: str) -> None:
+        """Cancel one group of a parent that ended, and stop its workers everywhere."""
+
+        def edit(job: Job) -> JobEdit:
+            if job.state.is_terminal or incarnation(job) != incarnation(child):
+                return {}
+            return {"state": JobState.CANCELLED, "reason": f"cancelled: {why}"}
+
+        try:
+            ended = await self.update_job(child.id, mutate=edit)
+        except JobNotFound:
+            return
+        if ended.state is JobState.CANCELLED and incarnation(ended) == incarnation(child):
+            await self._close_rendezvous(ended)
+            await self.documents.sweep_unless_there(ended)
 
     def _job_share(self, principal: Principal) -> JobShare | None:
         """``principal``'s share of job documents; None for the admin and the cluster."""
@@ -378,9 +490,12 @@ class JobService:
             ),
         )
 
-    def _check_share(self, owner: JobOwner, key: str, nbytes: int, share: JobShare) -> None:
-        """Raise ``OverShare`` (429) or ``OverShareBytes`` (413) when a document of
-        ``nbytes`` at ``key`` would take ``owner`` past ``share``.
+    def _check_share(
+        self, owner: JobOwner, key: str, nbytes: int, share: JobShare, documents: int = 1
+    ) -> None:
+        """Raise ``OverShare`` (429) or ``OverShareBytes`` (413) when ``documents`` (the
+        one at ``key`` and its replica groups') of ``nbytes`` in all would take ``owner``
+        past ``share``.
 
         Counted from the documents this node's job watch holds, plus the ones it wrote
         itself that the watch has not shown yet (kept for :data:`RECENT_SECONDS`).
@@ -394,7 +509,7 @@ class JobService:
         for other, (whose, size, _) in self._recent.items():
             if whose == who and other != key and not seen(other):
                 usage = Usage(usage.count + 1, usage.nbytes + size)
-        problem = job_share_problem(owner.name, usage, nbytes, share)
+        problem = job_share_problem(owner.name, usage, nbytes, share, documents)
         if problem is not None:
             status, message = problem
             raise (OverShareBytes if status == 413 else OverShare)(message)
@@ -428,7 +543,8 @@ class JobService:
         under its id since then is not cancelled (409).
         """
         job = seen if seen is not None else await self.get(job_id)  # seen: read just now
-        if job.launcher != Launcher.ELASTICD:
+        await self._refuse_group(job, "cancel")
+        if job.launcher == Launcher.TORCHRUN:
             raise JobConflict(
                 f"job {job_id!r} is run by {job.launcher}, not by elasticd: stop its "
                 f"{job.launcher} processes"
@@ -447,6 +563,11 @@ class JobService:
         # Decided on the document the compare-and-set writes over: the job may have ended
         # since the read above (its workers failed, a peer cancelled it), and that is a 409.
         job = await self.update_job(job_id, mutate=cancelled(seen))
+        if job.is_parent:  # its groups run its workers: each is cancelled (and its rendezvous)
+            for child in (await self.documents.children(job)).values():
+                if belongs(child, job) and not child.state.is_terminal:
+                    await self._end_group(child, f"its job {job_id} was cancelled")
+            return job
         # Closing the rendezvous tells every node's agent to stop its workers. The job as
         # written, not read again: a delete may land now that it is CANCELLED, and the
         # cancel stands (200, not 404); the close may then have written the rendezvous of
@@ -464,7 +585,17 @@ class JobService:
         # Measured from when this node saw the end, on its monotonic clock: the document's
         # finished_at is another node's wall clock, which may be hours off this one's.
         seen = self.reconciler
-        finished = [job for job in seen.known.values() if job.state.is_terminal]
+        # A replica group goes with its parent (deleted with it), unless the parent is gone.
+        finished = [
+            job
+            for job in seen.known.values()
+            if job.state.is_terminal
+            and not (
+                job.group_of is not None
+                and (parent := seen.known.get(job.group_of)) is not None
+                and belongs(job, parent)
+            )
+        ]
         deleted = []
         for job_id in expired(finished, seen.ends, self.clock.monotonic(), retention):
             try:
@@ -501,18 +632,53 @@ class JobService:
             raise JobNotFound(f"no job with id {job_id!r}")
         job = parse_job(job_id, entry.value)
         same_job(seen, job)
-        torch_run = job.launcher != Launcher.ELASTICD
+        await self._refuse_group(job, "delete")
+        torch_run = job.launcher == Launcher.TORCHRUN
         abandoned = torch_run and not await self.documents.live_members(job_id)
         if not job.state.is_terminal and not abandoned:
             # A torchrun run whose torchruns are all gone (stopped by a signal, torch's
             # launcher skips its shutdown then) keeps its last state for ever: it may go.
             raise JobConflict(f"job {job_id!r} is {job.state.value}; cancel it before deleting it")
+        if job.is_parent:  # its groups first: a parent is never gone while they stay
+            await self._delete_groups(job)
         if not await self.store.delete(job_key(job_id), entry.version):
             raise JobConflict(f"job {job_id!r} changed while being deleted; try again")
         # Its keys go after its document, and only keys older than the id's document of
         # now: a job submitted again under the id meanwhile keeps its own.
         await self.documents.sweep(job_id)
         self.reconciler.forget(job_id)
+
+    async def _refuse_group(self, job: Job, action: str) -> None:
+        """``JobConflict`` (409) for an action on a replica group whose parent is there:
+        its parent's to do (a group whose parent is gone may go)."""
+        if job.group_of is None:
+            return
+        try:
+            parent = await self.documents.read(job.group_of)
+        except (JobNotFound, JobConflict):  # gone, or another (refused) document of its id
+            return
+        if belongs(job, parent):
+            raise JobConflict(
+                f"job {job.id!r} is part of job {parent.id!r}; {action} {parent.id!r}"
+            )
+
+    async def _delete_groups(self, parent: Job) -> None:
+        """Delete the ended groups of ``parent``; ``JobConflict`` if one still runs."""
+        groups = [c for c in (await self.documents.children(parent)).values() if belongs(c, parent)]
+        active = [c.id for c in groups if not c.state.is_terminal]
+        if active:
+            raise JobConflict(
+                f"job {parent.id!r} has replica groups still stopping ({', '.join(active)}); "
+                "try again"
+            )
+        for child in groups:
+            entry = await self.store.get(job_key(child.id))
+            if entry is None:
+                continue
+            if not await self.store.delete(job_key(child.id), entry.version):
+                raise JobConflict(f"job {child.id!r} changed while being deleted; try again")
+            await self.documents.sweep(child.id)
+            self.reconciler.forget(child.id)
 
     async def _close_rendezvous(self, job: Job) -> None:
         rdzv = self.supervisor.rendezvous(job)
@@ -560,6 +726,8 @@ class JobService:
     def on_jobs(self, jobs: list[Job]) -> None:
         """Called with every job document whenever one changes."""
         self.reconciler.on_jobs(jobs)
+        if self.reconciler.accepting:
+            self.groups.on_jobs(jobs)
 
     def on_plan(self, plan: FleetPlan) -> None:
         """Called with the fleet's plan whenever it changes (:mod:`elasticd.node.scheduler`)."""
@@ -575,3 +743,17 @@ class JobService:
         for job_id in self.events.store_lost_jobs():
             if job_id not in self.supervisor.agents:
                 self.events.store_back(job_id)
+
+
+def _derived_from(jobs: Mapping[str, Job]) -> JobMutation:
+    """The parent's derived-state edit, from the documents at its groups' ids (pure)."""
+
+    def edit(parent: Job) -> JobEdit:
+        groups = {
+            c.replica_group: c
+            for c in jobs.values()
+            if c.replica_group is not None and belongs(c, parent)
+        }
+        return derive_parent(parent, groups)
+
+    return edit

@@ -154,6 +154,9 @@ class AgentSupervisor:
         #: The tokens of this node's jobs' workers, and the folder of their files (the
         #: daemon's own, 0711): each job's file belongs to its user, 0400.
         self.job_tokens: JobTokens | None = None
+        #: This node's torchft Lighthouse (a parent job's id -> its address), handed to the
+        #: replica groups' agents; None: their workers get no TORCHFT_LIGHTHOUSE.
+        self.lighthouse: Callable[[str], Awaitable[str]] | None = None
         self.token_dir: Path | None = None
         self.agents: dict[str, JobAgent] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -494,6 +497,7 @@ class AgentSupervisor:
             node_failure=RetrySettings(grace=self.side.config.node_failure_grace),
             attribute=self.attribute,
             busy_slots=self._busy_slots,
+            lighthouse=self.lighthouse,
         )
         agent = JobAgent(job, ctx, handover)
         try:

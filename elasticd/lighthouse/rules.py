@@ -93,7 +93,9 @@ Decision = NewQuorum | Wait
 
 
 def healthy_replicas(last_seen: Mapping[str, float], now: float, timeout: float) -> set[str]:
-    return {r for r, seen in last_seen.items() if now - seen < timeout}
+    """Seen less than ``timeout`` ago; written as ``now < seen + timeout`` so that the time a
+    replica goes stale (``seen + timeout``, a decision's ``until``) is stale to the bit."""
+    return {r for r, seen in last_seen.items() if now < seen + timeout}
 
 
 def decide(state: State, now: float, settings: Settings) -> Decision:
@@ -126,8 +128,8 @@ def decide(state: State, now: float, settings: Settings) -> Decision:
     fast = state.previous is not None and all(r in asking for r in state.previous)
     if not fast and len(asking) < len(healthy):
         first = min(asking[r].joined for r in candidates)
-        if now - first < settings.join_timeout:
-            until = first + settings.join_timeout
+        until = first + settings.join_timeout
+        if now < until:
             if stale_at is not None:
                 until = min(until, stale_at)
             return wait(f"waiting for {len(healthy) - len(asking)} healthy stragglers", until)

@@ -254,8 +254,8 @@ def observe(
         del seen.beats[gone]
     for gone in set(seen.last_seen) - present:
         del seen.last_seen[gone]
-    for request in set(seen.joined) - live_requests:
-        del seen.joined[request]
+    for stale in set(seen.joined) - live_requests:
+        del seen.joined[stale]
     quorum_id = max(floor, doc.quorum_id if doc is not None else 0)
     previous = doc.members() if doc is not None and doc.participants else None
     state = State(quorum_id, previous, pending, dict(seen.last_seen))

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.lighthouse import peer as peers
@@ -48,6 +48,8 @@ from elasticd.lighthouse.rules import Settings
 from elasticd.store import Store
 
 log = logging.getLogger("elasticd.lighthouse")
+
+T = TypeVar("T")
 
 SERVICE = "torchft.LighthouseService"
 #: Longest a quorum poll waits (seconds): torchft's own quorum timeout is 60 s by default.
@@ -119,6 +121,7 @@ class Lighthouse:
         *,
         clock: Clock = SYSTEM_CLOCK,
         check_peers: bool = True,
+        tcp_tables: Callable[[], list[peers.TcpRow] | None] = peers.read_tables,
     ) -> None:
         import grpc  # the extra elasticd[torchft]; an ImportError here names it
 
@@ -128,6 +131,7 @@ class Lighthouse:
         self._lease = lease
         self.clock = clock
         self.check_peers = check_peers
+        self._tables = tcp_tables
         self._jobs: dict[str, _Served] = {}
         self._lock = asyncio.Lock()
         self._closed = False
@@ -195,27 +199,27 @@ class Lighthouse:
         grpc = self._grpc
         check: PeerCheck | None = None
         if self.check_peers:
-            if peers.read_tables() is None:
+            if self._tables() is None:
                 log.warning(
                     "lighthouse %s: no /proc/net/tcp here: any local user may reach it", job_id
                 )
             else:
-                check = PeerCheck(uid)
+                check = PeerCheck(uid, self._tables)
         bound_port = 0
 
-        async def guard(context: Any) -> None:
-            if check is None:
-                return
-            why = check(context.peer(), bound_port)
+        async def admit(request: bytes, context: Any, decode: Callable[[bytes], T]) -> T:
+            """The peer checked, then the request decoded; else the call ends with why."""
+            why = check(context.peer(), bound_port) if check is not None else None
             if why is not None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-
-        async def on_quorum(request: bytes, context: Any) -> bytes:
-            await guard(context)
             try:
-                member = decode_quorum_request(request)
+                return decode(request)
             except ProtoError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise  # abort raised already
+
+        async def on_quorum(request: bytes, context: Any) -> bytes:
+            member = await admit(request, context, decode_quorum_request)
             if not member.replica_id:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "the requester has no replica_id"
@@ -239,11 +243,7 @@ class Lighthouse:
             return encode_quorum_response(result)
 
         async def on_heartbeat(request: bytes, context: Any) -> bytes:
-            await guard(context)
-            try:
-                replica_id = decode_heartbeat_request(request)
-            except ProtoError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            replica_id = await admit(request, context, decode_heartbeat_request)
             if replica_id:
                 quorum.heartbeat(replica_id)
             return HEARTBEAT_RESPONSE

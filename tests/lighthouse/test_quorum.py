@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, cast
 
 import pytest
 
@@ -226,3 +228,73 @@ async def test_node_records_are_written_per_period_not_per_beat(store: MemorySto
         assert 3 <= len(events) <= 8
     finally:
         await node.stop()
+
+
+class Jittery:
+    """The store with a seeded delay before and after every call, so that concurrent
+    loops interleave between a read and their write (the in-memory store never yields)."""
+
+    def __init__(self, store: MemoryStore, seed: int) -> None:
+        self._store = store
+        self._rng = random.Random(seed)
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._store, name)
+        if name not in {"get", "list", "put", "compare_and_set", "delete", "watch"}:
+            return target
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(self._rng.random() * 0.004)
+            result = await target(*args, **kwargs)
+            await asyncio.sleep(self._rng.random() * 0.004)
+            return result
+
+        return call
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_two_leaders_at_once_still_issue_one_line_of_quorums(
+    store: MemoryStore, seed: int
+) -> None:
+    """Extra decide loops (leaders whose lease lapsed in a partition, still deciding) beside
+    the elected one, on both nodes, so that every round two loops decide from one version
+    and race to write it: every stored quorum has one membership per id, ids never go
+    back, none is below min_replicas, and every replica gets an answer."""
+    jittery = cast(MemoryStore, Jittery(store, seed))
+    n1, n2 = Node(jittery, "n1"), Node(jittery, "n2")
+    await n1.start()
+    await n2.start()
+    assert n1.jq is not None and n2.jq is not None
+    rogues = [asyncio.create_task(n.jq._decide_loop()) for n in (n1, n2) if n.jq is not None]
+    key = keys.lighthouse_quorum_key(JOB)
+    try:
+        start = (await store.list(key)).revision
+        for step in range(8):
+            asks = {"a": n1, "b": n2, "c": n2} if step % 3 else {"a": n1, "b": n2}
+            if step % 3 == 0:
+                n2.replicas.discard("c")
+                await asyncio.sleep(FAST.heartbeat_timeout)  # c goes stale
+            answers = await round_(asks)
+            assert len({q.quorum_id for q in answers.values()}) == 1
+        events = await store.watch(key, start, 0.01)
+        docs = [decode_doc(e.value) for e in events if e.value is not None]
+        assert all(isinstance(d, QuorumDoc) for d in docs)
+        line = [(d.quorum_id, d.members()) for d in docs if isinstance(d, QuorumDoc)]
+        assert [i for i, _ in line] == sorted(i for i, _ in line)
+        by_id: dict[int, set[tuple[str, ...]]] = {}
+        for quorum_id, members in line:
+            by_id.setdefault(quorum_id, set()).add(members)
+            assert len(members) >= FAST.min_replicas
+        assert all(len(m) == 1 for m in by_id.values()), by_id
+        # and each request is granted once: no two writes from one version
+        grants = [
+            (p.node, p.ticket) for d in docs if isinstance(d, QuorumDoc) for p in d.participants
+        ]
+        assert len(grants) == len(set(grants))
+    finally:
+        for rogue in rogues:
+            rogue.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rogue
+        await n1.stop()
+        await n2.stop()

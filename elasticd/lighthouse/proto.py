@@ -19,7 +19,8 @@ skipped, a scalar given twice keeps the last, a singular message given twice is 
 (parsed from the concatenation of its parts), absent fields are their defaults.
 
 Which side of the boundary: the daemon, facing every local process that can connect. So
-every input is bounded before it is parsed: a message over :data:`MAX_MESSAGE_BYTES`, more
+every input is bounded before it is parsed: a request over :data:`MAX_MESSAGE_BYTES` (a
+quorum, which only the Lighthouse writes, over :data:`MAX_RESPONSE_BYTES`), more
 than :data:`MAX_PARTICIPANTS` members, a string over :data:`MAX_STRING_BYTES` or not
 UTF-8, a varint longer than ten bytes, a field number 0, a group (wire types 3 and 4),
 or a length past the end raise :class:`ProtoError` naming what was wrong. The encoders
@@ -36,6 +37,7 @@ __all__ = [
     "HEARTBEAT_RESPONSE",
     "MAX_MESSAGE_BYTES",
     "MAX_PARTICIPANTS",
+    "MAX_RESPONSE_BYTES",
     "MAX_STRING_BYTES",
     "ProtoError",
     "Quorum",
@@ -55,6 +57,9 @@ __all__ = [
 
 #: Largest message decoded or encoded (bytes): a request is a few hundred bytes.
 MAX_MESSAGE_BYTES = 64 * 1024
+#: Largest quorum (answer) encoded or decoded: 1,024 members of a few hundred bytes each fit,
+#: and it is the default limit of the Managers' gRPC client (tonic's, 4 MiB).
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 #: Most members one quorum holds.
 MAX_PARTICIPANTS = 1024
 #: Longest string field (bytes of UTF-8).
@@ -157,9 +162,9 @@ def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
             raise ProtoError(f"field {number} has wire type {kind}, which does not exist")
 
 
-def _check_size(buf: bytes, what: str) -> None:
-    if len(buf) > MAX_MESSAGE_BYTES:
-        raise ProtoError(f"{what} of {len(buf)} bytes is over {MAX_MESSAGE_BYTES} bytes")
+def _check_size(buf: bytes, what: str, limit: int = MAX_MESSAGE_BYTES) -> None:
+    if len(buf) > limit:
+        raise ProtoError(f"{what} of {len(buf)} bytes is over {limit} bytes")
 
 
 def _want(kind: int, expected: int, number: int, what: str) -> None:
@@ -206,9 +211,9 @@ def _check_int64(value: int, name: str) -> None:
         raise ProtoError(f"{name} {value} is outside int64")
 
 
-def _finish(out: bytearray, what: str) -> bytes:
+def _finish(out: bytearray, what: str, limit: int = MAX_MESSAGE_BYTES) -> bytes:
     raw = bytes(out)
-    _check_size(raw, what)
+    _check_size(raw, what, limit)
     return raw
 
 
@@ -293,11 +298,11 @@ def encode_quorum(quorum: Quorum) -> bytes:
     for member in quorum.participants:
         _put_bytes(out, 2, encode_member(member), always=True)
     _put_bytes(out, 3, _encode_timestamp(quorum.created), always=True)
-    return _finish(out, "a Quorum")
+    return _finish(out, "a Quorum", MAX_RESPONSE_BYTES)
 
 
 def decode_quorum(buf: bytes) -> Quorum:
-    _check_size(buf, "a Quorum")
+    _check_size(buf, "a Quorum", MAX_RESPONSE_BYTES)
     quorum_id = 0
     members: list[QuorumMember] = []
     created = b""
@@ -322,16 +327,18 @@ def decode_quorum(buf: bytes) -> Quorum:
 # the service's requests and responses
 
 
-def _single_message(buf: bytes, what: str, inner: str) -> bytes | None:
+def _single_message(
+    buf: bytes, what: str, inner: str, limit: int = MAX_MESSAGE_BYTES
+) -> bytes | None:
     """The bytes of field 1 (a message) of ``buf``, merged when given twice; None if absent."""
-    _check_size(buf, what)
+    _check_size(buf, what, limit)
     found: bytes | None = None
     for number, kind, value in _fields(buf):
         if number == 1:
             _want(kind, _LEN, number, what)
             assert isinstance(value, bytes)
             found = (found or b"") + value
-            _check_size(found, inner)
+            _check_size(found, inner, limit)
     return found
 
 
@@ -352,11 +359,11 @@ def decode_quorum_request(buf: bytes) -> QuorumMember:
 def encode_quorum_response(quorum: Quorum) -> bytes:
     out = bytearray()
     _put_bytes(out, 1, encode_quorum(quorum), always=True)
-    return _finish(out, "a LighthouseQuorumResponse")
+    return _finish(out, "a LighthouseQuorumResponse", MAX_RESPONSE_BYTES)
 
 
 def decode_quorum_response(buf: bytes) -> Quorum:
-    raw = _single_message(buf, "LighthouseQuorumResponse", "its quorum")
+    raw = _single_message(buf, "LighthouseQuorumResponse", "its quorum", MAX_RESPONSE_BYTES)
     return decode_quorum(raw or b"")
 
 

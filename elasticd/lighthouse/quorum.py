@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import re
@@ -34,9 +35,10 @@ from collections.abc import Awaitable, Callable
 from elasticd import keys
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import LeaseNotFound, StoreCompacted, StoreError
-from elasticd.lighthouse.proto import Quorum, QuorumMember, Timestamp
-from elasticd.lighthouse.rules import NewQuorum, Settings, decide
+from elasticd.lighthouse.proto import MAX_PARTICIPANTS, Quorum, QuorumMember, Timestamp
+from elasticd.lighthouse.rules import NewQuorum, Settings, Wait, decide
 from elasticd.lighthouse.state import (
+    MAX_DOC_BYTES,
     NodeRecord,
     PendingRequest,
     QuorumDoc,
@@ -60,10 +62,18 @@ WATCH_SECONDS = 30.0
 #: A replica not heard from locally for this many heartbeat timeouts leaves the record.
 FORGET_AFTER = 3.0
 
+#: JSON bytes of replica ids one node's record may name (a record holds each id twice at
+#: most, its beats and its pending request, within state.MAX_DOC_BYTES).
+MAX_ID_BYTES = 128 * 1024
 #: Seconds a node whose decide loop crashed leaves leadership to the others.
 RESIGN_SECONDS = 5.0
 
 _NODE_NAME = re.compile(NODE_NAME_PATTERN)
+
+
+class OverLimit(Exception):
+    """A request or heartbeat that this node's record has no room for (too many replicas,
+    or the record over its size bound): refused, RESOURCE_EXHAUSTED."""
 
 
 class MissedQuorum(Exception):
@@ -120,6 +130,7 @@ class JobQuorum:
         self.reason = ""
         self._refused: dict[str, str] = {}
         self._doc_version = 0
+        self._id_bytes = 0  # JSON bytes of the replica ids in _heard
 
     # lifecycle
 
@@ -131,11 +142,24 @@ class JobQuorum:
         mine = await self.store.get(self._record_key)
         tickets = [0]
         if mine is not None and not isinstance(rec := decode_record(mine.value, self.node), str):
+            # A re-exec (or a restart within the lease): the replicas this node heard stay
+            # heard, with their counters, so that a leader judging now still counts the ones
+            # whose Managers have not called again yet (their polls died with the old image,
+            # so its pending requests are dropped; their tickets are never reused).
             tickets += [p.ticket for p in rec.pending.values()]
+            now = self.clock.monotonic()
+            for replica, count in rec.beats.items():
+                cost = len(json.dumps(replica))
+                if self._id_bytes + cost <= MAX_ID_BYTES:
+                    self._id_bytes += cost
+                    self._beats[replica] = count
+                    self._heard[replica] = now
         if self.doc is not None:
             tickets += [g.ticket for g in self.doc.granted.values() if g.node == self.node]
         self._ticket = max(tickets)  # a restarted daemon's tickets go on, never reused
-        await self._write_record()
+        # Published before the election, which checks a leader's record; a store that
+        # fails here fails the start (the caller's to retry), it does not hang it.
+        await self.store.put(self._record_key, encode(self._record()), lease=await self._lease())
         self._tasks.spawn(self._record_loop(), name=f"lighthouse-record-{self.job_id}")
         self._tasks.spawn(self._watch_quorum(), name=f"lighthouse-watch-{self.job_id}")
         self._tasks.spawn(self._elect(), name=f"lighthouse-elect-{self.job_id}")
@@ -160,18 +184,33 @@ class JobQuorum:
     # what the Managers say
 
     def heartbeat(self, replica_id: str) -> None:
+        """Note a beat (written with the next record); OverLimit past MAX_PARTICIPANTS."""
+        if replica_id not in self._heard:
+            if len(self._heard) >= MAX_PARTICIPANTS:
+                raise OverLimit(f"this node already hears {MAX_PARTICIPANTS} replicas of the job")
+            cost = len(json.dumps(replica_id))
+            if self._id_bytes + cost > MAX_ID_BYTES:
+                raise OverLimit(f"the replica ids heard here are over {MAX_ID_BYTES} bytes")
+            self._id_bytes += cost
         self._beaten.add(replica_id)
         self._heard[replica_id] = self.clock.monotonic()
         self._beats.setdefault(replica_id, 0)
 
     async def quorum(self, member: QuorumMember) -> Quorum:
-        """The first quorum that grants this request (a long poll; the caller bounds it)."""
-        self._ticket += 1
-        ticket = self._ticket
-        self.heartbeat(member.replica_id)
-        self._pending[member.replica_id] = PendingRequest(
-            ticket=ticket, member=StoredMember.of(member)
+        """The first quorum that grants this request (a long poll; the caller bounds it).
+
+        OverLimit when the node's record would be over its bound with it."""
+        request = PendingRequest(ticket=self._ticket + 1, member=StoredMember.of(member))
+        size = (
+            len(encode(self._snapshot()))
+            + len(request.model_dump_json())
+            + 2 * len(member.replica_id)
         )
+        if size > MAX_DOC_BYTES:
+            raise OverLimit(f"this node's Lighthouse record would be over {MAX_DOC_BYTES} bytes")
+        self.heartbeat(member.replica_id)
+        self._ticket = ticket = request.ticket
+        self._pending[member.replica_id] = request
         future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(member.replica_id, []).append((ticket, future))
         self._urgent.set()
@@ -184,11 +223,28 @@ class JobQuorum:
             if not waiters:
                 self._waiters.pop(member.replica_id, None)
 
+    def status(self) -> dict[str, object]:
+        """What an operator or the daemon's API may show of this job's quorum here."""
+        doc = self.doc
+        return {
+            "node": self.node,
+            "leading": self.leading,
+            "quorum_id": doc.quorum_id if doc is not None else None,
+            "members": list(doc.members()) if doc is not None else [],
+            "decided_by": doc.leader if doc is not None else None,
+            "waiting_polls": self.waiting,
+            "replicas_heard": len(self._heard),
+            "reason": self.reason if self.leading else "",
+        }
+
     @property
     def waiting(self) -> int:
         return sum(len(w) for w in self._waiters.values())
 
     # the record loop
+
+    def _snapshot(self) -> NodeRecord:
+        return NodeRecord(node=self.node, beats=dict(self._beats), pending=dict(self._pending))
 
     def _record(self) -> NodeRecord:
         for replica in self._beaten:
@@ -197,12 +253,18 @@ class JobQuorum:
         cutoff = self.clock.monotonic() - FORGET_AFTER * self.settings.heartbeat_timeout
         for replica in [r for r, t in self._heard.items() if t < cutoff]:
             del self._heard[replica]
+            self._id_bytes -= len(json.dumps(replica))
             self._beats.pop(replica, None)
             self._pending.pop(replica, None)
-        return NodeRecord(node=self.node, beats=dict(self._beats), pending=dict(self._pending))
+        return self._snapshot()
 
     async def _write_record(self) -> None:
-        raw = encode(self._record())
+        try:
+            raw = encode(self._record())
+        except ValueError as exc:  # the checks in quorum() keep it within bounds; never die
+            log.error("lighthouse %s: %s; dropping the pending requests", self.job_id, exc)
+            self._pending.clear()
+            raw = encode(self._record())
         self._dirty = False
         backoff = 0.05
         while True:
@@ -419,12 +481,22 @@ class JobQuorum:
                     created,
                     self.node,
                 )
+                try:
+                    raw = encode(new)
+                except ValueError as exc:  # members' fields too large together: none forms
+                    decision = Wait(None, f"no quorum: {exc}")
+                    if decision.reason != self.reason:
+                        log.warning("lighthouse %s: %s", self.job_id, decision.reason)
+                    self.reason = decision.reason
+                    break
                 result = await self.store.compare_and_set(
-                    self._quorum_key, encode(new), entry.version if entry is not None else None
+                    self._quorum_key, raw, entry.version if entry is not None else None
                 )
                 entry = result.entry
                 if result.ok:
-                    log.info(
+                    # Every step reissues the quorum: only a new id is worth an info line.
+                    same = doc is not None and doc.quorum_id == new.quorum_id
+                    (log.debug if same else log.info)(
                         "lighthouse %s: quorum %d of %d: %s",
                         self.job_id,
                         new.quorum_id,

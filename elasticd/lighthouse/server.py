@@ -43,7 +43,7 @@ from elasticd.lighthouse.proto import (
     decode_quorum_request,
     encode_quorum_response,
 )
-from elasticd.lighthouse.quorum import JobQuorum, MissedQuorum
+from elasticd.lighthouse.quorum import JobQuorum, MissedQuorum, OverLimit
 from elasticd.lighthouse.rules import Settings
 from elasticd.store import Store
 
@@ -234,6 +234,8 @@ class Lighthouse:
             try:
                 async with asyncio.timeout(limit):
                     result = await quorum.quorum(member)
+            except OverLimit as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             except TimeoutError:
                 await context.abort(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"no quorum within {limit:.0f} s"
@@ -245,7 +247,10 @@ class Lighthouse:
         async def on_heartbeat(request: bytes, context: Any) -> bytes:
             replica_id = await admit(request, context, decode_heartbeat_request)
             if replica_id:
-                quorum.heartbeat(replica_id)
+                try:
+                    quorum.heartbeat(replica_id)
+                except OverLimit as exc:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             return HEARTBEAT_RESPONSE
 
         handler = grpc.method_handlers_generic_handler(

@@ -146,3 +146,20 @@ def test_any_bytes_decode_or_raise_a_proto_error(raw: bytes) -> None:
             decode(raw)
         except ProtoError:
             pass
+
+
+def test_a_full_quorum_of_real_sized_members_is_answered() -> None:
+    """1,024 members of a Manager's usual size are over a request's 64 KiB bound but within
+    an answer's."""
+    member = QuorumMember(
+        "group7:5f0c2b9e-8d1e-4c3a-9a55-0b8e2f1c7d64",
+        "http://localhost:29512",
+        "localhost:29500/torchft/12/0",
+        step=1234,
+        world_size=8,
+        data="{}",
+    )
+    quorum = Quorum(3, (member,) * proto.MAX_PARTICIPANTS, Timestamp(1, 2))
+    raw = proto.encode_quorum_response(quorum)
+    assert len(raw) > proto.MAX_MESSAGE_BYTES
+    assert proto.decode_quorum_response(raw) == quorum

@@ -116,6 +116,10 @@ async def test_a_quorum_forms_repeats_its_id_and_shrinks_when_a_replica_dies(
         shrunk = await round_({"a": node, "b": node})
         assert {q.quorum_id for q in shrunk.values()} == {2}
         assert ids(shrunk["a"]) == ["a", "b"]
+        assert node.jq is not None
+        status = node.jq.status()
+        assert status["quorum_id"] == 2 and status["members"] == ["a", "b"]
+        assert status["leading"] is True and status["decided_by"] == "n1"
     finally:
         await node.stop()
 
@@ -298,3 +302,59 @@ async def test_two_leaders_at_once_still_issue_one_line_of_quorums(
                 await rogue
         await n1.stop()
         await n2.stop()
+
+
+async def test_a_nodes_record_is_bounded(store: MemoryStore) -> None:
+    """Past MAX_PARTICIPANTS replicas a heartbeat is refused; a request that would put the
+    record over MAX_DOC_BYTES is refused; what was accepted is still written."""
+    from elasticd.lighthouse.quorum import OverLimit
+    from elasticd.lighthouse.state import MAX_DOC_BYTES, decode_record
+
+    node = Node(store, "n1", Settings(min_replicas=5000, join_timeout=0.0, heartbeat_timeout=5.0))
+    jq = await node.start()
+    polls: list[asyncio.Future[Quorum]] = []
+    try:
+        for i in range(1024):
+            jq.heartbeat(f"r{i}")
+        with pytest.raises(OverLimit, match="1024 replicas"):
+            jq.heartbeat("one-more")
+        jq.heartbeat("r7")  # a known replica still beats
+        big = "x" * 4000
+        refused: BaseException | None = None
+        for i in range(1024):
+            member = QuorumMember(f"r{i}", address=big, store_address=big, data=big)
+            polls.append(asyncio.ensure_future(jq.quorum(member)))
+            await asyncio.sleep(0)
+            if polls[-1].done():
+                refused = polls.pop().exception()
+                break
+        assert isinstance(refused, OverLimit) and "over 524288 bytes" in str(refused)
+        await asyncio.sleep(0.1)
+        entry = await store.get(keys.lighthouse_node_key(JOB, "n1"))
+        assert entry is not None and len(entry.value) <= MAX_DOC_BYTES
+        record = decode_record(entry.value, "n1")
+        assert not isinstance(record, str) and 20 < len(record.pending) < 60
+    finally:
+        for poll in polls:
+            poll.cancel()
+        await node.stop()
+
+
+async def test_a_reexec_keeps_leadership_tickets_and_the_next_quorum(store: MemoryStore) -> None:
+    """The daemon's image is replaced (its loops stop without leaving; the same node and
+    lease start again): it still leads, its tickets go on, the next round is answered."""
+    node = Node(store, "n1")
+    first = await node.start()
+    await round_({"a": node, "b": node})
+    ticket = first._ticket
+    for task in node._tasks:
+        task.cancel()
+    await first.stop(leave=False)
+    second = await node.start()
+    try:
+        assert second._ticket >= ticket
+        answers = await round_({"a": node, "b": node})
+        assert {q.quorum_id for q in answers.values()} == {1}
+        assert second.leading
+    finally:
+        await node.stop()

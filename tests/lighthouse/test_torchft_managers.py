@@ -67,7 +67,12 @@ class Group:
             self.proc.send_signal(signal.SIGKILL)
         await self.proc.wait()
         if self._reader is not None:
-            await self._reader
+            # A child of the worker may still hold its stdout: read on for a moment only.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._reader), 5.0)
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
 
     def stderr(self) -> str:
         return "\n".join(
@@ -247,3 +252,42 @@ async def test_the_loss_of_the_leaders_node_costs_one_bounded_stall(
         await n2.die()
         if n2.lighthouse is not None:
             await n2.lighthouse.aclose()
+
+
+async def test_a_reexec_of_the_daemon_costs_no_group_a_restart(
+    store: MemoryStore, tmp_path: Path
+) -> None:
+    """The daemon re-executes: its Lighthouse closes without leaving (record and leadership
+    stay on the node's lease) and is served again on the same port a second later. Every
+    group goes on in a quorum of 3 with its pid, and no quorum below it was ever seen."""
+    node = LeasedNode(store, "n1")
+    address = await node.start("job1")
+    groups = [Group(g, address, tmp_path) for g in range(3)]
+    try:
+        await start_together(groups)
+        pids = [g.proc.pid for g in groups if g.proc is not None]
+        assert node.lighthouse is not None
+        await node.lighthouse.close("job1", leave=False)
+        mark = [len(g.lines) for g in groups]
+        await asyncio.sleep(1.0)
+        port = int(address.rsplit(":", 1)[1])
+        again = await node.lighthouse.serve("job1", uid=os.getuid(), settings=SETTINGS, port=port)
+        assert again == address
+        await until(
+            lambda: all(
+                len(committed(g, mark[i], participants=3)) >= 5 for i, g in enumerate(groups)
+            ),
+            60,
+            groups,
+            "every group committing again after the re-exec",
+        )
+        assert [g.proc.pid for g in groups if g.proc is not None] == pids
+        assert all(g.proc is not None and g.proc.returncode is None for g in groups)
+        assert all(
+            ln["participants"] == 3 for i, g in enumerate(groups) for ln in g.lines[mark[i] :]
+        )
+    finally:
+        for g in groups:
+            if g.proc is not None:
+                await g.kill()
+        await node.die()

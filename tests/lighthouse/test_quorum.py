@@ -358,3 +358,22 @@ async def test_a_reexec_keeps_leadership_tickets_and_the_next_quorum(store: Memo
         assert second.leading
     finally:
         await node.stop()
+
+
+async def test_a_poll_whose_quorum_was_missed_is_told_to_ask_again(store: MemoryStore) -> None:
+    """A document that shows the poll's request granted but does not name it (the quorum
+    that did was compacted away unseen): the poll ends with MissedQuorum, not a hang."""
+    from elasticd.lighthouse.quorum import MissedQuorum
+    from elasticd.lighthouse.state import Grant
+
+    node = Node(store, "n1", Settings(min_replicas=3, join_timeout=0.0, heartbeat_timeout=5.0))
+    jq = await node.start()
+    try:
+        poll = asyncio.ensure_future(node.ask("a"))
+        await asyncio.sleep(0)
+        later = QuorumDoc(quorum_id=9, granted={"a": Grant(node="n1", ticket=jq._ticket)})
+        await store.put(keys.lighthouse_quorum_key(JOB), encode(later))
+        with pytest.raises(MissedQuorum):
+            await asyncio.wait_for(poll, 5)
+    finally:
+        await node.stop()

@@ -18,6 +18,7 @@ The cluster store holds, with one owner for each subtree::
     jobs/<id>/torch/<attempt>/...     the workers' torch store           (worker.names)
     jobs/<id>/inprocess/<attempt>/... in-process restart's coordination  (inprocess.keys)
     jobs/<id>/torchrun/<round>/...    torch's agent store, one per round  (torchrun_backend)
+    jobs/<id>/lighthouse/...          torchft's quorum: leader, quorum, nodes/<node> (lighthouse)
     elasticd/probe                    read to see the store answer       (daemon)
     sched/plan                        the fleet's placement and queue    (node.scheduler)
     sched/leader                      the daemon that decides, lease-bound (node.scheduler)
@@ -55,6 +56,11 @@ __all__ = [
     "group_prefix",
     "job_key",
     "keys_of_job",
+    "lighthouse_leader_key",
+    "lighthouse_node_key",
+    "lighthouse_nodes_prefix",
+    "lighthouse_prefix",
+    "lighthouse_quorum_key",
     "node_key",
     "health_key",
     "refusal_key",
@@ -156,6 +162,35 @@ def torchrun_store_prefix(job_id: str, round_: int) -> str:
     deleting the job deletes it.
     """
     return f"{worker_prefix(job_id)}torchrun/{round_}/"
+
+
+def lighthouse_prefix(job_id: str) -> str:
+    """The job's torchft Lighthouse (:mod:`elasticd.lighthouse.state` lays it out).
+
+    Under :func:`worker_prefix`, so that deleting the job deletes it; the daemons write
+    it, and a job's workers may too (their store scope): it is validated on every read.
+    """
+    return f"{worker_prefix(job_id)}lighthouse/"
+
+
+def lighthouse_leader_key(job_id: str) -> str:
+    """The node that decides the job's quorums, bound to its lease."""
+    return lighthouse_prefix(job_id) + "leader"
+
+
+def lighthouse_quorum_key(job_id: str) -> str:
+    """The job's last quorum, written by compare-and-set only; never lease-bound (its id
+    must survive every daemon)."""
+    return lighthouse_prefix(job_id) + "quorum"
+
+
+def lighthouse_nodes_prefix(job_id: str) -> str:
+    return lighthouse_prefix(job_id) + "nodes/"
+
+
+def lighthouse_node_key(job_id: str, node: str) -> str:
+    """One node's record of its local Managers' requests and heartbeats, bound to its lease."""
+    return lighthouse_nodes_prefix(job_id) + node
 
 
 def keys_of_job(job_id: str) -> tuple[str, ...]:

@@ -221,6 +221,21 @@ class Config(BaseModel):
     lease_ttl: float = Field(
         default=3.0, gt=0, le=600, description="Seconds of silence after which a node is dead."
     )
+    lighthouse_heartbeat_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        le=600,
+        description="torchft's Lighthouse (jobs of replica_groups): seconds without a "
+        "heartbeat after which a replica group is no longer healthy (torchft's "
+        "heartbeat_timeout_ms). A killed group stalls the others about this long.",
+    )
+    lighthouse_join_timeout: float = Field(
+        default=60.0,
+        ge=0,
+        le=3600,
+        description="torchft's Lighthouse: seconds a quorum waits for healthy groups that have "
+        "not asked yet before it forms without them (torchft's join_timeout_ms).",
+    )
     job_retention: float = Field(
         default=7 * 24 * 3600.0,
         ge=0,
@@ -563,6 +578,8 @@ _ENV_FIELDS = {
     "QUARANTINE_MAX_FRACTION": "quarantine_max_fraction",
     "SHUTDOWN_TIMEOUT": "shutdown_timeout",
     "JOB_RETENTION": "job_retention",
+    "LIGHTHOUSE_HEARTBEAT_TIMEOUT": "lighthouse_heartbeat_timeout",
+    "LIGHTHOUSE_JOIN_TIMEOUT": "lighthouse_join_timeout",
     "NODE_FAILURE_GRACE": "node_failure_grace",
     "MAX_CONNECTIONS": "max_connections",
     "CONTAINMENT": "containment",

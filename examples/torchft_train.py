@@ -27,7 +27,7 @@ What the loop must do to survive a fault (each point is a way we saw it die):
   only its client;
 - ``elasticd.worker.ping(step=...)``: progress for elasticd's hang detection and goodput.
 
-Each committed step prints one JSON line on stdout, ``{"t", "group", "step", "quorum",
+Each committed step prints one JSON line on stdout, ``{"t", "pid", "group", "step", "quorum",
 "participants", "weights"}`` (``weights``: a checksum of the parameters; equal across
 groups when they agree), which the tests read.
 """
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="stop after this many commits")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of 'work' a step")
     parser.add_argument("--quorum-retries", type=int, default=20)
+    parser.add_argument(
+        "--out", default=None, help="also append each line to OUT/g<group>.jsonl (the tests)"
+    )
     parser.add_argument(
         "--min-replicas",
         type=int,
@@ -118,13 +121,18 @@ def main(argv: list[str] | None = None) -> int:
             weights = float(sum(p.detach().double().sum() for p in model.parameters()))
             line = {
                 "t": time.time(),
+                "pid": os.getpid(),
                 "group": group,
                 "step": step,
                 "quorum": manager._quorum_id,  # noqa: SLF001 (no public accessor in 0.2.0)
                 "participants": manager.num_participants(),
                 "weights": round(weights, 9),
             }
-            print(json.dumps(line), flush=True)
+            text = json.dumps(line)
+            print(text, flush=True)
+            if args.out is not None:
+                with open(os.path.join(args.out, f"g{group}.jsonl"), "a") as out:
+                    out.write(text + "\n")
     finally:
         manager.shutdown(wait=False)
         del master

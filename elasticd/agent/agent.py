@@ -568,6 +568,11 @@ class JobAgent:
         )
         return plan, Attempt(self.spawn_seq, round_, plan.ranks, plan.view, plan.tag, started_from)
 
+    @property
+    def parent(self) -> str | None:
+        """The job of replica groups this agent's job is a group of (None: an ordinary job)."""
+        return self._parent
+
     async def _look_up_lighthouse(self) -> None:
         """A replica group's Lighthouse on this node, asked before each start: it may have
         moved since the last (the daemon restarted). Bounded; not found, the workers start

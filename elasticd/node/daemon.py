@@ -97,6 +97,7 @@ from elasticd.node.events import EventLog, EventRetention
 from elasticd.node.execwindow import LeaseKeeper, configured_store
 from elasticd.node.host import bind_socket, detect_gpus, raise_nofile_limit
 from elasticd.node.jobs import JobService
+from elasticd.node.lighthouses import NodeLighthouses
 from elasticd.node.looplag import LoopLag
 from elasticd.node.metrics import PAGE_MAX_AGE, Metrics, node_series
 from elasticd.node.quarantine import node_health
@@ -458,6 +459,17 @@ class Daemon(ReexecMixin):
         plan = lambda: self.scheduler.plan if self.scheduler is not None else None  # noqa: E731
         self.health = node_health(self.config, self.store, self.clock, self.events, plan)
         self.jobs.supervisor.attribute = self.health.attribute
+        self.lighthouses = NodeLighthouses(
+            self.store,
+            self.config.node_name,
+            self.cluster.lease,
+            None if self.config.store_only else self.job_users,
+            heartbeat_timeout=self.config.lighthouse_heartbeat_timeout,
+            join_timeout=self.config.lighthouse_join_timeout,
+            running=self.jobs.supervisor.parents_running,
+            clock=self.clock,
+        )
+        self.jobs.use_lighthouse(self.lighthouses.address)
         agents = self.jobs.supervisor.agents
         self.metrics.standbys = lambda: {
             job_id: agent.standby_memory() for job_id, agent in agents.items() if agent.prewarm
@@ -498,12 +510,15 @@ class Daemon(ReexecMixin):
         if manifest is not None:
             manifest.check(cgroup_ok=self.containment.mode == "cgroup")
         self._sweep_orphans(manifest)
+        stack.push_async_callback(self.lighthouses.aclose)  # after the workers' stop
         stack.push_async_callback(self._stop_jobs)
         if manifest is None:
             await self.jobs.recover()
         else:
             refused = {**manifest.not_handed, **manifest.refused}
             await self.jobs.recover(manifest.agents, refused, manifest.failures)
+            # The handed workers' Managers call their Lighthouse's port again.
+            await self.lighthouses.serve_again(manifest.lighthouses)
             self._said_reexec(manifest)
             if manifest.agents:
                 self._background.spawn(self._adoption_deadline(), name="adoption-deadline")
@@ -847,6 +862,9 @@ class Daemon(ReexecMixin):
             self.jobs.on_jobs(jobs)
             if self.scheduler is not None:
                 self.scheduler.wake()
+            if self.lighthouses.served and self._state == DaemonState.RUNNING:
+                running = self.jobs.supervisor.parents_running()
+                self._background.spawn(self.lighthouses.prune(running), name="lighthouse-prune")
 
     def request_stop(self, sig: signal.Signals | None = None) -> None:
         """Ask the daemon to shut down (what SIGTERM/SIGINT do; ``sig`` is remembered)."""

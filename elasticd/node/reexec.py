@@ -102,6 +102,7 @@ from elasticd.node.cluster import Cluster
 from elasticd.node.events import EventLog
 from elasticd.node.execwindow import ENV_SIGNALS_FD, HeldSignals, LeaseKeeper, linger_delay
 from elasticd.node.jobs import JobService
+from elasticd.node.lighthouses import NodeLighthouses
 from elasticd.node.statelock import StateLock
 from elasticd.security import refuse_foreign_state, resolve_job_users
 from elasticd.store import Store
@@ -179,6 +180,8 @@ class Manifest:
     failures: dict[str, CarriedFailure] = field(default_factory=dict)
     #: Each job's token hash on this node (its workers keep the token they read).
     job_tokens: dict[str, str] = field(default_factory=dict)
+    #: Each torchft Lighthouse's port (job id: port): the new image serves it there again.
+    lighthouses: dict[str, int] = field(default_factory=dict)
     #: (pid, start time) of what the old image started and did not hand over (a health
     #: check, a standby being stopped, a worker of a job not handed): nobody reads its end.
     unhanded: list[tuple[int, int]] = field(default_factory=list)
@@ -204,6 +207,7 @@ class Manifest:
                 "failures": {job: f.to_json() for job, f in self.failures.items()},
                 "job_tokens": self.job_tokens,
                 "unhanded": [list(pair) for pair in self.unhanded],
+                "lighthouses": self.lighthouses,
             }
         ).encode()
 
@@ -227,6 +231,7 @@ class Manifest:
             },
             job_tokens={str(k): str(v) for k, v in doc.get("job_tokens", {}).items()},
             unhanded=[(int(pid), int(start)) for pid, start in doc.get("unhanded", [])],
+            lighthouses={str(k): int(v) for k, v in doc.get("lighthouses", {}).items()},
         )
 
     @property
@@ -530,6 +535,7 @@ class ReexecMixin:
     _handover: Manifest | None
     _state_lock: StateLock | None
     _lease_keeper: LeaseKeeper | None
+    lighthouses: NodeLighthouses
     handlers_at: float | None
     stop_signal: signal.Signals | None
 
@@ -721,6 +727,9 @@ class ReexecMixin:
         listeners = await self._drain_http()
         # Standbys (prewarm) are not handed over: killed now, the new image starts new ones.
         await self.jobs.close_standbys()
+        # torchft's Managers keep their Lighthouse's address: the new image serves each on
+        # its port again (its record and leadership stay on the node's lease meanwhile).
+        lighthouses = await self.lighthouses.pause()
         # The last await that takes time: the new image has a whole TTL from here to renew
         # the lease.
         await self._renew_lease()
@@ -761,6 +770,7 @@ class ReexecMixin:
             failures=failures,
             job_tokens=self.authenticator.jobs.digests(),
             unhanded=unhanded,
+            lighthouses=lighthouses,
         )
         log.info(
             "re-exec: handing over %d job(s), exec'ing now (signals held until the new image "
@@ -787,6 +797,7 @@ class ReexecMixin:
         self._reexecing = False
         self.jobs.reconciler.accepting = accepting
         await self._restart_http(listeners)
+        await self.lighthouses.serve_again(manifest.lighthouses)
 
     async def _await_handover(self) -> dict[str, str]:
         """Wait up to :data:`HANDOVER_WAIT` for every agent to be ready to hand its attempt

@@ -108,6 +108,16 @@ class LocalCluster:
             self.store_url = node.url
         return node
 
+    async def start_store(self, name: str, timeout: float = 60) -> Node:
+        """A store-only daemon (``--store-only``: the cluster's store, no agents), ready."""
+        node = self.start(name, "--store-only")
+        async with self.client(name) as c, asyncio.timeout(timeout):
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get("/readyz")).status_code == 200:
+                        return node
+                await asyncio.sleep(0.05)
+
     def client(self, name: str = "n0") -> httpx.AsyncClient:
         return httpx.AsyncClient(
             base_url=self.nodes[name].url,

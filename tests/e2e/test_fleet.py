@@ -7,7 +7,6 @@ tiny non-torch workers; it submits as a user would and reads what the API says.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -244,13 +243,7 @@ async def test_when_the_deciding_daemon_dies_another_takes_over(tmp_path: Path) 
     import base64
 
     with LocalCluster(tmp_path, slots=1) as cluster:
-        cluster.start("store", "--store-only")
-        async with cluster.client("store") as s, asyncio.timeout(30):
-            while True:
-                with contextlib.suppress(httpx.TransportError):
-                    if (await s.get("/readyz")).status_code == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await cluster.start_store("store")
         cluster.start("n1")
         cluster.start("n2")
         await asyncio.gather(cluster.wait_ready("n1", via="n1"), cluster.wait_ready("n2"))

@@ -72,6 +72,7 @@ def test_the_manifest_reads_back_the_same() -> None:
         failures={"j2": a_failure()},
         job_tokens={"j1": "digest"},
         unhanded=[(300, 11)],
+        lighthouses={"tft": 43305},
     )
     back = Manifest.decode(manifest.encode())
     assert back == manifest

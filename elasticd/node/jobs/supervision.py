@@ -175,6 +175,10 @@ class AgentSupervisor:
         agents = [self.agents[job_id] for job_id in job_ids if job_id in self.agents]
         await asyncio.gather(*(agent.record_failure_now() for agent in agents))
 
+    def parents_running(self) -> set[str]:
+        """The jobs of replica groups with a group's agent on this node (their Lighthouses)."""
+        return {parent for agent in self.agents.values() if (parent := agent.parent) is not None}
+
     def agent_of(self, job: Job) -> JobAgent | None:
         """This node's agent of ``job``; None when the agent here runs another job of its id
         (deleted, its id taken again, while that agent still stops its workers)."""

@@ -82,6 +82,7 @@ class EventKind(enum.StrEnum):
     NODE_RELEASED = "node.released"
     REPLICAS_CREATED = "replicas.created"
     LIGHTHOUSE_MISSING = "lighthouse.missing"
+    LIGHTHOUSE_QUORUM = "lighthouse.quorum"
 
 
 #: What each kind means (``docs/events.md`` is made from it).
@@ -205,6 +206,9 @@ MEANING: dict[EventKind, str] = {
     "document (the daemon that took the POST stopped between its writes): a daemon wrote them.",
     EventKind.LIGHTHOUSE_MISSING: "A replica group started without TORCHFT_LIGHTHOUSE: this "
     "node's Lighthouse for the job could not be found (the message says why).",
+    EventKind.LIGHTHOUSE_QUORUM: "The job's torchft Lighthouse formed a quorum of a new id: "
+    "its members, and the replicas that joined (a restarted group rejoining) or left it (a "
+    "group lost), as torchft's replica ids. Said by the node whose leader formed it.",
 }
 
 

@@ -24,7 +24,14 @@ from pydantic import (
 )
 
 from elasticd.identity import ADMIN
-from elasticd.replicas import MAX_REPLICA_GROUPS, child_problem, majority, spec_problem
+from elasticd.replicas import (
+    MAX_REPLICA_GROUPS,
+    QuorumView,
+    ReplicaGroupView,
+    child_problem,
+    majority,
+    spec_problem,
+)
 from elasticd.sched.plan import (
     MAX_NODES,
     MAX_SELECTOR_ITEMS,
@@ -682,18 +689,6 @@ class Launcher(StrEnum):
     GROUPS = "groups"  # a job of replica_groups: its groups (child jobs) run it; derived
 
 
-class ReplicaGroupView(BaseModel):
-    """One replica group of a job of ``replica_groups`` (served with the job, derived)."""
-
-    group: int = Field(ge=0, description="Its REPLICA_GROUP_ID.")
-    job: str = Field(description="The child job that runs it (`<parent>.g<group>`).")
-    state: JobState | None = Field(
-        default=None, description="The child's state; None: its document is not written yet."
-    )
-    restart_count: int = 0
-    nodes: list[str] | None = None
-
-
 class Job(BaseModel):
     """A submitted job and where it stands.
 
@@ -770,6 +765,11 @@ class Job(BaseModel):
         default=None,
         description="A job of `replica_groups`: each group's child job and where it stands "
         "(filled in when served, never stored).",
+    )
+    quorum: QuorumView | None = Field(
+        default=None,
+        description="A job of `replica_groups`: the last quorum its torchft Lighthouse "
+        "formed (filled in when served, never stored).",
     )
 
     @model_validator(mode="after")

@@ -1,4 +1,5 @@
-"""The rules of replica groups' ids and counts (torchft), dependency-free (pure).
+"""The rules of replica groups' ids and counts (torchft), pure, and the served views of a
+job's groups and quorum (pydantic only).
 
 A job of ``replica_groups: N`` is a parent whose groups are child jobs
 ``<parent>.g0`` .. ``<parent>.g<N-1>`` (:mod:`elasticd.node.jobs.groups`); the
@@ -7,6 +8,10 @@ credentials can write one.
 """
 
 from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from elasticd.states import JobState
 
 #: The longest job id (``models.JOB_ID_PATTERN``): a parent's leaves room for ``.g<k>``.
 MAX_JOB_ID = 128
@@ -54,3 +59,31 @@ def child_problem(
     if job_id != child_id(parent, group):
         return f"a replica group's id is '<group_of>.g<replica_group>', not {job_id!r}"
     return "a replica group has no replica_groups of its own" if nested else None
+
+
+class ReplicaGroupView(BaseModel):
+    """One replica group of a job of ``replica_groups`` (served with the job, derived)."""
+
+    group: int = Field(ge=0, description="Its REPLICA_GROUP_ID.")
+    job: str = Field(description="The child job that runs it (`<parent>.g<group>`).")
+    state: JobState | None = Field(
+        default=None, description="The child's state; None: its document is not written yet."
+    )
+    restart_count: int = 0
+    nodes: list[str] | None = None
+
+
+class QuorumView(BaseModel):
+    """The last quorum of a job's torchft Lighthouse (served with the job, read from the
+    store's quorum document; :mod:`elasticd.lighthouse`)."""
+
+    quorum_id: int = Field(ge=0, description="Rises with each change of its members.")
+    participants: list[str] = Field(
+        default_factory=list, description="The replica ids of its members (torchft's)."
+    )
+    groups: list[int] = Field(
+        default_factory=list,
+        description="The replica groups of its members, where known (their groups' stores).",
+    )
+    leader: str | None = Field(default=None, description="The node whose leader formed it.")
+    created: float | None = Field(default=None, description="When it formed (wall clock).")

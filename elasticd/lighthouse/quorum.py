@@ -101,9 +101,12 @@ class JobQuorum:
         settings: Settings,
         *,
         clock: Clock = SYSTEM_CLOCK,
+        on_quorum: Callable[[QuorumDoc | None, QuorumDoc], None] | None = None,
     ) -> None:
         self.store = store
         self.job_id = job_id
+        #: Told each quorum of a new id this node's leader wrote (previous, new): events.
+        self.on_quorum = on_quorum
         self.node = node
         self.settings = settings
         self._lease = lease
@@ -503,6 +506,8 @@ class JobQuorum:
                         len(new.participants),
                         decision.reason,
                     )
+                    if not same and self.on_quorum is not None:
+                        self.on_quorum(doc, new)
                     after_grant(seen, new, now)
                 # a lost race: another writer's document; decide again from it
             timeout = WATCH_SECONDS

@@ -45,6 +45,7 @@ from elasticd.lighthouse.proto import (
 )
 from elasticd.lighthouse.quorum import JobQuorum, MissedQuorum, OverLimit
 from elasticd.lighthouse.rules import Settings
+from elasticd.lighthouse.state import QuorumDoc
 from elasticd.store import Store
 
 log = logging.getLogger("elasticd.lighthouse")
@@ -146,7 +147,15 @@ class Lighthouse:
         served = self._jobs.get(job_id)
         return served.quorum if served is not None else None
 
-    async def serve(self, job_id: str, *, uid: int, settings: Settings, port: int = 0) -> str:
+    async def serve(
+        self,
+        job_id: str,
+        *,
+        uid: int,
+        settings: Settings,
+        port: int = 0,
+        on_quorum: Callable[[QuorumDoc | None, QuorumDoc], None] | None = None,
+    ) -> str:
         """Serve the job's Lighthouse (idempotent); the address its workers get."""
         async with self._lock:
             if self._closed:
@@ -154,7 +163,13 @@ class Lighthouse:
             if job_id in self._jobs:
                 return self._jobs[job_id].address
             quorum = JobQuorum(
-                self.store, job_id, self.node, self._lease, settings, clock=self.clock
+                self.store,
+                job_id,
+                self.node,
+                self._lease,
+                settings,
+                clock=self.clock,
+                on_quorum=on_quorum,
             )
             await quorum.start()
             try:

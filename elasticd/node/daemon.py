@@ -89,7 +89,7 @@ from elasticd.errors import (
 )
 from elasticd.eventkinds import EventKind
 from elasticd.identity import Authenticator, IdentityTable
-from elasticd.models import Job
+from elasticd.models import Job, incarnation_tag
 from elasticd.node import systemd
 from elasticd.node.cluster import MAX_NODE_SLOTS, Cluster, NodeRecord
 from elasticd.node.db import Database
@@ -467,6 +467,7 @@ class Daemon(ReexecMixin):
             heartbeat_timeout=self.config.lighthouse_heartbeat_timeout,
             join_timeout=self.config.lighthouse_join_timeout,
             running=self.jobs.supervisor.parents_running,
+            said=self._said_quorum,
             clock=self.clock,
         )
         self.jobs.use_lighthouse(self.lighthouses.address)
@@ -865,6 +866,16 @@ class Daemon(ReexecMixin):
             if self.lighthouses.served and self._state == DaemonState.RUNNING:
                 running = self.jobs.supervisor.parents_running()
                 self._background.spawn(self.lighthouses.prune(running), name="lighthouse-prune")
+
+    def _said_quorum(self, parent: Job, words: str) -> None:
+        """A new quorum of a job's Lighthouse, formed by this node's leader: its event."""
+        self.events.emit(
+            parent.id,
+            "daemon",
+            EventKind.LIGHTHOUSE_QUORUM,
+            words,
+            job_tag=incarnation_tag(parent),
+        )
 
     def request_stop(self, sig: signal.Signals | None = None) -> None:
         """Ask the daemon to shut down (what SIGTERM/SIGINT do; ``sig`` is remembered)."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from elasticd.clock import SYSTEM_CLOCK, Clock
 from elasticd.errors import StoreError, WorkerSpawnError
 from elasticd.keys import job_key
-from elasticd.models import Launcher
+from elasticd.models import Job, Launcher
 from elasticd.node.jobs.documents import parse_job
 from elasticd.replicas import majority
 from elasticd.security import JobUsers
@@ -36,6 +36,7 @@ from elasticd.store.base import Store
 
 if TYPE_CHECKING:
     from elasticd.lighthouse.server import Lighthouse
+    from elasticd.lighthouse.state import QuorumDoc
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class NodeLighthouses:
         join_timeout: float,
         ports: Mapping[str, int] | None = None,
         running: Callable[[], Iterable[str]] | None = None,
+        said: Callable[[Job, str], None] | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.store = store
@@ -76,6 +78,8 @@ class NodeLighthouses:
         self._clock = clock
         #: The parents of the agents running here now (a later prune asks again).
         self.running = running
+        #: Told each new quorum this node's leader formed for a job, in words (its event).
+        self.said = said
         self._lighthouse: Lighthouse | None = None
         self._served: dict[str, str] = {}
         #: Since when (monotonic) each served job has had no group's agent here.
@@ -115,7 +119,16 @@ class NodeLighthouses:
             )
             uid = self._uid_of(parent.spec.user, parent.owner.unix_user if parent.owner else None)
             port = self._handed_ports.pop(parent_id, 0)
-            address = await self._get().serve(parent_id, uid=uid, settings=settings, port=port)
+            said = self.said
+            on_quorum = None
+            if said is not None:
+
+                def on_quorum(old: QuorumDoc | None, new: QuorumDoc, parent: Job = parent) -> None:
+                    said(parent, quorum_words(old, new))
+
+            address = await self._get().serve(
+                parent_id, uid=uid, settings=settings, port=port, on_quorum=on_quorum
+            )
             self._served[parent_id] = address
             log.info("job %s: this node's torchft Lighthouse serves at %s", parent_id, address)
             return address
@@ -246,3 +259,16 @@ def unused_for(
         else:
             since[job] = first
     return close, since
+
+
+def quorum_words(old: QuorumDoc | None, new: QuorumDoc) -> str:
+    """A new quorum in words (pure): its id and size, who joined and who left."""
+    before = set(old.members()) if old is not None else set()
+    after = set(new.members())
+    joined, left = sorted(after - before), sorted(before - after)
+    parts = [f"quorum {new.quorum_id}: {len(after)} replica group(s)"]
+    if joined:
+        parts.append("joined: " + ", ".join(joined))
+    if left:
+        parts.append("left: " + ", ".join(left))
+    return "; ".join(parts)

@@ -174,6 +174,13 @@ async def test_one_daemon_a_killed_group_rejoins_healed_and_a_reexec_restarts_no
         assert [groups[g]["restart_count"] for g in range(GROUPS)] == [0, 0, 1], groups
         parent = (await c.get("/jobs/tft")).json()
         assert parent["state"] == "RUNNING", parent
+        # The served quorum names its groups; the rejoin is an event of the job.
+        assert parent["quorum"]["leader"] == "n0", parent["quorum"]
+        assert parent["quorum"]["quorum_id"] >= 3, parent["quorum"]
+        events = (await c.get("/jobs/tft/events")).json()
+        quorums = [e["message"] for e in events if e["kind"] == "lighthouse.quorum"]
+        assert any("left: " in m for m in quorums), quorums
+        assert any("joined: " in m and ": 3 replica group(s)" in m for m in quorums), quorums
 
     # A re-exec during training: the same pids, no restart, commits after it.
     await reexec(cluster, "n0")

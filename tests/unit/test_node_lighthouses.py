@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from elasticd.node.lighthouses import unused_for
+from elasticd.lighthouse.state import Participant, QuorumDoc, StoredMember
+from elasticd.node.lighthouses import quorum_words, unused_for
 
 
 @pytest.mark.parametrize(
@@ -35,3 +36,32 @@ def test_a_lighthouse_is_closed_after_its_grace_with_no_group_here(
     """A job's Lighthouse is closed once no group's agent has run here for the grace (10 s
     here), never sooner: a re-exec's new image serves it before it takes the agents up."""
     assert unused_for(served, active, unused, now, 10.0) == (close, since)
+
+
+def _doc(quorum_id: int, *members: str) -> QuorumDoc:
+    return QuorumDoc(
+        quorum_id=quorum_id,
+        participants=[
+            Participant(member=StoredMember(replica_id=m), node="n0", ticket=1) for m in members
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "words"),
+    [
+        (None, _doc(1, "a", "b"), "quorum 1: 2 replica group(s); joined: a, b"),
+        (_doc(1, "a", "b", "c"), _doc(2, "a", "b"), "quorum 2: 2 replica group(s); left: c"),
+        (
+            _doc(2, "a", "b"),
+            _doc(3, "a", "b", "d"),
+            "quorum 3: 3 replica group(s); joined: d",
+        ),
+        (_doc(3, "a", "b"), _doc(4, "a", "c"), "quorum 4: 2 replica group(s); joined: c; left: b"),
+    ],
+)
+def test_a_new_quorum_says_who_joined_and_who_left(
+    old: QuorumDoc | None, new: QuorumDoc, words: str
+) -> None:
+    """The job's lighthouse.quorum event: the new id, its size, the replicas in and out."""
+    assert quorum_words(old, new) == words

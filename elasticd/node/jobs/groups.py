@@ -38,8 +38,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from elasticd.errors import ElasticdError, JobNotFound
-from elasticd.models import Job, JobEdit, Launcher, ReplicaGroupView, RootCause
-from elasticd.replicas import child_id, majority
+from elasticd.models import Job, JobEdit, Launcher, RootCause
+from elasticd.replicas import ReplicaGroupView, child_id, majority
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState
 from elasticd.tasks import TaskSet

@@ -22,7 +22,8 @@ from elasticd.agent.agent import JobAgent, decode_group
 from elasticd.agent.goodput import read_records
 from elasticd.errors import JobNotFound, LogNotFound, StoreError
 from elasticd.goodput import FACT_KINDS, Goodput, account, job_facts, merge_nodes
-from elasticd.keys import goodput_prefix, group_prefix, job_key
+from elasticd.keys import goodput_prefix, group_prefix, job_key, lighthouse_quorum_key
+from elasticd.lighthouse.state import decode_doc
 from elasticd.logs import stream_file
 from elasticd.models import (
     Event,
@@ -40,6 +41,7 @@ from elasticd.node.cluster import valid_node_url
 from elasticd.node.jobs.documents import JobsSide, parse_job, same_job
 from elasticd.node.jobs.groups import belongs, group_views
 from elasticd.node.jobs.merged import EventSource, follow_merged, merged_events
+from elasticd.replicas import QuorumView
 from elasticd.sched.plan import FleetPlan
 from elasticd.states import JobState, WorkerState
 from elasticd.supervise.files import UnsafeWorkerFile, open_worker_file
@@ -81,8 +83,39 @@ class JobQueries:
         job = self._as_served(await self.side.documents.read(job_id))
         if job.is_parent:
             children = await self.side.documents.children(job)
-            job = job.model_copy(update={"groups": group_views(job, children, self._plan())})
+            job = job.model_copy(
+                update={
+                    "groups": group_views(job, children, self._plan()),
+                    "quorum": await self._quorum(job),
+                }
+            )
         return job
+
+    async def _quorum(self, parent: Job) -> QuorumView | None:
+        """The last quorum of the job's Lighthouse, its members' groups found by their stores
+        (each Manager names its group's ``MASTER_ADDR:MASTER_PORT``); None before the first."""
+        entry = await self.side.store.get(lighthouse_quorum_key(parent.id))
+        doc = decode_doc(entry.value) if entry is not None else None
+        if doc is None or isinstance(doc, str):
+            return None
+        ports: dict[int, int] = {}
+        for child in await self._groups_of(parent):
+            for view in await self._groups_view(child):
+                if view.master_port is not None and child.replica_group is not None:
+                    ports[view.master_port] = child.replica_group
+        groups = set()
+        for p in doc.participants:
+            _, _, port = p.member.store_address.rpartition(":")
+            if port.isdigit() and int(port) in ports:
+                groups.add(ports[int(port)])
+        seconds, nanos = doc.created
+        return QuorumView(
+            quorum_id=doc.quorum_id,
+            participants=list(doc.members()),
+            groups=sorted(groups),
+            leader=doc.leader,
+            created=seconds + nanos / 1e9 if seconds else None,
+        )
 
     async def _groups_of(self, parent: Job) -> list[Job]:
         """The replica groups (child jobs) of ``parent`` written so far, by group."""

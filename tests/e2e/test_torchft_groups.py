@@ -253,3 +253,33 @@ async def test_three_daemons_the_lighthouse_leaders_loss_costs_one_bounded_stall
             await c.post("/jobs/tft3/cancel", json={})
     finally:
         cluster.stop_all()
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_recipe_runs_three_groups_to_success(tmp_path):
+    """The README's torchft recipe as written (its `elasticd run` line, in the tests' venv,
+    which has what its `pip install` line installs): three groups train to their last step
+    on the embedded daemon, its Lighthouse theirs, and the run ends 0."""
+    import subprocess
+    import sys
+
+    from tests.normal_user import recipe
+
+    pip, run = recipe("### Per-step fault tolerance (torchft replica groups)").strip().split("\n")
+    assert pip.startswith("pip install 'elasticd[torchft]' torchft==0.2.0"), pip
+    assert run.startswith("elasticd run --replica-groups 3 "), run
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in env.items() if not k.startswith("ELASTICD_")}
+    done = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{run} --out {tmp_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for g in range(GROUPS):
+        last = lines(tmp_path, g)[-1]
+        assert last["step"] == 100 and last["participants"] >= 2, last

@@ -337,6 +337,16 @@ class Daemons:
                 return True if name in {n["name"] for n in c.get("/nodes").json()} else None
         return None
 
+    def train(self, job_id: str, prewarm: bool) -> Path:
+        """Submit a job of three groups; its commit lines' folder, once all three commit."""
+        out = self.root / job_id
+        out.mkdir()
+        with self.client() as c:
+            c.post("/jobs", json=job_spec(job_id, out, prewarm)).raise_for_status()
+        began = time.time()
+        poll_until(lambda: all_full(out, began), 240, "three groups committing")
+        return out
+
     def workers(self, job_id: str) -> dict[int, dict[str, Any]]:
         with self.client() as c:
             view = c.get(f"/jobs/{job_id}/workers").json()
@@ -396,12 +406,7 @@ def run_elasticd(root: Path, repeats: int, nodes: int) -> Figures:
     try:
         for prewarm in (False, True):
             job_id = f"tft-{int(prewarm)}"
-            out = base / job_id
-            out.mkdir()
-            with daemons.client() as c:
-                c.post("/jobs", json=job_spec(job_id, out, prewarm)).raise_for_status()
-            began = time.time()
-            poll_until(lambda out=out, b=began: all_full(out, b), 240, "three groups committing")
+            out = daemons.train(job_id, prewarm)
             for _ in range(repeats):
                 time.sleep(3.0 if prewarm else 1.0)  # standbys ready before the fault
                 victim = daemons.workers(job_id)[GROUPS - 1]
@@ -425,14 +430,7 @@ def run_elasticd(root: Path, repeats: int, nodes: int) -> Figures:
         if nodes >= 3:
             for attempt in range(repeats):
                 job_id = f"tft-lh-{attempt}"
-                out = base / job_id
-                out.mkdir()
-                with daemons.client() as c:
-                    c.post("/jobs", json=job_spec(job_id, out, False)).raise_for_status()
-                began = time.time()
-                poll_until(
-                    lambda out=out, b=began: all_full(out, b), 240, "three groups committing"
-                )
+                out = daemons.train(job_id, prewarm=False)
                 time.sleep(1.0)
                 leader = daemons.leader(job_id)
                 workers = daemons.workers(job_id)
